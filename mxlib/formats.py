@@ -1,0 +1,241 @@
+"""One table of the microscaling element, scale and scheme formats.
+
+Every number the rest of mxlib uses (bias, largest finite value, emax, smallest
+normal and subnormal, packing ratio) is derived here once from the bit layout
+and checked against the literal values of the OCP MX v1.0 specification
+(section 5.3, tables 1-3) in ``tests/test_formats.py``.
+
+Element formats (all: round to nearest, ties to even, saturating to +-max):
+
+========  ====  ====  ====  ========  ===========  ==============  =====================
+name      bits  bias  emax  max       min normal   min subnormal   special codes
+========  ====  ====  ====  ========  ===========  ==============  =====================
+e2m1      4     1     2     6.0       1.0          0.5             none (code 8 is -0)
+e2m3      6     1     2     7.5       1.0          0.125           none
+e3m2      6     3     4     28.0      0.25         0.0625          none
+e4m3      8     7     8     448.0     2**-6        2**-9           S.1111.111 is NaN, no Inf
+e5m2      8     15    15    57344.0   2**-14       2**-16          IEEE-like Inf and NaN
+========  ====  ====  ====  ========  ===========  ==============  =====================
+
+Scale formats:
+
+* ``e8m0``: the OCP MX shared scale. An unsigned biased exponent, value
+  ``2**(byte - 127)``; byte 0xFF is NaN; there is no zero and no Inf; byte 0
+  is ``2**-127`` (an fp32 subnormal, *not* zero).
+* ``ue4m3``: NVFP4's block scale, an e4m3 value that is non-negative in
+  practice, combined with one fp32 global scale per tensor (per expert in MoE).
+
+Schemes (the block formats a tensor is stored in): ``mxfp4``, ``mxfp6_e2m3``,
+``mxfp6_e3m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2`` (E8M0 scale per 32 elements)
+and ``nvfp4`` (ue4m3 scale per 16 elements plus an fp32 global scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+__all__ = [
+    "ElementFormat",
+    "ScaleFormat",
+    "BlockScheme",
+    "ELEMENT_FORMATS",
+    "SCALE_FORMATS",
+    "BLOCK_SCHEMES",
+    "SCALE_MODES",
+    "E8M0_BIAS",
+    "E8M0_NAN_BYTE",
+    "MX_BLOCK_SIZE",
+    "NVFP4_BLOCK_SIZE",
+    "get_element_format",
+    "get_block_scheme",
+    "get_scale_mode",
+]
+
+E8M0_BIAS = 127
+E8M0_NAN_BYTE = 0xFF
+MX_BLOCK_SIZE = 32
+NVFP4_BLOCK_SIZE = 16
+
+# How an E8M0 block scale is chosen from the block's amax; see mxlib.reference.e8m0_scale.
+SCALE_MODES: dict[str, str] = {
+    "floor": "OCP MX v1.0 section 6.3: 2**(floor(log2(amax)) - emax)",
+    "even": "AMD Quark / vLLM MX emulation: round amax to the element's mantissa width "
+    "(half an ulp added to its fp32 bits, mantissa dropped), then floor rule",
+    "rceil": "NVIDIA hardware (cvt.rp ue8m0), cuBLAS, triton_kernels: 2**ceil(log2(amax / max))",
+}
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """A sign-exponent-mantissa element format.
+
+    ``specials`` says which codes are not finite numbers:
+    ``"none"`` (FP4 and FP6: every code is a number), ``"fn"`` (e4m3fn: only
+    S.1111.111 is NaN, no Inf) or ``"ieee"`` (e5m2: the all-ones exponent is
+    Inf or NaN).
+    """
+
+    name: str
+    ebits: int
+    mbits: int
+    specials: str
+    ml_dtypes_name: str
+    aliases: tuple[str, ...] = ()
+    # derived in __post_init__
+    nbits: int = field(init=False)
+    bias: int = field(init=False)
+    max: float = field(init=False)
+    emax: int = field(init=False)
+    min_normal: float = field(init=False)
+    min_subnormal: float = field(init=False)
+    num_codes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.specials not in ("none", "fn", "ieee"):
+            raise ValueError(f"specials must be 'none', 'fn' or 'ieee', got {self.specials!r}")
+        bias = 2 ** (self.ebits - 1) - 1
+        top_exp = 2**self.ebits - 1
+        top_mant = 2**self.mbits - 1
+        if self.specials == "fn":
+            top_mant -= 1  # S.1111.111 is NaN
+        elif self.specials == "ieee":
+            top_exp -= 1  # the all-ones exponent is Inf/NaN
+        max_value = Fraction(2) ** (top_exp - bias) * (1 + Fraction(top_mant, 2**self.mbits))
+        set_ = object.__setattr__
+        set_(self, "nbits", 1 + self.ebits + self.mbits)
+        set_(self, "bias", bias)
+        set_(self, "max", float(max_value))
+        set_(self, "emax", math.floor(math.log2(max_value)))
+        set_(self, "min_normal", 2.0 ** (1 - bias))
+        set_(self, "min_subnormal", 2.0 ** (1 - bias - self.mbits))
+        set_(self, "num_codes", 2**self.nbits)
+
+    @property
+    def elements_per_byte(self) -> Fraction:
+        """Packed elements per byte: 2 for FP4, 4/3 for FP6, 1 for FP8."""
+        return Fraction(8, self.nbits)
+
+    def packed_size(self, k: int) -> int:
+        """Bytes that ``k`` packed elements take (``k`` must fill whole bytes)."""
+        n = Fraction(k * self.nbits, 8)
+        if n.denominator != 1:
+            raise ValueError(
+                f"{self.name}: k={k} elements do not fill whole bytes; k must be a multiple of "
+                f"{8 // math.gcd(8, self.nbits)}"
+            )
+        return int(n)
+
+    def code_value(self, code: int) -> float:
+        """The value of one code, straight from the bit fields (``nan``/``inf`` for specials)."""
+        if not 0 <= code < self.num_codes:
+            raise ValueError(f"{self.name}: code must be in [0, {self.num_codes}), got {code}")
+        sign = -1.0 if code >> (self.ebits + self.mbits) else 1.0
+        exp_field = (code >> self.mbits) & (2**self.ebits - 1)
+        mant = code & (2**self.mbits - 1)
+        if self.specials == "fn" and exp_field == 2**self.ebits - 1 and mant == 2**self.mbits - 1:
+            return math.nan
+        if self.specials == "ieee" and exp_field == 2**self.ebits - 1:
+            return sign * math.inf if mant == 0 else math.nan
+        if exp_field == 0:
+            return sign * mant * self.min_subnormal
+        return sign * 2.0 ** (exp_field - self.bias) * (1 + mant / 2**self.mbits)
+
+    def values(self) -> list[float]:
+        """All ``num_codes`` code values in code order."""
+        return [self.code_value(c) for c in range(self.num_codes)]
+
+
+@dataclass(frozen=True)
+class ScaleFormat:
+    """A block-scale format: ``e8m0`` (power of two) or ``ue4m3`` (an e4m3 value)."""
+
+    name: str
+    nbits: int
+    description: str
+
+
+@dataclass(frozen=True)
+class BlockScheme:
+    """A block-scaled storage scheme: element format, block size and scale format."""
+
+    name: str
+    element: ElementFormat
+    block_size: int
+    scale: ScaleFormat
+    has_global_scale: bool
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage bits per element, block scales (and no global scale) included."""
+        return self.element.nbits + self.scale.nbits / self.block_size
+
+
+ELEMENT_FORMATS: dict[str, ElementFormat] = {
+    f.name: f
+    for f in (
+        ElementFormat("e2m1", 2, 1, "none", "float4_e2m1fn", aliases=("fp4", "fp4_e2m1")),
+        ElementFormat("e2m3", 2, 3, "none", "float6_e2m3fn", aliases=("fp6_e2m3",)),
+        ElementFormat("e3m2", 3, 2, "none", "float6_e3m2fn", aliases=("fp6_e3m2",)),
+        ElementFormat("e4m3", 4, 3, "fn", "float8_e4m3fn", aliases=("fp8_e4m3", "fp8", "e4m3fn")),
+        ElementFormat("e5m2", 5, 2, "ieee", "float8_e5m2", aliases=("fp8_e5m2",)),
+    )
+}
+
+SCALE_FORMATS: dict[str, ScaleFormat] = {
+    "e8m0": ScaleFormat("e8m0", 8, "unsigned power of two 2**(b-127), 0xFF is NaN"),
+    "ue4m3": ScaleFormat("ue4m3", 8, "non-negative e4m3 value, with an fp32 global scale"),
+}
+
+BLOCK_SCHEMES: dict[str, BlockScheme] = {
+    s.name: s
+    for s in (
+        BlockScheme("mxfp4", ELEMENT_FORMATS["e2m1"], MX_BLOCK_SIZE, SCALE_FORMATS["e8m0"], False),
+        BlockScheme("mxfp6_e2m3", ELEMENT_FORMATS["e2m3"], MX_BLOCK_SIZE, SCALE_FORMATS["e8m0"], False),
+        BlockScheme("mxfp6_e3m2", ELEMENT_FORMATS["e3m2"], MX_BLOCK_SIZE, SCALE_FORMATS["e8m0"], False),
+        BlockScheme("mxfp8_e4m3", ELEMENT_FORMATS["e4m3"], MX_BLOCK_SIZE, SCALE_FORMATS["e8m0"], False),
+        BlockScheme("mxfp8_e5m2", ELEMENT_FORMATS["e5m2"], MX_BLOCK_SIZE, SCALE_FORMATS["e8m0"], False),
+        BlockScheme("nvfp4", ELEMENT_FORMATS["e2m1"], NVFP4_BLOCK_SIZE, SCALE_FORMATS["ue4m3"], True),
+    )
+}
+
+_ELEMENT_ALIASES = {alias: f for f in ELEMENT_FORMATS.values() for alias in (f.name, *f.aliases)}
+
+
+def get_element_format(element: str | ElementFormat) -> ElementFormat:
+    """Look up an element format by name (``e2m1``) or alias (``fp4``, ``fp6_e3m2``).
+
+    Raises:
+        ValueError: the name is unknown; the message lists the known names.
+    """
+    if isinstance(element, ElementFormat):
+        return element
+    try:
+        return _ELEMENT_ALIASES[element]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown element format {element!r}; expected one of {sorted(ELEMENT_FORMATS)} "
+            f"(aliases {sorted(set(_ELEMENT_ALIASES) - set(ELEMENT_FORMATS))})"
+        ) from None
+
+
+def get_block_scheme(scheme: str | BlockScheme) -> BlockScheme:
+    """Look up a block scheme (``mxfp4`` ... ``nvfp4``).
+
+    Raises:
+        ValueError: the name is unknown; the message lists the known names.
+    """
+    if isinstance(scheme, BlockScheme):
+        return scheme
+    try:
+        return BLOCK_SCHEMES[scheme]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(BLOCK_SCHEMES)}") from None
+
+
+def get_scale_mode(scale_mode: str) -> str:
+    """Validate an E8M0 scale rule name (``floor``, ``even`` or ``rceil``)."""
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"unknown scale_mode {scale_mode!r}; expected one of {list(SCALE_MODES)}")
+    return scale_mode

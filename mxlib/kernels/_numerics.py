@@ -1,0 +1,217 @@
+"""Rounding and scale code shared by every mxlib Triton kernel.
+
+These ``@triton.jit`` helpers are the one piece of rounding code used by the
+standalone quantize / dequantize / QDQ kernels and by the fused MoE GEMM
+kernels. They compute exactly what ``mxlib.reference`` computes, bit for bit,
+compiled on the GPU and under ``TRITON_INTERPRET=1`` alike, which is why they
+avoid what the interpreter gets wrong or the compiler may approximate:
+
+* all arithmetic is fp32; bf16 and fp8 values are never operated on directly, and
+  bf16 is widened through its bits (``to_fp32``);
+* fp32 -> bf16 rounds to nearest even with integer bit operations
+  (``to_bf16_rne``); the final cast then only drops zero bits;
+* fp8 / fp6 / fp4 codes are encoded and decoded with integer bit operations, never
+  through Triton's fp8 types (whose NaN codes the interpreter decodes as numbers);
+* divisions that must be correctly rounded use ``tl.math.div_rn`` (a plain ``/``
+  may lower to an approximate division);
+* NaN is tracked explicitly: ``tl.maximum``/``tl.max`` drop NaN on the GPU but
+  propagate it in the interpreter, so block maxima are taken over finite values
+  and a separate "block holds NaN/Inf" flag is reduced alongside.
+
+Element formats are passed as constexprs ``EBITS, MBITS, SPECIALS`` with
+``SPECIALS`` 0 (FP4/FP6: no special codes), 1 (e4m3fn: S.1111.111 is NaN) or
+2 (e5m2: IEEE-like Inf/NaN).
+"""
+
+import triton
+import triton.language as tl
+
+# fp32 constants as bit patterns, so that no NaN literal passes through Python floats
+_NAN_BITS = 0x7FC00000
+
+
+@triton.jit
+def exp2i(n):
+    """Exact fp32 ``2**n`` for an int32 tensor ``n`` in [-149, 127]."""
+    normal = (n + 127) << 23
+    sub = tl.full(n.shape, 1, tl.int32) << tl.minimum(tl.maximum(n + 149, 0), 22)
+    return tl.where(n >= -126, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_nan_like(x):
+    return tl.full(x.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def is_finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def to_fp32(x):
+    """Widen a loaded tile to fp32, exactly. bf16 goes through its bits: the interpreter's
+    bf16 -> fp32 conversion mangles bf16 subnormals."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, NaN kept; built from bits (the interpreter's
+    own fp32 -> bf16 cast truncates and mangles subnormals)."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    upper = ((bits + 0x7FFF + lsb) >> 16) & 0xFFFF
+    upper = tl.where(x != x, 0x7FC0, upper)
+    return upper.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def cast_out(x, OUT_DTYPE: tl.constexpr):
+    """fp32 -> output dtype with one correct rounding (bf16 through ``to_bf16_rne``)."""
+    if OUT_DTYPE == tl.bfloat16:
+        return to_bf16_rne(x)
+    else:
+        return x.to(OUT_DTYPE)
+
+
+@triton.jit
+def clamp_keep_nan(x, lo: tl.constexpr, hi: tl.constexpr):
+    """``torch.clamp`` semantics: NaN stays NaN (``tl.minimum``/``tl.maximum`` may drop it)."""
+    x = tl.where(x > hi, hi, x)
+    return tl.where(x < lo, lo, x)
+
+
+@triton.jit
+def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr):
+    """Round fp32 ``x`` to the element grid: nearest, ties to even, saturating to +-MAX.
+
+    NaN stays NaN, +-Inf saturates, the sign of zero is kept (as
+    ``mxlib.reference.round_to_element``).
+    """
+    BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    a = tl.abs(x)
+    e = (a.to(tl.int32, bitcast=True) >> 23) - 127
+    e = tl.minimum(tl.maximum(e, 1 - BIAS), 127)
+    qe = e - MBITS
+    v = a * exp2i(-qe)
+    # v < 2**(MBITS + 1) for finite x: round half to even with the 1.5 * 2**23 trick.
+    v = tl.where(v < 4194304.0, v, 0.0)
+    r = ((v + 12582912.0) - 12582912.0) * exp2i(qe)
+    r = tl.where(a > MAX, MAX, r)
+    r = tl.where(a != a, a, r)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_element(r, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr):
+    """Code (int32) of a value ``r`` already on the element grid (see ``round_to_element``)."""
+    BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    rbits = r.to(tl.int32, bitcast=True)
+    sign = (rbits >> 31) & 1
+    a = tl.abs(r)
+    bits = a.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) - 127
+    mant = (bits >> (23 - MBITS)) & ((1 << MBITS) - 1)
+    normal = ((exp + BIAS) << MBITS) | mant
+    MIN_NORMAL_EXP: tl.constexpr = 1 - BIAS
+    is_normal = exp >= MIN_NORMAL_EXP
+    sub = (tl.where(is_normal, 0.0, a) * exp2i(tl.full(a.shape, BIAS - 1 + MBITS, tl.int32))).to(tl.int32)
+    mag = tl.where(is_normal, normal, sub)
+    nan = r != r
+    if SPECIALS == 1:
+        mag = tl.where(nan, (1 << (EBITS + MBITS)) - 1, mag)
+    elif SPECIALS == 2:
+        mag = tl.where(nan, (((1 << EBITS) - 1) << MBITS) | (1 << (MBITS - 1)), mag)
+    else:
+        mag = tl.where(nan, 0, mag)
+        sign = tl.where(nan, 0, sign)
+    return (sign << (EBITS + MBITS)) | mag
+
+
+@triton.jit
+def decode_element(code, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr):
+    """fp32 value of int32 element codes (NaN / Inf for special codes)."""
+    BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    EMASK: tl.constexpr = (1 << EBITS) - 1
+    MMASK: tl.constexpr = (1 << MBITS) - 1
+    sign = (code >> (EBITS + MBITS)) & 1
+    exp_field = (code >> MBITS) & EMASK
+    mant = code & MMASK
+    normal = (((exp_field - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * exp2i(tl.full(code.shape, 1 - BIAS - MBITS, tl.int32))
+    v = tl.where(exp_field == 0, sub, normal)
+    if SPECIALS == 1:
+        v = tl.where((exp_field == EMASK) & (mant == MMASK), fp32_nan_like(v), v)
+    elif SPECIALS == 2:
+        v = tl.where(exp_field == EMASK, tl.where(mant == 0, float("inf"), fp32_nan_like(v)), v)
+    return tl.where(sign == 1, -v, v)
+
+
+@triton.jit
+def e8m0_scale_byte(amax, finite, EMAX: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr,
+                    SCALE_MODE: tl.constexpr):
+    """E8M0 byte (int32) from a finite block amax; ``finite`` False gives 0xFF.
+
+    SCALE_MODE 0 = floor, 1 = even, 2 = rceil (``mxlib.reference.e8m0_scale``);
+    EMAX is the element format's floor(log2(max)).
+    """
+    a = tl.where(finite, amax, 0.0)
+    bits = a.to(tl.int32, bitcast=True)
+    if SCALE_MODE == 0:
+        e = (bits >> 23) - 127 - EMAX
+    elif SCALE_MODE == 1:
+        e = ((bits + (1 << (22 - MBITS))) >> 23) - 127 - EMAX
+    else:
+        q = tl.math.div_rn(a, tl.full(a.shape, MAX, tl.float32))
+        qbits = q.to(tl.int32, bitcast=True)
+        exp_field = qbits >> 23
+        mant = qbits & 0x7FFFFF
+        e_normal = exp_field - 127 + (mant != 0).to(tl.int32)
+        e_sub = tl.where(mant > (1 << 22), -126, -127)
+        e = tl.where(exp_field > 0, e_normal, e_sub)
+    byte = tl.minimum(tl.maximum(e, -127), 127) + 127
+    return tl.where(finite, byte, 255)
+
+
+@triton.jit
+def decode_e8m0(byte):
+    """fp32 ``2**(byte - 127)`` of int32 E8M0 bytes; 255 is NaN, 0 is 2**-127."""
+    v = exp2i(byte - 127)
+    return tl.where(byte == 255, fp32_nan_like(v), v)
+
+
+@triton.jit
+def decode_e4m3(byte):
+    """fp32 value of int32 e4m3fn bytes (0x7F / 0xFF are NaN)."""
+    return decode_element(byte, 4, 3, 1)
+
+
+@triton.jit
+def nvfp4_recip(v):
+    """vLLM's guarded reciprocal ``1 / (v + (v == 0) * 1e8)``, correctly rounded."""
+    return tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), v + tl.where(v == 0, 1e8, 0.0))
+
+
+@triton.jit
+def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
+    """Block scale ``s`` (on the e4m3 grid) and quantize multiplier ``q`` (the seed's arithmetic)."""
+    s = gs * (amax * 0.16666667163372040)  # fp32(1/6)
+    s = clamp_keep_nan(s, -448.0, 448.0)
+    s = round_to_element(s, 4, 3, 448.0)
+    if DIVIDE:
+        q = tl.where(s == 0, 0.0, tl.math.div_rn(gs + tl.zeros_like(s), tl.where(s == 0, 1.0, s)))
+    else:
+        q = nvfp4_recip(s * nvfp4_recip(gs + tl.zeros_like(s)))
+    return s, q
+
+
+@triton.jit
+def round_e2m1_signed_like_seed(v):
+    """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed)."""
+    mag = round_to_element(tl.abs(v), 2, 1, 6.0)
+    return tl.where(v < 0, -mag, mag)

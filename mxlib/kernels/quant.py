@@ -1,0 +1,505 @@
+"""Triton twins of the reference quantize / dequantize / QDQ functions.
+
+Each public function here has the same name, signature, checks and error
+messages as its twin in ``mxlib.reference`` and returns the same bits
+(``rtol=0, atol=0``, NaN positions equal), compiled on the GPU and under
+``TRITON_INTERPRET=1`` on the CPU. The rounding code is the shared
+``mxlib.kernels._numerics``.
+
+Every kernel reads its input once and writes its output once: a tile of
+``BLOCK_R`` rows by ``BLOCK_K`` columns (a whole number of scale blocks) is
+loaded, reduced per block, rounded and stored. 3D ``[E, m, k]`` tensors are
+processed as ``[E * m, k]`` rows, with per-expert global scales looked up by
+``row // m``. Inputs are made contiguous first (a copy, if they are not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference as _ref
+from .._checks import as_uint8, check_block, check_float, check_out_dtype
+from ..formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE, ElementFormat, get_element_format, get_scale_mode
+from . import _numerics as nm
+
+__all__ = [
+    "quant_dequant_mx",
+    "quantize_mx",
+    "dequantize_mx",
+    "ref_nvfp4_quant_dequant",
+    "nvfp4_quant_dequant",
+    "quantize_nvfp4",
+    "dequantize_to_dtype",
+    "quant_dequant_fp8_per_tensor",
+]
+
+_SCALE_MODE_ID = {"floor": 0, "even": 1, "rceil": 2}
+_SPECIALS_ID = {"none": 0, "fn": 1, "ieee": 2}
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _fmt_args(fmt: ElementFormat) -> dict:
+    return dict(EBITS=fmt.ebits, MBITS=fmt.mbits, EMAX=fmt.emax, MAX=fmt.max, SPECIALS=_SPECIALS_ID[fmt.specials])
+
+
+def _tiles(rows: int, k: int, max_block_k: int = 512, elements: int = 4096) -> tuple[int, int]:
+    block_k = min(max_block_k, triton.next_power_of_2(k))
+    block_r = max(1, min(triton.next_power_of_2(rows), elements // block_k))
+    return block_r, block_k
+
+
+def _launch_opts() -> dict:
+    # fp fusion off: no mul+add contraction into FMA, so every rounding is the reference's.
+    return dict(num_warps=4, enable_fp_fusion=False)
+
+
+# ----------------------------------------------------------------------------- MX kernels
+
+
+@triton.jit
+def _mx_block_scale(xb, EMAX: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """E8M0 byte per block of a [BR, NB, BS] fp32 tile, NaN/Inf-aware."""
+    fin = nm.is_finite(xb)
+    amax = tl.max(tl.where(fin, tl.abs(xb), 0.0), axis=2)
+    bad = tl.max(tl.where(fin, 0, 1), axis=2)
+    return nm.e8m0_scale_byte(amax, bad == 0, EMAX, MBITS, MAX, SCALE_MODE)
+
+
+@triton.jit
+def _mx_qdq_kernel(
+    x_ptr, out_ptr, R, K,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
+    SCALE_MODE: tl.constexpr, BS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[R, K] = QDQ(x[R, K]) in an OCP MX format, blocks of BS along K."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = nm.to_fp32(x)
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    byte = _mx_block_scale(xb, EMAX, MBITS, MAX, SCALE_MODE)
+    inv_scale = nm.exp2i(127 - byte)
+    v = nm.round_to_element(xb * inv_scale[:, :, None], EBITS, MBITS, MAX)
+    dq = v * nm.decode_e8m0(byte)[:, :, None]
+    tl.store(out_ptr + offs, nm.cast_out(tl.reshape(dq, (BLOCK_R, BLOCK_K)), OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr, packed_ptr, scale_ptr, R, K,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
+    SPECIALS: tl.constexpr, SCALE_MODE: tl.constexpr, BS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """x[R, K] -> packed codes [R, K * bits / 8] and E8M0 bytes [R, K / BS]."""
+    NBITS: tl.constexpr = 1 + EBITS + MBITS
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pid_k = tl.program_id(1)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = nm.to_fp32(x)
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    byte = _mx_block_scale(xb, EMAX, MBITS, MAX, SCALE_MODE)
+    v = nm.round_to_element(xb * nm.exp2i(127 - byte)[:, :, None], EBITS, MBITS, MAX)
+    codes = nm.encode_element(v, EBITS, MBITS, SPECIALS)
+    codes = tl.where((byte == 255)[:, :, None], 0, codes)
+    codes = tl.reshape(codes, (BLOCK_R, BLOCK_K))
+    # scales
+    NB: tl.constexpr = BLOCK_K // BS
+    scols = pid_k * NB + tl.arange(0, NB)
+    smask = rmask[:, None] & (scols < K // BS)[None, :]
+    tl.store(scale_ptr + rows[:, None] * (K // BS) + scols[None, :], byte.to(tl.uint8), mask=smask)
+    # packed codes
+    if NBITS == 8:
+        tl.store(packed_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+    elif NBITS == 4:
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        pmask = rmask[:, None] & (pcols < K // 2)[None, :]
+        tl.store(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+    else:
+        even, odd = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 4, 2, 2)))
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        word = v0 | (v1 << 6) | (v2 << 12) | (v3 << 18)
+        groups = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        gmask = rmask[:, None] & (groups < K // 4)[None, :]
+        base = packed_ptr + rows[:, None] * (3 * (K // 4)) + 3 * groups[None, :]
+        tl.store(base, (word & 0xFF).to(tl.uint8), mask=gmask)
+        tl.store(base + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=gmask)
+        tl.store(base + 2, ((word >> 16) & 0xFF).to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def load_codes(packed_ptr, rows, rmask, pid_k, K, NBITS: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """int32 codes [BLOCK_R, BLOCK_K] of columns pid_k*BLOCK_K... from packed rows [R, K*NBITS/8]."""
+    if NBITS == 8:
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < K)[None, :]
+        return tl.load(packed_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0).to(tl.int32)
+    elif NBITS == 4:
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        m = rmask[:, None] & (pcols < K // 2)[None, :]
+        b = tl.load(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :], mask=m, other=0).to(tl.int32)
+        return tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_R, BLOCK_K))
+    else:
+        groups = pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        m = rmask[:, None] & (groups < K // 4)[None, :]
+        base = packed_ptr + rows[:, None] * (3 * (K // 4)) + 3 * groups[None, :]
+        b0 = tl.load(base, mask=m, other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)
+        v0 = word & 0x3F
+        v1 = (word >> 6) & 0x3F
+        v2 = (word >> 12) & 0x3F
+        v3 = (word >> 18) & 0x3F
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def _mx_dequantize_kernel(
+    packed_ptr, scale_ptr, out_ptr, R, K,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr, BS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[R, K] = value(code) * 2**(scale - 127), from packed [R, K*bits/8] and scale [R, K/BS]."""
+    NBITS: tl.constexpr = 1 + EBITS + MBITS
+    NB: tl.constexpr = BLOCK_K // BS
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pid_k = tl.program_id(1)
+    rmask = rows < R
+    codes = load_codes(packed_ptr, rows, rmask, pid_k, K, NBITS, BLOCK_R, BLOCK_K)
+    scols = pid_k * NB + tl.arange(0, NB)
+    smask = rmask[:, None] & (scols < K // BS)[None, :]
+    byte = tl.load(scale_ptr + rows[:, None] * (K // BS) + scols[None, :], mask=smask, other=127).to(tl.int32)
+    v = tl.reshape(nm.decode_element(codes, EBITS, MBITS, SPECIALS), (BLOCK_R, NB, BS))
+    dq = tl.reshape(v * nm.decode_e8m0(byte)[:, :, None], (BLOCK_R, BLOCK_K))
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = rmask[:, None] & (cols < K)[None, :]
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], nm.cast_out(dq, OUT_DTYPE), mask=mask)
+
+
+# ----------------------------------------------------------------------------- NVFP4 kernels
+
+
+@triton.jit
+def _nvfp4_qdq_kernel(
+    x_ptr, gs_ptr, out_ptr, R, K, ROWS_PER_GS,
+    DIVIDE: tl.constexpr, BS: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """NVFP4 QDQ with the seed's arithmetic; encode global scale gs[row // ROWS_PER_GS]."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = nm.to_fp32(x)
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    gs = tl.load(gs_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
+    has_nan = tl.max(tl.where(xb != xb, 1, 0), axis=2)
+    amax = tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=2)
+    s, q = nm.nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
+    e = nm.round_e2m1_signed_like_seed(nm.clamp_keep_nan(xb * q[:, :, None], -6.0, 6.0))
+    dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
+    dq = tl.where((has_nan != 0)[:, :, None], nm.fp32_nan_like(dq), dq)
+    tl.store(out_ptr + offs, nm.cast_out(tl.reshape(dq, (BLOCK_R, BLOCK_K)), OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _nvfp4_quantize_kernel(
+    x_ptr, g_ptr, packed_ptr, scale_ptr, R, K, ROWS_PER_GS,
+    ZERO_BLOCK_ONE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]."""
+    NB: tl.constexpr = BLOCK_K // BS
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pid_k = tl.program_id(1)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+    x = nm.to_fp32(x)
+    xb = tl.reshape(x, (BLOCK_R, NB, BS))
+    g = tl.load(g_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
+    bamax = tl.max(tl.abs(xb), axis=2)
+    bs = tl.math.div_rn(bamax, 6.0 * g + tl.zeros_like(bamax))
+    if ZERO_BLOCK_ONE:
+        bs = tl.where(bs == 0, 1.0, bs)
+    bs = nm.round_to_element(bs, 4, 3, 448.0)
+    denom = (bs * g)[:, :, None] + tl.zeros_like(xb)
+    scaled = tl.where(denom == 0, 0.0, tl.math.div_rn(xb, tl.where(denom == 0, 1.0, denom)))
+    mag = nm.round_to_element(tl.abs(scaled), 2, 1, 6.0)
+    codes = nm.encode_element(mag, 2, 1, 0) | tl.where(scaled < 0, 8, 0)
+    lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
+    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    pmask = rmask[:, None] & (pcols < K // 2)[None, :]
+    tl.store(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+    scols = pid_k * NB + tl.arange(0, NB)
+    smask = rmask[:, None] & (scols < K // BS)[None, :]
+    tl.store(scale_ptr + rows[:, None] * (K // BS) + scols[None, :],
+             nm.encode_element(bs, 4, 3, 1).to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _nvfp4_dequantize_kernel(
+    packed_ptr, scale_ptr, g_ptr, out_ptr, R, K, ROWS_PER_GS,
+    BS: tl.constexpr, OUT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """vLLM dequantize_to_dtype: e2m1 * (fp32(e4m3 scale) * g), one cast."""
+    NB: tl.constexpr = BLOCK_K // BS
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    pid_k = tl.program_id(1)
+    rmask = rows < R
+    codes = load_codes(packed_ptr, rows, rmask, pid_k, K, 4, BLOCK_R, BLOCK_K)
+    scols = pid_k * NB + tl.arange(0, NB)
+    smask = rmask[:, None] & (scols < K // BS)[None, :]
+    byte = tl.load(scale_ptr + rows[:, None] * (K // BS) + scols[None, :], mask=smask, other=0).to(tl.int32)
+    g = tl.load(g_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
+    block = nm.decode_e4m3(byte) * g
+    v = tl.reshape(nm.decode_element(codes, 2, 1, 0), (BLOCK_R, NB, BS))
+    dq = tl.reshape(v * block[:, :, None], (BLOCK_R, BLOCK_K))
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = rmask[:, None] & (cols < K)[None, :]
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], nm.cast_out(dq, OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _fp8_qdq_kernel(x_ptr, scale_ptr, out_ptr, N, OUT_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Static per-tensor e4m3 QDQ: e4m3(clamp(x * (1 / scale))) * scale."""
+    offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = offs < N
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    x = nm.to_fp32(x)
+    scale = tl.load(scale_ptr)
+    inv = tl.math.div_rn(1.0 + tl.zeros_like(x), scale + tl.zeros_like(x))
+    q = nm.round_to_element(nm.clamp_keep_nan(x * inv, -448.0, 448.0), 4, 3, 448.0)
+    tl.store(out_ptr + offs, nm.cast_out(q * scale, OUT_DTYPE), mask=mask)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().reshape(-1, x.shape[-1])
+
+
+def quant_dequant_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even", dtype=None):
+    """Triton twin of ``mxlib.reference.quant_dequant_mx`` (same arguments, same bits)."""
+    fmt = get_element_format(element)
+    get_scale_mode(scale_mode)
+    check_float(x, "x")
+    check_block(x.shape[-1], block_size, "x")
+    dtype = x.dtype if dtype is None else dtype
+    check_out_dtype(dtype)
+    x2 = _rows(x)
+    r, k = x2.shape
+    out = torch.empty((r, k), dtype=dtype, device=x.device)
+    if x2.numel():
+        br, bk = _tiles(r, k)
+        bk = max(bk, block_size)
+        a = _fmt_args(fmt)
+        _mx_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            x2, out, r, k, a["EBITS"], a["MBITS"], a["EMAX"], a["MAX"], _SCALE_MODE_ID[scale_mode],
+            block_size, _TL_DTYPE[dtype], br, bk, **_launch_opts())
+    return out.reshape(x.shape)
+
+
+def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
+    """Triton twin of ``mxlib.reference.quantize_mx``: ``(packed uint8, scale uint8)``."""
+    fmt = get_element_format(element)
+    get_scale_mode(scale_mode)
+    check_float(x, "x")
+    check_block(x.shape[-1], block_size, "x")
+    fmt.packed_size(block_size)
+    x2 = _rows(x)
+    r, k = x2.shape
+    packed = torch.empty((r, fmt.packed_size(k)), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((r, k // block_size), dtype=torch.uint8, device=x.device)
+    if x2.numel():
+        br, bk = _tiles(r, k)
+        bk = max(bk, block_size)
+        a = _fmt_args(fmt)
+        _mx_quantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            x2, packed, scale, r, k, a["EBITS"], a["MBITS"], a["EMAX"], a["MAX"], a["SPECIALS"],
+            _SCALE_MODE_ID[scale_mode], block_size, br, bk, **_launch_opts())
+    lead = x.shape[:-1]
+    return packed.reshape(*lead, -1), scale.reshape(*lead, -1)
+
+
+def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype=torch.bfloat16):
+    """Triton twin of ``mxlib.reference.dequantize_mx``."""
+    fmt = get_element_format(element)
+    check_out_dtype(dtype)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
+    packed = as_uint8(packed, "packed", allowed)
+    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+    scale = as_uint8(scale, "scale", e8)
+    pk = packed.shape[-1]
+    if fmt.nbits == 6 and pk % 3:
+        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
+    k = pk * 8 // fmt.nbits
+    check_block(k, block_size, "packed (unpacked)")
+    expected = (*packed.shape[:-1], k // block_size)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
+            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
+        )
+    p2 = packed.contiguous().reshape(-1, pk)
+    s2 = scale.contiguous().reshape(-1, k // block_size)
+    r = p2.shape[0]
+    out = torch.empty((r, k), dtype=dtype, device=packed.device)
+    if out.numel():
+        br, bk = _tiles(r, k)
+        bk = max(bk, block_size)
+        a = _fmt_args(fmt)
+        _mx_dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            p2, s2, out, r, k, a["EBITS"], a["MBITS"], a["SPECIALS"], block_size, _TL_DTYPE[dtype],
+            br, bk, **_launch_opts())
+    return out.reshape(*packed.shape[:-1], k)
+
+
+def _global_scale_rows(global_scale, x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+    """fp32 global scale as a flat tensor plus the number of rows that share each value."""
+    gs = _ref._global_scale_view(global_scale, x, name)  # same checks and messages
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    flat = gs.reshape(-1).contiguous().to(x.device)
+    return flat, max(1, rows // flat.numel())
+
+
+def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None):
+    """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (the seed's arithmetic)."""
+    check_float(x, "x")
+    check_block(x.shape[-1], block_size, "x")
+    if multiplier not in ("reciprocal", "divide"):
+        raise ValueError(f"multiplier: expected 'reciprocal' (the seed) or 'divide', got {multiplier!r}")
+    dtype = x.dtype if dtype is None else dtype
+    check_out_dtype(dtype)
+    gs, rows_per_gs = _global_scale_rows(global_scale, x, "global_scale")
+    x2 = _rows(x)
+    r, k = x2.shape
+    out = torch.empty((r, k), dtype=dtype, device=x.device)
+    if x2.numel():
+        br, bk = _tiles(r, k)
+        bk = max(bk, block_size)
+        _nvfp4_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            x2, gs, out, r, k, rows_per_gs, multiplier == "divide", block_size, _TL_DTYPE[dtype],
+            br, bk, **_launch_opts())
+    return out.reshape(x.shape)
+
+
+nvfp4_quant_dequant = ref_nvfp4_quant_dequant
+
+
+def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_block_scale="one"):
+    """Triton twin of ``mxlib.reference.quantize_nvfp4`` (ModelOpt's weight export)."""
+    check_float(x, "x")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
+    check_block(x.shape[-1], block_size, "x")
+    if zero_block_scale not in ("one", "zero"):
+        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    num, n, k = x3.shape
+    if weight_scale_2 is None:
+        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
+        ws2 = torch.where(amax > 0, _ref._div(amax, 6.0 * 448.0), torch.ones_like(amax))
+    else:
+        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
+            raise TypeError("weight_scale_2: expected a float32 tensor")
+        if weight_scale_2.numel() not in (1, num):
+            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
+        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
+    ws2 = ws2.contiguous()
+    x2 = x3.contiguous().reshape(num * n, k)
+    packed = torch.empty((num * n, k // 2), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((num * n, k // block_size), dtype=torch.uint8, device=x.device)
+    if x2.numel():
+        br, bk = _tiles(num * n, k)
+        bk = max(bk, block_size)
+        _nvfp4_quantize_kernel[(triton.cdiv(num * n, br), triton.cdiv(k, bk))](
+            x2, ws2, packed, scale, num * n, k, n, zero_block_scale == "one", block_size, br, bk,
+            **_launch_opts())
+    packed = packed.reshape(num, n, k // 2)
+    scale = scale.view(torch.float8_e4m3fn).reshape(num, n, k // block_size)
+    if x.ndim == 2:
+        return packed[0], scale[0], ws2[0].clone()
+    return packed, scale, ws2.clone()
+
+
+def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False):
+    """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
+    check_out_dtype(dtype)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
+    fp4 = as_uint8(tensor_fp4, "tensor_fp4", allowed)
+    if fp4.ndim not in (2, 3):
+        raise ValueError(f"tensor_fp4: expected [m, k/2] or [E, m, k/2], got shape {list(fp4.shape)}")
+    sf = as_uint8(tensor_sf, "tensor_sf", (torch.float8_e4m3fn,))
+    k = fp4.shape[-1] * 2
+    check_block(k, block_size, "tensor_fp4 (unpacked)")
+    if swizzle:
+        if fp4.ndim != 2:
+            raise ValueError("swizzle=True supports 2D tensors only; MoE weights use the linear layout")
+        sf = _ref.nvfp4_unswizzle_scales(sf, fp4.shape[0], k, block_size)
+    expected = (*fp4.shape[:-1], k // block_size)
+    if tuple(sf.shape) != expected:
+        raise ValueError(f"tensor_sf: expected shape {list(expected)}, got {list(sf.shape)}")
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=fp4.device)
+    if global_scale.dtype != torch.float32:
+        raise TypeError(f"global_scale: expected float32, got {global_scale.dtype}")
+    num = fp4.shape[0] if fp4.ndim == 3 else 1
+    if global_scale.numel() not in (1, num):
+        raise ValueError(
+            f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
+            f"got shape {list(global_scale.shape)}"
+        )
+    m = fp4.shape[-2]
+    g = global_scale.reshape(-1).expand(num).contiguous().to(fp4.device)
+    p2 = fp4.contiguous().reshape(-1, k // 2)
+    s2 = sf.contiguous().reshape(-1, k // block_size)
+    r = p2.shape[0]
+    out = torch.empty((r, k), dtype=dtype, device=fp4.device)
+    if out.numel():
+        br, bk = _tiles(r, k)
+        bk = max(bk, block_size)
+        _nvfp4_dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
+            p2, s2, g, out, r, k, m, block_size, _TL_DTYPE[dtype], br, bk, **_launch_opts())
+    return out.reshape(*fp4.shape[:-1], k)
+
+
+def quant_dequant_fp8_per_tensor(x, scale, dtype=None):
+    """Triton twin of ``mxlib.reference.quant_dequant_fp8_per_tensor``."""
+    check_float(x, "x")
+    dtype = x.dtype if dtype is None else dtype
+    check_out_dtype(dtype)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
+    scale = scale.float().reshape(1).to(x.device)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    xf = x.contiguous().reshape(-1)
+    out = torch.empty(xf.shape, dtype=dtype, device=x.device)
+    n = xf.numel()
+    if n:
+        block = 1024
+        _fp8_qdq_kernel[(triton.cdiv(n, block),)](xf, scale, out, n, _TL_DTYPE[dtype], block, **_launch_opts())
+    return out.reshape(x.shape)

@@ -1,0 +1,780 @@
+"""Reference quantize / dequantize / quantize-dequantize (QDQ), pure PyTorch.
+
+This module is the oracle the Triton kernels are tested against; it imports no
+Triton. Every function works on 2D ``[m, k]`` and 3D ``[E, m, k]`` (per-expert)
+tensors, on bf16, fp16 and fp32 input, and blocks always run along the last
+(reduction) axis.
+
+Arithmetic (all in fp32; input is first widened to fp32, which is exact, and the
+result is cast once to the requested dtype):
+
+OCP MX (``quantize_mx``, ``dequantize_mx``, ``quant_dequant_mx``), OCP MX v1.0 section 6:
+
+1. ``amax`` = max |x| over a block of ``block_size`` (32) elements; NaN propagates.
+2. The E8M0 shared exponent ``s`` by one of three rules (``e8m0_scale``), clamped
+   to [-127, 127]; a block whose amax is NaN or Inf gets byte 0xFF (NaN) and
+   dequantizes to all NaN (torchao's convention); an all-zero block gets byte 0
+   (``2**-127``).
+3. Elements ``x / 2**s`` (exact: a power-of-two division) rounded to the element
+   format: nearest, ties to even, saturating to +-max (``round_to_element``).
+4. Dequantize: ``code_value * 2**s``, exact in fp32 for every format and scale,
+   then one cast.
+
+NVFP4 activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``):
+``global_scale`` ``gs`` is the *encode* scale ``1 / input_scale`` (about
+``2688 / amax``), and with ``recip(v) = 1 / (v + (v == 0) * 1e8)``::
+
+    s  = e4m3(clamp(gs * (amax_block * fp32(1/6)), -448, 448))   # RNE cast
+    q  = recip(s * recip(gs))             # quantize multiplier, not gs / s
+    e  = fp4(clamp(x * q, -6, 6))         # RNE; sign from x < 0 (see below)
+    dq = e * (s / gs)                     # then cast to x.dtype
+
+Details that are easy to "simplify" wrongly, each reproduced bit for bit:
+``amax * (1/6)`` is not ``amax / 6``; ``recip(s * recip(gs))`` is not ``gs / s``
+(a later vLLM Triton kernel forms ``gs / s`` in one division: select it with
+``multiplier="divide"``; it differs at rounding thresholds); an all-zero block
+gets ``s = 0``, ``q = 1e-8`` and dequantizes to zeros, never NaN; the seed takes
+the sign through ``torch.sign``, so an input of ``-0.0`` comes out ``+0.0`` while
+a negative value that rounds to zero comes out ``-0.0``. A NaN anywhere in a
+block makes the block scale NaN and the whole block NaN. An Inf makes the block
+scale saturate to 448; the Inf element becomes ``6 * 448 / gs`` and the rest of
+the block is quantized against that scale.
+
+NVFP4 weights (``quantize_nvfp4``), NVIDIA ModelOpt's export arithmetic, with
+*decode* scales: ``weight_scale_2 = amax / (6 * 448)`` per tensor (per expert),
+block scale ``e4m3(amax_block / (6 * weight_scale_2))`` and elements
+``fp4(x / (fp32(block_scale) * weight_scale_2))``. ModelOpt stores 1.0 as the
+block scale of an all-zero block (``zero_block_scale="one"``, the default);
+``"zero"`` stores 0. ``dequantize_to_dtype`` is vLLM's:
+``e2m1 * (fp32(block_scale) * weight_scale_2)`` in fp32, then one cast.
+
+Packing: FP4 two codes per byte, the even element in the low nibble; FP6 four
+codes ``v0..v3`` in three bytes as ``v0 | v1 << 6 | v2 << 12 | v3 << 18``,
+little-endian (AMD Quark's layout); FP8 one code per byte.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import (
+    FLOAT_DTYPES,
+    as_uint8 as _as_uint8,
+    check_block as _check_block,
+    check_float as _check_float,
+    check_out_dtype as _check_out_dtype,
+)
+from .formats import (
+    E8M0_BIAS,
+    E8M0_NAN_BYTE,
+    MX_BLOCK_SIZE,
+    NVFP4_BLOCK_SIZE,
+    ElementFormat,
+    get_element_format,
+    get_scale_mode,
+)
+
+__all__ = [
+    "round_to_element",
+    "encode_element",
+    "decode_element",
+    "element_value_table",
+    "e8m0_scale",
+    "decode_e8m0",
+    "pack_codes",
+    "unpack_codes",
+    "quantize_mx",
+    "dequantize_mx",
+    "quant_dequant_mx",
+    "ref_nvfp4_quant",
+    "ref_nvfp4_quant_dequant",
+    "quantize_nvfp4",
+    "dequantize_to_dtype",
+    "nvfp4_swizzle_scales",
+    "nvfp4_unswizzle_scales",
+    "quant_dequant_fp8_per_tensor",
+    "quant_dequant",
+]
+
+_E2M1 = get_element_format("e2m1")
+_E4M3 = get_element_format("e4m3")
+# Rows are processed in chunks of about this many elements to bound the fp32
+# temporaries on full-size expert weights (a 128-expert w13 is 400M elements).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(rows: int, row_elements: int) -> list[slice]:
+    step = max(1, _CHUNK_ELEMENTS // max(1, row_elements))
+    return [slice(i, min(rows, i + step)) for i in range(0, rows, step)]
+
+
+# ----------------------------------------------------------------------------- bit helpers
+
+
+def _div(a: torch.Tensor, v: float) -> torch.Tensor:
+    """IEEE ``a / v`` on every device.
+
+    PyTorch's CUDA kernel turns ``tensor / python_float`` into a multiplication by
+    the reciprocal, which is not the correctly rounded quotient; a divisor tensor on
+    the same device keeps true division on the CPU and the GPU alike.
+    """
+    return a / torch.tensor(v, dtype=torch.float32, device=a.device)
+
+
+def _exp2i(n: torch.Tensor) -> torch.Tensor:
+    """Exact ``2.0 ** n`` in fp32 for integer ``n`` in [-149, 127], built from bits."""
+    n = n.to(torch.int32)
+    normal = torch.bitwise_left_shift(n + 127, 23)
+    sub = torch.bitwise_left_shift(torch.ones_like(n), (n + 149).clamp(0, 22))
+    return torch.where(n >= -126, normal, sub).view(torch.float32)
+
+
+def _fp32_exponent(a: torch.Tensor) -> torch.Tensor:
+    """Unbiased exponent field of non-negative fp32 ``a`` (-127 for zero and subnormals)."""
+    return torch.bitwise_right_shift(a.view(torch.int32), 23) - 127
+
+
+# ----------------------------------------------------------------------------- elements
+
+
+def round_to_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Round fp32 values to an element format's grid: nearest, ties to even, saturating.
+
+    Args:
+        x: any float tensor; it is widened to fp32 (exact).
+        element: ``e2m1``, ``e2m3``, ``e3m2``, ``e4m3`` or ``e5m2`` (or an alias).
+
+    Returns:
+        fp32 tensor of the same shape whose values all lie on the format's grid.
+        Finite values beyond ``max`` and +-Inf saturate to +-max (PTX
+        ``cvt.rn.satfinite`` semantics); NaN stays NaN; the sign of zero is kept.
+
+    Method: with ``e = max(floor(log2|x|), 1 - bias)`` the grid spacing near
+    ``|x|`` is ``2**(e - mbits)``; ``|x| / spacing`` is exact and is rounded
+    with ``torch.round`` (half to even).
+    """
+    fmt = get_element_format(element)
+    x = x.float()
+    a = x.abs()
+    e = _fp32_exponent(a).clamp(min=1 - fmt.bias, max=127)
+    quantum_exp = e - fmt.mbits
+    r = torch.round(a * _exp2i(-quantum_exp)) * _exp2i(quantum_exp)
+    r = torch.minimum(r, torch.tensor(fmt.max, dtype=torch.float32, device=x.device))
+    return torch.copysign(r, x)
+
+
+def element_value_table(element: str | ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 value of every code of a format, indexed by code (NaN/Inf for specials)."""
+    fmt = get_element_format(element)
+    return torch.tensor(fmt.values(), dtype=torch.float32, device=device)
+
+
+def decode_element(codes: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Unpacked codes (uint8, one per element) to fp32 values, by table lookup."""
+    fmt = get_element_format(element)
+    codes = _as_uint8(codes, "codes", ())
+    table = element_value_table(fmt, codes.device)
+    return table[codes.to(torch.int32)]
+
+
+def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Round fp32 values to a format (``round_to_element``) and return their codes (uint8).
+
+    NaN becomes the format's NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E,
+    sign kept); FP4 and FP6 have no NaN code, so NaN encodes as +0 (in MX a
+    block holding NaN carries it in its 0xFF scale instead).
+    """
+    fmt = get_element_format(element)
+    r = round_to_element(x, fmt)
+    a = r.abs()
+    bits = a.view(torch.int32)
+    exp = torch.bitwise_right_shift(bits, 23) - 127
+    mant = torch.bitwise_right_shift(bits, 23 - fmt.mbits) & (2**fmt.mbits - 1)
+    normal_code = torch.bitwise_left_shift(exp + fmt.bias, fmt.mbits) | mant
+    sub_code = (a * (2.0 ** (fmt.bias - 1 + fmt.mbits))).to(torch.int32)
+    mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
+    sign = torch.signbit(r).to(torch.int32)
+    nan = torch.isnan(r)
+    if fmt.specials == "fn":
+        mag = torch.where(nan, 2 ** (fmt.ebits + fmt.mbits) - 1, mag)
+    elif fmt.specials == "ieee":
+        mag = torch.where(nan, (2**fmt.ebits - 1) << fmt.mbits | (1 << (fmt.mbits - 1)), mag)
+    else:
+        mag = torch.where(nan, 0, mag)
+        sign = torch.where(nan, 0, sign)
+    code = torch.bitwise_left_shift(sign, fmt.ebits + fmt.mbits) | mag
+    return code.to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- E8M0 scales
+
+
+def e8m0_scale(amax: torch.Tensor, element: str | ElementFormat, scale_mode: str = "even") -> torch.Tensor:
+    """E8M0 block-scale bytes from block amax values.
+
+    Args:
+        amax: fp32 (or any float) tensor of non-negative block maxima; NaN/Inf allowed.
+        element: the element format the block is quantized to (gives ``emax``,
+            ``mbits`` and ``max``).
+        scale_mode:
+            ``floor``: ``2**(floor(log2(amax)) - emax)``, OCP MX v1.0 section 6.3.
+            ``even``: ``amax`` is first rounded to the element's mantissa width by
+            adding half an ulp at that width to its fp32 bits and dropping the
+            mantissa (``bits + (1 << (22 - mbits))``), then the floor rule. AMD
+            Quark's ``scale_calculation_mode: even``, used by vLLM's MX emulation
+            and torchao's ``ScaleCalculationMode.EVEN``. For e2m1 it bumps the
+            exponent when the mantissa of amax is >= 1.75, so amax never saturates.
+            ``rceil``: ``2**ceil(log2(q))`` with ``q = fp32(amax / max)`` rounded to
+            nearest first: NVIDIA's ``cvt.rp.satfinite.ue8m0x2.f32``, cuBLAS and
+            triton_kernels; the elements never saturate.
+
+    Returns:
+        uint8 bytes ``b`` of the same shape, scale ``2**(b - 127)``: the exponent is
+        clamped to [-127, 127] (an all-zero or tiny block gets byte 0, ``2**-127``);
+        NaN or Inf amax gives 0xFF.
+    """
+    fmt = get_element_format(element)
+    get_scale_mode(scale_mode)
+    amax = amax.float()
+    finite = torch.isfinite(amax)
+    a = torch.where(finite, amax.abs(), 0.0)
+    bits = a.view(torch.int32)
+    if scale_mode == "floor":
+        e = torch.bitwise_right_shift(bits, 23) - 127 - fmt.emax
+    elif scale_mode == "even":
+        rounded = bits + (1 << (22 - fmt.mbits))
+        e = torch.bitwise_right_shift(rounded, 23) - 127 - fmt.emax
+    else:  # rceil
+        q = _div(a, fmt.max)
+        qbits = q.view(torch.int32)
+        exp_field = torch.bitwise_right_shift(qbits, 23)
+        mant = qbits & 0x7FFFFF
+        e_normal = exp_field - 127 + (mant != 0).to(torch.int32)
+        e_sub = torch.where(mant > (1 << 22), -126, -127).to(torch.int32)
+        e = torch.where(exp_field > 0, e_normal, e_sub)
+    byte = e.clamp(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    byte = torch.where(finite, byte, E8M0_NAN_BYTE)
+    return byte.to(torch.uint8)
+
+
+def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) to fp32: ``2**(b - 127)``, 0xFF -> NaN.
+
+    Byte 0 decodes to ``2**-127`` (an fp32 subnormal), not to zero.
+    """
+    allowed = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+    b = _as_uint8(scale, "scale", allowed).to(torch.int32)
+    v = _exp2i(b - E8M0_BIAS)
+    return torch.where(b == E8M0_NAN_BYTE, torch.nan, v)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_codes(codes: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Pack one-code-per-byte uint8 codes along the last axis.
+
+    FP4: ``[..., k]`` -> ``[..., k/2]``, element ``2i`` in the low nibble of byte ``i``.
+    FP6: ``[..., k]`` -> ``[..., 3k/4]``, AMD Quark's layout (module docstring).
+    FP8: unchanged.
+
+    Raises:
+        ValueError: ``k`` does not fill whole bytes (odd for FP4, not a multiple of 4 for FP6).
+    """
+    fmt = get_element_format(element)
+    codes = _as_uint8(codes, "codes", ())
+    k = codes.shape[-1]
+    fmt.packed_size(k)  # raises with a clear message when k does not fill whole bytes
+    if fmt.nbits == 8:
+        return codes.clone()
+    if fmt.nbits == 4:
+        c = codes.reshape(*codes.shape[:-1], k // 2, 2)
+        return (c[..., 0] & 0xF) | torch.bitwise_left_shift(c[..., 1] & 0xF, 4)
+    c = codes.reshape(*codes.shape[:-1], k // 4, 4).to(torch.int32) & 0x3F
+    word = c[..., 0] | (c[..., 1] << 6) | (c[..., 2] << 12) | (c[..., 3] << 18)
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return out.to(torch.uint8).reshape(*codes.shape[:-1], 3 * k // 4)
+
+
+def unpack_codes(packed: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Inverse of ``pack_codes``: ``[..., packed_k]`` uint8 -> ``[..., k]`` uint8 codes.
+
+    Raises:
+        ValueError: an FP6 ``packed_k`` that is not a multiple of 3.
+    """
+    fmt = get_element_format(element)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
+    packed = _as_uint8(packed, "packed", allowed)
+    pk = packed.shape[-1]
+    if fmt.nbits == 8:
+        return packed.clone()
+    if fmt.nbits == 4:
+        lo = packed & 0xF
+        hi = torch.bitwise_right_shift(packed, 4)
+        return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], 2 * pk)
+    if pk % 3 != 0:
+        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
+    b = packed.reshape(*packed.shape[:-1], pk // 3, 3).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    out = torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], dim=-1)
+    return out.to(torch.uint8).reshape(*packed.shape[:-1], 4 * pk // 3)
+
+
+# ----------------------------------------------------------------------------- OCP MX
+
+
+def _mx_blocks(x: torch.Tensor, block_size: int):
+    k = x.shape[-1]
+    return x.float().reshape(*x.shape[:-1], k // block_size, block_size)
+
+
+def quantize_mx(
+    x: torch.Tensor,
+    element: str = "e2m1",
+    block_size: int = MX_BLOCK_SIZE,
+    scale_mode: str = "even",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to an OCP MX format: packed element codes and E8M0 scale bytes.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
+        element: ``e2m1`` (MXFP4), ``e2m3`` / ``e3m2`` (MXFP6), ``e4m3`` / ``e5m2`` (MXFP8).
+        block_size: elements per shared scale along the last axis (OCP MX: 32).
+        scale_mode: ``floor``, ``even`` (default, as Quark and vLLM) or ``rceil``; see ``e8m0_scale``.
+
+    Returns:
+        ``(packed, scale)``: ``packed`` uint8 ``[..., k * bits / 8]`` (``pack_codes``),
+        ``scale`` uint8 ``[..., k / block_size]`` E8M0 bytes. Elements of a block whose
+        scale is NaN (0xFF) are stored as code 0.
+
+    Raises:
+        TypeError: ``x`` is not float32/bfloat16/float16.
+        ValueError: ``k`` is not a multiple of ``block_size``; unknown element or scale_mode.
+    """
+    fmt = get_element_format(element)
+    get_scale_mode(scale_mode)
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    fmt.packed_size(block_size)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    packed = torch.empty(x2.shape[0], fmt.packed_size(k), dtype=torch.uint8, device=x.device)
+    scale = torch.empty(x2.shape[0], k // block_size, dtype=torch.uint8, device=x.device)
+    for rows in _row_chunks(x2.shape[0], k):
+        xb = _mx_blocks(x2[rows], block_size)
+        byte = e8m0_scale(xb.abs().amax(dim=-1), fmt, scale_mode)
+        codes = encode_element(xb / decode_e8m0(byte).unsqueeze(-1), fmt)
+        codes = torch.where((byte == E8M0_NAN_BYTE).unsqueeze(-1), 0, codes).to(torch.uint8)
+        packed[rows] = pack_codes(codes.reshape(-1, k), fmt)
+        scale[rows] = byte
+    return packed.reshape(*lead, -1), scale.reshape(*lead, -1)
+
+
+def dequantize_mx(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    element: str = "e2m1",
+    block_size: int = MX_BLOCK_SIZE,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize OCP MX data: ``code_value * 2**(scale - 127)``, exact in fp32, one cast.
+
+    Args:
+        packed: uint8 ``[..., packed_k]`` as written by ``quantize_mx`` (or a Quark checkpoint).
+        scale: uint8 (or float8_e8m0fnu) ``[..., k / block_size]``.
+        element, block_size: as for ``quantize_mx``.
+        dtype: output dtype (float32, bfloat16 or float16).
+
+    Returns:
+        ``[..., k]`` tensor of ``dtype``; blocks with scale 0xFF are all NaN.
+
+    Raises:
+        TypeError: wrong dtypes. ValueError: ``scale``'s shape does not match ``packed``'s.
+    """
+    fmt = get_element_format(element)
+    _check_out_dtype(dtype)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
+    packed = _as_uint8(packed, "packed", allowed)
+    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+    scale = _as_uint8(scale, "scale", e8)
+    pk = packed.shape[-1]
+    if fmt.nbits == 6 and pk % 3:
+        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
+    k = pk * 8 // fmt.nbits
+    _check_block(k, block_size, "packed (unpacked)")
+    expected = (*packed.shape[:-1], k // block_size)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
+            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
+        )
+    lead = packed.shape[:-1]
+    p2, s2 = packed.reshape(-1, pk), scale.reshape(-1, k // block_size)
+    out = torch.empty(p2.shape[0], k, dtype=dtype, device=packed.device)
+    table = element_value_table(fmt, packed.device)
+    for rows in _row_chunks(p2.shape[0], k):
+        values = table[unpack_codes(p2[rows], fmt).to(torch.int32)]
+        values = values.reshape(-1, k // block_size, block_size) * decode_e8m0(s2[rows]).unsqueeze(-1)
+        out[rows] = values.reshape(-1, k).to(dtype)
+    return out.reshape(*lead, k)
+
+
+def quant_dequant_mx(
+    x: torch.Tensor,
+    element: str = "e2m1",
+    block_size: int = MX_BLOCK_SIZE,
+    scale_mode: str = "even",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """OCP MX quantize-then-dequantize (QDQ), without packing.
+
+    Equal, bit for bit, to ``dequantize_mx(*quantize_mx(x, ...), ...)``.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16.
+        element, block_size, scale_mode: as for ``quantize_mx``.
+        dtype: output dtype; ``None`` keeps ``x.dtype``.
+
+    Returns:
+        Tensor shaped like ``x``: every value is ``element value * 2**s`` rounded once
+        to ``dtype``; blocks holding NaN or Inf are all NaN.
+    """
+    fmt = get_element_format(element)
+    get_scale_mode(scale_mode)
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    for rows in _row_chunks(x2.shape[0], k):
+        xb = _mx_blocks(x2[rows], block_size)
+        scale = decode_e8m0(e8m0_scale(xb.abs().amax(dim=-1), fmt, scale_mode)).unsqueeze(-1)
+        out[rows] = (round_to_element(xb / scale, fmt) * scale).reshape(-1, k).to(dtype)
+    return out.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- NVFP4
+
+
+def _global_scale_view(global_scale: torch.Tensor | float, x: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 global scale shaped to broadcast against ``x`` reshaped to ``[..., k/bs, bs]``."""
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
+    if global_scale.dtype != torch.float32:
+        raise TypeError(f"{name}: expected a float32 tensor, got {global_scale.dtype}")
+    if global_scale.numel() == 1:
+        return global_scale.reshape([1] * (x.ndim + 1))
+    lead = tuple(x.shape[:-1])
+    gs_shape = tuple(global_scale.shape)
+    if gs_shape != lead[: len(gs_shape)]:
+        raise ValueError(
+            f"{name}: expected one element or a shape that is a prefix of x's leading dims "
+            f"{list(lead)} (e.g. [E] for [E, m, k]), got {list(gs_shape)}"
+        )
+    return global_scale.reshape(*gs_shape, *([1] * (x.ndim + 1 - len(gs_shape))))
+
+
+def _recip(v: torch.Tensor) -> torch.Tensor:
+    """vLLM's guarded reciprocal ``1 / (v + (v == 0) * 1e8)``."""
+    return 1.0 / (v + (v == 0) * 1e8)
+
+
+def _nvfp4_scale_and_multiplier(amax: torch.Tensor, gs: torch.Tensor, multiplier: str):
+    s = gs * (amax * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=amax.device))
+    s = round_to_element(torch.clamp(s, -448.0, 448.0), _E4M3)
+    if multiplier == "reciprocal":
+        q = _recip(s * _recip(gs))
+    elif multiplier == "divide":
+        q = torch.where(s == 0, 0.0, gs / torch.where(s == 0, 1.0, s))
+    else:
+        raise ValueError(f"multiplier: expected 'reciprocal' (the seed) or 'divide', got {multiplier!r}")
+    return s, q
+
+
+def _round_e2m1_signed_like_seed(v: torch.Tensor) -> torch.Tensor:
+    mag = round_to_element(v.abs(), _E2M1)
+    return torch.where(v < 0, -mag, mag)
+
+
+def ref_nvfp4_quant(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    multiplier: str = "reciprocal",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 quantization with the seed's arithmetic (module docstring), values not packed.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
+        global_scale: fp32 *encode* scale ``1 / input_scale``: one element, or one per
+            leading index (``[E]`` for 3D, ``[m]`` for one scale per row).
+        block_size: 16 for NVFP4.
+        multiplier: ``"reciprocal"`` (the seed, default) or ``"divide"`` (``gs / s``).
+
+    Returns:
+        ``(e2m1_values, block_scale)``: fp32 ``[..., k]`` values on the e2m1 grid and fp32
+        ``[..., k / block_size]`` block scales on the e4m3 grid (vLLM ``ref_nvfp4_quant``).
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    gs = _global_scale_view(global_scale, x, "global_scale")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
+    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
+    return e.reshape(x.shape), s.squeeze(-1)
+
+
+def ref_nvfp4_quant_dequant(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    multiplier: str = "reciprocal",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """NVFP4 QDQ of activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
+
+    ``dq = e2m1 * (block_scale / global_scale)`` in fp32, cast once to ``dtype``
+    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``.
+
+    Raises:
+        TypeError: ``x`` or ``global_scale`` of the wrong dtype.
+        ValueError: ``k`` not a multiple of ``block_size``; ``global_scale`` of the wrong shape.
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    gs = _global_scale_view(global_scale, x, "global_scale")
+    k = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
+    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
+    return (e * (s / gs)).reshape(x.shape).to(dtype)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    weight_scale_2: torch.Tensor | None = None,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    zero_block_scale: str = "one",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize weights to NVFP4 the way NVIDIA ModelOpt exports them.
+
+    Args:
+        x: ``[n, k]`` or ``[E, n, k]`` weights (float32 / bfloat16 / float16), finite.
+        weight_scale_2: fp32 *decode* global scale, one element or ``[E]``; ``None``
+            computes ``amax / (6 * 448)`` over each 2D matrix (each expert). An
+            all-zero matrix gets ``1.0`` so that nothing becomes Inf or NaN.
+        block_size: 16.
+        zero_block_scale: block scale stored for an all-zero block: ``"one"``
+            (ModelOpt's 1.0) or ``"zero"``.
+
+    A block whose amax is so far below the matrix amax that its e4m3 scale rounds to
+    zero (under ``2**-10``, i.e. amax_block < amax / 2**19 or so) stores zero codes;
+    ModelOpt divides by that zero scale and stores +-6 codes there. Both dequantize
+    to zeros.
+
+    Returns:
+        ``(weight, weight_scale, weight_scale_2)``: packed uint8 ``[..., k/2]``,
+        float8_e4m3fn ``[..., k/16]`` and fp32 ``[]`` (2D) or ``[E]`` (3D), the tensors of a
+        ModelOpt checkpoint.
+
+    Raises:
+        ValueError: non-finite weights, a bad ``zero_block_scale``, wrong shapes.
+    """
+    _check_float(x, "x")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
+    _check_block(x.shape[-1], block_size, "x")
+    if zero_block_scale not in ("one", "zero"):
+        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    num = x3.shape[0]
+    if weight_scale_2 is None:
+        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
+        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0), torch.ones_like(amax))
+    else:
+        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
+            raise TypeError("weight_scale_2: expected a float32 tensor")
+        if weight_scale_2.numel() not in (1, num):
+            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
+        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
+    n, k = x3.shape[1], x3.shape[2]
+    packed = torch.empty(num, n, k // 2, dtype=torch.uint8, device=x.device)
+    block_scale = torch.empty(num, n, k // block_size, dtype=torch.float8_e4m3fn, device=x.device)
+    for ex in range(num):
+        g = ws2[ex]
+        for rows in _row_chunks(n, k):
+            xb = x3[ex, rows].float().reshape(-1, k // block_size, block_size)
+            bamax = xb.abs().amax(dim=-1)
+            bs = bamax / (6.0 * g)
+            if zero_block_scale == "one":
+                bs = torch.where(bs == 0, 1.0, bs)
+            bs = round_to_element(bs, _E4M3)
+            denom = (bs * g).unsqueeze(-1)
+            scaled = torch.where(denom == 0, 0.0, xb / torch.where(denom == 0, 1.0, denom))
+            mag = round_to_element(scaled.abs(), _E2M1)
+            codes = encode_element(mag, _E2M1) | torch.where(scaled < 0, 8, 0).to(torch.uint8)
+            packed[ex, rows] = pack_codes(codes.reshape(-1, k), _E2M1)
+            block_scale[ex, rows] = bs.to(torch.float8_e4m3fn)
+    if x.ndim == 2:
+        return packed[0], block_scale[0], ws2[0].clone()
+    return packed, block_scale, ws2.clone()
+
+
+def nvfp4_swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Linear ``[m, k/16]`` block scales to the cuBLAS/FlashInfer 128x4 swizzled layout.
+
+    The result is padded to ``[ceil(m/128)*128, ceil((k/16)/4)*4]`` (padding zero) and
+    flattened the same way: within each 128x4 tile, scale ``(r, c)`` sits at
+    ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    """
+    if scale.ndim != 2:
+        raise ValueError(f"scale: expected 2D [m, k/16], got shape {list(scale.shape)}")
+    m, kb = scale.shape
+    mt, kt = -(-m // 128), -(-kb // 4)
+    padded = torch.zeros(mt * 128, kt * 4, dtype=scale.dtype, device=scale.device)
+    padded[:m, :kb] = scale
+    tiles = padded.reshape(mt, 4, 32, kt, 4).permute(0, 3, 2, 1, 4)  # [mt, kt, 32, 4(r//32), 4(c)]
+    return tiles.reshape(mt * 128, kt * 4)
+
+
+def nvfp4_unswizzle_scales(scale: torch.Tensor, m: int, k: int, block_size: int = NVFP4_BLOCK_SIZE) -> torch.Tensor:
+    """Inverse of ``nvfp4_swizzle_scales``: swizzled scales to linear ``[m, k/block_size]``."""
+    kb = k // block_size
+    mt, kt = -(-m // 128), -(-kb // 4)
+    if scale.numel() != mt * 128 * kt * 4:
+        raise ValueError(
+            f"scale: a swizzled scale for m={m}, k={k} must have {mt * 128 * kt * 4} elements "
+            f"(padded [{mt * 128}, {kt * 4}]), got {scale.numel()}"
+        )
+    tiles = scale.reshape(mt, kt, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(mt * 128, kt * 4)[:m, :kb]
+
+
+def dequantize_to_dtype(
+    tensor_fp4: torch.Tensor,
+    tensor_sf: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    dtype: torch.dtype,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    swizzle: bool = False,
+) -> torch.Tensor:
+    """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
+
+    Args:
+        tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
+        tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
+            with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
+        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``.
+        dtype: output dtype.
+        block_size: 16.
+        swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
+
+    Returns:
+        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes or shapes, naming the argument.
+    """
+    _check_out_dtype(dtype)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
+    fp4 = _as_uint8(tensor_fp4, "tensor_fp4", allowed)
+    if fp4.ndim not in (2, 3):
+        raise ValueError(f"tensor_fp4: expected [m, k/2] or [E, m, k/2], got shape {list(fp4.shape)}")
+    sf = _as_uint8(tensor_sf, "tensor_sf", (torch.float8_e4m3fn,))
+    k = fp4.shape[-1] * 2
+    _check_block(k, block_size, "tensor_fp4 (unpacked)")
+    if swizzle:
+        if fp4.ndim != 2:
+            raise ValueError("swizzle=True supports 2D tensors only; MoE weights use the linear layout")
+        sf = nvfp4_unswizzle_scales(sf, fp4.shape[0], k, block_size)
+    expected = (*fp4.shape[:-1], k // block_size)
+    if tuple(sf.shape) != expected:
+        raise ValueError(f"tensor_sf: expected shape {list(expected)}, got {list(sf.shape)}")
+    if not isinstance(global_scale, torch.Tensor):
+        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=fp4.device)
+    if global_scale.dtype != torch.float32:
+        raise TypeError(f"global_scale: expected float32, got {global_scale.dtype}")
+    num = fp4.shape[0] if fp4.ndim == 3 else 1
+    if global_scale.numel() not in (1, num):
+        raise ValueError(
+            f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
+            f"got shape {list(global_scale.shape)}"
+        )
+    gs = global_scale.reshape(-1).expand(num)
+    f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
+    s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
+    m = f3.shape[1]
+    out = torch.empty(num, m, k, dtype=dtype, device=fp4.device)
+    table = element_value_table(_E2M1, fp4.device)
+    for ex in range(num):
+        for rows in _row_chunks(m, k):
+            values = table[unpack_codes(f3[ex, rows], _E2M1).to(torch.int32)]
+            block = s3[ex, rows].view(torch.float8_e4m3fn).float() * gs[ex]
+            v = values.reshape(-1, k // block_size, block_size) * block.unsqueeze(-1)
+            out[ex, rows] = v.reshape(-1, k).to(dtype)
+    return out if fp4.ndim == 3 else out[0]
+
+
+# ----------------------------------------------------------------------------- FP8 per tensor
+
+
+def quant_dequant_fp8_per_tensor(
+    x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Static per-tensor FP8 e4m3 QDQ, vLLM's ``scaled_fp8_quant`` then dequantize.
+
+    ``q = e4m3(clamp(x * (1 / scale), -448, 448))`` (RNE), ``dq = fp32(q) * scale``,
+    cast once to ``dtype`` (default ``x.dtype``). ``scale`` is the checkpoint's
+    ``input_scale`` (a decode scale, amax / 448), a positive fp32 scalar.
+
+    Raises:
+        ValueError: ``scale`` is not a single positive finite value.
+    """
+    _check_float(x, "x")
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
+    scale = scale.float().reshape(())
+    if not (torch.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    inv = 1.0 / scale
+    q = round_to_element(torch.clamp(x.float() * inv, -448.0, 448.0), _E4M3)
+    return (q * scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> torch.Tensor:
+    """QDQ by scheme name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
+    ``mxfp8_e5m2`` (keyword ``scale_mode``), or ``nvfp4`` (needs ``global_scale``, the
+    encode scale; ``None`` uses ``2688 / amax(x)``, the value calibration on ``x`` gives).
+
+    Raises:
+        ValueError: unknown scheme name.
+    """
+    from .formats import get_block_scheme
+
+    s = get_block_scheme(scheme)
+    if s.name == "nvfp4":
+        if global_scale is None:
+            amax = x.detach().abs().amax().float()
+            two688 = torch.tensor(6.0 * 448.0, dtype=torch.float32, device=amax.device)
+            global_scale = torch.where(amax > 0, two688 / amax, torch.ones_like(amax))
+        return ref_nvfp4_quant_dequant(x, global_scale, s.block_size, **kwargs)
+    if global_scale is not None:
+        raise ValueError(f"global_scale applies to nvfp4 only, not {s.name}")
+    return quant_dequant_mx(x, s.element.name, s.block_size, **kwargs)
+
+

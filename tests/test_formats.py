@@ -1,0 +1,76 @@
+"""The format table against the literal values of OCP MX v1.0 (tables 1-3) and ml_dtypes."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from mxlib.formats import (
+    BLOCK_SCHEMES,
+    ELEMENT_FORMATS,
+    get_block_scheme,
+    get_element_format,
+    get_scale_mode,
+)
+
+# name: (bits, bias, emax, max, min normal, min subnormal), typed in from the spec
+SPEC = {
+    "e2m1": (4, 1, 2, 6.0, 1.0, 0.5),
+    "e2m3": (6, 1, 2, 7.5, 1.0, 0.125),
+    "e3m2": (6, 3, 4, 28.0, 0.25, 0.0625),
+    "e4m3": (8, 7, 8, 448.0, 2.0**-6, 2.0**-9),
+    "e5m2": (8, 15, 15, 57344.0, 2.0**-14, 2.0**-16),
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC))
+def test_derived_numbers_match_spec(name):
+    f = ELEMENT_FORMATS[name]
+    assert (f.nbits, f.bias, f.emax, f.max, f.min_normal, f.min_subnormal) == SPEC[name]
+
+
+@pytest.mark.parametrize("name", list(SPEC))
+def test_every_code_value_matches_ml_dtypes(name):
+    f = ELEMENT_FORMATS[name]
+    mld = getattr(ml_dtypes, f.ml_dtypes_name)
+    expected = np.arange(f.num_codes, dtype=np.uint8).view(mld).astype(np.float64)
+    got = np.array(f.values())
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    ok = ~np.isnan(got)
+    assert np.array_equal(got[ok], expected[ok])
+    assert np.array_equal(np.signbit(got[ok]), np.signbit(expected[ok]))
+
+
+def test_special_codes():
+    assert math.isnan(ELEMENT_FORMATS["e4m3"].code_value(0x7F))
+    assert math.isnan(ELEMENT_FORMATS["e4m3"].code_value(0xFF))
+    assert ELEMENT_FORMATS["e5m2"].code_value(0x7C) == math.inf
+    assert math.isnan(ELEMENT_FORMATS["e5m2"].code_value(0x7E))
+    assert ELEMENT_FORMATS["e2m1"].code_value(8) == 0.0 and math.copysign(1, ELEMENT_FORMATS["e2m1"].code_value(8)) < 0
+
+
+def test_schemes():
+    assert list(BLOCK_SCHEMES) == ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
+    assert get_block_scheme("nvfp4").block_size == 16 and get_block_scheme("mxfp4").block_size == 32
+    assert get_block_scheme("mxfp4").bits_per_element == 4.25
+    assert get_block_scheme("nvfp4").bits_per_element == 4.5
+    assert get_block_scheme("mxfp6_e3m2").bits_per_element == 6.25
+
+
+def test_aliases_and_packing():
+    assert get_element_format("fp4") is ELEMENT_FORMATS["e2m1"]
+    assert get_element_format("fp6_e3m2") is ELEMENT_FORMATS["e3m2"]
+    assert ELEMENT_FORMATS["e2m3"].packed_size(32) == 24
+    assert ELEMENT_FORMATS["e2m1"].packed_size(32) == 16
+    with pytest.raises(ValueError, match="k=6 elements do not fill whole bytes; k must be a multiple of 4"):
+        ELEMENT_FORMATS["e3m2"].packed_size(6)
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError, match=r"unknown element format 'e3m3'; expected one of"):
+        get_element_format("e3m3")
+    with pytest.raises(ValueError, match=r"unknown scheme 'mxfp5'"):
+        get_block_scheme("mxfp5")
+    with pytest.raises(ValueError, match=r"unknown scale_mode 'ceil'; expected one of \['floor', 'even', 'rceil'\]"):
+        get_scale_mode("ceil")
