@@ -1,0 +1,164 @@
+"""Fused-MoE grouped GEMM (Triton): the bf16 path every emulation runs on.
+
+``fused_moe_kernel`` computes, for each block of expert-sorted (token, k) pairs,
+``C[pair] = A[row(pair)] @ B[expert]^T`` with fp32 accumulation, optionally times
+the pair's router weight (in fp32, before the one rounding to the output dtype).
+It follows vLLM's ``fused_moe_kernel``; pairs come from
+``mxlib.moe.routing.moe_align_block_size``.
+
+Under ``TRITON_INTERPRET=1`` the operands are widened to fp32 before ``tl.dot``
+(the interpreter's bf16 dot is wrong); compiled, the dot runs on bf16/fp16 tensor
+cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _numerics as nm
+
+__all__ = ["MoEGemmConfig", "get_moe_config", "invoke_fused_moe_kernel"]
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class MoEGemmConfig:
+    """Tile configuration of the grouped GEMM."""
+
+    BLOCK_SIZE_M: int = 64
+    BLOCK_SIZE_N: int = 64
+    BLOCK_SIZE_K: int = 64
+    GROUP_SIZE_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def get_moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int) -> MoEGemmConfig:
+    """Tiles by the average number of pairs per expert (small batches want small BLOCK_M)."""
+    if interpreting():
+        return MoEGemmConfig(16, 32, 32, 1, 4, 1)
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    if per_expert <= 16:
+        return MoEGemmConfig(16, 64, 128, 1, 4, 4)
+    if per_expert <= 64:
+        return MoEGemmConfig(32, 64, 128, 8, 4, 4)
+    if per_expert <= 256:
+        return MoEGemmConfig(64, 128, 64, 8, 4, 4)
+    return MoEGemmConfig(128, 128, 64, 8, 8, 3)
+
+
+@triton.jit
+def fused_moe_kernel(
+    # pointers
+    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    # dimensions
+    N, K, EM, num_valid_tokens,
+    # strides
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    # meta-parameters
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
+    UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    """Grouped GEMM over expert-sorted pairs.
+
+    A: [rows, K] (rows = M with top_k = k, or M * k with top_k = 1), B: [E, N, K],
+    C: [M * k, N] (a view of [M, k, N]), topk_weights: [M * k] fp32,
+    sorted_token_ids: [EM], expert_ids: [EM / BLOCK_SIZE_M], num_tokens_post_padded: [1].
+    """
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(EM, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+        return
+    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
+    token_mask = offs_token < num_valid_tokens
+    off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+    offs_bn = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)) % N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    a_ptrs = a_ptr + (offs_token[:, None] // top_k * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = b_ptr + off_expert * stride_be + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
+
+    accumulator = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_mask = offs_k < K - kk * BLOCK_SIZE_K
+        a = tl.load(a_ptrs, mask=token_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if UPCAST:
+            accumulator += tl.dot(nm.to_fp32(a), nm.to_fp32(b))
+        else:
+            accumulator = tl.dot(a, b, acc=accumulator)
+        a_ptrs += BLOCK_SIZE_K * stride_ak
+        b_ptrs += BLOCK_SIZE_K * stride_bk
+
+    if MUL_ROUTED_WEIGHT:
+        moe_weight = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)
+        accumulator = accumulator * moe_weight[:, None]
+    c = nm.cast_out(accumulator, OUT_DTYPE)
+    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + stride_cm * offs_token[:, None] + stride_cn * offs_cn[None, :]
+    tl.store(c_ptrs, c, mask=token_mask[:, None] & (offs_cn[None, :] < N))
+
+
+def invoke_fused_moe_kernel(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    mul_routed_weight: bool,
+    top_k: int,
+    config: MoEGemmConfig,
+) -> None:
+    """Launch ``fused_moe_kernel``: ``C[M*k, N] = A @ B[e]^T`` for every (token, k) pair.
+
+    Args:
+        A: ``[rows, K]`` activations (bf16 / fp16 / fp32), row ``pair // top_k``.
+        B: ``[E, N, K]`` expert weights, same dtype as ``A``.
+        C: ``[M, k, N]`` or ``[M * k, N]`` output, contiguous.
+        topk_weights: ``[M, k]`` router weights (cast to fp32) when ``mul_routed_weight``.
+        sorted_token_ids, expert_ids, num_tokens_post_padded: from ``moe_align_block_size``
+            with ``block_m == config.BLOCK_SIZE_M``.
+        top_k: ``k`` when ``A`` has one row per token, 1 when it has one row per pair.
+    """
+    if A.dtype != B.dtype:
+        raise TypeError(f"A and B must share a dtype, got A {A.dtype} and B {B.dtype}")
+    if A.shape[-1] != B.shape[-1]:
+        raise ValueError(f"A: K={A.shape[-1]} does not match B's K={B.shape[-1]} (B is [E, N, K])")
+    c2 = C.view(-1, C.shape[-1])
+    em = sorted_token_ids.shape[0]
+    num_valid = topk_weights.numel() if topk_weights is not None else c2.shape[0]
+    weights = topk_weights.reshape(-1).float().contiguous() if mul_routed_weight else c2
+    n, k = B.shape[1], B.shape[2]
+    grid = (triton.cdiv(em, config.BLOCK_SIZE_M) * triton.cdiv(n, config.BLOCK_SIZE_N),)
+    fused_moe_kernel[grid](
+        A, B, c2, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+        n, k, em, num_valid,
+        A.stride(0), A.stride(1), B.stride(0), B.stride(1), B.stride(2), c2.stride(0), c2.stride(1),
+        BLOCK_SIZE_M=config.BLOCK_SIZE_M, BLOCK_SIZE_N=config.BLOCK_SIZE_N, BLOCK_SIZE_K=config.BLOCK_SIZE_K,
+        GROUP_SIZE_M=config.GROUP_SIZE_M, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        UPCAST=interpreting(), OUT_DTYPE=_TL_DTYPE[C.dtype],
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

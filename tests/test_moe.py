@@ -1,0 +1,359 @@
+"""Routing, alignment, TritonExperts and the emulation experts.
+
+The Triton path runs in the interpreter (E <= 16, small K/N). Oracles: a float64
+dense MoE (no intermediate rounding) for the GEMMs, and a PyTorch reference MoE
+assembled here from mxlib.reference's dequantize and QDQ functions, so the
+emulation subclasses are checked against the design, not against themselves.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from mxlib import reference as R
+from mxlib.moe import (
+    Nvfp4QuantizationEmulationTritonExperts,
+    OCP_MXQuantizationEmulationTritonExperts,
+    TritonExperts,
+    fused_topk,
+    get_moe_scheme,
+    moe_align_block_size,
+    OCP_MX_SCHEMES,
+    torch_moe,
+    unify_input_scales,
+)
+from mxlib.cases import NAMED_CASES
+
+E, H, I, M, TOPK = 8, 128, 64, 7, 2
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def dense_moe_fp64(a1, w13, w2, topk_weights, topk_ids, a2_fn=None):
+    """float64 MoE, one token at a time: the GEMM oracle (independent of mxlib)."""
+    out = torch.zeros(a1.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(a1.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = w13[e].double() @ a1[t].double()
+            act = torch.nn.functional.silu(h[:I]) * h[I:]
+            if a2_fn is not None:
+                act = a2_fn(act.float().unsqueeze(0), e).double().squeeze(0)
+            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
+    return out
+
+
+def make_inputs(dtype=torch.bfloat16, seed=0, e=E):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * I, H, generator=g) * 0.05 * torch.exp(torch.randn(e, 1, 1, generator=g))).to(dtype)
+    w2 = (torch.randn(e, H, I, generator=g) * 0.05).to(dtype)
+    logits = torch.randn(M, e, generator=g)
+    topk_weights, topk_ids = fused_topk(logits, TOPK, True)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def test_fused_topk_matches_qwen3_routing():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    w, ids = fused_topk(logits, 4, renormalize=True)
+    p = torch.softmax(logits.float(), -1)
+    ref_w, ref_ids = torch.topk(p, 4)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+    assert torch.equal(ids.long(), ref_ids) and torch.allclose(w, ref_w, rtol=0, atol=1e-7)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+def test_fused_topk_ties_go_to_lower_expert():
+    logits = torch.zeros(3, 8)
+    logits[:, 5] = 1.0
+    _, ids = fused_topk(logits, 3)
+    assert ids.tolist() == [[5, 0, 1]] * 3
+    with pytest.raises(ValueError, match="top_k: expected 1 <= top_k <= num_experts=8, got 9"):
+        fused_topk(logits, 9)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_moe_align_block_size(block_m):
+    g = torch.Generator().manual_seed(block_m)
+    topk_ids = torch.randint(0, 6, (9, 3), generator=g, dtype=torch.int32)
+    topk_ids[0] = torch.tensor([5, 5, 5])
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, 8)
+    numel = topk_ids.numel()
+    flat = topk_ids.flatten().tolist()
+    # expected, built with Python lists
+    expected, experts = [], []
+    for e in range(8):
+        ids = [i for i, x in enumerate(flat) if x == e]
+        if not ids:
+            continue
+        ids += [numel] * ((-len(ids)) % block_m)
+        expected += ids
+        experts += [e] * (len(ids) // block_m)
+    n = int(num_post.item())
+    assert n == len(expected)
+    assert sorted_ids[:n].tolist() == expected
+    assert (sorted_ids[n:] == numel).all()
+    assert expert_ids[: n // block_m].tolist() == experts
+    assert sorted_ids.shape[0] % block_m == 0 and sorted_ids.shape[0] >= numel + 8 * (block_m - 1)
+
+
+# ----------------------------------------------------------------------------- TritonExperts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_experts_against_fp64_and_reference(dtype, device):
+    x, w13, w2, tw, ti = make_inputs(dtype)
+    oracle = dense_moe_fp64(x, w13, w2, tw, ti)
+    out_triton = TritonExperts(w13.to(device), w2.to(device), backend="triton")(x.to(device), tw.to(device), ti.to(device))
+    out_torch = TritonExperts(w13, w2, backend="torch")(x, tw, ti)
+    assert out_triton.dtype == dtype and out_triton.shape == (M, H)
+    # bf16 rounding of the two GEMM outputs: a few 1e-3 relative (fp16: smaller)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert rel_err(out_triton.cpu(), oracle) < tol
+    assert rel_err(out_torch, oracle) < tol
+    # same rounding points: only fp32 accumulation order differs
+    assert rel_err(out_triton.cpu(), out_torch) < 2e-3
+
+
+def test_triton_experts_edge_cases(device):
+    x, w13, w2, tw, ti = make_inputs(seed=1, e=16)
+    ti[:] = torch.tensor([3, 9], dtype=torch.int32)  # every token on experts 3 and 9; 14 experts idle
+    ex = TritonExperts(w13.to(device), w2.to(device), backend="triton")
+    out = ex(x.to(device), tw.to(device), ti.to(device))
+    assert rel_err(out.cpu(), dense_moe_fp64(x, w13, w2, tw, ti)) < 1e-2
+    one = ex(x[:1].to(device), tw[:1].to(device), ti[:1].to(device))  # M = 1
+    assert rel_err(one.cpu(), dense_moe_fp64(x[:1], w13, w2, tw[:1], ti[:1])) < 1e-2
+
+
+def test_torch_moe_matches_transformers_experts_loop():
+    # transformers' own eager experts computes the same function (independent code)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    from mxlib.models.qwen3 import qwen3_30b_a3b_config
+
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=1, hidden_size=H, moe_intermediate_size=I, num_experts=E)
+    hf = Qwen3MoeExperts(cfg)
+    x, w13, w2, tw, ti = make_inputs(torch.float32)
+    hf.gate_up_proj.data.copy_(w13)
+    hf.down_proj.data.copy_(w2)
+    expected = hf(x, ti.long(), tw)
+    got = torch_moe(x, w13, w2, tw, ti)
+    assert rel_err(got, expected) < 1e-5
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+def nvfp4_experts_inputs(x, w13, w2, scale_spread=False):
+    p13, s13, g13 = R.quantize_nvfp4(w13)
+    p2, s2, g2 = R.quantize_nvfp4(w2)
+    in13 = torch.full((E,), float(x.float().abs().amax()) / 2688.0)
+    in2 = torch.full((E,), 0.05 / 2688.0)
+    if scale_spread:
+        in13 = in13 * torch.linspace(0.05, 1.0, E)
+        in2 = in2 * torch.linspace(1.0, 0.02, E)
+    return (p13, s13, g13, p2, s2, g2, in13, in2)
+
+
+def nvfp4_design_reference(x, t, tw, ti, a1_mode="once", a2_mode="once", strategy="max"):
+    """The seed's NVFP4 emulation assembled from mxlib.reference (no experts class involved)."""
+    p13, s13, g13, p2, s2, g2, in13, in2 = t
+    w13 = R.dequantize_to_dtype(p13, s13, g13, x.dtype)
+    w2 = R.dequantize_to_dtype(p2, s2, g2, x.dtype)
+    if strategy == "max":
+        gs13 = (1.0 / in13.max()).reshape(1)
+        gs2 = (1.0 / in2.max()).reshape(1)
+
+        def q1(v, e):
+            return R.ref_nvfp4_quant_dequant(v, gs13)
+
+        def q2(v, e):
+            return R.ref_nvfp4_quant_dequant(v, gs2)
+    else:  # per expert
+
+        def q1(v, e):
+            return R.ref_nvfp4_quant_dequant(v, (1.0 / in13[e]).reshape(1))
+
+        def q2(v, e):
+            return R.ref_nvfp4_quant_dequant(v, (1.0 / in2[e]).reshape(1))
+
+    reps = {"skip": 0, "once": 1, "twice": 2}
+    out = torch.zeros(x.shape[0], H, dtype=torch.float32)
+    k = ti.shape[1]
+    for tok in range(x.shape[0]):
+        for j in range(k):
+            e = int(ti[tok, j])
+            a = x[tok : tok + 1]
+            for _ in range(reps[a1_mode]):
+                a = q1(a, e)
+            h = (a.float() @ w13[e].float().T).to(x.dtype)
+            act = (torch.nn.functional.silu(h.float()[:, :I]) * h.float()[:, I:]).to(x.dtype)
+            for _ in range(reps[a2_mode]):
+                act = q2(act, e)
+            y = ((act.float() @ w2[e].float().T) * tw[tok, j]).to(x.dtype)
+            out[tok] += y[0].float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_nvfp4_emulation_matches_design(dtype, backend, device):
+    x, w13, w2, tw, ti = make_inputs(dtype, seed=2)
+    t = nvfp4_experts_inputs(x, w13, w2)
+    dev = device if backend == "triton" else "cpu"
+    ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(dev) for v in t], activation_dtype=dtype, backend=backend)
+    assert ex.quant_dtype == "nvfp4" and ex.expects_unquantized_inputs
+    out = ex(x.to(dev), tw.to(dev), ti.to(dev)).cpu()
+    ref = nvfp4_design_reference(x, t, tw, ti)
+    assert rel_err(out, ref) < 3e-3
+    # the test can fail: skipping or doubling a QDQ moves the result further than the tolerance
+    for a1_mode, a2_mode in [("skip", "once"), ("once", "skip")]:
+        assert rel_err(out, nvfp4_design_reference(x, t, tw, ti, a1_mode, a2_mode)) > 1e-2
+
+
+def test_nvfp4_per_expert_strategy(device):
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=3)
+    t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend="triton")
+    ex.set_scale_strategy("per_expert")
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out, nvfp4_design_reference(x, t, tw, ti, strategy="per_expert")) < 3e-3
+    ex.set_scale_strategy("max")
+    out_max = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out_max, nvfp4_design_reference(x, t, tw, ti, strategy="max")) < 3e-3
+
+
+class _CountingOps:
+    """Wraps an ops module and records the shape of every activation QDQ call."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.ops, name)
+        if name in ("quant_dequant_mx", "ref_nvfp4_quant_dequant", "quant_dequant_fp8_per_tensor"):
+            def wrapped(x, *a, **kw):
+                self.calls.append(tuple(x.shape))
+                return fn(x, *a, **kw)
+            return wrapped
+        return fn
+
+
+@pytest.mark.parametrize("scheme", [s for s in OCP_MX_SCHEMES] + ["nvfp4"])
+def test_each_activation_point_quantized_exactly_once(scheme, monkeypatch):
+    import mxlib.moe.experts as X
+
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=4)
+    ex = build_experts(scheme, x, w13, w2, backend="torch")
+    counting = _CountingOps(R)
+    monkeypatch.setattr(X, "_ops", lambda backend: counting)
+    ex(x, tw, ti)
+    s = get_moe_scheme(scheme)
+    a1_calls = [c for c in counting.calls if c == (M, H)]
+    a2_calls = [c for c in counting.calls if c[-1] == I]
+    expected = 0 if s.activation is None else 1
+    assert len(a1_calls) == expected
+    # the torch backend QDQs a2 once per expert that has tokens, covering every pair once
+    assert sum(c[0] for c in a2_calls) == (M * TOPK if s.activation is not None else 0)
+
+
+def build_experts(scheme, x, w13, w2, backend, device="cpu"):
+    s = get_moe_scheme(scheme)
+    if s.name == "nvfp4":
+        t = nvfp4_experts_inputs(x, w13, w2)
+        return Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend=backend)
+    el = s.weight_scheme.element.name
+    p13, s13 = R.quantize_mx(w13, el)
+    p2, s2 = R.quantize_mx(w2, el)
+    kw = {}
+    if s.activation == "fp8_e4m3":
+        kw = dict(w13_input_scale=torch.full((E,), float(x.float().abs().amax()) / 448.0, device=device),
+                  w2_input_scale=torch.linspace(0.01, 0.05, E, device=device) / 448.0)
+    return OCP_MXQuantizationEmulationTritonExperts(
+        scheme, p13.to(device), s13.to(device), p2.to(device), s2.to(device), backend=backend, **kw)
+
+
+def ocp_design_reference(scheme, x, w13, w2, tw, ti):
+    """OCP MX emulation assembled from mxlib.reference: dequantized weights, QDQ'd a1 and a2."""
+    s = get_moe_scheme(scheme)
+    el = s.weight_scheme.element.name
+    w13d = R.dequantize_mx(*R.quantize_mx(w13, el), el, dtype=x.dtype)
+    w2d = R.dequantize_mx(*R.quantize_mx(w2, el), el, dtype=x.dtype)
+    if s.activation is None:
+        qdq1 = qdq2 = None
+    elif s.activation == "fp8_e4m3":
+        sc1 = torch.tensor(float(x.float().abs().amax()) / 448.0)
+        sc2 = (torch.linspace(0.01, 0.05, E) / 448.0).max()
+        qdq1 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc1)  # noqa: E731
+        qdq2 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc2)  # noqa: E731
+    else:
+        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation]
+        qdq1 = qdq2 = lambda v, e: R.quant_dequant_mx(v, ael, 32, "even")  # noqa: E731
+    a1 = qdq1(x, None) if qdq1 else x
+    return torch_moe(a1, w13d, w2d, tw, ti, qdq2)
+
+
+@pytest.mark.parametrize("scheme", OCP_MX_SCHEMES)
+def test_ocp_mx_emulation_matches_design(scheme, device):
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=5)
+    ex = build_experts(scheme, x, w13, w2, backend="triton", device=device)
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ref = ocp_design_reference(scheme, x, w13, w2, tw, ti)
+    assert rel_err(out, ref) < 3e-3
+    ex_t = build_experts(scheme, x, w13, w2, backend="torch")
+    assert rel_err(ex_t(x, tw, ti), ref) < 1e-6
+
+
+def test_named_unification_cases():
+    for case in [c for c in NAMED_CASES if c.op == "unify_input_scales"]:
+        scales = torch.tensor(case.x)
+        if case.expected is None:
+            with pytest.raises(ValueError, match="every expert's input_scale is 0"):
+                unify_input_scales(scales, "max", "w13_input_scale")
+        else:
+            gs, uniform = unify_input_scales(scales, "max")
+            assert uniform and torch.isfinite(gs).all() and gs[0].item() == case.expected[0]
+
+
+def test_unification_strategies():
+    s = torch.tensor([0.0, 1.0, 2.0, 4.0])
+    gs, uniform = unify_input_scales(s, "per_expert")
+    assert not uniform and gs.tolist() == [0.25, 1.0, 0.5, 0.25]  # uncalibrated expert -> max
+    assert unify_input_scales(s, "median")[0].tolist() == [0.5] * 4
+    assert unify_input_scales(s, "mean")[0][0].item() == pytest.approx(3 / 7)
+    with pytest.raises(ValueError, match="strategy: expected one of"):
+        unify_input_scales(s, "min")
+    with pytest.raises(ValueError, match="w2_input_scale: expected finite, non-negative"):
+        unify_input_scales(torch.tensor([1.0, math.nan]), "max", "w2_input_scale")
+
+
+def test_experts_bad_input():
+    x, w13, w2, tw, ti = make_inputs()
+    t = list(nvfp4_experts_inputs(x, w13, w2))
+    bad = list(t)
+    bad[1] = t[1][:, :, :-1]
+    with pytest.raises(ValueError, match=r"w13_weight_scale: expected shape \[8, 128, 8\], got \[8, 128, 7\]"):
+        Nvfp4QuantizationEmulationTritonExperts(*bad)
+    bad = list(t)
+    bad[2] = t[2].double()
+    with pytest.raises(TypeError, match="w13_weight_scale_2: expected dtype torch.float32, got torch.float64"):
+        Nvfp4QuantizationEmulationTritonExperts(*bad)
+    with pytest.raises(ValueError, match="unknown MoE scheme 'w_mxfp5'"):
+        get_moe_scheme("w_mxfp5")
+    ex = TritonExperts(w13, w2, backend="torch")
+    with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 128\]"):
+        ex(x[:, :64], tw, ti)
+    with pytest.raises(TypeError, match="hidden_states: expected dtype torch.bfloat16, got torch.float32"):
+        ex(x.float(), tw, ti)
+    with pytest.raises(ValueError, match="backend: expected 'auto', 'triton' or 'torch'"):
+        TritonExperts(w13, w2, backend="cuda")(x, tw, ti)
