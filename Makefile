@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.mxlib-installed
 PYTEST_WORKERS ?= 2
+# glibc returns freed pages to the OS and maps fresh ones between PyTorch ops; on
+# full-size expert weights that costs more than the arithmetic. Keep them mapped.
+export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
+export MALLOC_MMAP_THRESHOLD_ ?= 4000000000
 
 .PHONY: install test test-unit test-notebooks workbook bench clean
 

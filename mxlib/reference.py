@@ -98,9 +98,10 @@ __all__ = [
 
 _E2M1 = get_element_format("e2m1")
 _E4M3 = get_element_format("e4m3")
-# Rows are processed in chunks of about this many elements to bound the fp32
-# temporaries on full-size expert weights (a 128-expert w13 is 400M elements).
-_CHUNK_ELEMENTS = 1 << 24
+# Rows are processed in chunks of about this many elements: it bounds the fp32
+# temporaries on full-size expert weights (a 128-expert w13 is 400M elements) and
+# keeps them small enough for the allocator to reuse instead of mapping fresh pages.
+_CHUNK_ELEMENTS = 1 << 19
 
 
 def _row_chunks(rows: int, row_elements: int) -> list[slice]:
@@ -149,17 +150,25 @@ def round_to_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Ten
         Finite values beyond ``max`` and +-Inf saturate to +-max (PTX
         ``cvt.rn.satfinite`` semantics); NaN stays NaN; the sign of zero is kept.
 
-    Method: with ``e = max(floor(log2|x|), 1 - bias)`` the grid spacing near
-    ``|x|`` is ``2**(e - mbits)``; ``|x| / spacing`` is exact and is rounded
-    with ``torch.round`` (half to even).
+    Method, on ``a = |x|`` (first clamped to ``2 * max`` so that Inf is finite):
+    in the format's normal range the fp32 mantissa is rounded to ``mbits`` bits on
+    the integer bits (add ``half - 1 + lsb``, clear the low bits: ties to even, a
+    carry moves to the exponent); below ``min_normal`` the grid step is the fixed
+    ``min_subnormal`` and ``(a + C) - C`` with ``C = min_subnormal * 2**23`` rounds to
+    it under fp32's own round-to-nearest-even.
     """
     fmt = get_element_format(element)
     x = x.float()
-    a = x.abs()
-    e = _fp32_exponent(a).clamp(min=1 - fmt.bias, max=127)
-    quantum_exp = e - fmt.mbits
-    r = torch.round(a * _exp2i(-quantum_exp)) * _exp2i(quantum_exp)
-    r = torch.minimum(r, torch.tensor(fmt.max, dtype=torch.float32, device=x.device))
+    a = torch.clamp(x.abs(), max=2.0 * fmt.max)
+    shift = 23 - fmt.mbits
+    bits = a.view(torch.int32)
+    lsb = torch.bitwise_right_shift(bits, shift) & 1
+    r = ((bits + ((1 << (shift - 1)) - 1) + lsb) & -(1 << shift)).view(torch.float32)
+    big = fmt.min_subnormal * 2.0**23
+    r = torch.where(a < fmt.min_normal, (a + big) - big, r)
+    r = torch.clamp(r, max=fmt.max)
+    if torch.isnan(a).any():
+        r = torch.where(torch.isnan(a), a, r)
     return torch.copysign(r, x)
 
 
@@ -186,22 +195,22 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     """
     fmt = get_element_format(element)
     r = round_to_element(x, fmt)
+    bits = r.view(torch.int32)
+    sign = torch.bitwise_right_shift(bits, 31) & 1
     a = r.abs()
-    bits = a.view(torch.int32)
-    exp = torch.bitwise_right_shift(bits, 23) - 127
-    mant = torch.bitwise_right_shift(bits, 23 - fmt.mbits) & (2**fmt.mbits - 1)
-    normal_code = torch.bitwise_left_shift(exp + fmt.bias, fmt.mbits) | mant
+    # normal: the fp32 exponent and top mantissa bits, re-biased; subnormal: a / min_subnormal
+    normal_code = torch.bitwise_right_shift(a.view(torch.int32), 23 - fmt.mbits) - ((127 - fmt.bias) << fmt.mbits)
     sub_code = (a * (2.0 ** (fmt.bias - 1 + fmt.mbits))).to(torch.int32)
     mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
-    sign = torch.signbit(r).to(torch.int32)
     nan = torch.isnan(r)
-    if fmt.specials == "fn":
-        mag = torch.where(nan, 2 ** (fmt.ebits + fmt.mbits) - 1, mag)
-    elif fmt.specials == "ieee":
-        mag = torch.where(nan, (2**fmt.ebits - 1) << fmt.mbits | (1 << (fmt.mbits - 1)), mag)
-    else:
-        mag = torch.where(nan, 0, mag)
-        sign = torch.where(nan, 0, sign)
+    if nan.any():
+        if fmt.specials == "fn":
+            mag = torch.where(nan, 2 ** (fmt.ebits + fmt.mbits) - 1, mag)
+        elif fmt.specials == "ieee":
+            mag = torch.where(nan, (2**fmt.ebits - 1) << fmt.mbits | (1 << (fmt.mbits - 1)), mag)
+        else:
+            mag = torch.where(nan, 0, mag)
+            sign = torch.where(nan, 0, sign)
     code = torch.bitwise_left_shift(sign, fmt.ebits + fmt.mbits) | mag
     return code.to(torch.uint8)
 
@@ -619,8 +628,7 @@ def quantize_nvfp4(
             bs = round_to_element(bs, _E4M3)
             denom = (bs * g).unsqueeze(-1)
             scaled = torch.where(denom == 0, 0.0, xb / torch.where(denom == 0, 1.0, denom))
-            mag = round_to_element(scaled.abs(), _E2M1)
-            codes = encode_element(mag, _E2M1) | torch.where(scaled < 0, 8, 0).to(torch.uint8)
+            codes = encode_element(scaled.abs(), _E2M1) | (scaled < 0).to(torch.uint8) << 3
             packed[ex, rows] = pack_codes(codes.reshape(-1, k), _E2M1)
             block_scale[ex, rows] = bs.to(torch.float8_e4m3fn)
     if x.ndim == 2:

@@ -1,0 +1,67 @@
+"""Error metrics that say how much was lost, and where.
+
+All metrics compare a test tensor against a reference (the bf16 model, or the
+unquantized activations) in float64:
+
+* ``rel_error``: ``||x - ref||_F / ||ref||_F``.
+* ``sqnr_db``: signal-to-quantization-noise ratio ``10 log10(||ref||^2 / ||x - ref||^2)``
+  (torchao's ``compute_error``); +inf when equal. Each halving of the error adds 6.02 dB.
+* ``top1_agreement``: fraction of positions whose argmax (next-token prediction) agrees.
+* ``kl_divergence``: mean over positions of ``KL(softmax(ref) || softmax(x))`` in nats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["rel_error", "sqnr_db", "top1_agreement", "kl_divergence", "compare_tensors", "compare_logits"]
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``||x - ref|| / ||ref||`` (0 when both are zero)."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """SQNR in dB: ``10 log10(sum(ref^2) / sum((x - ref)^2))``; +inf for an exact match."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    noise = ((x - ref) ** 2).sum().item()
+    signal = (ref**2).sum().item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def top1_agreement(logits: torch.Tensor, ref_logits: torch.Tensor) -> float:
+    """Fraction of positions where ``argmax`` over the vocabulary agrees."""
+    return (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item()
+
+
+def kl_divergence(logits: torch.Tensor, ref_logits: torch.Tensor) -> float:
+    """Mean ``KL(p_ref || p)`` over positions, in nats (logits of shape ``[..., vocab]``)."""
+    lp = torch.log_softmax(logits.detach().double().cpu(), dim=-1)
+    lq = torch.log_softmax(ref_logits.detach().double().cpu(), dim=-1)
+    return (lq.exp() * (lq - lp)).sum(-1).mean().item()
+
+
+def compare_tensors(x: torch.Tensor, ref: torch.Tensor) -> dict:
+    """``{"rel_error", "sqnr_db"}`` of one tensor against its reference."""
+    return {"rel_error": rel_error(x, ref), "sqnr_db": sqnr_db(x, ref)}
+
+
+def compare_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> dict:
+    """Relative error, SQNR, top-1 agreement and KL divergence of logits."""
+    return {
+        **compare_tensors(logits, ref_logits),
+        "top1_agreement": top1_agreement(logits, ref_logits),
+        "kl_divergence": kl_divergence(logits, ref_logits),
+    }

@@ -1,0 +1,121 @@
+"""Calibration: per layer and expert, the amax of the w13 input (a1) and w2 input (a2).
+
+ModelOpt and Quark calibrate static activation scales from the largest absolute
+value each Linear sees over a calibration set; in a MoE, each expert's gate/up
+projections see only the tokens routed to that expert (a1), and its down
+projection sees their SiLU-and-mul output (a2). ``calibrate`` runs the bf16 model
+on token ids with every experts module replaced by a recording twin that runs
+the reference MoE, and returns those maxima (and, if asked, the activations).
+
+Decode scales derived from them (``Calibration.input_scales``):
+NVFP4 ``amax / (6 * 448)``; static FP8 ``amax / 448``. An expert that received no
+calibration token has amax 0 and input scale 0 ("never calibrated").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..moe.experts import torch_moe
+from .qwen3 import expert_weights, moe_layers
+
+__all__ = ["LayerCalibration", "Calibration", "calibrate"]
+
+
+@dataclass
+class LayerCalibration:
+    """One layer's statistics. ``a1_amax``, ``a2_amax``, ``tokens``: fp32/int64 ``[E]``.
+
+    With ``keep_activations``: ``a1 [T, H]`` (layer input), ``topk_ids`` / ``topk_weights``
+    ``[T, k]``, ``a2 [T * k, I]`` (row ``t * k + j`` is the SiLU-and-mul output of token ``t``
+    in its ``j``-th expert).
+    """
+
+    a1_amax: torch.Tensor
+    a2_amax: torch.Tensor
+    tokens: torch.Tensor
+    a1: torch.Tensor | None = None
+    a2: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+
+
+@dataclass
+class Calibration:
+    layers: list[LayerCalibration] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def input_scales(self, layer: int, kind: str = "nvfp4") -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13_input_scale [E], w2_input_scale [E])`` decode scales for ``nvfp4`` or ``fp8``."""
+        div = {"nvfp4": 6.0 * 448.0, "fp8": 448.0}[kind]
+        lc = self.layers[layer]
+        return lc.a1_amax / div, lc.a2_amax / div
+
+
+class _RecordingExperts(torch.nn.Module):
+    def __init__(self, w13, w2, num_experts, keep):
+        super().__init__()
+        self.w13, self.w2, self.keep = w13, w2, keep
+        self.a1_amax = torch.zeros(num_experts)
+        self.a2_amax = torch.zeros(num_experts)
+        self.tokens = torch.zeros(num_experts, dtype=torch.int64)
+        self.kept: dict[str, list] = {"a1": [], "a2": [], "topk_ids": [], "topk_weights": []}
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1).long().cpu()
+        row_amax = hidden_states.detach().abs().amax(-1).float().cpu().repeat_interleave(k)
+        self.a1_amax.scatter_reduce_(0, flat, row_amax, reduce="amax")
+        self.tokens.scatter_add_(0, flat, torch.ones_like(flat))
+        a2_rows = torch.empty(flat.numel(), self.w2.shape[-1], dtype=hidden_states.dtype)
+
+        def record(act, row_experts):
+            amax = act.detach().abs().amax(-1).float().cpu()
+            self.a2_amax.scatter_reduce_(0, row_experts.long().cpu(), amax, reduce="amax")
+            if self.keep:
+                # act rows are this expert's pairs in ascending flat order
+                pairs = (flat == int(row_experts[0])).nonzero().squeeze(1)
+                a2_rows[pairs] = act.detach().cpu()
+            return act
+
+        out = torch_moe(hidden_states, self.w13, self.w2, top_k_weights.float(), top_k_index, record)
+        if self.keep:
+            self.kept["a1"].append(hidden_states.detach().cpu())
+            self.kept["a2"].append(a2_rows)
+            self.kept["topk_ids"].append(top_k_index.detach().cpu().to(torch.int32))
+            self.kept["topk_weights"].append(top_k_weights.detach().float().cpu())
+        return out
+
+
+@torch.no_grad()
+def calibrate(model, token_ids: torch.Tensor, keep_activations: bool = False, batch_size: int = 8) -> Calibration:
+    """Record per-expert amax of a1 and a2 in every MoE layer over ``token_ids [B, T]``.
+
+    The model must hold its bf16 experts (transformers' ``Qwen3MoeExperts``); they are
+    swapped for recording twins during the run and restored afterwards.
+    """
+    if token_ids.ndim != 2:
+        raise ValueError(f"token_ids: expected [batch, seq], got shape {list(token_ids.shape)}")
+    layers = moe_layers(model)
+    originals = [mlp.experts for mlp in layers]
+    num_experts = model.config.num_experts
+    recorders = []
+    for i, mlp in enumerate(layers):
+        w13, w2 = expert_weights(model, i)
+        rec = _RecordingExperts(w13, w2, num_experts, keep_activations)
+        recorders.append(rec)
+        mlp.experts = rec
+    try:
+        dev = next(model.parameters()).device
+        for b in range(0, token_ids.shape[0], batch_size):
+            model(input_ids=token_ids[b : b + batch_size].to(dev), use_cache=False)
+    finally:
+        for mlp, orig in zip(layers, originals):
+            mlp.experts = orig
+    out = Calibration(num_tokens=token_ids.numel())
+    for rec in recorders:
+        kept = {k: (torch.cat(v) if v else None) for k, v in rec.kept.items()}
+        out.layers.append(LayerCalibration(rec.a1_amax, rec.a2_amax, rec.tokens, **kept))
+    return out

@@ -1,0 +1,70 @@
+"""Run the workbook: every notebook through papermill on its defaults, then HTML.
+
+``python -m mxlib.workbook --out build/workbook`` (what ``make workbook`` runs) executes each
+entry of ``WORKBOOK`` and writes ``<out>/<name>.ipynb`` (executed copy) and ``<out>/<name>.html``
+(self-contained: plotly.js is embedded). ``--only NAME`` runs the entries whose name contains
+NAME. Results JSON written by the notebooks land in ``<out>/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+# (output name, notebook, parameters beyond the defaults)
+WORKBOOK: list[tuple[str, str, dict]] = [
+    ("01_end_to_end-nvfp4", "01_end_to_end.ipynb", {}),
+    ("01_end_to_end-mxfp4", "01_end_to_end.ipynb", {"scheme": "mxfp4"}),
+]
+
+
+def _extra_entries() -> list[tuple[str, str, dict]]:
+    """Every other notebook in notebooks/, once, on its defaults."""
+    listed = {nb for _, nb, _ in WORKBOOK}
+    return [(p.stem, p.name, {}) for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.name not in listed]
+
+
+def run(out: Path, only: str | None = None) -> list[tuple[str, float]]:
+    import nbformat
+    import papermill as pm
+    from nbconvert import HTMLExporter
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results").mkdir(exist_ok=True)
+    done = []
+    for name, nb, params in WORKBOOK + _extra_entries():
+        if only and only not in name:
+            continue
+        params = dict(params)
+        params.setdefault("results_path", str((out / "results" / f"{name}.json").resolve()))
+        t0 = time.perf_counter()
+        print(f"[workbook] {name}: {nb} {params}", flush=True)
+        executed = out / f"{name}.ipynb"
+        pm.execute_notebook(str(NOTEBOOKS / nb), str(executed), parameters=params, kernel_name="python3",
+                            cwd=str(NOTEBOOKS), progress_bar=False)
+        body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+        (out / f"{name}.html").write_text(body, encoding="utf-8")
+        seconds = time.perf_counter() - t0
+        done.append((name, seconds))
+        print(f"[workbook] {name}: done in {seconds:.0f} s -> {executed} and {name}.html", flush=True)
+    return done
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(ROOT / "build" / "workbook"))
+    ap.add_argument("--only", default=None)
+    args = ap.parse_args(argv)
+    done = run(Path(args.out), args.only)
+    for name, s in done:
+        print(f"{name:40s} {s:7.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
