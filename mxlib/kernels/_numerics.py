@@ -23,11 +23,16 @@ Element formats are passed as constexprs ``EBITS, MBITS, SPECIALS`` with
 2 (e5m2: IEEE-like Inf/NaN).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
+# Kernel modules are imported after TRITON_INTERPRET is set (or not), so this is fixed per process.
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
 # fp32 constants as bit patterns, so that no NaN literal passes through Python floats
-_NAN_BITS = 0x7FC00000
+_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -41,6 +46,14 @@ def exp2i(n):
 @triton.jit
 def fp32_nan_like(x):
     return tl.full(x.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def negate_where(x, cond):
+    """``-x`` where ``cond``, by flipping the sign bit: Triton's unary minus is ``0 - x``,
+    which turns ``-(+0.0)`` into ``+0.0`` instead of ``-0.0``."""
+    bits = x.to(tl.int32, bitcast=True) ^ tl.where(cond, -2147483648, 0)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -71,8 +84,9 @@ def to_bf16_rne(x):
 
 @triton.jit
 def cast_out(x, OUT_DTYPE: tl.constexpr):
-    """fp32 -> output dtype with one correct rounding (bf16 through ``to_bf16_rne``)."""
-    if OUT_DTYPE == tl.bfloat16:
+    """fp32 -> output dtype with one correct rounding (bf16 through ``to_bf16_rne`` in the
+    interpreter; compiled, the hardware's round-to-nearest-even conversion)."""
+    if OUT_DTYPE == tl.bfloat16 and INTERPRETING:
         return to_bf16_rne(x)
     else:
         return x.to(OUT_DTYPE)
@@ -90,17 +104,17 @@ def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.conste
     """Round fp32 ``x`` to the element grid: nearest, ties to even, saturating to +-MAX.
 
     NaN stays NaN, +-Inf saturates, the sign of zero is kept (as
-    ``mxlib.reference.round_to_element``).
+    ``mxlib.reference.round_to_element``). With ``e = max(floor(log2|x|), 1 - bias)`` the
+    grid step near ``|x|`` is ``2**(e - MBITS)``; adding and subtracting
+    ``C = 1.5 * 2**(e - MBITS + 23)``, whose fp32 ulp is that step, rounds to it under
+    fp32's own round-to-nearest-even. Values above MAX (Inf included) and NaN are
+    replaced afterwards, so the garbage C of huge exponents never escapes.
     """
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
     a = tl.abs(x)
-    e = (a.to(tl.int32, bitcast=True) >> 23) - 127
-    e = tl.minimum(tl.maximum(e, 1 - BIAS), 127)
-    qe = e - MBITS
-    v = a * exp2i(-qe)
-    # v < 2**(MBITS + 1) for finite x: round half to even with the 1.5 * 2**23 trick.
-    v = tl.where(v < 4194304.0, v, 0.0)
-    r = ((v + 12582912.0) - 12582912.0) * exp2i(qe)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 1 - BIAS)
+    c = (((e - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (a + c) - c
     r = tl.where(a > MAX, MAX, r)
     r = tl.where(a != a, a, r)
     sign = x.to(tl.int32, bitcast=True) & -2147483648
@@ -149,7 +163,7 @@ def decode_element(code, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.
         v = tl.where((exp_field == EMASK) & (mant == MMASK), fp32_nan_like(v), v)
     elif SPECIALS == 2:
         v = tl.where(exp_field == EMASK, tl.where(mant == 0, float("inf"), fp32_nan_like(v)), v)
-    return tl.where(sign == 1, -v, v)
+    return negate_where(v, sign == 1)
 
 
 @triton.jit
@@ -214,4 +228,4 @@ def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
 def round_e2m1_signed_like_seed(v):
     """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed)."""
     mag = round_to_element(tl.abs(v), 2, 1, 6.0)
-    return tl.where(v < 0, -mag, mag)
+    return negate_where(mag, v < 0)

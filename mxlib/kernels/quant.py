@@ -46,15 +46,22 @@ def _fmt_args(fmt: ElementFormat) -> dict:
     return dict(EBITS=fmt.ebits, MBITS=fmt.mbits, EMAX=fmt.emax, MAX=fmt.max, SPECIALS=_SPECIALS_ID[fmt.specials])
 
 
-def _tiles(rows: int, k: int, max_block_k: int = 512, elements: int = 4096) -> tuple[int, int]:
-    block_k = min(max_block_k, triton.next_power_of_2(k))
-    block_r = max(1, min(triton.next_power_of_2(rows), elements // block_k))
+# Tile size (elements per program) and warps of the elementwise kernels; measured on the
+# H200 by ``python -m mxlib.bench quant --sweep`` (README lists the result).
+TILE_ELEMENTS = 4096
+NUM_WARPS = 4
+MAX_BLOCK_K = 512
+
+
+def _tiles(rows: int, k: int) -> tuple[int, int]:
+    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
+    block_r = max(1, min(triton.next_power_of_2(rows), TILE_ELEMENTS // block_k))
     return block_r, block_k
 
 
 def _launch_opts() -> dict:
     # fp fusion off: no mul+add contraction into FMA, so every rounding is the reference's.
-    return dict(num_warps=4, enable_fp_fusion=False)
+    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 # ----------------------------------------------------------------------------- MX kernels
@@ -500,6 +507,6 @@ def quant_dequant_fp8_per_tensor(x, scale, dtype=None):
     out = torch.empty(xf.shape, dtype=dtype, device=x.device)
     n = xf.numel()
     if n:
-        block = 1024
+        block = TILE_ELEMENTS
         _fp8_qdq_kernel[(triton.cdiv(n, block),)](xf, scale, out, n, _TL_DTYPE[dtype], block, **_launch_opts())
     return out.reshape(x.shape)
