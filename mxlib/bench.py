@@ -82,6 +82,35 @@ def bench_quant(rows: int = 65536, k: int = 2048) -> dict:
     return {"env": _env(), "copy_gbs": copy_gbs, "shape": [rows, k], "results": results}
 
 
+def sweep_quant(rows: int = 65536, k: int = 2048) -> list[dict]:
+    """Tile size / warps sweep of the elementwise kernels (QDQ, dequantize)."""
+    from . import kernels as K
+    from .kernels import quant as Q
+
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    p, s = K.quantize_mx(x, "e2m1")
+    pn, sn, gn = K.quantize_nvfp4(x.reshape(128, -1, k))
+    gs = torch.tensor([100.0], device="cuda")
+    out = []
+    saved = (Q.TILE_ELEMENTS, Q.NUM_WARPS, Q.MAX_BLOCK_K)
+    for tile in (2048, 4096, 8192, 16384):
+        for warps in (4, 8):
+            for max_bk in (256, 512, 1024):
+                if max_bk > tile:
+                    continue
+                Q.TILE_ELEMENTS, Q.NUM_WARPS, Q.MAX_BLOCK_K = tile, warps, max_bk
+                r = dict(tile=tile, warps=warps, max_block_k=max_bk,
+                         qdq_mx=_median_ms(lambda: K.quant_dequant_mx(x, "e2m1")),
+                         qdq_nvfp4=_median_ms(lambda: K.ref_nvfp4_quant_dequant(x, gs)),
+                         deq_mx=_median_ms(lambda: K.dequantize_mx(p, s, "e2m1")),
+                         deq_nvfp4=_median_ms(lambda: K.dequantize_to_dtype(pn, sn, gn, torch.bfloat16)))
+                out.append(r)
+                print("[sweep] " + " ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in r.items()),
+                      flush=True)
+    Q.TILE_ELEMENTS, Q.NUM_WARPS, Q.MAX_BLOCK_K = saved
+    return out
+
+
 def _print_quant(res: dict) -> None:
     e = res["env"]
     print(f"# {e['device']}  torch {e['torch']}  triton {e['triton']}  {e['date']}")
@@ -95,17 +124,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["quant", "moe"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="quant: sweep tile sizes and warps first")
     args, rest = ap.parse_known_args(argv)
     if not torch.cuda.is_available():
         print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")
         return 2
     if args.what == "quant":
+        sweep = sweep_quant() if args.sweep else None
         res = bench_quant()
+        res["sweep"] = sweep
         _print_quant(res)
     else:
         from .bench_moe import main as moe_main
 
-        return moe_main(rest, json_path=args.json)
+        return moe_main(rest + (["--sweep"] if args.sweep else []), json_path=args.json)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

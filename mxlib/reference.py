@@ -735,13 +735,16 @@ def dequantize_to_dtype(
 
 
 def quant_dequant_fp8_per_tensor(
-    x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype | None = None
+    x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype | None = None, check_scale: bool = True
 ) -> torch.Tensor:
     """Static per-tensor FP8 e4m3 QDQ, vLLM's ``scaled_fp8_quant`` then dequantize.
 
     ``q = e4m3(clamp(x * (1 / scale), -448, 448))`` (RNE), ``dq = fp32(q) * scale``,
     cast once to ``dtype`` (default ``x.dtype``). ``scale`` is the checkpoint's
     ``input_scale`` (a decode scale, amax / 448), a positive fp32 scalar.
+
+    ``check_scale=False`` skips the value check (a device synchronization), for callers that
+    validated the scale once, such as the experts' forward.
 
     Raises:
         ValueError: ``scale`` is not a single positive finite value.
@@ -754,7 +757,7 @@ def quant_dequant_fp8_per_tensor(
     if scale.numel() != 1:
         raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
     scale = scale.float().reshape(())
-    if not (torch.isfinite(scale) and scale > 0):
+    if check_scale and not (torch.isfinite(scale) and scale > 0):
         raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
     inv = 1.0 / scale
     q = round_to_element(torch.clamp(x.float() * inv, -448.0, 448.0), _E4M3)

@@ -17,6 +17,7 @@ import traceback
 import triton
 import triton.language as tl
 
+from mxlib.kernels import fused_dequant_moe as D
 from mxlib.kernels import fused_moe as F
 from mxlib.kernels import quant as Q
 
@@ -52,8 +53,9 @@ def mx_kernels(el, mode, dtype):
                         BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._mx_quantize_kernel, {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
                    dict(fmt_consts(el), SCALE_MODE=mode, BS=32, BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._mx_dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": f"*{dtype}"},
-                   dict(fmt_consts(el, ("EBITS", "MBITS", "SPECIALS")), BS=32, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
+    compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
+                   dict(fmt_consts(el, ("EBITS", "MBITS", "SPECIALS")), BS=32, NVFP4=False, OUT_DTYPE=out, BLOCK_R=8,
+                        BLOCK_K=512))
 
 
 def nvfp4_kernels(divide):
@@ -61,8 +63,8 @@ def nvfp4_kernels(divide):
                    dict(DIVIDE=divide, BS=16, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._nvfp4_quantize_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
                    dict(ZERO_BLOCK_ONE=not divide, BS=16, BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._nvfp4_dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
-                   dict(BS=16, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+    compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
+                   dict(EBITS=2, MBITS=1, SPECIALS=0, BS=16, NVFP4=True, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._fp8_qdq_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
                    dict(OUT_DTYPE=tl.float16, BLOCK=1024))
 
@@ -79,8 +81,24 @@ def fused_moe(mul_routed_weight):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
 
 
+def fused_dequant(w_fmt, nvfp4, gated, a2_kind):
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "c_ptr": "*bf16",
+            "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+            "num_tokens_post_padded_ptr": "*i32", "act_scale_ptr": "*fp32"}
+    eb, mb, _, _, sp = FMT[w_fmt]
+    a2 = FMT["e3m2"]
+    k = compile_kernel(D.fused_moe_dequant_kernel, ptrs, dict(
+        W_EBITS=eb, W_MBITS=mb, W_SPECIALS=sp, W_BS=16 if nvfp4 else 32, W_NVFP4=nvfp4,
+        GATED=gated, A2_KIND=a2_kind, A2_EBITS=a2[0], A2_MBITS=a2[1], A2_EMAX=a2[2], A2_MAX=a2[3], A2_SCALE_MODE=1,
+        A2_BS=16 if a2_kind == 2 else 32, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+        GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, UPCAST=False))
+    assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
+
+
 JOBS = [(mx_kernels, a) for a in [("e2m1", 1, "bf16"), ("e2m3", 0, "bf16"), ("e3m2", 2, "fp16"), ("e4m3", 0, "fp32"), ("e5m2", 1, "bf16")]]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
+JOBS += [(fused_dequant, a) for a in [("e2m1", True, True, 2), ("e2m1", False, True, 1), ("e3m2", False, True, 3),
+                                      ("e2m3", False, True, 0), ("e2m1", True, False, 0), ("e4m3", False, False, 0)]]
 
 
 def main() -> int:

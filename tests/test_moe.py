@@ -26,7 +26,7 @@ from mxlib.moe import (
 )
 from mxlib.cases import NAMED_CASES
 
-E, H, I, M, TOPK = 8, 128, 64, 7, 2
+E, H, I, M, TOPK = 8, 96, 64, 7, 2
 
 
 def rel_err(a, b):
@@ -342,7 +342,7 @@ def test_experts_bad_input():
     t = list(nvfp4_experts_inputs(x, w13, w2))
     bad = list(t)
     bad[1] = t[1][:, :, :-1]
-    with pytest.raises(ValueError, match=r"w13_weight_scale: expected shape \[8, 128, 8\], got \[8, 128, 7\]"):
+    with pytest.raises(ValueError, match=r"w13_weight_scale: expected shape \[8, 128, 6\], got \[8, 128, 5\]"):
         Nvfp4QuantizationEmulationTritonExperts(*bad)
     bad = list(t)
     bad[2] = t[2].double()
@@ -351,9 +351,72 @@ def test_experts_bad_input():
     with pytest.raises(ValueError, match="unknown MoE scheme 'w_mxfp5'"):
         get_moe_scheme("w_mxfp5")
     ex = TritonExperts(w13, w2, backend="torch")
-    with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 128\]"):
+    with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 96\]"):
         ex(x[:, :64], tw, ti)
     with pytest.raises(TypeError, match="hidden_states: expected dtype torch.bfloat16, got torch.float32"):
         ex(x.float(), tw, ti)
-    with pytest.raises(ValueError, match="backend: expected 'auto', 'triton' or 'torch'"):
+    with pytest.raises(ValueError, match="backend: expected one of"):
         TritonExperts(w13, w2, backend="cuda")(x, tw, ti)
+
+
+# ----------------------------------------------------------------------------- fused emulation
+
+
+def fused_reference_fp64(ex, x, tw, ti):
+    """float64 MoE from the experts' own dequantized weights and QDQ'd activations (the
+    operands the fused kernel must reproduce); a2 is QDQ'd from the bf16-rounded activation."""
+    w13, w2 = ex.dequantized_weights()
+    a1, per_pair = ex.quantize_input(x, ti, "torch")
+    k = ti.shape[1]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    i = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(k):
+            e = int(ti[t, j])
+            row = a1[t * k + j] if per_pair else a1[t]
+            h = (w13[e].double() @ row.double()).to(x.dtype).double()
+            act = (torch.nn.functional.silu(h[:i]) * h[i:]).to(x.dtype).unsqueeze(0)
+            act = ex.quantize_intermediate(act, torch.tensor([e]), "torch").double()[0]
+            out[t] += float(tw[t, j]) * (w2[e].double() @ act)
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3", "w_mxfp4_a_mxfp6_e2m3"])
+def test_fused_matches_seed_style_and_fp64(scheme, device):
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=6)
+    ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
+    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ex.backend = "triton"
+    seed_style = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ex_cpu = build_experts(scheme, x, w13, w2, backend="torch")
+    oracle = fused_reference_fp64(ex_cpu, x, tw, ti)
+    # bf16 GEMM outputs and a2 rounding: both paths land ~1e-3 from the fp64 oracle
+    assert rel_err(fused, oracle) < 5e-3
+    assert rel_err(seed_style, oracle) < 5e-3
+    assert rel_err(fused, seed_style) < 5e-3
+
+
+def test_fused_edge_cases(device):
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=7, e=16)
+    ti[:] = 11  # every pair on one expert; 15 experts idle
+    ti[:, 1] = 11
+    t = nvfp4_experts_inputs(x, w13[:8], w2[:8])  # quantize 8 experts, then reuse them for 16
+    x16 = [torch.cat([v, v]) if v.shape[0] == 8 else v for v in t]
+    ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in x16], backend="fused")
+    ex_ref = Nvfp4QuantizationEmulationTritonExperts(*x16, backend="torch")
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3
+    one = ex(x[:1].to(device), tw[:1].to(device), ti[:1].to(device)).cpu()  # M = 1
+    assert rel_err(one, fused_reference_fp64(ex_ref, x[:1], tw[:1], ti[:1])) < 5e-3
+
+
+def test_fused_per_expert_scales(device):
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=8)
+    t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], scale_strategy="per_expert",
+                                                     backend="fused")
+        ex_ref = Nvfp4QuantizationEmulationTritonExperts(*t, scale_strategy="per_expert", backend="torch")
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3

@@ -229,3 +229,94 @@ def round_e2m1_signed_like_seed(v):
     """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed)."""
     mag = round_to_element(tl.abs(v), 2, 1, 6.0)
     return negate_where(mag, v < 0)
+
+
+# ----------------------------------------------------------------------------- tiles
+# Helpers on whole tiles, shared by the standalone kernels (quant.py) and the fused
+# MoE kernels (fused_dequant_moe.py). Scale blocks always run along the last axis.
+
+
+@triton.jit
+def load_codes(row_ptrs, rmask, k0, K, NBITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 codes ``[BLOCK_R, BLOCK_K]`` of elements ``k0 ...`` from packed rows.
+
+    ``row_ptrs [BLOCK_R]`` point at the packed rows (uint8; FP4 two codes a byte, low
+    nibble first; FP6 four codes in three bytes, little-endian; FP8 one a byte).
+    """
+    if NBITS == 8:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m = rmask[:, None] & (cols < K)[None, :]
+        return tl.load(row_ptrs[:, None] + cols[None, :], mask=m, other=0).to(tl.int32)
+    elif NBITS == 4:
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        m = rmask[:, None] & (pcols < K // 2)[None, :]
+        b = tl.load(row_ptrs[:, None] + pcols[None, :], mask=m, other=0).to(tl.int32)
+        return tl.reshape(tl.join(b & 0xF, b >> 4), (BLOCK_R, BLOCK_K))
+    else:
+        groups = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        m = rmask[:, None] & (groups < K // 4)[None, :]
+        base = row_ptrs[:, None] + 3 * groups[None, :]
+        b0 = tl.load(base, mask=m, other=0).to(tl.int32)
+        b1 = tl.load(base + 1, mask=m, other=0).to(tl.int32)
+        b2 = tl.load(base + 2, mask=m, other=0).to(tl.int32)
+        word = b0 | (b1 << 8) | (b2 << 16)
+        v0 = word & 0x3F
+        v1 = (word >> 6) & 0x3F
+        v2 = (word >> 12) & 0x3F
+        v3 = (word >> 18) & 0x3F
+        return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def dequant_tile(codes, scale_bytes, g, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr,
+                 BS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 values of a code tile: ``value * 2**(s - 127)`` (MX, E8M0 bytes), or vLLM's
+    ``e2m1 * (fp32(e4m3 scale) * g)`` (NVFP4, ``g [BLOCK_R, 1]`` the decode global scale)."""
+    v = tl.reshape(decode_element(codes, EBITS, MBITS, SPECIALS), (BLOCK_R, BLOCK_K // BS, BS))
+    if NVFP4:
+        block = decode_e4m3(scale_bytes) * g
+    else:
+        block = decode_e8m0(scale_bytes)
+    return tl.reshape(v * block[:, :, None], (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def mx_qdq_tile(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
+                SCALE_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OCP MX QDQ of an fp32 tile (blocks of BS along the last axis); returns (values, E8M0 bytes)."""
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    fin = is_finite(xb)
+    amax = tl.max(tl.where(fin, tl.abs(xb), 0.0), axis=2)
+    bad = tl.max(tl.where(fin, 0, 1), axis=2)
+    byte = e8m0_scale_byte(amax, bad == 0, EMAX, MBITS, MAX, SCALE_MODE)
+    v = round_to_element(xb * exp2i(127 - byte)[:, :, None], EBITS, MBITS, MAX)
+    return v, byte
+
+
+@triton.jit
+def mx_qdq_values(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
+                  SCALE_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OCP MX quantize-then-dequantize of an fp32 tile, fp32 out (exact)."""
+    v, byte = mx_qdq_tile(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
+    return tl.reshape(v * decode_e8m0(byte)[:, :, None], (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """NVFP4 QDQ of an fp32 tile with the seed's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1]."""
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    has_nan = tl.max(tl.where(xb != xb, 1, 0), axis=2)
+    amax = tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=2)
+    s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
+    e = round_e2m1_signed_like_seed(clamp_keep_nan(xb * q[:, :, None], -6.0, 6.0))
+    dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
+    dq = tl.where((has_nan != 0)[:, :, None], fp32_nan_like(dq), dq)
+    return tl.reshape(dq, (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def fp8_qdq_values(x, scale):
+    """Static per-tensor e4m3 QDQ: ``e4m3(clamp(x * (1 / scale))) * scale`` (vLLM's scaled_fp8_quant)."""
+    inv = tl.math.div_rn(1.0 + tl.zeros_like(x), scale + tl.zeros_like(x))
+    q = round_to_element(clamp_keep_nan(x * inv, -448.0, 448.0), 4, 3, 448.0)
+    return q * scale

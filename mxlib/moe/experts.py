@@ -18,8 +18,10 @@ input ``a1`` and the intermediate activation ``a2`` in the scheme's activation
 format, and run the same bf16 path. ``expects_unquantized_inputs`` is true:
 they take bf16 hidden states and do the activation QDQ themselves.
 
-Backends: ``"triton"`` (Triton kernels; on the CPU only under
-``TRITON_INTERPRET=1``), ``"torch"`` (the pure-PyTorch reference MoE below, which
+Backends: ``"triton"`` (Triton kernels, the seed's design: dequantize all experts,
+then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (the emulation
+subclasses only: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
+epilogue, ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch reference MoE below, which
 dequantizes only the experts that received tokens: it serves full-size CPU runs),
 ``"auto"`` (triton for CUDA tensors, torch otherwise). Both give the same QDQ bits;
 the GEMMs agree within fp32-accumulation tolerance.
@@ -58,16 +60,20 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+BACKENDS = ("auto", "triton", "fused", "torch")
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend: expected 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return backend
 
 
 def _ops(backend: str):
-    """The quantization functions of a backend: the reference or its Triton twins."""
+    """The quantization functions of a backend: the reference or its Triton twins
+    (``triton`` and ``fused`` both QDQ the layer input with the standalone kernels)."""
     if backend == "torch":
         return _ref
     from .. import kernels
@@ -217,6 +223,9 @@ class TritonExperts(torch.nn.Module):
 
     quant_dtype: str | None = None
     expects_unquantized_inputs = False
+    # Tile configuration overrides (``MoEGemmConfig`` / ``FusedConfig``); None picks by batch size.
+    gemm_config = None
+    fused_config = None
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
@@ -283,6 +292,12 @@ class TritonExperts(torch.nn.Module):
         def qi(x, row_experts):
             return self.quantize_intermediate(x, row_experts, backend)
 
+        if backend == "fused" and isinstance(self, _QuantizedExperts):
+            from ..kernels.fused_dequant_moe import invoke_fused_dequant_moe
+
+            w13p, w2p = self._packed()
+            return invoke_fused_dequant_moe(a1, w13p, w2p, topk_weights, topk_ids, self._a2_qdq(), a1_per_pair,
+                                            self.fused_config)
         if backend == "torch":
             return torch_moe(
                 a1,
@@ -295,14 +310,14 @@ class TritonExperts(torch.nn.Module):
         w13, w2 = self.dequantized_weights()
         m, k = topk_ids.shape
         num_experts, two_i, h = w13.shape
-        config = get_moe_config(m, num_experts, k, two_i, h)
+        config = self.gemm_config or get_moe_config(m, num_experts, k, two_i, h)
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config.BLOCK_SIZE_M, num_experts)
         cache1 = torch.empty(m * k, two_i, dtype=a1.dtype, device=a1.device)
         invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, sorted_ids, expert_ids, num_post,
                                 False, 1 if a1_per_pair else k, config)
         cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
         cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
-        config2 = get_moe_config(m, num_experts, k, h, two_i // 2)
+        config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
         if config2.BLOCK_SIZE_M != config.BLOCK_SIZE_M:
             sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config2.BLOCK_SIZE_M, num_experts)
         invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, sorted_ids, expert_ids, num_post, True, 1, config2)
@@ -331,8 +346,23 @@ class _QuantizedExperts(TritonExperts):
         return t
 
     def dequantized_weights(self):
-        ops = _ops(_resolve_backend(self.backend, self._device()))
-        return self._dequantize(ops, slice(None))
+        backend = _resolve_backend(self.backend, self._device())
+        return self._dequantize(_ops("torch" if backend == "torch" else "triton"), slice(None))
+
+    def _packed(self):
+        """(w13, w2) as ``PackedWeights`` for the fused kernel."""
+        from ..kernels.fused_dequant_moe import PackedWeights
+
+        fmt = self._weight_format()
+        nv = fmt.name == "e2m1" and isinstance(self, Nvfp4QuantizationEmulationTritonExperts)
+        spec = {"none": 0, "fn": 1, "ieee": 2}[fmt.specials]
+        bs = 16 if nv else 32
+
+        def pack(w, sc, g):
+            return PackedWeights(w, sc.view(torch.uint8), fmt.ebits, fmt.mbits, spec, bs, nv, g if nv else None)
+
+        return (pack(self.w13_weight, self.w13_weight_scale, getattr(self, "w13_weight_scale_2", None)),
+                pack(self.w2_weight, self.w2_weight_scale, getattr(self, "w2_weight_scale_2", None)))
 
     def dequantized_expert(self, e: int):
         w13, w2 = self._dequantize(_ref, slice(e, e + 1))
@@ -403,6 +433,14 @@ class Nvfp4QuantizationEmulationTritonExperts(_QuantizedExperts):
         a2, self._a2_uniform = unify_input_scales(self.w2_input_scale, strategy, "w2_input_scale")
         self.register_buffer("a13_gscale", a13, persistent=False)
         self.register_buffer("a2_gscale", a2, persistent=False)
+
+    def _weight_format(self):
+        return _ref.get_element_format("e2m1")
+
+    def _a2_qdq(self):
+        from ..kernels.fused_dequant_moe import ActivationQDQ
+
+        return ActivationQDQ(kind=2, block_size=16, scale=self.a2_gscale)
 
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
@@ -499,6 +537,20 @@ class OCP_MXQuantizationEmulationTritonExperts(_QuantizedExperts):
             self._act_element = _ref.get_element_format(
                 {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[self.scheme.activation]).name
 
+    def _weight_format(self):
+        return _ref.get_element_format(self._element)
+
+    def _a2_qdq(self):
+        from ..kernels.fused_dequant_moe import ActivationQDQ
+
+        if self.scheme.activation is None:
+            return ActivationQDQ()
+        if self.scheme.activation == FP8_PER_TENSOR:
+            return ActivationQDQ(kind=3, scale=self.a2_scale)
+        f = _ref.get_element_format(self._act_element)
+        return ActivationQDQ(kind=1, ebits=f.ebits, mbits=f.mbits, emax=f.emax, max=f.max,
+                             scale_mode={"floor": 0, "even": 1, "rceil": 2}[self.activation_scale_mode], block_size=32)
+
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
         w13 = ops.dequantize_mx(self.w13_weight[sel], self.w13_weight_scale[sel], self._element, 32, dt)
@@ -509,7 +561,7 @@ class OCP_MXQuantizationEmulationTritonExperts(_QuantizedExperts):
         if self.scheme.activation is None:
             return x
         if self.scheme.activation == FP8_PER_TENSOR:
-            return ops.quant_dequant_fp8_per_tensor(x, getattr(self, scale_name))
+            return ops.quant_dequant_fp8_per_tensor(x, getattr(self, scale_name), check_scale=False)
         return ops.quant_dequant_mx(x, self._act_element, 32, self.activation_scale_mode)
 
     def quantize_input(self, a1, topk_ids, backend):

@@ -1,0 +1,316 @@
+"""MoE-layer benchmark on the GPU: bf16 TritonExperts vs seed-style vs fused emulation.
+
+``python -m mxlib.bench moe [--schemes nvfp4,w_mxfp4_a_mxfp4] [--tokens 1,16,256] [--sweep] [--model]
+[--json PATH]``
+
+At the Qwen3-30B-A3B MoE layer shape (E 128, top-8, H 2048, I 768), for every scheme
+and token count M, it times with CUDA events (``triton.testing.do_bench``: warm-up,
+median) each path on the same inputs:
+
+* ``bf16``: ``TritonExperts`` on unquantized bf16 weights (the ceiling);
+* ``seed_torch``: the seed as merged in vLLM: PyTorch-op dequantization of every expert
+  and PyTorch-op activation QDQ, then the bf16 Triton GEMMs;
+* ``seed``: mxlib's seed-style emulation, the same design with mxlib's Triton
+  dequantize / QDQ kernels;
+* ``fused``: the fused dequantize-GEMM emulation (``backend="fused"``).
+
+Reported per path: eager median, CUDA-graph replay median (the forward captured at that
+M), peak extra device memory over the forward, and for ``fused`` the fraction of the
+memory floor (packed weights and scales of the experts hit + activations in and out,
+at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
+(measured in the same run). ``--sweep`` first tries tile configurations per M and uses
+the fastest. ``--model`` adds whole-model forward times (4 and 48 layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import warnings
+
+import torch
+
+from . import reference as R
+from .kernels.fused_dequant_moe import FusedConfig
+from .kernels.fused_moe import MoEGemmConfig
+from .moe import experts as X
+from .moe.routing import fused_topk
+from .moe.schemes import FP8_PER_TENSOR, OCP_MX_SCHEMES, get_moe_scheme
+
+E, TOPK, H, I = 128, 8, 2048, 768
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+
+FUSED_CANDIDATES = [
+    FusedConfig(16, 64, 128, 1, 4, 3), FusedConfig(16, 64, 256, 1, 4, 3), FusedConfig(16, 128, 128, 1, 4, 3),
+    FusedConfig(16, 64, 128, 1, 4, 4), FusedConfig(32, 64, 128, 1, 4, 3), FusedConfig(32, 128, 128, 4, 8, 3),
+    FusedConfig(64, 64, 128, 4, 4, 3), FusedConfig(64, 128, 64, 4, 8, 3), FusedConfig(64, 128, 128, 8, 8, 3),
+    FusedConfig(128, 128, 64, 8, 8, 3), FusedConfig(128, 64, 64, 8, 4, 3), FusedConfig(128, 128, 128, 8, 8, 3),
+]
+BF16_CANDIDATES = [
+    MoEGemmConfig(16, 64, 128, 1, 4, 4), MoEGemmConfig(16, 128, 128, 1, 4, 3), MoEGemmConfig(16, 64, 256, 1, 4, 3),
+    MoEGemmConfig(32, 64, 128, 8, 4, 4), MoEGemmConfig(32, 128, 64, 8, 4, 4), MoEGemmConfig(64, 64, 64, 8, 4, 4),
+    MoEGemmConfig(64, 128, 64, 8, 4, 4), MoEGemmConfig(64, 128, 64, 8, 8, 3), MoEGemmConfig(128, 128, 64, 8, 8, 3),
+    MoEGemmConfig(128, 256, 64, 8, 8, 3),
+]
+
+
+def _ms(fn, rep=50) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def _graph_ms(fn) -> float:
+    """Median replay time of ``fn`` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return _ms(g.replay)
+
+
+def _peak_extra_mb(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e6
+
+
+def machine_ceilings() -> dict:
+    from .bench import copy_bandwidth
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = _ms(lambda: a @ b, rep=200)
+    return {"copy_gbs": copy_bandwidth(), "bf16_tflops": 2 * 8192**3 / (ms * 1e-3) / 1e12}
+
+
+def build_layer(scheme: str, seed: int = 0):
+    """bf16 weights of one layer and its emulation experts (quantized with the Triton kernels)."""
+    from . import kernels as K
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    w2 = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    s = get_moe_scheme(scheme)
+    # activation scales from a calibration-like pass: a1 ~ N(0, 1) rows, a2 from the bf16 layer
+    x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    tw, ti = fused_topk(torch.randn(4096, E, device="cuda", generator=g), TOPK)
+    a2_amax = torch.zeros(E, device="cuda")
+
+    def record(act, rows):
+        a2_amax.scatter_reduce_(0, rows.long(), act.abs().amax(-1).float(), reduce="amax")
+        return act
+
+    bf16 = X.TritonExperts(w13, w2, backend="triton")
+    bf16.quantize_intermediate = lambda a2, rows, backend: record(a2, rows)
+    bf16(x, tw, ti)
+    del bf16.quantize_intermediate
+    a1_amax = torch.full((E,), float(x.float().abs().amax()), device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if s.name == "nvfp4":
+            p13, s13, g13 = K.quantize_nvfp4(w13)
+            p2, s2, g2 = K.quantize_nvfp4(w2)
+            em = X.Nvfp4QuantizationEmulationTritonExperts(p13, s13, g13, p2, s2, g2, a1_amax / 2688, a2_amax / 2688,
+                                                           backend="fused")
+        else:
+            el = s.weight_scheme.element.name
+            p13, s13 = K.quantize_mx(w13, el)
+            p2, s2 = K.quantize_mx(w2, el)
+            kw = {}
+            if s.activation == FP8_PER_TENSOR:
+                kw = dict(w13_input_scale=a1_amax / 448, w2_input_scale=a2_amax / 448)
+            em = X.OCP_MXQuantizationEmulationTritonExperts(s.name, p13, s13, p2, s2, backend="fused", **kw)
+    return w13, w2, em
+
+
+def _packed_bytes_per_expert(em) -> float:
+    n = sum(t.numel() * t.element_size() for t in (em.w13_weight, em.w13_weight_scale, em.w2_weight, em.w2_weight_scale))
+    return n / E
+
+
+def _inputs(m: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed + m)
+    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    tw, ti = fused_topk(torch.randn(m, E, device="cuda", generator=g), TOPK)
+    return x, tw, ti
+
+
+class _torch_ops_seed:
+    """Context: the seed as merged in vLLM: PyTorch ops for dequantization and QDQ."""
+
+    def __enter__(self):
+        self.orig = X._ops
+        X._ops = lambda backend: R
+        return self
+
+    def __exit__(self, *a):
+        X._ops = self.orig
+
+
+def sweep(em, bf16, tokens) -> tuple[dict, dict]:
+    """Fastest FusedConfig and MoEGemmConfig per M (nvfp4 layer)."""
+    best_f, best_b = {}, {}
+    for m in tokens:
+        x, tw, ti = _inputs(m, 1)
+        per_expert = m * TOPK / E
+        res = []
+        for cfg in FUSED_CANDIDATES:
+            if cfg.BLOCK_M > max(16, 4 * per_expert):
+                continue
+            em.fused_config = cfg
+            em.backend = "fused"
+            res.append((_ms(lambda: em(x, tw, ti), rep=25), cfg))
+        best_f[m] = min(res, key=lambda r: r[0])
+        res = []
+        for cfg in BF16_CANDIDATES:
+            if cfg.BLOCK_SIZE_M > max(16, 4 * per_expert):
+                continue
+            bf16.gemm_config = cfg
+            res.append((_ms(lambda: bf16(x, tw, ti), rep=25), cfg))
+        best_b[m] = min(res, key=lambda r: r[0])
+        print(f"[sweep] M={m}: fused {best_f[m][0]:.3f} ms {best_f[m][1]} | bf16 {best_b[m][0]:.3f} ms {best_b[m][1]}",
+              flush=True)
+    em.fused_config = None
+    bf16.gemm_config = None
+    return {m: c for m, (_, c) in best_f.items()}, {m: c for m, (_, c) in best_b.items()}
+
+
+def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None, layer=None) -> list[dict]:
+    w13, w2, em = layer or build_layer(scheme)
+    bf16 = X.TritonExperts(w13, w2, backend="triton")
+    per_expert_bytes = _packed_bytes_per_expert(em)
+    rows = []
+    for m in tokens:
+        x, tw, ti = _inputs(m, 1)
+        hit = int(torch.unique(ti).numel())
+        flops = 2 * m * TOPK * 3 * H * I
+        floor_bytes = hit * per_expert_bytes + 2 * m * H * 2
+        floor_ms = floor_bytes / (ceilings["copy_gbs"] * 1e9) * 1e3
+        row = dict(scheme=scheme, M=m, experts_hit=hit, floor_ms=floor_ms)
+        bf16.gemm_config = (best_bf16 or {}).get(m)
+        em.fused_config = (best_fused or {}).get(m)
+        em.gemm_config = (best_bf16 or {}).get(m)
+        out = {}
+        for name in ("bf16", "seed_torch", "seed", "fused"):
+            if name == "bf16":
+                fn = lambda: bf16(x, tw, ti)  # noqa: E731
+            else:
+                em.backend = "fused" if name == "fused" else "triton"
+                fn = lambda: em(x, tw, ti)  # noqa: E731
+            if name == "seed_torch":
+                if m not in (1, 256, 4096):
+                    continue
+                with _torch_ops_seed():
+                    row[f"{name}_ms"] = _ms(fn, rep=100)
+                    row[f"{name}_mem_mb"] = _peak_extra_mb(fn)
+                continue
+            out[name] = fn()
+            row[f"{name}_ms"] = _ms(fn)
+            row[f"{name}_graph_ms"] = _graph_ms(fn)
+            row[f"{name}_mem_mb"] = _peak_extra_mb(fn)
+        ref = out["seed"].double()
+        row["fused_vs_seed_rel_err"] = ((out["fused"].double() - ref).norm() / ref.norm()).item()
+        row["fused_speedup_vs_seed"] = row["seed_ms"] / row["fused_ms"]
+        row["fused_over_bf16"] = row["fused_ms"] / row["bf16_ms"]
+        row["fused_graph_over_bf16_graph"] = row["fused_graph_ms"] / row["bf16_graph_ms"]
+        row["fused_floor_frac"] = floor_ms / row["fused_ms"]
+        row["fused_floor_frac_graph"] = floor_ms / row["fused_graph_ms"]
+        row["fused_tflops_frac"] = flops / (row["fused_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
+        row["bf16_tflops_frac"] = flops / (row["bf16_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
+        row["packed_weight_mb"] = per_expert_bytes * E / 1e6
+        rows.append(row)
+        print(f"[{scheme}] M={m:5d} bf16 {row['bf16_ms']:.3f} seed {row['seed_ms']:.3f} fused {row['fused_ms']:.3f} ms "
+              f"(graph {row['bf16_graph_ms']:.3f}/{row['seed_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
+              f"x{row['fused_speedup_vs_seed']:.1f} vs seed, {row['fused_over_bf16']:.2f} of bf16, "
+              f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_seed_rel_err']:.1e}", flush=True)
+    del bf16
+    return rows
+
+
+def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") -> list[dict]:
+    """Whole-model forward time (dummy Qwen3-30B-A3B) per path on the GPU."""
+    from .models.calibration import calibrate
+    from .models.qwen3 import dummy_qwen3_moe, expert_weights, moe_layers, qwen3_30b_a3b_config
+    from .moe.experts import TransformersExperts
+    from . import kernels as K
+
+    rows = []
+    for layers in layers_list:
+        cfg = qwen3_30b_a3b_config(num_hidden_layers=layers)
+        model = dummy_qwen3_moe(cfg, seed=0, device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (1, 256), device="cuda")
+        calib = calibrate(model, ids)
+        bf16_experts, emu_experts = [], []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for li in range(layers):
+                w13, w2 = expert_weights(model, li)
+                bf16_experts.append(X.TritonExperts(w13, w2, backend="triton"))
+                p13, s13, g13 = K.quantize_nvfp4(w13)
+                p2, s2, g2 = K.quantize_nvfp4(w2)
+                in13, in2 = calib.input_scales(li, "nvfp4")
+                emu_experts.append(X.Nvfp4QuantizationEmulationTritonExperts(
+                    p13, s13, g13, p2, s2, g2, in13.cuda(), in2.cuda(), backend="fused"))
+        for m in tokens:
+            x = torch.randint(0, cfg.vocab_size, (1, m), device="cuda")
+            row = dict(layers=layers, tokens=m)
+            for name in ("bf16", "seed", "fused"):
+                for li, mlp in enumerate(moe_layers(model)):
+                    ex = bf16_experts[li] if name == "bf16" else emu_experts[li]
+                    if name != "bf16":
+                        ex.backend = "triton" if name == "seed" else "fused"
+                    mlp.experts = TransformersExperts(ex)
+                with torch.no_grad():
+                    row[f"{name}_ms"] = _ms(lambda: model(input_ids=x, use_cache=False), rep=200)
+            rows.append(row)
+            print(f"[model] {layers} layers, {m} tokens: bf16 {row['bf16_ms']:.1f} ms, seed {row['seed_ms']:.1f} ms, "
+                  f"fused {row['fused_ms']:.1f} ms", flush=True)
+        del model, bf16_experts, emu_experts
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None, json_path=None) -> int:
+    from .bench import _env
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", default="nvfp4," + ",".join(OCP_MX_SCHEMES))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--model", action="store_true")
+    args = ap.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ceilings = machine_ceilings()
+    print(f"# {_env()} copy {ceilings['copy_gbs']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True)
+    result = {"env": _env(), "ceilings": ceilings, "rows": [], "best_fused": {}, "best_bf16": {}}
+    best_f = best_b = None
+    schemes = args.schemes.split(",")
+    for scheme in schemes:
+        layer = build_layer(scheme)
+        if args.sweep and best_f is None:
+            best_f, best_b = sweep(layer[2], X.TritonExperts(layer[0], layer[1], backend="triton"), tokens)
+            result["best_fused"] = {m: c.__dict__ for m, c in best_f.items()}
+            result["best_bf16"] = {m: c.__dict__ for m, c in best_b.items()}
+        result["rows"] += bench_scheme(scheme, tokens, ceilings, best_f, best_b, layer)
+        del layer
+        torch.cuda.empty_cache()
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+    if args.model:
+        result["model"] = bench_model()
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,276 @@
+"""Fused emulation MoE: packed weights dequantized tile by tile inside the grouped GEMM.
+
+The seed's emulation dequantizes all experts' weights to bf16 on every forward and
+then runs the bf16 fused-MoE GEMM: at small batches it moves every expert's weights
+in bf16 to use eight of them. Here the GEMM loads the *packed* weights and their
+scales of only the experts that received tokens, decodes them in registers with the
+same arithmetic as ``mxlib.reference`` (so the bf16 operands are bit-identical to the
+seed's dequantized weights), and feeds bf16 tensor-core dots with fp32 accumulation.
+No bf16 copy of the weights exists.
+
+Layout ("swap AB"): a program computes ``acc[BLOCK_N, BLOCK_M] = W[e][n0:n0+BN, :] @ A^T``
+for a block of expert-sorted (token, k) pairs, so the dequantized weight tile is the
+left operand, held in registers (Hopper's wgmma takes A from registers), and the
+token count rides on the MMA's small dimension, which keeps tiny batches efficient.
+
+GEMM1 (``GATED``) computes the gate rows and the up rows of ``w13`` in two accumulators,
+rounds both to the activation dtype, applies SiLU-and-mul in fp32, rounds once more
+(as vLLM's separate ``silu_and_mul`` op does) and then quantize-dequantizes the
+result in the epilogue (a2: MX, NVFP4 or per-tensor FP8), writing ``a2`` once.
+GEMM2 multiplies by the router weight in fp32 before its one rounding. The layer
+input a1 is quantize-dequantized by the standalone kernel before GEMM1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _numerics as nm
+from .fused_moe import interpreting
+
+__all__ = ["FusedConfig", "get_fused_config", "invoke_fused_dequant_moe"]
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Tiles of the fused kernel: BLOCK_M pairs x BLOCK_N weight rows x BLOCK_K reduction."""
+
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    BLOCK_K: int = 128
+    GROUP_SIZE_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Chosen by the tile sweep in mxlib.bench_moe on the H200 (Qwen3-30B-A3B layer shapes).
+FUSED_CONFIGS: list[tuple[float, FusedConfig]] = [
+    (4.0, FusedConfig(16, 64, 128, 1, 4, 4)),
+    (32.0, FusedConfig(32, 64, 128, 1, 4, 4)),
+    (128.0, FusedConfig(64, 128, 64, 4, 8, 3)),
+    (float("inf"), FusedConfig(128, 128, 64, 8, 8, 3)),
+]
+
+
+def get_fused_config(num_tokens: int, num_experts: int, top_k: int) -> FusedConfig:
+    """Tiles by the average number of pairs per expert."""
+    if interpreting():
+        return FusedConfig(16, 32, 32, 1, 4, 1)
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    for limit, cfg in FUSED_CONFIGS:
+        if per_expert <= limit:
+            return cfg
+    return FUSED_CONFIGS[-1][1]
+
+
+@triton.jit
+def _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS: tl.constexpr, W_MBITS: tl.constexpr,
+                 W_SPECIALS: tl.constexpr, W_BS: tl.constexpr, W_NVFP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of the seed's dequant)."""
+    NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
+    codes = nm.load_codes(w_rows, n_mask, k0, K, NBITS, BLOCK_N, BLOCK_K)
+    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
+                 other=0).to(tl.int32)
+    w = nm.dequant_tile(codes, sb, g, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K)
+    w = nm.cast_out(w, DOT_DTYPE)
+    if UPCAST:
+        return nm.to_fp32(w)
+    return w
+
+
+@triton.jit
+def fused_moe_dequant_kernel(
+    # pointers
+    a_ptr, w_ptr, ws_ptr, wg_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+    num_tokens_post_padded_ptr, act_scale_ptr,
+    # dimensions
+    N, K, EM, num_valid_tokens,
+    # strides (elements; packed weights and scales in bytes)
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    wg_stride_e, wg_stride_half, act_scale_stride_e,
+    # weight format
+    W_EBITS: tl.constexpr, W_MBITS: tl.constexpr, W_SPECIALS: tl.constexpr, W_BS: tl.constexpr,
+    W_NVFP4: tl.constexpr,
+    # epilogue
+    GATED: tl.constexpr, A2_KIND: tl.constexpr, A2_EBITS: tl.constexpr, A2_MBITS: tl.constexpr,
+    A2_EMAX: tl.constexpr, A2_MAX: tl.constexpr, A2_SCALE_MODE: tl.constexpr, A2_BS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
+    # tiles
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """C[pair, n] for the pairs of one expert block and BLOCK_N output columns.
+
+    A: [rows, K] activations (row ``pair // top_k``); W: [E, rows_w, K * bits / 8] packed,
+    scales [E, rows_w, K / W_BS]; with GATED, rows_w = 2N (gate rows, then up rows) and C is
+    the QDQ'd SiLU-and-mul output [M * k, N]; otherwise rows_w = N and C = A @ W[e]^T
+    (times the router weight with MUL_ROUTED_WEIGHT). A2_KIND: 0 none, 1 OCP MX,
+    2 NVFP4 (encode scale act_scale[e]), 3 per-tensor FP8 (decode scale act_scale[0]).
+    """
+    pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+        return
+    offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    token_mask = offs_token < num_valid_tokens
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+    s_rows = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    if W_NVFP4:
+        g = tl.load(wg_ptr + expert * wg_stride_e)
+        g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
+    else:
+        g = 1.0
+        g_up = 1.0
+    a_rows = a_ptr + (offs_token // top_k) * stride_am
+    DOT_DTYPE: tl.constexpr = OUT_DTYPE
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+        if UPCAST:
+            a = nm.to_fp32(a)
+        w = _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4,
+                         BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+        acc = tl.dot(w, a, acc)
+        if GATED:
+            w_up = _weight_tile(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K, W_EBITS,
+                                W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+            acc_up = tl.dot(w_up, a, acc_up)
+
+    if GATED:
+        gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
+        up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
+        act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
+        if A2_KIND == 1:
+            act = nm.mx_qdq_values(act, A2_EBITS, A2_MBITS, A2_EMAX, A2_MAX, A2_SCALE_MODE, A2_BS, BLOCK_M, BLOCK_N)
+        elif A2_KIND == 2:
+            gs = tl.load(act_scale_ptr + expert * act_scale_stride_e)
+            act = nm.nvfp4_qdq_values(act, gs, False, A2_BS, BLOCK_M, BLOCK_N)
+        elif A2_KIND == 3:
+            act = nm.fp8_qdq_values(act, tl.load(act_scale_ptr))
+        out = nm.cast_out(act, OUT_DTYPE)
+    else:
+        res = tl.trans(acc)
+        if MUL_ROUTED_WEIGHT:
+            res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
+        out = nm.cast_out(res, OUT_DTYPE)
+    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out, mask=token_mask[:, None] & n_mask[None, :])
+
+
+@dataclass
+class PackedWeights:
+    """One expert stack's packed weights for the fused kernel.
+
+    ``packed`` uint8 [E, rows, K * bits / 8]; ``scales`` uint8 [E, rows, K / block_size]
+    (E8M0 bytes, or e4m3 bytes for NVFP4); ``global_scale`` fp32 [E] or [E, 2] (NVFP4 only).
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    ebits: int
+    mbits: int
+    specials: int
+    block_size: int
+    nvfp4: bool
+    global_scale: torch.Tensor | None = None
+
+
+@dataclass
+class ActivationQDQ:
+    """The a2 QDQ done in GEMM1's epilogue: kind 0 none, 1 MX, 2 NVFP4, 3 FP8 per tensor."""
+
+    kind: int = 0
+    ebits: int = 2
+    mbits: int = 1
+    emax: int = 2
+    max: float = 6.0
+    scale_mode: int = 1
+    block_size: int = 32
+    scale: torch.Tensor | None = None  # NVFP4 encode scales [E] or FP8 decode scale [1]
+
+
+def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_post, n, k, gated, qdq: ActivationQDQ,
+            mul_routed_weight, top_k, cfg: FusedConfig):
+    e = w.packed.shape[0]
+    if w.global_scale is not None:
+        gsc = w.global_scale
+        wg_stride_e, wg_stride_half = (2, 1) if gsc.ndim == 2 else (1, 0)
+    else:
+        gsc, wg_stride_e, wg_stride_half = w.packed, 0, 0
+    act_scale = qdq.scale if qdq.scale is not None else w.packed
+    act_stride = 1 if (qdq.kind == 2 and qdq.scale.numel() == e) else 0
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    weights = topk_weights if mul_routed_weight else c
+    fused_moe_dequant_kernel[grid](
+        a, w.packed, w.scales, gsc, c, weights, sorted_ids, expert_ids, num_post, act_scale,
+        n, k, em, c.shape[0],
+        a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
+        wg_stride_e, wg_stride_half, act_stride,
+        W_EBITS=w.ebits, W_MBITS=w.mbits, W_SPECIALS=w.specials, W_BS=w.block_size, W_NVFP4=w.nvfp4,
+        GATED=gated, A2_KIND=qdq.kind, A2_EBITS=qdq.ebits, A2_MBITS=qdq.mbits, A2_EMAX=qdq.emax, A2_MAX=qdq.max,
+        A2_SCALE_MODE=qdq.scale_mode, A2_BS=qdq.block_size, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        OUT_DTYPE=_TL_DTYPE[c.dtype], UPCAST=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+
+
+def invoke_fused_dequant_moe(
+    a1: torch.Tensor,
+    w13: PackedWeights,
+    w2: PackedWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a2_qdq: ActivationQDQ,
+    a1_per_pair: bool = False,
+    config: FusedConfig | None = None,
+) -> torch.Tensor:
+    """The whole expert computation with the fused kernel (a1 already QDQ'd).
+
+    Args:
+        a1: ``[M, H]`` (or ``[M * k, H]`` with ``a1_per_pair``), bf16 or fp16.
+        w13: packed ``[E, 2I, ...]`` (gate rows, then up rows); w2: packed ``[E, H, ...]``.
+        topk_weights, topk_ids: ``[M, k]``.
+        a2_qdq: the intermediate activation's QDQ (done in GEMM1's epilogue).
+
+    Returns:
+        ``[M, H]`` in ``a1.dtype``. No host synchronization: capturable in a CUDA graph.
+    """
+    from ..moe.routing import moe_align_block_size
+
+    m, k = topk_ids.shape
+    e, two_i = w13.packed.shape[:2]
+    h = w2.packed.shape[1]
+    i = two_i // 2
+    cfg = config or get_fused_config(m, e, k)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.BLOCK_M, e)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)
+    _launch(a1, w13, cache2, weights, sorted_ids, expert_ids, num_post, i, h, True, a2_qdq, False,
+            1 if a1_per_pair else k, cfg)
+    cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
+    _launch(cache2, w2, cache3, weights, sorted_ids, expert_ids, num_post, h, i, False, ActivationQDQ(), True, 1, cfg)
+    return torch.sum(cache3.view(m, k, h), dim=1, dtype=torch.float32).to(a1.dtype)
