@@ -93,9 +93,9 @@ def sweep_quant(rows: int = 65536, k: int = 2048) -> list[dict]:
     gs = torch.tensor([100.0], device="cuda")
     out = []
     saved = (Q.TILE_ELEMENTS, Q.NUM_WARPS, Q.MAX_BLOCK_K)
-    for tile in (2048, 4096, 8192, 16384):
+    for tile in (4096, 8192, 16384):
         for warps in (4, 8):
-            for max_bk in (256, 512, 1024):
+            for max_bk in (512, 1024):
                 if max_bk > tile:
                     continue
                 Q.TILE_ELEMENTS, Q.NUM_WARPS, Q.MAX_BLOCK_K = tile, warps, max_bk

@@ -40,6 +40,7 @@ from .moe.routing import fused_topk
 from .moe.schemes import FP8_PER_TENSOR, OCP_MX_SCHEMES, get_moe_scheme
 
 E, TOPK, H, I = 128, 8, 2048, 768
+DEVICE = "cuda"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 
 FUSED_CANDIDATES = [
@@ -88,8 +89,8 @@ def _peak_extra_mb(fn) -> float:
 def machine_ceilings() -> dict:
     from .bench import copy_bandwidth
 
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=torch.bfloat16)
     ms = _ms(lambda: a @ b, rep=200)
     return {"copy_gbs": copy_bandwidth(), "bf16_tflops": 2 * 8192**3 / (ms * 1e-3) / 1e12}
 
@@ -98,14 +99,14 @@ def build_layer(scheme: str, seed: int = 0):
     """bf16 weights of one layer and its emulation experts (quantized with the Triton kernels)."""
     from . import kernels as K
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = torch.empty(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
-    w2 = torch.empty(E, H, I, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    w13 = torch.empty(E, 2 * I, H, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    w2 = torch.empty(E, H, I, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
     s = get_moe_scheme(scheme)
     # activation scales from a calibration-like pass: a1 ~ N(0, 1) rows, a2 from the bf16 layer
-    x = torch.randn(4096, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    tw, ti = fused_topk(torch.randn(4096, E, device="cuda", generator=g), TOPK)
-    a2_amax = torch.zeros(E, device="cuda")
+    x = torch.randn(4096, H, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    tw, ti = fused_topk(torch.randn(4096, E, device=DEVICE, generator=g), TOPK)
+    a2_amax = torch.zeros(E, device=DEVICE)
 
     def record(act, rows):
         a2_amax.scatter_reduce_(0, rows.long(), act.abs().amax(-1).float(), reduce="amax")
@@ -115,7 +116,7 @@ def build_layer(scheme: str, seed: int = 0):
     bf16.quantize_intermediate = lambda a2, rows, backend: record(a2, rows)
     bf16(x, tw, ti)
     del bf16.quantize_intermediate
-    a1_amax = torch.full((E,), float(x.float().abs().amax()), device="cuda")
+    a1_amax = torch.full((E,), float(x.float().abs().amax()), device=DEVICE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if s.name == "nvfp4":
@@ -140,9 +141,9 @@ def _packed_bytes_per_expert(em) -> float:
 
 
 def _inputs(m: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed + m)
-    x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=g)
-    tw, ti = fused_topk(torch.randn(m, E, device="cuda", generator=g), TOPK)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + m)
+    x = torch.randn(m, H, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    tw, ti = fused_topk(torch.randn(m, E, device=DEVICE, generator=g), TOPK)
     return x, tw, ti
 
 
@@ -248,8 +249,8 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
     rows = []
     for layers in layers_list:
         cfg = qwen3_30b_a3b_config(num_hidden_layers=layers)
-        model = dummy_qwen3_moe(cfg, seed=0, device="cuda")
-        ids = torch.randint(0, cfg.vocab_size, (1, 256), device="cuda")
+        model = dummy_qwen3_moe(cfg, seed=0, device=DEVICE)
+        ids = torch.randint(0, cfg.vocab_size, (1, 256), device=DEVICE)
         calib = calibrate(model, ids)
         bf16_experts, emu_experts = [], []
         with warnings.catch_warnings():
@@ -261,9 +262,9 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
                 p2, s2, g2 = K.quantize_nvfp4(w2)
                 in13, in2 = calib.input_scales(li, "nvfp4")
                 emu_experts.append(X.Nvfp4QuantizationEmulationTritonExperts(
-                    p13, s13, g13, p2, s2, g2, in13.cuda(), in2.cuda(), backend="fused"))
+                    p13, s13, g13, p2, s2, g2, in13.to(DEVICE), in2.to(DEVICE), backend="fused"))
         for m in tokens:
-            x = torch.randint(0, cfg.vocab_size, (1, m), device="cuda")
+            x = torch.randint(0, cfg.vocab_size, (1, m), device=DEVICE)
             row = dict(layers=layers, tokens=m)
             for name in ("bf16", "seed", "fused"):
                 for li, mlp in enumerate(moe_layers(model)):
