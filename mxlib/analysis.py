@@ -16,7 +16,10 @@ import math
 
 import torch
 
-__all__ = ["rel_error", "sqnr_db", "top1_agreement", "kl_divergence", "compare_tensors", "compare_logits"]
+__all__ = [
+    "rel_error", "sqnr_db", "top1_agreement", "kl_divergence", "compare_tensors", "compare_logits", "sample",
+    "scheme_sqnr",
+]
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -65,3 +68,32 @@ def compare_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> dict:
         "top1_agreement": top1_agreement(logits, ref_logits),
         "kl_divergence": kl_divergence(logits, ref_logits),
     }
+
+
+def sample(distribution: str, shape, seed: int = 0, outlier_fraction: float = 1e-3, outlier_scale: float = 100.0):
+    """Test data for the formats notebook: ``gaussian`` N(0, 1), ``laplace`` (heavier tails), or
+    ``outliers`` (Gaussian with a fraction of values multiplied by ``outlier_scale``, as LLM
+    activations have). fp32, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    if distribution == "gaussian":
+        return torch.randn(shape, generator=g)
+    if distribution == "laplace":
+        u = torch.rand(shape, generator=g) - 0.5
+        return -torch.sign(u) * torch.log1p(-2 * u.abs())
+    if distribution == "outliers":
+        x = torch.randn(shape, generator=g)
+        mask = torch.rand(shape, generator=g) < outlier_fraction
+        return torch.where(mask, x * outlier_scale, x)
+    raise ValueError(f"distribution: expected 'gaussian', 'laplace' or 'outliers', got {distribution!r}")
+
+
+def scheme_sqnr(x: torch.Tensor, schemes=("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"),
+                scale_mode: str = "even") -> dict:
+    """SQNR (dB) of QDQ of ``x`` in each block scheme (NVFP4 with its global scale from amax(x))."""
+    from . import reference as R
+
+    out = {}
+    for s in schemes:
+        kw = {} if s == "nvfp4" else {"scale_mode": scale_mode}
+        out[s] = sqnr_db(R.quant_dequant(x, s, **kw), x)
+    return out

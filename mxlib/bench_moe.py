@@ -8,10 +8,9 @@ and token count M, it times with CUDA events (``triton.testing.do_bench``: warm-
 median) each path on the same inputs:
 
 * ``bf16``: ``TritonExperts`` on unquantized bf16 weights (the ceiling);
-* ``seed_torch``: the seed as merged in vLLM: PyTorch-op dequantization of every expert
-  and PyTorch-op activation QDQ, then the bf16 Triton GEMMs;
-* ``seed``: mxlib's seed-style emulation, the same design with mxlib's Triton
-  dequantize / QDQ kernels;
+* ``seed``: mxlib's seed-style emulation: every expert dequantized to bf16 each forward,
+  activations QDQ'd, then the bf16 GEMMs (the seed's design, with mxlib's Triton
+  dequantize / QDQ kernels where vLLM's merged version used PyTorch ops);
 * ``fused``: the fused dequantize-GEMM emulation (``backend="fused"``).
 
 Reported per path: eager median, CUDA-graph replay median (the forward captured at that
@@ -32,7 +31,6 @@ import warnings
 
 import torch
 
-from . import reference as R
 from .kernels.fused_dequant_moe import FusedConfig
 from .kernels.fused_moe import MoEGemmConfig
 from .moe import experts as X
@@ -48,6 +46,9 @@ FUSED_CANDIDATES = [
     FusedConfig(16, 64, 128, 1, 4, 4), FusedConfig(32, 64, 128, 1, 4, 3), FusedConfig(32, 128, 128, 4, 8, 3),
     FusedConfig(64, 64, 128, 4, 4, 3), FusedConfig(64, 128, 64, 4, 8, 3), FusedConfig(64, 128, 128, 8, 8, 3),
     FusedConfig(128, 128, 64, 8, 8, 3), FusedConfig(128, 64, 64, 8, 4, 3), FusedConfig(128, 128, 128, 8, 8, 3),
+    FusedConfig(16, 64, 128, 1, 4, 4, True), FusedConfig(16, 128, 128, 1, 4, 3, True), FusedConfig(32, 64, 128, 1, 4, 3, True),
+    FusedConfig(64, 128, 64, 4, 8, 3, True), FusedConfig(128, 64, 64, 8, 4, 3, True), FusedConfig(128, 128, 64, 8, 8, 3, True),
+    FusedConfig(256, 128, 64, 8, 8, 3), FusedConfig(256, 64, 64, 8, 8, 3, True),
 ]
 BF16_CANDIDATES = [
     MoEGemmConfig(16, 64, 128, 1, 4, 4), MoEGemmConfig(16, 128, 128, 1, 4, 3), MoEGemmConfig(16, 64, 256, 1, 4, 3),
@@ -147,18 +148,6 @@ def _inputs(m: int, seed: int):
     return x, tw, ti
 
 
-class _torch_ops_seed:
-    """Context: the seed as merged in vLLM: PyTorch ops for dequantization and QDQ."""
-
-    def __enter__(self):
-        self.orig = X._ops
-        X._ops = lambda backend: R
-        return self
-
-    def __exit__(self, *a):
-        X._ops = self.orig
-
-
 def sweep(em, bf16, tokens) -> tuple[dict, dict]:
     """Fastest FusedConfig and MoEGemmConfig per M (nvfp4 layer)."""
     best_f, best_b = {}, {}
@@ -203,19 +192,12 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         em.fused_config = (best_fused or {}).get(m)
         em.gemm_config = (best_bf16 or {}).get(m)
         out = {}
-        for name in ("bf16", "seed_torch", "seed", "fused"):
+        for name in ("bf16", "seed", "fused"):
             if name == "bf16":
                 fn = lambda: bf16(x, tw, ti)  # noqa: E731
             else:
                 em.backend = "fused" if name == "fused" else "triton"
                 fn = lambda: em(x, tw, ti)  # noqa: E731
-            if name == "seed_torch":
-                if m not in (1, 256, 4096):
-                    continue
-                with _torch_ops_seed():
-                    row[f"{name}_ms"] = _ms(fn, rep=100)
-                    row[f"{name}_mem_mb"] = _peak_extra_mb(fn)
-                continue
             out[name] = fn()
             row[f"{name}_ms"] = _ms(fn)
             row[f"{name}_graph_ms"] = _graph_ms(fn)
@@ -290,20 +272,30 @@ def main(argv=None, json_path=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--model", action="store_true")
+    ap.add_argument("--sweep-tokens", default="")
+    ap.add_argument("--full", type=int, default=99, help="the first N schemes get every token count")
+    ap.add_argument("--short-tokens", default="16,256,4096")
     args = ap.parse_args(argv)
+    args.short_tokens = [int(t) for t in args.short_tokens.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
     ceilings = machine_ceilings()
     print(f"# {_env()} copy {ceilings['copy_gbs']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True)
     result = {"env": _env(), "ceilings": ceilings, "rows": [], "best_fused": {}, "best_bf16": {}}
-    best_f = best_b = None
+    best_f: dict[int, dict] = {}  # weight bits -> {M: FusedConfig}
+    best_b = None
     schemes = args.schemes.split(",")
+    sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else tokens
     for scheme in schemes:
         layer = build_layer(scheme)
-        if args.sweep and best_f is None:
-            best_f, best_b = sweep(layer[2], X.TritonExperts(layer[0], layer[1], backend="triton"), tokens)
-            result["best_fused"] = {m: c.__dict__ for m, c in best_f.items()}
+        bits = get_moe_scheme(scheme).weight_scheme.element.nbits
+        if args.sweep and bits not in best_f:
+            bf, bb = sweep(layer[2], X.TritonExperts(layer[0], layer[1], backend="triton"), sweep_tokens)
+            best_f[bits] = bf
+            best_b = best_b or bb
+            result["best_fused"][bits] = {m: c.__dict__ for m, c in bf.items()}
             result["best_bf16"] = {m: c.__dict__ for m, c in best_b.items()}
-        result["rows"] += bench_scheme(scheme, tokens, ceilings, best_f, best_b, layer)
+        result["rows"] += bench_scheme(scheme, tokens if scheme in schemes[: args.full] else args.short_tokens,
+                                       ceilings, best_f.get(bits), best_b, layer)
         del layer
         torch.cuda.empty_cache()
         if json_path:

@@ -89,6 +89,7 @@ __all__ = [
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
     "quantize_nvfp4",
+    "nvfp4_block_stats",
     "dequantize_to_dtype",
     "nvfp4_swizzle_scales",
     "nvfp4_unswizzle_scales",
@@ -563,6 +564,34 @@ def ref_nvfp4_quant_dequant(
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
     e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
     return (e * (s / gs)).reshape(x.shape).to(dtype)
+
+
+def nvfp4_block_stats(
+    x: torch.Tensor, global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
+) -> dict[str, torch.Tensor]:
+    """What NVFP4 activation QDQ (the seed's arithmetic) does to each block of ``x``.
+
+    Returns tensors shaped ``[..., k / block_size]`` (``scale_code``, ``subnormal``,
+    ``flushed``) and ``[..., k]`` (``clipped``):
+
+    * ``scale_code``: the e4m3 code (0..126) of the block scale ``s``;
+    * ``subnormal``: ``0 < s < 2**-6`` (the scale lost bits of precision to e4m3's subnormal range);
+    * ``flushed``: ``s == 0`` although the block holds a nonzero value (the whole block became 0);
+    * ``clipped``: the element's scaled magnitude ``|x * q|`` exceeded 6 and was clipped.
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    gs = _global_scale_view(global_scale, x, "global_scale")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s, q = _nvfp4_scale_and_multiplier(amax, gs, "reciprocal")
+    s = s.squeeze(-1)
+    return {
+        "scale_code": encode_element(s, _E4M3),
+        "subnormal": (s > 0) & (s < _E4M3.min_normal),
+        "flushed": (s == 0) & (amax.squeeze(-1) > 0),
+        "clipped": ((xb * q).abs() > 6.0).reshape(x.shape),
+    }
 
 
 def quantize_nvfp4(

@@ -81,7 +81,7 @@ def fused_moe(mul_routed_weight):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
 
 
-def fused_dequant(w_fmt, nvfp4, gated, a2_kind):
+def fused_dequant(w_fmt, nvfp4, gated, a2_kind, split=False):
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "c_ptr": "*bf16",
             "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
             "num_tokens_post_padded_ptr": "*i32", "act_scale_ptr": "*fp32"}
@@ -91,14 +91,16 @@ def fused_dequant(w_fmt, nvfp4, gated, a2_kind):
         W_EBITS=eb, W_MBITS=mb, W_SPECIALS=sp, W_BS=16 if nvfp4 else 32, W_NVFP4=nvfp4,
         GATED=gated, A2_KIND=a2_kind, A2_EBITS=a2[0], A2_MBITS=a2[1], A2_EMAX=a2[2], A2_MAX=a2[3], A2_SCALE_MODE=1,
         A2_BS=16 if a2_kind == 2 else 32, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-        GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, UPCAST=False))
+        GROUP_SIZE_M=1, SPLIT_NIBBLES=split, OUT_DTYPE=tl.bfloat16, UPCAST=False))
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
 JOBS = [(mx_kernels, a) for a in [("e2m1", 1, "bf16"), ("e2m3", 0, "bf16"), ("e3m2", 2, "fp16"), ("e4m3", 0, "fp32"), ("e5m2", 1, "bf16")]]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
 JOBS += [(fused_dequant, a) for a in [("e2m1", True, True, 2), ("e2m1", False, True, 1), ("e3m2", False, True, 3),
-                                      ("e2m3", False, True, 0), ("e2m1", True, False, 0), ("e4m3", False, False, 0)]]
+                                      ("e2m3", False, True, 0), ("e2m1", True, False, 0), ("e4m3", False, False, 0),
+                                      ("e2m1", True, True, 2, True), ("e2m1", False, False, 0, True),
+                                      ("e3m2", False, True, 1, True), ("e2m3", False, False, 0, True)]]
 
 
 def main() -> int:

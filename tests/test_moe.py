@@ -420,3 +420,15 @@ def test_fused_per_expert_scales(device):
         ex_ref = Nvfp4QuantizationEmulationTritonExperts(*t, scale_strategy="per_expert", backend="torch")
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3_a_mxfp6_e2m3"])
+def test_fused_split_nibbles_variant(scheme, device):
+    from mxlib.kernels.fused_dequant_moe import FusedConfig
+
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=9)
+    ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
+    ex.fused_config = FusedConfig(16, 32, 64, 1, 4, 2, SPLIT_NIBBLES=True)
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    oracle = fused_reference_fp64(build_experts(scheme, x, w13, w2, backend="torch"), x, tw, ti)
+    assert rel_err(out, oracle) < 5e-3

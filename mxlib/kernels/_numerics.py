@@ -149,21 +149,29 @@ def encode_element(r, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.con
 
 @triton.jit
 def decode_element(code, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr):
-    """fp32 value of int32 element codes (NaN / Inf for special codes)."""
+    """fp32 value of int32 element codes (NaN / Inf for special codes).
+
+    The code's exponent and mantissa bits are placed at the top of an fp32's exponent and
+    mantissa fields, the sign at bit 31, and the result multiplied by ``2**(127 - bias)``:
+    exact for normal and subnormal codes alike (a subnormal code lands on an fp32
+    subnormal with the same significand). Five integer/float operations per element;
+    special codes (e4m3 S.1111.111, e5m2's all-ones exponent) are patched afterwards.
+    """
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
+    NB: tl.constexpr = 1 + EBITS + MBITS
     EMASK: tl.constexpr = (1 << EBITS) - 1
     MMASK: tl.constexpr = (1 << MBITS) - 1
-    sign = (code >> (EBITS + MBITS)) & 1
-    exp_field = (code >> MBITS) & EMASK
-    mant = code & MMASK
-    normal = (((exp_field - BIAS + 127) << 23) | (mant << (23 - MBITS))).to(tl.float32, bitcast=True)
-    sub = mant.to(tl.float32) * exp2i(tl.full(code.shape, 1 - BIAS - MBITS, tl.int32))
-    v = tl.where(exp_field == 0, sub, normal)
+    sign = (code << (32 - NB)) & -2147483648
+    bits = ((code & ((1 << (NB - 1)) - 1)) << (23 - MBITS)) | sign
+    rebias = tl.full(code.shape, (254 - BIAS) << 23, tl.int32).to(tl.float32, bitcast=True)
+    v = bits.to(tl.float32, bitcast=True) * rebias
     if SPECIALS == 1:
-        v = tl.where((exp_field == EMASK) & (mant == MMASK), fp32_nan_like(v), v)
+        v = tl.where((code & ((1 << (NB - 1)) - 1)) == (1 << (NB - 1)) - 1, fp32_nan_like(v), v)
     elif SPECIALS == 2:
-        v = tl.where(exp_field == EMASK, tl.where(mant == 0, float("inf"), fp32_nan_like(v)), v)
-    return negate_where(v, sign == 1)
+        exp_field = (code >> MBITS) & EMASK
+        inf = (sign | 0x7F800000).to(tl.float32, bitcast=True)
+        v = tl.where(exp_field == EMASK, tl.where((code & MMASK) == 0, inf, fp32_nan_like(v)), v)
+    return v
 
 
 @triton.jit

@@ -47,6 +47,9 @@ class FusedConfig:
     GROUP_SIZE_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # FP4 / FP6: the elements of each packed byte (word) used as separate dots over K/2 (K/4),
+    # with the matching strided activations, instead of interleaving the codes back into order
+    SPLIT_NIBBLES: bool = False
 
 
 # Chosen by the tile sweep in mxlib.bench_moe on the H200 (Qwen3-30B-A3B layer shapes).
@@ -87,6 +90,69 @@ def _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS: tl.constexpr, W_MBIT
 
 
 @triton.jit
+def _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS: tl.constexpr, W_NVFP4: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """FP4 weight tile as its even and odd elements, each [BLOCK_N, BLOCK_K // 2]: the low and
+    high nibbles of the packed bytes, used as they are (no interleaving shuffle)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    pcols = k0 // 2 + tl.arange(0, HALF)
+    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :], other=0).to(tl.int32)
+    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
+                 other=0).to(tl.int32)
+    if W_NVFP4:
+        block = nm.decode_e4m3(sb) * g
+    else:
+        block = nm.decode_e8m0(sb)
+    # byte j holds elements 2j (low) and 2j+1 (high); both sit in scale block 2j // W_BS
+    lo = tl.reshape(nm.decode_element(b & 0xF, 2, 1, 0), (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
+    hi = tl.reshape(nm.decode_element(b >> 4, 2, 1, 0), (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
+    lo = nm.cast_out(tl.reshape(lo, (BLOCK_N, HALF)), DOT_DTYPE)
+    hi = nm.cast_out(tl.reshape(hi, (BLOCK_N, HALF)), DOT_DTYPE)
+    if UPCAST:
+        return nm.to_fp32(lo), nm.to_fp32(hi)
+    return lo, hi
+
+
+@triton.jit
+def _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FP6 rows as 24-bit words of four codes (elements 4j .. 4j+3) and the E8M0 scale of each word."""
+    Q: tl.constexpr = BLOCK_K // 4
+    groups = k0 // 4 + tl.arange(0, Q)
+    m = n_mask[:, None] & (groups < K // 4)[None, :]
+    base = w_rows[:, None] + 3 * groups[None, :]
+    word = (tl.load(base, mask=m, other=0).to(tl.int32) | (tl.load(base + 1, mask=m, other=0).to(tl.int32) << 8)
+            | (tl.load(base + 2, mask=m, other=0).to(tl.int32) << 16))
+    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
+                 other=0).to(tl.int32)
+    return word, nm.decode_e8m0(sb)
+
+
+@triton.jit
+def _fp6_part(word, block, t: tl.constexpr, W_EBITS: tl.constexpr, W_MBITS: tl.constexpr, W_BS: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """Dequantized elements 4j + t of an FP6 word tile, [BLOCK_N, BLOCK_K // 4]."""
+    v = nm.decode_element((word >> (6 * t)) & 0x3F, W_EBITS, W_MBITS, 0)
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // W_BS, W_BS // 4)) * block[:, :, None]
+    v = nm.cast_out(tl.reshape(v, (BLOCK_N, BLOCK_K // 4)), DOT_DTYPE)
+    if UPCAST:
+        return nm.to_fp32(v)
+    return v
+
+
+@triton.jit
+def _a_part(a_rows, token_mask, k0, K, t: tl.constexpr, STRIDE: tl.constexpr, BLOCK_K: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """Activation elements STRIDE * j + t of columns k0 ..., transposed: [BLOCK_K // STRIDE, BLOCK_M]."""
+    offs_k = k0 + STRIDE * tl.arange(0, BLOCK_K // STRIDE) + t
+    a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+    if UPCAST:
+        return nm.to_fp32(a)
+    return a
+
+
+@triton.jit
 def fused_moe_dequant_kernel(
     # pointers
     a_ptr, w_ptr, ws_ptr, wg_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
@@ -105,7 +171,7 @@ def fused_moe_dequant_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_NIBBLES: tl.constexpr, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """C[pair, n] for the pairs of one expert block and BLOCK_N output columns.
 
@@ -145,18 +211,58 @@ def fused_moe_dequant_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
-        if UPCAST:
-            a = nm.to_fp32(a)
-        w = _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4,
-                         BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
-        acc = tl.dot(w, a, acc)
-        if GATED:
-            w_up = _weight_tile(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K, W_EBITS,
-                                W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
-            acc_up = tl.dot(w_up, a, acc_up)
+        if SPLIT_NIBBLES and NBITS == 6:
+            a0 = _a_part(a_rows, token_mask, k0, K, 0, 4, BLOCK_K, UPCAST)
+            a1 = _a_part(a_rows, token_mask, k0, K, 1, 4, BLOCK_K, UPCAST)
+            a2 = _a_part(a_rows, token_mask, k0, K, 2, 4, BLOCK_K, UPCAST)
+            a3 = _a_part(a_rows, token_mask, k0, K, 3, 4, BLOCK_K, UPCAST)
+            word, block = _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS, BLOCK_N, BLOCK_K)
+            acc = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a0, acc)
+            acc = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a1, acc)
+            acc = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a2, acc)
+            acc = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a3, acc)
+            if GATED:
+                word, block = _fp6_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, k0, K, W_BS,
+                                         BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                                a0, acc_up)
+                acc_up = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                                a1, acc_up)
+                acc_up = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                                a2, acc_up)
+                acc_up = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                                a3, acc_up)
+        elif SPLIT_NIBBLES and NBITS == 4:
+            offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            amask = token_mask[None, :] & (offs_k < K)[:, None]
+            a_lo = tl.load(a_rows[None, :] + offs_k[:, None], mask=amask, other=0.0)
+            a_hi = tl.load(a_rows[None, :] + offs_k[:, None] + 1, mask=amask, other=0.0)
+            if UPCAST:
+                a_lo = nm.to_fp32(a_lo)
+                a_hi = nm.to_fp32(a_hi)
+            w_lo, w_hi = _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS, W_NVFP4, BLOCK_N, BLOCK_K,
+                                            DOT_DTYPE, UPCAST)
+            acc = tl.dot(w_lo, a_lo, acc)
+            acc = tl.dot(w_hi, a_hi, acc)
+            if GATED:
+                u_lo, u_hi = _weight_tile_split(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K,
+                                                W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+                acc_up = tl.dot(u_lo, a_lo, acc_up)
+                acc_up = tl.dot(u_hi, a_hi, acc_up)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+            if UPCAST:
+                a = nm.to_fp32(a)
+            w = _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4,
+                             BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+            acc = tl.dot(w, a, acc)
+            if GATED:
+                w_up = _weight_tile(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K, W_EBITS,
+                                    W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+                acc_up = tl.dot(w_up, a, acc_up)
 
     if GATED:
         gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
@@ -233,7 +339,7 @@ def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_po
         GATED=gated, A2_KIND=qdq.kind, A2_EBITS=qdq.ebits, A2_MBITS=qdq.mbits, A2_EMAX=qdq.emax, A2_MAX=qdq.max,
         A2_SCALE_MODE=qdq.scale_mode, A2_BS=qdq.block_size, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        OUT_DTYPE=_TL_DTYPE[c.dtype], UPCAST=interpreting(),
+        SPLIT_NIBBLES=cfg.SPLIT_NIBBLES and w.ebits + w.mbits in (3, 5), OUT_DTYPE=_TL_DTYPE[c.dtype], UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
 

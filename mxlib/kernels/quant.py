@@ -50,7 +50,7 @@ def _fmt_args(fmt: ElementFormat) -> dict:
 # H200 by ``python -m mxlib.bench quant --sweep`` (README lists the result).
 TILE_ELEMENTS = 4096
 NUM_WARPS = 4
-MAX_BLOCK_K = 512
+MAX_BLOCK_K = 1024
 
 
 def _tiles(rows: int, k: int) -> tuple[int, int]:

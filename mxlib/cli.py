@@ -1,0 +1,123 @@
+"""The notebooks' code paths as commands, for machines without Jupyter (the H200 image).
+
+``python -m mxlib.cli e2e --scheme nvfp4 --layers 4 --device cuda --json out.json``
+``python -m mxlib.cli compare --layers 4 --device cuda --json out.json``
+``python -m mxlib.cli unify --layers 4 --spread 1.0 --device cuda --json out.json``
+
+Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its notebook
+(01, 03 and 04) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+import torch
+
+from . import studies as S
+from . import workflow as W
+from .moe.schemes import MOE_SCHEMES
+
+
+def e2e(args) -> dict:
+    dev = W.resolve_device(args.device)
+    t0 = time.perf_counter()
+    model = W.dummy_model(args.layers, seed=args.seed, device=dev)
+    t_model = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ckpt = W.prepare_checkpoint(args.scheme, model, seed=args.seed, calib_tokens=args.calib_tokens)
+    t_ckpt = time.perf_counter() - t0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model_q, info = W.load_quantized_qwen3_moe(ckpt, args.layers, device=dev, backend=args.backend)
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    ref = W.run_model(model, ids)
+    out = W.run_model(model_q, ids)
+    # time again, warm (the first call compiles kernels)
+    ref = W.run_model(model, ids)
+    out = W.run_model(model_q, ids)
+    res = W.compare_runs(out, ref)
+    result = dict(scheme=args.scheme, layers=args.layers, tokens=args.tokens, device=str(dev), backend=args.backend,
+                  logits=res["logits"], layers_metrics=res["layers"], seconds_bf16=ref.seconds,
+                  seconds_emulated=out.seconds, seconds_build=t_model, seconds_checkpoint=t_ckpt,
+                  checkpoint_bytes=W.checkpoint_size_bytes(ckpt))
+    print(f"[e2e] {args.scheme} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
+          f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"]))
+    return result
+
+
+def compare(args) -> dict:
+    dev = W.resolve_device(args.device)
+    model = W.dummy_model(args.layers, seed=args.seed, device=dev)
+    cal = W.calibrate_model(model, args.calib_tokens, args.seed)
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    schemes = list(MOE_SCHEMES) if args.schemes == "all" else args.schemes.split(",")
+    rows = S.compare_schemes(model, schemes, ids, cal, backend=args.backend)
+    return dict(layers=args.layers, tokens=args.tokens, device=str(dev), rows=rows)
+
+
+def unify(args) -> dict:
+    dev = W.resolve_device(args.device)
+    strategies = args.strategies.split(",")
+    model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=dev)
+    cal = W.calibrate_model(model, args.calib_tokens, args.seed, keep_activations=True)
+    st = S.unification_study(cal, strategies)
+    eo = S.expert_output_study(model, cal, strategies, layers=range(min(args.output_layers, args.layers)))
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    e2e_rows = S.end_to_end_strategies(model, cal, strategies, ids, backend=args.backend)
+    del model
+    spreads = [float(s) for s in args.spreads.split(",")]
+    sp = S.spread_study(spreads, num_hidden_layers=1, seed=args.seed, calib_tokens=args.calib_tokens, device=dev)
+    for r in e2e_rows:
+        print(f"[unify] {r['strategy']:>10s}: logits SQNR {r['sqnr_db']:.2f} dB top-1 {r['top1_agreement']:.3f} "
+              f"KL {r['kl_divergence']:.2e}")
+    for r in sp:
+        print(f"[unify] spread {r['spread']}: {r['point']} mean dB lost by max {r['mean_db_lost']:.3f}")
+    summary = []
+    for point in ("a1", "a2"):
+        rows = [r for r in st["experts"] if r["point"] == point]
+        for s in strategies:
+            summary.append(dict(point=point, strategy=s, mean_sqnr_db=sum(r[f"sqnr_{s}"] for r in rows) / len(rows),
+                                mean_db_lost=sum(r[f"db_lost_{s}"] for r in rows) / len(rows),
+                                worst_db_lost=max(r[f"db_lost_{s}"] for r in rows)))
+    deep = [r for r in st["experts"] if r["scale_ratio"] < 2**-6 / 448]
+    return dict(layers=args.layers, spread=args.spread, strategies=strategies, summary=summary,
+                deep_experts=deep, histograms=st["histograms"], expert_outputs=eo, end_to_end=e2e_rows,
+                spread_study=sp, device=str(dev))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("e2e", "compare", "unify"):
+        p = sub.add_parser(name)
+        p.add_argument("--layers", type=int, default=4)
+        p.add_argument("--tokens", type=int, default=32)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--calib-tokens", type=int, default=512)
+        p.add_argument("--device", default="auto")
+        p.add_argument("--backend", default="auto")
+        p.add_argument("--json", default=None)
+    sub.choices["e2e"].add_argument("--scheme", default="nvfp4")
+    sub.choices["compare"].add_argument("--schemes", default="all")
+    u = sub.choices["unify"]
+    u.add_argument("--spread", type=float, default=1.0)
+    u.add_argument("--strategies", default="max,per_expert,median,p90,mean")
+    u.add_argument("--spreads", default="0,0.5,1,1.5")
+    u.add_argument("--output-layers", type=int, default=1)
+    args = ap.parse_args(argv)
+    result = {"e2e": e2e, "compare": compare, "unify": unify}[args.cmd](args)
+    result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

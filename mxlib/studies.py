@@ -1,0 +1,301 @@
+"""The workbook's studies: every scheme side by side, and NVFP4 scale unification.
+
+``compare_schemes`` quantizes a bf16 model's experts in every MoE scheme (in memory,
+one weight format at a time), runs the same token ids through each, and measures
+what each costs against bf16.
+
+``unification_study`` measures what the seed's single activation global scale (the max
+of the per-expert input scales) costs each expert, against each expert using its own
+scale, and against strategies in between: on each expert's own calibration
+activations (SQNR, dB lost, subnormal / flushed block scales, clipped elements, the
+histogram of e4m3 block-scale codes), on each expert's output, and end to end.
+OCP MX (per-32 E8M0 scales, no global scale) is measured beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+
+from . import reference as R
+from .analysis import compare_tensors
+from .formats import get_block_scheme
+from .models.calibration import Calibration
+from .models.qwen3 import expert_weights, moe_layers
+from .moe.experts import (
+    Nvfp4QuantizationEmulationTritonExperts,
+    OCP_MXQuantizationEmulationTritonExperts,
+    TransformersExperts,
+    silu_and_mul,
+    unify_input_scales,
+)
+from .moe.schemes import FP8_PER_TENSOR, get_moe_scheme
+
+__all__ = [
+    "quantize_layer_weights",
+    "emulation_experts",
+    "experts_swapped",
+    "checkpoint_tensor_bytes",
+    "compare_schemes",
+    "unification_study",
+    "spread_study",
+]
+
+
+def _ops(device):
+    if torch.device(device).type == "cuda":
+        from . import kernels
+
+        return kernels
+    return R
+
+
+def quantize_layer_weights(w13: torch.Tensor, w2: torch.Tensor, weight: str) -> dict:
+    """Quantize one layer's experts: ``weight`` is ``nvfp4`` (ModelOpt arithmetic) or an MX
+    block scheme (``mxfp4``, ``mxfp6_e3m2``, ``mxfp6_e2m3``: E8M0 ``even`` rule, as Quark)."""
+    ops = _ops(w13.device)
+    if weight == "nvfp4":
+        p13, s13, g13 = ops.quantize_nvfp4(w13)
+        p2, s2, g2 = ops.quantize_nvfp4(w2)
+        return dict(w13=(p13, s13, g13), w2=(p2, s2, g2))
+    el = get_block_scheme(weight).element.name
+    return dict(w13=ops.quantize_mx(w13, el), w2=ops.quantize_mx(w2, el))
+
+
+def emulation_experts(scheme: str, q: dict, in13=None, in2=None, backend="auto", scale_strategy="max"):
+    """Emulation experts of ``scheme`` from ``quantize_layer_weights`` output and decode input scales."""
+    s = get_moe_scheme(scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if s.name == "nvfp4":
+            return Nvfp4QuantizationEmulationTritonExperts(*q["w13"], *q["w2"], in13, in2, scale_strategy=scale_strategy,
+                                                           backend=backend)
+        kw = {}
+        if s.activation == FP8_PER_TENSOR:
+            kw = dict(w13_input_scale=in13, w2_input_scale=in2)
+        return OCP_MXQuantizationEmulationTritonExperts(s.name, *q["w13"], *q["w2"], backend=backend, **kw)
+
+
+@contextlib.contextmanager
+def experts_swapped(model, experts: list):
+    """Temporarily replace each layer's experts (restored on exit)."""
+    layers = moe_layers(model)
+    originals = [m.experts for m in layers]
+    try:
+        for mlp, ex in zip(layers, experts):
+            mlp.experts = TransformersExperts(ex)
+        yield model
+    finally:
+        for mlp, orig in zip(layers, originals):
+            mlp.experts = orig
+
+
+def checkpoint_tensor_bytes(model, scheme: str) -> int:
+    """Bytes of tensor data a checkpoint of ``scheme`` holds (bf16 non-expert tensors plus the
+    per-expert packed weights, scales and scalars), the same tensors ``write_quantized_checkpoint``
+    writes; file headers excluded."""
+    s = get_moe_scheme(scheme)
+    cfg = model.config
+    e, h, i, layers = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, len(model.model.layers)
+    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." not in n)
+    fmt = s.weight_scheme
+    elems = 3 * h * i  # gate, up, down
+    packed = elems * fmt.element.nbits // 8
+    scales = elems // fmt.block_size
+    scalars = 3 * (2 if s.name == "nvfp4" else (1 if s.activation == FP8_PER_TENSOR else 0)) * 4
+    return dense + layers * e * (packed + scales + scalars)
+
+
+def compare_schemes(model, schemes, token_ids, calibration: Calibration | None, backend="auto", log=print) -> list[dict]:
+    """Every scheme on the same model and token ids; metrics against the bf16 model.
+
+    Weights are quantized once per weight format and shared by the schemes that use it.
+    ``calibration`` provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes.
+    """
+    from .workflow import compare_runs, run_model
+
+    ref = run_model(model, token_ids)
+    rows = []
+    by_weight: dict[str, list[str]] = {}
+    for sc in schemes:
+        by_weight.setdefault(get_moe_scheme(sc).weight, []).append(get_moe_scheme(sc).name)
+    nlayers = len(model.model.layers)
+    for weight, names in by_weight.items():
+        t0 = time.perf_counter()
+        quantized = [quantize_layer_weights(*expert_weights(model, li), weight) for li in range(nlayers)]
+        log(f"[compare] quantized {weight} weights in {time.perf_counter() - t0:.1f} s")
+        for name in names:
+            s = get_moe_scheme(name)
+            experts = []
+            for li, q in enumerate(quantized):
+                in13 = in2 = None
+                if s.static_activation_scale:
+                    kind = "nvfp4" if s.name == "nvfp4" else "fp8"
+                    in13, in2 = (t.to(q["w13"][0].device) for t in calibration.input_scales(li, kind))
+                experts.append(emulation_experts(name, q, in13, in2, backend))
+            with experts_swapped(model, experts):
+                out = run_model(model, token_ids)
+            res = compare_runs(out, ref)
+            rows.append(dict(
+                scheme=name, weights=s.weight, activations=s.activation or "bf16",
+                bits_per_weight=s.weight_scheme.bits_per_element,
+                checkpoint_gb=checkpoint_tensor_bytes(model, name) / 1e9,
+                **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]], seconds=out.seconds,
+            ))
+            log(f"[compare] {name}: logits SQNR {res['logits']['sqnr_db']:.2f} dB, top-1 "
+                f"{res['logits']['top1_agreement']:.3f}, KL {res['logits']['kl_divergence']:.2e}")
+        del quantized
+    return rows
+
+
+# ----------------------------------------------------------------------------- unification
+
+
+def _segment_sqnr(x: torch.Tensor, y: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    """SQNR (dB) of y vs x per segment id (rows of x and y belong to segment ``seg``)."""
+    x, y = x.double(), y.double()
+    sig = torch.zeros(n, dtype=torch.float64, device=x.device).index_add_(0, seg, (x * x).sum(-1))
+    err = torch.zeros(n, dtype=torch.float64, device=x.device).index_add_(0, seg, ((y - x) ** 2).sum(-1))
+    return 10.0 * torch.log10(sig / err)
+
+
+def _segment_mean(v: torch.Tensor, seg: torch.Tensor, n: int) -> torch.Tensor:
+    v = v.double().reshape(v.shape[0], -1).mean(-1)
+    tot = torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, seg, v)
+    cnt = torch.zeros(n, dtype=torch.float64, device=v.device).index_add_(0, seg, torch.ones_like(v))
+    return tot / cnt
+
+
+def unification_study(calibration: Calibration, strategies=("max", "per_expert", "median"), layers=None) -> dict:
+    """Per layer and expert, what each activation-scale strategy does to the expert's own
+    calibration activations (``calibrate(..., keep_activations=True)``).
+
+    Returns ``{"experts": rows, "histograms": {point: {strategy: counts[127]}}}`` where each row
+    holds ``layer, expert, point ("a1" | "a2"), tokens, scale_ratio`` (expert input scale / max),
+    and per strategy ``sqnr_<s>`` (dB), ``db_lost_<s>`` (vs per_expert), ``subnormal_<s>``,
+    ``flushed_<s>``, ``clipped_<s>`` (fractions), plus ``sqnr_mxfp4`` (OCP MX QDQ, no global scale).
+    """
+    rows = []
+    hist = {p: {s: torch.zeros(127, dtype=torch.int64) for s in strategies} for p in ("a1", "a2")}
+    strategies = list(strategies)
+    if "per_expert" not in strategies:
+        strategies.append("per_expert")
+    for li, lc in enumerate(calibration.layers):
+        if layers is not None and li not in layers:
+            continue
+        if lc.a1 is None:
+            raise ValueError("unification_study needs calibrate(..., keep_activations=True)")
+        k = lc.topk_ids.shape[1]
+        seg = lc.topk_ids.reshape(-1).long()
+        n = lc.a1_amax.numel()
+        points = {"a1": lc.a1.repeat_interleave(k, dim=0), "a2": lc.a2}
+        amaxes = {"a1": lc.a1_amax, "a2": lc.a2_amax}
+        per_point = {}
+        for point, x in points.items():
+            x = x.float()
+            scales = amaxes[point] / 2688.0
+            res = {"scale_ratio": scales / scales.max()}
+            for s in strategies:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    gs = unify_input_scales(scales, s, f"{point}_input_scale")[0]
+                rows_gs = gs[seg]
+                y = R.ref_nvfp4_quant_dequant(x, rows_gs, dtype=torch.float32)
+                st = R.nvfp4_block_stats(x, rows_gs)
+                res[f"sqnr_{s}"] = _segment_sqnr(x, y, seg, n)
+                res[f"subnormal_{s}"] = _segment_mean(st["subnormal"].float(), seg, n)
+                res[f"flushed_{s}"] = _segment_mean(st["flushed"].float(), seg, n)
+                res[f"clipped_{s}"] = _segment_mean(st["clipped"].float(), seg, n)
+                if s in hist[point]:
+                    codes = st["scale_code"].reshape(-1).long()
+                    hist[point][s] += torch.bincount(codes.clamp(max=126), minlength=127)[:127].cpu()
+            res["sqnr_mxfp4"] = _segment_sqnr(x, R.quant_dequant_mx(x, "e2m1", dtype=torch.float32), seg, n)
+            res["sqnr_mxfp8_e4m3"] = _segment_sqnr(x, R.quant_dequant_mx(x, "e4m3", dtype=torch.float32), seg, n)
+            per_point[point] = res
+        for point, res in per_point.items():
+            for e in range(n):
+                if lc.tokens[e] == 0:
+                    continue
+                row = dict(layer=li, expert=e, point=point, tokens=int(lc.tokens[e]),
+                           scale_ratio=float(res["scale_ratio"][e]))
+                for key, v in res.items():
+                    if key != "scale_ratio":
+                        row[key] = float(v[e])
+                for s in strategies:
+                    row[f"db_lost_{s}"] = row["sqnr_per_expert"] - row[f"sqnr_{s}"]
+                rows.append(row)
+    return {"experts": rows, "histograms": {p: {s: h.tolist() for s, h in d.items()} for p, d in hist.items()}}
+
+
+def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)) -> list[dict]:
+    """Each expert's output on its own calibration tokens: NVFP4 emulation (weights dequantized,
+    a1 and a2 QDQ'd with each strategy's scale) against the bf16 expert; rows hold ``sqnr_<s>``."""
+    rows = []
+    for li in layers:
+        lc = calibration.layers[li]
+        w13, w2 = expert_weights(model, li)
+        dev = w13.device
+        ops = _ops(dev)
+        q = quantize_layer_weights(w13, w2, "nvfp4")
+        d13 = ops.dequantize_to_dtype(*q["w13"], w13.dtype)
+        d2 = ops.dequantize_to_dtype(*q["w2"], w2.dtype)
+        in13, in2 = lc.a1_amax.to(dev) / 2688.0, lc.a2_amax.to(dev) / 2688.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gss = {s: (unify_input_scales(in13, s)[0], unify_input_scales(in2, s)[0]) for s in strategies}
+        k = lc.topk_ids.shape[1]
+        flat = lc.topk_ids.reshape(-1).long()
+        for e in torch.unique(flat).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            x = lc.a1[pairs // k].to(dev)
+            ref = silu_and_mul((x.float() @ w13[e].float().T).to(x.dtype)).float() @ w2[e].float().T
+            row = dict(layer=li, expert=e, tokens=int(pairs.numel()), scale_ratio_a1=float(in13[e] / in13.max()),
+                       scale_ratio_a2=float(in2[e] / in2.max()))
+            for s, (g13, g2) in gss.items():
+                xa = ops.ref_nvfp4_quant_dequant(x, g13[e].reshape(1))
+                h = silu_and_mul((xa.float() @ d13[e].float().T).to(x.dtype))
+                h = ops.ref_nvfp4_quant_dequant(h, g2[e].reshape(1))
+                row[f"sqnr_{s}"] = compare_tensors(h.float() @ d2[e].float().T, ref)["sqnr_db"]
+            rows.append(row)
+    return rows
+
+
+def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids, backend="auto") -> list[dict]:
+    """Logits and per-layer errors of the NVFP4-emulated model under each strategy."""
+    from .workflow import compare_runs, run_model
+
+    ref = run_model(model, token_ids)
+    nl = len(model.model.layers)
+    quantized = [quantize_layer_weights(*expert_weights(model, li), "nvfp4") for li in range(nl)]
+    rows = []
+    for s in strategies:
+        experts = []
+        for li, q in enumerate(quantized):
+            in13, in2 = (t.to(q["w13"][0].device) for t in calibration.input_scales(li, "nvfp4"))
+            experts.append(emulation_experts("nvfp4", q, in13, in2, backend, scale_strategy=s))
+        with experts_swapped(model, experts):
+            out = run_model(model, token_ids)
+        res = compare_runs(out, ref)
+        rows.append(dict(strategy=s, **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]]))
+    return rows
+
+
+def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu") -> list[dict]:
+    """Mean dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows."""
+    from .workflow import calibrate_model, dummy_model
+
+    rows = []
+    for sp in spreads:
+        m = dummy_model(num_hidden_layers, seed=seed, expert_spread=sp, device=device)
+        cal = calibrate_model(m, calib_tokens, seed, keep_activations=True)
+        st = unification_study(cal, ("max", "per_expert"))
+        for point in ("a1", "a2"):
+            lost = [r["db_lost_max"] for r in st["experts"] if r["point"] == point]
+            ratios = [r["scale_ratio"] for r in st["experts"] if r["point"] == point]
+            rows.append(dict(spread=sp, point=point, mean_db_lost=sum(lost) / len(lost), max_db_lost=max(lost),
+                             median_scale_ratio=sorted(ratios)[len(ratios) // 2]))
+        del m
+    return rows
