@@ -176,6 +176,13 @@ def sweep(em, bf16, tokens) -> tuple[dict, dict]:
     return {m: c for m, (_, c) in best_f.items()}, {m: c for m, (_, c) in best_b.items()}
 
 
+def _nearest(best: dict | None, m: int):
+    """The swept configuration of the token count nearest to ``m`` (log scale), or None."""
+    if not best:
+        return None
+    return best[min(best, key=lambda mm: abs(math.log(mm) - math.log(m)))]
+
+
 def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None, layer=None) -> list[dict]:
     w13, w2, em = layer or build_layer(scheme)
     bf16 = X.TritonExperts(w13, w2, backend="triton")
@@ -188,9 +195,9 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         floor_bytes = hit * per_expert_bytes + 2 * m * H * 2
         floor_ms = floor_bytes / (ceilings["copy_gbs"] * 1e9) * 1e3
         row = dict(scheme=scheme, M=m, experts_hit=hit, floor_ms=floor_ms)
-        bf16.gemm_config = (best_bf16 or {}).get(m)
-        em.fused_config = (best_fused or {}).get(m)
-        em.gemm_config = (best_bf16 or {}).get(m)
+        bf16.gemm_config = _nearest(best_bf16, m)
+        em.fused_config = _nearest(best_fused, m)
+        em.gemm_config = _nearest(best_bf16, m)
         out = {}
         for name in ("bf16", "seed", "fused"):
             if name == "bf16":
