@@ -52,7 +52,7 @@ def bench_quant(rows: int = 65536, k: int = 2048) -> dict:
     from .formats import ELEMENT_FORMATS
 
     copy_gbs = copy_bandwidth()
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * torch.exp(torch.randn(rows, 1, device="cuda"))
+    x = (torch.randn(rows, k, device="cuda") * torch.exp(torch.randn(rows, 1, device="cuda"))).to(torch.bfloat16)
     n = x.numel()
     results = []
 

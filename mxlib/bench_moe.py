@@ -279,6 +279,7 @@ def main(argv=None, json_path=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--model", action="store_true")
+    ap.add_argument("--model-only", action="store_true")
     ap.add_argument("--sweep-tokens", default="")
     ap.add_argument("--full", type=int, default=99, help="the first N schemes get every token count")
     ap.add_argument("--short-tokens", default="16,256,4096")
@@ -290,7 +291,7 @@ def main(argv=None, json_path=None) -> int:
     result = {"env": _env(), "ceilings": ceilings, "rows": [], "best_fused": {}, "best_bf16": {}}
     best_f: dict[int, dict] = {}  # weight bits -> {M: FusedConfig}
     best_b = None
-    schemes = args.schemes.split(",")
+    schemes = [] if args.model_only else args.schemes.split(",")
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else tokens
     for scheme in schemes:
         layer = build_layer(scheme)
@@ -308,7 +309,7 @@ def main(argv=None, json_path=None) -> int:
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(result, f, indent=2, default=str)
-    if args.model:
+    if args.model or args.model_only:
         result["model"] = bench_model()
     if json_path:
         with open(json_path, "w") as f:

@@ -41,9 +41,19 @@ def e2e(args) -> dict:
     ref = W.run_model(model, ids)
     out = W.run_model(model_q, ids)
     res = W.compare_runs(out, ref)
+    fused = None
+    if dev.type == "cuda":  # the same model with the fused experts (same numerics within GEMM rounding)
+        from .models.qwen3 import moe_layers
+
+        for mlp in moe_layers(model_q):
+            mlp.experts.experts.backend = "fused"
+        W.run_model(model_q, ids)
+        fused = W.run_model(model_q, ids)
+        res["fused_logits"] = W.compare_runs(fused, ref)["logits"]
     result = dict(scheme=args.scheme, layers=args.layers, tokens=args.tokens, device=str(dev), backend=args.backend,
                   logits=res["logits"], layers_metrics=res["layers"], seconds_bf16=ref.seconds,
-                  seconds_emulated=out.seconds, seconds_build=t_model, seconds_checkpoint=t_ckpt,
+                  seconds_emulated=out.seconds, seconds_emulated_fused=fused.seconds if fused else None,
+                  fused_logits=res.get("fused_logits"), seconds_build=t_model, seconds_checkpoint=t_ckpt,
                   checkpoint_bytes=W.checkpoint_size_bytes(ckpt))
     print(f"[e2e] {args.scheme} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
           f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"]))

@@ -52,24 +52,34 @@ class FusedConfig:
     SPLIT_NIBBLES: bool = False
 
 
-# Chosen by the tile sweep in mxlib.bench_moe on the H200 (Qwen3-30B-A3B layer shapes).
-FUSED_CONFIGS: list[tuple[float, FusedConfig]] = [
-    (4.0, FusedConfig(16, 64, 128, 1, 4, 4)),
-    (32.0, FusedConfig(32, 64, 128, 1, 4, 4)),
-    (128.0, FusedConfig(64, 128, 64, 4, 8, 3)),
-    (float("inf"), FusedConfig(128, 128, 64, 8, 8, 3)),
-]
+# Chosen by the tile sweep of ``python -m mxlib.bench moe --sweep`` on the H200 (Qwen3-30B-A3B
+# layer shapes), keyed by packed weight bits, then by the average number of pairs per expert.
+FUSED_CONFIGS: dict[int, list[tuple[float, FusedConfig]]] = {
+    4: [
+        (0.25, FusedConfig(16, 128, 128, 1, 4, 3)),
+        (4.0, FusedConfig(16, 64, 128, 1, 4, 4)),
+        (64.0, FusedConfig(32, 64, 128, 1, 4, 3)),
+        (float("inf"), FusedConfig(128, 64, 64, 8, 4, 3)),
+    ],
+    6: [
+        (0.25, FusedConfig(16, 128, 128, 1, 4, 3, True)),
+        (4.0, FusedConfig(16, 64, 128, 1, 4, 3)),
+        (64.0, FusedConfig(32, 128, 128, 4, 8, 3)),
+        (float("inf"), FusedConfig(128, 64, 64, 8, 4, 3)),
+    ],
+}
 
 
-def get_fused_config(num_tokens: int, num_experts: int, top_k: int) -> FusedConfig:
-    """Tiles by the average number of pairs per expert."""
+def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits: int = 4) -> FusedConfig:
+    """Tiles by packed weight bits and the average number of pairs per expert."""
     if interpreting():
         return FusedConfig(16, 32, 32, 1, 4, 1)
     per_expert = num_tokens * top_k / max(1, num_experts)
-    for limit, cfg in FUSED_CONFIGS:
+    table = FUSED_CONFIGS.get(weight_bits, FUSED_CONFIGS[4])
+    for limit, cfg in table:
         if per_expert <= limit:
             return cfg
-    return FUSED_CONFIGS[-1][1]
+    return table[-1][1]
 
 
 @triton.jit
@@ -371,7 +381,7 @@ def invoke_fused_dequant_moe(
     e, two_i = w13.packed.shape[:2]
     h = w2.packed.shape[1]
     i = two_i // 2
-    cfg = config or get_fused_config(m, e, k)
+    cfg = config or get_fused_config(m, e, k, 1 + w13.ebits + w13.mbits)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.BLOCK_M, e)
     weights = topk_weights.reshape(-1).float().contiguous()
     cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)

@@ -47,14 +47,15 @@ def get_moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int
     """Tiles by the average number of pairs per expert (small batches want small BLOCK_M)."""
     if interpreting():
         return MoEGemmConfig(16, 32, 32, 1, 4, 1)
+    # chosen by the sweep of ``python -m mxlib.bench moe --sweep`` on the H200 (Qwen3-30B-A3B shapes)
     per_expert = num_tokens * top_k / max(1, num_experts)
-    if per_expert <= 16:
-        return MoEGemmConfig(16, 64, 128, 1, 4, 4)
+    if per_expert <= 0.25:
+        return MoEGemmConfig(16, 128, 128, 1, 4, 3)
+    if per_expert <= 4:
+        return MoEGemmConfig(16, 64, 256, 1, 4, 3)
     if per_expert <= 64:
-        return MoEGemmConfig(32, 64, 128, 8, 4, 4)
-    if per_expert <= 256:
-        return MoEGemmConfig(64, 128, 64, 8, 4, 4)
-    return MoEGemmConfig(128, 128, 64, 8, 8, 3)
+        return MoEGemmConfig(16, 128, 128, 1, 4, 3)
+    return MoEGemmConfig(128, 256, 64, 8, 8, 3)
 
 
 @triton.jit
