@@ -101,9 +101,14 @@ def dummy_qwen3_moe(
     """A seeded random-weight model: the workbook's "dummy checkpoint" in bf16.
 
     Linear, embedding and router weights are ``N(0, initializer_range)`` (0.02), norms 1.
-    ``expert_spread`` sigma multiplies each expert's w13 and w2 by ``exp(sigma * z_e)``,
-    ``z_e ~ N(0, 1)`` per expert, so experts see activations of different ranges (0 gives
-    i.i.d. experts). Generation is deterministic for a given seed and device.
+
+    ``expert_spread`` sigma gives experts activations of different ranges, as trained MoE
+    experts have: expert ``e``'s w13 is multiplied by ``f_e = exp(sigma * z_e)``,
+    ``z_e ~ N(0, 1)``, and its w2 by ``f_e ** -2``. Gate and up both grow by ``f_e``, so the
+    SiLU-and-mul output (the w2 input, a2) grows by about ``f_e ** 2`` while the expert's
+    output stays on the common scale: a2 ranges spread over ``exp(+-2 sigma)`` per standard
+    deviation and no expert dominates the layer. 0 gives i.i.d. experts. Generation is
+    deterministic for a given seed and device (CPU and CUDA generators differ).
     """
     model = empty_qwen3_moe(config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -116,9 +121,9 @@ def dummy_qwen3_moe(
     if expert_spread:
         for mlp in moe_layers(model):
             z = torch.randn(config.num_experts, generator=gen, device=device)
-            f = torch.exp(expert_spread * z).to(dtype)[:, None, None]
-            mlp.experts.gate_up_proj.mul_(f)
-            mlp.experts.down_proj.mul_(f)
+            f = torch.exp(expert_spread * z)[:, None, None]
+            mlp.experts.gate_up_proj.mul_(f.to(dtype))
+            mlp.experts.down_proj.mul_((1.0 / (f * f)).to(dtype))
     return model
 
 
