@@ -302,7 +302,11 @@ class _Tensors:
         fname = self.weight_map[name]
         if fname not in self._open:
             self._open[fname] = safe_open(str(self.folder / fname), "pt")
-        t = self._open[fname].get_tensor(name)
+        try:
+            t = self._open[fname].get_tensor(name)
+        except Exception as err:  # the index lists a tensor the shard does not hold
+            raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r} (listed in the index for "
+                                  f"{fname}, not found in that file: {err})") from None
         if dtype is not None and t.dtype != dtype:
             raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype}")
         if shape is not None and tuple(t.shape) != tuple(shape):

@@ -138,8 +138,8 @@ def unify_input_scales(
     if strategy == "per_expert":
         per = torch.where(calibrated, s, smax)
         return one / per, bool((per == per[0]).all())
-    if strategy == "max":
-        unified = smax
+    if strategy == "max" or bool((vals == smax).all()):
+        unified = smax  # any statistic of identical scales is that scale, bit for bit
     elif strategy == "mean":
         unified = vals.mean()
     elif strategy == "median":

@@ -1,0 +1,207 @@
+"""Checkpoints: write in the ModelOpt / Quark layouts, read back, compare every tensor; bad checkpoints.
+
+A tiny Qwen3-MoE (hidden 64, 4 experts) keeps this fast; the layout code is the one full-size runs use.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mxlib import reference as R
+from mxlib.models import checkpoints as C
+from mxlib.models.calibration import calibrate
+from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts
+
+TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, bos_token_id=0, eos_token_id=1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY)
+    model = dummy_qwen3_moe(cfg, seed=1, expert_spread=0.5)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    cal = calibrate(model, ids)
+    return model, cal, ids
+
+
+def _read_all(path):
+    idx = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    out = {}
+    for fname in sorted(set(idx.values())):
+        out.update(load_file(str(path / fname)))
+    assert set(out) == set(idx)
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3"])
+def test_roundtrip_every_tensor(tiny, tmp_path, scheme):
+    model, cal, ids = tiny
+    path = C.write_quantized_checkpoint(model, scheme, tmp_path / "ckpt", cal, shard_bytes=20_000)
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    stored = _read_all(path)
+    cfg = json.loads((path / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    # every bf16 tensor outside the experts, unchanged
+    for name, p in model.state_dict().items():
+        if ".mlp.experts." not in name:
+            assert stored[name].dtype == torch.bfloat16 and torch.equal(stored[name], p), name
+    # every expert tensor equals an independent quantization of the bf16 weights
+    for layer in range(2):
+        w13, w2 = expert_weights(model, layer)
+        i = w2.shape[2]
+        gate, up = w13[:, :i], w13[:, i:]
+        for e in range(4):
+            pre = f"model.layers.{layer}.mlp.experts.{e}"
+            if scheme == "nvfp4":
+                assert qc["quant_method"] == "modelopt" and (path / "hf_quant_config.json").exists()
+                ws2 = torch.maximum(gate[e].abs().amax(), up[e].abs().amax()).float() / torch.tensor(2688.0)
+                for proj, w, g in (("gate_proj", gate[e], ws2), ("up_proj", up[e], ws2), ("down_proj", w2[e], None)):
+                    p, s, g2 = R.quantize_nvfp4(w, g)
+                    assert torch.equal(stored[f"{pre}.{proj}.weight"], p)
+                    assert torch.equal(stored[f"{pre}.{proj}.weight_scale"].view(torch.uint8), s.view(torch.uint8))
+                    assert stored[f"{pre}.{proj}.weight_scale_2"].shape == () and stored[f"{pre}.{proj}.weight_scale_2"] == g2
+                in13, in2 = cal.input_scales(layer, "nvfp4")
+                assert stored[f"{pre}.gate_proj.input_scale"] == in13[e] and stored[f"{pre}.down_proj.input_scale"] == in2[e]
+            else:
+                assert qc["quant_method"] == "quark"
+                el = {"w_mxfp4_a_mxfp4": "e2m1", "w_mxfp6_e3m2_a_fp8": "e3m2", "w_mxfp6_e2m3": "e2m3"}[scheme]
+                for proj, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", w2[e])):
+                    p, s = R.quantize_mx(w, el)
+                    assert torch.equal(stored[f"{pre}.{proj}.weight"], p) and stored[f"{pre}.{proj}.weight"].dtype == torch.uint8
+                    assert torch.equal(stored[f"{pre}.{proj}.weight_scale"], s)
+                assert (f"{pre}.gate_proj.input_scale" in stored) == scheme.endswith("_a_fp8")
+    # load back: the experts hold exactly the stored tensors, and the model runs
+    loaded, info = C.load_quantized_qwen3_moe(path, backend="torch")
+    ex = loaded.model.layers[1].mlp.experts.experts
+    cls = Nvfp4QuantizationEmulationTritonExperts if scheme == "nvfp4" else OCP_MXQuantizationEmulationTritonExperts
+    assert isinstance(ex, cls) and info["scheme"].name == scheme
+    assert torch.equal(ex.w2_weight[3], stored["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(ex.w13_weight[2, 32:], stored["model.layers.1.mlp.experts.2.up_proj.weight"])
+    for name, p in loaded.state_dict().items():
+        if ".mlp.experts." not in name and name in stored:
+            assert torch.equal(p, stored[name]), name
+    with torch.no_grad():
+        out = loaded(input_ids=ids[:1]).logits
+    assert torch.isfinite(out).all()
+
+
+def test_layer_override_and_legacy_config(tiny, tmp_path):
+    model, cal, ids = tiny
+    path = C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    one, _ = C.load_quantized_qwen3_moe(path, num_hidden_layers=1)
+    assert len(one.model.layers) == 1
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]  # only hf_quant_config.json left, as older ModelOpt exports
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded, info = C.load_quantized_qwen3_moe(path)
+    assert info["format"] == "modelopt" and "model.layers.*.mlp.gate" in info["exclude"]
+    with pytest.raises(C.CheckpointError, match="num_hidden_layers=5 exceeds the checkpoint's 2"):
+        C.load_quantized_qwen3_moe(path, num_hidden_layers=5)
+
+
+def _rewrite(path, edit):
+    """Apply ``edit(name, tensor) -> tensor | None`` to every stored tensor (None drops it)."""
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        new = {}
+        for k, v in tensors.items():
+            r = edit(k, v)
+            if r is not None:
+                new[k] = r
+        save_file(new, str(f), metadata={"format": "pt"})
+
+
+def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
+    model, cal, ids = tiny
+    good = C.write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "good", cal)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+
+    def variant(tag, edit):
+        p = tmp_path / tag
+        shutil.copytree(good, p)
+        _rewrite(p, edit)
+        return p
+
+    missing = variant("missing", lambda k, v: None if k == name else v)
+    with pytest.raises(C.CheckpointError, match=f"missing tensor '{name}'"):
+        C.load_quantized_qwen3_moe(missing)
+    wrong_shape = variant("shape", lambda k, v: v[:-1].contiguous() if k == name else v)
+    with pytest.raises(C.CheckpointError, match=rf"tensor '{name}': expected shape \[64, 1\], found \[63, 1\]"):
+        C.load_quantized_qwen3_moe(wrong_shape)
+    wrong_dtype = variant("dtype", lambda k, v: v.float() if k == name else v)
+    with pytest.raises(C.CheckpointError, match=f"tensor '{name}': expected dtype torch.uint8, found torch.float32"):
+        C.load_quantized_qwen3_moe(wrong_dtype)
+    bf16_name = "model.layers.0.self_attn.q_proj.weight"
+    wrong_bf16 = variant("bf16", lambda k, v: v.float() if k == bf16_name else v)
+    with pytest.raises(C.CheckpointError, match=f"tensor '{bf16_name}': expected dtype torch.bfloat16, found torch.float32"):
+        C.load_quantized_qwen3_moe(wrong_bf16)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda q: q["global_quant_config"]["weight"].update(group_size=64), "weight.group_size: the emulation supports 32, found 64"),
+    (lambda q: q["global_quant_config"]["weight"].update(scale_format="e4m3"), "weight.scale_format: the emulation supports 'e8m0'"),
+    (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
+    (lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
+     r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported"),
+    (lambda q: q.update(quant_method="awq"), "quant_method: expected 'modelopt' or 'quark', found 'awq'"),
+    (lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False), "MX activations must be dynamic"),
+])
+def test_unsupported_quark_configs_are_rejected(tiny, tmp_path, edit, message):
+    model, cal, _ = tiny
+    path = C.write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", cal)
+    cfg = json.loads((path / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(C.CheckpointError, match=message):
+        C.load_quantized_qwen3_moe(path)
+
+
+def test_quantized_attention_is_rejected(tiny, tmp_path):
+    model, cal, _ = tiny
+    path = C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", "model.layers.*.mlp.gate"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    extra = {"model.layers.0.self_attn.q_proj.weight_scale": torch.zeros(4, dtype=torch.float8_e4m3fn)}
+    save_file(extra, str(path / "extra.safetensors"))
+    idx = json.loads((path / "model.safetensors.index.json").read_text())
+    idx["weight_map"].update({k: "extra.safetensors" for k in extra})
+    (path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    with pytest.raises(C.CheckpointError, match="self_attn.q_proj is quantized in this checkpoint; mxlib emulates the MoE experts only"):
+        C.load_quantized_qwen3_moe(path)
+
+
+def test_failed_write_leaves_nothing(tiny, tmp_path, monkeypatch):
+    model, cal, _ = tiny
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(C, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nvfp4_needs_calibration(tiny, tmp_path):
+    model, _, _ = tiny
+    with pytest.raises(ValueError, match="nvfp4 checkpoints need activation input scales"):
+        C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", None)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_checkpoint_tensor_bytes_matches_files(tiny, tmp_path):
+    from mxlib.studies import checkpoint_tensor_bytes
+
+    model, cal, _ = tiny
+    for scheme in ("nvfp4", "w_mxfp6_e3m2_a_fp8"):
+        path = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme, cal)
+        idx = json.loads((path / "model.safetensors.index.json").read_text())
+        assert checkpoint_tensor_bytes(model, scheme) == idx["metadata"]["total_size"]
