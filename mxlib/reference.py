@@ -380,6 +380,28 @@ def quantize_mx(
     return packed.reshape(*lead, -1), scale.reshape(*lead, -1)
 
 
+def _mx_dequant_args(packed, scale, element, block_size, dtype):
+    """Checks shared by ``dequantize_mx`` and its Triton twin: ``(fmt, packed u8, scale u8, k)``."""
+    fmt = get_element_format(element)
+    _check_out_dtype(dtype)
+    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
+    packed = _as_uint8(packed, "packed", allowed)
+    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+    scale = _as_uint8(scale, "scale", e8)
+    pk = packed.shape[-1]
+    if fmt.nbits == 6 and pk % 3:
+        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
+    k = pk * 8 // fmt.nbits
+    _check_block(k, block_size, "packed (unpacked)")
+    expected = (*packed.shape[:-1], k // block_size)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
+            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
+        )
+    return fmt, packed, scale, k
+
+
 def dequantize_mx(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -401,23 +423,8 @@ def dequantize_mx(
     Raises:
         TypeError: wrong dtypes. ValueError: ``scale``'s shape does not match ``packed``'s.
     """
-    fmt = get_element_format(element)
-    _check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = _as_uint8(packed, "packed", allowed)
-    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    scale = _as_uint8(scale, "scale", e8)
+    fmt, packed, scale, k = _mx_dequant_args(packed, scale, element, block_size, dtype)
     pk = packed.shape[-1]
-    if fmt.nbits == 6 and pk % 3:
-        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
-    k = pk * 8 // fmt.nbits
-    _check_block(k, block_size, "packed (unpacked)")
-    expected = (*packed.shape[:-1], k // block_size)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
-            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
-        )
     lead = packed.shape[:-1]
     p2, s2 = packed.reshape(-1, pk), scale.reshape(-1, k // block_size)
     out = torch.empty(p2.shape[0], k, dtype=dtype, device=packed.device)
@@ -594,6 +601,30 @@ def nvfp4_block_stats(
     }
 
 
+def _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale):
+    """Checks shared by ``quantize_nvfp4`` and its Triton twin: ``(x as [E, n, k], weight_scale_2 [E])``."""
+    _check_float(x, "x")
+    if x.ndim not in (2, 3):
+        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
+    _check_block(x.shape[-1], block_size, "x")
+    if zero_block_scale not in ("one", "zero"):
+        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
+    if not torch.isfinite(x).all():
+        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
+    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    num = x3.shape[0]
+    if weight_scale_2 is None:
+        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
+        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0), torch.ones_like(amax))
+    else:
+        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
+            raise TypeError("weight_scale_2: expected a float32 tensor")
+        if weight_scale_2.numel() not in (1, num):
+            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
+        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
+    return x3, ws2.contiguous()
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     weight_scale_2: torch.Tensor | None = None,
@@ -624,26 +655,8 @@ def quantize_nvfp4(
     Raises:
         ValueError: non-finite weights, a bad ``zero_block_scale``, wrong shapes.
     """
-    _check_float(x, "x")
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
-    _check_block(x.shape[-1], block_size, "x")
-    if zero_block_scale not in ("one", "zero"):
-        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
-    if not torch.isfinite(x).all():
-        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    num = x3.shape[0]
-    if weight_scale_2 is None:
-        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
-        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0), torch.ones_like(amax))
-    else:
-        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
-            raise TypeError("weight_scale_2: expected a float32 tensor")
-        if weight_scale_2.numel() not in (1, num):
-            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
-        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
-    n, k = x3.shape[1], x3.shape[2]
+    x3, ws2 = _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
+    num, n, k = x3.shape
     packed = torch.empty(num, n, k // 2, dtype=torch.uint8, device=x.device)
     block_scale = torch.empty(num, n, k // block_size, dtype=torch.float8_e4m3fn, device=x.device)
     for ex in range(num):
@@ -695,30 +708,10 @@ def nvfp4_unswizzle_scales(scale: torch.Tensor, m: int, k: int, block_size: int 
     return tiles.reshape(mt * 128, kt * 4)[:m, :kb]
 
 
-def dequantize_to_dtype(
-    tensor_fp4: torch.Tensor,
-    tensor_sf: torch.Tensor,
-    global_scale: torch.Tensor | float,
-    dtype: torch.dtype,
-    block_size: int = NVFP4_BLOCK_SIZE,
-    swizzle: bool = False,
-) -> torch.Tensor:
-    """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
+def _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle):
+    """Checks shared by ``dequantize_to_dtype`` and its Triton twin.
 
-    Args:
-        tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
-        tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
-            with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
-        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``.
-        dtype: output dtype.
-        block_size: 16.
-        swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
-
-    Returns:
-        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
-
-    Raises:
-        TypeError / ValueError: wrong dtypes or shapes, naming the argument.
+    Returns ``(fp4 u8, scales u8 (linear layout), global scale fp32 [E or 1], k)``.
     """
     _check_out_dtype(dtype)
     allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
@@ -745,7 +738,36 @@ def dequantize_to_dtype(
             f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
             f"got shape {list(global_scale.shape)}"
         )
-    gs = global_scale.reshape(-1).expand(num)
+    return fp4, sf, global_scale.reshape(-1).expand(num).to(fp4.device), k
+
+
+def dequantize_to_dtype(
+    tensor_fp4: torch.Tensor,
+    tensor_sf: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    dtype: torch.dtype,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    swizzle: bool = False,
+) -> torch.Tensor:
+    """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
+
+    Args:
+        tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
+        tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
+            with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
+        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``.
+        dtype: output dtype.
+        block_size: 16.
+        swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
+
+    Returns:
+        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes or shapes, naming the argument.
+    """
+    fp4, sf, gs, k = _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle)
+    num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
     s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
     m = f3.shape[1]
@@ -763,6 +785,21 @@ def dequantize_to_dtype(
 # ----------------------------------------------------------------------------- FP8 per tensor
 
 
+def _fp8_args(x, scale, dtype, check_scale):
+    """Checks shared by ``quant_dequant_fp8_per_tensor`` and its twin: ``(scale fp32 [], dtype)``."""
+    _check_float(x, "x")
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    if not isinstance(scale, torch.Tensor):
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
+    scale = scale.float().reshape(()).to(x.device)
+    if check_scale and not (torch.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    return scale, dtype
+
+
 def quant_dequant_fp8_per_tensor(
     x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype | None = None, check_scale: bool = True
 ) -> torch.Tensor:
@@ -778,16 +815,7 @@ def quant_dequant_fp8_per_tensor(
     Raises:
         ValueError: ``scale`` is not a single positive finite value.
     """
-    _check_float(x, "x")
-    dtype = x.dtype if dtype is None else dtype
-    _check_out_dtype(dtype)
-    if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
-    if scale.numel() != 1:
-        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
-    scale = scale.float().reshape(())
-    if check_scale and not (torch.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    scale, dtype = _fp8_args(x, scale, dtype, check_scale)
     inv = 1.0 / scale
     q = round_to_element(torch.clamp(x.float() * inv, -448.0, 448.0), _E4M3)
     return (q * scale).to(dtype)

@@ -240,6 +240,18 @@ def round_e2m1_signed_like_seed(v):
 
 
 # ----------------------------------------------------------------------------- tiles
+
+
+@triton.jit
+def grouped_pid(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1D grid, GROUP_SIZE_M row blocks at a time (L2 reuse of the N operand)."""
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    return first_pid_m + ((pid % num_pid_in_group) % group_size_m), (pid % num_pid_in_group) // group_size_m
 # Helpers on whole tiles, shared by the standalone kernels (quant.py) and the fused
 # MoE kernels (fused_dequant_moe.py). Scale blocks always run along the last axis.
 

@@ -191,15 +191,7 @@ def fused_moe_dequant_kernel(
     (times the router weight with MUL_ROUTED_WEIGHT). A2_KIND: 0 none, 1 OCP MX,
     2 NVFP4 (encode scale act_scale[e]), 3 per-tensor FP8 (decode scale act_scale[0]).
     """
-    pid = tl.program_id(axis=0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
 
     if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
         return

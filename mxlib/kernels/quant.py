@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import reference as _ref
-from .._checks import as_uint8, check_block, check_float, check_out_dtype
+from .._checks import check_block, check_float, check_out_dtype
 from ..formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE, ElementFormat, get_element_format, get_scale_mode
 from . import _numerics as nm
 
@@ -275,23 +275,8 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
 
 def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype=torch.bfloat16):
     """Triton twin of ``mxlib.reference.dequantize_mx``."""
-    fmt = get_element_format(element)
-    check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = as_uint8(packed, "packed", allowed)
-    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    scale = as_uint8(scale, "scale", e8)
+    fmt, packed, scale, k = _ref._mx_dequant_args(packed, scale, element, block_size, dtype)
     pk = packed.shape[-1]
-    if fmt.nbits == 6 and pk % 3:
-        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
-    k = pk * 8 // fmt.nbits
-    check_block(k, block_size, "packed (unpacked)")
-    expected = (*packed.shape[:-1], k // block_size)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
-            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
-        )
     p2 = packed.contiguous().reshape(-1, pk)
     s2 = scale.contiguous().reshape(-1, k // block_size)
     r = p2.shape[0]
@@ -341,26 +326,8 @@ nvfp4_quant_dequant = ref_nvfp4_quant_dequant
 
 def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_block_scale="one"):
     """Triton twin of ``mxlib.reference.quantize_nvfp4`` (ModelOpt's weight export)."""
-    check_float(x, "x")
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
-    check_block(x.shape[-1], block_size, "x")
-    if zero_block_scale not in ("one", "zero"):
-        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
-    if not torch.isfinite(x).all():
-        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
+    x3, ws2 = _ref._nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
     num, n, k = x3.shape
-    if weight_scale_2 is None:
-        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
-        ws2 = torch.where(amax > 0, _ref._div(amax, 6.0 * 448.0), torch.ones_like(amax))
-    else:
-        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
-            raise TypeError("weight_scale_2: expected a float32 tensor")
-        if weight_scale_2.numel() not in (1, num):
-            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
-        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
-    ws2 = ws2.contiguous()
     x2 = x3.contiguous().reshape(num * n, k)
     packed = torch.empty((num * n, k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num * n, k // block_size), dtype=torch.uint8, device=x.device)
@@ -379,33 +346,9 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
 
 def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False):
     """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
-    check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
-    fp4 = as_uint8(tensor_fp4, "tensor_fp4", allowed)
-    if fp4.ndim not in (2, 3):
-        raise ValueError(f"tensor_fp4: expected [m, k/2] or [E, m, k/2], got shape {list(fp4.shape)}")
-    sf = as_uint8(tensor_sf, "tensor_sf", (torch.float8_e4m3fn,))
-    k = fp4.shape[-1] * 2
-    check_block(k, block_size, "tensor_fp4 (unpacked)")
-    if swizzle:
-        if fp4.ndim != 2:
-            raise ValueError("swizzle=True supports 2D tensors only; MoE weights use the linear layout")
-        sf = _ref.nvfp4_unswizzle_scales(sf, fp4.shape[0], k, block_size)
-    expected = (*fp4.shape[:-1], k // block_size)
-    if tuple(sf.shape) != expected:
-        raise ValueError(f"tensor_sf: expected shape {list(expected)}, got {list(sf.shape)}")
-    if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=fp4.device)
-    if global_scale.dtype != torch.float32:
-        raise TypeError(f"global_scale: expected float32, got {global_scale.dtype}")
-    num = fp4.shape[0] if fp4.ndim == 3 else 1
-    if global_scale.numel() not in (1, num):
-        raise ValueError(
-            f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
-            f"got shape {list(global_scale.shape)}"
-        )
+    fp4, sf, g, k = _ref._nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle)
+    g = g.contiguous()
     m = fp4.shape[-2]
-    g = global_scale.reshape(-1).expand(num).contiguous().to(fp4.device)
     p2 = fp4.contiguous().reshape(-1, k // 2)
     s2 = sf.contiguous().reshape(-1, k // block_size)
     r = p2.shape[0]
@@ -420,16 +363,8 @@ def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=N
 
 def quant_dequant_fp8_per_tensor(x, scale, dtype=None, check_scale=True):
     """Triton twin of ``mxlib.reference.quant_dequant_fp8_per_tensor``."""
-    check_float(x, "x")
-    dtype = x.dtype if dtype is None else dtype
-    check_out_dtype(dtype)
-    if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
-    if scale.numel() != 1:
-        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
-    scale = scale.float().reshape(1).to(x.device)
-    if check_scale and not (torch.isfinite(scale).all() and (scale > 0).all()):
-        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    scale, dtype = _ref._fp8_args(x, scale, dtype, check_scale)
+    scale = scale.reshape(1)
     xf = x.contiguous().reshape(-1)
     out = torch.empty(xf.shape, dtype=dtype, device=x.device)
     n = xf.numel()
