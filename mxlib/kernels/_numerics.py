@@ -100,7 +100,7 @@ def clamp_keep_nan(x, lo: tl.constexpr, hi: tl.constexpr):
 
 
 @triton.jit
-def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr):
+def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, KEEP_NAN: tl.constexpr = True):
     """Round fp32 ``x`` to the element grid: nearest, ties to even, saturating to +-MAX.
 
     NaN stays NaN, +-Inf saturates, the sign of zero is kept (as
@@ -108,7 +108,8 @@ def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.conste
     grid step near ``|x|`` is ``2**(e - MBITS)``; adding and subtracting
     ``C = 1.5 * 2**(e - MBITS + 23)``, whose fp32 ulp is that step, rounds to it under
     fp32's own round-to-nearest-even. Values above MAX (Inf included) and NaN are
-    replaced afterwards, so the garbage C of huge exponents never escapes.
+    replaced afterwards, so the garbage C of huge exponents never escapes. ``KEEP_NAN=False``
+    skips the NaN select where the caller overwrites NaN blocks anyway.
     """
     BIAS: tl.constexpr = (1 << (EBITS - 1)) - 1
     a = tl.abs(x)
@@ -116,7 +117,8 @@ def round_to_element(x, EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.conste
     c = (((e - MBITS + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (a + c) - c
     r = tl.where(a > MAX, MAX, r)
-    r = tl.where(a != a, a, r)
+    if KEEP_NAN:
+        r = tl.where(a != a, a, r)
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
@@ -234,9 +236,11 @@ def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
 
 @triton.jit
 def round_e2m1_signed_like_seed(v):
-    """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed)."""
-    mag = round_to_element(tl.abs(v), 2, 1, 6.0)
-    return negate_where(mag, v < 0)
+    """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed).
+
+    NaN is not handled: the callers overwrite blocks that hold NaN.
+    """
+    return tl.where(v == 0, 0.0, round_to_element(v, 2, 1, 6.0, False))
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -309,7 +313,8 @@ def mx_qdq_tile(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr,
     amax = tl.max(tl.where(fin, tl.abs(xb), 0.0), axis=2)
     bad = tl.max(tl.where(fin, 0, 1), axis=2)
     byte = e8m0_scale_byte(amax, bad == 0, EMAX, MBITS, MAX, SCALE_MODE)
-    v = round_to_element(xb * exp2i(127 - byte)[:, :, None], EBITS, MBITS, MAX)
+    # blocks with NaN/Inf get byte 255: callers zero their codes or multiply by the NaN scale
+    v = round_to_element(xb * exp2i(127 - byte)[:, :, None], EBITS, MBITS, MAX, False)
     return v, byte
 
 
@@ -328,7 +333,7 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
     has_nan = tl.max(tl.where(xb != xb, 1, 0), axis=2)
     amax = tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=2)
     s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
-    e = round_e2m1_signed_like_seed(clamp_keep_nan(xb * q[:, :, None], -6.0, 6.0))
+    e = round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
     dq = tl.where((has_nan != 0)[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
@@ -337,6 +342,6 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
 @triton.jit
 def fp8_qdq_values(x, scale):
     """Static per-tensor e4m3 QDQ: ``e4m3(clamp(x * (1 / scale))) * scale`` (vLLM's scaled_fp8_quant)."""
-    inv = tl.math.div_rn(1.0 + tl.zeros_like(x), scale + tl.zeros_like(x))
+    inv = tl.math.div_rn(scale * 0.0 + 1.0, scale)  # once, not per element
     q = round_to_element(clamp_keep_nan(x * inv, -448.0, 448.0), 4, 3, 448.0)
     return q * scale
