@@ -44,6 +44,7 @@ def layer_sqnr_figure(per_layer: dict[str, list[dict]], title: str = "SQNR of ea
         fig.add_trace(go.Scatter(x=[r["layer"] for r in layers], y=[r["sqnr_db"] for r in layers],
                                  mode="lines+markers", name=name))
     fig.update_layout(title=title, xaxis_title="decoder layer", yaxis_title="SQNR vs bf16 [dB]")
+    fig.update_xaxes(dtick=1)
     return fig
 
 
