@@ -230,7 +230,7 @@ def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
     if DIVIDE:
         q = tl.where(s == 0, 0.0, tl.math.div_rn(gs + tl.zeros_like(s), tl.where(s == 0, 1.0, s)))
     else:
-        q = nvfp4_recip(s * nvfp4_recip(gs + tl.zeros_like(s)))
+        q = nvfp4_recip(s * nvfp4_recip(gs))  # recip(gs) on gs's shape: once per row, not per block
     return s, q
 
 
@@ -309,10 +309,11 @@ def mx_qdq_tile(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr,
                 SCALE_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """OCP MX QDQ of an fp32 tile (blocks of BS along the last axis); returns (values, E8M0 bytes)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
-    fin = is_finite(xb)
-    amax = tl.max(tl.where(fin, tl.abs(xb), 0.0), axis=2)
-    bad = tl.max(tl.where(fin, 0, 1), axis=2)
-    byte = e8m0_scale_byte(amax, bad == 0, EMAX, MBITS, MAX, SCALE_MODE)
+    # one integer max over |x|'s bits: non-negative floats order like their bits, and Inf/NaN
+    # bits (>= 0x7F800000) exceed every finite value's, so they flag the block as well
+    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    finite = abits < 0x7F800000
+    byte = e8m0_scale_byte(abits.to(tl.float32, bitcast=True), finite, EMAX, MBITS, MAX, SCALE_MODE)
     # blocks with NaN/Inf get byte 255: callers zero their codes or multiply by the NaN scale
     v = round_to_element(xb * exp2i(127 - byte)[:, :, None], EBITS, MBITS, MAX, False)
     return v, byte
@@ -330,12 +331,14 @@ def mx_qdq_values(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexp
 def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """NVFP4 QDQ of an fp32 tile with the seed's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1]."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
-    has_nan = tl.max(tl.where(xb != xb, 1, 0), axis=2)
-    amax = tl.max(tl.where(xb == xb, tl.abs(xb), 0.0), axis=2)
+    # one integer max over |x|'s bits (see mx_qdq_tile): NaN bits exceed Inf's
+    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    has_nan = abits > 0x7F800000
+    amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
     s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
     e = round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
-    dq = tl.where((has_nan != 0)[:, :, None], fp32_nan_like(dq), dq)
+    dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
 
 
