@@ -58,7 +58,6 @@ from __future__ import annotations
 import torch
 
 from ._checks import (
-    FLOAT_DTYPES,
     as_uint8 as _as_uint8,
     check_block as _check_block,
     check_float as _check_float,

@@ -29,6 +29,7 @@ from .moe.experts import (
     Nvfp4QuantizationEmulationTritonExperts,
     OCP_MXQuantizationEmulationTritonExperts,
     TransformersExperts,
+    ops_for_device,
     silu_and_mul,
     unify_input_scales,
 )
@@ -45,18 +46,10 @@ __all__ = [
 ]
 
 
-def _ops(device):
-    if torch.device(device).type == "cuda":
-        from . import kernels
-
-        return kernels
-    return R
-
-
 def quantize_layer_weights(w13: torch.Tensor, w2: torch.Tensor, weight: str) -> dict:
     """Quantize one layer's experts: ``weight`` is ``nvfp4`` (ModelOpt arithmetic) or an MX
     block scheme (``mxfp4``, ``mxfp6_e3m2``, ``mxfp6_e2m3``: E8M0 ``even`` rule, as Quark)."""
-    ops = _ops(w13.device)
+    ops = ops_for_device(w13.device)
     if weight == "nvfp4":
         p13, s13, g13 = ops.quantize_nvfp4(w13)
         p2, s2, g2 = ops.quantize_nvfp4(w2)
@@ -238,7 +231,7 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
         lc = calibration.layers[li]
         w13, w2 = expert_weights(model, li)
         dev = w13.device
-        ops = _ops(dev)
+        ops = ops_for_device(dev)
         q = quantize_layer_weights(w13, w2, "nvfp4")
         d13 = ops.dequantize_to_dtype(*q["w13"], w13.dtype)
         d2 = ops.dequantize_to_dtype(*q["w2"], w2.dtype)

@@ -221,7 +221,7 @@ def test_nvfp4_emulation_matches_design(dtype, backend, device):
 def test_nvfp4_per_expert_strategy(device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=3)
     t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
         ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend="triton")
     ex.set_scale_strategy("per_expert")

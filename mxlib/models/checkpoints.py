@@ -43,11 +43,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .. import reference as _ref
 from ..moe.experts import (
     Nvfp4QuantizationEmulationTritonExperts,
     OCP_MXQuantizationEmulationTritonExperts,
     TritonExperts,
+    ops_for_device,
 )
 from ..moe.schemes import FP8_PER_TENSOR, MoEQuantScheme, get_moe_scheme
 from .calibration import Calibration
@@ -134,19 +134,11 @@ def _quant_config(scheme: MoEQuantScheme) -> tuple[dict, dict | None]:
     return qc, None
 
 
-def _ops_for(device: torch.device):
-    if device.type == "cuda":
-        from .. import kernels
-
-        return kernels
-    return _ref
-
-
 def _expert_tensors(scheme: MoEQuantScheme, w13, w2, calib: Calibration | None, layer: int, prefix: str):
     """Quantize one layer's experts; yield (name, tensor) in checkpoint layout."""
     e, two_i, _ = w13.shape
     i = two_i // 2
-    ops = _ops_for(w13.device)
+    ops = ops_for_device(w13.device)
     out: dict[str, torch.Tensor] = {}
     if scheme.name == "nvfp4":
         if calib is None:

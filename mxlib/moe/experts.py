@@ -81,6 +81,12 @@ def _ops(backend: str):
     return kernels
 
 
+def ops_for_device(device) -> object:
+    """The quantization functions to use for tensors on ``device``: the Triton twins on CUDA,
+    the reference on the CPU (same bits either way)."""
+    return _ops("triton" if torch.device(device).type == "cuda" else "torch")
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` computed in fp32, one rounding to ``x.dtype`` (vLLM's op)."""
     d = x.shape[-1] // 2
