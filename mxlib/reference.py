@@ -55,12 +55,17 @@ little-endian (AMD Quark's layout); FP8 one code per byte.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import (
+    GLOBAL_SCALE_MAX,
+    GLOBAL_SCALE_MIN,
     as_uint8 as _as_uint8,
     check_block as _check_block,
     check_float as _check_float,
+    check_global_scale as _check_global_scale,
     check_out_dtype as _check_out_dtype,
 )
 from .formats import (
@@ -105,6 +110,8 @@ _CHUNK_ELEMENTS = 1 << 19
 
 
 def _row_chunks(rows: int, row_elements: int) -> list[slice]:
+    if row_elements == 0:
+        return []  # empty rows: nothing to compute, and reshape(-1, 0) would be ambiguous
     step = max(1, _CHUNK_ELEMENTS // max(1, row_elements))
     return [slice(i, min(rows, i + step)) for i in range(0, rows, step)]
 
@@ -366,7 +373,7 @@ def quantize_mx(
     _check_block(x.shape[-1], block_size, "x")
     fmt.packed_size(block_size)
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(math.prod(lead), k)
     packed = torch.empty(x2.shape[0], fmt.packed_size(k), dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], k // block_size, dtype=torch.uint8, device=x.device)
     for rows in _row_chunks(x2.shape[0], k):
@@ -376,7 +383,7 @@ def quantize_mx(
         codes = torch.where((byte == E8M0_NAN_BYTE).unsqueeze(-1), 0, codes).to(torch.uint8)
         packed[rows] = pack_codes(codes.reshape(-1, k), fmt)
         scale[rows] = byte
-    return packed.reshape(*lead, -1), scale.reshape(*lead, -1)
+    return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
 
 
 def _mx_dequant_args(packed, scale, element, block_size, dtype):
@@ -425,7 +432,8 @@ def dequantize_mx(
     fmt, packed, scale, k = _mx_dequant_args(packed, scale, element, block_size, dtype)
     pk = packed.shape[-1]
     lead = packed.shape[:-1]
-    p2, s2 = packed.reshape(-1, pk), scale.reshape(-1, k // block_size)
+    n_rows = math.prod(lead)
+    p2, s2 = packed.reshape(n_rows, pk), scale.reshape(n_rows, k // block_size)
     out = torch.empty(p2.shape[0], k, dtype=dtype, device=packed.device)
     table = element_value_table(fmt, packed.device)
     for rows in _row_chunks(p2.shape[0], k):
@@ -462,7 +470,7 @@ def quant_dequant_mx(
     dtype = x.dtype if dtype is None else dtype
     _check_out_dtype(dtype)
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     for rows in _row_chunks(x2.shape[0], k):
         xb = _mx_blocks(x2[rows], block_size)
@@ -474,13 +482,21 @@ def quant_dequant_mx(
 # ----------------------------------------------------------------------------- NVFP4
 
 
-def _global_scale_view(global_scale: torch.Tensor | float, x: torch.Tensor, name: str) -> torch.Tensor:
-    """fp32 global scale shaped to broadcast against ``x`` reshaped to ``[..., k/bs, bs]``."""
+def _global_scale_view(
+    global_scale: torch.Tensor | float, x: torch.Tensor, name: str, check_scale: bool = True
+) -> torch.Tensor:
+    """fp32 global scale shaped to broadcast against ``x`` reshaped to ``[..., k/bs, bs]``.
+
+    Its values must lie in ``[2**-126, 2**126]`` (``mxlib._checks.check_global_scale``) unless
+    ``check_scale`` is false.
+    """
     if not isinstance(global_scale, torch.Tensor):
         global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
     if global_scale.dtype != torch.float32:
         raise TypeError(f"{name}: expected a float32 tensor, got {global_scale.dtype}")
     if global_scale.numel() == 1:
+        if check_scale:
+            _check_global_scale(global_scale, name)
         return global_scale.reshape([1] * (x.ndim + 1))
     lead = tuple(x.shape[:-1])
     gs_shape = tuple(global_scale.shape)
@@ -489,6 +505,8 @@ def _global_scale_view(global_scale: torch.Tensor | float, x: torch.Tensor, name
             f"{name}: expected one element or a shape that is a prefix of x's leading dims "
             f"{list(lead)} (e.g. [E] for [E, m, k]), got {list(gs_shape)}"
         )
+    if check_scale:
+        _check_global_scale(global_scale, name)
     return global_scale.reshape(*gs_shape, *([1] * (x.ndim + 1 - len(gs_shape))))
 
 
@@ -525,7 +543,8 @@ def ref_nvfp4_quant(
     Args:
         x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
         global_scale: fp32 *encode* scale ``1 / input_scale``: one element, or one per
-            leading index (``[E]`` for 3D, ``[m]`` for one scale per row).
+            leading index (``[E]`` for 3D, ``[m]`` for one scale per row); every value in
+            ``[2**-126, 2**126]`` (finite, positive, finite normal reciprocal).
         block_size: 16 for NVFP4.
         multiplier: ``"reciprocal"`` (the seed, default) or ``"divide"`` (``gs / s``).
 
@@ -549,21 +568,27 @@ def ref_nvfp4_quant_dequant(
     block_size: int = NVFP4_BLOCK_SIZE,
     multiplier: str = "reciprocal",
     dtype: torch.dtype | None = None,
+    check_scale: bool = True,
 ) -> torch.Tensor:
     """NVFP4 QDQ of activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
 
     ``dq = e2m1 * (block_scale / global_scale)`` in fp32, cast once to ``dtype``
-    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``.
+    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``. ``check_scale=False``
+    skips the value check of ``global_scale`` (a host synchronization for a device tensor),
+    for callers that validated it once, such as the experts' forward; the check is also
+    skipped during CUDA-graph capture.
 
     Raises:
         TypeError: ``x`` or ``global_scale`` of the wrong dtype.
-        ValueError: ``k`` not a multiple of ``block_size``; ``global_scale`` of the wrong shape.
+        ValueError: ``k`` not a multiple of ``block_size``; ``block_size`` not a power of two
+            from 2 to 1024; ``global_scale`` of the wrong shape or with a value outside
+            ``[2**-126, 2**126]``.
     """
     _check_float(x, "x")
     _check_block(x.shape[-1], block_size, "x")
     dtype = x.dtype if dtype is None else dtype
     _check_out_dtype(dtype)
-    gs = _global_scale_view(global_scale, x, "global_scale")
+    gs = _global_scale_view(global_scale, x, "global_scale", check_scale)
     k = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     amax = xb.abs().amax(dim=-1, keepdim=True)
@@ -611,15 +636,20 @@ def _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale):
     if not torch.isfinite(x).all():
         raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    num = x3.shape[0]
+    num, n, k = x3.shape
     if weight_scale_2 is None:
-        amax = x3.reshape(num, -1).abs().amax(dim=-1).float()
-        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0), torch.ones_like(amax))
+        if n * k:
+            amax = x3.reshape(num, n * k).abs().amax(dim=-1).float()
+        else:
+            amax = torch.zeros(num, dtype=torch.float32, device=x.device)
+        # all-zero (or empty) matrix: 1.0; tiny amax: the smallest valid global scale 2**-126
+        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0).clamp(min=GLOBAL_SCALE_MIN), torch.ones_like(amax))
     else:
         if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
             raise TypeError("weight_scale_2: expected a float32 tensor")
         if weight_scale_2.numel() not in (1, num):
             raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
+        _check_global_scale(weight_scale_2, "weight_scale_2")
         ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
     return x3, ws2.contiguous()
 
@@ -634,9 +664,10 @@ def quantize_nvfp4(
 
     Args:
         x: ``[n, k]`` or ``[E, n, k]`` weights (float32 / bfloat16 / float16), finite.
-        weight_scale_2: fp32 *decode* global scale, one element or ``[E]``; ``None``
-            computes ``amax / (6 * 448)`` over each 2D matrix (each expert). An
-            all-zero matrix gets ``1.0`` so that nothing becomes Inf or NaN.
+        weight_scale_2: fp32 *decode* global scale, one element or ``[E]``, every value in
+            ``[2**-126, 2**126]``; ``None`` computes ``amax / (6 * 448)`` over each 2D matrix
+            (each expert), raised to at least ``2**-126``. An all-zero (or empty) matrix
+            gets ``1.0`` so that nothing becomes Inf or NaN.
         block_size: 16.
         zero_block_scale: block scale stored for an all-zero block: ``"one"``
             (ModelOpt's 1.0) or ``"zero"``.
@@ -652,7 +683,8 @@ def quantize_nvfp4(
         ModelOpt checkpoint.
 
     Raises:
-        ValueError: non-finite weights, a bad ``zero_block_scale``, wrong shapes.
+        ValueError: non-finite weights, a bad ``zero_block_scale``, wrong shapes, a
+            ``weight_scale_2`` value outside ``[2**-126, 2**126]``, a bad ``block_size``.
     """
     x3, ws2 = _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
     num, n, k = x3.shape
@@ -707,7 +739,7 @@ def nvfp4_unswizzle_scales(scale: torch.Tensor, m: int, k: int, block_size: int 
     return tiles.reshape(mt * 128, kt * 4)[:m, :kb]
 
 
-def _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle):
+def _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale=True):
     """Checks shared by ``dequantize_to_dtype`` and its Triton twin.
 
     Returns ``(fp4 u8, scales u8 (linear layout), global scale fp32 [E or 1], k)``.
@@ -737,6 +769,8 @@ def _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, 
             f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
             f"got shape {list(global_scale.shape)}"
         )
+    if check_scale:
+        _check_global_scale(global_scale, "global_scale")
     return fp4, sf, global_scale.reshape(-1).expand(num).to(fp4.device), k
 
 
@@ -747,6 +781,7 @@ def dequantize_to_dtype(
     dtype: torch.dtype,
     block_size: int = NVFP4_BLOCK_SIZE,
     swizzle: bool = False,
+    check_scale: bool = True,
 ) -> torch.Tensor:
     """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
 
@@ -754,18 +789,24 @@ def dequantize_to_dtype(
         tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
         tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
             with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
-        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``.
+        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``,
+            every value in ``[2**-126, 2**126]``.
         dtype: output dtype.
         block_size: 16.
         swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
+        check_scale: ``False`` skips the value check of ``global_scale`` (a host sync), for
+            callers that validated it once; it is also skipped during CUDA-graph capture.
 
     Returns:
         ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
 
     Raises:
-        TypeError / ValueError: wrong dtypes or shapes, naming the argument.
+        TypeError / ValueError: wrong dtypes or shapes, a ``global_scale`` value outside
+            ``[2**-126, 2**126]``, a bad ``block_size``, naming the argument.
     """
-    fp4, sf, gs, k = _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle)
+    fp4, sf, gs, k = _nvfp4_dequant_args(
+        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale
+    )
     num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
     s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
@@ -828,6 +869,11 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     ``mxfp8_e5m2`` (keyword ``scale_mode``), or ``nvfp4`` (needs ``global_scale``, the
     encode scale; ``None`` uses ``2688 / amax(x)``, the value calibration on ``x`` gives).
 
+    The derived NVFP4 scale takes ``amax`` over the *finite* values of ``x`` only, so one
+    Inf or NaN spoils only its own block (the Inf rule of ``ref_nvfp4_quant_dequant``), not
+    the whole tensor; it is clamped to ``[2**-126, 2**126]``; with no nonzero finite value
+    (all zero, all Inf/NaN, or empty) it is 1.
+
     Raises:
         ValueError: unknown scheme name.
     """
@@ -836,9 +882,11 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     s = get_block_scheme(scheme)
     if s.name == "nvfp4":
         if global_scale is None:
-            amax = x.detach().abs().amax().float()
+            a = x.detach().float().abs()
+            amax = torch.where(torch.isfinite(a), a, 0.0).amax() if a.numel() else a.new_zeros(())
             two688 = torch.tensor(6.0 * 448.0, dtype=torch.float32, device=amax.device)
-            global_scale = torch.where(amax > 0, two688 / amax, torch.ones_like(amax))
+            derived = (two688 / amax).clamp(GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX)
+            global_scale = torch.where(amax > 0, derived, torch.ones_like(amax))
         return ref_nvfp4_quant_dequant(x, global_scale, s.block_size, **kwargs)
     if global_scale is not None:
         raise ValueError(f"global_scale applies to nvfp4 only, not {s.name}")

@@ -37,7 +37,7 @@ BAD_SCALES = [
     math.nan,
     1e-40,  # fp32 subnormal: 1/gs overflows fp32
     2.0**-127,  # subnormal, 1/gs = 2**127 finite but gs itself is not normal
-    math.nextafter(SMALLEST_NORMAL, 0.0),
+    SMALLEST_NORMAL - 2.0**-149,  # the largest fp32 subnormal
     1e-50,  # rounds to 0 in fp32
     2.0**127,  # 1/gs = 2**-127 is subnormal
     3e38,

@@ -227,7 +227,7 @@ def _fp8_qdq_kernel(x_ptr, scale_ptr, out_ptr, N, OUT_DTYPE: tl.constexpr, BLOCK
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().reshape(-1, x.shape[-1])
+    return x.contiguous().reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def quant_dequant_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even", dtype=None):
@@ -270,15 +270,16 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
             x2, packed, scale, r, k, a["EBITS"], a["MBITS"], a["EMAX"], a["MAX"], a["SPECIALS"],
             _SCALE_MODE_ID[scale_mode], block_size, br, bk, **_launch_opts())
     lead = x.shape[:-1]
-    return packed.reshape(*lead, -1), scale.reshape(*lead, -1)
+    return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
 
 
 def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype=torch.bfloat16):
     """Triton twin of ``mxlib.reference.dequantize_mx``."""
     fmt, packed, scale, k = _ref._mx_dequant_args(packed, scale, element, block_size, dtype)
     pk = packed.shape[-1]
-    p2 = packed.contiguous().reshape(-1, pk)
-    s2 = scale.contiguous().reshape(-1, k // block_size)
+    n_rows = math.prod(packed.shape[:-1])
+    p2 = packed.contiguous().reshape(n_rows, pk)
+    s2 = scale.contiguous().reshape(n_rows, k // block_size)
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=dtype, device=packed.device)
     if out.numel():
@@ -291,16 +292,17 @@ def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype
     return out.reshape(*packed.shape[:-1], k)
 
 
-def _global_scale_rows(global_scale, x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale: bool = True) -> tuple[torch.Tensor, int]:
     """fp32 global scale as a flat tensor plus the number of rows that share each value."""
-    gs = _ref._global_scale_view(global_scale, x, name)  # same checks and messages
+    gs = _ref._global_scale_view(global_scale, x, name, check_scale)  # same checks and messages
     lead = x.shape[:-1]
     rows = math.prod(lead)
     flat = gs.reshape(-1).contiguous().to(x.device)
     return flat, max(1, rows // flat.numel())
 
 
-def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None):
+def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None,
+                            check_scale=True):
     """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (the seed's arithmetic)."""
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
@@ -308,7 +310,7 @@ def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multip
         raise ValueError(f"multiplier: expected 'reciprocal' (the seed) or 'divide', got {multiplier!r}")
     dtype = x.dtype if dtype is None else dtype
     check_out_dtype(dtype)
-    gs, rows_per_gs = _global_scale_rows(global_scale, x, "global_scale")
+    gs, rows_per_gs = _global_scale_rows(global_scale, x, "global_scale", check_scale)
     x2 = _rows(x)
     r, k = x2.shape
     out = torch.empty((r, k), dtype=dtype, device=x.device)
@@ -344,13 +346,16 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
     return packed, scale, ws2.clone()
 
 
-def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False):
+def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False,
+                        check_scale=True):
     """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
-    fp4, sf, g, k = _ref._nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle)
+    fp4, sf, g, k = _ref._nvfp4_dequant_args(
+        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale)
     g = g.contiguous()
     m = fp4.shape[-2]
-    p2 = fp4.contiguous().reshape(-1, k // 2)
-    s2 = sf.contiguous().reshape(-1, k // block_size)
+    n_rows = math.prod(fp4.shape[:-1])
+    p2 = fp4.contiguous().reshape(n_rows, k // 2)
+    s2 = sf.contiguous().reshape(n_rows, k // block_size)
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=dtype, device=fp4.device)
     if out.numel():

@@ -405,6 +405,12 @@ class Nvfp4QuantizationEmulationTritonExperts(_QuantizedExperts):
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
     ):
+        from .._checks import check_global_scale  # global scales in [2**-126, 2**126]; input scales may be 0
+
+        for name, t, zero_ok in [("w13_weight_scale_2", w13_weight_scale_2, False),
+                                 ("w2_weight_scale_2", w2_weight_scale_2, False),
+                                 ("w13_input_scale", w13_input_scale, True), ("w2_input_scale", w2_input_scale, True)]:
+            check_global_scale(t, name, allow_zero=zero_ok)
         super().__init__(backend=backend)
         e, two_i, h_half = w13_weight.shape
         h, i = h_half * 2, two_i // 2
