@@ -13,12 +13,21 @@ OCP MX (``quantize_mx``, ``dequantize_mx``, ``quant_dequant_mx``), OCP MX v1.0 s
 1. ``amax`` = max |x| over a block of ``block_size`` (32) elements; NaN propagates.
 2. The E8M0 shared exponent ``s`` by one of three rules (``e8m0_scale``), clamped
    to [-127, 127]; a block whose amax is NaN or Inf gets byte 0xFF (NaN) and
-   dequantizes to all NaN (torchao's convention); an all-zero block gets byte 0
-   (``2**-127``).
+   dequantizes to all NaN (torchao 0.18 does this for NaN only: it gives an
+   Inf-holding block a finite byte, flushing the rest of the block to 0); an
+   all-zero block gets byte 0 (``2**-127``).
 3. Elements ``x / 2**s`` (exact: a power-of-two division) rounded to the element
    format: nearest, ties to even, saturating to +-max (``round_to_element``).
 4. Dequantize: ``code_value * 2**s``, exact in fp32 for every format and scale,
-   then one cast.
+   then one cast, IEEE round to nearest without saturation (as torchao's
+   ``to_dtype``): an fp16 block at 65504 dequantizes to 65536 under ``even`` and
+   ``rceil``, which is +-Inf in fp16.
+
+Edge rules shared with the Triton twins (``mxlib._checks``): ``block_size`` is a
+power of two from 2 to 1024; NVFP4 global scales lie, elementwise, in
+``[2**-126, 2**126]`` (finite, positive, finite normal reciprocal), checked
+unless ``check_scale=False`` or while a CUDA graph is being captured; empty
+inputs give empty outputs of the right shapes and dtypes.
 
 NVFP4 activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``):
 ``global_scale`` ``gs`` is the *encode* scale ``1 / input_scale`` (about
@@ -365,7 +374,8 @@ def quantize_mx(
 
     Raises:
         TypeError: ``x`` is not float32/bfloat16/float16.
-        ValueError: ``k`` is not a multiple of ``block_size``; unknown element or scale_mode.
+        ValueError: ``k`` is not a multiple of ``block_size``; ``block_size`` is not a power of
+            two from 2 to 1024; unknown element or scale_mode.
     """
     fmt = get_element_format(element)
     get_scale_mode(scale_mode)
