@@ -292,7 +292,7 @@ def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype
     return out.reshape(*packed.shape[:-1], k)
 
 
-def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale: bool = True) -> tuple[torch.Tensor, int]:
+def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale=True) -> tuple[torch.Tensor, int]:
     """fp32 global scale as a flat tensor plus the number of rows that share each value."""
     gs = _ref._global_scale_view(global_scale, x, name, check_scale)  # same checks and messages
     lead = x.shape[:-1]
