@@ -85,12 +85,13 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_global_scale(scale, name: str, allow_zero: bool = False) -> None:
+def check_global_scale(scale, name: str, allow_zero: bool = False, what: str = "scale") -> None:
     """Every value of ``scale`` (a number or a tensor, checked elementwise in fp32) must lie
     in ``[2**-126, 2**126]``: finite, positive, with a finite, normal reciprocal.
 
     ``allow_zero`` also accepts 0 (an NVFP4 ``input_scale`` of 0 marks an expert that was
-    never calibrated). Skipped while a CUDA graph is being captured (module docstring).
+    never calibrated); ``what`` names the kind of scale in the message. Skipped while a CUDA
+    graph is being captured (module docstring).
 
     Raises:
         ValueError: naming ``name``, the first bad value, its index and how many are bad.
@@ -109,8 +110,8 @@ def check_global_scale(scale, name: str, allow_zero: bool = False) -> None:
     bad = (~ok).nonzero()
     first = bad[0].tolist()
     where = f" at index {first} ({bad.shape[0]} of {s.numel()} elements)" if s.ndim else ""
-    zero = "0 (uncalibrated) or " if allow_zero else ""
+    zero = " or 0 (uncalibrated)" if allow_zero else ""
     raise ValueError(
-        f"{name}: expected {zero}a finite positive value with a finite reciprocal, in [2**-126, 2**126], "
-        f"got {s[tuple(first)].item()!r}{where}"
+        f"{name}: expected a positive finite {what}{zero}, got {s[tuple(first)].item()!r}{where}; valid "
+        f"values lie in [2**-126, 2**126], so that the reciprocal is finite and normal too"
     )

@@ -845,8 +845,8 @@ def _fp8_args(x, scale, dtype, check_scale):
     if scale.numel() != 1:
         raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
     scale = scale.float().reshape(()).to(x.device)
-    if check_scale and not (torch.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: expected a positive finite input_scale, got {scale.item()}")
+    if check_scale:
+        _check_global_scale(scale, "scale", what="input_scale")
     return scale, dtype
 
 
@@ -860,10 +860,12 @@ def quant_dequant_fp8_per_tensor(
     ``input_scale`` (a decode scale, amax / 448), a positive fp32 scalar.
 
     ``check_scale=False`` skips the value check (a device synchronization), for callers that
-    validated the scale once, such as the experts' forward.
+    validated the scale once, such as the experts' forward; it is also skipped during
+    CUDA-graph capture.
 
     Raises:
-        ValueError: ``scale`` is not a single positive finite value.
+        ValueError: ``scale`` is not a single value in ``[2**-126, 2**126]`` (positive, finite,
+            with a finite normal reciprocal: ``1 / scale`` multiplies every element).
     """
     scale, dtype = _fp8_args(x, scale, dtype, check_scale)
     inv = 1.0 / scale

@@ -365,3 +365,12 @@ def test_fp16_top_overflows_like_upstream(impl, element, mode, value):
     assert_bits_equal(wide, (sign * value).reshape(1, 32))
     packed, scale = impl.quantize_mx(x, element, 32, mode)
     assert_bits_equal(impl.dequantize_mx(packed, scale, element, 32, torch.float16), expected.reshape(1, 32))
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES, ids=repr)
+def test_fp8_per_tensor_rejects_bad_scale(bad, device):
+    """The static FP8 ``input_scale`` is a per-tensor scale too: ``1 / scale`` must be finite."""
+    x = torch.randn(4, 32, device=device)
+    msgs = [_err(lambda: m.quant_dequant_fp8_per_tensor(x, torch.tensor(bad))) for m in TWINS]
+    assert msgs[0] == msgs[1]
+    assert msgs[0].startswith("scale: expected a positive finite input_scale"), msgs[0]
