@@ -19,7 +19,9 @@ from mxlib.moe import (
     TritonExperts,
     fused_topk,
     get_moe_scheme,
+    make_emulation_experts,
     moe_align_block_size,
+    quantize_expert_weights,
     OCP_MX_SCHEMES,
     torch_moe,
     unify_input_scales,
@@ -250,12 +252,12 @@ class _CountingOps:
 
 @pytest.mark.parametrize("scheme", [s for s in OCP_MX_SCHEMES] + ["nvfp4"])
 def test_each_activation_point_quantized_exactly_once(scheme, monkeypatch):
-    import mxlib.moe.experts as X
+    import mxlib.moe.emulation as X
 
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=4)
     ex = build_experts(scheme, x, w13, w2, backend="torch")
     counting = _CountingOps(R)
-    monkeypatch.setattr(X, "_ops", lambda backend: counting)
+    monkeypatch.setattr(X, "ops_for_backend", lambda backend: counting)
     ex(x, tw, ti)
     s = get_moe_scheme(scheme)
     a1_calls = [c for c in counting.calls if c == (M, H)]
@@ -268,18 +270,15 @@ def test_each_activation_point_quantized_exactly_once(scheme, monkeypatch):
 
 def build_experts(scheme, x, w13, w2, backend, device="cpu"):
     s = get_moe_scheme(scheme)
+    weights = quantize_expert_weights(w13, w2, s, ops=R).to(device)
+    in13 = in2 = None
     if s.name == "nvfp4":
-        t = nvfp4_experts_inputs(x, w13, w2)
-        return Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend=backend)
-    el = s.weight_scheme.element.name
-    p13, s13 = R.quantize_mx(w13, el)
-    p2, s2 = R.quantize_mx(w2, el)
-    kw = {}
-    if s.activation == "fp8_e4m3":
-        kw = dict(w13_input_scale=torch.full((E,), float(x.float().abs().amax()) / 448.0, device=device),
-                  w2_input_scale=torch.linspace(0.01, 0.05, E, device=device) / 448.0)
-    return OCP_MXQuantizationEmulationTritonExperts(
-        scheme, p13.to(device), s13.to(device), p2.to(device), s2.to(device), backend=backend, **kw)
+        in13, in2 = nvfp4_experts_inputs(x, w13, w2)[6:]
+    elif s.static_activation_scale:  # static per-tensor FP8
+        in13 = torch.full((E,), float(x.float().abs().amax()) / 448.0)
+        in2 = torch.linspace(0.01, 0.05, E) / 448.0
+    return make_emulation_experts(s, weights, *(t if t is None else t.to(device) for t in (in13, in2)),
+                                  backend=backend)
 
 
 def ocp_design_reference(scheme, x, w13, w2, tw, ti):
@@ -290,13 +289,13 @@ def ocp_design_reference(scheme, x, w13, w2, tw, ti):
     w2d = R.dequantize_mx(*R.quantize_mx(w2, el), el, dtype=x.dtype)
     if s.activation is None:
         qdq1 = qdq2 = None
-    elif s.activation == "fp8_e4m3":
+    elif s.activation.name == "fp8_e4m3":
         sc1 = torch.tensor(float(x.float().abs().amax()) / 448.0)
         sc2 = (torch.linspace(0.01, 0.05, E) / 448.0).max()
         qdq1 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc1)  # noqa: E731
         qdq2 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc2)  # noqa: E731
     else:
-        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation]
+        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation.name]
         qdq1 = qdq2 = lambda v, e: R.quant_dequant_mx(v, ael, 32, "even")  # noqa: E731
     a1 = qdq1(x, None) if qdq1 else x
     return torch_moe(a1, w13d, w2d, tw, ti, qdq2)
