@@ -184,7 +184,7 @@ def test_failed_write_leaves_nothing(tiny, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(C, "save_file", boom)
+    monkeypatch.setattr(C.safetensors_io, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
     assert list(tmp_path.iterdir()) == []
