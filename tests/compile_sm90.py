@@ -53,8 +53,9 @@ def nvfp4_kernels(divide):
     bs = NVFP4.block_size
     compile_kernel(Q._nvfp4_qdq_kernel, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(DIVIDE=divide, BS=bs, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+    fmt = {**kernel_format_args(NVFP4), **kernel_format_args(NVFP4.scale.element, "S_")}
     compile_kernel(Q._nvfp4_quantize_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
-                   dict(ZERO_BLOCK_ONE=not divide, BS=bs, BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(select(Q._dequantize_kernel, kernel_format_args(NVFP4)), OUT_DTYPE=tl.bfloat16, BLOCK_R=8,
                         BLOCK_K=512))

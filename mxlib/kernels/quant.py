@@ -172,9 +172,14 @@ def _nvfp4_qdq_kernel(
 @triton.jit
 def _nvfp4_quantize_kernel(
     x_ptr, g_ptr, packed_ptr, scale_ptr, R, K, ROWS_PER_GS,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, SPECIALS: tl.constexpr,
+    S_EBITS: tl.constexpr, S_MBITS: tl.constexpr, S_MAX: tl.constexpr, S_SPECIALS: tl.constexpr,
     ZERO_BLOCK_ONE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]."""
+    """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]; element
+    format EBITS/MBITS/MAX (e2m1), block-scale format S_* (e4m3)."""
+    NBITS: tl.constexpr = 1 + EBITS + MBITS
+    SIGN: tl.constexpr = 1 << (NBITS - 1)
     NB: tl.constexpr = BLOCK_K // BS
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     pid_k = tl.program_id(1)
@@ -185,19 +190,19 @@ def _nvfp4_quantize_kernel(
     xb = tl.reshape(x, (BLOCK_R, NB, BS))
     g = tl.load(g_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
     bamax = tl.max(tl.abs(xb), axis=2)
-    bs = tl.math.div_rn(bamax, 6.0 * g + tl.zeros_like(bamax))
+    bs = tl.math.div_rn(bamax, MAX * g + tl.zeros_like(bamax))
     if ZERO_BLOCK_ONE:
         bs = tl.where(bs == 0, 1.0, bs)
-    bs = nm.round_to_element(bs, 4, 3, 448.0)
+    bs = nm.round_to_element(bs, S_EBITS, S_MBITS, S_MAX)
     denom = (bs * g)[:, :, None] + tl.zeros_like(xb)
     scaled = tl.where(denom == 0, 0.0, tl.math.div_rn(xb, tl.where(denom == 0, 1.0, denom)))
-    mag = nm.round_to_element(tl.abs(scaled), 2, 1, 6.0)
-    codes = nm.encode_element(mag, 2, 1, 0) | tl.where(scaled < 0, 8, 0)
-    _store_codes(packed_ptr, tl.reshape(codes, (BLOCK_R, BLOCK_K)), rows, rmask, pid_k, K, 4, BLOCK_R, BLOCK_K)
+    mag = nm.round_to_element(tl.abs(scaled), EBITS, MBITS, MAX)
+    codes = nm.encode_element(mag, EBITS, MBITS, SPECIALS) | tl.where(scaled < 0, SIGN, 0)
+    _store_codes(packed_ptr, tl.reshape(codes, (BLOCK_R, BLOCK_K)), rows, rmask, pid_k, K, NBITS, BLOCK_R, BLOCK_K)
     scols = pid_k * NB + tl.arange(0, NB)
     smask = rmask[:, None] & (scols < K // BS)[None, :]
     tl.store(scale_ptr + rows[:, None] * (K // BS) + scols[None, :],
-             nm.encode_element(bs, 4, 3, 1).to(tl.uint8), mask=smask)
+             nm.encode_element(bs, S_EBITS, S_MBITS, S_SPECIALS).to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -316,9 +321,10 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
     scale = torch.empty((num * n, k // block_size), dtype=torch.uint8, device=x.device)
     if x2.numel():
         br, bk = tiles(num * n, k, block_size)
+        fa = {**kernel_format_args(NVFP4, block_size=block_size), **kernel_format_args(NVFP4.scale.element, "S_")}
         _nvfp4_quantize_kernel[(triton.cdiv(num * n, br), triton.cdiv(k, bk))](
-            x2, ws2, packed, scale, num * n, k, n, ZERO_BLOCK_ONE=zero_block_scale == "one", BS=block_size,
-            BLOCK_R=br, BLOCK_K=bk, **launch_opts())
+            x2, ws2, packed, scale, num * n, k, n, **select(_nvfp4_quantize_kernel, fa),
+            ZERO_BLOCK_ONE=zero_block_scale == "one", BLOCK_R=br, BLOCK_K=bk, **launch_opts())
     packed = packed.reshape(num, n, k // 2)
     scale = scale.view(torch.float8_e4m3fn).reshape(num, n, k // block_size)
     if x.ndim == 2:
