@@ -419,3 +419,45 @@ def test_fused_split_nibbles_variant(scheme, device):
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     oracle = fused_reference_fp64(build_experts(scheme, x, w13, w2, backend="torch"), x, tw, ti)
     assert rel_err(out, oracle) < 5e-3
+
+
+# ----------------------------------------------------------------------------- factory and typed schemes
+
+
+def test_scheme_objects_are_the_format_table():
+    from mxlib.formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, NVFP4
+
+    s = get_moe_scheme("nvfp4")
+    assert s.weight is NVFP4 and s.activation is NVFP4 and s.static_activation_scale and not s.is_ocp_mx
+    s = get_moe_scheme("w_mxfp6_e3m2_a_fp8")
+    assert s.weight is BLOCK_SCHEMES["mxfp6_e3m2"] and s.activation is FP8_E4M3_PER_TENSOR
+    assert get_moe_scheme("w_mxfp4").activation is None and get_moe_scheme("mxfp4").name == "w_mxfp4_a_mxfp4"
+
+
+def test_nvfp4_experts_typed_and_seed_call_forms_agree():
+    from mxlib.moe import ExpertWeights
+
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=10)
+    t = nvfp4_experts_inputs(x, w13, w2)
+    seed_form = Nvfp4QuantizationEmulationTritonExperts(*t, backend="torch")
+    by_keyword = Nvfp4QuantizationEmulationTritonExperts(
+        w13_weight=t[0], w13_weight_scale=t[1], w13_weight_scale_2=t[2], w2_weight=t[3], w2_weight_scale=t[4],
+        w2_weight_scale_2=t[5], w13_input_scale=t[6], w2_input_scale=t[7], backend="torch")
+    weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
+    assert isinstance(weights, ExpertWeights)
+    typed = make_emulation_experts("nvfp4", weights, t[6], t[7], backend="torch")
+    ref = seed_form(x, tw, ti)
+    for ex in (by_keyword, typed):
+        assert torch.equal(ex(x, tw, ti), ref)
+    with pytest.raises(ValueError, match="weights: quantized as nvfp4, scheme w_mxfp4 stores mxfp4"):
+        make_emulation_experts("w_mxfp4", weights)
+    with pytest.raises(ValueError, match="nvfp4: activations with a static scale need w13_input_scale"):
+        make_emulation_experts("nvfp4", weights)
+
+
+def test_base_experts_do_not_ask_for_their_subclass():
+    import inspect
+
+    import mxlib.moe.base as B
+
+    assert "isinstance(self" not in inspect.getsource(B.TritonExperts)
