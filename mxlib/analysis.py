@@ -16,6 +16,9 @@ import math
 
 import torch
 
+from . import reference as R
+from .formats import get_block_scheme
+
 __all__ = [
     "rel_error", "sqnr_db", "top1_agreement", "kl_divergence", "compare_tensors", "compare_logits", "sample",
     "scheme_sqnr",
@@ -90,10 +93,8 @@ def sample(distribution: str, shape, seed: int = 0, outlier_fraction: float = 1e
 def scheme_sqnr(x: torch.Tensor, schemes=("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"),
                 scale_mode: str = "even") -> dict:
     """SQNR (dB) of QDQ of ``x`` in each block scheme (NVFP4 with its global scale from amax(x))."""
-    from . import reference as R
-
     out = {}
     for s in schemes:
-        kw = {} if s == "nvfp4" else {"scale_mode": scale_mode}
+        kw = {} if get_block_scheme(s).has_global_scale else {"scale_mode": scale_mode}
         out[s] = sqnr_db(R.quant_dequant(x, s, **kw), x)
     return out

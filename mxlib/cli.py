@@ -20,7 +20,13 @@ import torch
 
 from . import studies as S
 from . import workflow as W
-from .moe.schemes import MOE_SCHEMES
+from .formats import FP8_E4M3_PER_TENSOR
+from .models.qwen3 import moe_layers
+from .moe.schemes import MOE_SCHEMES, get_moe_scheme
+
+# An expert whose input scale is below this fraction of the largest one has even its largest
+# e4m3 block scale in the subnormal range under the max strategy: e4m3 min normal / e4m3 max.
+_DEEP_RATIO = FP8_E4M3_PER_TENSOR.element.min_normal / FP8_E4M3_PER_TENSOR.element.max
 
 
 def e2e(args) -> dict:
@@ -29,7 +35,8 @@ def e2e(args) -> dict:
     model = W.dummy_model(args.layers, seed=args.seed, device=dev)
     t_model = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ckpt = W.prepare_checkpoint(args.scheme, model, seed=args.seed, calib_tokens=args.calib_tokens)
+    scheme = get_moe_scheme(args.scheme)  # the name enters here; the object travels below
+    ckpt = W.prepare_checkpoint(scheme, model, seed=args.seed, calib_tokens=args.calib_tokens)
     t_ckpt = time.perf_counter() - t0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -43,19 +50,17 @@ def e2e(args) -> dict:
     res = W.compare_runs(out, ref)
     fused = None
     if dev.type == "cuda":  # the same model with the fused experts (same numerics within GEMM rounding)
-        from .models.qwen3 import moe_layers
-
         for mlp in moe_layers(model_q):
             mlp.experts.experts.backend = "fused"
         W.run_model(model_q, ids)
         fused = W.run_model(model_q, ids)
         res["fused_logits"] = W.compare_runs(fused, ref)["logits"]
-    result = dict(scheme=args.scheme, layers=args.layers, tokens=args.tokens, device=str(dev), backend=args.backend,
+    result = dict(scheme=scheme.name, layers=args.layers, tokens=args.tokens, device=str(dev), backend=args.backend,
                   logits=res["logits"], layers_metrics=res["layers"], seconds_bf16=ref.seconds,
                   seconds_emulated=out.seconds, seconds_emulated_fused=fused.seconds if fused else None,
                   fused_logits=res.get("fused_logits"), seconds_build=t_model, seconds_checkpoint=t_ckpt,
                   checkpoint_bytes=W.checkpoint_size_bytes(ckpt))
-    print(f"[e2e] {args.scheme} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
+    print(f"[e2e] {scheme.name} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
           f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"]))
     return result
 
@@ -65,7 +70,8 @@ def compare(args) -> dict:
     model = W.dummy_model(args.layers, seed=args.seed, device=dev)
     cal = W.calibrate_model(model, args.calib_tokens, args.seed)
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
-    schemes = list(MOE_SCHEMES) if args.schemes == "all" else args.schemes.split(",")
+    names = list(MOE_SCHEMES) if args.schemes == "all" else args.schemes.split(",")
+    schemes = [get_moe_scheme(n) for n in names]
     rows = S.compare_schemes(model, schemes, ids, cal, backend=args.backend)
     return dict(layers=args.layers, tokens=args.tokens, device=str(dev), rows=rows)
 
@@ -94,7 +100,7 @@ def unify(args) -> dict:
             summary.append(dict(point=point, strategy=s, mean_sqnr_db=sum(r[f"sqnr_{s}"] for r in rows) / len(rows),
                                 mean_db_lost=sum(r[f"db_lost_{s}"] for r in rows) / len(rows),
                                 worst_db_lost=max(r[f"db_lost_{s}"] for r in rows)))
-    deep = [r for r in st["experts"] if r["scale_ratio"] < 2**-6 / 448]
+    deep = [r for r in st["experts"] if r["scale_ratio"] < _DEEP_RATIO]
     return dict(layers=args.layers, spread=args.spread, strategies=strategies, summary=summary,
                 deep_experts=deep, histograms=st["histograms"], expert_outputs=eo, end_to_end=e2e_rows,
                 spread_study=sp, device=str(dev))

@@ -28,6 +28,14 @@ Scale formats:
 Schemes (the block formats a tensor is stored in): ``mxfp4``, ``mxfp6_e2m3``,
 ``mxfp6_e3m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2`` (E8M0 scale per 32 elements)
 and ``nvfp4`` (ue4m3 scale per 16 elements plus an fp32 global scale).
+
+Per-tensor formats: ``fp8_e4m3`` (one static fp32 decode scale ``amax / 448`` per
+tensor, vLLM's ``scaled_fp8_quant``), the activation format of Quark's ``_a_fp8``
+schemes.
+
+Derived constants, computed here once from the table: ``NVFP4_SCALE_DIVISOR``
+(``e2m1.max * e4m3.max = 6 * 448 = 2688``: ModelOpt's ``weight_scale_2`` and
+``input_scale`` are ``amax / 2688``) and ``FP8_SCALE_DIVISOR`` (``e4m3.max = 448``).
 """
 
 from __future__ import annotations
@@ -40,6 +48,14 @@ __all__ = [
     "ElementFormat",
     "ScaleFormat",
     "BlockScheme",
+    "PerTensorScheme",
+    "PER_TENSOR_SCHEMES",
+    "FP8_E4M3_PER_TENSOR",
+    "NVFP4",
+    "NVFP4_SCALE_DIVISOR",
+    "FP8_SCALE_DIVISOR",
+    "SPECIALS",
+    "get_activation_format",
     "ELEMENT_FORMATS",
     "SCALE_FORMATS",
     "BLOCK_SCHEMES",
@@ -51,6 +67,7 @@ __all__ = [
     "get_element_format",
     "get_block_scheme",
     "get_scale_mode",
+    "scale_mode_id",
 ]
 
 E8M0_BIAS = 127
@@ -65,6 +82,11 @@ SCALE_MODES: dict[str, str] = {
     "(half an ulp added to its fp32 bits, mantissa dropped), then floor rule",
     "rceil": "NVIDIA hardware (cvt.rp ue8m0), cuBLAS, triton_kernels: 2**ceil(log2(amax / max))",
 }
+
+
+# Kinds of special codes an element format has; a format's ``specials_id`` is the index here
+# (the integer the Triton kernels take as their ``SPECIALS`` constexpr).
+SPECIALS = ("none", "fn", "ieee")
 
 
 @dataclass(frozen=True)
@@ -91,10 +113,14 @@ class ElementFormat:
     min_normal: float = field(init=False)
     min_subnormal: float = field(init=False)
     num_codes: int = field(init=False)
+    specials_id: int = field(init=False)
+
+    def __str__(self) -> str:
+        return self.name
 
     def __post_init__(self) -> None:
-        if self.specials not in ("none", "fn", "ieee"):
-            raise ValueError(f"specials must be 'none', 'fn' or 'ieee', got {self.specials!r}")
+        if self.specials not in SPECIALS:
+            raise ValueError(f"specials must be one of {list(SPECIALS)}, got {self.specials!r}")
         bias = 2 ** (self.ebits - 1) - 1
         top_exp = 2**self.ebits - 1
         top_mant = 2**self.mbits - 1
@@ -111,6 +137,7 @@ class ElementFormat:
         set_(self, "min_normal", 2.0 ** (1 - bias))
         set_(self, "min_subnormal", 2.0 ** (1 - bias - self.mbits))
         set_(self, "num_codes", 2**self.nbits)
+        set_(self, "specials_id", SPECIALS.index(self.specials))
 
     @property
     def elements_per_byte(self) -> Fraction:
@@ -149,22 +176,46 @@ class ElementFormat:
 
 @dataclass(frozen=True)
 class ScaleFormat:
-    """A block-scale format: ``e8m0`` (power of two) or ``ue4m3`` (an e4m3 value)."""
+    """A block-scale format: ``e8m0`` (power of two) or ``ue4m3`` (an e4m3 value, ``element``)."""
 
     name: str
     nbits: int
     description: str
+    element: ElementFormat | None = None
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
 class BlockScheme:
-    """A block-scaled storage scheme: element format, block size and scale format."""
+    """A block-scaled storage scheme: element format, block size and scale format.
+
+    ``has_global_scale``: NVFP4's two-level scaling (an fp32 scale per tensor / expert on top
+    of the block scales); for activations that global scale is static (a checkpoint's
+    ``input_scale``), so ``static_scale`` is the same flag. ``scale_divisor``: the divisor
+    from amax to that decode scale (``element.max * scale.element.max``, 2688 for NVFP4), or
+    None for OCP MX (dynamic E8M0 scales only).
+    """
 
     name: str
     element: ElementFormat
     block_size: int
     scale: ScaleFormat
     has_global_scale: bool
+    scale_divisor: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        div = self.element.max * self.scale.element.max if self.has_global_scale else None
+        object.__setattr__(self, "scale_divisor", div)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def static_scale(self) -> bool:
+        """Whether an activation in this format needs a calibrated (checkpoint) scale."""
+        return self.has_global_scale
 
     @property
     def bits_per_element(self) -> float:
@@ -185,7 +236,7 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
 
 SCALE_FORMATS: dict[str, ScaleFormat] = {
     "e8m0": ScaleFormat("e8m0", 8, "unsigned power of two 2**(b-127), 0xFF is NaN"),
-    "ue4m3": ScaleFormat("ue4m3", 8, "non-negative e4m3 value, with an fp32 global scale"),
+    "ue4m3": ScaleFormat("ue4m3", 8, "non-negative e4m3 value, with an fp32 global scale", ELEMENT_FORMATS["e4m3"]),
 }
 
 BLOCK_SCHEMES: dict[str, BlockScheme] = {
@@ -199,6 +250,38 @@ BLOCK_SCHEMES: dict[str, BlockScheme] = {
         BlockScheme("nvfp4", ELEMENT_FORMATS["e2m1"], NVFP4_BLOCK_SIZE, SCALE_FORMATS["ue4m3"], True),
     )
 }
+
+NVFP4: BlockScheme = BLOCK_SCHEMES["nvfp4"]
+# amax -> NVFP4 decode global scale (ModelOpt weight_scale_2 / input_scale): amax / (6 * 448)
+NVFP4_SCALE_DIVISOR: float = NVFP4.scale_divisor
+
+
+@dataclass(frozen=True)
+class PerTensorScheme:
+    """One static fp32 decode scale for a whole tensor (``scale = amax / element.max``).
+
+    ``fp8_e4m3``: vLLM's ``scaled_fp8_quant``, ``e4m3(clamp(x / scale))``; the activation format
+    of Quark's ``_a_fp8`` schemes (the checkpoint's ``input_scale``).
+    """
+
+    name: str
+    element: ElementFormat
+    static_scale: bool = True
+    scale_divisor: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale_divisor", self.element.max)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PER_TENSOR_SCHEMES: dict[str, PerTensorScheme] = {
+    s.name: s for s in (PerTensorScheme("fp8_e4m3", ELEMENT_FORMATS["e4m3"]),)
+}
+FP8_E4M3_PER_TENSOR: PerTensorScheme = PER_TENSOR_SCHEMES["fp8_e4m3"]
+# amax -> static FP8 decode scale (input_scale): amax / 448
+FP8_SCALE_DIVISOR: float = FP8_E4M3_PER_TENSOR.scale_divisor
 
 _ELEMENT_ALIASES = {alias: f for f in ELEMENT_FORMATS.values() for alias in (f.name, *f.aliases)}
 
@@ -239,3 +322,31 @@ def get_scale_mode(scale_mode: str) -> str:
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; expected one of {list(SCALE_MODES)}")
     return scale_mode
+
+
+_ACTIVATION_ALIASES = {"fp8": FP8_E4M3_PER_TENSOR}
+
+
+def get_activation_format(fmt: str | BlockScheme | PerTensorScheme | None) -> BlockScheme | PerTensorScheme | None:
+    """An activation format: a block scheme (``mxfp4``, ``nvfp4``, ...), a per-tensor scheme
+    (``fp8_e4m3``, alias ``fp8``), or None (activations stay in the model dtype).
+
+    Raises:
+        ValueError: the name is unknown; the message lists the known names.
+    """
+    if fmt is None or isinstance(fmt, (BlockScheme, PerTensorScheme)):
+        return fmt
+    if fmt in BLOCK_SCHEMES:
+        return BLOCK_SCHEMES[fmt]
+    if fmt in PER_TENSOR_SCHEMES:
+        return PER_TENSOR_SCHEMES[fmt]
+    if fmt in _ACTIVATION_ALIASES:
+        return _ACTIVATION_ALIASES[fmt]
+    raise ValueError(
+        f"unknown activation format {fmt!r}; expected one of {list(BLOCK_SCHEMES) + list(PER_TENSOR_SCHEMES)} or None"
+    )
+
+
+def scale_mode_id(scale_mode: str) -> int:
+    """The E8M0 rule's index in ``SCALE_MODES`` (the integer the kernels take as ``SCALE_MODE``)."""
+    return list(SCALE_MODES).index(get_scale_mode(scale_mode))

@@ -74,15 +74,21 @@ from ._checks import (
     as_uint8 as _as_uint8,
     check_block as _check_block,
     check_float as _check_float,
-    check_global_scale as _check_global_scale,
     check_out_dtype as _check_out_dtype,
+    fp8_args as _fp8_args,
+    global_scale_view as _global_scale_view,
+    mx_dequant_args as _mx_dequant_args,
+    nvfp4_dequant_args,
+    nvfp4_weight_args as _nvfp4_weight_args,
 )
 from .formats import (
     E8M0_BIAS,
     E8M0_NAN_BYTE,
     MX_BLOCK_SIZE,
     NVFP4_BLOCK_SIZE,
+    NVFP4_SCALE_DIVISOR,
     ElementFormat,
+    get_block_scheme,
     get_element_format,
     get_scale_mode,
 )
@@ -102,6 +108,7 @@ __all__ = [
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
     "quantize_nvfp4",
+    "nvfp4_weight_scale_2",
     "nvfp4_block_stats",
     "dequantize_to_dtype",
     "nvfp4_swizzle_scales",
@@ -396,28 +403,6 @@ def quantize_mx(
     return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
 
 
-def _mx_dequant_args(packed, scale, element, block_size, dtype):
-    """Checks shared by ``dequantize_mx`` and its Triton twin: ``(fmt, packed u8, scale u8, k)``."""
-    fmt = get_element_format(element)
-    _check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = _as_uint8(packed, "packed", allowed)
-    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    scale = _as_uint8(scale, "scale", e8)
-    pk = packed.shape[-1]
-    if fmt.nbits == 6 and pk % 3:
-        raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
-    k = pk * 8 // fmt.nbits
-    _check_block(k, block_size, "packed (unpacked)")
-    expected = (*packed.shape[:-1], k // block_size)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale: expected shape {list(expected)} for packed {list(packed.shape)} "
-            f"({fmt.name}, k={k}, block_size={block_size}), got {list(scale.shape)}"
-        )
-    return fmt, packed, scale, k
-
-
 def dequantize_mx(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -490,34 +475,6 @@ def quant_dequant_mx(
 
 
 # ----------------------------------------------------------------------------- NVFP4
-
-
-def _global_scale_view(
-    global_scale: torch.Tensor | float, x: torch.Tensor, name: str, check_scale: bool = True
-) -> torch.Tensor:
-    """fp32 global scale shaped to broadcast against ``x`` reshaped to ``[..., k/bs, bs]``.
-
-    Its values must lie in ``[2**-126, 2**126]`` (``mxlib._checks.check_global_scale``) unless
-    ``check_scale`` is false.
-    """
-    if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
-    if global_scale.dtype != torch.float32:
-        raise TypeError(f"{name}: expected a float32 tensor, got {global_scale.dtype}")
-    if global_scale.numel() == 1:
-        if check_scale:
-            _check_global_scale(global_scale, name)
-        return global_scale.reshape([1] * (x.ndim + 1))
-    lead = tuple(x.shape[:-1])
-    gs_shape = tuple(global_scale.shape)
-    if gs_shape != lead[: len(gs_shape)]:
-        raise ValueError(
-            f"{name}: expected one element or a shape that is a prefix of x's leading dims "
-            f"{list(lead)} (e.g. [E] for [E, m, k]), got {list(gs_shape)}"
-        )
-    if check_scale:
-        _check_global_scale(global_scale, name)
-    return global_scale.reshape(*gs_shape, *([1] * (x.ndim + 1 - len(gs_shape))))
 
 
 def _recip(v: torch.Tensor) -> torch.Tensor:
@@ -635,33 +592,23 @@ def nvfp4_block_stats(
     }
 
 
-def _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale):
-    """Checks shared by ``quantize_nvfp4`` and its Triton twin: ``(x as [E, n, k], weight_scale_2 [E])``."""
-    _check_float(x, "x")
-    if x.ndim not in (2, 3):
-        raise ValueError(f"x: expected a 2D [n, k] or 3D [E, n, k] tensor, got shape {list(x.shape)}")
-    _check_block(x.shape[-1], block_size, "x")
-    if zero_block_scale not in ("one", "zero"):
-        raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
-    if not torch.isfinite(x).all():
-        raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
-    x3 = x if x.ndim == 3 else x.unsqueeze(0)
-    num, n, k = x3.shape
-    if weight_scale_2 is None:
-        if n * k:
-            amax = x3.reshape(num, n * k).abs().amax(dim=-1).float()
-        else:
-            amax = torch.zeros(num, dtype=torch.float32, device=x.device)
-        # all-zero (or empty) matrix: 1.0; tiny amax: the smallest valid global scale 2**-126
-        ws2 = torch.where(amax > 0, _div(amax, 6.0 * 448.0).clamp(min=GLOBAL_SCALE_MIN), torch.ones_like(amax))
+def nvfp4_weight_scale_2(x: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's per-tensor NVFP4 decode scale: ``amax / (6 * 448)`` of each 2D matrix.
+
+    Args:
+        x: ``[E, n, k]`` float tensor (one matrix per expert).
+
+    Returns:
+        fp32 ``[E]``; an all-zero (or empty) matrix gets 1 instead of ModelOpt's 0/0; a tiny
+        amax gets at least the smallest valid global scale ``2**-126``.
+    """
+    num, n, k = x.shape
+    if n * k:
+        amax = x.reshape(num, n * k).abs().amax(dim=-1).float()
     else:
-        if not isinstance(weight_scale_2, torch.Tensor) or weight_scale_2.dtype != torch.float32:
-            raise TypeError("weight_scale_2: expected a float32 tensor")
-        if weight_scale_2.numel() not in (1, num):
-            raise ValueError(f"weight_scale_2: expected 1 or {num} elements, got {weight_scale_2.numel()}")
-        _check_global_scale(weight_scale_2, "weight_scale_2")
-        ws2 = weight_scale_2.reshape(-1).expand(num).to(x.device)
-    return x3, ws2.contiguous()
+        amax = torch.zeros(num, dtype=torch.float32, device=x.device)
+    ws2 = torch.where(amax > 0, _div(amax, NVFP4_SCALE_DIVISOR).clamp(min=GLOBAL_SCALE_MIN), torch.ones_like(amax))
+    return ws2.contiguous()
 
 
 def quantize_nvfp4(
@@ -697,6 +644,8 @@ def quantize_nvfp4(
             ``weight_scale_2`` value outside ``[2**-126, 2**126]``, a bad ``block_size``.
     """
     x3, ws2 = _nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
+    if ws2 is None:
+        ws2 = nvfp4_weight_scale_2(x3)
     num, n, k = x3.shape
     packed = torch.empty(num, n, k // 2, dtype=torch.uint8, device=x.device)
     block_scale = torch.empty(num, n, k // block_size, dtype=torch.float8_e4m3fn, device=x.device)
@@ -749,41 +698,6 @@ def nvfp4_unswizzle_scales(scale: torch.Tensor, m: int, k: int, block_size: int 
     return tiles.reshape(mt * 128, kt * 4)[:m, :kb]
 
 
-def _nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale=True):
-    """Checks shared by ``dequantize_to_dtype`` and its Triton twin.
-
-    Returns ``(fp4 u8, scales u8 (linear layout), global scale fp32 [E or 1], k)``.
-    """
-    _check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
-    fp4 = _as_uint8(tensor_fp4, "tensor_fp4", allowed)
-    if fp4.ndim not in (2, 3):
-        raise ValueError(f"tensor_fp4: expected [m, k/2] or [E, m, k/2], got shape {list(fp4.shape)}")
-    sf = _as_uint8(tensor_sf, "tensor_sf", (torch.float8_e4m3fn,))
-    k = fp4.shape[-1] * 2
-    _check_block(k, block_size, "tensor_fp4 (unpacked)")
-    if swizzle:
-        if fp4.ndim != 2:
-            raise ValueError("swizzle=True supports 2D tensors only; MoE weights use the linear layout")
-        sf = nvfp4_unswizzle_scales(sf, fp4.shape[0], k, block_size)
-    expected = (*fp4.shape[:-1], k // block_size)
-    if tuple(sf.shape) != expected:
-        raise ValueError(f"tensor_sf: expected shape {list(expected)}, got {list(sf.shape)}")
-    if not isinstance(global_scale, torch.Tensor):
-        global_scale = torch.tensor(float(global_scale), dtype=torch.float32, device=fp4.device)
-    if global_scale.dtype != torch.float32:
-        raise TypeError(f"global_scale: expected float32, got {global_scale.dtype}")
-    num = fp4.shape[0] if fp4.ndim == 3 else 1
-    if global_scale.numel() not in (1, num):
-        raise ValueError(
-            f"global_scale: expected one element or [E]=[{num}] for tensor_fp4 {list(fp4.shape)}, "
-            f"got shape {list(global_scale.shape)}"
-        )
-    if check_scale:
-        _check_global_scale(global_scale, "global_scale")
-    return fp4, sf, global_scale.reshape(-1).expand(num).to(fp4.device), k
-
-
 def dequantize_to_dtype(
     tensor_fp4: torch.Tensor,
     tensor_sf: torch.Tensor,
@@ -814,9 +728,8 @@ def dequantize_to_dtype(
         TypeError / ValueError: wrong dtypes or shapes, a ``global_scale`` value outside
             ``[2**-126, 2**126]``, a bad ``block_size``, naming the argument.
     """
-    fp4, sf, gs, k = _nvfp4_dequant_args(
-        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale
-    )
+    fp4, sf, gs, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
+                                        nvfp4_unswizzle_scales, check_scale)
     num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
     s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
@@ -833,21 +746,6 @@ def dequantize_to_dtype(
 
 
 # ----------------------------------------------------------------------------- FP8 per tensor
-
-
-def _fp8_args(x, scale, dtype, check_scale):
-    """Checks shared by ``quant_dequant_fp8_per_tensor`` and its twin: ``(scale fp32 [], dtype)``."""
-    _check_float(x, "x")
-    dtype = x.dtype if dtype is None else dtype
-    _check_out_dtype(dtype)
-    if not isinstance(scale, torch.Tensor):
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
-    if scale.numel() != 1:
-        raise ValueError(f"scale: expected a single per-tensor value, got shape {list(scale.shape)}")
-    scale = scale.float().reshape(()).to(x.device)
-    if check_scale:
-        _check_global_scale(scale, "scale", what="input_scale")
-    return scale, dtype
 
 
 def quant_dequant_fp8_per_tensor(
@@ -889,15 +787,13 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     Raises:
         ValueError: unknown scheme name.
     """
-    from .formats import get_block_scheme
-
     s = get_block_scheme(scheme)
-    if s.name == "nvfp4":
+    if s.has_global_scale:
         if global_scale is None:
             a = x.detach().float().abs()
             amax = torch.where(torch.isfinite(a), a, 0.0).amax() if a.numel() else a.new_zeros(())
-            two688 = torch.tensor(6.0 * 448.0, dtype=torch.float32, device=amax.device)
-            derived = (two688 / amax).clamp(GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX)
+            divisor = torch.tensor(s.scale_divisor, dtype=torch.float32, device=amax.device)
+            derived = (divisor / amax).clamp(GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX)
             global_scale = torch.where(amax > 0, derived, torch.ones_like(amax))
         return ref_nvfp4_quant_dequant(x, global_scale, s.block_size, **kwargs)
     if global_scale is not None:

@@ -22,18 +22,16 @@ import torch
 
 from . import reference as R
 from .analysis import compare_tensors
-from .formats import get_block_scheme
+from .formats import NVFP4, NVFP4_SCALE_DIVISOR
 from .models.calibration import Calibration
 from .models.qwen3 import expert_weights, moe_layers
-from .moe.experts import (
-    Nvfp4QuantizationEmulationTritonExperts,
-    OCP_MXQuantizationEmulationTritonExperts,
-    TransformersExperts,
-    ops_for_device,
-    silu_and_mul,
-    unify_input_scales,
-)
-from .moe.schemes import FP8_PER_TENSOR, get_moe_scheme
+from .moe.base import TransformersExperts, ops_for_device
+from .moe.emulation import ExpertWeights
+from .moe.factory import make_emulation_experts, quantize_expert_weights
+from .moe.reference_moe import silu_and_mul
+from .moe.scales import unify_input_scales
+from .moe.schemes import MoEQuantScheme, get_moe_scheme
+from .workflow import calibrate_model, compare_runs, dummy_model, run_model
 
 __all__ = [
     "quantize_layer_weights",
@@ -46,30 +44,16 @@ __all__ = [
 ]
 
 
-def quantize_layer_weights(w13: torch.Tensor, w2: torch.Tensor, weight: str) -> dict:
-    """Quantize one layer's experts: ``weight`` is ``nvfp4`` (ModelOpt arithmetic) or an MX
-    block scheme (``mxfp4``, ``mxfp6_e3m2``, ``mxfp6_e2m3``: E8M0 ``even`` rule, as Quark)."""
-    ops = ops_for_device(w13.device)
-    if weight == "nvfp4":
-        p13, s13, g13 = ops.quantize_nvfp4(w13)
-        p2, s2, g2 = ops.quantize_nvfp4(w2)
-        return dict(w13=(p13, s13, g13), w2=(p2, s2, g2))
-    el = get_block_scheme(weight).element.name
-    return dict(w13=ops.quantize_mx(w13, el), w2=ops.quantize_mx(w2, el))
+# the factory's functions under the names the studies (and the GPU tests) have used
+quantize_layer_weights = quantize_expert_weights
 
 
-def emulation_experts(scheme: str, q: dict, in13=None, in2=None, backend="auto", scale_strategy="max"):
-    """Emulation experts of ``scheme`` from ``quantize_layer_weights`` output and decode input scales."""
-    s = get_moe_scheme(scheme)
+def emulation_experts(scheme: str | MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto",
+                      scale_strategy="max"):
+    """``make_emulation_experts`` with the unification warning silenced (the studies measure it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if s.name == "nvfp4":
-            return Nvfp4QuantizationEmulationTritonExperts(*q["w13"], *q["w2"], in13, in2, scale_strategy=scale_strategy,
-                                                           backend=backend)
-        kw = {}
-        if s.activation == FP8_PER_TENSOR:
-            kw = dict(w13_input_scale=in13, w2_input_scale=in2)
-        return OCP_MXQuantizationEmulationTritonExperts(s.name, *q["w13"], *q["w2"], backend=backend, **kw)
+        return make_emulation_experts(scheme, q, in13, in2, backend=backend, scale_strategy=scale_strategy)
 
 
 @contextlib.contextmanager
@@ -94,11 +78,12 @@ def checkpoint_tensor_bytes(model, scheme: str) -> int:
     cfg = model.config
     e, h, i, layers = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, len(model.model.layers)
     dense = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." not in n)
-    fmt = s.weight_scheme
+    fmt = s.weight
     elems = 3 * h * i  # gate, up, down
     packed = elems * fmt.element.nbits // 8
     scales = elems // fmt.block_size
-    scalars = 3 * (2 if s.name == "nvfp4" else (1 if s.activation == FP8_PER_TENSOR else 0)) * 4
+    # fp32 scalars per projection: the global weight scale, and a static activation scale
+    scalars = 3 * (int(fmt.has_global_scale) + int(s.static_activation_scale)) * 4
     return dense + layers * e * (packed + scales + scalars)
 
 
@@ -108,34 +93,32 @@ def compare_schemes(model, schemes, token_ids, calibration: Calibration | None, 
     Weights are quantized once per weight format and shared by the schemes that use it.
     ``calibration`` provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes.
     """
-    from .workflow import compare_runs, run_model
-
     ref = run_model(model, token_ids)
     rows = []
-    by_weight: dict[str, list[str]] = {}
+    by_weight: dict = {}
     for sc in schemes:
-        by_weight.setdefault(get_moe_scheme(sc).weight, []).append(get_moe_scheme(sc).name)
+        s = get_moe_scheme(sc)
+        by_weight.setdefault(s.weight, []).append(s)
     nlayers = len(model.model.layers)
-    for weight, names in by_weight.items():
+    for weight, group in by_weight.items():
         t0 = time.perf_counter()
-        quantized = [quantize_layer_weights(*expert_weights(model, li), weight) for li in range(nlayers)]
-        log(f"[compare] quantized {weight} weights in {time.perf_counter() - t0:.1f} s")
-        for name in names:
-            s = get_moe_scheme(name)
+        quantized = [quantize_expert_weights(*expert_weights(model, li), weight) for li in range(nlayers)]
+        log(f"[compare] quantized {weight.name} weights in {time.perf_counter() - t0:.1f} s")
+        for s in group:
+            name = s.name
             experts = []
             for li, q in enumerate(quantized):
                 in13 = in2 = None
                 if s.static_activation_scale:
-                    kind = "nvfp4" if s.name == "nvfp4" else "fp8"
-                    in13, in2 = (t.to(q["w13"][0].device) for t in calibration.input_scales(li, kind))
-                experts.append(emulation_experts(name, q, in13, in2, backend))
+                    in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, s.activation))
+                experts.append(emulation_experts(s, q, in13, in2, backend))
             with experts_swapped(model, experts):
                 out = run_model(model, token_ids)
             res = compare_runs(out, ref)
             rows.append(dict(
-                scheme=name, weights=s.weight, activations=s.activation or "bf16",
-                bits_per_weight=s.weight_scheme.bits_per_element,
-                checkpoint_gb=checkpoint_tensor_bytes(model, name) / 1e9,
+                scheme=name, weights=s.weight.name, activations=s.activation.name if s.activation else "bf16",
+                bits_per_weight=s.weight.bits_per_element,
+                checkpoint_gb=checkpoint_tensor_bytes(model, s) / 1e9,
                 **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]], seconds=out.seconds,
             ))
             log(f"[compare] {name}: logits SQNR {res['logits']['sqnr_db']:.2f} dB, top-1 "
@@ -189,7 +172,7 @@ def unification_study(calibration: Calibration, strategies=("max", "per_expert",
         per_point = {}
         for point, x in points.items():
             x = x.float()
-            scales = amaxes[point] / 2688.0
+            scales = amaxes[point] / NVFP4_SCALE_DIVISOR
             res = {"scale_ratio": scales / scales.max()}
             for s in strategies:
                 with warnings.catch_warnings():
@@ -232,10 +215,10 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
         w13, w2 = expert_weights(model, li)
         dev = w13.device
         ops = ops_for_device(dev)
-        q = quantize_layer_weights(w13, w2, "nvfp4")
-        d13 = ops.dequantize_to_dtype(*q["w13"], w13.dtype)
-        d2 = ops.dequantize_to_dtype(*q["w2"], w2.dtype)
-        in13, in2 = lc.a1_amax.to(dev) / 2688.0, lc.a2_amax.to(dev) / 2688.0
+        q = quantize_expert_weights(w13, w2, NVFP4)
+        d13 = ops.dequantize_to_dtype(q.w13_weight, q.w13_weight_scale, q.w13_weight_scale_2, w13.dtype)
+        d2 = ops.dequantize_to_dtype(q.w2_weight, q.w2_weight_scale, q.w2_weight_scale_2, w2.dtype)
+        in13, in2 = lc.a1_amax.to(dev) / NVFP4_SCALE_DIVISOR, lc.a2_amax.to(dev) / NVFP4_SCALE_DIVISOR
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gss = {s: (unify_input_scales(in13, s)[0], unify_input_scales(in2, s)[0]) for s in strategies}
@@ -258,17 +241,16 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
 
 def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids, backend="auto") -> list[dict]:
     """Logits and per-layer errors of the NVFP4-emulated model under each strategy."""
-    from .workflow import compare_runs, run_model
-
     ref = run_model(model, token_ids)
     nl = len(model.model.layers)
-    quantized = [quantize_layer_weights(*expert_weights(model, li), "nvfp4") for li in range(nl)]
+    scheme = get_moe_scheme(NVFP4.name)
+    quantized = [quantize_expert_weights(*expert_weights(model, li), scheme) for li in range(nl)]
     rows = []
     for s in strategies:
         experts = []
         for li, q in enumerate(quantized):
-            in13, in2 = (t.to(q["w13"][0].device) for t in calibration.input_scales(li, "nvfp4"))
-            experts.append(emulation_experts("nvfp4", q, in13, in2, backend, scale_strategy=s))
+            in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, scheme.activation))
+            experts.append(emulation_experts(scheme, q, in13, in2, backend, scale_strategy=s))
         with experts_swapped(model, experts):
             out = run_model(model, token_ids)
         res = compare_runs(out, ref)
@@ -278,8 +260,6 @@ def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids
 
 def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu") -> list[dict]:
     """Mean dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows."""
-    from .workflow import calibrate_model, dummy_model
-
     rows = []
     for sp in spreads:
         m = dummy_model(num_hidden_layers, seed=seed, expert_spread=sp, device=device)

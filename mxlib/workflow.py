@@ -22,7 +22,7 @@ from .analysis import compare_logits, compare_tensors
 from .models.calibration import Calibration, calibrate
 from .models.checkpoints import checkpoint_size_bytes, load_quantized_qwen3_moe, write_quantized_checkpoint
 from .models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
-from .moe.schemes import get_moe_scheme
+from .moe.schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
     "resolve_device",
@@ -80,7 +80,7 @@ def _cache_dir(cache_dir) -> Path:
 
 
 def prepare_checkpoint(
-    scheme: str,
+    scheme: str | MoEQuantScheme,
     model,
     seed: int = 0,
     expert_spread: float = 0.0,
@@ -104,7 +104,7 @@ def prepare_checkpoint(
     if calibration is None and (s.static_activation_scale):
         calibration = calibrate_model(model, calib_tokens, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_quantized_checkpoint(model, s.name, path, calibration)
+    return write_quantized_checkpoint(model, s, path, calibration)
 
 
 def calibrate_model(model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False) -> Calibration:

@@ -11,27 +11,24 @@ compiled kernels' run-time behaviour is tested on the H200 (the same test files 
 a CUDA device).
 """
 
+import os
 import sys
 import traceback
 
-import triton
-import triton.language as tl
+os.environ.setdefault("TRITON_INTERPRET", "0")  # compile, do not interpret (see mxlib.kernels)
 
-from mxlib.kernels import fused_dequant_moe as D
-from mxlib.kernels import fused_moe as F
-from mxlib.kernels import quant as Q
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, NVFP4, get_activation_format  # noqa: E402
+from mxlib.kernels import fused_dequant_moe as D  # noqa: E402
+from mxlib.kernels import fused_moe as F  # noqa: E402
+from mxlib.kernels import quant as Q  # noqa: E402
+from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-FMT = {  # EBITS, MBITS, EMAX, MAX, SPECIALS
-    "e2m1": (2, 1, 2, 6.0, 0),
-    "e2m3": (2, 3, 2, 7.5, 0),
-    "e3m2": (3, 2, 4, 28.0, 0),
-    "e4m3": (4, 3, 8, 448.0, 1),
-    "e5m2": (5, 2, 15, 57344.0, 2),
-}
 
 
 def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4):
@@ -41,30 +38,27 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4):
     return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
-def fmt_consts(el, keys=("EBITS", "MBITS", "EMAX", "MAX", "SPECIALS")):
-    vals = dict(zip(("EBITS", "MBITS", "EMAX", "MAX", "SPECIALS"), FMT[el]))
-    return {k: vals[k] for k in keys}
-
-
 def mx_kernels(el, mode, dtype):
     out = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+    fmt = kernel_format_args(ELEMENT_FORMATS[el], block_size=BLOCK_SCHEMES["mxfp4"].block_size, scale_mode=mode)
     compile_kernel(Q._mx_qdq_kernel, {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
-                   dict(fmt_consts(el, ("EBITS", "MBITS", "EMAX", "MAX")), SCALE_MODE=mode, BS=32, OUT_DTYPE=out,
-                        BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._mx_qdq_kernel, fmt), OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._mx_quantize_kernel, {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
-                   dict(fmt_consts(el), SCALE_MODE=mode, BS=32, BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._mx_quantize_kernel, fmt), BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
-                   dict(fmt_consts(el, ("EBITS", "MBITS", "SPECIALS")), BS=32, NVFP4=False, OUT_DTYPE=out, BLOCK_R=8,
-                        BLOCK_K=512))
+                   dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
 
 
 def nvfp4_kernels(divide):
+    bs = NVFP4.block_size
     compile_kernel(Q._nvfp4_qdq_kernel, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*bf16"},
-                   dict(DIVIDE=divide, BS=16, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+                   dict(DIVIDE=divide, BS=bs, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+    fmt = {**kernel_format_args(NVFP4), **kernel_format_args(NVFP4.scale.element, "S_")}
     compile_kernel(Q._nvfp4_quantize_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
-                   dict(ZERO_BLOCK_ONE=not divide, BS=16, BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
-                   dict(EBITS=2, MBITS=1, SPECIALS=0, BS=16, NVFP4=True, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._dequantize_kernel, kernel_format_args(NVFP4)), OUT_DTYPE=tl.bfloat16, BLOCK_R=8,
+                        BLOCK_K=512))
     compile_kernel(Q._fp8_qdq_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
                    dict(OUT_DTYPE=tl.float16, BLOCK=1024))
 
@@ -81,26 +75,27 @@ def fused_moe(mul_routed_weight):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
 
 
-def fused_dequant(w_fmt, nvfp4, gated, a2_kind, split=False):
+def fused_dequant(weight, gated, a2, split=False):
+    """``weight``: a block scheme name; ``a2``: the activation format of GEMM1's epilogue (or None)."""
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "c_ptr": "*bf16",
             "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
             "num_tokens_post_padded_ptr": "*i32", "act_scale_ptr": "*fp32"}
-    eb, mb, _, _, sp = FMT[w_fmt]
-    a2 = FMT["e3m2"]
-    k = compile_kernel(D.fused_moe_dequant_kernel, ptrs, dict(
-        W_EBITS=eb, W_MBITS=mb, W_SPECIALS=sp, W_BS=16 if nvfp4 else 32, W_NVFP4=nvfp4,
-        GATED=gated, A2_KIND=a2_kind, A2_EBITS=a2[0], A2_MBITS=a2[1], A2_EMAX=a2[2], A2_MAX=a2[3], A2_SCALE_MODE=1,
-        A2_BS=16 if a2_kind == 2 else 32, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+    kernel = D.fused_moe_dequant_kernel
+    fmt = {**kernel_format_args(BLOCK_SCHEMES[weight], "W_"), **D.ActivationQDQ(get_activation_format(a2)).kernel_args()}
+    k = compile_kernel(kernel, ptrs, dict(
+        select(kernel, fmt), GATED=gated, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
         GROUP_SIZE_M=1, SPLIT_NIBBLES=split, OUT_DTYPE=tl.bfloat16, UPCAST=False))
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
-JOBS = [(mx_kernels, a) for a in [("e2m1", 1, "bf16"), ("e2m3", 0, "bf16"), ("e3m2", 2, "fp16"), ("e4m3", 0, "fp32"), ("e5m2", 1, "bf16")]]
+JOBS = [(mx_kernels, a) for a in [("e2m1", "even", "bf16"), ("e2m3", "floor", "bf16"), ("e3m2", "rceil", "fp16"),
+                                  ("e4m3", "floor", "fp32"), ("e5m2", "even", "bf16")]]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
-JOBS += [(fused_dequant, a) for a in [("e2m1", True, True, 2), ("e2m1", False, True, 1), ("e3m2", False, True, 3),
-                                      ("e2m3", False, True, 0), ("e2m1", True, False, 0), ("e4m3", False, False, 0),
-                                      ("e2m1", True, True, 2, True), ("e2m1", False, False, 0, True),
-                                      ("e3m2", False, True, 1, True), ("e2m3", False, False, 0, True)]]
+JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
+                                      ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
+                                      ("nvfp4", False, None), ("mxfp8_e4m3", False, None),
+                                      ("nvfp4", True, "nvfp4", True), ("mxfp4", False, None, True),
+                                      ("mxfp6_e3m2", True, "mxfp6_e3m2", True), ("mxfp6_e2m3", False, None, True)]]
 
 
 def main() -> int:

@@ -184,7 +184,7 @@ def test_failed_write_leaves_nothing(tiny, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(C, "save_file", boom)
+    monkeypatch.setattr(C.safetensors_io, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
     assert list(tmp_path.iterdir()) == []
@@ -205,3 +205,19 @@ def test_checkpoint_tensor_bytes_matches_files(tiny, tmp_path):
         path = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme, cal)
         idx = json.loads((path / "model.safetensors.index.json").read_text())
         assert checkpoint_tensor_bytes(model, scheme) == idx["metadata"]["total_size"]
+
+
+def test_layout_registry_dispatch(tiny, tmp_path):
+    from mxlib.models.checkpoints import LAYOUTS, modelopt_nvfp4, quark_ocp_mx
+    from mxlib.models.checkpoints.layout import layout_for_scheme
+    from mxlib.moe import MOE_SCHEMES
+
+    assert list(LAYOUTS) == ["modelopt", "quark"]
+    for name, s in MOE_SCHEMES.items():
+        expected = modelopt_nvfp4.LAYOUT if name == "nvfp4" else quark_ocp_mx.LAYOUT
+        assert layout_for_scheme(s) is expected, name
+    model, cal, _ = tiny
+    path = C.write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt", cal)
+    info = C.read_quant_config(path)
+    assert isinstance(info, C.CheckpointDescription) and info.scheme is MOE_SCHEMES["w_mxfp4"]
+    assert info["format"] == "quark" and info.activation_scale_mode == "even"

@@ -290,6 +290,10 @@ EMPTY_CASES = {
         (lambda m: m.quantize_nvfp4(_z(0, 4, 32)), [((0, 4, 16), U8), ((0, 4, 2), E4M3), ((0,), F32)]),
         (lambda m: m.quantize_nvfp4(_z(3, 0), torch.tensor(2.0)), [((3, 0), U8), ((3, 0), E4M3), ((), F32)]),
     ],
+    "nvfp4_weight_scale_2": [
+        (lambda m: m.nvfp4_weight_scale_2(_z(2, 0, 32)), [((2,), F32)]),
+        (lambda m: m.nvfp4_weight_scale_2(_z(0, 4, 32)), [((0,), F32)]),
+    ],
     "nvfp4_block_stats": [
         (lambda m: tuple(m.nvfp4_block_stats(_z(0, 32), 1.0).values()),
          [((0, 2), U8), ((0, 2), torch.bool), ((0, 2), torch.bool), ((0, 32), torch.bool)]),

@@ -19,7 +19,9 @@ from mxlib.moe import (
     TritonExperts,
     fused_topk,
     get_moe_scheme,
+    make_emulation_experts,
     moe_align_block_size,
+    quantize_expert_weights,
     OCP_MX_SCHEMES,
     torch_moe,
     unify_input_scales,
@@ -250,12 +252,12 @@ class _CountingOps:
 
 @pytest.mark.parametrize("scheme", [s for s in OCP_MX_SCHEMES] + ["nvfp4"])
 def test_each_activation_point_quantized_exactly_once(scheme, monkeypatch):
-    import mxlib.moe.experts as X
+    import mxlib.moe.emulation as X
 
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=4)
     ex = build_experts(scheme, x, w13, w2, backend="torch")
     counting = _CountingOps(R)
-    monkeypatch.setattr(X, "_ops", lambda backend: counting)
+    monkeypatch.setattr(X, "ops_for_backend", lambda backend: counting)
     ex(x, tw, ti)
     s = get_moe_scheme(scheme)
     a1_calls = [c for c in counting.calls if c == (M, H)]
@@ -268,18 +270,15 @@ def test_each_activation_point_quantized_exactly_once(scheme, monkeypatch):
 
 def build_experts(scheme, x, w13, w2, backend, device="cpu"):
     s = get_moe_scheme(scheme)
+    weights = quantize_expert_weights(w13, w2, s, ops=R).to(device)
+    in13 = in2 = None
     if s.name == "nvfp4":
-        t = nvfp4_experts_inputs(x, w13, w2)
-        return Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend=backend)
-    el = s.weight_scheme.element.name
-    p13, s13 = R.quantize_mx(w13, el)
-    p2, s2 = R.quantize_mx(w2, el)
-    kw = {}
-    if s.activation == "fp8_e4m3":
-        kw = dict(w13_input_scale=torch.full((E,), float(x.float().abs().amax()) / 448.0, device=device),
-                  w2_input_scale=torch.linspace(0.01, 0.05, E, device=device) / 448.0)
-    return OCP_MXQuantizationEmulationTritonExperts(
-        scheme, p13.to(device), s13.to(device), p2.to(device), s2.to(device), backend=backend, **kw)
+        in13, in2 = nvfp4_experts_inputs(x, w13, w2)[6:]
+    elif s.static_activation_scale:  # static per-tensor FP8
+        in13 = torch.full((E,), float(x.float().abs().amax()) / 448.0)
+        in2 = torch.linspace(0.01, 0.05, E) / 448.0
+    return make_emulation_experts(s, weights, *(t if t is None else t.to(device) for t in (in13, in2)),
+                                  backend=backend)
 
 
 def ocp_design_reference(scheme, x, w13, w2, tw, ti):
@@ -290,13 +289,13 @@ def ocp_design_reference(scheme, x, w13, w2, tw, ti):
     w2d = R.dequantize_mx(*R.quantize_mx(w2, el), el, dtype=x.dtype)
     if s.activation is None:
         qdq1 = qdq2 = None
-    elif s.activation == "fp8_e4m3":
+    elif s.activation.name == "fp8_e4m3":
         sc1 = torch.tensor(float(x.float().abs().amax()) / 448.0)
         sc2 = (torch.linspace(0.01, 0.05, E) / 448.0).max()
         qdq1 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc1)  # noqa: E731
         qdq2 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc2)  # noqa: E731
     else:
-        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation]
+        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation.name]
         qdq1 = qdq2 = lambda v, e: R.quant_dequant_mx(v, ael, 32, "even")  # noqa: E731
     a1 = qdq1(x, None) if qdq1 else x
     return torch_moe(a1, w13d, w2d, tw, ti, qdq2)
@@ -420,3 +419,45 @@ def test_fused_split_nibbles_variant(scheme, device):
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     oracle = fused_reference_fp64(build_experts(scheme, x, w13, w2, backend="torch"), x, tw, ti)
     assert rel_err(out, oracle) < 5e-3
+
+
+# ----------------------------------------------------------------------------- factory and typed schemes
+
+
+def test_scheme_objects_are_the_format_table():
+    from mxlib.formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, NVFP4
+
+    s = get_moe_scheme("nvfp4")
+    assert s.weight is NVFP4 and s.activation is NVFP4 and s.static_activation_scale and not s.is_ocp_mx
+    s = get_moe_scheme("w_mxfp6_e3m2_a_fp8")
+    assert s.weight is BLOCK_SCHEMES["mxfp6_e3m2"] and s.activation is FP8_E4M3_PER_TENSOR
+    assert get_moe_scheme("w_mxfp4").activation is None and get_moe_scheme("mxfp4").name == "w_mxfp4_a_mxfp4"
+
+
+def test_nvfp4_experts_typed_and_seed_call_forms_agree():
+    from mxlib.moe import ExpertWeights
+
+    x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=10)
+    t = nvfp4_experts_inputs(x, w13, w2)
+    seed_form = Nvfp4QuantizationEmulationTritonExperts(*t, backend="torch")
+    by_keyword = Nvfp4QuantizationEmulationTritonExperts(
+        w13_weight=t[0], w13_weight_scale=t[1], w13_weight_scale_2=t[2], w2_weight=t[3], w2_weight_scale=t[4],
+        w2_weight_scale_2=t[5], w13_input_scale=t[6], w2_input_scale=t[7], backend="torch")
+    weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
+    assert isinstance(weights, ExpertWeights)
+    typed = make_emulation_experts("nvfp4", weights, t[6], t[7], backend="torch")
+    ref = seed_form(x, tw, ti)
+    for ex in (by_keyword, typed):
+        assert torch.equal(ex(x, tw, ti), ref)
+    with pytest.raises(ValueError, match="weights: quantized as nvfp4, scheme w_mxfp4 stores mxfp4"):
+        make_emulation_experts("w_mxfp4", weights)
+    with pytest.raises(ValueError, match="nvfp4: activations with a static scale need w13_input_scale"):
+        make_emulation_experts("nvfp4", weights)
+
+
+def test_base_experts_do_not_ask_for_their_subclass():
+    import inspect
+
+    import mxlib.moe.base as B
+
+    assert "isinstance(self" not in inspect.getsource(B.TritonExperts)

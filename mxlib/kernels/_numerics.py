@@ -28,7 +28,8 @@ import os
 import triton
 import triton.language as tl
 
-# Kernel modules are imported after TRITON_INTERPRET is set (or not), so this is fixed per process.
+# Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` settles
+# TRITON_INTERPRET before any kernel module loads, so this agrees with every kernel here.
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 # fp32 constants as bit patterns, so that no NaN literal passes through Python floats

@@ -29,12 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import BLOCK_SCHEMES, BlockScheme, PerTensorScheme
 from . import _numerics as nm
-from .fused_moe import interpreting
+from ._bridge import TL_DTYPE as _TL_DTYPE
+from ._bridge import interpreting, kernel_format_args, select
+from .align import moe_align_block_size
 
-__all__ = ["FusedConfig", "get_fused_config", "invoke_fused_dequant_moe"]
+__all__ = ["FusedConfig", "get_fused_config", "invoke_fused_dequant_moe", "PackedWeights", "ActivationQDQ"]
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# What GEMM1's epilogue does to a2 (the kernel's A2_KIND constexpr); ActivationQDQ.kind picks one.
+A2_NONE = tl.constexpr(0)
+A2_MX = tl.constexpr(1)
+A2_NVFP4 = tl.constexpr(2)
+A2_FP8 = tl.constexpr(3)
 
 
 @dataclass(frozen=True)
@@ -188,8 +195,8 @@ def fused_moe_dequant_kernel(
     A: [rows, K] activations (row ``pair // top_k``); W: [E, rows_w, K * bits / 8] packed,
     scales [E, rows_w, K / W_BS]; with GATED, rows_w = 2N (gate rows, then up rows) and C is
     the QDQ'd SiLU-and-mul output [M * k, N]; otherwise rows_w = N and C = A @ W[e]^T
-    (times the router weight with MUL_ROUTED_WEIGHT). A2_KIND: 0 none, 1 OCP MX,
-    2 NVFP4 (encode scale act_scale[e]), 3 per-tensor FP8 (decode scale act_scale[0]).
+    (times the router weight with MUL_ROUTED_WEIGHT). A2_KIND: A2_NONE, A2_MX (OCP MX),
+    A2_NVFP4 (encode scale act_scale[e]), A2_FP8 (per tensor, decode scale act_scale[0]).
     """
     pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
 
@@ -270,12 +277,12 @@ def fused_moe_dequant_kernel(
         gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
         up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
         act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
-        if A2_KIND == 1:
+        if A2_KIND == A2_MX:
             act = nm.mx_qdq_values(act, A2_EBITS, A2_MBITS, A2_EMAX, A2_MAX, A2_SCALE_MODE, A2_BS, BLOCK_M, BLOCK_N)
-        elif A2_KIND == 2:
+        elif A2_KIND == A2_NVFP4:
             gs = tl.load(act_scale_ptr + expert * act_scale_stride_e)
             act = nm.nvfp4_qdq_values(act, gs, False, A2_BS, BLOCK_M, BLOCK_N)
-        elif A2_KIND == 3:
+        elif A2_KIND == A2_FP8:
             act = nm.fp8_qdq_values(act, tl.load(act_scale_ptr))
         out = nm.cast_out(act, OUT_DTYPE)
     else:
@@ -292,31 +299,52 @@ class PackedWeights:
     """One expert stack's packed weights for the fused kernel.
 
     ``packed`` uint8 [E, rows, K * bits / 8]; ``scales`` uint8 [E, rows, K / block_size]
-    (E8M0 bytes, or e4m3 bytes for NVFP4); ``global_scale`` fp32 [E] or [E, 2] (NVFP4 only).
+    (E8M0 bytes, or e4m3 bytes for NVFP4); ``scheme`` the ``BlockScheme`` they are stored in;
+    ``global_scale`` fp32 [E] or [E, 2] (schemes with a global scale: NVFP4).
     """
 
     packed: torch.Tensor
     scales: torch.Tensor
-    ebits: int
-    mbits: int
-    specials: int
-    block_size: int
-    nvfp4: bool
+    scheme: BlockScheme
     global_scale: torch.Tensor | None = None
+
+    @property
+    def nbits(self) -> int:
+        return self.scheme.element.nbits
 
 
 @dataclass
 class ActivationQDQ:
-    """The a2 QDQ done in GEMM1's epilogue: kind 0 none, 1 MX, 2 NVFP4, 3 FP8 per tensor."""
+    """The a2 QDQ done in GEMM1's epilogue.
 
-    kind: int = 0
-    ebits: int = 2
-    mbits: int = 1
-    emax: int = 2
-    max: float = 6.0
-    scale_mode: int = 1
-    block_size: int = 32
-    scale: torch.Tensor | None = None  # NVFP4 encode scales [E] or FP8 decode scale [1]
+    ``fmt``: None (no QDQ), an OCP MX ``BlockScheme`` (dynamic E8M0 scales by ``scale_mode``),
+    NVFP4 (``scale``: encode global scales [E] or [1]) or the per-tensor FP8 scheme (``scale``:
+    the decode scale [1]).
+    """
+
+    fmt: BlockScheme | PerTensorScheme | None = None
+    scale_mode: str = "even"
+    scale: torch.Tensor | None = None
+
+    @property
+    def kind(self):
+        if self.fmt is None:
+            return A2_NONE
+        if isinstance(self.fmt, PerTensorScheme):
+            return A2_FP8
+        return A2_NVFP4 if self.fmt.has_global_scale else A2_MX
+
+    def kernel_args(self) -> dict:
+        """The ``A2_*`` constexprs (unused ones keep the values of mxfp4)."""
+        args = kernel_format_args(BLOCK_SCHEMES["mxfp4"], "A2_", scale_mode=self.scale_mode)
+        if self.fmt is not None:
+            args.update(kernel_format_args(self.fmt, "A2_", scale_mode=self.scale_mode))
+        args["A2_KIND"] = self.kind
+        return args
+
+
+# packed widths with a split-element variant (FP4 nibbles, FP6 words)
+SPLIT_NIBBLES_BITS = (4, 6)
 
 
 def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_post, n, k, gated, qdq: ActivationQDQ,
@@ -328,20 +356,21 @@ def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_po
     else:
         gsc, wg_stride_e, wg_stride_half = w.packed, 0, 0
     act_scale = qdq.scale if qdq.scale is not None else w.packed
-    act_stride = 1 if (qdq.kind == 2 and qdq.scale.numel() == e) else 0
+    act_stride = 1 if (qdq.kind == A2_NVFP4 and qdq.scale.numel() == e) else 0
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     weights = topk_weights if mul_routed_weight else c
-    fused_moe_dequant_kernel[grid](
+    kernel = fused_moe_dequant_kernel
+    fmt_args = select(kernel, {**kernel_format_args(w.scheme, "W_"), **qdq.kernel_args()})
+    kernel[grid](
         a, w.packed, w.scales, gsc, c, weights, sorted_ids, expert_ids, num_post, act_scale,
         n, k, em, c.shape[0],
         a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, act_stride,
-        W_EBITS=w.ebits, W_MBITS=w.mbits, W_SPECIALS=w.specials, W_BS=w.block_size, W_NVFP4=w.nvfp4,
-        GATED=gated, A2_KIND=qdq.kind, A2_EBITS=qdq.ebits, A2_MBITS=qdq.mbits, A2_EMAX=qdq.emax, A2_MAX=qdq.max,
-        A2_SCALE_MODE=qdq.scale_mode, A2_BS=qdq.block_size, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        **fmt_args, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        SPLIT_NIBBLES=cfg.SPLIT_NIBBLES and w.ebits + w.mbits in (3, 5), OUT_DTYPE=_TL_DTYPE[c.dtype], UPCAST=interpreting(),
+        SPLIT_NIBBLES=cfg.SPLIT_NIBBLES and w.nbits in SPLIT_NIBBLES_BITS, OUT_DTYPE=_TL_DTYPE[c.dtype],
+        UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
 
@@ -367,13 +396,11 @@ def invoke_fused_dequant_moe(
     Returns:
         ``[M, H]`` in ``a1.dtype``. No host synchronization: capturable in a CUDA graph.
     """
-    from ..moe.routing import moe_align_block_size
-
     m, k = topk_ids.shape
     e, two_i = w13.packed.shape[:2]
     h = w2.packed.shape[1]
     i = two_i // 2
-    cfg = config or get_fused_config(m, e, k, 1 + w13.ebits + w13.mbits)
+    cfg = config or get_fused_config(m, e, k, w13.nbits)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.BLOCK_M, e)
     weights = topk_weights.reshape(-1).float().contiguous()
     cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)

@@ -4,7 +4,7 @@
 ``C[pair] = A[row(pair)] @ B[expert]^T`` with fp32 accumulation, optionally times
 the pair's router weight (in fp32, before the one rounding to the output dtype).
 It follows vLLM's ``fused_moe_kernel``; pairs come from
-``mxlib.moe.routing.moe_align_block_size``.
+``mxlib.kernels.align.moe_align_block_size``.
 
 Under ``TRITON_INTERPRET=1`` the operands are widened to fp32 before ``tl.dot``
 (the interpreter's bf16 dot is wrong); compiled, the dot runs on bf16/fp16 tensor
@@ -13,7 +13,6 @@ cores with fp32 accumulation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +20,10 @@ import triton
 import triton.language as tl
 
 from . import _numerics as nm
+from ._bridge import TL_DTYPE as _TL_DTYPE
+from ._bridge import interpreting
 
-__all__ = ["MoEGemmConfig", "get_moe_config", "invoke_fused_moe_kernel"]
-
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["MoEGemmConfig", "get_moe_config", "invoke_fused_moe_kernel", "interpreting"]
 
 
 @dataclass(frozen=True)

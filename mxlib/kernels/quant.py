@@ -22,9 +22,21 @@ import triton
 import triton.language as tl
 
 from .. import reference as _ref
-from .._checks import check_block, check_float, check_out_dtype
-from ..formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE, ElementFormat, get_element_format, get_scale_mode
+from .._checks import (
+    check_block,
+    check_float,
+    check_out_dtype,
+    fp8_args,
+    global_scale_view,
+    mx_dequant_args,
+    nvfp4_dequant_args,
+    nvfp4_weight_args,
+)
+from ..formats import MX_BLOCK_SIZE, NVFP4, NVFP4_BLOCK_SIZE, get_element_format, get_scale_mode
+from . import _bridge
 from . import _numerics as nm
+from ._bridge import TL_DTYPE as _TL_DTYPE
+from ._bridge import kernel_format_args, launch_opts, select, tiles
 
 __all__ = [
     "quant_dequant_mx",
@@ -36,32 +48,6 @@ __all__ = [
     "dequantize_to_dtype",
     "quant_dequant_fp8_per_tensor",
 ]
-
-_SCALE_MODE_ID = {"floor": 0, "even": 1, "rceil": 2}
-_SPECIALS_ID = {"none": 0, "fn": 1, "ieee": 2}
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _fmt_args(fmt: ElementFormat) -> dict:
-    return dict(EBITS=fmt.ebits, MBITS=fmt.mbits, EMAX=fmt.emax, MAX=fmt.max, SPECIALS=_SPECIALS_ID[fmt.specials])
-
-
-# Tile size (elements per program) and warps of the elementwise kernels; measured on the
-# H200 by ``python -m mxlib.bench quant --sweep`` (README lists the result).
-TILE_ELEMENTS = 4096
-NUM_WARPS = 4
-MAX_BLOCK_K = 1024
-
-
-def _tiles(rows: int, k: int) -> tuple[int, int]:
-    block_k = min(MAX_BLOCK_K, triton.next_power_of_2(k))
-    block_r = max(1, min(triton.next_power_of_2(rows), TILE_ELEMENTS // block_k))
-    return block_r, block_k
-
-
-def _launch_opts() -> dict:
-    # fp fusion off: no mul+add contraction into FMA, so every rounding is the reference's.
-    return dict(num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 # ----------------------------------------------------------------------------- MX kernels
@@ -186,9 +172,14 @@ def _nvfp4_qdq_kernel(
 @triton.jit
 def _nvfp4_quantize_kernel(
     x_ptr, g_ptr, packed_ptr, scale_ptr, R, K, ROWS_PER_GS,
+    EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, SPECIALS: tl.constexpr,
+    S_EBITS: tl.constexpr, S_MBITS: tl.constexpr, S_MAX: tl.constexpr, S_SPECIALS: tl.constexpr,
     ZERO_BLOCK_ONE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]."""
+    """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]; element
+    format EBITS/MBITS/MAX (e2m1), block-scale format S_* (e4m3)."""
+    NBITS: tl.constexpr = 1 + EBITS + MBITS
+    SIGN: tl.constexpr = 1 << (NBITS - 1)
     NB: tl.constexpr = BLOCK_K // BS
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     pid_k = tl.program_id(1)
@@ -199,19 +190,19 @@ def _nvfp4_quantize_kernel(
     xb = tl.reshape(x, (BLOCK_R, NB, BS))
     g = tl.load(g_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
     bamax = tl.max(tl.abs(xb), axis=2)
-    bs = tl.math.div_rn(bamax, 6.0 * g + tl.zeros_like(bamax))
+    bs = tl.math.div_rn(bamax, MAX * g + tl.zeros_like(bamax))
     if ZERO_BLOCK_ONE:
         bs = tl.where(bs == 0, 1.0, bs)
-    bs = nm.round_to_element(bs, 4, 3, 448.0)
+    bs = nm.round_to_element(bs, S_EBITS, S_MBITS, S_MAX)
     denom = (bs * g)[:, :, None] + tl.zeros_like(xb)
     scaled = tl.where(denom == 0, 0.0, tl.math.div_rn(xb, tl.where(denom == 0, 1.0, denom)))
-    mag = nm.round_to_element(tl.abs(scaled), 2, 1, 6.0)
-    codes = nm.encode_element(mag, 2, 1, 0) | tl.where(scaled < 0, 8, 0)
-    _store_codes(packed_ptr, tl.reshape(codes, (BLOCK_R, BLOCK_K)), rows, rmask, pid_k, K, 4, BLOCK_R, BLOCK_K)
+    mag = nm.round_to_element(tl.abs(scaled), EBITS, MBITS, MAX)
+    codes = nm.encode_element(mag, EBITS, MBITS, SPECIALS) | tl.where(scaled < 0, SIGN, 0)
+    _store_codes(packed_ptr, tl.reshape(codes, (BLOCK_R, BLOCK_K)), rows, rmask, pid_k, K, NBITS, BLOCK_R, BLOCK_K)
     scols = pid_k * NB + tl.arange(0, NB)
     smask = rmask[:, None] & (scols < K // BS)[None, :]
     tl.store(scale_ptr + rows[:, None] * (K // BS) + scols[None, :],
-             nm.encode_element(bs, 4, 3, 1).to(tl.uint8), mask=smask)
+             nm.encode_element(bs, S_EBITS, S_MBITS, S_SPECIALS).to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -242,12 +233,11 @@ def quant_dequant_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="ev
     r, k = x2.shape
     out = torch.empty((r, k), dtype=dtype, device=x.device)
     if x2.numel():
-        br, bk = _tiles(r, k)
-        bk = max(bk, block_size)
-        a = _fmt_args(fmt)
+        br, bk = tiles(r, k, block_size)
+        fa = kernel_format_args(fmt, block_size=block_size, scale_mode=scale_mode)
         _mx_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, out, r, k, a["EBITS"], a["MBITS"], a["EMAX"], a["MAX"], _SCALE_MODE_ID[scale_mode],
-            block_size, _TL_DTYPE[dtype], br, bk, **_launch_opts())
+            x2, out, r, k, **select(_mx_qdq_kernel, fa), OUT_DTYPE=_TL_DTYPE[dtype], BLOCK_R=br, BLOCK_K=bk,
+            **launch_opts())
     return out.reshape(x.shape)
 
 
@@ -263,19 +253,17 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
     packed = torch.empty((r, fmt.packed_size(k)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((r, k // block_size), dtype=torch.uint8, device=x.device)
     if x2.numel():
-        br, bk = _tiles(r, k)
-        bk = max(bk, block_size)
-        a = _fmt_args(fmt)
+        br, bk = tiles(r, k, block_size)
+        fa = kernel_format_args(fmt, block_size=block_size, scale_mode=scale_mode)
         _mx_quantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, packed, scale, r, k, a["EBITS"], a["MBITS"], a["EMAX"], a["MAX"], a["SPECIALS"],
-            _SCALE_MODE_ID[scale_mode], block_size, br, bk, **_launch_opts())
+            x2, packed, scale, r, k, **select(_mx_quantize_kernel, fa), BLOCK_R=br, BLOCK_K=bk, **launch_opts())
     lead = x.shape[:-1]
     return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
 
 
 def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype=torch.bfloat16):
     """Triton twin of ``mxlib.reference.dequantize_mx``."""
-    fmt, packed, scale, k = _ref._mx_dequant_args(packed, scale, element, block_size, dtype)
+    fmt, packed, scale, k = mx_dequant_args(packed, scale, element, block_size, dtype)
     pk = packed.shape[-1]
     n_rows = math.prod(packed.shape[:-1])
     p2 = packed.contiguous().reshape(n_rows, pk)
@@ -283,18 +271,17 @@ def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=dtype, device=packed.device)
     if out.numel():
-        br, bk = _tiles(r, k)
-        bk = max(bk, block_size)
-        a = _fmt_args(fmt)
+        br, bk = tiles(r, k, block_size)
+        fa = kernel_format_args(fmt, block_size=block_size)
         _dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            p2, s2, s2, out, r, k, 1, a["EBITS"], a["MBITS"], a["SPECIALS"], block_size, False, _TL_DTYPE[dtype],
-            br, bk, **_launch_opts())
+            p2, s2, s2, out, r, k, 1, **select(_dequantize_kernel, fa), NVFP4=False, OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br, BLOCK_K=bk, **launch_opts())
     return out.reshape(*packed.shape[:-1], k)
 
 
 def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale=True) -> tuple[torch.Tensor, int]:
     """fp32 global scale as a flat tensor plus the number of rows that share each value."""
-    gs = _ref._global_scale_view(global_scale, x, name, check_scale)  # same checks and messages
+    gs = global_scale_view(global_scale, x, name, check_scale)  # same checks and messages
     lead = x.shape[:-1]
     rows = math.prod(lead)
     flat = gs.reshape(-1).contiguous().to(x.device)
@@ -315,11 +302,10 @@ def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multip
     r, k = x2.shape
     out = torch.empty((r, k), dtype=dtype, device=x.device)
     if x2.numel():
-        br, bk = _tiles(r, k)
-        bk = max(bk, block_size)
+        br, bk = tiles(r, k, block_size)
         _nvfp4_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, gs, out, r, k, rows_per_gs, multiplier == "divide", block_size, _TL_DTYPE[dtype],
-            br, bk, **_launch_opts())
+            x2, gs, out, r, k, rows_per_gs, DIVIDE=multiplier == "divide", BS=block_size, OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br, BLOCK_K=bk, **launch_opts())
     return out.reshape(x.shape)
 
 
@@ -328,17 +314,19 @@ nvfp4_quant_dequant = ref_nvfp4_quant_dequant
 
 def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_block_scale="one"):
     """Triton twin of ``mxlib.reference.quantize_nvfp4`` (ModelOpt's weight export)."""
-    x3, ws2 = _ref._nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
+    x3, ws2 = nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale)
+    if ws2 is None:
+        ws2 = _ref.nvfp4_weight_scale_2(x3)
     num, n, k = x3.shape
     x2 = x3.contiguous().reshape(num * n, k)
     packed = torch.empty((num * n, k // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((num * n, k // block_size), dtype=torch.uint8, device=x.device)
     if x2.numel():
-        br, bk = _tiles(num * n, k)
-        bk = max(bk, block_size)
+        br, bk = tiles(num * n, k, block_size)
+        fa = {**kernel_format_args(NVFP4, block_size=block_size), **kernel_format_args(NVFP4.scale.element, "S_")}
         _nvfp4_quantize_kernel[(triton.cdiv(num * n, br), triton.cdiv(k, bk))](
-            x2, ws2, packed, scale, num * n, k, n, zero_block_scale == "one", block_size, br, bk,
-            **_launch_opts())
+            x2, ws2, packed, scale, num * n, k, n, **select(_nvfp4_quantize_kernel, fa),
+            ZERO_BLOCK_ONE=zero_block_scale == "one", BLOCK_R=br, BLOCK_K=bk, **launch_opts())
     packed = packed.reshape(num, n, k // 2)
     scale = scale.view(torch.float8_e4m3fn).reshape(num, n, k // block_size)
     if x.ndim == 2:
@@ -349,8 +337,8 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
 def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False,
                         check_scale=True):
     """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
-    fp4, sf, g, k = _ref._nvfp4_dequant_args(
-        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, check_scale)
+    fp4, sf, g, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
+                                       _ref.nvfp4_unswizzle_scales, check_scale)
     g = g.contiguous()
     m = fp4.shape[-2]
     n_rows = math.prod(fp4.shape[:-1])
@@ -359,21 +347,23 @@ def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=N
     r = p2.shape[0]
     out = torch.empty((r, k), dtype=dtype, device=fp4.device)
     if out.numel():
-        br, bk = _tiles(r, k)
-        bk = max(bk, block_size)
+        br, bk = tiles(r, k, block_size)
+        fa = kernel_format_args(NVFP4, block_size=block_size)
         _dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            p2, s2, g, out, r, k, m, 2, 1, 0, block_size, True, _TL_DTYPE[dtype], br, bk, **_launch_opts())
+            p2, s2, g, out, r, k, m, **select(_dequantize_kernel, fa), OUT_DTYPE=_TL_DTYPE[dtype], BLOCK_R=br,
+            BLOCK_K=bk, **launch_opts())
     return out.reshape(*fp4.shape[:-1], k)
 
 
 def quant_dequant_fp8_per_tensor(x, scale, dtype=None, check_scale=True):
     """Triton twin of ``mxlib.reference.quant_dequant_fp8_per_tensor``."""
-    scale, dtype = _ref._fp8_args(x, scale, dtype, check_scale)
+    scale, dtype = fp8_args(x, scale, dtype, check_scale)
     scale = scale.reshape(1)
     xf = x.contiguous().reshape(-1)
     out = torch.empty(xf.shape, dtype=dtype, device=x.device)
     n = xf.numel()
     if n:
-        block = TILE_ELEMENTS
-        _fp8_qdq_kernel[(triton.cdiv(n, block),)](xf, scale, out, n, _TL_DTYPE[dtype], block, **_launch_opts())
+        block = _bridge.TILE_ELEMENTS
+        _fp8_qdq_kernel[(triton.cdiv(n, block),)](xf, scale, out, n, OUT_DTYPE=_TL_DTYPE[dtype], BLOCK=block,
+                                                  **launch_opts())
     return out.reshape(x.shape)

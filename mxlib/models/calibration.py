@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..moe.experts import torch_moe
+from ..formats import BlockScheme, PerTensorScheme, get_activation_format
+from ..moe.reference_moe import torch_moe
 from .qwen3 import expert_weights, moe_layers
 
 __all__ = ["LayerCalibration", "Calibration", "calibrate"]
@@ -47,11 +48,16 @@ class Calibration:
     layers: list[LayerCalibration] = field(default_factory=list)
     num_tokens: int = 0
 
-    def input_scales(self, layer: int, kind: str = "nvfp4") -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13_input_scale [E], w2_input_scale [E])`` decode scales for ``nvfp4`` or ``fp8``."""
-        div = {"nvfp4": 6.0 * 448.0, "fp8": 448.0}[kind]
+    def input_scales(
+        self, layer: int, activation: BlockScheme | PerTensorScheme | str = "nvfp4"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13_input_scale [E], w2_input_scale [E])`` decode scales for an activation format with a
+        static scale: NVFP4 (``amax / 2688``) or per-tensor FP8 (``amax / 448``; name ``fp8``)."""
+        fmt = get_activation_format(activation)
+        if fmt is None or not fmt.static_scale:
+            raise ValueError(f"activation: {fmt} has no static input scale")
         lc = self.layers[layer]
-        return lc.a1_amax / div, lc.a2_amax / div
+        return lc.a1_amax / fmt.scale_divisor, lc.a2_amax / fmt.scale_divisor
 
 
 class _RecordingExperts(torch.nn.Module):

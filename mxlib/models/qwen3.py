@@ -12,7 +12,7 @@ import contextlib
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from ..moe.experts import TransformersExperts, TritonExperts
+from ..moe.base import TransformersExperts, TritonExperts
 
 __all__ = [
     "QWEN3_30B_A3B",

@@ -1,15 +1,19 @@
-"""Routing, the fused-MoE experts, their emulation subclasses and the reference MoE."""
+"""Routing, the fused-MoE experts, their emulation subclasses, the factory and the reference MoE.
 
-from .experts import (  # noqa: F401
-    SCALE_STRATEGIES,
+``schemes`` (weight + activation format of each MoE scheme), ``routing`` (Qwen3 top-k),
+``reference_moe`` (the pure-PyTorch MoE), ``scales`` (activation-scale strategies), ``base``
+(``TritonExperts`` and backends), ``emulation`` (the NVFP4 and OCP MX emulation experts),
+``factory`` (quantize experts and build emulation experts: the one way to make them).
+"""
+
+from .base import BACKENDS, TransformersExperts, TritonExperts, ops_for_device  # noqa: F401
+from .emulation import (  # noqa: F401
+    ExpertWeights,
     Nvfp4QuantizationEmulationTritonExperts,
     OCP_MXQuantizationEmulationTritonExperts,
-    TransformersExperts,
-    TritonExperts,
-    max_input_scale,
-    silu_and_mul,
-    torch_moe,
-    unify_input_scales,
 )
+from .factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights  # noqa: F401
+from .reference_moe import silu_and_mul, torch_moe  # noqa: F401
 from .routing import fused_topk, moe_align_block_size  # noqa: F401
-from .schemes import MOE_SCHEMES, OCP_MX_SCHEMES, MoEQuantScheme, get_moe_scheme  # noqa: F401
+from .scales import SCALE_STRATEGIES, max_input_scale, unify_input_scales  # noqa: F401
+from .schemes import FP8_PER_TENSOR, MOE_SCHEMES, OCP_MX_SCHEMES, MoEQuantScheme, get_moe_scheme  # noqa: F401

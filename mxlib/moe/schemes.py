@@ -24,38 +24,63 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..formats import BlockScheme, get_block_scheme
+from ..formats import (
+    BLOCK_SCHEMES,
+    FP8_E4M3_PER_TENSOR,
+    NVFP4,
+    BlockScheme,
+    PerTensorScheme,
+    get_activation_format,
+    get_block_scheme,
+)
 
 __all__ = ["MoEQuantScheme", "MOE_SCHEMES", "OCP_MX_SCHEMES", "get_moe_scheme", "FP8_PER_TENSOR"]
 
-FP8_PER_TENSOR = "fp8_e4m3"
+# The per-tensor FP8 activation format (an object of the format table; its name is "fp8_e4m3").
+FP8_PER_TENSOR: PerTensorScheme = FP8_E4M3_PER_TENSOR
 
 
 @dataclass(frozen=True)
 class MoEQuantScheme:
+    """A MoE quantization scheme: the experts' weight format and activation format.
+
+    ``weight``: a ``BlockScheme`` of ``mxlib.formats`` (``mxfp4``, ``mxfp6_*``, ``nvfp4``);
+    ``activation``: a ``BlockScheme`` (dynamic MX, or NVFP4 with a static global scale), the
+    per-tensor ``fp8_e4m3`` scheme (static ``input_scale``), or None (weight-only). Both
+    print as their names.
+    """
+
     name: str
-    weight: str
-    activation: str | None
+    weight: BlockScheme
+    activation: BlockScheme | PerTensorScheme | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight", get_block_scheme(self.weight))
+        object.__setattr__(self, "activation", get_activation_format(self.activation))
+
+    def __str__(self) -> str:
+        return self.name
 
     @property
     def weight_scheme(self) -> BlockScheme:
-        return get_block_scheme(self.weight)
+        """The weight format (``weight``; kept for callers of the string-valued seed API)."""
+        return self.weight
 
     @property
     def static_activation_scale(self) -> bool:
         """Whether the checkpoint carries an activation ``input_scale`` the experts need."""
-        return self.activation in ("nvfp4", FP8_PER_TENSOR)
+        return self.activation is not None and self.activation.static_scale
 
     @property
     def is_ocp_mx(self) -> bool:
-        return self.weight != "nvfp4"
+        """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4."""
+        return not self.weight.has_global_scale
 
 
 def _ocp(name: str) -> MoEQuantScheme:
     body = name[len("w_"):]
     weight, _, act = body.partition("_a_")
-    act_name = {"": None, "fp8": FP8_PER_TENSOR}.get(act, act or None)
-    return MoEQuantScheme(name, weight, act_name)
+    return MoEQuantScheme(name, BLOCK_SCHEMES[weight], get_activation_format(act) if act else None)
 
 
 OCP_MX_SCHEMES: tuple[str, ...] = (
@@ -73,12 +98,15 @@ OCP_MX_SCHEMES: tuple[str, ...] = (
 )
 
 MOE_SCHEMES: dict[str, MoEQuantScheme] = {n: _ocp(n) for n in OCP_MX_SCHEMES}
-MOE_SCHEMES["nvfp4"] = MoEQuantScheme("nvfp4", "nvfp4", "nvfp4")
+MOE_SCHEMES[NVFP4.name] = MoEQuantScheme(NVFP4.name, NVFP4, NVFP4)
 _ALIASES = {"mxfp4": "w_mxfp4_a_mxfp4"}
 
 
 def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     """Look up a MoE scheme by Quark name (or ``nvfp4``, or the alias ``mxfp4``).
+
+    Call it once, where a name enters (a notebook's parameters, a CLI option, a checkpoint's
+    config); pass the object below that.
 
     Raises:
         ValueError: unknown name; the message lists the supported schemes.

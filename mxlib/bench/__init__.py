@@ -1,0 +1,44 @@
+"""Benchmarks on a CUDA GPU: ``python -m mxlib.bench quant`` and ``python -m mxlib.bench moe``.
+
+``quant`` (``mxlib.bench.quant``): achieved bandwidth of every quantize / dequantize / QDQ
+kernel beside a device-to-device copy measured in the same run.
+
+``moe`` (``mxlib.bench.moe``): one Qwen3-30B-A3B MoE layer, bf16 vs seed-style vs fused
+emulation (and, with ``--model``, whole-model forwards).
+
+Both print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from . import moe, quant
+from ._common import copy_bandwidth
+from .quant import bench_quant, print_quant, sweep_quant
+
+__all__ = ["main", "copy_bandwidth", "bench_quant", "sweep_quant", "moe", "quant"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["quant", "moe"])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="quant: sweep tile sizes and warps first")
+    args, rest = ap.parse_known_args(argv)
+    if not torch.cuda.is_available():
+        print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")
+        return 2
+    if args.what == "moe":
+        return moe.main(rest + (["--sweep"] if args.sweep else []), json_path=args.json)
+    sweep = sweep_quant() if args.sweep else None
+    res = bench_quant()
+    res["sweep"] = sweep
+    print_quant(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0

@@ -1,0 +1,230 @@
+"""Quantized Qwen3-MoE checkpoints in the real on-disk layouts, and the loader for them.
+
+One module per layout, each owning its config writing, its config reading (into a typed
+``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA ModelOpt NVFP4) and
+``quark_ocp_mx`` (AMD Quark OCP MX). ``safetensors_io`` holds what they share (shards, the
+index, the atomic folder write, tensor reading); ``layout`` the registry both functions here
+dispatch on. Adding a layout is adding one module that calls ``register_layout`` and importing
+it below.
+
+Everything the emulation does not quantize (embeddings, attention, norms, the router
+``mlp.gate``, ``lm_head``) is bf16 under its usual transformers name and listed in the
+ignore / exclude list. Writes go to a temporary folder renamed into place at the end,
+so a failed write leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig
+
+from ...moe.base import TritonExperts
+from ...moe.factory import make_emulation_experts, quantize_expert_weights
+from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..calibration import Calibration
+from ..qwen3 import empty_qwen3_moe, expert_weights, swap_experts
+from . import modelopt_nvfp4, quark_ocp_mx  # noqa: F401  (registers the layouts, in this order)
+from .layout import (
+    LAYOUTS,
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    layout_for_method,
+    layout_for_scheme,
+    matches,
+    register_layout,
+)
+from .safetensors_io import SHARD_BYTES, TensorReader, atomic_folder, checkpoint_size_bytes, write_shards
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointDescription",
+    "write_quantized_checkpoint",
+    "load_quantized_qwen3_moe",
+    "read_quant_config",
+    "checkpoint_size_bytes",
+    "LAYOUTS",
+    "register_layout",
+]
+
+_SHARD_BYTES = SHARD_BYTES
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _config_dict(model, num_hidden_layers: int) -> dict:
+    cfg = model.config.to_dict()
+    cfg["num_hidden_layers"] = num_hidden_layers
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.pop("quantization_config", None)
+    return cfg
+
+
+def write_quantized_checkpoint(
+    model,
+    scheme: str | MoEQuantScheme,
+    path: str | os.PathLike,
+    calibration: Calibration | None = None,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Quantize a bf16 Qwen3-MoE model's experts and write the checkpoint.
+
+    Args:
+        model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
+        scheme: ``nvfp4`` (ModelOpt layout) or a Quark OCP MX scheme (Quark layout); the layout is
+            the first registered one that stores the scheme.
+        path: the checkpoint folder (replaced if it exists).
+        calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
+            needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
+        shard_bytes: safetensors shard size.
+
+    Returns:
+        The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
+
+    Raises:
+        ValueError: a static-activation-scale scheme without ``calibration``.
+    """
+    scheme = get_moe_scheme(scheme)
+    layout = layout_for_scheme(scheme)
+    if scheme.static_activation_scale and calibration is None:
+        raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
+    with atomic_folder(path) as tmp:
+        num_layers = len(model.model.layers)
+        state = {}
+        for name, t in model.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            state[name] = t.detach().to(torch.bfloat16).contiguous().cpu()
+        for layer in range(num_layers):
+            w13, w2 = expert_weights(model, layer)
+            weights = quantize_expert_weights(w13, w2, scheme)
+            in13 = in2 = None
+            if scheme.static_activation_scale:
+                in13, in2 = calibration.input_scales(layer, scheme.activation)
+            state.update(layout.expert_tensors(scheme, weights, in13, in2, f"model.layers.{layer}.mlp.experts"))
+        write_shards(state, tmp, shard_bytes)
+        cfg = _config_dict(model, num_layers)
+        qc, extra = layout.config_files(scheme)
+        cfg["quantization_config"] = qc
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        for fname, content in extra.items():
+            (tmp / fname).write_text(json.dumps(content, indent=2))
+    return Path(path)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
+    """Parse and validate a checkpoint's quantization config.
+
+    Reads ``config.json``'s ``quantization_config`` (or, without one, a layout's legacy file such
+    as ModelOpt's ``hf_quant_config.json``) and hands it to the layout of its ``quant_method``.
+
+    Returns:
+        ``CheckpointDescription`` (``format``, ``scheme``, ``exclude``, ``activation_scale_mode``;
+        also readable as ``info["scheme"]``).
+
+    Raises:
+        CheckpointError: unknown method, or a config the emulation cannot honour; the message
+            names the field, the value found and what is supported.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{folder}: config.json not found")
+    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    if qc is None:
+        qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
+    if qc is None:
+        raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
+    return layout_for_method(qc.get("quant_method")).read_config(qc)
+
+
+def _experts_excluded(exclude: list[str], layer: int) -> bool:
+    names = [f"model.layers.{layer}.mlp.experts.0.{p}" for p in PROJS]
+    return all(matches(n, exclude) for n in names)
+
+
+@torch.no_grad()
+def load_quantized_qwen3_moe(
+    path: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    scale_strategy: str = "max",
+    activation_dtype: torch.dtype = torch.bfloat16,
+):
+    """Load a quantized Qwen3-MoE checkpoint (any registered layout) with emulation experts.
+
+    Reads ``config.json`` (and legacy config files), validates the quantization config,
+    builds transformers' ``Qwen3MoeForCausalLM`` (``num_hidden_layers`` overrides the
+    checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
+    layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
+    from the per-expert tensors the layout reads.
+
+    Returns:
+        ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
+
+    Raises:
+        CheckpointError: missing tensors, wrong shapes or dtypes, unsupported configs, quantized
+            modules outside the experts (the emulation covers MoE experts only).
+    """
+    folder = Path(path)
+    info = read_quant_config(folder)
+    layout = LAYOUTS[info.format]
+    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg_dict.pop("quantization_config", None)
+    ckpt_layers = cfg_dict.get("num_hidden_layers")
+    if num_hidden_layers is not None:
+        if num_hidden_layers > ckpt_layers:
+            raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
+        cfg_dict["num_hidden_layers"] = num_hidden_layers
+    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "transformers_version")})
+    device = torch.device(device)
+    # Parameters are allocated but never written (no pages touched) until loaded below;
+    # the experts' fused bf16 parameters are replaced without ever being paged in.
+    model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
+    tensors = TensorReader(folder)
+    exclude = info.exclude
+
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.weight_scale" in tensors and not matches(module, exclude):
+            raise CheckpointError(
+                f"{module} is quantized in this checkpoint; mxlib emulates the MoE experts only, so it must be "
+                f"bf16 and listed in the ignore/exclude list"
+            )
+        p.data = tensors.get(name, tuple(p.shape), torch.bfloat16).to(device)
+
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+
+    def make(layer: int):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        if _experts_excluded(exclude, layer):
+            return _bf16_experts(tensors, prefix, e, h, i, device, backend)
+        weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
+        to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return make_emulation_experts(info.scheme, weights.to(device), to(in13), to(in2), backend=backend,
+                                      scale_strategy=scale_strategy,
+                                      activation_scale_mode=info.activation_scale_mode or "even",
+                                      activation_dtype=activation_dtype)
+
+    swap_experts(model, make)
+    return model.to(device).eval(), info
+
+
+def _bf16_experts(tensors: TensorReader, prefix, e, h, i, device, backend):
+    def stack(proj, shape):
+        return tensors.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
+
+    gate, up, down = stack("gate_proj", (i, h)), stack("up_proj", (i, h)), stack("down_proj", (h, i))
+    return TritonExperts(torch.cat([gate, up], 1).to(device), down.to(device), backend=backend)

@@ -1,0 +1,197 @@
+"""The fused-MoE experts base class (``TritonExperts``), backend selection and the transformers adapter.
+
+Shapes: ``M`` tokens, ``H`` hidden size, ``I`` expert intermediate size, ``E`` experts,
+``k`` experts per token. ``w13 [E, 2I, H]`` holds each expert's gate rows then up rows;
+``w2 [E, H, I]``.
+
+``TritonExperts`` runs the MoE function
+
+    out[t] = sum_j  w_tj * w2[e_tj] @ (silu(gate) * up),   [gate; up] = w13[e_tj] @ a1[t]
+
+as two grouped GEMMs (``mxlib.kernels.fused_moe``), fp32 accumulation, with the
+GEMM outputs rounded to the activation dtype, SiLU-and-mul in fp32, and the router
+weight applied in fp32 inside the second GEMM. Subclasses (``mxlib.moe.emulation``)
+override four hooks: ``dequantized_weights`` / ``dequantized_expert`` (weights in the
+activation dtype), ``quantize_input`` (a1) and ``quantize_intermediate`` (a2); those that
+hold packed weights also set ``supports_fused`` and give ``packed_weights`` and ``a2_qdq``.
+The base class never asks which subclass it is.
+
+Backends: ``"triton"`` (Triton kernels, the seed's design: dequantize all experts,
+then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
+``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
+epilogue, ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch reference MoE,
+``mxlib.moe.reference_moe``, which dequantizes only the experts that received tokens: it serves
+full-size CPU runs), ``"auto"`` (triton for CUDA tensors, torch otherwise). Both give the same
+QDQ bits; the GEMMs agree within fp32-accumulation tolerance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels as _kernels
+from .. import reference as _ref
+from ..kernels.align import moe_align_block_size
+from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, invoke_fused_dequant_moe
+from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
+from .reference_moe import silu_and_mul, torch_moe
+
+__all__ = ["BACKENDS", "TritonExperts", "TransformersExperts", "resolve_backend", "ops_for_backend", "ops_for_device"]
+
+BACKENDS = ("auto", "triton", "fused", "torch")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` for CUDA tensors, ``torch`` otherwise; other names are checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def ops_for_backend(backend: str):
+    """The quantization functions of a backend: the reference or its Triton twins
+    (``triton`` and ``fused`` both QDQ the layer input with the standalone kernels)."""
+    return _ref if backend == "torch" else _kernels
+
+
+def ops_for_device(device) -> object:
+    """The quantization functions to use for tensors on ``device``: the Triton twins on CUDA,
+    the reference on the CPU (same bits either way)."""
+    return ops_for_backend("triton" if torch.device(device).type == "cuda" else "torch")
+
+
+class TritonExperts(torch.nn.Module):
+    """Fused-MoE experts on unquantized weights (the bf16 path and the ceiling).
+
+    Args:
+        w13: ``[E, 2I, H]`` gate-then-up weights; w2: ``[E, H, I]``; same dtype (bf16/fp16/fp32).
+        backend: ``auto`` / ``triton`` / ``torch`` (module docstring).
+
+    ``forward(hidden_states [M, H], topk_weights [M, k], topk_ids [M, k]) -> [M, H]``.
+    """
+
+    quant_dtype: str | None = None
+    expects_unquantized_inputs = False
+    # Whether the ``fused`` backend applies (subclasses holding packed weights set it and
+    # implement ``packed_weights`` and ``a2_qdq``); otherwise ``fused`` runs the triton path.
+    supports_fused = False
+    # Tile configuration overrides (``MoEGemmConfig`` / ``FusedConfig``); None picks by batch size.
+    gemm_config = None
+    fused_config = None
+
+    def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+        if w13 is not None:
+            if w13.ndim != 3 or w2.ndim != 3:
+                raise ValueError(f"w13/w2: expected [E, 2I, H] and [E, H, I], got {list(w13.shape)} and {list(w2.shape)}")
+            e, two_i, h = w13.shape
+            if tuple(w2.shape) != (e, h, two_i // 2):
+                raise ValueError(f"w2: expected shape {[e, h, two_i // 2]} for w13 {list(w13.shape)}, got {list(w2.shape)}")
+            self.register_buffer("w13", w13, persistent=False)
+            self.register_buffer("w2", w2, persistent=False)
+            self._dims = (e, h, two_i // 2)
+            self.activation_dtype = w13.dtype
+
+    # sizes
+    @property
+    def num_experts(self) -> int:
+        return self._dims[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self._dims[1]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self._dims[2]
+
+    def _device(self) -> torch.device:
+        return next(iter(self.buffers())).device
+
+    # hooks the emulation subclasses override
+    def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts' ``(w13, w2)`` in the activation dtype."""
+        return self.w13, self.w2
+
+    def dequantized_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's ``(w13[e], w2[e])`` in the activation dtype."""
+        return self.w13[e], self.w2[e]
+
+    def quantize_input(self, a1: torch.Tensor, topk_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, bool]:
+        """QDQ of the layer input: ``([M, H], False)`` once per token, or ``([M*k, H], True)`` per pair."""
+        return a1, False
+
+    def quantize_intermediate(self, a2: torch.Tensor, row_experts: torch.Tensor, backend: str) -> torch.Tensor:
+        """QDQ of the SiLU-and-mul output ``[n, I]``; ``row_experts [n]`` is each row's expert."""
+        return a2
+
+    def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
+        """``(w13, w2)`` as ``PackedWeights`` for the fused kernel (``supports_fused`` subclasses)."""
+        raise NotImplementedError(f"{type(self).__name__} holds no packed weights")
+
+    def a2_qdq(self) -> ActivationQDQ:
+        """The a2 QDQ the fused kernel applies in GEMM1's epilogue."""
+        return ActivationQDQ()
+
+    def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [M, {self.hidden_size}], got {list(hidden_states.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
+            raise ValueError(
+                f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be "
+                f"[M, k] with M = {hidden_states.shape[0]}"
+            )
+        if hidden_states.dtype != self.activation_dtype:
+            raise TypeError(f"hidden_states: expected dtype {self.activation_dtype}, got {hidden_states.dtype}")
+        backend = resolve_backend(self.backend, hidden_states.device)
+        a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
+        return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
+
+    def apply(self, a1, topk_weights, topk_ids, a1_per_pair: bool, backend: str) -> torch.Tensor:
+        def qi(x, row_experts):
+            return self.quantize_intermediate(x, row_experts, backend)
+
+        if backend == "fused" and self.supports_fused:
+            w13p, w2p = self.packed_weights()
+            return invoke_fused_dequant_moe(a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair,
+                                            self.fused_config)
+        if backend == "torch":
+            return torch_moe(
+                a1,
+                lambda e: self.dequantized_expert(e)[0],
+                lambda e: self.dequantized_expert(e)[1],
+                topk_weights, topk_ids, qi, a1_per_pair,
+            )
+        w13, w2 = self.dequantized_weights()
+        m, k = topk_ids.shape
+        num_experts, two_i, h = w13.shape
+        config = self.gemm_config or get_moe_config(m, num_experts, k, two_i, h)
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config.BLOCK_SIZE_M, num_experts)
+        cache1 = torch.empty(m * k, two_i, dtype=a1.dtype, device=a1.device)
+        invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, sorted_ids, expert_ids, num_post,
+                                False, 1 if a1_per_pair else k, config)
+        cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
+        cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
+        config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
+        if config2.BLOCK_SIZE_M != config.BLOCK_SIZE_M:
+            sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config2.BLOCK_SIZE_M, num_experts)
+        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, sorted_ids, expert_ids, num_post, True, 1, config2)
+        return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
+
+
+class TransformersExperts(torch.nn.Module):
+    """Adapter: an mxlib experts object in the place of transformers' ``Qwen3MoeExperts``.
+
+    transformers calls ``experts(hidden_states [M, H], top_k_index [M, k], top_k_weights [M, k])``;
+    the router weights arrive in the model dtype and are widened to fp32 (exactly).
+    """
+
+    def __init__(self, experts: TritonExperts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.experts(hidden_states, top_k_weights.float(), top_k_index.to(torch.int32))

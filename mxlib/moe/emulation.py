@@ -1,0 +1,358 @@
+"""The quantization-emulation experts (vLLM's design) and the quantized weights they hold.
+
+``Nvfp4QuantizationEmulationTritonExperts`` and ``OCP_MXQuantizationEmulationTritonExperts``
+follow vLLM's classes of those names: every forward they dequantize the experts' weights to
+the activation dtype, quantize-dequantize (QDQ) the layer input ``a1`` and the intermediate
+activation ``a2`` in the scheme's activation format, and run ``TritonExperts``' bf16 path.
+``expects_unquantized_inputs`` is true: they take bf16 hidden states and do the activation
+QDQ themselves. Build them with ``mxlib.moe.factory.make_emulation_experts``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .. import reference as _ref
+from .._checks import check_global_scale
+from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
+from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from .base import TritonExperts, ops_for_backend, resolve_backend
+from .scales import _warn_once, max_input_scale, unify_input_scales
+from .schemes import MoEQuantScheme, get_moe_scheme
+
+__all__ = [
+    "ExpertWeights",
+    "QuantizedExperts",
+    "Nvfp4QuantizationEmulationTritonExperts",
+    "OCP_MXQuantizationEmulationTritonExperts",
+]
+
+
+@dataclass
+class ExpertWeights:
+    """One layer's experts quantized in one block scheme (stacked over experts).
+
+    ``w13_weight`` uint8 packed ``[E, 2I, H * bits / 8]`` (gate rows, then up rows),
+    ``w13_weight_scale`` ``[E, 2I, H / block_size]`` (uint8 E8M0, or float8_e4m3fn for NVFP4),
+    ``w2_weight`` / ``w2_weight_scale`` likewise for ``[E, H, I]``; with a global scale
+    (NVFP4): ``w13_weight_scale_2`` fp32 ``[E]`` (or ``[E, 2]``: gate and up their own) and
+    ``w2_weight_scale_2`` fp32 ``[E]`` (ModelOpt's decode ``weight_scale_2``).
+    """
+
+    scheme: BlockScheme
+    w13_weight: torch.Tensor
+    w13_weight_scale: torch.Tensor
+    w2_weight: torch.Tensor
+    w2_weight_scale: torch.Tensor
+    w13_weight_scale_2: torch.Tensor | None = None
+    w2_weight_scale_2: torch.Tensor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors by name (the scheme and absent global scales left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def to(self, device) -> "ExpertWeights":
+        moved = {k: v.to(device) for k, v in self.tensors().items()}
+        return ExpertWeights(self.scheme, **moved)
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13_weight.device
+
+
+def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    return t
+
+
+class QuantizedExperts(TritonExperts):
+    """Shared plumbing of the emulation subclasses: weights stored quantized as buffers.
+
+    A subclass sets ``weight_scheme`` (a ``BlockScheme``) and implements ``_dequantize(ops, sel)``,
+    ``quantize_input``, ``quantize_intermediate`` and ``a2_qdq``.
+    """
+
+    expects_unquantized_inputs = True
+    supports_fused = True
+    weight_scheme: BlockScheme
+
+    def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:
+        self._dims = (e, h, i)
+        if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"activation_dtype: expected bfloat16, float16 or float32, got {activation_dtype}")
+        self.activation_dtype = activation_dtype
+
+    _check = staticmethod(_check)
+
+    def _register(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            self.register_buffer(name, t, persistent=False)
+
+    def dequantized_weights(self):
+        backend = resolve_backend(self.backend, self._device())
+        return self._dequantize(ops_for_backend("torch" if backend == "torch" else "triton"), slice(None))
+
+    def dequantized_expert(self, e: int):
+        w13, w2 = self._dequantize(_ref, slice(e, e + 1))
+        return w13[0], w2[0]
+
+    def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
+        """(w13, w2) as ``PackedWeights`` for the fused kernel."""
+        s = self.weight_scheme
+        return (PackedWeights(self.w13_weight, self.w13_weight_scale.view(torch.uint8), s,
+                              getattr(self, "w13_weight_scale_2", None)),
+                PackedWeights(self.w2_weight, self.w2_weight_scale.view(torch.uint8), s,
+                              getattr(self, "w2_weight_scale_2", None)))
+
+    # kept for callers of the seed-era private names
+    def _packed(self):
+        return self.packed_weights()
+
+    def _a2_qdq(self):
+        return self.a2_qdq()
+
+
+_NVFP4_LEGACY_ARGS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+                      "w2_weight_scale_2", "w13_input_scale", "w2_input_scale", "scale_strategy", "activation_dtype",
+                      "backend")
+
+
+class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
+    """NVFP4 MoE emulation: NVFP4 weights dequantized, activations NVFP4-QDQ'd, bf16 GEMMs.
+
+    Args:
+        weights: ``ExpertWeights`` in ``nvfp4`` (ModelOpt tensors stacked over experts):
+            ``w13_weight`` uint8 ``[E, 2I, H/2]``; ``w13_weight_scale`` float8_e4m3fn
+            ``[E, 2I, H/16]``; ``w13_weight_scale_2`` fp32 ``[E]``, or ``[E, 2]`` when gate and
+            up have different scales (each half is dequantized with its own; vLLM would use the
+            gate's for both); ``w2_weight``, ``w2_weight_scale``, ``w2_weight_scale_2``:
+            ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
+        w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales ``amax / (6 * 448)``
+            (0 for an expert never calibrated);
+        scale_strategy: how per-expert activation scales become global ones
+            (``unify_input_scales``); ``max`` is the seed's and warns when scales differ;
+        activation_dtype: bf16 (default) or fp16.
+
+    The seed's call with the eight tensors in order (``w13_weight, w13_weight_scale,
+    w13_weight_scale_2, w2_weight, w2_weight_scale, w2_weight_scale_2, w13_input_scale,
+    w2_input_scale``), positional or by keyword, still works.
+
+    Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
+    weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
+    scales)`` and ``a2_gscale = 1 / max(w2 input scales)``).
+    """
+
+    quant_dtype = NVFP4.name
+    weight_scheme = NVFP4
+
+    def __init__(self, weights: ExpertWeights | torch.Tensor | None = None, *legacy, **kwargs):
+        args = _nvfp4_args(weights, legacy, kwargs)
+        super().__init__(backend=args.get("backend", "auto"))
+        w: ExpertWeights = args["weights"]
+        w13_input_scale, w2_input_scale = args.get("w13_input_scale"), args.get("w2_input_scale")
+        bs = NVFP4.block_size
+        e, two_i, h_half = w.w13_weight.shape
+        h, i = h_half * 2, two_i // 2
+        self._set_dims(e, h, i, args.get("activation_dtype", torch.bfloat16))
+        u8, f8, f32 = (torch.uint8,), (torch.float8_e4m3fn,), (torch.float32,)
+        g13 = w.w13_weight_scale_2
+        _check(w.w13_weight, "w13_weight", (e, 2 * i, h // 2), u8)
+        _check(w.w13_weight_scale, "w13_weight_scale", (e, 2 * i, h // bs), f8)
+        if not isinstance(g13, torch.Tensor) or g13.shape not in ((e,), (e, 2)):
+            shape = list(g13.shape) if isinstance(g13, torch.Tensor) else g13
+            raise ValueError(f"w13_weight_scale_2: expected shape [{e}] or [{e}, 2], got {shape}")
+        _check(g13, "w13_weight_scale_2", g13.shape, f32)
+        _check(w.w2_weight, "w2_weight", (e, h, i // 2), u8)
+        _check(w.w2_weight_scale, "w2_weight_scale", (e, h, i // bs), f8)
+        _check(w.w2_weight_scale_2, "w2_weight_scale_2", (e,), f32)
+        _check(w13_input_scale, "w13_input_scale", (e,), f32)
+        _check(w2_input_scale, "w2_input_scale", (e,), f32)
+        # global scales in [2**-126, 2**126]; input scales may be 0 (uncalibrated). Checked once
+        # here, so that the forward's QDQ and dequantize calls skip it (check_scale=False).
+        for name, t, zero_ok in [("w13_weight_scale_2", g13, False), ("w2_weight_scale_2", w.w2_weight_scale_2, False),
+                                 ("w13_input_scale", w13_input_scale, True), ("w2_input_scale", w2_input_scale, True)]:
+            check_global_scale(t, name, allow_zero=zero_ok)
+        if g13.ndim == 2 and not torch.equal(g13[:, 0], g13[:, 1]):
+            _warn_once("w13_weight_scale_2", "w13_weight_scale_2: gate and up scales differ; each half is "
+                       "dequantized with its own (vLLM would use the gate's for both)")
+        elif g13.ndim == 2:
+            g13 = g13[:, 0].contiguous()
+        self._register({**w.tensors(), "w13_weight_scale_2": g13, "w13_input_scale": w13_input_scale,
+                        "w2_input_scale": w2_input_scale})
+        self.set_scale_strategy(args.get("scale_strategy", "max"))
+
+    def set_scale_strategy(self, strategy: str) -> None:
+        """Recompute the activation global scales (``unify_input_scales``) for a strategy."""
+        self.scale_strategy = strategy
+        a13, self._a13_uniform = unify_input_scales(self.w13_input_scale, strategy, "w13_input_scale")
+        a2, self._a2_uniform = unify_input_scales(self.w2_input_scale, strategy, "w2_input_scale")
+        self.register_buffer("a13_gscale", a13, persistent=False)
+        self.register_buffer("a2_gscale", a2, persistent=False)
+
+    def a2_qdq(self) -> ActivationQDQ:
+        return ActivationQDQ(NVFP4, scale=self.a2_gscale)
+
+    def _dequantize(self, ops, sel):
+        dt = self.activation_dtype
+        g13 = self.w13_weight_scale_2[sel]
+        if g13.ndim == 2:  # gate and up halves with their own scales
+            i = self.intermediate_size
+            halves = [
+                ops.dequantize_to_dtype(self.w13_weight[sel][:, j * i:(j + 1) * i].contiguous(),
+                                        self.w13_weight_scale[sel][:, j * i:(j + 1) * i].contiguous(),
+                                        g13[:, j].contiguous(), dt, check_scale=False)
+                for j in range(2)
+            ]
+            w13 = torch.cat(halves, dim=1)
+        else:
+            w13 = ops.dequantize_to_dtype(self.w13_weight[sel], self.w13_weight_scale[sel], g13, dt, check_scale=False)
+        w2 = ops.dequantize_to_dtype(self.w2_weight[sel], self.w2_weight_scale[sel], self.w2_weight_scale_2[sel], dt,
+                                     check_scale=False)
+        return w13, w2
+
+    def quantize_input(self, a1, topk_ids, backend):
+        ops = ops_for_backend(backend)
+        if self._a13_uniform:
+            return ops.ref_nvfp4_quant_dequant(a1, self.a13_gscale[:1], check_scale=False), False
+        k = topk_ids.shape[1]
+        pairs = a1.repeat_interleave(k, dim=0)  # [M*k, H], row t*k + j
+        gs = self.a13_gscale[topk_ids.reshape(-1).long()]
+        return ops.ref_nvfp4_quant_dequant(pairs, gs, check_scale=False), True
+
+    def quantize_intermediate(self, a2, row_experts, backend):
+        ops = ops_for_backend(backend)
+        if self._a2_uniform:
+            return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[:1], check_scale=False)
+        return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[row_experts.long()], check_scale=False)
+
+
+def _nvfp4_args(weights, legacy: tuple, kwargs: dict) -> dict:
+    """Normalize the two call forms of the NVFP4 experts into ``{"weights": ExpertWeights, ...}``."""
+    if isinstance(weights, ExpertWeights):
+        if legacy:
+            raise TypeError("Nvfp4QuantizationEmulationTritonExperts: pass w13_input_scale, w2_input_scale, "
+                            "scale_strategy, activation_dtype and backend by keyword after an ExpertWeights")
+        return {"weights": weights, **kwargs}
+    positional = (() if weights is None else (weights,)) + tuple(legacy)
+    if len(positional) > len(_NVFP4_LEGACY_ARGS):
+        raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: at most {len(_NVFP4_LEGACY_ARGS)} positional "
+                        f"arguments, got {len(positional)}")
+    args = dict(zip(_NVFP4_LEGACY_ARGS, positional))
+    for k, v in kwargs.items():
+        if k in args:
+            raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: got multiple values for argument {k!r}")
+        if k not in _NVFP4_LEGACY_ARGS:
+            raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: unexpected keyword argument {k!r}")
+        args[k] = v
+    names = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+             "w2_weight_scale_2")
+    missing = [n for n in names if n not in args]
+    if missing:
+        raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: missing {missing} (or pass an ExpertWeights)")
+    args["weights"] = ExpertWeights(NVFP4, args.pop("w13_weight"), args.pop("w13_weight_scale"), args.pop("w2_weight"),
+                                    args.pop("w2_weight_scale"), args.pop("w13_weight_scale_2"),
+                                    args.pop("w2_weight_scale_2"))
+    return args
+
+
+class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
+    """OCP MX MoE emulation for every Quark scheme (``mxlib.moe.schemes``).
+
+    Args:
+        scheme: a ``MoEQuantScheme`` or Quark scheme name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2_a_fp8``,
+            ... or ``mxfp4``).
+        w13_weight: an ``ExpertWeights`` in the scheme's weight format, or (the seed's form) uint8
+            packed ``[E, 2I, H * bits / 8]`` (FP4: H/2, FP6: 3H/4) followed by w13_weight_scale
+            uint8 E8M0 ``[E, 2I, H/32]``, w2_weight and w2_weight_scale likewise for ``[E, H, I]``;
+        w13_input_scale, w2_input_scale: fp32 ``[E]`` static FP8 scales (``amax / 448``), only
+            for ``_a_fp8`` schemes (one scale for all experts, the max, as for NVFP4);
+        activation_scale_mode: E8M0 rule for the dynamic MX activation QDQ (Quark: ``even``);
+        activation_dtype: bf16 (default) or fp16.
+
+    Both activation points are quantized whenever the scheme names an activation format: the
+    layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
+
+    Source: vLLM ``OCP_MXQuantizationEmulationTritonExperts`` and ``QuarkOCP_MX_MoEMethod``.
+    """
+
+    def __init__(
+        self,
+        scheme: str | MoEQuantScheme,
+        w13_weight: ExpertWeights | torch.Tensor,
+        w13_weight_scale: torch.Tensor | None = None,
+        w2_weight: torch.Tensor | None = None,
+        w2_weight_scale: torch.Tensor | None = None,
+        w13_input_scale=None,
+        w2_input_scale=None,
+        activation_scale_mode: str = "even",
+        activation_dtype: torch.dtype = torch.bfloat16,
+        backend: str = "auto",
+    ):
+        super().__init__(backend=backend)
+        self.scheme = get_moe_scheme(scheme)
+        if not self.scheme.is_ocp_mx:
+            raise ValueError(f"scheme: {self.scheme.name} is not an OCP MX scheme; use Nvfp4QuantizationEmulationTritonExperts")
+        self.weight_scheme = self.scheme.weight
+        self.activation_format = self.scheme.activation
+        self.quant_dtype = None if self.activation_format is None else self.activation_format.name
+        if isinstance(w13_weight, ExpertWeights):
+            w = w13_weight
+            if w.scheme != self.weight_scheme:
+                raise ValueError(f"w13_weight: weights are {w.scheme.name}, the scheme {self.scheme.name} "
+                                 f"stores {self.weight_scheme.name}")
+        else:
+            w = ExpertWeights(self.weight_scheme, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
+        wfmt = self.weight_scheme.element
+        bs = self.weight_scheme.block_size
+        e, two_i, packed_h = w.w13_weight.shape
+        h = packed_h * 8 // wfmt.nbits
+        i = two_i // 2
+        self._set_dims(e, h, i, activation_dtype)
+        u8 = (torch.uint8,)
+        _check(w.w13_weight, "w13_weight", (e, 2 * i, wfmt.packed_size(h)), u8)
+        _check(w.w13_weight_scale, "w13_weight_scale", (e, 2 * i, h // bs), u8)
+        _check(w.w2_weight, "w2_weight", (e, h, wfmt.packed_size(i)), u8)
+        _check(w.w2_weight_scale, "w2_weight_scale", (e, h, i // bs), u8)
+        self._register(w.tensors())
+        self.activation_scale_mode = get_scale_mode(activation_scale_mode)
+        if isinstance(self.activation_format, PerTensorScheme):
+            if w13_input_scale is None or w2_input_scale is None:
+                raise ValueError(f"{self.scheme.name}: static FP8 activations need w13_input_scale and w2_input_scale")
+            _check(w13_input_scale, "w13_input_scale", (e,), (torch.float32,))
+            _check(w2_input_scale, "w2_input_scale", (e,), (torch.float32,))
+            # one scale across experts, the max, as vLLM does for static per-tensor FP8
+            self.register_buffer("a13_scale", max_input_scale(w13_input_scale, "w13_input_scale"), persistent=False)
+            self.register_buffer("a2_scale", max_input_scale(w2_input_scale, "w2_input_scale"), persistent=False)
+
+    def a2_qdq(self) -> ActivationQDQ:
+        scale = self.a2_scale if isinstance(self.activation_format, PerTensorScheme) else None
+        return ActivationQDQ(self.activation_format, self.activation_scale_mode, scale)
+
+    def _dequantize(self, ops, sel):
+        dt = self.activation_dtype
+        el, bs = self.weight_scheme.element.name, self.weight_scheme.block_size
+        w13 = ops.dequantize_mx(self.w13_weight[sel], self.w13_weight_scale[sel], el, bs, dt)
+        w2 = ops.dequantize_mx(self.w2_weight[sel], self.w2_weight_scale[sel], el, bs, dt)
+        return w13, w2
+
+    def _qdq(self, x, ops, scale_name):
+        act = self.activation_format
+        if act is None:
+            return x
+        if isinstance(act, PerTensorScheme):
+            return ops.quant_dequant_fp8_per_tensor(x, getattr(self, scale_name), check_scale=False)
+        return ops.quant_dequant_mx(x, act.element.name, act.block_size, self.activation_scale_mode)
+
+    def quantize_input(self, a1, topk_ids, backend):
+        return self._qdq(a1, ops_for_backend(backend), "a13_scale"), False
+
+    def quantize_intermediate(self, a2, row_experts, backend):
+        return self._qdq(a2, ops_for_backend(backend), "a2_scale")

@@ -1,0 +1,128 @@
+"""The one factory for MoE emulation: quantize experts for a scheme, build the emulation experts.
+
+``quantize_expert_weights(w13, w2, scheme)`` quantizes one layer's bf16 experts in a scheme's
+weight format (NVFP4 with ModelOpt's arithmetic, gate and up sharing one ``weight_scale_2``;
+OCP MX with the E8M0 ``even`` rule, as Quark exports) and returns ``ExpertWeights``.
+``make_emulation_experts(scheme, weights, w13_input_scale, w2_input_scale, backend=...,
+scale_strategy=...)`` builds the scheme's emulation experts from quantized weights, wherever
+they came from (this module, or a checkpoint). ``input_scales_from_amax`` turns calibrated
+activation maxima into the static decode scales a scheme's activation format needs.
+
+The checkpoint loader, the studies, the benchmarks and the tests all build experts here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import BlockScheme, PerTensorScheme, get_block_scheme
+from .base import ops_for_device
+from .emulation import (
+    ExpertWeights,
+    Nvfp4QuantizationEmulationTritonExperts,
+    OCP_MXQuantizationEmulationTritonExperts,
+    QuantizedExperts,
+)
+from .schemes import MoEQuantScheme, get_moe_scheme
+
+__all__ = ["ExpertWeights", "quantize_expert_weights", "make_emulation_experts", "input_scales_from_amax"]
+
+# The E8M0 rule OCP MX weights are exported with (Quark's ``scale_calculation_mode``).
+WEIGHT_SCALE_MODE = "even"
+
+
+def quantize_expert_weights(
+    w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None
+) -> ExpertWeights:
+    """Quantize one layer's experts in a scheme's weight format.
+
+    Args:
+        w13: ``[E, 2I, H]`` gate-then-up weights; w2: ``[E, H, I]`` (bf16 / fp16 / fp32).
+        scheme: a ``MoEQuantScheme`` (its weight format is used), a ``BlockScheme`` or a name
+            of either (``nvfp4``, ``w_mxfp6_e2m3``, ``mxfp4``, ...).
+        ops: ``mxlib.reference`` or ``mxlib.kernels`` (same bits); default by the device of ``w13``.
+
+    Returns:
+        ``ExpertWeights`` on ``w13``'s device. NVFP4: one ``weight_scale_2`` per expert for gate
+        and up together (ModelOpt), one for down.
+    """
+    fmt = _weight_format(scheme)
+    ops = ops or ops_for_device(w13.device)
+    if fmt.has_global_scale:
+        p13, s13, g13 = ops.quantize_nvfp4(w13, block_size=fmt.block_size)
+        p2, s2, g2 = ops.quantize_nvfp4(w2, block_size=fmt.block_size)
+        return ExpertWeights(fmt, p13, s13, p2, s2, g13, g2)
+    el = fmt.element.name
+    p13, s13 = ops.quantize_mx(w13, el, fmt.block_size, WEIGHT_SCALE_MODE)
+    p2, s2 = ops.quantize_mx(w2, el, fmt.block_size, WEIGHT_SCALE_MODE)
+    return ExpertWeights(fmt, p13, s13, p2, s2)
+
+
+def _weight_format(scheme) -> BlockScheme:
+    if isinstance(scheme, MoEQuantScheme):
+        return scheme.weight
+    if isinstance(scheme, BlockScheme):
+        return scheme
+    try:
+        return get_moe_scheme(scheme).weight
+    except ValueError:
+        return get_block_scheme(scheme)
+
+
+def input_scales_from_amax(
+    scheme: MoEQuantScheme | str, a1_amax: torch.Tensor, a2_amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Static decode scales ``(w13_input_scale, w2_input_scale)`` from per-expert activation amax.
+
+    NVFP4 activations: ``amax / 2688``; per-tensor FP8: ``amax / 448`` (the activation format's
+    ``scale_divisor``). Schemes with dynamic (or no) activation scales give ``(None, None)``.
+    """
+    act = get_moe_scheme(scheme).activation
+    if act is None or not act.static_scale:
+        return None, None
+    return a1_amax.float() / act.scale_divisor, a2_amax.float() / act.scale_divisor
+
+
+def make_emulation_experts(
+    scheme: MoEQuantScheme | str,
+    weights: ExpertWeights,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    backend: str = "auto",
+    scale_strategy: str = "max",
+    activation_scale_mode: str = "even",
+    activation_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedExperts:
+    """The emulation experts of ``scheme`` from quantized weights and static input scales.
+
+    Args:
+        scheme: a ``MoEQuantScheme`` (or its name).
+        weights: ``ExpertWeights`` in the scheme's weight format (``quantize_expert_weights``, or
+            stacked from a checkpoint).
+        w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales, for schemes whose activation
+            scale is static (``nvfp4``, ``_a_fp8``); ignored otherwise.
+        backend: ``auto`` / ``triton`` / ``fused`` / ``torch``.
+        scale_strategy: NVFP4 activation-scale unification (``mxlib.moe.scales``).
+        activation_scale_mode: E8M0 rule of dynamic MX activations.
+        activation_dtype: bf16 (default), fp16 or fp32.
+
+    Raises:
+        ValueError: weights in another format than the scheme's; a static-scale scheme without
+            input scales.
+    """
+    s = get_moe_scheme(scheme)
+    if weights.scheme != s.weight:
+        raise ValueError(f"weights: quantized as {weights.scheme.name}, scheme {s.name} stores {s.weight.name}")
+    static = s.static_activation_scale
+    if static and (w13_input_scale is None or w2_input_scale is None):
+        raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
+    if s.weight.has_global_scale:
+        return Nvfp4QuantizationEmulationTritonExperts(
+            weights, w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale, scale_strategy=scale_strategy,
+            activation_dtype=activation_dtype, backend=backend)
+    kw = {}
+    if isinstance(s.activation, PerTensorScheme):
+        kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
+    return OCP_MXQuantizationEmulationTritonExperts(
+        s, weights, activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype, backend=backend,
+        **kw)

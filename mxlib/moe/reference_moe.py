@@ -1,0 +1,69 @@
+"""The pure-PyTorch reference MoE (the ``torch`` backend) and vLLM's SiLU-and-mul.
+
+Shapes: ``M`` tokens, ``H`` hidden size, ``I`` expert intermediate size, ``E`` experts,
+``k`` experts per token; ``w13 [E, 2I, H]`` holds each expert's gate rows then up rows;
+``w2 [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["silu_and_mul", "torch_moe"]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` computed in fp32, one rounding to ``x.dtype`` (vLLM's op)."""
+    d = x.shape[-1] // 2
+    xf = x.float()
+    return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
+
+
+def torch_moe(
+    a1: torch.Tensor,
+    w13,
+    w2,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    quantize_intermediate=None,
+    a1_per_pair: bool = False,
+) -> torch.Tensor:
+    """Pure-PyTorch reference MoE: a loop over the experts that received tokens.
+
+    Computes what the Triton path computes, at the same rounding points: GEMM1 in fp32
+    rounded to the activation dtype, SiLU-and-mul, the optional a2 QDQ, GEMM2 in fp32
+    times the router weight rounded to the activation dtype, and the sum over k in fp32.
+
+    Args:
+        a1: ``[M, H]`` (or ``[M * k, H]`` with ``a1_per_pair``), already QDQ'd if the scheme says so.
+        w13, w2: ``[E, 2I, H]`` / ``[E, H, I]`` tensors, or callables ``e -> weight`` (to
+            dequantize one expert at a time).
+        topk_weights, topk_ids: ``[M, k]``.
+        quantize_intermediate: ``(a2 [n, I], row_experts [n]) -> a2`` or None.
+
+    Returns:
+        ``[M, H]`` in ``a1.dtype``.
+    """
+    m, k = topk_ids.shape
+    dtype = a1.dtype
+    get13 = w13 if callable(w13) else (lambda e: w13[e])
+    get2 = w2 if callable(w2) else (lambda e: w2[e])
+    flat_ids = topk_ids.reshape(-1).long()
+    flat_w = topk_weights.reshape(-1).float()
+    hidden = None
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        rows = pairs if a1_per_pair else pairs // k
+        h = (a1[rows].float() @ get13(e).float().T).to(dtype)
+        act = silu_and_mul(h)
+        if quantize_intermediate is not None:
+            act = quantize_intermediate(act, flat_ids[pairs])
+        w2e = get2(e)
+        y = ((act.float() @ w2e.float().T) * flat_w[pairs, None]).to(dtype)
+        if hidden is None:
+            hidden = torch.zeros(m * k, w2e.shape[0], dtype=dtype, device=a1.device)
+        hidden[pairs] = y
+    if hidden is None:
+        return torch.zeros(m, a1.shape[-1], dtype=dtype, device=a1.device)
+    return hidden.view(m, k, -1).float().sum(dim=1).to(dtype)

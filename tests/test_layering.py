@@ -1,0 +1,165 @@
+"""The package's shape: layers import only downwards, no import cycles, no format names in branches.
+
+Layers, lowest first: formats -> _checks -> reference / analysis -> kernels -> moe -> models ->
+workflow / studies -> cli / bench. Every import of every mxlib module (top level or nested) is
+read with ``ast``; a module may import its own layer or lower ones, and the import graph has no
+cycle. A module the table does not name (a new top-level file) counts as the top layer, so it
+may import anything and nothing below may import it.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "mxlib"
+
+LAYERS = [
+    ("mxlib.formats",),
+    ("mxlib._checks",),
+    ("mxlib.reference", "mxlib.analysis", "mxlib.cases"),
+    ("mxlib.kernels",),
+    ("mxlib.moe",),
+    ("mxlib.models",),
+    ("mxlib.workflow", "mxlib.studies", "mxlib.plots"),
+    ("mxlib.cli", "mxlib.bench", "mxlib.bench_moe", "mxlib.workbook"),
+]
+TOP = len(LAYERS)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def layer(mod: str) -> int:
+    if mod == "mxlib":
+        return 0  # the package's own __init__ holds only a docstring and the version
+    for i, group in enumerate(LAYERS):
+        if any(mod == g or mod.startswith(g + ".") for g in group):
+            return i
+    return TOP
+
+
+def imports(mod: str) -> set[str]:
+    """The mxlib modules ``mod`` imports (relative imports resolved; ``from x import y`` counts
+    ``x.y`` when that is a module, else ``x``)."""
+    path = MODULES[mod]
+    package = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "mxlib"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "mxlib":
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in MODULES else target)
+    out.discard(mod)
+    return {m for m in out if m in MODULES}
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def test_the_table_knows_the_core_modules():
+    for mod in ("mxlib.formats", "mxlib.reference", "mxlib.kernels.quant", "mxlib.moe.base",
+                "mxlib.models.checkpoints", "mxlib.workflow", "mxlib.cli", "mxlib.bench"):
+        assert mod in MODULES and layer(mod) < TOP, mod
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_no_import_from_a_layer_above(mod):
+    above = sorted(d for d in GRAPH[mod] if layer(d) > layer(mod))
+    assert not above, f"{mod} (layer {layer(mod)}) imports from higher layers: {above}"
+
+
+def test_no_import_cycles():
+    # Tarjan-free check: a depth-first search that reports the first back edge's cycle
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(GRAPH[m]):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(MODULES):
+        if m not in state:
+            visit(m)
+
+
+# ----------------------------------------------------------------------------- no format names in branches
+
+# Where format and scheme names may be spelled: the tables, and the checkpoint layouts (whose
+# configs name formats by their producers' strings).
+TABLES = {"mxlib.formats", "mxlib.moe.schemes", "mxlib.models.checkpoints.modelopt_nvfp4",
+          "mxlib.models.checkpoints.quark_ocp_mx"}
+
+
+def _format_names() -> set[str]:
+    from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, PER_TENSOR_SCHEMES
+    from mxlib.moe.schemes import MOE_SCHEMES
+
+    names = set(BLOCK_SCHEMES) | set(PER_TENSOR_SCHEMES) | set(MOE_SCHEMES) | {"fp8", "mxfp4"}
+    for f in ELEMENT_FORMATS.values():
+        names |= {f.name, *f.aliases}
+    return names
+
+
+def _string_comparisons(tree, names):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                for v in values:
+                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value in names:
+                        yield node.lineno, v.value
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in TABLES))
+def test_no_branch_on_a_format_name(mod):
+    tree = ast.parse(MODULES[mod].read_text())
+    found = list(_string_comparisons(tree, _format_names()))
+    assert not found, f"{mod} compares with format / scheme names (use the format objects): {found}"
+
+
+# mxlib.cases holds hand-computed worked examples (input data such as gs = 2688, not a derived constant)
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in ("mxlib.formats", "mxlib.cases")))
+def test_nvfp4_divisor_written_once(mod):
+    tree = ast.parse(MODULES[mod].read_text())
+    hits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in (2688, 2688.0)
+            and not isinstance(n.value, bool)]
+    assert not hits, f"{mod} writes 2688 (use mxlib.formats.NVFP4_SCALE_DIVISOR) at lines {hits}"
+
+
+def test_launch_sites_pass_no_hand_made_format_tables():
+    # the {"none": 0, "fn": 1, ...} and {"floor": 0, "even": 1, ...} dicts live in the format table only
+    from mxlib.formats import SCALE_MODES, SPECIALS
+
+    keysets = {frozenset(SCALE_MODES), frozenset(SPECIALS)}
+    for mod, path in MODULES.items():
+        if mod == "mxlib.formats":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict) and node.keys and all(isinstance(k, ast.Constant) for k in node.keys):
+                assert frozenset(k.value for k in node.keys) not in keysets, f"{mod}:{node.lineno}"
