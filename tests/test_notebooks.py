@@ -60,7 +60,7 @@ def test_02_microscaling_formats(tmp_path, monkeypatch):
 
 
 def test_03_scheme_comparison(tmp_path, monkeypatch):
-    res = run_notebook("03_scheme_comparison", dict(model_preset="tiny", num_hidden_layers=2, num_tokens=16, calib_tokens=64),
+    res = run_notebook("03_scheme_comparison", dict(model_preset="tiny", calib_tokens=64),
                        tmp_path, monkeypatch)
     by = {r["scheme"]: r for r in res["rows"]}
     assert len(by) == 12, sorted(by)  # every MoE scheme ran
@@ -75,7 +75,7 @@ def test_03_scheme_comparison(tmp_path, monkeypatch):
     assert sq("w_mxfp6_e2m3_a_mxfp6_e2m3") > sq("w_mxfp4_a_mxfp4")
     assert by["nvfp4"]["bits_per_weight"] == 4.5 and by["w_mxfp4"]["bits_per_weight"] == 4.25
     assert by["w_mxfp6_e3m2"]["checkpoint_gb"] > by["w_mxfp4"]["checkpoint_gb"]
-    assert all(len(r["layer_sqnr_db"]) == 2 for r in res["rows"])
+    assert all(len(r["layer_sqnr_db"]) == 4 for r in res["rows"])
 
 
 def test_04_scale_unification(tmp_path, monkeypatch):
