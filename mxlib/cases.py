@@ -16,14 +16,26 @@ Operations:
   ``(weight_scale_2,)`` and the dequantized block must be finite.
 * ``unify_input_scales``: ``mxlib.moe.unify_input_scales(x)``; ``expected`` is the
   resulting encode global scale (or ``None`` when it must raise).
+
+``check_case`` runs one case through a twin (``mxlib.reference`` or ``mxlib.kernels``, which
+share signatures) and compares its bits with ``expected``; the unit tests and the formats
+notebook both call it.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
+from types import ModuleType
 
-__all__ = ["NamedCase", "NAMED_CASES", "get_case"]
+import torch
+
+from . import reference as R
+from .formats import BLOCK_SCHEMES
+from .moe import unify_input_scales
+
+__all__ = ["NamedCase", "NAMED_CASES", "get_case", "CaseResult", "run_case", "check_case", "check_cases", "bits_mismatch"]
 
 NAN = math.nan
 INF = math.inf
@@ -184,3 +196,102 @@ def get_case(name: str) -> NamedCase:
         if c.name == name:
             return c
     raise KeyError(f"no named case {name!r}; known: {[c.name for c in NAMED_CASES]}")
+
+
+# ----------------------------------------------------------------------------- running a case
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case run through one twin: ``got`` (fp32, flat; ``None`` for a case that must raise),
+    ``ok`` and, when not ok, ``message`` saying what differs."""
+
+    case: NamedCase
+    got: torch.Tensor | None
+    ok: bool
+    message: str = ""
+
+    def row(self, shown: int = 3) -> dict:
+        """A table row: case, scheme, op, the first ``shown`` values got and expected, ok, why."""
+        c = self.case
+        got = "raised ValueError" if self.got is None else str(self.got[:shown].tolist())
+        expected = "raises ValueError" if c.expected is None else str(list(c.expected[:shown]))
+        return dict(case=c.name, scheme=c.scheme, op=c.op, got=got, expected=expected, ok=self.ok, why=c.why)
+
+
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_mismatch(got: torch.Tensor, expected: torch.Tensor) -> str:
+    """``""`` when ``got`` equals ``expected`` bit for bit (same shape and dtype, NaN at the same
+    positions, every other value identical, so +0.0 and -0.0 differ); otherwise a message
+    with the count and the first differing positions. NaN sign and payload are not compared."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return f"shape/dtype {tuple(got.shape)} {got.dtype} != {tuple(expected.shape)} {expected.dtype}"
+    got, expected = got.detach().cpu(), expected.detach().cpu()
+    ng, ne = torch.isnan(got), torch.isnan(expected)
+    view = _INT_VIEW[got.element_size()]
+    bad = (ng != ne) | (~ng & ~ne & (got.view(view) != expected.view(view)))
+    if not bad.any():
+        return ""
+    idx = bad.nonzero().flatten()[:5].tolist()
+    return (f"{int(bad.sum())} of {bad.numel()} differ; first at {idx}: got {[got[i].item() for i in idx]}, "
+            f"expected {[expected[i].item() for i in idx]}")
+
+
+def run_case(case: NamedCase, impl: ModuleType = R, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The result of ``case`` computed by ``impl`` on ``device``, as a flat fp32 CPU tensor.
+
+    ``impl`` is ``mxlib.reference`` (default) or ``mxlib.kernels``: the twins share signatures.
+    NVFP4 block scales, E8M0 decoding and input-scale unification have one implementation
+    (the reference / ``mxlib.moe``), used whatever ``impl`` is.
+
+    Raises:
+        ValueError: what the operation raises (``unify_input_scales`` with no calibrated expert).
+        AssertionError: ``quantize_nvfp4_weight`` dequantizes to a non-finite value.
+    """
+    x = torch.tensor(case.x, dtype=torch.float32, device=device).reshape(1, -1)
+    scheme = BLOCK_SCHEMES[case.scheme]
+    mode = case.params.get("scale_mode", "even")
+    gs = torch.tensor([case.params.get("global_scale", 1.0)], device=device)
+    nvfp4 = scheme.has_global_scale
+    if case.op == "qdq":
+        out = (impl.ref_nvfp4_quant_dequant(x, gs, scheme.block_size) if nvfp4
+               else impl.quant_dequant_mx(x, scheme.element.name, scheme.block_size, mode))
+    elif case.op == "scale":
+        out = (R.ref_nvfp4_quant(x.cpu(), gs.cpu(), scheme.block_size)[1] if nvfp4
+               else impl.quantize_mx(x, scheme.element.name, scheme.block_size, mode)[1])
+    elif case.op == "decode_e8m0":
+        out = R.decode_e8m0(x.cpu().to(torch.uint8))
+    elif case.op == "quantize_nvfp4_weight":
+        packed, scale, ws2 = impl.quantize_nvfp4(x)
+        deq = impl.dequantize_to_dtype(packed, scale, ws2, torch.float32)
+        assert torch.isfinite(deq).all(), f"{case.name}: the dequantized block is not finite"
+        out = ws2
+    elif case.op == "unify_input_scales":
+        with warnings.catch_warnings():  # the scales of these cases differ on purpose
+            warnings.filterwarnings("ignore", message=".*activation global scales differ across experts")
+            out = unify_input_scales(x.flatten().cpu(), "max", "w13_input_scale")[0][:1]
+    else:
+        raise ValueError(f"case.op: expected one of qdq, scale, decode_e8m0, quantize_nvfp4_weight, "
+                         f"unify_input_scales, got {case.op!r}")
+    return out.flatten().float().cpu()
+
+
+def check_case(case: NamedCase, impl: ModuleType = R, device: str | torch.device = "cpu") -> CaseResult:
+    """Run ``case`` (``run_case``) and compare its bits with ``case.expected``; a case whose
+    ``expected`` is ``None`` is ok when it raises ``ValueError``."""
+    if case.expected is None:
+        try:
+            got = run_case(case, impl, device)
+        except ValueError:
+            return CaseResult(case, None, True)
+        return CaseResult(case, got, False, f"{case.name}: expected ValueError, got {got.tolist()}")
+    got = run_case(case, impl, device)
+    message = bits_mismatch(got, torch.tensor(case.expected, dtype=torch.float32))
+    return CaseResult(case, got, not message, f"{case.name}: {message}" if message else "")
+
+
+def check_cases(cases=NAMED_CASES, impl: ModuleType = R, device: str | torch.device = "cpu") -> list[CaseResult]:
+    """``check_case`` over ``cases`` (default: every named case)."""
+    return [check_case(c, impl, device) for c in cases]

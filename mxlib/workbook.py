@@ -3,12 +3,14 @@
 ``python -m mxlib.workbook --out build/workbook`` (what ``make workbook`` runs) executes each
 entry of ``WORKBOOK`` and writes ``<out>/<name>.ipynb`` (executed copy) and ``<out>/<name>.html``
 (self-contained: plotly.js is embedded). ``--only NAME`` runs the entries whose name contains
-NAME. Results JSON written by the notebooks land in ``<out>/results``.
+NAME; ``--model-preset small`` runs the notebooks that take a model size at that size.
+Results JSON written by the notebooks land in ``<out>/results``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,7 +31,16 @@ def _extra_entries() -> list[tuple[str, str, dict]]:
     return [(p.stem, p.name, {}) for p in sorted(NOTEBOOKS.glob("*.ipynb")) if p.name not in listed]
 
 
-def run(out: Path, only: str | None = None) -> list[tuple[str, float]]:
+def _parameter_names(notebook: Path) -> set[str]:
+    """Names assigned in a notebook's ``parameters`` cell."""
+    import papermill as pm
+
+    return set(pm.inspect_notebook(str(notebook)))
+
+
+def run(out: Path, only: str | None = None, model_preset: str | None = None) -> list[tuple[str, float]]:
+    """Execute the workbook into ``out``; ``model_preset`` (e.g. ``small``) goes to every notebook
+    that takes one. Returns ``(name, seconds)`` per notebook run."""
     import nbformat
     import papermill as pm
     from nbconvert import HTMLExporter
@@ -41,7 +52,10 @@ def run(out: Path, only: str | None = None) -> list[tuple[str, float]]:
         if only and only not in name:
             continue
         params = dict(params)
-        params.setdefault("results_path", str((out / "results" / f"{name}.json").resolve()))
+        # relative to the notebook's working directory: the injected parameters hold no absolute path
+        params.setdefault("results_path", os.path.relpath(out.resolve() / "results" / f"{name}.json", NOTEBOOKS))
+        if model_preset and "model_preset" in _parameter_names(NOTEBOOKS / nb):
+            params["model_preset"] = model_preset
         t0 = time.perf_counter()
         print(f"[workbook] {name}: {nb} {params}", flush=True)
         executed = out / f"{name}.ipynb"
@@ -59,8 +73,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "build" / "workbook"))
     ap.add_argument("--only", default=None)
+    ap.add_argument("--model-preset", default=None, help="model size for the notebooks that take one (small, tiny)")
     args = ap.parse_args(argv)
-    done = run(Path(args.out), args.only)
+    done = run(Path(args.out), args.only, args.model_preset)
     for name, s in done:
         print(f"{name:40s} {s:7.0f} s")
     return 0

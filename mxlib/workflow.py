@@ -21,7 +21,7 @@ import torch
 from .analysis import compare_logits, compare_tensors
 from .models.calibration import Calibration, calibrate
 from .models.checkpoints import checkpoint_size_bytes, load_quantized_qwen3_moe, write_quantized_checkpoint
-from .models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+from .models.qwen3 import QWEN3_30B_A3B, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
 from .moe.schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -58,9 +58,11 @@ def random_token_ids(num_tokens: int, seed: int, vocab_size: int = 151936, batch
     return torch.randint(0, vocab_size, (batch, num_tokens), generator=g)
 
 
-def dummy_model(num_hidden_layers: int = 4, seed: int = 0, expert_spread: float = 0.0, device="cpu", **overrides):
-    """The seeded bf16 dummy Qwen3-30B-A3B (``mxlib.models.qwen3.dummy_qwen3_moe``)."""
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers, **overrides)
+def dummy_model(num_hidden_layers: int = 4, seed: int = 0, expert_spread: float = 0.0, device="cpu",
+                model_preset: str = "qwen3-30b-a3b", **overrides):
+    """The seeded bf16 dummy Qwen3-30B-A3B (``mxlib.models.qwen3.dummy_qwen3_moe``), at the size of
+    ``model_preset`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``; ``overrides`` win over it)."""
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
     return dummy_qwen3_moe(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
 
 
@@ -97,7 +99,11 @@ def prepare_checkpoint(
     """
     s = get_moe_scheme(scheme)
     layers = len(model.model.layers)
-    name = f"{s.name}-L{layers}-seed{seed}-spread{expert_spread:g}-calib{calib_tokens}-v{CACHE_VERSION}"
+    c = model.config
+    dims = ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "vocab_size")
+    shape = "" if all(getattr(c, d) == QWEN3_30B_A3B[d] for d in dims) else \
+        "-" + "-".join(str(getattr(c, d)) for d in dims)  # a smaller preset: the folder names its shape
+    name = f"{s.name}-L{layers}{shape}-seed{seed}-spread{expert_spread:g}-calib{calib_tokens}-v{CACHE_VERSION}"
     path = _cache_dir(cache_dir) / name
     if (path / "config.json").exists() and (path / "model.safetensors.index.json").exists():
         return path

@@ -1,7 +1,8 @@
 """The named corner cases (mxlib.cases), run through the reference and through the Triton kernels.
 
 Expected values in the table were worked out by hand; both implementations must produce them bit for
-bit (NaN positions equal, signs of zero equal).
+bit (NaN positions equal, signs of zero equal). ``mxlib.cases.check_case`` is the one runner, shared
+with the formats notebook.
 """
 
 import pytest
@@ -9,54 +10,39 @@ import torch
 
 from mxlib import kernels as K
 from mxlib import reference as R
-from mxlib.cases import NAMED_CASES
-from mxlib.formats import BLOCK_SCHEMES
+from mxlib.cases import NAMED_CASES, bits_mismatch, check_case, run_case
 from mxlib.moe import unify_input_scales
 
-from _util import assert_bits_equal
-
-RUNNABLE = [c for c in NAMED_CASES if c.op != "unify_input_scales"]
-
-
-def run_case(case, impl, device):
-    x = torch.tensor(case.x, dtype=torch.float32, device=device).reshape(1, -1)
-    scheme = BLOCK_SCHEMES[case.scheme]
-    mode = case.params.get("scale_mode", "even")
-    gs = torch.tensor([case.params.get("global_scale", 1.0)], device=device)
-    if case.op == "qdq":
-        if scheme.name == "nvfp4":
-            return impl.ref_nvfp4_quant_dequant(x, gs, 16)
-        return impl.quant_dequant_mx(x, scheme.element.name, 32, mode)
-    if case.op == "scale":
-        if scheme.name == "nvfp4":
-            return R.ref_nvfp4_quant(x.cpu(), gs.cpu(), 16)[1]  # block scales come from the reference only
-        return impl.quantize_mx(x, scheme.element.name, 32, mode)[1].float()
-    if case.op == "decode_e8m0":
-        return R.decode_e8m0(x.cpu().to(torch.uint8))
-    if case.op == "quantize_nvfp4_weight":
-        packed, scale, ws2 = impl.quantize_nvfp4(x)
-        deq = impl.dequantize_to_dtype(packed, scale, ws2, torch.float32)
-        assert torch.isfinite(deq).all()
-        return ws2.reshape(1)
-    raise AssertionError(case.op)
+TWIN_CASES = [c for c in NAMED_CASES if c.op != "unify_input_scales"]
+UNIFY_CASES = [c for c in NAMED_CASES if c.op == "unify_input_scales"]
 
 
-@pytest.mark.parametrize("case", RUNNABLE, ids=[c.name for c in RUNNABLE])
+@pytest.mark.parametrize("case", TWIN_CASES, ids=[c.name for c in TWIN_CASES])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_named_case(case, impl, device):
     module = R if impl == "reference" else K
-    dev = "cpu" if impl == "reference" else device
-    got = run_case(case, module, dev).flatten().float().cpu()
-    assert_bits_equal(got, torch.tensor(case.expected, dtype=torch.float32), case.name)
+    result = check_case(case, module, "cpu" if impl == "reference" else device)
+    assert result.ok, result.message
 
 
-def test_unification_cases():
-    for case in [c for c in NAMED_CASES if c.op == "unify_input_scales"]:
-        scales = torch.tensor(case.x)
-        if case.expected is None:
-            with pytest.raises(ValueError, match="every expert's input_scale is 0"):
-                unify_input_scales(scales, "max", "w13_input_scale")
-        else:
-            gs, _ = unify_input_scales(scales, "per_expert")
-            assert torch.isfinite(gs).all()
-            assert unify_input_scales(scales, "max")[0][0].item() == case.expected[0]
+@pytest.mark.parametrize("case", UNIFY_CASES, ids=[c.name for c in UNIFY_CASES])
+def test_unification_case(case):
+    result = check_case(case)
+    assert result.ok, result.message
+    scales = torch.tensor(case.x)
+    if case.expected is None:
+        with pytest.raises(ValueError, match="every expert's input_scale is 0"):
+            run_case(case)
+    else:
+        assert torch.isfinite(unify_input_scales(scales, "per_expert")[0]).all()
+
+
+def test_check_case_fails_on_a_wrong_bit():
+    """The runner is a check that can fail: -0.0 against +0.0, and a value off by one ulp."""
+    case = next(c for c in NAMED_CASES if c.name == "mx_negative_zero")
+    flipped = type(case)(case.name, case.op, case.scheme, case.x, (0.0,) + case.expected[1:], case.why, case.params)
+    assert not check_case(flipped).ok
+    a = torch.tensor([1.0, float("nan")])
+    assert bits_mismatch(a, a.clone()) == ""
+    assert "1 of 2 differ" in bits_mismatch(a, torch.tensor([1.0000001, float("nan")]))
+    assert bits_mismatch(a, torch.tensor([1.0, 0.0])) != ""

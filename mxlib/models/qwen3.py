@@ -17,6 +17,8 @@ from ..moe.base import TransformersExperts, TritonExperts
 __all__ = [
     "QWEN3_30B_A3B",
     "qwen3_30b_a3b_config",
+    "MODEL_PRESETS",
+    "model_preset_overrides",
     "empty_qwen3_moe",
     "dummy_qwen3_moe",
     "expert_weights",
@@ -65,6 +67,31 @@ def qwen3_30b_a3b_config(num_hidden_layers: int = 4, **overrides) -> Qwen3MoeCon
     cfg.rope_parameters = rp
     cfg.rope_theta = rope_theta
     return cfg
+
+
+# Model sizes by name: overrides of QWEN3_30B_A3B. "qwen3-30b-a3b" is the real shape (the
+# notebooks' default); "small" makes a notebook's Run All take seconds; "tiny" is for tests.
+# Hidden and expert intermediate sizes stay multiples of 32 (the OCP MX block).
+MODEL_PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": {},
+    "small": dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_experts=16,
+                  num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  vocab_size=8192, bos_token_id=1, eos_token_id=2),
+    "tiny": dict(hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_experts=16,
+                 num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 vocab_size=1024, bos_token_id=1, eos_token_id=2),
+}
+
+
+def model_preset_overrides(model_preset: str) -> dict:
+    """The ``qwen3_30b_a3b_config`` overrides of a ``MODEL_PRESETS`` name.
+
+    Raises:
+        ValueError: ``model_preset`` is not a key of ``MODEL_PRESETS``.
+    """
+    if model_preset not in MODEL_PRESETS:
+        raise ValueError(f"model_preset: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
+    return dict(MODEL_PRESETS[model_preset])
 
 
 @contextlib.contextmanager

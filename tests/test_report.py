@@ -1,0 +1,53 @@
+"""mxlib.report: the notebooks' tables and counted checks, on hand-made rows."""
+
+import pytest
+
+from mxlib.report import FLOOR_TARGETS, Checks, floors_table, strategy_summary
+
+
+def test_checks_count_and_raise():
+    check = Checks()
+    check(True)
+    check(1 + 1 == 2, "arithmetic")
+    assert str(check) == "2 checks passed"
+    with pytest.raises(AssertionError, match="the detail"):
+        check(False, "the detail")
+    assert check.passed == 2
+
+
+def _bench_row(scheme, m, seed, fused, bf16):
+    return dict(scheme=scheme, M=m, seed_graph_ms=seed, fused_graph_ms=fused, bf16_graph_ms=bf16,
+                fused_floor_frac_graph=0.5, fused_mem_mb=10.0, packed_weight_mb=40.0)
+
+
+def test_floors_table():
+    rows = [
+        _bench_row("nvfp4", 1, 2.0, 0.1, 0.08),  # 20x the seed, 1.25x bf16: meets (10, 1.5)
+        _bench_row("nvfp4", 1, 9.0, 9.0, 9.0),  # a second row of the same (scheme, M): the first wins
+        _bench_row("nvfp4", 16, 1.0, 0.2, 0.1),  # 5x the seed (< 10): misses
+        _bench_row("w_mxfp4_a_mxfp4", 4096, 1.0, 1.2, 1.0),  # no seed target, 1.2x bf16 <= 1.25: meets
+        _bench_row("w_mxfp4_a_mxfp4", 3, 1.0, 1.0, 1.0),  # not a target
+    ]
+    floors = floors_table(rows)
+    assert [(r["scheme"], r["M"], r["meets"]) for r in floors] == [
+        ("nvfp4", 1, "yes"), ("nvfp4", 16, "no"), ("w_mxfp4_a_mxfp4", 4096, "yes")]
+    assert floors[0]["fused_vs_seed"] == 20.0 and floors[0]["fused_over_bf16"] == 0.1 / 0.08
+    assert floors[0]["target_vs_seed"] == 10 and floors[2]["target_vs_seed"] == ""
+    assert floors[0]["mem_frac_of_packed"] == 0.25
+    assert len(FLOOR_TARGETS) == 10
+
+
+def test_strategy_summary():
+    def row(point, lost_max, sqnr):
+        return dict(point=point, sqnr_max=sqnr - lost_max, sqnr_per_expert=sqnr, db_lost_max=lost_max, db_lost_per_expert=0.0,
+                    subnormal_max=0.5, subnormal_per_expert=0.0, flushed_max=0.25, flushed_per_expert=0.0,
+                    clipped_max=0.0, clipped_per_expert=0.0, sqnr_mxfp4=18.0, sqnr_mxfp8_e4m3=30.0)
+
+    experts = [row("a1", 0.0, 20.0), row("a2", 1.0, 20.0), row("a2", 3.0, 22.0)]
+    summary = strategy_summary(experts, ["max", "per_expert"])
+    by = {(r["point"], r["strategy"]): r for r in summary}
+    assert len(summary) == 8
+    assert by[("a2", "max")]["mean_db_lost"] == 2.0 and by[("a2", "max")]["worst_db_lost"] == 3.0
+    assert by[("a2", "max")]["mean_sqnr_db"] == 19.0 and by[("a2", "per_expert")]["mean_sqnr_db"] == 21.0
+    assert by[("a2", "max")]["flushed_blocks"] == 0.25
+    assert by[("a1", "OCP MXFP8 e4m3 (no global scale)")]["mean_sqnr_db"] == 30.0
