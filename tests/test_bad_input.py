@@ -228,76 +228,6 @@ def test_writer_over_read_only_checkpoint_fails_cleanly(model, calibration, tmp_
     assert leftovers == ["ckpt"]
 
 
-# ============================================================================= case 2: a killed write
-
-_KILLED_WRITER = textwrap.dedent("""
-    import sys, time
-    import safetensors.torch as st
-
-    _save = st.save_file
-
-    def save_then_wait(*args, **kwargs):  # the first shard is written, then the writer stalls until killed
-        _save(*args, **kwargs)
-        print("SHARD", flush=True)
-        time.sleep(600)
-
-    st.save_file = save_then_wait
-    from mxlib import workflow as W
-    from mxlib.models.checkpoints import write_quantized_checkpoint
-
-    model = W.dummy_model(num_hidden_layers=2, seed=1, **{tiny!r})
-    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", sys.argv[1], None, shard_bytes=4096)
-    print("FINISHED", flush=True)
-""")
-
-
-@pytest.fixture(scope="module")
-def killed_write(model, calibration, tmp_path_factory):
-    """A good checkpoint at ``dest``; then a second write to ``dest`` in a subprocess, SIGKILLed once its
-    first shard is on disk in a temporary folder beside ``dest``. Returns what was seen."""
-    parent = tmp_path_factory.mktemp("killed")
-    dest = parent / "ckpt"
-    write_quantized_checkpoint(model, "nvfp4", dest, calibration)
-    before = _snapshot(dest)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER.format(tiny=TINY), str(dest)], cwd=str(parent),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline().strip()  # blocks until the first shard is written (or the child ends)
-        shards = [p for p in parent.glob("*/*.safetensors") if p.parent != dest]
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    if line != "SHARD" or not shards:
-        pytest.fail(f"could not catch the write after its first shard (child said {line!r}, shards {shards}); "
-                    f"stderr: {proc.stderr.read()[-2000:]}")
-    return dict(parent=parent, dest=dest, before=before, after=_snapshot(dest),
-                debris=sorted(p.name for p in parent.iterdir() if p.name != "ckpt"))
-
-
-def test_killed_write_leaves_destination_intact(killed_write):
-    assert killed_write["after"] == killed_write["before"]
-    assert read_quant_config(killed_write["dest"])["format"] == "modelopt"
-
-
-@xfail(2, "the next write to the same destination removes the stale temporary folder of the killed write "
-          "(its own making: marker file, dead PID)")
-def test_next_write_removes_stale_temporaries(killed_write, model, calibration):
-    parent, dest = killed_write["parent"], killed_write["dest"]
-    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", dest, calibration)
-    assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], f"debris of the killed write: {killed_write['debris']}"
-    assert read_quant_config(dest)["format"] == "quark"
-
-
-def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp_path):
-    """A folder that merely looks like a temporary (no marker of mxlib's) is the user's: kept."""
-    look_alike = tmp_path / ".ckpt.tmp-0badc0de"
-    look_alike.mkdir()
-    (look_alike / "mine.txt").write_text("keep me\n")
-    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", calibration)
-    assert (look_alike / "mine.txt").read_text() == "keep me\n"
-
-
 # ============================================================================= case 3: the checkpoint cache
 
 
@@ -737,3 +667,98 @@ def test_loader_refuses_shard_outside_folder(nvfp4_ckpt, tmp_path, absolute):
     p, ref = _move_shard_out(nvfp4_ckpt, tmp_path, absolute)
     msg = _load_error(p)
     assert ref in msg, msg
+
+
+# ============================================================================= case 2: a killed write
+# (last in the file: the writer subprocess, started at the module's start, imports meanwhile)
+
+_KILLED_WRITER = textwrap.dedent("""
+    import sys, time
+    import safetensors.torch as st
+
+    _save = st.save_file
+
+    def save_then_wait(*args, **kwargs):  # the first shard is written, then the writer stalls until killed
+        _save(*args, **kwargs)
+        print("SHARD", flush=True)
+        time.sleep(600)
+
+    st.save_file = save_then_wait
+    from mxlib import workflow as W
+    from mxlib.models.checkpoints import write_quantized_checkpoint
+
+    model = W.dummy_model(num_hidden_layers=2, seed=1, **{tiny!r})
+    print("READY", flush=True)
+    dest = sys.stdin.readline().strip()  # the parent says where, once the good checkpoint is there
+    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", dest, None, shard_bytes=4096)
+    print("FINISHED", flush=True)
+""")
+_child: dict = {}
+
+
+def _start_writer_child() -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-c", _KILLED_WRITER.format(tiny=TINY)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _early_writer_child(request):
+    """Start the case-2 writer subprocess at the module's start when a test needs it, so that its
+    imports (seconds) overlap the other tests; killed_write takes it over."""
+    if any("killed_write" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        _child["proc"] = _start_writer_child()
+    yield
+    proc = _child.pop("proc", None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def killed_write(model, calibration, tmp_path_factory):
+    """A good checkpoint at ``dest``; then a second write to ``dest`` in a subprocess, SIGKILLed once its
+    first shard is on disk in a temporary folder beside ``dest``. Returns what was seen."""
+    parent = tmp_path_factory.mktemp("killed")
+    dest = parent / "ckpt"
+    write_quantized_checkpoint(model, "nvfp4", dest, calibration)
+    before = _snapshot(dest)
+    proc = _child.get("proc") or _child.setdefault("proc", _start_writer_child())
+    lines = []
+    try:
+        lines.append(proc.stdout.readline().strip())  # READY: imports done, model built
+        proc.stdin.write(f"{dest}\n")
+        proc.stdin.flush()
+        lines.append(proc.stdout.readline().strip())  # blocks until the first shard is written (or the child ends)
+        shards = [p for p in parent.glob("*/*.safetensors") if p.parent != dest]
+    finally:
+        proc.kill()  # SIGKILL
+        proc.wait(timeout=30)
+    if lines != ["READY", "SHARD"] or not shards:
+        pytest.fail(f"could not catch the write after its first shard (child said {lines}, shards {shards}); "
+                    f"stderr: {proc.stderr.read()[-2000:]}")
+    return dict(parent=parent, dest=dest, before=before, after=_snapshot(dest),
+                debris=sorted(p.name for p in parent.iterdir() if p.name != "ckpt"))
+
+
+def test_killed_write_leaves_destination_intact(killed_write):
+    assert killed_write["after"] == killed_write["before"]
+    assert read_quant_config(killed_write["dest"])["format"] == "modelopt"
+
+
+@xfail(2, "the next write to the same destination removes the stale temporary folder of the killed write "
+          "(its own making: marker file, dead PID)")
+def test_next_write_removes_stale_temporaries(killed_write, model, calibration):
+    parent, dest = killed_write["parent"], killed_write["dest"]
+    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", dest, calibration)
+    assert sorted(p.name for p in parent.iterdir()) == ["ckpt"], f"debris of the killed write: {killed_write['debris']}"
+    assert read_quant_config(dest)["format"] == "quark"
+
+
+def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp_path):
+    """A folder that merely looks like a temporary (no marker of mxlib's) is the user's: kept."""
+    look_alike = tmp_path / ".ckpt.tmp-0badc0de"
+    look_alike.mkdir()
+    (look_alike / "mine.txt").write_text("keep me\n")
+    write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", calibration)
+    assert (look_alike / "mine.txt").read_text() == "keep me\n"
