@@ -13,7 +13,7 @@ PYTEST_WORKERS ?= 2
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 export MALLOC_MMAP_THRESHOLD_ ?= 4000000000
 
-.PHONY: install test test-unit test-notebooks workbook bench clean lab
+.PHONY: install test test-unit test-notebooks workbook bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,5 +44,6 @@ clean:
 	rm -rf build .pytest_cache
 
 # JupyterLab on the notebooks (plotly figures and the explorer widgets render in it).
+.PHONY: lab
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
