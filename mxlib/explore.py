@@ -48,6 +48,9 @@ __all__ = [
     "outlier_data",
     "outlier_scale_sqnr",
     "outlier_scale_sweep",
+    "scale_bytes",
+    "floor_clips_rceil_does_not",
+    "rows_table",
     "value_explorer_widget",
     "block_explorer_widget",
     "expert_scale_ratio_widget",
@@ -256,6 +259,19 @@ def block_info(
     return info
 
 
+def scale_bytes(amax: float, element: str | ElementFormat = "e2m1") -> dict:
+    """The E8M0 byte of a block with this amax under each rule: ``{"floor": b, "even": b, "rceil": b}``."""
+    a = torch.tensor([float(amax)], dtype=torch.float32)
+    return {mode: int(R.e8m0_scale(a, element, mode)[0]) for mode in ("floor", "even", "rceil")}
+
+
+def floor_clips_rceil_does_not(block, scheme: str = "mxfp4") -> bool:
+    """Exercise checker: True when the OCP floor rule saturates an element of ``block`` and rceil does not."""
+    floor = block_info(block, scheme, "floor")
+    rceil = block_info(block, scheme, "rceil")
+    return any(floor["clipped"]) and not any(rceil["clipped"])
+
+
 # ----------------------------------------------------------------------------- synthetic experts
 
 
@@ -371,13 +387,28 @@ def outlier_scale_sweep(outlier_scales, **kwargs) -> list[dict]:
 # ----------------------------------------------------------------------------- widgets (thin)
 
 
-def _show_rows(rows: list[dict]) -> None:
-    from IPython.display import HTML, display
+def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str = ""):
+    """An HTML table (``IPython.display.HTML``) of dict rows, every row shown, floats to 6 digits.
 
-    cols = list(rows[0])
-    head = "".join(f"<th>{c}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>" for r in rows)
-    display(HTML(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"))
+    Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render.
+    """
+    from html import escape
+
+    from IPython.display import HTML
+
+    if not rows:
+        raise ValueError("rows: expected at least one row")
+    cols = columns or list(rows[0])
+    cap = f"<caption>{escape(caption)}</caption>" if caption else ""
+    head = "".join(f"<th>{escape(str(c))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>" for r in rows)
+    return HTML(f'<table class="mxlib-rows">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+
+
+def _show_rows(rows: list[dict]) -> None:
+    from IPython.display import display
+
+    display(rows_table(rows))
 
 
 def _fmt(v) -> str:

@@ -163,3 +163,18 @@ def test_outlier_scale_sqnr_against_oracle():
         assert got[scheme] == pytest.approx(expected, rel=1e-12)
     rows = X.outlier_scale_sweep([1.0, 1000.0], **kw)
     assert rows[1]["nvfp4"] > rows[1]["mxfp4"]  # 16-element blocks with finer scales isolate the outliers
+
+
+def test_scale_bytes_and_exercise_checker():
+    # amax 7 = 1.75 * 2^2 with e2m1 (emax 2): floor 2^0 (7 clips to 6), even and rceil 2^1
+    assert X.scale_bytes(7.0, "e2m1") == {"floor": 127, "even": 128, "rceil": 128}
+    assert X.scale_bytes(6.0, "e2m1") == {"floor": 127, "even": 127, "rceil": 127}
+    assert X.floor_clips_rceil_does_not([7.0] + [0.0] * 31)
+    assert not X.floor_clips_rceil_does_not([6.0] + [0.0] * 31)
+
+
+def test_rows_table_shows_every_row():
+    html = X.rows_table([{"a": i, "b": i / 3} for i in range(100)]).data
+    assert html.count("<tr>") == 101 and "..." not in html
+    with pytest.raises(ValueError, match="rows"):
+        X.rows_table([])
