@@ -178,3 +178,10 @@ def test_rows_table_shows_every_row():
     assert html.count("<tr>") == 101 and "..." not in html
     with pytest.raises(ValueError, match="rows"):
         X.rows_table([])
+
+
+def test_widgets_construct():
+    pytest.importorskip("ipywidgets")
+    for make in (X.value_explorer_widget, X.block_explorer_widget, X.expert_scale_ratio_widget, X.outlier_scale_widget):
+        w = make()
+        assert len(w.children) >= 2, make.__name__  # controls and the output area

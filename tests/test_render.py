@@ -108,7 +108,9 @@ def dump_dom(html: Path, budget_ms: int = 30000) -> str:
     probed.write_text(text.replace("</body>", _PROBE + "</body>") if "</body>" in text else text + _PROBE,
                       encoding="utf-8")
     cmd = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--window-size=1280,2000", f"--virtual-time-budget={budget_ms}", "--dump-dom", probed.as_uri()]
+           "--window-size=1280,2000", f"--virtual-time-budget={budget_ms}",
+           "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: the HTML must not need the network
+           "--dump-dom", probed.as_uri()]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
     return proc.stdout
@@ -174,3 +176,23 @@ def test_probe_catches_truncation_and_empty_figures(tmp_path):
     elided = "<table><tr><td>1</td></tr><tr><td>...</td></tr><tr><td>9</td></tr></table>"
     with pytest.raises(AssertionError, match="elided"):
         check_dom(dump_dom(page(tall.to_html(include_plotlyjs=True), elided)))
+
+
+def test_notebook_renderer_emits_mime_bundle_and_offline_html():
+    """Figures carry the plotly mime type (JupyterLab draws it untrusted) and HTML with no CDN script."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from mxlib.notebook_setup import NOTEBOOK_RENDERER, use_notebook_renderer
+
+    before = pio.renderers.default
+    try:
+        assert use_notebook_renderer() == NOTEBOOK_RENDERER == pio.renderers.default
+        fig = go.Figure(go.Scatter(y=[1, 2])).to_dict()
+        bundle = {}
+        for name in NOTEBOOK_RENDERER.split("+"):
+            bundle.update(pio.renderers[name].to_mimebundle(fig))
+        assert "application/vnd.plotly.v1+json" in bundle and "text/html" in bundle
+        assert "cdn.plot.ly" not in bundle["text/html"]
+    finally:
+        pio.renderers.default = before
