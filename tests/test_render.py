@@ -93,8 +93,9 @@ def execute_and_export(notebook: str, params: dict, out_dir: Path) -> Path:
     stem = Path(notebook).stem
     params = {"results_path": f"results/{stem}.json", **params}
     executed = out_dir / f"{stem}.ipynb"
+    # timeouts turn a stalled kernel into a failure instead of a hung test
     pm.execute_notebook(str(NOTEBOOKS / notebook), str(executed), parameters=params, kernel_name="python3",
-                        cwd=str(out_dir), progress_bar=False)
+                        cwd=str(out_dir), progress_bar=False, start_timeout=180, execution_timeout=600)
     body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
     html = out_dir / f"{stem}.html"
     html.write_text(body, encoding="utf-8")
