@@ -46,3 +46,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build .pytest_cache
+
+# JupyterLab on the notebooks (plotly figures and the explorer widgets render in it).
+.PHONY: lab
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks

@@ -1,0 +1,199 @@
+"""Rendered output: executed notebooks, exported to HTML, drawn by headless Chromium.
+
+For each entry of ``RENDERED_NOTEBOOKS`` the test executes the notebook with papermill on tiny
+parameters into a temporary directory, exports HTML with nbconvert (as ``make workbook`` does), loads
+it in headless Chromium with a probe script appended, and checks in the DOM after the scripts ran:
+
+* every plotly figure was drawn (``Plotly.newPlot`` ran: the div has class ``js-plotly-plot``), each of
+  its traces holds data, and its SVG holds drawn traces;
+* every plotly table shows all its rows inside its visible area (no scrolling needed);
+* every HTML table (pandas or ``mxlib.explore.rows_table``) shows all its rows: no ``...`` row and no
+  pandas "N rows x M columns" truncation note.
+
+Chromium is the Debian package ``chromium``; ``tools/ensure_chromium.sh`` installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+
+# The notebooks whose rendering is tested, with the tiny parameters they run on here. Add a row per
+# notebook; ``results_path`` is added (a relative path inside the temporary directory).
+RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
+    ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
+]
+
+_PROBE = r"""
+<script>
+window.addEventListener('load', function () {
+  setTimeout(function () {
+    var report = [];
+    document.querySelectorAll('div.plotly-graph-div').forEach(function (gd) {
+      var fig = {id: gd.id, drawn: gd.classList.contains('js-plotly-plot'), traces: [], tables: []};
+      (gd._fullData || []).forEach(function (tr) {
+        var n = 0;
+        if (tr.type === 'table') {
+          n = (tr.cells && tr.cells.values && tr.cells.values.length) ? tr.cells.values[0].length : 0;
+        } else {
+          var arr = tr.y || tr.z || tr.values || tr.x || [];
+          n = arr.length || 0;
+        }
+        fig.traces.push({type: tr.type, points: n});
+      });
+      fig.svg_traces = gd.querySelectorAll('.main-svg .trace, .main-svg g.table, .main-svg image').length;
+      gd.querySelectorAll('g.table').forEach(function (tbl) {
+        var bg = tbl.querySelector('rect.scroll-background').getBoundingClientRect();
+        var col = tbl.querySelector('g.y-column');
+        var visible = 0;
+        col.querySelectorAll('g.column-block').forEach(function (blk) {
+          if (blk.id.indexOf('header') === 0) return;
+          blk.querySelectorAll('g.column-cell').forEach(function (c) {
+            var r = c.getBoundingClientRect();
+            if (r.height > 0 && r.top >= bg.top - 1 && r.bottom <= bg.bottom + 1) visible++;
+          });
+        });
+        fig.tables.push({visible_rows: visible});
+      });
+      report.push(fig);
+    });
+    var pre = document.createElement('pre');
+    pre.id = 'render-probe';
+    pre.textContent = JSON.stringify(report);
+    document.body.appendChild(pre);
+  }, 1500);
+});
+</script>
+"""
+
+
+def chromium_binary() -> str:
+    """The headless browser's path; fails with the command that installs it."""
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
+
+
+def execute_and_export(notebook: str, params: dict, out_dir: Path) -> Path:
+    """papermill-execute ``notebooks/<notebook>`` into ``out_dir`` and export HTML; returns the HTML path."""
+    import nbformat
+    import papermill as pm
+    from nbconvert import HTMLExporter
+
+    stem = Path(notebook).stem
+    params = {"results_path": f"results/{stem}.json", **params}
+    executed = out_dir / f"{stem}.ipynb"
+    # timeouts turn a stalled kernel into a failure instead of a hung test
+    pm.execute_notebook(str(NOTEBOOKS / notebook), str(executed), parameters=params, kernel_name="python3",
+                        cwd=str(out_dir), progress_bar=False, start_timeout=180, execution_timeout=600)
+    body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+    html = out_dir / f"{stem}.html"
+    html.write_text(body, encoding="utf-8")
+    return html
+
+
+def dump_dom(html: Path, budget_ms: int = 30000) -> str:
+    """The DOM of ``html`` after its scripts ran in headless Chromium, probe report included."""
+    probed = html.with_name(html.stem + ".probe.html")
+    text = html.read_text(encoding="utf-8")
+    probed.write_text(text.replace("</body>", _PROBE + "</body>") if "</body>" in text else text + _PROBE,
+                      encoding="utf-8")
+    cmd = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--window-size=1280,2000", f"--virtual-time-budget={budget_ms}",
+           "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: the HTML must not need the network
+           "--dump-dom", probed.as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def check_dom(dom: str) -> dict:
+    """Check the figures and tables of a dumped DOM; returns counts ``{"figures", "html_tables"}``.
+
+    Raises AssertionError naming the figure or table that is empty or truncated.
+    """
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(dom, "html.parser")
+    probe = soup.find(id="render-probe")
+    assert probe is not None, "the probe script did not run (page scripts failed or did not finish)"
+    figures = json.loads(probe.get_text())
+    for fig in figures:
+        assert fig["drawn"], f"figure {fig['id']}: Plotly.newPlot did not run"
+        assert fig["traces"], f"figure {fig['id']}: no traces"
+        assert all(t["points"] > 0 for t in fig["traces"]), f"figure {fig['id']}: an empty trace {fig['traces']}"
+        assert fig["svg_traces"] > 0, f"figure {fig['id']}: nothing drawn in its SVG"
+        rows = [t["points"] for t in fig["traces"] if t["type"] == "table"]
+        for want, tbl in zip(rows, fig["tables"]):
+            assert tbl["visible_rows"] == want, (
+                f"figure {fig['id']}: table shows {tbl['visible_rows']} of {want} rows without scrolling")
+    tables = [t for t in soup.find_all("table") if not t.find_parent(class_="plotly-graph-div")]
+    for i, t in enumerate(tables):
+        for tr in t.find_all("tr"):
+            cells = [c.get_text(strip=True) for c in tr.find_all(["td", "th"])]
+            assert not cells or not all(c in ("...", "\u2026") for c in cells), f"HTML table {i}: elided rows"
+    assert not re.search(r"\d+ rows \u00d7 \d+ columns", soup.get_text()), "a pandas frame was truncated"
+    return {"figures": len(figures), "html_tables": len(tables)}
+
+
+@pytest.mark.parametrize("notebook, params", RENDERED_NOTEBOOKS, ids=[nb for nb, _ in RENDERED_NOTEBOOKS])
+def test_notebook_renders(notebook, params, tmp_path):
+    html = execute_and_export(notebook, params, tmp_path)
+    counts = check_dom(dump_dom(html))
+    assert counts["figures"] >= 1, f"{notebook}: no plotly figure in the rendered HTML"
+    assert (tmp_path / "results" / f"{Path(notebook).stem}.json").exists(), "results_path was not written"
+
+
+def test_probe_catches_truncation_and_empty_figures(tmp_path):
+    """The checks can fail: a plotly table too short for its rows, an empty trace, an elided HTML row."""
+    import plotly.graph_objects as go
+
+    def page(fig_html: str, extra: str = "") -> Path:
+        p = tmp_path / f"page{len(list(tmp_path.iterdir()))}.html"
+        p.write_text(f"<html><body>{fig_html}{extra}</body></html>", encoding="utf-8")
+        return p
+
+    n = 30
+    short = go.Figure(go.Table(cells=dict(values=[list(range(n))])))
+    short.update_layout(height=250)
+    with pytest.raises(AssertionError, match="table shows"):
+        check_dom(dump_dom(page(short.to_html(include_plotlyjs=True))))
+    tall = go.Figure(go.Table(cells=dict(values=[list(range(n))])))
+    tall.update_layout(height=120 + 28 * n)
+    assert check_dom(dump_dom(page(tall.to_html(include_plotlyjs=True)))) == {"figures": 1, "html_tables": 0}
+    empty = go.Figure(go.Scatter(x=[], y=[]))
+    with pytest.raises(AssertionError, match="empty trace"):
+        check_dom(dump_dom(page(empty.to_html(include_plotlyjs=True))))
+    elided = "<table><tr><td>1</td></tr><tr><td>...</td></tr><tr><td>9</td></tr></table>"
+    with pytest.raises(AssertionError, match="elided"):
+        check_dom(dump_dom(page(tall.to_html(include_plotlyjs=True), elided)))
+
+
+def test_notebook_renderer_emits_mime_bundle_and_offline_html():
+    """Figures carry the plotly mime type (JupyterLab draws it untrusted) and HTML with no CDN script."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from mxlib.notebook_setup import NOTEBOOK_RENDERER, use_notebook_renderer
+
+    before = pio.renderers.default
+    try:
+        assert use_notebook_renderer() == NOTEBOOK_RENDERER == pio.renderers.default
+        fig = go.Figure(go.Scatter(y=[1, 2])).to_dict()
+        bundle = {}
+        for name in NOTEBOOK_RENDERER.split("+"):
+            bundle.update(pio.renderers[name].to_mimebundle(fig))
+        assert "application/vnd.plotly.v1+json" in bundle and "text/html" in bundle
+        assert "cdn.plot.ly" not in bundle["text/html"]
+    finally:
+        pio.renderers.default = before
