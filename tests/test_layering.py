@@ -1,7 +1,8 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches.
 
 Layers, lowest first: formats -> _checks -> reference / analysis -> kernels -> moe -> models ->
-workflow / studies -> cli / bench. Every import of every mxlib module (top level or nested) is
+workflow / studies / plots / cases / report / explore -> cli / bench
+(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import of every mxlib module (top level or nested) is
 read with ``ast``; a module may import its own layer or lower ones, and the import graph has no
 cycle. A module the table does not name (a new top-level file) counts as the top layer, so it
 may import anything and nothing below may import it.
@@ -17,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[1] / "mxlib"
 LAYERS = [
     ("mxlib.formats",),
     ("mxlib._checks",),
-    ("mxlib.reference", "mxlib.analysis", "mxlib.cases"),
+    ("mxlib.reference", "mxlib.analysis"),
     ("mxlib.kernels",),
     ("mxlib.moe",),
     ("mxlib.models",),
-    ("mxlib.workflow", "mxlib.studies", "mxlib.plots"),
+    ("mxlib.workflow", "mxlib.studies", "mxlib.plots", "mxlib.cases", "mxlib.report", "mxlib.explore"),
     ("mxlib.cli", "mxlib.bench", "mxlib.bench_moe", "mxlib.workbook"),
 ]
 TOP = len(LAYERS)
