@@ -34,16 +34,17 @@ def rel_err(a, b):
 
 def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
     """Quantized layer + prepared weights + activation QDQs, and the operands for the oracle."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, h, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05 * torch.exp(torch.randn(e, 1, 1, generator=g)))
-    w2 = torch.randn(e, h, i, generator=g) * 0.05
-    tw, ti = fused_topk(torch.randn(m, e, generator=g), k)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, h, generator=g, device=device).to(torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, generator=g, device=device) * 0.05 * torch.exp(
+        torch.randn(e, 1, 1, generator=g, device=device))
+    w2 = torch.randn(e, h, i, generator=g, device=device) * 0.05
+    tw, ti = fused_topk(torch.randn(m, e, generator=g, device=device), k)
     if scheme == "nvfp4":
         p13, s13, g13 = R.quantize_nvfp4(w13.to(torch.bfloat16))
         p2, s2, g2 = R.quantize_nvfp4(w2.to(torch.bfloat16))
-        gs1 = torch.tensor([2688.0 / float(x.float().abs().amax())])
-        gs2 = torch.tensor([2688.0 / 0.05])
+        gs1 = torch.tensor([2688.0 / float(x.float().abs().amax())], device=device)
+        gs2 = torch.tensor([2688.0 / 0.05], device=device)
         q1 = ActivationQDQ(kind=2, block_size=16, scale=gs1.to(device))
         q2 = ActivationQDQ(kind=2, block_size=16, scale=gs2.to(device))
         dq13 = {"seed": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
@@ -77,9 +78,9 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
 
 def oracle_fp64(L, mode):
     """float64 MoE from the mode's operands (see the module docstring)."""
-    x, tw, ti = L["x"], L["tw"], L["ti"]
-    w13, w2 = L["dq13"][mode].double(), L["dq2"][mode].double()
-    a1 = L["a1"](x, mode).double()
+    x, tw, ti = L["x"].cpu(), L["tw"].cpu(), L["ti"].cpu()
+    w13, w2 = L["dq13"][mode].double().cpu(), L["dq2"][mode].double().cpu()
+    a1 = L["a1"](L["x"], mode).double().cpu()
     i = w2.shape[2]
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
     for t in range(x.shape[0]):
@@ -87,7 +88,7 @@ def oracle_fp64(L, mode):
             e = int(ti[t, j])
             h = (w13[e] @ a1[t]).to(torch.bfloat16).double()
             act = (torch.nn.functional.silu(h[:i]) * h[i:]).to(torch.bfloat16)
-            act = L["a2"](act.unsqueeze(0), mode).double()[0]
+            act = L["a2"](act.unsqueeze(0).to(L["x"].device), mode).double()[0].cpu()
             out[t] += float(tw[t, j]) * (w2[e] @ act)
     return out
 
@@ -181,7 +182,7 @@ def test_gpu_full_shape_against_fp64(scheme, mode, m):
         pairs = (flat == e).nonzero().squeeze(1)
         hmid = (a1[pairs // 8] @ w13[e].T).to(torch.bfloat16).double()
         act = (torch.nn.functional.silu(hmid[:, :768]) * hmid[:, 768:]).to(torch.bfloat16)
-        act = L["a2"](act.cpu(), mode).cuda().double()
+        act = L["a2"](act, mode).double()
         ref[pairs] = (act @ w2[e].T) * tw.reshape(-1)[pairs, None].double()
     ref = ref.view(m, 8, -1).sum(1).cpu()
     err = rel_err(out, ref)
