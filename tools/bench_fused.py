@@ -18,10 +18,11 @@ forward (routing outside), as the anchor harness does. Run:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import datetime
 import json
-import math
 import sys
 import time
 import traceback
@@ -101,8 +102,20 @@ def bf16_tuned_forward(w13, w2, x, tw, ti, c1: MoEGemmConfig, c2: MoEGemmConfig)
     return cache3.view(m, TOPK, H).float().sum(dim=1).to(x.dtype)
 
 
-def bf16_candidates(m, vllm_cfg):
+# bf16 TritonExperts tiles by M: the winners of the first H200 sweep (graph replay, 2026-11-30);
+# proposed replacement for get_moe_config's table (mxlib/kernels/fused_moe.py)
+BF16_SWEPT = {
+    1: MoEGemmConfig(16, 64, 64, 1, 4, 5), 4: MoEGemmConfig(16, 128, 128, 1, 4, 3),
+    16: MoEGemmConfig(16, 128, 128, 1, 4, 4), 64: MoEGemmConfig(16, 64, 128, 1, 4, 3),
+    256: MoEGemmConfig(32, 256, 128, 16, 4, 2), 1024: MoEGemmConfig(128, 256, 64, 16, 8, 4),
+    4096: MoEGemmConfig(128, 256, 64, 16, 8, 4),
+}
+
+
+def bf16_candidates(m, vllm_cfg, mini=False):
     per = m * TOPK / E
+    if mini:
+        return [BF16_SWEPT[min(BF16_SWEPT, key=lambda t: abs(t - m))]]
     cands = [get_moe_config(m, E, TOPK, 2 * I, H)]
     if vllm_cfg:
         key = min(vllm_cfg, key=lambda k: abs(int(k) - m))
@@ -147,11 +160,13 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="pick tiles per M from graph-replay timings")
     ap.add_argument("--vllm-config", default=None, help="vLLM's tuned H200 bf16 config JSON (a candidate only)")
     ap.add_argument("--fp6", action="store_true", help="also time the FP6-weight paths")
+    ap.add_argument("--mini", action="store_true", help="small sweep: table tiles, bytes decode, BLOCK_N 128")
+    ap.add_argument("--old", action="store_true", help="also time the current fused and seed-style paths")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     vllm_cfg = json.load(open(args.vllm_config)) if args.vllm_config else None
     OUT["env"] = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                      date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z", sweep=args.sweep)
+                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), sweep=args.sweep)
 
     def dump():
         with open(args.out, "w") as f:
@@ -193,7 +208,8 @@ def main():
         hit = int(torch.unique(ti).numel())
         try:
             add("mxlib_bf16", m, graph_ms(lambda: bf16(x, tw, ti)), experts_hit=hit)
-            cands = bf16_candidates(m, vllm_cfg) if args.sweep else bf16_candidates(m, vllm_cfg)[:1]
+            cands = bf16_candidates(m, vllm_cfg, args.mini) if (args.sweep or args.mini) else \
+                bf16_candidates(m, vllm_cfg)[:1]
             best = None
             for c in cands:
                 ms = graph_ms(lambda: bf16_tuned_forward(w13, w2, x, tw, ti, c, c), rep=25)
@@ -225,6 +241,22 @@ def main():
                 OUT["errors"].append(f"fp4 sweep M={m}: {exc!r}")
                 traceback.print_exc()
                 cfg = F.get_fp4_configs(m, E, TOPK)
+        if args.mini:
+            c1, c2 = cfg
+            minis = [cfg, (replace(c1, WORDS=False), replace(c2, WORDS=False)),
+                     (replace(c1, BLOCK_N=128), replace(c2, BLOCK_N=128))]
+            best = None
+            for pair in minis:
+                try:
+                    ms = graph_ms(lambda: F.fused_fp4_moe(x, pw13, pw2, tw, ti, q1, q2, configs=pair), rep=25)
+                except Exception as exc:  # noqa: BLE001
+                    OUT["errors"].append(f"fp4 mini M={m} {pair}: {exc!r}")
+                    continue
+                OUT["checks"].append(dict(kind="fp4_mini_candidate", M=m, cfg=[pair[0].__dict__, pair[1].__dict__],
+                                          graph_ms=ms))
+                if best is None or ms < best[0]:
+                    best = (ms, pair)
+            cfg = best[1] if best else cfg
         tables["fp4"][m] = [cfg[0].__dict__, cfg[1].__dict__]
         for name in ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4"):
             ex, pw13, pw2, q1, q2 = schemes[name]
@@ -240,7 +272,7 @@ def main():
                 except Exception as exc:  # noqa: BLE001
                     OUT["errors"].append(f"{path} M={m}: {exc!r}")
                     traceback.print_exc()
-            for backend in ("fused", "triton"):
+            for backend in (("fused", "triton") if args.old else ()):
                 if name == "w_mxfp4" and backend == "triton":
                     continue
                 try:

@@ -147,15 +147,15 @@ class FP4Config:
     num_warps: int = 4
     num_stages: int = 3
     A1_FUSED: bool = True  # GEMM1 only: QDQ a1 in the A-tile load (else one standalone pass)
+    WORDS: bool = True  # compiled decode: int32 words, one scale per word (else bytes, four per asm call)
 
 
-# (max pairs per expert, GEMM1 config, GEMM2 config); chosen from graph-replay sweeps on the H200
+# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
+# ``tools/bench_fused.py --sweep`` on the H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
 FP4_CONFIGS: list[tuple[float, FP4Config, FP4Config]] = [
-    (0.25, FP4Config(16, 32, 1, 4, 4), FP4Config(16, 64, 1, 4, 4)),
-    (4.0, FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4)),
     (16.0, FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4)),
     (64.0, FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3)),
-    (float("inf"), FP4Config(128, 64, 8, 8, 3, False), FP4Config(128, 64, 8, 8, 3)),
+    (float("inf"), FP4Config(128, 128, 8, 8, 3, False), FP4Config(128, 128, 8, 8, 3)),
 ]
 
 
@@ -269,6 +269,118 @@ cvt.rn.bf16x2.f32 $2, f5, f4;
 cvt.rn.bf16x2.f32 $3, f7, f6;
 }
 """)
+
+
+# The same decode on one 32-bit word (four packed bytes) per call, the scale once per word:
+# $8 the word; $9 / $10 the scale of its low / high elements (bf16x2, the value twice; or, for
+# the seed's NVFP4, fp32 bits). Outputs $0..$3: low elements 0..3, $4..$7: high elements 0..3.
+_WORD_DECODE = """
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+shl.b32 u0, t0, 6;
+shl.b32 v0, t0, 12;
+and.b32 u0, u0, 0x01C001C0;
+and.b32 v0, v0, 0x80008000;
+or.b32 r0, u0, v0;
+shl.b32 u1, t1, 6;
+shl.b32 v1, t1, 12;
+and.b32 u1, u1, 0x01C001C0;
+and.b32 v1, v1, 0x80008000;
+or.b32 r1, u1, v1;
+shl.b32 u2, t0, 2;
+shl.b32 v2, t0, 8;
+and.b32 u2, u2, 0x01C001C0;
+and.b32 v2, v2, 0x80008000;
+or.b32 r2, u2, v2;
+shl.b32 u3, t1, 2;
+shl.b32 v3, t1, 8;
+and.b32 u3, u3, 0x01C001C0;
+and.b32 v3, v3, 0x80008000;
+or.b32 r3, u3, v3;
+mov.b32 c, 0x7E807E80;
+mul.rn.bf16x2 r0, r0, c;
+mul.rn.bf16x2 r1, r1, c;
+mul.rn.bf16x2 r2, r2, c;
+mul.rn.bf16x2 r3, r3, c;
+"""
+_ASM_WORD_BF16 = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>;\n" + _WORD_DECODE + """
+mul.rn.bf16x2 r0, r0, $9;
+mul.rn.bf16x2 r1, r1, $9;
+mul.rn.bf16x2 r2, r2, $10;
+mul.rn.bf16x2 r3, r3, $10;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+""")
+_ASM_WORD_SEED = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;\n" + _WORD_DECODE + """
+shl.b32 f0, r0, 16;
+and.b32 f1, r0, 0xFFFF0000;
+shl.b32 f2, r1, 16;
+and.b32 f3, r1, 0xFFFF0000;
+shl.b32 f4, r2, 16;
+and.b32 f5, r2, 0xFFFF0000;
+shl.b32 f6, r3, 16;
+and.b32 f7, r3, 0xFFFF0000;
+mul.rn.f32 f0, f0, $9;
+mul.rn.f32 f1, f1, $9;
+mul.rn.f32 f2, f2, $9;
+mul.rn.f32 f3, f3, $9;
+mul.rn.f32 f4, f4, $10;
+mul.rn.f32 f5, f5, $10;
+mul.rn.f32 f6, f6, $10;
+mul.rn.f32 f7, f7, $10;
+cvt.rn.bf16x2.f32 r0, f1, f0;
+cvt.rn.bf16x2.f32 r1, f3, f2;
+cvt.rn.bf16x2.f32 r2, f5, f4;
+cvt.rn.bf16x2.f32 r3, f7, f6;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+""")
+
+
+@triton.jit
+def _word_scales(s_rows, n_mask, col0, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One multiplier per packed word of a half tile, [BLOCK_N, 16] int32: bf16x2 bits (the
+    value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32 bits of ``fp32(ue4m3) * g`` (KIND 1)."""
+    NB: tl.constexpr = 64 // BS
+    cols = col0 + tl.arange(0, NB)
+    sb = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    if KIND == 0:
+        s = nm.decode_e8m0(sb)
+    elif KIND == 1:
+        s = nm.decode_e4m3(sb) * g
+    else:
+        s = nm.decode_e4m3(sb)
+    if KIND == 1:
+        bits = s.to(tl.int32, bitcast=True)
+    else:
+        h = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = h | (h << 16)
+    return tl.reshape(tl.broadcast_to(bits[:, :, None], (BLOCK_N, NB, BS // 4)), (BLOCK_N, 16))
+
+
+@triton.jit
+def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_decode_halves`` from int32 words: w_rows point at int32 rows (16 words per K tile)."""
+    wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
+    s_lo = _word_scales(s_rows, n_mask, kt * (128 // BS), g, KIND, BS, BLOCK_N)
+    s_hi = _word_scales(s_rows, n_mask, kt * (128 // BS) + 64 // BS, g, KIND, BS, BLOCK_N)
+    if KIND == 1:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _ASM_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+    lo = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, 64))
+    hi = tl.reshape(tl.join(tl.join(o4, o6), tl.join(o5, o7)), (BLOCK_N, 64))
+    return lo, hi
 
 
 @triton.jit
@@ -388,7 +500,7 @@ def fused_fp4_moe_kernel(
     W_GLOBAL_OUT: tl.constexpr, A_INV_OUT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr, NAIVE: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    USE_ASM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
@@ -431,12 +543,19 @@ def fused_fp4_moe_kernel(
                        A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
         a_hi = _a_half(a_rows, token_mask, kt * 128 + 64, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                        A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-        w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
+        if WORDS:
+            w_lo, w_hi = _decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N)
+        else:
+            w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
         acc = tl.dot(w_lo, a_lo, acc)
         acc = tl.dot(w_hi, a_hi, acc)
         if GATED:
-            u_lo, u_hi = _decode_halves(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
-                                        W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
+            if WORDS:
+                u_lo, u_hi = _decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
+                                           W_BS, BLOCK_N)
+            else:
+                u_lo, u_hi = _decode_halves(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt,
+                                            W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
             acc_up = tl.dot(u_lo, a_lo, acc_up)
             acc_up = tl.dot(u_hi, a_hi, acc_up)
 
@@ -508,18 +627,20 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     a_scale, a_stride = _scale_arg(scale_src, e, one)
     c_scale, c_stride = _scale_arg(c_qdq, e, one)
     w_kind = 0 if not w.nvfp4 else (1 if mode == 0 else 2)
+    words = cfg.WORDS and use_asm
+    wp = w.packed.view(torch.int32) if words else w.packed  # rows of K/8 words (K/2 bytes)
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     fused_fp4_moe_kernel[grid](
-        a, w.packed, w.scales, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
+        a, wp, w.scales, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
         n, w.k, em, c.shape[0],
-        a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
+        a.stride(0), wp.stride(0), wp.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
         W_KIND=w_kind, W_BS=w.block_size, MODE=mode, **_qdq_consts(a_qdq, "A"),
         GATED=gated, **_qdq_consts(c_qdq, "C"),
         W_GLOBAL_OUT=w_kind == 2, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
         NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm,
+        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
 
