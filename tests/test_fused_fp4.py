@@ -217,3 +217,23 @@ def test_gpu_decode_bits_match_reference(words):
             C(64, 64, 1, 4, 3, WORDS=words), True)
     # the GEMM's sum 1 * w + 0 * (others) turns -0.0 into +0.0; every other value must match bit for bit
     assert_bits_equal(out.T.cpu(), ref[0] + 0.0)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_scale_words_same_bits(scheme, device):
+    """Scale bytes loaded as 32-bit words give the same result, bit for bit."""
+    L = make_layer(scheme, device)
+    c = (FP4Config(16, 32, 1, 4, 1, SCALE_WORDS=False), FP4Config(16, 32, 1, 4, 1, SCALE_WORDS=False))
+    w = tuple(FP4Config(x.BLOCK_M, x.BLOCK_N, x.GROUP_SIZE_M, x.num_warps, x.num_stages, SCALE_WORDS=True) for x in c)
+    for mode in ("seed", "hardware"):
+        assert_bits_equal(run(L, device, mode, configs=w), run(L, device, mode, configs=c), mode)
+
+
+def test_fused_fp4_rejects_bad_input():
+    L = make_layer("w_mxfp4", "cpu")
+    with pytest.raises(TypeError, match="hidden_states: expected dtype torch.bfloat16"):
+        fused_fp4_moe(L["x"].half(), L["pw13"], L["pw2"], L["tw"], L["ti"])
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], mode="fast")
+    with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 256\]"):
+        fused_fp4_moe(L["x"][:, :128], L["pw13"], L["pw2"], L["tw"], L["ti"])

@@ -160,7 +160,7 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="pick tiles per M from graph-replay timings")
     ap.add_argument("--vllm-config", default=None, help="vLLM's tuned H200 bf16 config JSON (a candidate only)")
     ap.add_argument("--fp6", action="store_true", help="also time the FP6-weight paths")
-    ap.add_argument("--mini", action="store_true", help="small sweep: table tiles, bytes decode, BLOCK_N 128")
+    ap.add_argument("--mini", action="store_true", help="small sweep: table tiles, scale words toggled, bytes decode")
     ap.add_argument("--old", action="store_true", help="also time the current fused and seed-style paths")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -243,8 +243,8 @@ def main():
                 cfg = F.get_fp4_configs(m, E, TOPK)
         if args.mini:
             c1, c2 = cfg
-            minis = [cfg, (replace(c1, WORDS=False), replace(c2, WORDS=False)),
-                     (replace(c1, BLOCK_N=128), replace(c2, BLOCK_N=128))]
+            minis = [cfg, (replace(c1, SCALE_WORDS=not c1.SCALE_WORDS), replace(c2, SCALE_WORDS=not c2.SCALE_WORDS)),
+                     (replace(c1, WORDS=False), replace(c2, WORDS=False))]
             best = None
             for pair in minis:
                 try:

@@ -19,8 +19,10 @@ Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert f
   done once by the standalone kernel (``FP4Config.A1_FUSED``); **a2 QDQ in GEMM1's epilogue**.
 * **Block assignment**: tiny batches (``M * k * 4 <= E``, vLLM's rule) give each pair its own
   block and skip the alignment; otherwise ``moe_align_block_size_triton`` (one or two launches).
+* **Scales as words**: a K tile's scale bytes are loaded as 32-bit words, so they join the
+  cp.async pipeline with the weights (``FP4Config.SCALE_WORDS``).
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
-  H200 (``tools/bench_fused.py --sweep``).
+  H200 (``tools/bench_fused.py --sweep``; measurements in ``benchmarks/h200_fused_fp4.md``).
 
 Numerics modes (``mode``):
 
@@ -148,6 +150,7 @@ class FP4Config:
     num_stages: int = 3
     A1_FUSED: bool = True  # GEMM1 only: QDQ a1 in the A-tile load (else one standalone pass)
     WORDS: bool = True  # compiled decode: int32 words, one scale per word (else bytes, four per asm call)
+    SCALE_WORDS: bool = True  # load a K tile's scale bytes as 32-bit words (cp.async-pipelined; else bytes)
 
 
 # (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
@@ -344,12 +347,30 @@ mov.b32 {$6, $7}, r3;
 
 
 @triton.jit
-def _word_scales(s_rows, n_mask, col0, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One multiplier per packed word of a half tile, [BLOCK_N, 16] int32: bf16x2 bits (the
-    value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32 bits of ``fp32(ue4m3) * g`` (KIND 1)."""
+def _scale_bytes(s_rows, n_mask, kt, BS: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """The scale bytes of K tile ``kt`` as int32 ``(low half [BLOCK_N, 64/BS], high half [...])``.
+
+    SCALE_WORDS: ``s_rows`` point at int32 rows and the tile's 128/BS bytes arrive as 32-bit words
+    (one load per row instead of one per byte); else bytes."""
     NB: tl.constexpr = 64 // BS
-    cols = col0 + tl.arange(0, NB)
-    sb = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    if SCALE_WORDS:
+        NW: tl.constexpr = 128 // BS // 4
+        wd = tl.load(s_rows[:, None] + (kt * NW + tl.arange(0, NW))[None, :], mask=n_mask[:, None], other=0)
+        b = (wd[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # [BLOCK_N, NW, 4], byte order
+        lo, hi = tl.split(tl.permute(tl.reshape(b, (BLOCK_N, 2, NB)), (0, 2, 1)))
+    else:
+        cols = kt * (128 // BS) + tl.arange(0, NB)
+        lo = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+        hi = tl.load(s_rows[:, None] + (cols + NB)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    return lo, hi
+
+
+@triton.jit
+def _word_scales(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One multiplier per packed word of a half tile, [BLOCK_N, 16] int32: bf16x2 bits (the
+    value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32 bits of ``fp32(ue4m3) * g`` (KIND 1);
+    ``sb`` the half tile's scale bytes [BLOCK_N, 64 / BS]."""
+    NB: tl.constexpr = 64 // BS
     if KIND == 0:
         s = nm.decode_e8m0(sb)
     elif KIND == 1:
@@ -365,11 +386,13 @@ def _word_scales(s_rows, n_mask, col0, g, KIND: tl.constexpr, BS: tl.constexpr, 
 
 
 @triton.jit
-def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SCALE_WORDS: tl.constexpr):
     """``_decode_halves`` from int32 words: w_rows point at int32 rows (16 words per K tile)."""
     wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
-    s_lo = _word_scales(s_rows, n_mask, kt * (128 // BS), g, KIND, BS, BLOCK_N)
-    s_hi = _word_scales(s_rows, n_mask, kt * (128 // BS) + 64 // BS, g, KIND, BS, BLOCK_N)
+    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
+    s_lo = _word_scales(sb_lo, g, KIND, BS, BLOCK_N)
+    s_hi = _word_scales(sb_hi, g, KIND, BS, BLOCK_N)
     if KIND == 1:
         o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
             _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
@@ -384,12 +407,10 @@ def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.cons
 
 
 @triton.jit
-def _scale_tile(s_rows, n_mask, col0, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scale_tile(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per-element multipliers of a half tile [BLOCK_N, 64]: bf16 (KIND 0 MX, 2 NVFP4 hardware:
-    exact) or fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed)."""
+    exact) or fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed); ``sb`` the scale bytes [BLOCK_N, 64 / BS]."""
     NB: tl.constexpr = 64 // BS
-    cols = col0 + tl.arange(0, NB)
-    sb = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
     if KIND == 0:
         s = nm.decode_e8m0(sb)
     elif KIND == 1:
@@ -403,11 +424,12 @@ def _scale_tile(s_rows, n_mask, col0, g, KIND: tl.constexpr, BS: tl.constexpr, B
 
 @triton.jit
 def _decode_halves(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALE_WORDS: tl.constexpr):
     """The two half tiles [BLOCK_N, 64] (K ``kt*128 + 0..63`` and ``+ 64..127``) in the dot dtype."""
     b = tl.load(w_rows[:, None] + (kt * 64 + tl.arange(0, 64))[None, :], mask=n_mask[:, None], other=0)
-    s_lo = _scale_tile(s_rows, n_mask, kt * (128 // BS), g, KIND, BS, BLOCK_N)
-    s_hi = _scale_tile(s_rows, n_mask, kt * (128 // BS) + 64 // BS, g, KIND, BS, BLOCK_N)
+    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
+    s_lo = _scale_tile(sb_lo, g, KIND, BS, BLOCK_N)
+    s_hi = _scale_tile(sb_hi, g, KIND, BS, BLOCK_N)
     if USE_ASM:
         if KIND == 1:
             lo, hi = tl.inline_asm_elementwise(_ASM_SEED_F32, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, s_lo, s_hi],
@@ -500,7 +522,7 @@ def fused_fp4_moe_kernel(
     W_GLOBAL_OUT: tl.constexpr, A_INV_OUT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr, NAIVE: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr, WORDS: tl.constexpr,
+    USE_ASM: tl.constexpr, WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
@@ -544,18 +566,19 @@ def fused_fp4_moe_kernel(
         a_hi = _a_half(a_rows, token_mask, kt * 128 + 64, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                        A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
         if WORDS:
-            w_lo, w_hi = _decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N)
+            w_lo, w_hi = _decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, SCALE_WORDS)
         else:
-            w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
+            w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM,
+                                            SCALE_WORDS)
         acc = tl.dot(w_lo, a_lo, acc)
         acc = tl.dot(w_hi, a_hi, acc)
         if GATED:
             if WORDS:
                 u_lo, u_hi = _decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
-                                           W_BS, BLOCK_N)
+                                           W_BS, BLOCK_N, SCALE_WORDS)
             else:
                 u_lo, u_hi = _decode_halves(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt,
-                                            W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM)
+                                            W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM, SCALE_WORDS)
             acc_up = tl.dot(u_lo, a_lo, acc_up)
             acc_up = tl.dot(u_hi, a_hi, acc_up)
 
@@ -629,18 +652,19 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     w_kind = 0 if not w.nvfp4 else (1 if mode == 0 else 2)
     words = cfg.WORDS and use_asm
     wp = w.packed.view(torch.int32) if words else w.packed  # rows of K/8 words (K/2 bytes)
+    ws = w.scales.view(torch.int32) if cfg.SCALE_WORDS else w.scales  # K/BS bytes a row: a multiple of 4
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     fused_fp4_moe_kernel[grid](
-        a, wp, w.scales, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
+        a, wp, ws, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
         n, w.k, em, c.shape[0],
-        a.stride(0), wp.stride(0), wp.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
+        a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
         W_KIND=w_kind, W_BS=w.block_size, MODE=mode, **_qdq_consts(a_qdq, "A"),
         GATED=gated, **_qdq_consts(c_qdq, "C"),
         W_GLOBAL_OUT=w_kind == 2, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
         NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words,
+        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words, SCALE_WORDS=cfg.SCALE_WORDS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
 
@@ -673,7 +697,7 @@ def fused_fp4_moe(
     """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
 
     Args:
-        hidden_states: ``[M, H]`` bf16 or fp16, NOT yet quantized (a1's QDQ happens here).
+        hidden_states: ``[M, H]`` bf16, NOT yet quantized (a1's QDQ happens here).
         w13: ``prepare_fp4_weights`` of ``[E, 2I, H/2]`` (gate rows, then up rows);
             w2: of ``[E, H, I/2]``. Both MXFP4 or both NVFP4.
         topk_weights: ``[M, k]`` router weights (fp32); topk_ids: ``[M, k]`` int expert ids.
@@ -691,12 +715,15 @@ def fused_fp4_moe(
 
     Raises:
         ValueError: unknown mode, mismatched shapes or formats.
+        TypeError: ``hidden_states`` not bf16.
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {sorted(MODES)}, got {mode!r}")
     md = MODES[mode]
     if hidden_states.ndim != 2 or hidden_states.shape[1] != w13.k:
         raise ValueError(f"hidden_states: expected [M, {w13.k}], got {list(hidden_states.shape)}")
+    if hidden_states.dtype != torch.bfloat16:
+        raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}")
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
