@@ -92,8 +92,13 @@ def test_routing_statistics_against_independent_count(models):
     ids = _calibration_ids(balanced.config.vocab_size)
     # oracle: the top-k ids the experts modules themselves receive in the same forward
     seen = {}
-    hooks = [mlp.experts.register_forward_pre_hook(
-        lambda m, args, i=i: seen.__setitem__(i, args[1].reshape(-1).long())) for i, mlp in enumerate(moe_layers(balanced))]
+    def record(i):
+        def hook(module, args):
+            seen[i] = args[1].reshape(-1).long()
+
+        return hook
+
+    hooks = [mlp.experts.register_forward_pre_hook(record(i)) for i, mlp in enumerate(moe_layers(balanced))]
     try:
         stats = routing_statistics(balanced, ids)
     finally:

@@ -62,9 +62,13 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
         ValueError: ``token_ids`` is not an integer tensor of 1 or 2 dimensions, or the
             model has no MoE layers.
     """
-    if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dim() not in (1, 2):
-        got = f"{token_ids.dtype} tensor of shape {tuple(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
-        raise ValueError(f"token_ids must be an integer tensor [batch, seq] or [seq], got {got}")
+    if not isinstance(token_ids, torch.Tensor):
+        raise ValueError(f"token_ids must be an integer tensor [batch, seq] or [seq], got {type(token_ids).__name__}")
+    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dim() not in (1, 2):
+        raise ValueError(
+            "token_ids must be an integer tensor [batch, seq] or [seq], "
+            f"got {token_ids.dtype} of shape {list(token_ids.shape)}"
+        )
     if token_ids.dim() == 1:
         token_ids = token_ids[None]
     layers = moe_layers(model)
