@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mxlib.models.qwen3 import dummy_qwen3_moe, moe_layers, qwen3_30b_a3b_config
-from mxlib.models.routing_stats import routing_figure, routing_statistics
+from mxlib.models.routing_stats import routing_figure, routing_rows, routing_statistics
 from mxlib.workflow import random_token_ids
 
 SMALL = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
@@ -152,3 +152,6 @@ def test_routing_figure(models):
     stats = routing_statistics(balanced, _calibration_ids(balanced.config.vocab_size)[:, :32])
     fig = routing_figure(stats)
     assert len(fig.data) == 4 and fig.data[0].z.shape == (4, 64)
+    rows = routing_rows(stats)
+    assert [r["layer"] for r in rows] == [0, 1, 2, 3] and rows[0]["experts_hit"] == stats[0]["experts_hit"]
+    assert "tokens_per_expert" not in rows[0]

@@ -133,6 +133,9 @@ def dummy_qwen3_moe(
        on the warm-up batch (``W <- W (1 - u u^T)``), so no shared offset biases all
        tokens toward the same experts.
 
+    Step 1 does nearly all the work: without step 2, the hidden-1024 model of the table below
+    has largest shares 1.72 / 1.69 / 2.34 / 2.41x; step 2 removes what shared offset remains.
+
     Later layers are measured after earlier ones are set (hooks recompute each output with
     the new weights, one pass in all). Only parameter values change: transformers'
     architecture, parameter names and shapes, and the checkpoint layouts are untouched.

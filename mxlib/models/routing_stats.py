@@ -20,7 +20,7 @@ import torch
 
 from .qwen3 import moe_layers
 
-__all__ = ["routing_statistics", "routing_figure"]
+__all__ = ["routing_statistics", "routing_rows", "routing_figure"]
 
 
 def _topk_ids(router, output, top_k: int) -> torch.Tensor:
@@ -118,6 +118,13 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
             )
         )
     return stats
+
+
+def routing_rows(stats: list[dict]) -> list[dict]:
+    """``routing_statistics`` output as flat table rows (no ``tokens_per_expert``; shares
+    rounded to 4 significant digits), for ``mxlib.plots.table`` or a DataFrame."""
+    keys = ("layer", "experts_hit", "max_share", "min_share", "max_over_uniform", "normalized_entropy")
+    return [{k: (float(f"{s[k]:.4g}") if isinstance(s[k], float) else s[k]) for k in keys} for s in stats]
 
 
 def routing_figure(stats: list[dict], title: str = "Routing per layer"):
