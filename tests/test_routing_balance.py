@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mxlib.models.qwen3 import dummy_qwen3_moe, moe_layers, qwen3_30b_a3b_config
-from mxlib.models.routing_stats import routing_figure, routing_rows, routing_statistics
+from mxlib.models.calibration import calibrate
+from mxlib.models.routing_stats import routing_figure, routing_rows, routing_statistics, summarize_counts
 from mxlib.workflow import random_token_ids
 
 SMALL = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
@@ -134,6 +135,17 @@ def test_routing_statistics_hand_built_router():
     assert s["max_share"] == 0.5 and s["min_share"] == 0.0
     assert s["entropy"] == pytest.approx(math.log(2), rel=1e-12)
     assert s["tokens_per_expert"].tolist() == [16, 16, 0, 0, 0, 0, 0, 0]
+
+
+def test_summarize_counts_from_calibration(models):
+    balanced, _ = models
+    ids = _calibration_ids(balanced.config.vocab_size)[:, :64]
+    cal = calibrate(balanced, ids)
+    stats = summarize_counts([lc.tokens for lc in cal.layers], top_k=8)
+    assert [s["assignments"] for s in stats] == [ids.numel() * 8] * 4
+    assert [s["experts_hit"] for s in stats] == [int((lc.tokens > 0).sum()) for lc in cal.layers]
+    with pytest.raises(ValueError, match=r"tokens_per_expert\[0\]"):
+        summarize_counts([torch.zeros(4, dtype=torch.long)], top_k=2)
 
 
 def test_routing_statistics_bad_input(models):

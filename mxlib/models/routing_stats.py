@@ -20,7 +20,7 @@ import torch
 
 from .qwen3 import moe_layers
 
-__all__ = ["routing_statistics", "routing_rows", "routing_figure"]
+__all__ = ["routing_statistics", "summarize_counts", "routing_rows", "routing_figure"]
 
 
 def _topk_ids(router, output, top_k: int) -> torch.Tensor:
@@ -94,9 +94,28 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
         for h in handles:
             h.remove()
 
+    return summarize_counts([counts[i] for i in range(len(layers))], top_k)
+
+
+def summarize_counts(tokens_per_expert: list[torch.Tensor], top_k: int) -> list[dict]:
+    """The statistics of ``routing_statistics`` from per-layer expert counts.
+
+    ``tokens_per_expert``: one integer ``[E]`` tensor per layer, the number of (token, slot)
+    assignments each expert received, for example ``[lc.tokens for lc in calibration.layers]``
+    of a ``mxlib.models.calibration.Calibration`` (no second forward pass needed).
+
+    Raises:
+        ValueError: a layer's counts are not a 1-D integer tensor with a positive sum.
+    """
     stats = []
-    for i in range(len(layers)):
-        c = counts[i]
+    for i, c in enumerate(tokens_per_expert):
+        if c.dim() != 1 or c.dtype.is_floating_point or int(c.sum()) <= 0:
+            raise ValueError(
+                f"tokens_per_expert[{i}] must be a 1-D integer tensor with a positive sum, "
+                f"got {c.dtype} of shape {list(c.shape)}"
+            )
+        c = c.detach().long().cpu()
+        num_experts = c.numel()
         total = int(c.sum())
         share = c.double() / total
         nz = share[share > 0]
