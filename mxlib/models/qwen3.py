@@ -253,7 +253,7 @@ def _balance_routing(model, seed: int, attn_update_ratio: float) -> None:
             handles.append(layer.input_layernorm.register_forward_pre_hook(layer_in(i)))
             handles.append(layer.self_attn.o_proj.register_forward_hook(attn_out(i)))
             handles.append(layer.mlp.gate.register_forward_pre_hook(router_in))
-        model.model(ids)
+        model.model(input_ids=ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -89,7 +89,7 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
     handles = [mlp.gate.register_forward_hook(hook_for(i)) for i, mlp in enumerate(layers)]
     try:
         device = next(model.parameters()).device
-        model.model(token_ids.to(device))
+        model.model(input_ids=token_ids.to(device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
