@@ -116,9 +116,9 @@ def dummy_qwen3_moe(
     the routing collapses with depth (issue 15): causal attention with random q/k is close to
     a uniform average over the prefix, so its output is nearly the same vector for every
     token of a sequence, and with 0.02 weights at Qwen3-30B-A3B's widths it is about
-    ``1.2 / sqrt(position)`` per element against the token embedding's 0.02. From layer 1 on, the router input of a
-    sequence is dominated by that shared vector and every token asks the router the same
-    question. (The shared vector differs between sequences, so router rows projected
+    ``1.2 / sqrt(position)`` per element against the token embedding's 0.02. From layer 1 on,
+    the router input of a sequence is dominated by that shared vector and every token asks
+    the router the same question. (The shared vector differs between sequences, so router rows projected
     orthogonal to a batch's mean direction alone do not help: measured, they leave the
     collapse as it was.) A trained model's attention is selective and its layers add
     updates smaller than the residual stream they read. The construction, data-dependent
@@ -133,8 +133,9 @@ def dummy_qwen3_moe(
        on the warm-up batch (``W <- W (1 - u u^T)``), so no shared offset biases all
        tokens toward the same experts.
 
-    Step 1 does nearly all the work: without step 2, the hidden-1024 model of the table below
-    has largest shares 1.72 / 1.69 / 2.34 / 2.41x; step 2 removes what shared offset remains.
+    Step 1 does nearly all the work: without step 2, a smaller model
+    (hidden 1024, 128 experts) has largest shares 1.72 / 1.69 / 2.34 / 2.41x against
+    1.72 / 1.66 / 2.22 / 2.38x with it; step 2 removes what shared offset remains.
 
     Later layers are measured after earlier ones are set (hooks recompute each output with
     the new weights, one pass in all). Only parameter values change: transformers'
@@ -143,20 +144,26 @@ def dummy_qwen3_moe(
     ``balanced_routing=False`` gives the earlier plain random model (same random draws).
 
     Measured with seed 0, top-8 and the 512 calibration tokens of
-    ``mxlib.workflow.calibrate_model`` (4 layers, experts that receive a token / largest
-    expert's share over the uniform share):
+    ``mxlib.workflow.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
+    experts; uniform share 1/128 = 0.0078, 32 of the 4,096 assignments per expert):
 
-    ==================================  =============  =============  =============  =============
-    model                               layer 0        layer 1        layer 2        layer 3
-    ==================================  =============  =============  =============  =============
-    hidden 1024, 128 experts, plain     128 / 4.47x    92 / 7.72x     76 / 11.9x     67 / 12.3x
-    hidden 1024, 128 experts, balanced  128 / 1.72x    128 / 1.66x    128 / 2.22x    128 / 2.38x
-    ==================================  =============  =============  =============  =============
+    ========================  ==============  ==============  ==============  ==============
+    layer                     0               1               2               3
+    ========================  ==============  ==============  ==============  ==============
+    plain: experts hit        128             92              72              65
+    plain: largest share      0.0271 (3.47x)  0.0686 (8.78x)  0.0613 (7.84x)  0.1062 (13.6x)
+    plain: norm. entropy      0.940           0.770           0.711           0.681
+    balanced: experts hit     128             128             128             128
+    balanced: largest share   0.0120 (1.53x)  0.0129 (1.66x)  0.0149 (1.91x)  0.0176 (2.25x)
+    balanced: smallest share  0.0037          0.0037          0.0029          0.0029
+    balanced: norm. entropy   0.9948          0.9947          0.9916          0.9876
+    ========================  ==============  ==============  ==============  ==============
 
-    (hidden 1024: 16 heads of 128, 2 KV heads, expert intermediate 384, vocabulary 32000.)
-    Normalized entropy of the expert load: plain 0.93 / 0.76 / 0.71 / 0.66, balanced
-    0.994 / 0.992 / 0.987 / 0.983. ``attn_update_ratio`` 0.5 balances less (on a hidden-512,
-    64-expert model, largest share 3.0x in layers 2-3 against 2.1x at 0.25).
+    Every expert of every layer is calibrated; per-layer max/min of the calibrated amax at
+    spread 0: a1 1.33 / 1.19 / 1.23 / 1.21, a2 1.95 / 1.93 / 2.47 / 2.13. The warm-up adds
+    one forward pass of 512 tokens to a build (35 s on a shared 2-core CPU at full size).
+    ``attn_update_ratio`` 0.5 balances less (on a hidden-512, 64-expert model, largest share
+    3.0x in layers 2-3 against 2.1x at 0.25).
 
     **Expert spread.** ``expert_spread`` sigma gives experts activations of different ranges,
     as trained MoE experts have: expert ``e``'s w13 is multiplied by ``f_e = exp(sigma * z_e)``,
@@ -181,10 +188,11 @@ def dummy_qwen3_moe(
 
     (Per layer at 1.0: a2 8.0e3 to 8.3e4.) The a2 ratio roughly (within a factor 2 here)
     follows ``exp(2 sigma (z_max - z_min))`` times the spread-0 ratio, where ``z_max - z_min``,
-    the range of E standard normal draws, is about 4.8 for 64 experts and 5.2 for 128: to match a checkpoint whose w2 input scales
-    span a ratio ``r``, use ``sigma ~ ln(r / 2.4) / (2 * 5.2)`` at 128 experts (``r = 10`` gives
-    about 0.14). Built without balanced routing, the same model leaves 29 to 31 (layer,
-    expert) pairs uncalibrated and its a1 ratio is 1.41.
+    the range of E standard normal draws, is about 4.8 for 64 experts and 5.2 for 128: to
+    match a checkpoint whose w2 input scales span a ratio ``r``, use
+    ``sigma ~ ln(r / r0) / (2 * 5.2)`` at 128 experts, with ``r0`` the spread-0 ratio (about 2
+    at full size: ``r = 10`` gives about 0.15). Built without balanced routing, the same small
+    model leaves 29 to 31 (layer, expert) pairs uncalibrated and its a1 ratio is 1.41.
 
     a1 (the w13 input, the normalized residual) does not depend on the spread; its ratio
     comes from the routing alone.
