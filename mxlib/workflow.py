@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # Bump when the dummy weights, calibration or writer change what a cached checkpoint holds.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -117,6 +117,12 @@ def moe_layers(model) -> list:
     return [layer.mlp for layer in model.model.layers]
 
 
+# Warm-up batch of the routing-balance construction: its own seed offset, apart from the
+# evaluation (seed + 1) and calibration (seed + 1000) token ids of mxlib.workflow.
+WARMUP_SEED_OFFSET = 2000
+WARMUP_SHAPE = (2, 256)  # [sequences, tokens]: the calibration batch's shape
+
+
 @torch.no_grad()
 def dummy_qwen3_moe(
     config: Qwen3MoeConfig,
@@ -124,19 +130,105 @@ def dummy_qwen3_moe(
     dtype: torch.dtype = torch.bfloat16,
     expert_spread: float = 0.0,
     device="cpu",
+    balanced_routing: bool = True,
+    attn_update_ratio: float = 0.25,
 ) -> Qwen3MoeForCausalLM:
     """A seeded random-weight model: the workbook's "dummy checkpoint" in bf16.
 
     Linear, embedding and router weights are ``N(0, initializer_range)`` (0.02), norms 1.
+    Generation is deterministic for a given seed and device (CPU and CUDA generators
+    differ, and the warm-up below runs on ``device``).
 
-    ``expert_spread`` sigma gives experts activations of different ranges, as trained MoE
-    experts have: expert ``e``'s w13 is multiplied by ``f_e = exp(sigma * z_e)``,
+    **Balanced routing** (``balanced_routing=True``, the default). With plain random weights
+    the routing collapses with depth (issue 15): causal attention with random q/k is close to
+    a uniform average over the prefix, so its output is nearly the same vector for every
+    token of a sequence, and with 0.02 weights at Qwen3-30B-A3B's widths it is about
+    ``1.2 / sqrt(position)`` per element against the token embedding's 0.02. From layer 1 on,
+    the router input of a sequence is dominated by that shared vector and every token asks
+    the router the same question. (The shared vector differs between sequences, so router rows projected
+    orthogonal to a batch's mean direction alone do not help: measured, they leave the
+    collapse as it was.) A trained model's attention is selective and its layers add
+    updates smaller than the residual stream they read. The construction, data-dependent
+    like LSUV initialization (Mishkin & Matas, 2016), runs one seeded warm-up forward pass
+    (token ids ``[2, 256]`` drawn as ``mxlib.workflow.random_token_ids`` does, seed
+    ``seed + WARMUP_SEED_OFFSET``) layer by layer and sets:
+
+    1. each layer's attention output projection ``o_proj`` multiplied by one scalar so the
+       attention update's RMS is ``attn_update_ratio`` (0.25) times the RMS of the residual
+       stream entering the layer, measured on the warm-up batch;
+    2. each router's rows projected orthogonal to the mean direction of that router's input
+       on the warm-up batch (``W <- W (1 - u u^T)``), so no shared offset biases all
+       tokens toward the same experts.
+
+    Step 1 does nearly all the work: without step 2, a smaller model
+    (hidden 1024, 128 experts) has largest shares 1.72 / 1.69 / 2.34 / 2.41x against
+    1.72 / 1.66 / 2.22 / 2.38x with it; step 2 removes what shared offset remains.
+
+    Later layers are measured after earlier ones are set (hooks recompute each output with
+    the new weights, one pass in all). Only parameter values change: transformers'
+    architecture, parameter names and shapes, and the checkpoint layouts are untouched.
+    Experts' weights are not touched by it, so a1/a2 statistics stay comparable.
+    ``balanced_routing=False`` gives the earlier plain random model (same random draws).
+
+    Measured with seed 0, top-8 and the 512 calibration tokens of
+    ``mxlib.workflow.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
+    experts; uniform share 1/128 = 0.0078, 32 of the 4,096 assignments per expert):
+
+    ========================  ==============  ==============  ==============  ==============
+    layer                     0               1               2               3
+    ========================  ==============  ==============  ==============  ==============
+    plain: experts hit        128             92              72              65
+    plain: largest share      0.0271 (3.47x)  0.0686 (8.78x)  0.0613 (7.84x)  0.1062 (13.6x)
+    plain: norm. entropy      0.940           0.770           0.711           0.681
+    balanced: experts hit     128             128             128             128
+    balanced: largest share   0.0120 (1.53x)  0.0129 (1.66x)  0.0149 (1.91x)  0.0176 (2.25x)
+    balanced: smallest share  0.0037          0.0037          0.0029          0.0029
+    balanced: norm. entropy   0.9948          0.9947          0.9916          0.9876
+    ========================  ==============  ==============  ==============  ==============
+
+    Every expert of every layer is calibrated; per-layer max/min of the calibrated amax at
+    spread 0: a1 1.33 / 1.19 / 1.23 / 1.21, a2 1.95 / 1.93 / 2.47 / 2.13. The warm-up adds
+    one forward pass of 512 tokens to a build (35 s on a shared 2-core CPU at full size).
+    ``attn_update_ratio`` 0.5 balances less (on a hidden-512, 64-expert model, largest share
+    3.0x in layers 2-3 against 2.1x at 0.25).
+
+    **Expert spread.** ``expert_spread`` sigma gives experts activations of different ranges,
+    as trained MoE experts have: expert ``e``'s w13 is multiplied by ``f_e = exp(sigma * z_e)``,
     ``z_e ~ N(0, 1)``, and its w2 by ``f_e ** -2``. Gate and up both grow by ``f_e``, so the
     SiLU-and-mul output (the w2 input, a2) grows by about ``f_e ** 2`` while the expert's
     output stays on the common scale: a2 ranges spread over ``exp(+-2 sigma)`` per standard
-    deviation and no expert dominates the layer. 0 gives i.i.d. experts. Generation is
-    deterministic for a given seed and device (CPU and CUDA generators differ).
+    deviation and no expert dominates the layer. 0 gives i.i.d. experts. The number to compare
+    with a real checkpoint's per-expert ``input_scale`` of a layer (ModelOpt NVFP4 stores
+    ``amax / (6 * 448)`` per expert, so the ratio of two experts' input scales is the ratio
+    of their calibrated amax) is max/min over experts of the calibrated amax, median over
+    layers, measured here with seed 0 and 512 calibration tokens on a small model
+    (hidden 256, 64 experts, top-8, 4 layers; every expert calibrated):
+
+    ========  ======================  ===========================
+    spread    a1 (w13 input) max/min  a2 (w2 input) max/min
+    ========  ======================  ===========================
+    0         1.22                    2.4
+    0.5       1.22                    1.9e2
+    1.0       1.20                    2.7e4
+    1.5       1.21                    3.6e6
+    ========  ======================  ===========================
+
+    (Per layer at 1.0: a2 8.0e3 to 8.3e4.) The a2 ratio roughly (within a factor 2 here)
+    follows ``exp(2 sigma (z_max - z_min))`` times the spread-0 ratio, where ``z_max - z_min``,
+    the range of E standard normal draws, is about 4.8 for 64 experts and 5.2 for 128: to
+    match a checkpoint whose w2 input scales span a ratio ``r``, use
+    ``sigma ~ ln(r / r0) / (2 * 5.2)`` at 128 experts, with ``r0`` the spread-0 ratio (about 2
+    at full size: ``r = 10`` gives about 0.15). Built without balanced routing, the same small
+    model leaves 29 to 31 (layer, expert) pairs uncalibrated and its a1 ratio is 1.41.
+
+    a1 (the w13 input, the normalized residual) does not depend on the spread; its ratio
+    comes from the routing alone.
+
+    Raises:
+        ValueError: ``attn_update_ratio`` not positive.
     """
+    if not attn_update_ratio > 0:
+        raise ValueError(f"attn_update_ratio must be > 0, got {attn_update_ratio}")
     model = empty_qwen3_moe(config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     std = config.initializer_range
@@ -151,7 +243,55 @@ def dummy_qwen3_moe(
             f = torch.exp(expert_spread * z)[:, None, None]
             mlp.experts.gate_up_proj.mul_(f.to(dtype))
             mlp.experts.down_proj.mul_((1.0 / (f * f)).to(dtype))
+    if balanced_routing:
+        _balance_routing(model, seed, attn_update_ratio)
     return model
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2).mean().sqrt()
+
+
+@torch.no_grad()
+def _balance_routing(model, seed: int, attn_update_ratio: float) -> None:
+    """Step 1 and 2 of ``dummy_qwen3_moe``'s balanced routing, in one warm-up forward pass."""
+    gen = torch.Generator().manual_seed(seed + WARMUP_SEED_OFFSET)
+    ids = torch.randint(0, model.config.vocab_size, WARMUP_SHAPE, generator=gen)
+    ids = ids.to(next(model.parameters()).device)
+    residual_rms: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def layer_in(i):
+        def hook(module, args):
+            residual_rms[i] = _rms(args[0])
+
+        return hook
+
+    def attn_out(i):
+        def hook(module, args, out):
+            w = module.weight
+            gain = attn_update_ratio * residual_rms[i] / _rms(out)
+            w.copy_((w.float() * gain).to(w.dtype))
+            return torch.nn.functional.linear(args[0], w, module.bias)
+
+        return hook
+
+    def router_in(module, args):
+        x = args[0].reshape(-1, module.weight.shape[-1]).float()
+        u = x.mean(0)
+        u = u / u.norm().clamp_min(torch.finfo(torch.float32).tiny)
+        w = module.weight.float()
+        module.weight.copy_((w - (w @ u)[:, None] * u[None, :]).to(module.weight.dtype))
+
+    try:
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.input_layernorm.register_forward_pre_hook(layer_in(i)))
+            handles.append(layer.self_attn.o_proj.register_forward_hook(attn_out(i)))
+            handles.append(layer.mlp.gate.register_forward_pre_hook(router_in))
+        model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def expert_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
