@@ -227,10 +227,8 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
     nan = torch.isnan(r)
     if nan.any():
-        if fmt.specials == "fn":
-            mag = torch.where(nan, 2 ** (fmt.ebits + fmt.mbits) - 1, mag)
-        elif fmt.specials == "ieee":
-            mag = torch.where(nan, (2**fmt.ebits - 1) << fmt.mbits | (1 << (fmt.mbits - 1)), mag)
+        if fmt.has_nan_code:
+            mag = torch.where(nan, fmt.nan_code, mag)
         else:
             mag = torch.where(nan, 0, mag)
             sign = torch.where(nan, 0, sign)
