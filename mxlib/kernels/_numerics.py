@@ -23,18 +23,17 @@ Element formats are passed as constexprs ``EBITS, MBITS, SPECIALS`` with
 2 (e5m2: IEEE-like Inf/NaN).
 """
 
-import os
 import struct
 
 import triton
 import triton.language as tl
 
 from ..formats import ELEMENT_FORMATS, FP8_E4M3_PER_TENSOR, NVFP4
-from ._bridge import kernel_format_args
+from ._bridge import INTERPRET, kernel_format_args
 
-# Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` settles
-# TRITON_INTERPRET before any kernel module loads, so this agrees with every kernel here.
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` defines every
+# kernel module under the process's one choice (``_bridge.INTERPRET``), so this agrees with them.
+INTERPRETING = tl.constexpr(INTERPRET)
 
 # fp32 constants as bit patterns, so that no NaN literal passes through Python floats
 _NAN_BITS = tl.constexpr(0x7FC00000)
