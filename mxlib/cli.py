@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from . import report
 from . import studies as S
 from . import workflow as W
 from .formats import FP8_E4M3_PER_TENSOR
@@ -93,13 +94,11 @@ def unify(args) -> dict:
               f"KL {r['kl_divergence']:.2e}")
     for r in sp:
         print(f"[unify] spread {r['spread']}: {r['point']} mean dB lost by max {r['mean_db_lost']:.3f}")
-    summary = []
-    for point in ("a1", "a2"):
-        rows = [r for r in st["experts"] if r["point"] == point]
-        for s in strategies:
-            summary.append(dict(point=point, strategy=s, mean_sqnr_db=sum(r[f"sqnr_{s}"] for r in rows) / len(rows),
-                                mean_db_lost=sum(r[f"db_lost_{s}"] for r in rows) / len(rows),
-                                worst_db_lost=max(r[f"db_lost_{s}"] for r in rows)))
+    summary = report.strategy_summary(st["experts"], strategies)  # notebook 04's table
+    for r in summary:
+        lost = (f", dB lost mean {r['mean_db_lost']:.3f} worst {r['worst_db_lost']:.3f}, subnormal blocks "
+                f"{r['subnormal_blocks']:.4f}" if "mean_db_lost" in r else "")
+        print(f"[unify] {r['point']} {r['strategy']}: mean SQNR {r['mean_sqnr_db']:.2f} dB{lost}")
     deep = [r for r in st["experts"] if r["scale_ratio"] < _DEEP_RATIO]
     return dict(layers=args.layers, spread=args.spread, strategies=strategies, summary=summary,
                 deep_experts=deep, histograms=st["histograms"], expert_outputs=eo, end_to_end=e2e_rows,

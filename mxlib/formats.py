@@ -140,6 +140,30 @@ class ElementFormat:
         set_(self, "specials_id", SPECIALS.index(self.specials))
 
     @property
+    def has_nan_code(self) -> bool:
+        """Whether some code is NaN (e4m3fn: S.1111.111; e5m2: the all-ones exponent with a
+        non-zero mantissa). FP4 and FP6 have none: every code is a number."""
+        return self.specials != "none"
+
+    @property
+    def has_inf(self) -> bool:
+        """Whether the format encodes Inf (e5m2 only: all-ones exponent, zero mantissa)."""
+        return self.specials == "ieee"
+
+    @property
+    def nan_code(self) -> int | None:
+        """The positive NaN code a NaN encodes to (the sign bit is kept on top of it), or None.
+
+        e4m3fn: ``0x7F`` (the one NaN magnitude); e5m2: ``0x7E`` (all-ones exponent, the top
+        mantissa bit set: the quiet NaN, as ml_dtypes and vLLM encode it).
+        """
+        if self.specials == "fn":
+            return 2 ** (self.ebits + self.mbits) - 1
+        if self.specials == "ieee":
+            return (2**self.ebits - 1) << self.mbits | (1 << (self.mbits - 1))
+        return None
+
+    @property
     def elements_per_byte(self) -> Fraction:
         """Packed elements per byte: 2 for FP4, 4/3 for FP6, 1 for FP8."""
         return Fraction(8, self.nbits)

@@ -84,7 +84,9 @@ from ._checks import (
 from .formats import (
     E8M0_BIAS,
     E8M0_NAN_BYTE,
+    FP8_E4M3_PER_TENSOR,
     MX_BLOCK_SIZE,
+    NVFP4,
     NVFP4_BLOCK_SIZE,
     NVFP4_SCALE_DIVISOR,
     ElementFormat,
@@ -117,8 +119,9 @@ __all__ = [
     "quant_dequant",
 ]
 
-_E2M1 = get_element_format("e2m1")
-_E4M3 = get_element_format("e4m3")
+_E2M1 = NVFP4.element  # e2m1
+_E4M3 = NVFP4.scale.element  # e4m3fn, NVFP4's block scales
+_FP8 = FP8_E4M3_PER_TENSOR.element  # e4m3fn, per-tensor FP8
 # Rows are processed in chunks of about this many elements: it bounds the fp32
 # temporaries on full-size expert weights (a 128-expert w13 is 400M elements) and
 # keeps them small enough for the allocator to reuse instead of mapping fresh pages.
@@ -227,10 +230,8 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
     nan = torch.isnan(r)
     if nan.any():
-        if fmt.specials == "fn":
-            mag = torch.where(nan, 2 ** (fmt.ebits + fmt.mbits) - 1, mag)
-        elif fmt.specials == "ieee":
-            mag = torch.where(nan, (2**fmt.ebits - 1) << fmt.mbits | (1 << (fmt.mbits - 1)), mag)
+        if fmt.has_nan_code:
+            mag = torch.where(nan, fmt.nan_code, mag)
         else:
             mag = torch.where(nan, 0, mag)
             sign = torch.where(nan, 0, sign)
@@ -483,8 +484,8 @@ def _recip(v: torch.Tensor) -> torch.Tensor:
 
 
 def _nvfp4_scale_and_multiplier(amax: torch.Tensor, gs: torch.Tensor, multiplier: str):
-    s = gs * (amax * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=amax.device))
-    s = round_to_element(torch.clamp(s, -448.0, 448.0), _E4M3)
+    s = gs * (amax * torch.tensor(1.0 / _E2M1.max, dtype=torch.float32, device=amax.device))  # fp32(1/6)
+    s = round_to_element(torch.clamp(s, -_E4M3.max, _E4M3.max), _E4M3)
     if multiplier == "reciprocal":
         q = _recip(s * _recip(gs))
     elif multiplier == "divide":
@@ -525,7 +526,7 @@ def ref_nvfp4_quant(
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
-    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
+    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
     return e.reshape(x.shape), s.squeeze(-1)
 
 
@@ -560,7 +561,7 @@ def ref_nvfp4_quant_dequant(
     xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
-    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
+    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
     return (e * (s / gs)).reshape(x.shape).to(dtype)
 
 
@@ -588,7 +589,7 @@ def nvfp4_block_stats(
         "scale_code": encode_element(s, _E4M3),
         "subnormal": (s > 0) & (s < _E4M3.min_normal),
         "flushed": (s == 0) & (amax.squeeze(-1) > 0),
-        "clipped": ((xb * q).abs() > 6.0).reshape(x.shape),
+        "clipped": ((xb * q).abs() > _E2M1.max).reshape(x.shape),
     }
 
 
@@ -654,7 +655,7 @@ def quantize_nvfp4(
         for rows in _row_chunks(n, k):
             xb = x3[ex, rows].float().reshape(-1, k // block_size, block_size)
             bamax = xb.abs().amax(dim=-1)
-            bs = bamax / (6.0 * g)
+            bs = bamax / (_E2M1.max * g)
             if zero_block_scale == "one":
                 bs = torch.where(bs == 0, 1.0, bs)
             bs = round_to_element(bs, _E4M3)
@@ -767,7 +768,7 @@ def quant_dequant_fp8_per_tensor(
     """
     scale, dtype = _fp8_args(x, scale, dtype, check_scale)
     inv = 1.0 / scale
-    q = round_to_element(torch.clamp(x.float() * inv, -448.0, 448.0), _E4M3)
+    q = round_to_element(torch.clamp(x.float() * inv, -_FP8.max, _FP8.max), _FP8)
     return (q * scale).to(dtype)
 
 

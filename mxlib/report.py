@@ -2,7 +2,7 @@
 
 * ``Checks``: an assert cell's checks, counted, so the cell can say how many passed.
 * ``strategy_summary``: notebook 04's per-expert QDQ table, averaged over experts.
-* ``spread_study``: notebook 04's loss-vs-spread sweep at any model preset.
+* ``spread_study``: notebook 04's loss-vs-spread sweep, an alias of ``studies.spread_study``.
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import statistics
 
 from . import studies
-from . import workflow
 
 __all__ = ["Checks", "strategy_summary", "spread_study", "FLOOR_TARGETS", "floors_table"]
 
@@ -70,26 +69,9 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
 
 def spread_study(spreads, num_hidden_layers: int = 1, seed: int = 0, calib_tokens: int = 256, device="cpu",
                  model_preset: str = "qwen3-30b-a3b") -> list[dict]:
-    """dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows.
-
-    For each ``expert_spread`` in ``spreads``: a dummy model of ``model_preset`` with
-    ``num_hidden_layers`` layers, calibrated on ``calib_tokens`` tokens, through
-    ``studies.unification_study``. Rows: ``spread, point, mean_db_lost, max_db_lost,
-    median_scale_ratio``. (``studies.spread_study`` is the same sweep at the full shape only.)
-    """
-    rows = []
-    for sp in spreads:
-        model = workflow.dummy_model(num_hidden_layers, seed=seed, expert_spread=sp, device=device,
-                                     model_preset=model_preset)
-        cal = workflow.calibrate_model(model, calib_tokens, seed, keep_activations=True)
-        study = studies.unification_study(cal, ("max", "per_expert"))
-        for point in ("a1", "a2"):
-            lost = [r["db_lost_max"] for r in study["experts"] if r["point"] == point]
-            ratios = sorted(r["scale_ratio"] for r in study["experts"] if r["point"] == point)
-            rows.append(dict(spread=sp, point=point, mean_db_lost=statistics.mean(lost), max_db_lost=max(lost),
-                             median_scale_ratio=ratios[len(ratios) // 2]))
-        del model, cal
-    return rows
+    """``studies.spread_study`` (kept under this name for notebook 04; same arguments, same rows)."""
+    return studies.spread_study(spreads, num_hidden_layers=num_hidden_layers, seed=seed, calib_tokens=calib_tokens,
+                                device=device, model_preset=model_preset)
 
 
 # (scheme, tokens M, fused speed-up wanted over the seed's design (None: no target),

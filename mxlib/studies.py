@@ -22,7 +22,7 @@ import torch
 
 from . import reference as R
 from .analysis import compare_tensors
-from .formats import NVFP4, NVFP4_SCALE_DIVISOR
+from .formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR
 from .models.calibration import Calibration
 from .models.qwen3 import expert_weights, moe_layers
 from .moe.base import TransformersExperts, ops_for_device
@@ -46,6 +46,9 @@ __all__ = [
 
 # the factory's functions under the names the studies (and the GPU tests) have used
 quantize_layer_weights = quantize_expert_weights
+
+# the OCP MX schemes unification_study measures beside NVFP4 (names resolved here, once)
+_MX_BASELINES = (BLOCK_SCHEMES["mxfp4"], BLOCK_SCHEMES["mxfp8_e4m3"])
 
 
 def emulation_experts(scheme: str | MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto",
@@ -188,8 +191,9 @@ def unification_study(calibration: Calibration, strategies=("max", "per_expert",
                 if s in hist[point]:
                     codes = st["scale_code"].reshape(-1).long()
                     hist[point][s] += torch.bincount(codes.clamp(max=126), minlength=127)[:127].cpu()
-            res["sqnr_mxfp4"] = _segment_sqnr(x, R.quant_dequant_mx(x, "e2m1", dtype=torch.float32), seg, n)
-            res["sqnr_mxfp8_e4m3"] = _segment_sqnr(x, R.quant_dequant_mx(x, "e4m3", dtype=torch.float32), seg, n)
+            for mx in _MX_BASELINES:
+                y = R.quant_dequant_mx(x, mx.element, mx.block_size, dtype=torch.float32)
+                res[f"sqnr_{mx.name}"] = _segment_sqnr(x, y, seg, n)
             per_point[point] = res
         for point, res in per_point.items():
             for e in range(n):
@@ -258,11 +262,19 @@ def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids
     return rows
 
 
-def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu") -> list[dict]:
-    """Mean dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows."""
+def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu",
+                 model_preset: str = "qwen3-30b-a3b") -> list[dict]:
+    """dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows.
+
+    For each ``expert_spread`` in ``spreads``: a dummy model of ``model_preset`` (a key of
+    ``mxlib.models.qwen3.MODEL_PRESETS``, passed to ``workflow.dummy_model``) with
+    ``num_hidden_layers`` layers, calibrated on ``calib_tokens`` tokens, through
+    ``unification_study``. Rows: ``spread, point ("a1" | "a2"), mean_db_lost, max_db_lost``
+    (dB) and ``median_scale_ratio`` (expert input scale / max).
+    """
     rows = []
     for sp in spreads:
-        m = dummy_model(num_hidden_layers, seed=seed, expert_spread=sp, device=device)
+        m = dummy_model(num_hidden_layers, seed=seed, expert_spread=sp, device=device, model_preset=model_preset)
         cal = calibrate_model(m, calib_tokens, seed, keep_activations=True)
         st = unification_study(cal, ("max", "per_expert"))
         for point in ("a1", "a2"):
@@ -270,5 +282,5 @@ def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device=
             ratios = [r["scale_ratio"] for r in st["experts"] if r["point"] == point]
             rows.append(dict(spread=sp, point=point, mean_db_lost=sum(lost) / len(lost), max_db_lost=max(lost),
                              median_scale_ratio=sorted(ratios)[len(ratios) // 2]))
-        del m
+        del m, cal
     return rows

@@ -50,6 +50,23 @@ def test_special_codes():
     assert ELEMENT_FORMATS["e2m1"].code_value(8) == 0.0 and math.copysign(1, ELEMENT_FORMATS["e2m1"].code_value(8)) < 0
 
 
+@pytest.mark.parametrize("name", list(SPEC))
+def test_special_code_properties_match_the_code_values(name):
+    # has_nan_code / has_inf / nan_code (what the reference branches on) against the decoded
+    # code space and against ml_dtypes' own encoding of NaN
+    f = ELEMENT_FORMATS[name]
+    values = np.array(f.values())
+    assert f.has_nan_code == bool(np.isnan(values).any())
+    assert f.has_inf == bool(np.isinf(values).any())
+    if f.has_nan_code:
+        mld = getattr(ml_dtypes, f.ml_dtypes_name)
+        assert f.nan_code == int(np.array([np.nan], dtype=np.float32).astype(mld).view(np.uint8)[0])
+        assert math.isnan(f.code_value(f.nan_code))
+    else:
+        assert f.nan_code is None
+    assert {"e4m3": 0x7F, "e5m2": 0x7E}.get(name) == f.nan_code
+
+
 def test_schemes():
     assert list(BLOCK_SCHEMES) == ["mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"]
     assert get_block_scheme("nvfp4").block_size == 16 and get_block_scheme("mxfp4").block_size == 32

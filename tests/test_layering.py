@@ -111,6 +111,19 @@ def test_no_import_cycles():
 
 # ----------------------------------------------------------------------------- no format names in branches
 
+# What counts as "a branch on a format": a comparison (==, !=, in, not in, is) one of whose
+# operands is a string literal that names
+#   * a block, per-tensor or MoE scheme, an element format or one of its aliases, or
+#   * a kind of special codes ("fn", "ieee": the table's ``SPECIALS``; "none" is too common a
+#     word to flag by itself),
+# or any comparison of a ``.specials`` attribute with a string literal. Code asks the table
+# instead (``ElementFormat.has_nan_code``, ``has_inf``, ``nan_code``, ``specials_id``).
+#
+# Scale rule names ("floor", "even", "rceil") are options of the E8M0 rule, not formats: they
+# are validated by ``formats.get_scale_mode`` and turned into the kernels' integer by
+# ``formats.scale_mode_id``, and ``reference.e8m0_scale`` (the rule's definition) branches on
+# them. They are not flagged here; only hand-made {"floor": 0, ...} tables are (below).
+#
 # Where format and scheme names may be spelled: the tables, and the checkpoint layouts (whose
 # configs name formats by their producers' strings).
 TABLES = {"mxlib.formats", "mxlib.moe.schemes", "mxlib.models.checkpoints.modelopt_nvfp4",
@@ -127,14 +140,41 @@ def _format_names() -> set[str]:
     return names
 
 
+# attributes of the table's objects whose values are format-describing strings
+FORMAT_ATTRIBUTES = {"specials"}
+
+
+def _special_kinds() -> set[str]:
+    from mxlib.formats import SPECIALS
+
+    return set(SPECIALS) - {"none"}
+
+
 def _string_comparisons(tree, names):
+    names = names | _special_kinds()
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
-            for operand in [node.left, *node.comparators]:
+            operands = [node.left, *node.comparators]
+            strings = []
+            for operand in operands:
                 values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
-                for v in values:
-                    if isinstance(v, ast.Constant) and isinstance(v.value, str) and v.value in names:
-                        yield node.lineno, v.value
+                strings += [v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            for value in strings:
+                if value in names:
+                    yield node.lineno, value
+            attrs = [o.attr for o in operands if isinstance(o, ast.Attribute) and o.attr in FORMAT_ATTRIBUTES]
+            if attrs and strings:
+                yield node.lineno, f".{attrs[0]} vs {strings[0]!r}"
+
+
+def test_the_string_check_catches_what_it_is_meant_to():
+    # the check itself must be able to fail: each snippet is one pattern it exists to catch
+    names = _format_names()
+    for src in ('if scheme == "nvfp4": pass', 'x = a if kind in ("fp8", "e4m3") else b',
+                'if fmt.specials == "fn": pass', 'if fmt.specials != "none": pass', 'if s == "ieee": pass'):
+        assert list(_string_comparisons(ast.parse(src), names)), src
+    for src in ('if scale_mode == "floor": pass', 'if fmt.has_nan_code: pass', 'if c.name == name: pass'):
+        assert not list(_string_comparisons(ast.parse(src), names)), src
 
 
 @pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in TABLES))

@@ -18,7 +18,9 @@ M), peak extra device memory over the forward, and for ``fused`` the fraction of
 memory floor (packed weights and scales of the experts hit + activations in and out,
 at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
 (measured in the same run). ``--sweep`` first tries tile configurations per M and uses
-the fastest. ``--model`` adds whole-model forward times (4 and 48 layers).
+the fastest. ``--model`` adds whole-model forward times (4 and 48 layers). Last, it prints
+notebook 05's floors table (``mxlib.report.floors_table``: fused against seed and bf16, per
+target) and stores it in the JSON as ``floors``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import warnings
 
 import torch
 
+from .. import report
 from ..kernels.fused_dequant_moe import FusedConfig
 from ..kernels.fused_moe import MoEGemmConfig
 from ..models.calibration import calibrate
@@ -254,6 +257,18 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
     return rows
 
 
+def print_floors(rows: list[dict]) -> list[dict]:
+    """Print and return notebook 05's floors table (``mxlib.report.floors_table``) of bench rows."""
+    floors = report.floors_table(rows)
+    for r in floors:
+        want = f"{r['target_vs_seed']}x" if r["target_vs_seed"] != "" else "-"
+        print(f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_seed']:.2f}x faster than seed (wanted {want}), "
+              f"{r['fused_over_bf16']:.2f}x bf16's time (allowed {r['target_over_bf16']}x), meets {r['meets']}, "
+              f"floor fraction {r['floor_frac']:.2f}, peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
+              flush=True)
+    return floors
+
+
 def main(argv=None, json_path=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemes", default="nvfp4," + ",".join(OCP_MX_SCHEMES))
@@ -290,6 +305,7 @@ def main(argv=None, json_path=None) -> int:
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(result, f, indent=2, default=str)
+    result["floors"] = print_floors(result["rows"])
     if args.model or args.model_only:
         result["model"] = bench_model()
     if json_path:

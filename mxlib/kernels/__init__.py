@@ -2,13 +2,41 @@
 
 Modules: ``quant`` (the twins), ``fused_moe`` (the bf16 grouped GEMM), ``fused_dequant_moe``
 (the fused dequantize-GEMM), ``align`` (``moe_align_block_size``), ``_numerics`` (the rounding
-code every kernel shares) and ``_bridge`` (formats -> launch constexprs, tiles).
+code every kernel shares) and ``_bridge`` (formats -> launch constexprs, tiles, the interpreter
+choice).
 
-Interpreter or compiler: Triton decides when a kernel is defined (``triton.jit`` reads
-``TRITON_INTERPRET`` then), so this package decides once, here, before its kernel modules
-load: ``TRITON_INTERPRET`` as set by the caller, else the interpreter when no CUDA device is
-present (the only way Triton kernels run on a CPU). Callers need not set it, and may import
-mxlib in any order.
+Interpreter or compiler: one choice per process. What a caller can rely on:
+
+* It is made here, when ``mxlib.kernels`` is first imported, before this package imports
+  triton: ``TRITON_INTERPRET`` as the caller set it, else the interpreter exactly when no CUDA
+  device is present (the only way Triton kernels run on a CPU). Callers need not set the
+  variable and may import mxlib in any order; changing it after that import has no effect.
+* Only when the caller left ``TRITON_INTERPRET`` unset and there is no CUDA device does this
+  set ``TRITON_INTERPRET=1`` in ``os.environ``, for the rest of the process (child processes
+  inherit it; ``tests/test_kernels_compile.py`` removes it for the sm_90 compile check).
+* Launch sites read the choice through ``_bridge.interpreting()`` (``_bridge.INTERPRET``, read
+  once with Triton's own parsing of the variable), never from the environment again.
+
+Why once per process, and why in the environment (checked against Triton 3.9's source):
+
+* ``triton.jit`` makes a function a compiled ``JITFunction`` or an interpreted
+  ``InterpretedFunction`` when it is *decorated*, reading ``triton.knobs.runtime.interpret``
+  (that is, ``TRITON_INTERPRET``) then. A kernel and the ``@triton.jit`` functions it calls must
+  be of one kind: the compiler inlines only ``JITFunction`` callees, and the interpreter runs a
+  kernel as Python, where calling a ``JITFunction`` raises "Cannot call @triton.jit'd outside
+  of the scope of a kernel".
+* Triton's own language library (``tl.max``, ``tl.sum``, ... in ``triton.language.standard``)
+  is decorated the same way when ``triton`` is first imported, so the choice has to be in the
+  environment before that import. Setting it only while mxlib's kernel modules load was tried:
+  with triton imported first, an interpreted mxlib kernel failed in ``tl.max`` (a compiled-kind
+  library function); with triton imported inside that window too, every ``@triton.jit``
+  function defined later in the process (a Triton module imported lazily, a caller's kernel
+  built on ``_numerics``) would be of the other kind than Triton's library and mxlib's
+  helpers. A per-launch dispatcher would need a second copy of Triton's library as well as of
+  every mxlib kernel and helper.
+* Triton's public way to set the choice, ``triton.knobs.runtime.interpret = True``, itself
+  writes ``TRITON_INTERPRET`` into ``os.environ``; setting the variable directly, before
+  triton is imported, is the same effect at the only time it works.
 """
 
 import os

@@ -10,12 +10,11 @@ Every kernel launch in ``mxlib.kernels`` takes its format constexprs from here, 
 * ``select(kernel, args)``: the subset of ``args`` that ``kernel`` declares, so one dict serves
   kernels that need different parts of a format.
 * ``tiles(rows, k, block_size)``: the elementwise kernels' tile, never narrower than one block.
-* ``interpreting()``: whether Triton's interpreter runs the kernels, read at each launch.
+* ``interpreting()``: whether Triton's interpreter runs the kernels (``INTERPRET``, the
+  process's choice, made once when ``mxlib.kernels`` is first imported; see its docstring).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -23,7 +22,7 @@ import triton.language as tl
 
 from ..formats import BlockScheme, ElementFormat, PerTensorScheme, scale_mode_id
 
-__all__ = ["TL_DTYPE", "interpreting", "kernel_format_args", "select", "tiles", "launch_opts"]
+__all__ = ["TL_DTYPE", "INTERPRET", "interpreting", "kernel_format_args", "select", "tiles", "launch_opts"]
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -34,9 +33,14 @@ NUM_WARPS = 4
 MAX_BLOCK_K = 1024
 
 
+# Interpreted or compiled, for the whole process (see mxlib.kernels): mxlib.kernels settles
+# TRITON_INTERPRET before triton is first imported; read here once, with Triton's own parsing.
+INTERPRET: bool = bool(triton.knobs.runtime.interpret)
+
+
 def interpreting() -> bool:
-    """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether mxlib's kernels run in Triton's interpreter (``INTERPRET``, fixed per process)."""
+    return INTERPRET
 
 
 def kernel_format_args(

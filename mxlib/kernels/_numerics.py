@@ -23,17 +23,53 @@ Element formats are passed as constexprs ``EBITS, MBITS, SPECIALS`` with
 2 (e5m2: IEEE-like Inf/NaN).
 """
 
-import os
+import struct
 
 import triton
 import triton.language as tl
 
-# Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` settles
-# TRITON_INTERPRET before any kernel module loads, so this agrees with every kernel here.
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+from ..formats import ELEMENT_FORMATS, FP8_E4M3_PER_TENSOR, NVFP4
+from ._bridge import INTERPRET, kernel_format_args
+
+# Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` defines every
+# kernel module under the process's one choice (``_bridge.INTERPRET``), so this agrees with them.
+INTERPRETING = tl.constexpr(INTERPRET)
 
 # fp32 constants as bit patterns, so that no NaN literal passes through Python floats
 _NAN_BITS = tl.constexpr(0x7FC00000)
+
+# Formats fixed by the helper that uses them (the generic helpers take theirs as arguments from
+# each launch), as named constexprs that the bridge makes from the format table:
+# * FP4_*: the one 4-bit element format (e2m1), which the FP4-only paths decode;
+# * NVFP4_SCALE_*: NVFP4's block-scale element (e4m3fn), and NVFP4_INV_MAX = fp32(1 / e2m1 max),
+#   the seed's ``amax * (1/6)`` in the scale chain;
+# * FP8_*: per-tensor FP8's element (e4m3fn), for the static-scale QDQ.
+
+
+def _named(value):
+    """A format number as a global the helpers can read: compiled kernels may read only
+    tl.constexpr globals; the interpreter runs the helpers as plain Python, where a tl.constexpr
+    does not mix with int arithmetic (``1 << c`` raises), so there it is the plain number."""
+    return value if INTERPRETING else tl.constexpr(value)
+
+
+_FP4 = [f for f in ELEMENT_FORMATS.values() if f.nbits == 4]
+assert len(_FP4) == 1 and _FP4[0] is NVFP4.element, "the FP4 paths assume one 4-bit element format"
+_FP4_ARGS = kernel_format_args(_FP4[0])
+FP4_EBITS = _named(_FP4_ARGS["EBITS"])
+FP4_MBITS = _named(_FP4_ARGS["MBITS"])
+FP4_MAX = _named(_FP4_ARGS["MAX"])
+FP4_SPECIALS = _named(_FP4_ARGS["SPECIALS"])
+_NVFP4_SCALE_ARGS = kernel_format_args(NVFP4.scale.element)
+NVFP4_SCALE_EBITS = _named(_NVFP4_SCALE_ARGS["EBITS"])
+NVFP4_SCALE_MBITS = _named(_NVFP4_SCALE_ARGS["MBITS"])
+NVFP4_SCALE_MAX = _named(_NVFP4_SCALE_ARGS["MAX"])
+NVFP4_SCALE_SPECIALS = _named(_NVFP4_SCALE_ARGS["SPECIALS"])
+NVFP4_INV_MAX = _named(struct.unpack("<f", struct.pack("<f", 1.0 / NVFP4.element.max))[0])
+_FP8_ARGS = kernel_format_args(FP8_E4M3_PER_TENSOR)
+FP8_EBITS = _named(_FP8_ARGS["EBITS"])
+FP8_MBITS = _named(_FP8_ARGS["MBITS"])
+FP8_MAX = _named(_FP8_ARGS["MAX"])
 
 
 @triton.jit
@@ -212,8 +248,8 @@ def decode_e8m0(byte):
 
 @triton.jit
 def decode_e4m3(byte):
-    """fp32 value of int32 e4m3fn bytes (0x7F / 0xFF are NaN)."""
-    return decode_element(byte, 4, 3, 1)
+    """fp32 value of int32 NVFP4 block-scale bytes (e4m3fn: 0x7F / 0xFF are NaN)."""
+    return decode_element(byte, NVFP4_SCALE_EBITS, NVFP4_SCALE_MBITS, NVFP4_SCALE_SPECIALS)
 
 
 @triton.jit
@@ -225,9 +261,9 @@ def nvfp4_recip(v):
 @triton.jit
 def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
     """Block scale ``s`` (on the e4m3 grid) and quantize multiplier ``q`` (the seed's arithmetic)."""
-    s = gs * (amax * 0.16666667163372040)  # fp32(1/6)
-    s = clamp_keep_nan(s, -448.0, 448.0)
-    s = round_to_element(s, 4, 3, 448.0)
+    s = gs * (amax * NVFP4_INV_MAX)  # fp32(1/6)
+    s = clamp_keep_nan(s, -NVFP4_SCALE_MAX, NVFP4_SCALE_MAX)
+    s = round_to_element(s, NVFP4_SCALE_EBITS, NVFP4_SCALE_MBITS, NVFP4_SCALE_MAX)
     if DIVIDE:
         q = tl.where(s == 0, 0.0, tl.math.div_rn(gs + tl.zeros_like(s), tl.where(s == 0, 1.0, s)))
     else:
@@ -241,7 +277,7 @@ def round_e2m1_signed_like_seed(v):
 
     NaN is not handled: the callers overwrite blocks that hold NaN.
     """
-    return tl.where(v == 0, 0.0, round_to_element(v, 2, 1, 6.0, False))
+    return tl.where(v == 0, 0.0, round_to_element(v, FP4_EBITS, FP4_MBITS, FP4_MAX, False))
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -337,7 +373,7 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
     has_nan = abits > 0x7F800000
     amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
     s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
-    e = round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
+    e = round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -FP4_MAX), FP4_MAX))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
     dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
@@ -347,5 +383,5 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
 def fp8_qdq_values(x, scale):
     """Static per-tensor e4m3 QDQ: ``e4m3(clamp(x * (1 / scale))) * scale`` (vLLM's scaled_fp8_quant)."""
     inv = tl.math.div_rn(scale * 0.0 + 1.0, scale)  # once, not per element
-    q = round_to_element(clamp_keep_nan(x * inv, -448.0, 448.0), 4, 3, 448.0)
+    q = round_to_element(clamp_keep_nan(x * inv, -FP8_MAX, FP8_MAX), FP8_EBITS, FP8_MBITS, FP8_MAX)
     return q * scale

@@ -122,8 +122,10 @@ def _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS: tl.constexpr, W_N
     else:
         block = nm.decode_e8m0(sb)
     # byte j holds elements 2j (low) and 2j+1 (high); both sit in scale block 2j // W_BS
-    lo = tl.reshape(nm.decode_element(b & 0xF, 2, 1, 0), (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
-    hi = tl.reshape(nm.decode_element(b >> 4, 2, 1, 0), (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
+    lo = nm.decode_element(b & 0xF, nm.FP4_EBITS, nm.FP4_MBITS, nm.FP4_SPECIALS)
+    hi = nm.decode_element(b >> 4, nm.FP4_EBITS, nm.FP4_MBITS, nm.FP4_SPECIALS)
+    lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
+    hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
     lo = nm.cast_out(tl.reshape(lo, (BLOCK_N, HALF)), DOT_DTYPE)
     hi = nm.cast_out(tl.reshape(hi, (BLOCK_N, HALF)), DOT_DTYPE)
     if UPCAST:
