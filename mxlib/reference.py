@@ -706,6 +706,7 @@ def dequantize_to_dtype(
     block_size: int = NVFP4_BLOCK_SIZE,
     swizzle: bool = False,
     check_scale: bool = True,
+    global_scale_kind: str = "decode",
 ) -> torch.Tensor:
     """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
 
@@ -720,9 +721,14 @@ def dequantize_to_dtype(
         swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
         check_scale: ``False`` skips the value check of ``global_scale`` (a host sync), for
             callers that validated it once; it is also skipped during CUDA-graph capture.
+        global_scale_kind: ``"decode"`` (ModelOpt's ``weight_scale_2``, vLLM: multiply) or
+            ``"encode"`` (compressed-tensors' ``weight_global_scale``, its reciprocal: the block
+            scale is ``fp32(block_scale) / global_scale``, as compressed-tensors' ``_dequantize``
+            computes ``scale / global_scale``; converting it to a decode scale first is not exact).
 
     Returns:
-        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
+        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast
+        (``e2m1 * (fp32(block_scale) / global_scale)`` for an encode scale).
 
     Raises:
         TypeError / ValueError: wrong dtypes or shapes, a ``global_scale`` value outside
@@ -730,6 +736,7 @@ def dequantize_to_dtype(
     """
     fp4, sf, gs, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
                                         nvfp4_unswizzle_scales, check_scale)
+    encode = check_global_scale_kind(global_scale_kind)
     num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
     s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
@@ -739,10 +746,25 @@ def dequantize_to_dtype(
     for ex in range(num):
         for rows in _row_chunks(m, k):
             values = table[unpack_codes(f3[ex, rows], _E2M1).to(torch.int32)]
-            block = s3[ex, rows].view(torch.float8_e4m3fn).float() * gs[ex]
+            sf32 = s3[ex, rows].view(torch.float8_e4m3fn).float()
+            block = sf32 / gs[ex] if encode else sf32 * gs[ex]
             v = values.reshape(-1, k // block_size, block_size) * block.unsqueeze(-1)
             out[ex, rows] = v.reshape(-1, k).to(dtype)
     return out if fp4.ndim == 3 else out[0]
+
+
+GLOBAL_SCALE_KINDS = ("decode", "encode")
+
+
+def check_global_scale_kind(kind: str) -> bool:
+    """Whether an NVFP4 weight global scale of this kind is an encode scale (a divisor).
+
+    Raises:
+        ValueError: ``kind`` not ``"decode"`` or ``"encode"``.
+    """
+    if kind not in GLOBAL_SCALE_KINDS:
+        raise ValueError(f"global_scale_kind: expected one of {list(GLOBAL_SCALE_KINDS)}, got {kind!r}")
+    return kind == "encode"
 
 
 # ----------------------------------------------------------------------------- FP8 per tensor
