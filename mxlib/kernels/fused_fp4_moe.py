@@ -1,0 +1,773 @@
+"""Fused FP4-weight MoE for Hopper: packed e2m1 weights decoded in registers, a1 QDQ in the A load.
+
+Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert fp32 decode
+``global_scale``). What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
+
+* **Weight layout prepared once** (``prepare_fp4_weights``): the checkpoint keeps its layout
+  (two codes a byte, even element in the low nibble); the kernel's layout pairs, inside every
+  128-element K tile, element ``p`` (low nibble) with element ``p + 64`` (high nibble). A byte
+  tile ``[BLOCK_N, 64]`` then decodes into two contiguous half tiles (K ``0..63`` and
+  ``64..127``), each one ``tl.dot`` against a contiguous activation tile: no interleaving
+  shuffle of codes and no strided activation loads. Same bytes, no extra memory.
+* **Several elements per integer op** (compiled path): a PTX block (``tl.inline_asm_elementwise``,
+  four packed bytes at a time) spreads two bytes into the halves of a 32-bit word (``prmt``),
+  builds two bf16 codes with one shift/and/or sequence, and scales them with one
+  ``mul.rn.bf16x2``. Under ``TRITON_INTERPRET=1`` the same values come from the shared fp32
+  helpers of ``_numerics`` (the interpreter runs no PTX).
+* **a1 QDQ fused into the A-tile load** (MX, NVFP4 with per-expert or shared scale, FP8
+  per tensor), or, for large batches where the tile would be re-quantized for every N tile,
+  done once by the standalone kernel (``FP4Config.A1_FUSED``); **a2 QDQ in GEMM1's epilogue**.
+* **Block assignment**: tiny batches (``M * k * 4 <= E``, vLLM's rule) give each pair its own
+  block and skip the alignment; otherwise ``moe_align_block_size_triton`` (one or two launches).
+* **Scales as words**: a K tile's scale bytes are loaded as 32-bit words, so they join the
+  cp.async pipeline with the weights (``FP4Config.SCALE_WORDS``).
+* **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
+  H200 (``tools/bench_fused.py --sweep``; measurements in ``benchmarks/h200_fused_fp4.md``).
+
+Numerics modes (``mode``):
+
+* ``"seed"``: the bf16 operands are the seed's, bit for bit (``mxlib.reference``): MX weights
+  ``e2m1 * 2**(s - 127)`` (exact in bf16 for in-range scales), NVFP4 weights
+  ``bf16(e2m1 * (fp32(ue4m3) * global_scale))`` (fp32 product, one rounding); activations
+  QDQ'd to ``bf16(e2m1 * (s / gs))`` as vLLM's ``ref_nvfp4_quant_dequant``.
+* ``"hardware"``: what an FP4 tensor-core GEMM computes: operands ``element * block_scale``
+  (exact in bf16 for e2m1 x ue4m3 and for in-range E8M0), fp32 accumulation, the per-tensor
+  scales (NVFP4 weight ``global_scale`` and activation ``1 / gs``) applied to the fp32
+  accumulator. MX schemes give the same operands in both modes.
+
+Shapes: ``M`` tokens, ``k`` top_k, ``E`` experts, ``H`` hidden, ``I`` intermediate;
+``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _numerics as nm
+from .fused_dequant_moe import ActivationQDQ
+from .fused_moe import interpreting
+from .moe_align_triton import moe_align_block_size_triton, naive_block_assignment
+
+__all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS"]
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+K_TILE = 128  # the prepared layout's K tile (elements): byte p holds elements p and p + 64
+MODES = {"seed": 0, "hardware": 1}
+
+
+# ----------------------------------------------------------------------------- weight layout
+
+
+@dataclass
+class FP4Weights:
+    """One expert stack in the kernel's layout (``prepare_fp4_weights``).
+
+    ``packed`` uint8 ``[E, rows, K / 2]`` (byte ``t * 64 + p`` of a row: element ``t * 128 + p``
+    in the low nibble, ``t * 128 + 64 + p`` in the high nibble); ``scales`` uint8
+    ``[E, rows, K / block_size]`` (E8M0 or ue4m3 bytes, checkpoint order); ``global_scale``
+    fp32 ``[E]`` or ``[E, 2]`` (gate, up) NVFP4 decode scales, else None.
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    block_size: int
+    nvfp4: bool
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        return self.packed.shape[2] * 2
+
+
+def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: int,
+                        global_scale: torch.Tensor | None = None) -> FP4Weights:
+    """Checkpoint-layout FP4 expert weights -> the kernel's layout (once, at load time).
+
+    Args:
+        packed: uint8 ``[E, rows, K / 2]``, two e2m1 codes a byte, even element in the low nibble
+            (ModelOpt, Quark, mxlib.reference).
+        scales: ``[E, rows, K / block_size]`` E8M0 (``block_size`` 32) or float8_e4m3fn / uint8
+            ue4m3 bytes (``block_size`` 16, NVFP4).
+        block_size: 32 (MXFP4) or 16 (NVFP4).
+        global_scale: NVFP4 decode scales (``weight_scale_2``) fp32 ``[E]`` or ``[E, 2]``; None for MX.
+
+    Returns:
+        ``FP4Weights``; ``packed`` is a new tensor of the same size (the input is not modified).
+
+    Raises:
+        ValueError: wrong rank, ``K`` not a multiple of 128, scale shape or block size mismatch.
+    """
+    if packed.dtype != torch.uint8 or packed.ndim != 3:
+        raise ValueError(f"packed: expected uint8 [E, rows, K/2], got {packed.dtype} {list(packed.shape)}")
+    e, rows, half = packed.shape
+    k = half * 2
+    if k % K_TILE:
+        raise ValueError(f"packed: K={k} is not a multiple of the kernel's K tile {K_TILE}")
+    if block_size not in (16, 32):
+        raise ValueError(f"block_size: expected 16 (NVFP4) or 32 (MXFP4), got {block_size}")
+    nvfp4 = block_size == 16
+    if nvfp4 != (global_scale is not None):
+        raise ValueError("global_scale: required for NVFP4 (block_size 16), not allowed for MXFP4")
+    scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    if tuple(scales.shape) != (e, rows, k // block_size):
+        raise ValueError(f"scales: expected shape {[e, rows, k // block_size]}, got {list(scales.shape)}")
+    out = torch.empty_like(packed)
+    for i in range(e):  # one expert at a time: a few MB of temporaries
+        b = packed[i].view(rows, k // K_TILE, K_TILE // 2)
+        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(rows, k // K_TILE, K_TILE)
+        out[i] = (codes[..., :64] | (codes[..., 64:] << 4)).reshape(rows, half)
+    if global_scale is not None:
+        global_scale = global_scale.float().contiguous()
+        if global_scale.shape not in ((e,), (e, 2)):
+            raise ValueError(f"global_scale: expected [E] or [E, 2] with E={e}, got {list(global_scale.shape)}")
+    return FP4Weights(out, scales.contiguous(), block_size, nvfp4, global_scale)
+
+
+def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
+    """The checkpoint-layout packed bytes of ``w`` (inverse of ``prepare_fp4_weights``; for tests)."""
+    e, rows, half = w.packed.shape
+    b = w.packed.view(e, rows, half // 64, 64)
+    codes = torch.cat((b & 0xF, b >> 4), dim=-1)  # [.., 128] in element order
+    c = codes.view(e, rows, half // 64, 64, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).reshape(e, rows, half)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class FP4Config:
+    """Tiles of one GEMM: BLOCK_M pairs x BLOCK_N weight rows (BLOCK_K is the layout's 128)."""
+
+    BLOCK_M: int = 16
+    BLOCK_N: int = 64
+    GROUP_SIZE_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    A1_FUSED: bool = True  # GEMM1 only: QDQ a1 in the A-tile load (else one standalone pass)
+    WORDS: bool = True  # compiled decode: int32 words, one scale per word (else bytes, four per asm call)
+    SCALE_WORDS: bool = True  # load a K tile's scale bytes as 32-bit words (cp.async-pipelined; else bytes)
+
+
+# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
+# ``tools/bench_fused.py --sweep`` on the H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
+FP4_CONFIGS: list[tuple[float, FP4Config, FP4Config]] = [
+    (16.0, FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4)),
+    (64.0, FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3)),
+    (float("inf"), FP4Config(128, 128, 8, 8, 3, False), FP4Config(128, 128, 8, 8, 3)),
+]
+
+
+def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4Config, FP4Config]:
+    """(GEMM1, GEMM2) tiles by the average number of pairs per expert."""
+    if interpreting():
+        return FP4Config(16, 32, 1, 4, 1), FP4Config(16, 32, 1, 4, 1, False)
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    for limit, c1, c2 in FP4_CONFIGS:
+        if per_expert <= limit:
+            return c1, c2
+    return FP4_CONFIGS[-1][1], FP4_CONFIGS[-1][2]
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+# Four packed bytes -> four low-nibble and four high-nibble bf16 values, times their scales.
+# $4: the bytes b0..b3; $5,$6: bf16x2 scales of the low elements; $7,$8: of the high ones.
+# A code c becomes the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and
+# mantissa at the top of bf16's fields (a bf16 subnormal for c & 7 == 1), exact after
+# multiplying by 2**126; then one multiply by the block scale (exact for in-range scales).
+_ASM_BF16 = tl.constexpr("""
+{
+.reg .b32 c, t<2>, u<4>, v<4>, r<4>;
+mov.b32 c, 0x7E807E80;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 u0, t0, 6;
+shl.b32 v0, t0, 12;
+and.b32 u0, u0, 0x01C001C0;
+and.b32 v0, v0, 0x80008000;
+or.b32 r0, u0, v0;
+shl.b32 u1, t1, 6;
+shl.b32 v1, t1, 12;
+and.b32 u1, u1, 0x01C001C0;
+and.b32 v1, v1, 0x80008000;
+or.b32 r1, u1, v1;
+shl.b32 u2, t0, 2;
+shl.b32 v2, t0, 8;
+and.b32 u2, u2, 0x01C001C0;
+and.b32 v2, v2, 0x80008000;
+or.b32 r2, u2, v2;
+shl.b32 u3, t1, 2;
+shl.b32 v3, t1, 8;
+and.b32 u3, u3, 0x01C001C0;
+and.b32 v3, v3, 0x80008000;
+or.b32 r3, u3, v3;
+mul.rn.bf16x2 r0, r0, c;
+mul.rn.bf16x2 r1, r1, c;
+mul.rn.bf16x2 r2, r2, c;
+mul.rn.bf16x2 r3, r3, c;
+mul.rn.bf16x2 $0, r0, $5;
+mul.rn.bf16x2 $1, r1, $6;
+mul.rn.bf16x2 $2, r2, $7;
+mul.rn.bf16x2 $3, r3, $8;
+}
+""")
+
+# Same codes, but the seed's NVFP4 product: bf16(fp32(e2m1) * B) with B = fp32(ue4m3) * global
+# scale in fp32; $4 bytes, $5..$8 B of the low elements, $9..$12 of the high ones.
+_ASM_SEED_F32 = tl.constexpr("""
+{
+.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;
+mov.b32 c, 0x7E807E80;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 u0, t0, 6;
+shl.b32 v0, t0, 12;
+and.b32 u0, u0, 0x01C001C0;
+and.b32 v0, v0, 0x80008000;
+or.b32 r0, u0, v0;
+shl.b32 u1, t1, 6;
+shl.b32 v1, t1, 12;
+and.b32 u1, u1, 0x01C001C0;
+and.b32 v1, v1, 0x80008000;
+or.b32 r1, u1, v1;
+shl.b32 u2, t0, 2;
+shl.b32 v2, t0, 8;
+and.b32 u2, u2, 0x01C001C0;
+and.b32 v2, v2, 0x80008000;
+or.b32 r2, u2, v2;
+shl.b32 u3, t1, 2;
+shl.b32 v3, t1, 8;
+and.b32 u3, u3, 0x01C001C0;
+and.b32 v3, v3, 0x80008000;
+or.b32 r3, u3, v3;
+mul.rn.bf16x2 r0, r0, c;
+mul.rn.bf16x2 r1, r1, c;
+mul.rn.bf16x2 r2, r2, c;
+mul.rn.bf16x2 r3, r3, c;
+shl.b32 f0, r0, 16;
+and.b32 f1, r0, 0xFFFF0000;
+shl.b32 f2, r1, 16;
+and.b32 f3, r1, 0xFFFF0000;
+shl.b32 f4, r2, 16;
+and.b32 f5, r2, 0xFFFF0000;
+shl.b32 f6, r3, 16;
+and.b32 f7, r3, 0xFFFF0000;
+mul.rn.f32 f0, f0, $5;
+mul.rn.f32 f1, f1, $6;
+mul.rn.f32 f2, f2, $7;
+mul.rn.f32 f3, f3, $8;
+mul.rn.f32 f4, f4, $9;
+mul.rn.f32 f5, f5, $10;
+mul.rn.f32 f6, f6, $11;
+mul.rn.f32 f7, f7, $12;
+cvt.rn.bf16x2.f32 $0, f1, f0;
+cvt.rn.bf16x2.f32 $1, f3, f2;
+cvt.rn.bf16x2.f32 $2, f5, f4;
+cvt.rn.bf16x2.f32 $3, f7, f6;
+}
+""")
+
+
+# The same decode on one 32-bit word (four packed bytes) per call, the scale once per word:
+# $8 the word; $9 / $10 the scale of its low / high elements (bf16x2, the value twice; or, for
+# the seed's NVFP4, fp32 bits). Outputs $0..$3: low elements 0..3, $4..$7: high elements 0..3.
+_WORD_DECODE = """
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+shl.b32 u0, t0, 6;
+shl.b32 v0, t0, 12;
+and.b32 u0, u0, 0x01C001C0;
+and.b32 v0, v0, 0x80008000;
+or.b32 r0, u0, v0;
+shl.b32 u1, t1, 6;
+shl.b32 v1, t1, 12;
+and.b32 u1, u1, 0x01C001C0;
+and.b32 v1, v1, 0x80008000;
+or.b32 r1, u1, v1;
+shl.b32 u2, t0, 2;
+shl.b32 v2, t0, 8;
+and.b32 u2, u2, 0x01C001C0;
+and.b32 v2, v2, 0x80008000;
+or.b32 r2, u2, v2;
+shl.b32 u3, t1, 2;
+shl.b32 v3, t1, 8;
+and.b32 u3, u3, 0x01C001C0;
+and.b32 v3, v3, 0x80008000;
+or.b32 r3, u3, v3;
+mov.b32 c, 0x7E807E80;
+mul.rn.bf16x2 r0, r0, c;
+mul.rn.bf16x2 r1, r1, c;
+mul.rn.bf16x2 r2, r2, c;
+mul.rn.bf16x2 r3, r3, c;
+"""
+_ASM_WORD_BF16 = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>;\n" + _WORD_DECODE + """
+mul.rn.bf16x2 r0, r0, $9;
+mul.rn.bf16x2 r1, r1, $9;
+mul.rn.bf16x2 r2, r2, $10;
+mul.rn.bf16x2 r3, r3, $10;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+""")
+_ASM_WORD_SEED = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;\n" + _WORD_DECODE + """
+shl.b32 f0, r0, 16;
+and.b32 f1, r0, 0xFFFF0000;
+shl.b32 f2, r1, 16;
+and.b32 f3, r1, 0xFFFF0000;
+shl.b32 f4, r2, 16;
+and.b32 f5, r2, 0xFFFF0000;
+shl.b32 f6, r3, 16;
+and.b32 f7, r3, 0xFFFF0000;
+mul.rn.f32 f0, f0, $9;
+mul.rn.f32 f1, f1, $9;
+mul.rn.f32 f2, f2, $9;
+mul.rn.f32 f3, f3, $9;
+mul.rn.f32 f4, f4, $10;
+mul.rn.f32 f5, f5, $10;
+mul.rn.f32 f6, f6, $10;
+mul.rn.f32 f7, f7, $10;
+cvt.rn.bf16x2.f32 r0, f1, f0;
+cvt.rn.bf16x2.f32 r1, f3, f2;
+cvt.rn.bf16x2.f32 r2, f5, f4;
+cvt.rn.bf16x2.f32 r3, f7, f6;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+""")
+
+
+@triton.jit
+def _scale_bytes(s_rows, n_mask, kt, BS: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """The scale bytes of K tile ``kt`` as int32 ``(low half [BLOCK_N, 64/BS], high half [...])``.
+
+    SCALE_WORDS: ``s_rows`` point at int32 rows and the tile's 128/BS bytes arrive as 32-bit words
+    (one load per row instead of one per byte); else bytes."""
+    NB: tl.constexpr = 64 // BS
+    if SCALE_WORDS:
+        NW: tl.constexpr = 128 // BS // 4
+        wd = tl.load(s_rows[:, None] + (kt * NW + tl.arange(0, NW))[None, :], mask=n_mask[:, None], other=0)
+        b = (wd[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # [BLOCK_N, NW, 4], byte order
+        lo, hi = tl.split(tl.permute(tl.reshape(b, (BLOCK_N, 2, NB)), (0, 2, 1)))
+    else:
+        cols = kt * (128 // BS) + tl.arange(0, NB)
+        lo = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+        hi = tl.load(s_rows[:, None] + (cols + NB)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    return lo, hi
+
+
+@triton.jit
+def _word_scales(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One multiplier per packed word of a half tile, [BLOCK_N, 16] int32: bf16x2 bits (the
+    value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32 bits of ``fp32(ue4m3) * g`` (KIND 1);
+    ``sb`` the half tile's scale bytes [BLOCK_N, 64 / BS]."""
+    NB: tl.constexpr = 64 // BS
+    if KIND == 0:
+        s = nm.decode_e8m0(sb)
+    elif KIND == 1:
+        s = nm.decode_e4m3(sb) * g
+    else:
+        s = nm.decode_e4m3(sb)
+    if KIND == 1:
+        bits = s.to(tl.int32, bitcast=True)
+    else:
+        h = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        bits = h | (h << 16)
+    return tl.reshape(tl.broadcast_to(bits[:, :, None], (BLOCK_N, NB, BS // 4)), (BLOCK_N, 16))
+
+
+@triton.jit
+def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SCALE_WORDS: tl.constexpr):
+    """``_decode_halves`` from int32 words: w_rows point at int32 rows (16 words per K tile)."""
+    wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
+    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
+    s_lo = _word_scales(sb_lo, g, KIND, BS, BLOCK_N)
+    s_hi = _word_scales(sb_hi, g, KIND, BS, BLOCK_N)
+    if KIND == 1:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _ASM_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1)
+    lo = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, 64))
+    hi = tl.reshape(tl.join(tl.join(o4, o6), tl.join(o5, o7)), (BLOCK_N, 64))
+    return lo, hi
+
+
+@triton.jit
+def _scale_tile(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-element multipliers of a half tile [BLOCK_N, 64]: bf16 (KIND 0 MX, 2 NVFP4 hardware:
+    exact) or fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed); ``sb`` the scale bytes [BLOCK_N, 64 / BS]."""
+    NB: tl.constexpr = 64 // BS
+    if KIND == 0:
+        s = nm.decode_e8m0(sb)
+    elif KIND == 1:
+        s = nm.decode_e4m3(sb) * g
+    else:
+        s = nm.decode_e4m3(sb)
+    if KIND != 1:
+        s = s.to(tl.bfloat16)  # exact: 2**(s-127) and ue4m3 values are bf16 values
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NB, BS)), (BLOCK_N, 64))
+
+
+@triton.jit
+def _decode_halves(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALE_WORDS: tl.constexpr):
+    """The two half tiles [BLOCK_N, 64] (K ``kt*128 + 0..63`` and ``+ 64..127``) in the dot dtype."""
+    b = tl.load(w_rows[:, None] + (kt * 64 + tl.arange(0, 64))[None, :], mask=n_mask[:, None], other=0)
+    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
+    s_lo = _scale_tile(sb_lo, g, KIND, BS, BLOCK_N)
+    s_hi = _scale_tile(sb_hi, g, KIND, BS, BLOCK_N)
+    if USE_ASM:
+        if KIND == 1:
+            lo, hi = tl.inline_asm_elementwise(_ASM_SEED_F32, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, s_lo, s_hi],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            lo, hi = tl.inline_asm_elementwise(_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [b, s_lo, s_hi],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        lo = nm.cast_out(nm.decode_element(bi & 0xF, 2, 1, 0) * nm.to_fp32(s_lo), DOT_DTYPE)
+        hi = nm.cast_out(nm.decode_element(bi >> 4, 2, 1, 0) * nm.to_fp32(s_hi), DOT_DTYPE)
+    if nm.INTERPRETING:
+        lo = nm.to_fp32(lo)
+        hi = nm.to_fp32(hi)
+    return lo, hi
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@triton.jit
+def _nvfp4_qdq_hw(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """NVFP4 QDQ in hardware form: ``e2m1 * s`` (exact in bf16), the ``1 / gs`` left to the caller.
+    Block scale and e2m1 codes are the seed's (``nm.nvfp4_qdq_values``)."""
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    has_nan = abits > 0x7F800000
+    amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
+    s, q = nm.nvfp4_scale_and_multiplier(amax, gs, False)
+    e = nm.round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
+    dq = e * s[:, :, None]
+    dq = tl.where(has_nan[:, :, None], nm.fp32_nan_like(dq), dq)
+    return tl.reshape(dq, (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def _act_qdq(x, scale, KIND: tl.constexpr, MODE: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
+             EMAX: tl.constexpr, MAX: tl.constexpr, SCALE_MODE: tl.constexpr, BS: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """QDQ of an fp32 tile [BLOCK_R, BLOCK_K] (blocks along the last axis): KIND 0 none, 1 MX,
+    2 NVFP4 (``scale`` the encode scale gs; MODE 1 leaves out the ``1 / gs``), 3 FP8 per tensor."""
+    if KIND == 1:
+        return nm.mx_qdq_values(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
+    elif KIND == 2:
+        if MODE == 1:
+            return _nvfp4_qdq_hw(x, scale, BS, BLOCK_R, BLOCK_K)
+        return nm.nvfp4_qdq_values(x, scale, False, BS, BLOCK_R, BLOCK_K)
+    elif KIND == 3:
+        return nm.fp8_qdq_values(x, scale)
+    else:
+        return x
+
+
+@triton.jit
+def _a_half(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.constexpr, A_EBITS: tl.constexpr,
+            A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr, A_SCALE_MODE: tl.constexpr,
+            A_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Activation half tile, columns ``col0 .. col0+63``, QDQ'd, transposed: [64, BLOCK_M]."""
+    cols = col0 + tl.arange(0, 64)
+    a = tl.load(a_rows[:, None] + cols[None, :], mask=token_mask[:, None], other=0.0)
+    if A_KIND != 0:
+        a = nm.cast_out(_act_qdq(nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                                 A_SCALE_MODE, A_BS, BLOCK_M, 64), DOT_DTYPE)
+    if nm.INTERPRETING:
+        a = nm.to_fp32(a)
+    return tl.trans(a)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def fused_fp4_moe_kernel(
+    # pointers
+    a_ptr, w_ptr, ws_ptr, wg_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+    num_tokens_post_padded_ptr, a_scale_ptr, c_scale_ptr,
+    # dimensions
+    N, K, EM, num_valid_tokens,
+    # strides (elements; packed weights and scales in bytes)
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, wg_stride_e, wg_stride_half,
+    a_scale_stride_e, c_scale_stride_e,
+    # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16
+    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr,
+    # A-load QDQ (a1 in GEMM1, none in GEMM2)
+    A_KIND: tl.constexpr, A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr,
+    A_SCALE_MODE: tl.constexpr, A_BS: tl.constexpr,
+    # epilogue (a2 in GEMM1)
+    GATED: tl.constexpr, C_KIND: tl.constexpr, C_EBITS: tl.constexpr, C_MBITS: tl.constexpr,
+    C_EMAX: tl.constexpr, C_MAX: tl.constexpr, C_SCALE_MODE: tl.constexpr, C_BS: tl.constexpr,
+    W_GLOBAL_OUT: tl.constexpr, A_INV_OUT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr, NAIVE: tl.constexpr,
+    # tiles
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    USE_ASM: tl.constexpr, WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+):
+    """C[pair, n] for one block of pairs and BLOCK_N output columns.
+
+    A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2], scales
+    [E, rows_w, K / W_BS]; GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
+    the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). NAIVE: block ``pid_m`` is
+    the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
+    Hardware mode: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
+    encode scale), W_GLOBAL_OUT by the weight's global scale, before the epilogue.
+    """
+    pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
+    if NAIVE:
+        rows_m = tl.arange(0, BLOCK_M)
+        offs_token = tl.where(rows_m == 0, pid_m, num_valid_tokens).to(tl.int64)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+            return
+        offs_token = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    token_mask = offs_token < num_valid_tokens
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
+    s_rows = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    if W_KIND != 0:
+        g = tl.load(wg_ptr + expert * wg_stride_e)
+        g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
+    else:
+        g = 1.0
+        g_up = 1.0
+    a_scale = tl.load(a_scale_ptr + expert * a_scale_stride_e)
+    a_rows = a_ptr + (offs_token // top_k) * stride_am
+    DOT_DTYPE: tl.constexpr = OUT_DTYPE
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(0, K // 128):
+        a_lo = _a_half(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                       A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+        a_hi = _a_half(a_rows, token_mask, kt * 128 + 64, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                       A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+        if WORDS:
+            w_lo, w_hi = _decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, SCALE_WORDS)
+        else:
+            w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM,
+                                            SCALE_WORDS)
+        acc = tl.dot(w_lo, a_lo, acc)
+        acc = tl.dot(w_hi, a_hi, acc)
+        if GATED:
+            if WORDS:
+                u_lo, u_hi = _decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
+                                           W_BS, BLOCK_N, SCALE_WORDS)
+            else:
+                u_lo, u_hi = _decode_halves(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt,
+                                            W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM, SCALE_WORDS)
+            acc_up = tl.dot(u_lo, a_lo, acc_up)
+            acc_up = tl.dot(u_hi, a_hi, acc_up)
+
+    if A_INV_OUT:
+        inv_a = tl.math.div_rn(a_scale * 0.0 + 1.0, a_scale)
+        acc = acc * inv_a
+        acc_up = acc_up * inv_a
+    if W_GLOBAL_OUT:
+        acc = acc * g
+        acc_up = acc_up * g_up
+    if GATED:
+        gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
+        up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
+        act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
+        c_scale = tl.load(c_scale_ptr + expert * c_scale_stride_e)
+        act = _act_qdq(act, c_scale, C_KIND, MODE, C_EBITS, C_MBITS, C_EMAX, C_MAX, C_SCALE_MODE, C_BS,
+                       BLOCK_M, BLOCK_N)
+        out = nm.cast_out(act, OUT_DTYPE)
+    else:
+        res = tl.trans(acc)
+        if MUL_ROUTED_WEIGHT:
+            res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
+        out = nm.cast_out(res, OUT_DTYPE)
+    c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out, mask=token_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_k_kernel(x_ptr, out_ptr, H, top_k: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """out[t, :] = sum_j x[t * k + j, :] in fp32 (j ascending), one rounding."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(top_k):
+        acc += nm.to_fp32(tl.load(x_ptr + (t * top_k + j) * H + cols, mask=m, other=0.0))
+    tl.store(out_ptr + t * H + cols, nm.cast_out(acc, OUT_DTYPE), mask=m)
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def _qdq_consts(q: ActivationQDQ | None, prefix: str) -> dict:
+    q = q or ActivationQDQ()
+    return {f"{prefix}_KIND": q.kind, f"{prefix}_EBITS": q.ebits, f"{prefix}_MBITS": q.mbits,
+            f"{prefix}_EMAX": q.emax, f"{prefix}_MAX": q.max, f"{prefix}_SCALE_MODE": q.scale_mode,
+            f"{prefix}_BS": q.block_size}
+
+
+def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if q is None or q.scale is None:
+        return dummy, 0
+    s = q.scale.float().reshape(-1)
+    return s, (1 if (q.kind == 2 and s.numel() == e) else 0)
+
+
+def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
+            mode, mul_routed_weight, top_k, naive, cfg: FP4Config, use_asm):
+    """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
+    multiplies the accumulator (hardware mode), or None."""
+    e = w.packed.shape[0]
+    one = torch.ones(1, dtype=torch.float32, device=a.device)
+    if w.global_scale is not None:
+        gsc = w.global_scale
+        wg_stride_e, wg_stride_half = (2, 1) if gsc.ndim == 2 else (1, 0)
+    else:
+        gsc, wg_stride_e, wg_stride_half = one, 0, 0
+    scale_src = a_qdq if a_qdq is not None else a_inv
+    a_scale, a_stride = _scale_arg(scale_src, e, one)
+    c_scale, c_stride = _scale_arg(c_qdq, e, one)
+    w_kind = 0 if not w.nvfp4 else (1 if mode == 0 else 2)
+    words = cfg.WORDS and use_asm
+    wp = w.packed.view(torch.int32) if words else w.packed  # rows of K/8 words (K/2 bytes)
+    ws = w.scales.view(torch.int32) if cfg.SCALE_WORDS else w.scales  # K/BS bytes a row: a multiple of 4
+    em = sorted_ids.shape[0]
+    grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    fused_fp4_moe_kernel[grid](
+        a, wp, ws, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
+        n, w.k, em, c.shape[0],
+        a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
+        wg_stride_e, wg_stride_half, a_stride, c_stride,
+        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, **_qdq_consts(a_qdq, "A"),
+        GATED=gated, **_qdq_consts(c_qdq, "C"),
+        W_GLOBAL_OUT=w_kind == 2, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
+        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words, SCALE_WORDS=cfg.SCALE_WORDS,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+
+
+def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ) -> torch.Tensor:
+    from . import quant as Q
+
+    if q.kind == 1:
+        el = {(2, 1): "e2m1", (2, 3): "e2m3", (3, 2): "e3m2", (4, 3): "e4m3", (5, 2): "e5m2"}[(q.ebits, q.mbits)]
+        return Q.quant_dequant_mx(x, el, q.block_size, ("floor", "even", "rceil")[q.scale_mode])
+    if q.kind == 2:
+        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float())
+    if q.kind == 3:
+        return Q.quant_dequant_fp8_per_tensor(x, q.scale, check_scale=False)
+    return x
+
+
+def fused_fp4_moe(
+    hidden_states: torch.Tensor,
+    w13: FP4Weights,
+    w2: FP4Weights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a1_qdq: ActivationQDQ | None = None,
+    a2_qdq: ActivationQDQ | None = None,
+    mode: str = "seed",
+    configs: tuple[FP4Config, FP4Config] | None = None,
+    use_asm: bool | None = None,
+) -> torch.Tensor:
+    """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
+
+    Args:
+        hidden_states: ``[M, H]`` bf16, NOT yet quantized (a1's QDQ happens here).
+        w13: ``prepare_fp4_weights`` of ``[E, 2I, H/2]`` (gate rows, then up rows);
+            w2: of ``[E, H, I/2]``. Both MXFP4 or both NVFP4.
+        topk_weights: ``[M, k]`` router weights (fp32); topk_ids: ``[M, k]`` int expert ids.
+        a1_qdq, a2_qdq: the activation QDQs (``ActivationQDQ``: kind 0 none, 1 MX, 2 NVFP4 with
+            ``scale`` the encode global scale gs, ``[1]`` or per expert ``[E]``, 3 FP8 per tensor
+            with ``scale`` the decode scale ``[1]``); None for weight-only schemes.
+        mode: ``"seed"`` (bf16 operands bit-identical to the seed's dequant and QDQ) or
+            ``"hardware"`` (exact ``element * block_scale`` operands, per-tensor scales on the
+            fp32 accumulator); see the module docstring.
+        configs: (GEMM1, GEMM2) tiles; None picks from ``FP4_CONFIGS`` by batch size.
+        use_asm: decode with the PTX block (default: compiled, i.e. not under the interpreter).
+
+    Returns:
+        ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
+
+    Raises:
+        ValueError: unknown mode, mismatched shapes or formats.
+        TypeError: ``hidden_states`` not bf16.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {sorted(MODES)}, got {mode!r}")
+    md = MODES[mode]
+    if hidden_states.ndim != 2 or hidden_states.shape[1] != w13.k:
+        raise ValueError(f"hidden_states: expected [M, {w13.k}], got {list(hidden_states.shape)}")
+    if hidden_states.dtype != torch.bfloat16:
+        raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}")
+    if w13.nvfp4 != w2.nvfp4:
+        raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
+    use_asm = (not interpreting()) if use_asm is None else use_asm
+    m, k = topk_ids.shape
+    e, two_i = w13.packed.shape[:2]
+    h = w2.packed.shape[1]
+    i = two_i // 2
+    if w2.k != i:
+        raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
+    c1, c2 = configs or get_fp4_configs(m, e, k)
+    naive = naive_block_assignment(m, k, e)
+    dev = hidden_states.device
+    weights = topk_weights.reshape(-1).float().contiguous()
+    a1 = hidden_states
+    a1q = a1_qdq if (a1_qdq is not None and a1_qdq.kind != 0) else None
+    a1_per_expert = a1q is not None and a1q.kind == 2 and a1q.scale is not None and a1q.scale.numel() > 1
+    if a1q is not None and not c1.A1_FUSED and md == 0 and not a1_per_expert:
+        a1 = _standalone_a1_qdq(hidden_states, a1q)
+        a1q = None
+    if naive:  # each pair its own block of 16 rows (row 0 live): no alignment
+        c1 = replace(c1, BLOCK_M=16, GROUP_SIZE_M=1)
+        c2 = replace(c2, BLOCK_M=16, GROUP_SIZE_M=1)
+        eid1 = eid2 = topk_ids.reshape(-1)
+        sorted1 = sorted2 = torch.empty(m * k * 16, dtype=torch.int32, device=dev)  # sets the grid only
+        post1 = post2 = sorted1
+    else:
+        sorted1, eid1, post1 = moe_align_block_size_triton(topk_ids, c1.BLOCK_M, e)
+        if c2.BLOCK_M == c1.BLOCK_M:
+            sorted2, eid2, post2 = sorted1, eid1, post1
+        else:
+            sorted2, eid2, post2 = moe_align_block_size_triton(topk_ids, c2.BLOCK_M, e)
+    hw_nv = md == 1 and a1q is not None and a1q.kind == 2
+    a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
+    _launch(a1, w13, a2, weights, sorted1, eid1, post1, i, True, a1q, a1q if hw_nv else None, a2_qdq, md, False, k,
+            naive, c1, use_asm)
+    out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
+    # hardware mode: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
+    a2_inv = a2_qdq if (md == 1 and a2_qdq is not None and a2_qdq.kind == 2) else None
+    _launch(a2, w2, out_pairs, weights, sorted2, eid2, post2, h, False, None, a2_inv, None, md, True, 1, naive, c2,
+            use_asm)
+    out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
+    block = 1024
+    _sum_k_kernel[(m, triton.cdiv(h, block))](out_pairs, out, h, top_k=k, BLOCK=block,
+                                              OUT_DTYPE=_TL_DTYPE[hidden_states.dtype])
+    return out

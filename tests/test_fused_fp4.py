@@ -1,0 +1,239 @@
+"""The fused FP4-weight MoE (``mxlib.kernels.fused_fp4_moe``) and the Triton alignment.
+
+Oracle: a float64 MoE assembled here from ``mxlib.reference`` (dequantized weights, QDQ'd
+activations) for each numerics mode:
+
+* ``seed``: bf16 weights and activations as the seed computes them; GEMM1's gate and up and the
+  SiLU-and-mul output rounded to bf16 as the kernel does, then a2 QDQ'd;
+* ``hardware``: weights ``e2m1 * block_scale * global_scale`` and NVFP4 activations
+  ``e2m1 * s / gs`` without the bf16 rounding of the product (fp32, i.e. exact to 2**-24).
+
+Interpreter on small shapes (E 8, H 256, I 128: K must be a multiple of the 128-element K tile);
+``@pytest.mark.gpu`` tests run the full Qwen3-30B-A3B layer on a CUDA device.
+"""
+
+import pytest
+import torch
+
+from mxlib import reference as R
+from mxlib.kernels.fused_dequant_moe import ActivationQDQ
+from mxlib.kernels.fused_fp4_moe import FP4Config, fused_fp4_moe, prepare_fp4_weights, unprepare_fp4_weights
+from mxlib.kernels.moe_align_triton import moe_align_block_size_triton
+from mxlib.moe import fused_topk, moe_align_block_size
+
+from _util import assert_bits_equal
+
+E, H, I, TOPK = 8, 256, 128, 2
+SCHEMES = ["w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4"]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
+    """Quantized layer + prepared weights + activation QDQs, and the operands for the oracle."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, h, generator=g, device=device).to(torch.bfloat16)
+    w13 = torch.randn(e, 2 * i, h, generator=g, device=device) * 0.05 * torch.exp(
+        torch.randn(e, 1, 1, generator=g, device=device))
+    w2 = torch.randn(e, h, i, generator=g, device=device) * 0.05
+    tw, ti = fused_topk(torch.randn(m, e, generator=g, device=device), k)
+    if scheme == "nvfp4":
+        p13, s13, g13 = R.quantize_nvfp4(w13.to(torch.bfloat16))
+        p2, s2, g2 = R.quantize_nvfp4(w2.to(torch.bfloat16))
+        gs1 = torch.tensor([2688.0 / float(x.float().abs().amax())], device=device)
+        gs2 = torch.tensor([2688.0 / 0.05], device=device)
+        q1 = ActivationQDQ(kind=2, block_size=16, scale=gs1.to(device))
+        q2 = ActivationQDQ(kind=2, block_size=16, scale=gs2.to(device))
+        dq13 = {"seed": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
+                "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32)}
+        dq2 = {"seed": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
+               "hardware": R.dequantize_to_dtype(p2, s2, g2, torch.float32)}
+        pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 16, g13.to(device))
+        pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 16, g2.to(device))
+
+        def qdq(v, gs, mode):
+            return R.ref_nvfp4_quant_dequant(v, gs, dtype=torch.bfloat16 if mode == "seed" else torch.float32)
+
+        a1 = lambda v, mode: qdq(v, gs1, mode)  # noqa: E731
+        a2 = lambda v, mode: qdq(v, gs2, mode)  # noqa: E731
+    else:
+        p13, s13 = R.quantize_mx(w13.to(torch.bfloat16), "e2m1")
+        p2, s2 = R.quantize_mx(w2.to(torch.bfloat16), "e2m1")
+        d13, d2 = R.dequantize_mx(p13, s13, "e2m1"), R.dequantize_mx(p2, s2, "e2m1")
+        dq13, dq2 = {"seed": d13, "hardware": d13}, {"seed": d2, "hardware": d2}
+        pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 32)
+        pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 32)
+        if scheme == "w_mxfp4_a_mxfp4":
+            q1 = q2 = ActivationQDQ(kind=1, block_size=32)
+            a1 = a2 = lambda v, mode: R.quant_dequant_mx(v, "e2m1", 32, "even")  # noqa: E731
+        else:
+            q1 = q2 = None
+            a1 = a2 = lambda v, mode: v  # noqa: E731
+    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q1, q2=q2, dq13=dq13, dq2=dq2, a1=a1, a2=a2,
+                raw13=p13)
+
+
+def oracle_fp64(L, mode):
+    """float64 MoE from the mode's operands (see the module docstring)."""
+    x, tw, ti = L["x"].cpu(), L["tw"].cpu(), L["ti"].cpu()
+    w13, w2 = L["dq13"][mode].double().cpu(), L["dq2"][mode].double().cpu()
+    a1 = L["a1"](L["x"], mode).double().cpu()
+    i = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            h = (w13[e] @ a1[t]).to(torch.bfloat16).double()
+            act = (torch.nn.functional.silu(h[:i]) * h[i:]).to(torch.bfloat16)
+            act = L["a2"](act.unsqueeze(0).to(L["x"].device), mode).double()[0].cpu()
+            out[t] += float(tw[t, j]) * (w2[e] @ act)
+    return out
+
+
+def run(L, device, mode, configs=None, m=None):
+    sl = slice(None) if m is None else slice(0, m)
+    return fused_fp4_moe(L["x"][sl].to(device), L["pw13"], L["pw2"], L["tw"][sl].to(device), L["ti"][sl].to(device),
+                         L["q1"], L["q2"], mode=mode, configs=configs).cpu()
+
+
+# ----------------------------------------------------------------------------- layout and alignment
+
+
+def test_prepare_round_trip_and_layout():
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randint(0, 256, (3, 5, 128), generator=g, dtype=torch.uint8)  # K = 256
+    scales = torch.randint(100, 140, (3, 5, 8), generator=g, dtype=torch.uint8)
+    w = prepare_fp4_weights(packed, scales, 32)
+    assert_bits_equal(unprepare_fp4_weights(w), packed)
+    codes = torch.stack((packed & 0xF, packed >> 4), -1).reshape(3, 5, 256)
+    # byte p of K tile t: element 128 t + p (low nibble) and 128 t + 64 + p (high nibble)
+    assert_bits_equal(w.packed[:, :, 64:128] & 0xF, codes[:, :, 128:192])
+    assert_bits_equal(w.packed[:, :, 64:128] >> 4, codes[:, :, 192:256])
+    assert w.packed.numel() == packed.numel()  # no extra memory
+
+
+def test_prepare_rejects_bad_input():
+    with pytest.raises(ValueError, match="K=192 is not a multiple of the kernel's K tile 128"):
+        prepare_fp4_weights(torch.zeros(1, 2, 96, dtype=torch.uint8), torch.zeros(1, 2, 6, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="global_scale: required for NVFP4"):
+        prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 8, dtype=torch.uint8), 16)
+    with pytest.raises(ValueError, match=r"scales: expected shape \[1, 2, 4\]"):
+        prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 8, dtype=torch.uint8), 32)
+
+
+@pytest.mark.parametrize("m,k,e,bm", [(1, 8, 128, 16), (5, 8, 16, 16), (64, 8, 128, 16), (200, 6, 8, 32),
+                                      (300, 8, 128, 64), (33, 2, 7, 4)])
+def test_triton_align_matches_torch(m, k, e, bm, device):
+    g = torch.Generator().manual_seed(m * 1000 + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
+    got = moe_align_block_size_triton(ids.to(device), bm, e)
+    want = moe_align_block_size(ids, bm, e)
+    for a, b, name in zip(got, want, ("sorted_token_ids", "expert_ids", "num_tokens_post_padded")):
+        assert_bits_equal(a.cpu(), b, name)
+
+
+# ----------------------------------------------------------------------------- the MoE
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mode", ["seed", "hardware"])
+def test_fused_fp4_against_fp64(scheme, mode, device):
+    L = make_layer(scheme, device)
+    out = run(L, device, mode)
+    err = rel_err(out, oracle_fp64(L, mode))
+    assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3
+    if mode == "hardware" and scheme == "nvfp4":
+        # the modes differ by the seed's bf16 rounding of the dequantized operands: measurably
+        assert rel_err(out, run(L, device, "seed")) > 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
+    L = make_layer(scheme, device, m=9)
+    want = oracle_fp64(L, "seed")
+    # M = 1: M * k * 4 <= E, so each pair is its own block (no alignment)
+    one = run(L, device, "seed", m=1)
+    assert rel_err(one, want[:1]) < 5e-3
+    cfg = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), FP4Config(16, 64, 1, 4, 1))
+    assert rel_err(run(L, device, "seed", configs=cfg), want) < 5e-3
+
+
+# ----------------------------------------------------------------------------- H200, full shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("mode", ["seed", "hardware"])
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_gpu_full_shape_against_fp64(scheme, mode, m):
+    L = make_layer(scheme, "cuda", e=128, h=2048, i=768, m=m, k=8, seed=m)
+    out = run(L, "cuda", mode)
+    # oracle on the GPU in float64, per expert
+    x, tw, ti = L["x"].cuda(), L["tw"].cuda(), L["ti"].cuda()
+    w13, w2 = L["dq13"][mode].cuda().double(), L["dq2"][mode].cuda().double()
+    a1 = L["a1"](L["x"], mode).cuda().double()
+    flat = ti.reshape(-1).long()
+    ref = torch.zeros(m * 8, 2048, dtype=torch.float64, device="cuda")
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        hmid = (a1[pairs // 8] @ w13[e].T).to(torch.bfloat16).double()
+        act = (torch.nn.functional.silu(hmid[:, :768]) * hmid[:, 768:]).to(torch.bfloat16)
+        act = L["a2"](act, mode).double()
+        ref[pairs] = (act @ w2[e].T) * tw.reshape(-1)[pairs, None].double()
+    ref = ref.view(m, 8, -1).sum(1).cpu()
+    err = rel_err(out, ref)
+    assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("words", [True, False])
+def test_gpu_decode_bits_match_reference(words):
+    """The PTX decode gives the reference's bf16 weights bit for bit (every code x scale byte):
+    a one-hot activation reads single weight columns through the whole MoE."""
+    e, i = 1, 128
+    h = 256
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * i * h // 2 // 256 + 1)[: 2 * i * h // 2]
+    packed = codes.view(1, 2 * i, h // 2)
+    # every scale byte whose products stay finite and normal (a NaN / Inf weight would reach every
+    # output through 0 * w; subnormal dot operands are not what this test is about)
+    scales = (2 + torch.arange(2 * i * h // 32, dtype=torch.int64).remainder(248)).to(torch.uint8).view(1, 2 * i, h // 32)
+    ref = R.dequantize_mx(packed, scales, "e2m1")  # [1, 2I, H] bf16
+    pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 32)
+    x = torch.zeros(h, h, dtype=torch.bfloat16)
+    x[torch.arange(h), torch.arange(h)] = 1
+    from mxlib.kernels.fused_fp4_moe import _launch, FP4Config as C
+
+    out = torch.empty(h, 2 * i, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
+    sorted_ids, eid, post = moe_align_block_size_triton(ids, 64, e)
+    one = torch.ones(h, device="cuda")
+    # GEMM2-style launch (no gating) over all 2I rows: out[t, n] = W[n, t]
+    _launch(x.cuda(), pw, out, one, sorted_ids, eid, post, 2 * i, False, None, None, None, 0, False, 1, False,
+            C(64, 64, 1, 4, 3, WORDS=words), True)
+    # the GEMM's sum 1 * w + 0 * (others) turns -0.0 into +0.0; every other value must match bit for bit
+    assert_bits_equal(out.T.cpu(), ref[0] + 0.0)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_scale_words_same_bits(scheme, device):
+    """Scale bytes loaded as 32-bit words give the same result, bit for bit."""
+    L = make_layer(scheme, device)
+    c = (FP4Config(16, 32, 1, 4, 1, SCALE_WORDS=False), FP4Config(16, 32, 1, 4, 1, SCALE_WORDS=False))
+    w = tuple(FP4Config(x.BLOCK_M, x.BLOCK_N, x.GROUP_SIZE_M, x.num_warps, x.num_stages, SCALE_WORDS=True) for x in c)
+    for mode in ("seed", "hardware"):
+        assert_bits_equal(run(L, device, mode, configs=w), run(L, device, mode, configs=c), mode)
+
+
+def test_fused_fp4_rejects_bad_input():
+    L = make_layer("w_mxfp4", "cpu")
+    with pytest.raises(TypeError, match="hidden_states: expected dtype torch.bfloat16"):
+        fused_fp4_moe(L["x"].half(), L["pw13"], L["pw2"], L["tw"], L["ti"])
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], mode="fast")
+    with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 256\]"):
+        fused_fp4_moe(L["x"][:, :128], L["pw13"], L["pw2"], L["tw"], L["ti"])
