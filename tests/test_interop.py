@@ -53,24 +53,20 @@ from safetensors.torch import load_file
 
 from mxlib import reference as R
 from mxlib.models.checkpoints import CheckpointError, load_quantized_qwen3_moe
+from mxlib.moe.linear import EmulatedLinear
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 
 # fixture -> what mxlib needs to load it, or None if it loads today
 LOADER_MISSING = {
     "modelopt_nvfp4_experts": None,
-    "modelopt_nvfp4_default": "issue 13: emulated linear layers (ModelOpt's default NVFP4 config quantizes "
-                              "q/k/v/o_proj; the loader refuses quantized attention)",
+    "modelopt_nvfp4_default": None,  # attention q/k/v/o_proj emulated (mxlib.moe.linear)
     "quark_w_mxfp4_a_mxfp4": None,
     "quark_w_mxfp6_e2m3_a_mxfp6_e2m3": None,
-    "quark_w_mxfp4_a_fp8": "issue 13: Quark stores each expert's static input_scale as a bfloat16 scalar; "
-                           "the loader requires float32 (widening is exact)",
-    "quark_w_mxfp4_a_mxfp4_attn": "issue 13: emulated linear layers (Quark's qwen3_moe template quantizes "
-                                  "q/k/v/o_proj to MXFP4 too; the loader refuses quantized attention)",
-    "llmc_nvfp4_experts": "issue 13: compressed-tensors NVFP4 layout (quant_method compressed-tensors, "
-                          "format nvfp4-pack-quantized, weight_packed, encode global scales)",
-    "llmc_nvfp4": "issue 13: compressed-tensors NVFP4 layout, and emulated linear layers (llm-compressor's "
-                  "NVFP4 recipe quantizes q/k/v/o_proj too)",
+    "quark_w_mxfp4_a_fp8": None,  # bf16 input_scale widened to fp32 exactly
+    "quark_w_mxfp4_a_mxfp4_attn": None,  # attention emulated
+    "llmc_nvfp4_experts": None,  # compressed-tensors NVFP4 layout, encode scales as stored
+    "llmc_nvfp4": None,  # compressed-tensors NVFP4 layout and emulated attention
 }
 NOPREPROCESS = "quark_w_mxfp4_a_mxfp4_nopreprocess"
 
@@ -234,10 +230,18 @@ def test_dequant_reference_equals_tool(name):
 
 @pytest.mark.parametrize("name", [_xfail_unless_loads(n) for n in ALL])
 def test_loader_experts_equal_tool_dequant(name):
-    """The loaded model's emulation experts hold exactly the tool's dequantized weights."""
+    """The loaded model's emulation experts (and emulated linear layers) hold exactly the tool's
+    dequantized weights."""
     _, meta, results = _fixture(name)
     model, _ = _loaded(name)
+    modules = dict(model.named_modules())
     for module in _dequant_names(results):
+        if isinstance(modules.get(module), EmulatedLinear):  # a quantized attention projection
+            mine = modules[module].dequantized_weight()
+            tool = results[f"dequant.{module}"]
+            _assert_bits(mine, tool.to(mine.dtype), f"{name} {module}",
+                         zero_sign_free=meta["tool"] == "nvidia-modelopt")
+            continue
         parts = module.split(".")
         layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
         w13, w2 = model.model.layers[layer].mlp.experts.experts.dequantized_expert(expert)
@@ -325,8 +329,6 @@ def test_quark_without_preprocessing_is_flagged():
     assert not any(".mlp.experts.0." in k for k in tensors)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: the loader should say the experts are fused and unquantized "
-                                       "(Quark run without preprocess_for_quantization)")
 @pytest.mark.skipif(not (FIXTURES / NOPREPROCESS / "meta.json").exists(), reason="fixture not made")
 def test_quark_without_preprocessing_clear_error():
     with pytest.raises(CheckpointError, match=r"(?i)fused.*unquantized|unquantized.*fused") as err:
