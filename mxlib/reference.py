@@ -107,6 +107,7 @@ __all__ = [
     "quant_dequant_mx",
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
+    "compressed_tensors_nvfp4_quant_dequant",
     "quantize_nvfp4",
     "nvfp4_weight_scale_2",
     "nvfp4_block_stats",
@@ -562,6 +563,31 @@ def ref_nvfp4_quant_dequant(
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
     e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -6.0, 6.0))
     return (e * (s / gs)).reshape(x.shape).to(dtype)
+
+
+def compressed_tensors_nvfp4_quant_dequant(
+    x: torch.Tensor, input_global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
+) -> torch.Tensor:
+    """compressed-tensors' NVFP4 activation QDQ (``dynamic: "local"``), an oracle of the producer.
+
+    Not vLLM's rule (``ref_nvfp4_quant_dequant``, what the emulation uses): the block amax and
+    its division by 6 happen in ``x``'s dtype (bf16 rounding), then
+    ``s = e4m3(min(gs * (amax / 6), 448))`` in fp32 with ``gs = input_global_scale`` (the encode
+    scale as stored), ``s = 0 -> 0.125``; elements ``e2m1(clamp(x / (s / gs), -6, 6))`` (RNE; the
+    step ``s / gs`` one fp32 division) and ``dq = e2m1 * (s / gs)`` in fp32, cast once to ``x.dtype``.
+    Source: compressed-tensors 0.19 ``calculate_qparams`` (tensor_group, fp4) and ``_quantize_dequantize``.
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    gs = _global_scale_view(input_global_scale, x, "input_global_scale")
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s = round_to_element(torch.clamp(gs * (amax / 6.0).float(), max=448.0), _E4M3)
+    s = torch.where(s == 0, 0.125, s)
+    step = s / gs
+    scaled = torch.clamp(xb.float() / step, -6.0, 6.0)
+    e = torch.where(scaled < 0, -round_to_element(scaled.abs(), _E2M1), round_to_element(scaled.abs(), _E2M1))
+    return (e * step).reshape(x.shape).to(x.dtype)
 
 
 def nvfp4_block_stats(
