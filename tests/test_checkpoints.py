@@ -150,7 +150,8 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
     (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
     (lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
      r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported"),
-    (lambda q: q.update(quant_method="awq"), "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'"),
+    (lambda q: q.update(quant_method="awq"),
+     "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'"),
     (lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False), "MX activations must be dynamic"),
 ])
 def test_unsupported_quark_configs_are_rejected(tiny, tmp_path, edit, message):

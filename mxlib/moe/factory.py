@@ -6,8 +6,9 @@ OCP MX with the E8M0 ``even`` rule, as Quark exports) and returns ``ExpertWeight
 ``make_emulation_experts(scheme, weights, w13_input_scale, w2_input_scale, backend=...,
 scale_strategy=...)`` builds the scheme's emulation experts from quantized weights, wherever
 they came from (this module, or a checkpoint). ``quantize_linear_weight`` and
-``make_emulated_linear`` do the same for one quantized ``nn.Linear`` (``mxlib.moe.linear``). ``input_scales_from_amax`` turns calibrated
-activation maxima into the static decode scales a scheme's activation format needs.
+``make_emulated_linear`` do the same for one quantized ``nn.Linear`` (``mxlib.moe.linear``).
+``input_scales_from_amax`` turns calibrated activation maxima into the static decode scales a
+scheme's activation format needs.
 
 The checkpoint loader, the studies, the benchmarks and the tests all build experts here.
 """

@@ -12,8 +12,9 @@ Everything the emulation does not quantize (embeddings, norms, the router ``mlp.
 ``lm_head``, and attention unless ``quantize_attention``) is bf16 under its usual transformers
 name and listed in the ignore / exclude list. Quantized ``nn.Linear`` modules outside the experts
 (the attention projections of ModelOpt's default NVFP4 export, of llm-compressor's NVFP4 scheme,
-of Quark with attention not excluded) are emulated by ``mxlib.moe.linear.EmulatedLinear``. Writes go to a temporary folder renamed into place at the end,
-so a failed write leaves no half-written checkpoint.
+of Quark with attention not excluded) are emulated by ``mxlib.moe.linear.EmulatedLinear``.
+Writes go to a temporary folder renamed into place at the end, so a failed write leaves no
+half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..calibration import Calibration
 from ...moe.linear import LinearWeights
 from ..qwen3 import empty_qwen3_moe, expert_weights, swap_experts
-from . import modelopt_nvfp4, quark_ocp_mx, compressed_tensors_nvfp4  # noqa: F401,I001  (registers the layouts, in this order)
+# registers the layouts, in this order
+from . import modelopt_nvfp4, quark_ocp_mx, compressed_tensors_nvfp4  # noqa: F401,I001
 from .layout import (
     LAYOUTS,
     PROJS,
