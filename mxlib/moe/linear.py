@@ -13,7 +13,10 @@ the checkpoint's activation scale, and one matmul in the activation dtype follow
 * static per-tensor FP8 activations (``_a_fp8``): ``quant_dequant_fp8_per_tensor`` with ``input_scale``.
 
 The QDQ and dequantize functions are ``mxlib.reference`` or their Triton twins
-(``ops_for_backend``), same bits. Build one with ``mxlib.moe.factory.make_emulated_linear``.
+(``ops_for_backend``), same bits. The NVFP4 input QDQ is vLLM's fp32 rule for every layout, as vLLM
+serves them; compressed-tensors' own fake quantization rounds the block amax / 6 to bf16 first
+(``mxlib.reference.compressed_tensors_nvfp4_quant_dequant``), which on llm-compressor's tiny
+all-Linear fixture moves the logits from 18.2 to 22.0 dB of the tool's own forward. Build one with ``mxlib.moe.factory.make_emulated_linear``.
 
 Shapes: ``x [..., in_features] -> [..., out_features]``; ``weight`` packed ``[out, in * bits / 8]``.
 """
