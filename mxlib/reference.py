@@ -109,6 +109,7 @@ __all__ = [
     "quant_dequant_mx",
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
+    "compressed_tensors_nvfp4_quant_dequant",
     "quantize_nvfp4",
     "nvfp4_weight_scale_2",
     "nvfp4_block_stats",
@@ -565,6 +566,31 @@ def ref_nvfp4_quant_dequant(
     return (e * (s / gs)).reshape(x.shape).to(dtype)
 
 
+def compressed_tensors_nvfp4_quant_dequant(
+    x: torch.Tensor, input_global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
+) -> torch.Tensor:
+    """compressed-tensors' NVFP4 activation QDQ (``dynamic: "local"``), an oracle of the producer.
+
+    Not vLLM's rule (``ref_nvfp4_quant_dequant``, what the emulation uses): the block amax and
+    its division by 6 happen in ``x``'s dtype (bf16 rounding), then
+    ``s = e4m3(min(gs * (amax / 6), 448))`` in fp32 with ``gs = input_global_scale`` (the encode
+    scale as stored), ``s = 0 -> 0.125``; elements ``e2m1(clamp(x / (s / gs), -6, 6))`` (RNE; the
+    step ``s / gs`` one fp32 division) and ``dq = e2m1 * (s / gs)`` in fp32, cast once to ``x.dtype``.
+    Source: compressed-tensors 0.19 ``calculate_qparams`` (tensor_group, fp4) and ``_quantize_dequantize``.
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    gs = _global_scale_view(input_global_scale, x, "input_global_scale")
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s = round_to_element(torch.clamp(gs * (amax / 6.0).float(), max=448.0), _E4M3)
+    s = torch.where(s == 0, 0.125, s)
+    step = s / gs
+    scaled = torch.clamp(xb.float() / step, -6.0, 6.0)
+    e = torch.where(scaled < 0, -round_to_element(scaled.abs(), _E2M1), round_to_element(scaled.abs(), _E2M1))
+    return (e * step).reshape(x.shape).to(x.dtype)
+
+
 def nvfp4_block_stats(
     x: torch.Tensor, global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
 ) -> dict[str, torch.Tensor]:
@@ -707,6 +733,7 @@ def dequantize_to_dtype(
     block_size: int = NVFP4_BLOCK_SIZE,
     swizzle: bool = False,
     check_scale: bool = True,
+    global_scale_kind: str = "decode",
 ) -> torch.Tensor:
     """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
 
@@ -721,9 +748,14 @@ def dequantize_to_dtype(
         swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
         check_scale: ``False`` skips the value check of ``global_scale`` (a host sync), for
             callers that validated it once; it is also skipped during CUDA-graph capture.
+        global_scale_kind: ``"decode"`` (ModelOpt's ``weight_scale_2``, vLLM: multiply) or
+            ``"encode"`` (compressed-tensors' ``weight_global_scale``, its reciprocal: the block
+            scale is ``fp32(block_scale) / global_scale``, as compressed-tensors' ``_dequantize``
+            computes ``scale / global_scale``; converting it to a decode scale first is not exact).
 
     Returns:
-        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast.
+        ``[..., k]`` of ``dtype``: ``e2m1 * (fp32(block_scale) * global_scale)`` in fp32, one cast
+        (``e2m1 * (fp32(block_scale) / global_scale)`` for an encode scale).
 
     Raises:
         TypeError / ValueError: wrong dtypes or shapes, a ``global_scale`` value outside
@@ -731,6 +763,7 @@ def dequantize_to_dtype(
     """
     fp4, sf, gs, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
                                         nvfp4_unswizzle_scales, check_scale)
+    encode = check_global_scale_kind(global_scale_kind)
     num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
     s3 = sf if sf.ndim == 3 else sf.unsqueeze(0)
@@ -740,10 +773,25 @@ def dequantize_to_dtype(
     for ex in range(num):
         for rows in _row_chunks(m, k):
             values = table[unpack_codes(f3[ex, rows], _E2M1).to(torch.int32)]
-            block = s3[ex, rows].view(torch.float8_e4m3fn).float() * gs[ex]
+            sf32 = s3[ex, rows].view(torch.float8_e4m3fn).float()
+            block = sf32 / gs[ex] if encode else sf32 * gs[ex]
             v = values.reshape(-1, k // block_size, block_size) * block.unsqueeze(-1)
             out[ex, rows] = v.reshape(-1, k).to(dtype)
     return out if fp4.ndim == 3 else out[0]
+
+
+GLOBAL_SCALE_KINDS = ("decode", "encode")
+
+
+def check_global_scale_kind(kind: str) -> bool:
+    """Whether an NVFP4 weight global scale of this kind is an encode scale (a divisor).
+
+    Raises:
+        ValueError: ``kind`` not ``"decode"`` or ``"encode"``.
+    """
+    if kind not in GLOBAL_SCALE_KINDS:
+        raise ValueError(f"global_scale_kind: expected one of {list(GLOBAL_SCALE_KINDS)}, got {kind!r}")
+    return kind == "encode"
 
 
 # ----------------------------------------------------------------------------- FP8 per tensor

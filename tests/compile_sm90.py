@@ -46,7 +46,8 @@ def mx_kernels(el, mode, dtype):
     compile_kernel(Q._mx_quantize_kernel, {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
                    dict(select(Q._mx_quantize_kernel, fmt), BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
-                   dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
+                   dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512,
+                        G_ENCODE=False))
 
 
 def nvfp4_kernels(divide):
@@ -58,7 +59,7 @@ def nvfp4_kernels(divide):
                    dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(select(Q._dequantize_kernel, kernel_format_args(NVFP4)), OUT_DTYPE=tl.bfloat16, BLOCK_R=8,
-                        BLOCK_K=512))
+                        BLOCK_K=512, G_ENCODE=divide))  # encode global scales (compressed-tensors) with divide
     compile_kernel(Q._fp8_qdq_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
                    dict(OUT_DTYPE=tl.float16, BLOCK=1024))
 

@@ -150,7 +150,8 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
     (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
     (lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
      r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported"),
-    (lambda q: q.update(quant_method="awq"), "quant_method: expected 'modelopt' or 'quark', found 'awq'"),
+    (lambda q: q.update(quant_method="awq"),
+     "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'"),
     (lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False), "MX activations must be dynamic"),
 ])
 def test_unsupported_quark_configs_are_rejected(tiny, tmp_path, edit, message):
@@ -163,18 +164,17 @@ def test_unsupported_quark_configs_are_rejected(tiny, tmp_path, edit, message):
         C.load_quantized_qwen3_moe(path)
 
 
-def test_quantized_attention_is_rejected(tiny, tmp_path):
+def test_quantized_non_linear_is_rejected(tiny, tmp_path):
+    # quantized attention is emulated (tests/test_layouts.py); a quantized norm is not
     model, cal, _ = tiny
     path = C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"]["ignore"] = ["lm_head", "model.layers.*.mlp.gate"]
-    (path / "config.json").write_text(json.dumps(cfg))
-    extra = {"model.layers.0.self_attn.q_proj.weight_scale": torch.zeros(4, dtype=torch.float8_e4m3fn)}
+    extra = {"model.layers.0.input_layernorm.weight_scale": torch.zeros(4, dtype=torch.float8_e4m3fn)}
     save_file(extra, str(path / "extra.safetensors"))
     idx = json.loads((path / "model.safetensors.index.json").read_text())
     idx["weight_map"].update({k: "extra.safetensors" for k in extra})
     (path / "model.safetensors.index.json").write_text(json.dumps(idx))
-    with pytest.raises(C.CheckpointError, match="self_attn.q_proj is quantized in this checkpoint; mxlib emulates the MoE experts only"):
+    with pytest.raises(C.CheckpointError, match="input_layernorm is quantized in this checkpoint; mxlib emulates "
+                                                "quantized experts and linear layers only"):
         C.load_quantized_qwen3_moe(path)
 
 
@@ -212,7 +212,7 @@ def test_layout_registry_dispatch(tiny, tmp_path):
     from mxlib.models.checkpoints.layout import layout_for_scheme
     from mxlib.moe import MOE_SCHEMES
 
-    assert list(LAYOUTS) == ["modelopt", "quark"]
+    assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors"]
     for name, s in MOE_SCHEMES.items():
         expected = modelopt_nvfp4.LAYOUT if name == "nvfp4" else quark_ocp_mx.LAYOUT
         assert layout_for_scheme(s) is expected, name

@@ -277,6 +277,11 @@ EMPTY_CASES = {
         (lambda m: m.ref_nvfp4_quant(_z(0, 32), 1.0), [((0, 32), F32), ((0, 2), F32)]),
         (lambda m: m.ref_nvfp4_quant(_z(3, 0), 1.0), [((3, 0), F32), ((3, 0), F32)]),
     ],
+    "compressed_tensors_nvfp4_quant_dequant": [
+        (lambda m: m.compressed_tensors_nvfp4_quant_dequant(_z(0, 32, dtype=torch.bfloat16), 1.0),
+         [((0, 32), torch.bfloat16)]),
+        (lambda m: m.compressed_tensors_nvfp4_quant_dequant(_z(3, 0), 1.0), [((3, 0), F32)]),
+    ],
     "ref_nvfp4_quant_dequant": [
         (lambda m: m.ref_nvfp4_quant_dequant(_z(0, 32, dtype=torch.float16), 1.0), [((0, 32), torch.float16)]),
         (lambda m: m.ref_nvfp4_quant_dequant(_z(3, 0), 1.0), [((3, 0), F32)]),

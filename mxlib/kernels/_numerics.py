@@ -330,11 +330,17 @@ def load_codes(row_ptrs, rmask, k0, K, NBITS: tl.constexpr, BLOCK_R: tl.constexp
 
 @triton.jit
 def dequant_tile(codes, scale_bytes, g, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr,
-                 BS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 G_ENCODE: tl.constexpr = False):
     """fp32 values of a code tile: ``value * 2**(s - 127)`` (MX, E8M0 bytes), or vLLM's
-    ``e2m1 * (fp32(e4m3 scale) * g)`` (NVFP4, ``g [BLOCK_R, 1]`` the decode global scale)."""
+    ``e2m1 * (fp32(e4m3 scale) * g)`` (NVFP4, ``g [BLOCK_R, 1]`` the decode global scale); with
+    ``G_ENCODE`` ``g`` is an encode scale and the block scale is ``fp32(e4m3 scale) / g``
+    (compressed-tensors), correctly rounded."""
     v = tl.reshape(decode_element(codes, EBITS, MBITS, SPECIALS), (BLOCK_R, BLOCK_K // BS, BS))
-    if NVFP4:
+    if NVFP4 and G_ENCODE:
+        sb = decode_e4m3(scale_bytes)
+        block = tl.math.div_rn(sb, g + tl.zeros_like(sb))
+    elif NVFP4:
         block = decode_e4m3(scale_bytes) * g
     else:
         block = decode_e8m0(scale_bytes)

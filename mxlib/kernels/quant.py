@@ -125,10 +125,11 @@ def _store_codes(packed_ptr, codes, rows, rmask, pid_k, K, NBITS: tl.constexpr, 
 def _dequantize_kernel(
     packed_ptr, scale_ptr, g_ptr, out_ptr, R, K, ROWS_PER_GS,
     EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr, BS: tl.constexpr, NVFP4: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, G_ENCODE: tl.constexpr = False,
 ):
     """out[R, K] from packed codes [R, K*bits/8] and scale bytes [R, K/BS]: MX (E8M0) or NVFP4
-    (e4m3 block scale times the decode global scale g[row // ROWS_PER_GS])."""
+    (e4m3 block scale times the decode global scale g[row // ROWS_PER_GS], or divided by it when
+    ``G_ENCODE``: an encode scale)."""
     NBITS: tl.constexpr = 1 + EBITS + MBITS
     NB: tl.constexpr = BLOCK_K // BS
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -142,7 +143,7 @@ def _dequantize_kernel(
         g = tl.load(g_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
     else:
         g = 1.0
-    dq = nm.dequant_tile(codes, byte, g, EBITS, MBITS, SPECIALS, BS, NVFP4, BLOCK_R, BLOCK_K)
+    dq = nm.dequant_tile(codes, byte, g, EBITS, MBITS, SPECIALS, BS, NVFP4, BLOCK_R, BLOCK_K, G_ENCODE)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = rmask[:, None] & (cols < K)[None, :]
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], nm.cast_out(dq, OUT_DTYPE), mask=mask)
@@ -335,10 +336,11 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
 
 
 def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False,
-                        check_scale=True):
+                        check_scale=True, global_scale_kind="decode"):
     """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
     fp4, sf, g, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
                                        _ref.nvfp4_unswizzle_scales, check_scale)
+    g_encode = _ref.check_global_scale_kind(global_scale_kind)
     g = g.contiguous()
     m = fp4.shape[-2]
     n_rows = math.prod(fp4.shape[:-1])
@@ -351,7 +353,7 @@ def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=N
         fa = kernel_format_args(NVFP4, block_size=block_size)
         _dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
             p2, s2, g, out, r, k, m, **select(_dequantize_kernel, fa), OUT_DTYPE=_TL_DTYPE[dtype], BLOCK_R=br,
-            BLOCK_K=bk, **launch_opts())
+            BLOCK_K=bk, G_ENCODE=g_encode, **launch_opts())
     return out.reshape(*fp4.shape[:-1], k)
 
 

@@ -3,7 +3,8 @@
 ``schemes`` (weight + activation format of each MoE scheme), ``routing`` (Qwen3 top-k),
 ``reference_moe`` (the pure-PyTorch MoE), ``scales`` (activation-scale strategies), ``base``
 (``TritonExperts`` and backends), ``emulation`` (the NVFP4 and OCP MX emulation experts),
-``factory`` (quantize experts and build emulation experts: the one way to make them).
+``factory`` (quantize experts and build emulation experts: the one way to make them), ``linear``
+(``EmulatedLinear``: a quantized ``nn.Linear`` such as an attention projection, built by the factory).
 """
 
 from .base import BACKENDS, TransformersExperts, TritonExperts, ops_for_device  # noqa: F401
@@ -12,7 +13,14 @@ from .emulation import (  # noqa: F401
     Nvfp4QuantizationEmulationTritonExperts,
     OCP_MXQuantizationEmulationTritonExperts,
 )
-from .factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights  # noqa: F401
+from .factory import (  # noqa: F401
+    input_scales_from_amax,
+    make_emulated_linear,
+    make_emulation_experts,
+    quantize_expert_weights,
+    quantize_linear_weight,
+)
+from .linear import EmulatedLinear, LinearWeights, linear_input_amax  # noqa: F401
 from .reference_moe import silu_and_mul, torch_moe  # noqa: F401
 from .routing import fused_topk, moe_align_block_size  # noqa: F401
 from .scales import SCALE_STRATEGIES, max_input_scale, unify_input_scales  # noqa: F401

@@ -39,6 +39,8 @@ class ExpertWeights:
     ``w2_weight`` / ``w2_weight_scale`` likewise for ``[E, H, I]``; with a global scale
     (NVFP4): ``w13_weight_scale_2`` fp32 ``[E]`` (or ``[E, 2]``: gate and up their own) and
     ``w2_weight_scale_2`` fp32 ``[E]`` (ModelOpt's decode ``weight_scale_2``).
+    ``global_scale_kind``: ``"decode"`` (ModelOpt, multiplied) or ``"encode"``
+    (compressed-tensors' ``weight_global_scale``, a divisor, used as stored).
     """
 
     scheme: BlockScheme
@@ -48,6 +50,7 @@ class ExpertWeights:
     w2_weight_scale: torch.Tensor
     w13_weight_scale_2: torch.Tensor | None = None
     w2_weight_scale_2: torch.Tensor | None = None
+    global_scale_kind: str = "decode"
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors by name (the scheme and absent global scales left out)."""
@@ -56,7 +59,7 @@ class ExpertWeights:
 
     def to(self, device) -> "ExpertWeights":
         moved = {k: v.to(device) for k, v in self.tensors().items()}
-        return ExpertWeights(self.scheme, **moved)
+        return ExpertWeights(self.scheme, **moved, global_scale_kind=self.global_scale_kind)
 
     @property
     def device(self) -> torch.device:
@@ -136,7 +139,10 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             gate's for both); ``w2_weight``, ``w2_weight_scale``, ``w2_weight_scale_2``:
             ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
         w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales ``amax / (6 * 448)``
-            (0 for an expert never calibrated);
+            (0 for an expert never calibrated); when ``weights.global_scale_kind`` is
+            ``"encode"`` (compressed-tensors) they are encode scales ``6 * 448 / amax`` as stored,
+            used without a reciprocal (``max`` picks the smallest encode scale; the fused backend
+            then runs the triton path);
         scale_strategy: how per-expert activation scales become global ones
             (``unify_input_scales``); ``max`` is the seed's and warns when scales differ;
         activation_dtype: bf16 (default) or fp16.
@@ -180,6 +186,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         for name, t, zero_ok in [("w13_weight_scale_2", g13, False), ("w2_weight_scale_2", w.w2_weight_scale_2, False),
                                  ("w13_input_scale", w13_input_scale, True), ("w2_input_scale", w2_input_scale, True)]:
             check_global_scale(t, name, allow_zero=zero_ok)
+        self.global_scale_kind = w.global_scale_kind
+        if self.global_scale_kind == "encode":
+            self.supports_fused = False  # the fused kernel multiplies by decode global scales
         if g13.ndim == 2 and not torch.equal(g13[:, 0], g13[:, 1]):
             _warn_once("w13_weight_scale_2", "w13_weight_scale_2: gate and up scales differ; each half is "
                        "dequantized with its own (vLLM would use the gate's for both)")
@@ -192,8 +201,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
     def set_scale_strategy(self, strategy: str) -> None:
         """Recompute the activation global scales (``unify_input_scales``) for a strategy."""
         self.scale_strategy = strategy
-        a13, self._a13_uniform = unify_input_scales(self.w13_input_scale, strategy, "w13_input_scale")
-        a2, self._a2_uniform = unify_input_scales(self.w2_input_scale, strategy, "w2_input_scale")
+        unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
+        a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
+        a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
         self.register_buffer("a13_gscale", a13, persistent=False)
         self.register_buffer("a2_gscale", a2, persistent=False)
 
@@ -208,14 +218,16 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             halves = [
                 ops.dequantize_to_dtype(self.w13_weight[sel][:, j * i:(j + 1) * i].contiguous(),
                                         self.w13_weight_scale[sel][:, j * i:(j + 1) * i].contiguous(),
-                                        g13[:, j].contiguous(), dt, check_scale=False)
+                                        g13[:, j].contiguous(), dt, check_scale=False,
+                                        global_scale_kind=self.global_scale_kind)
                 for j in range(2)
             ]
             w13 = torch.cat(halves, dim=1)
         else:
-            w13 = ops.dequantize_to_dtype(self.w13_weight[sel], self.w13_weight_scale[sel], g13, dt, check_scale=False)
+            w13 = ops.dequantize_to_dtype(self.w13_weight[sel], self.w13_weight_scale[sel], g13, dt, check_scale=False,
+                                          global_scale_kind=self.global_scale_kind)
         w2 = ops.dequantize_to_dtype(self.w2_weight[sel], self.w2_weight_scale[sel], self.w2_weight_scale_2[sel], dt,
-                                     check_scale=False)
+                                     check_scale=False, global_scale_kind=self.global_scale_kind)
         return w13, w2
 
     def quantize_input(self, a1, topk_ids, backend):
@@ -232,6 +244,29 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         if self._a2_uniform:
             return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[:1], check_scale=False)
         return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[row_experts.long()], check_scale=False)
+
+
+def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) -> tuple[torch.Tensor, bool]:
+    """``unify_input_scales`` for encode scales stored as such (compressed-tensors'
+    ``input_global_scale``): ``max`` and ``per_expert`` use the stored values bit for bit (the
+    largest decode scale is the smallest encode scale); the statistics go through decode scales.
+    A non-positive or non-finite encode scale marks an expert never calibrated."""
+    e = encode_scales.detach().float().reshape(-1)
+    calibrated = torch.isfinite(e) & (e > 0)
+    if not bool(calibrated.any()):
+        raise ValueError(f"{name}: no expert has a positive finite encode scale (none calibrated)")
+    if strategy == "max":
+        vals = e[calibrated]
+        gs = vals.min()
+        if bool((vals != gs).any()):
+            _warn_once(name, f"{name}: the activation global scales differ across experts; using the smallest "
+                       f"encode scale (the max decode scale) for all experts, as vLLM does")
+        return gs.expand(e.numel()).contiguous(), True
+    if strategy == "per_expert":
+        per = torch.where(calibrated, e, e[calibrated].min())
+        return per.contiguous(), bool((per == per[0]).all())
+    decode = torch.where(calibrated, 1.0 / torch.where(calibrated, e, 1.0), 0.0)
+    return unify_input_scales(decode, strategy, name)
 
 
 def _nvfp4_args(weights, legacy: tuple, kwargs: dict) -> dict:

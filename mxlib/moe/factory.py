@@ -5,8 +5,10 @@ weight format (NVFP4 with ModelOpt's arithmetic, gate and up sharing one ``weigh
 OCP MX with the E8M0 ``even`` rule, as Quark exports) and returns ``ExpertWeights``.
 ``make_emulation_experts(scheme, weights, w13_input_scale, w2_input_scale, backend=...,
 scale_strategy=...)`` builds the scheme's emulation experts from quantized weights, wherever
-they came from (this module, or a checkpoint). ``input_scales_from_amax`` turns calibrated
-activation maxima into the static decode scales a scheme's activation format needs.
+they came from (this module, or a checkpoint). ``quantize_linear_weight`` and
+``make_emulated_linear`` do the same for one quantized ``nn.Linear`` (``mxlib.moe.linear``).
+``input_scales_from_amax`` turns calibrated activation maxima into the static decode scales a
+scheme's activation format needs.
 
 The checkpoint loader, the studies, the benchmarks and the tests all build experts here.
 """
@@ -23,9 +25,11 @@ from .emulation import (
     OCP_MXQuantizationEmulationTritonExperts,
     QuantizedExperts,
 )
+from .linear import EmulatedLinear, LinearWeights
 from .schemes import MoEQuantScheme, get_moe_scheme
 
-__all__ = ["ExpertWeights", "quantize_expert_weights", "make_emulation_experts", "input_scales_from_amax"]
+__all__ = ["ExpertWeights", "quantize_expert_weights", "make_emulation_experts", "input_scales_from_amax",
+           "LinearWeights", "quantize_linear_weight", "make_emulated_linear"]
 
 # The E8M0 rule OCP MX weights are exported with (Quark's ``scale_calculation_mode``).
 WEIGHT_SCALE_MODE = "even"
@@ -126,3 +130,42 @@ def make_emulation_experts(
     return OCP_MXQuantizationEmulationTritonExperts(
         s, weights, activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype, backend=backend,
         **kw)
+
+
+def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:
+    """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
+    ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
+    ``weight_scale_2``; OCP MX: E8M0 ``even``)."""
+    fmt = _weight_format(scheme)
+    if weight.ndim != 2:
+        raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
+    ops = ops or ops_for_device(weight.device)
+    if fmt.has_global_scale:
+        p, s, g = ops.quantize_nvfp4(weight, block_size=fmt.block_size)
+        return LinearWeights(fmt, p, s, g.reshape(()).float())
+    p, s = ops.quantize_mx(weight, fmt.element.name, fmt.block_size, WEIGHT_SCALE_MODE)
+    return LinearWeights(fmt, p, s)
+
+
+def make_emulated_linear(
+    scheme: MoEQuantScheme | str,
+    weights: LinearWeights,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    activation_scale_mode: str = "even",
+    activation_dtype: torch.dtype = torch.bfloat16,
+) -> EmulatedLinear:
+    """The emulated linear layer of ``scheme`` (``mxlib.moe.linear.EmulatedLinear``) from a quantized
+    weight and, for static activation scales, its one-element fp32 ``input_scale`` (in the
+    convention of ``weights.global_scale_kind`` for NVFP4).
+
+    Raises:
+        ValueError: weights in another format than the scheme's; a static-scale scheme without
+            ``input_scale``.
+    """
+    s = get_moe_scheme(scheme)
+    if s.static_activation_scale and input_scale is None:
+        raise ValueError(f"{s.name}: activations with a static scale need input_scale")
+    return EmulatedLinear(s, weights, input_scale, bias=bias, backend=backend,
+                          activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype)

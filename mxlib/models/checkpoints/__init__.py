@@ -1,16 +1,20 @@
 """Quantized Qwen3-MoE checkpoints in the real on-disk layouts, and the loader for them.
 
 One module per layout, each owning its config writing, its config reading (into a typed
-``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA ModelOpt NVFP4) and
-``quark_ocp_mx`` (AMD Quark OCP MX). ``safetensors_io`` holds what they share (shards, the
+``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA ModelOpt NVFP4),
+``quark_ocp_mx`` (AMD Quark OCP MX) and ``compressed_tensors_nvfp4`` (llm-compressor's
+``nvfp4-pack-quantized``, encode global scales used as stored). ``safetensors_io`` holds what they share (shards, the
 index, the atomic folder write, tensor reading); ``layout`` the registry both functions here
 dispatch on. Adding a layout is adding one module that calls ``register_layout`` and importing
 it below.
 
-Everything the emulation does not quantize (embeddings, attention, norms, the router
-``mlp.gate``, ``lm_head``) is bf16 under its usual transformers name and listed in the
-ignore / exclude list. Writes go to a temporary folder renamed into place at the end,
-so a failed write leaves no half-written checkpoint.
+Everything the emulation does not quantize (embeddings, norms, the router ``mlp.gate``,
+``lm_head``, and attention unless ``quantize_attention``) is bf16 under its usual transformers
+name and listed in the ignore / exclude list. Quantized ``nn.Linear`` modules outside the experts
+(the attention projections of ModelOpt's default NVFP4 export, of llm-compressor's NVFP4 scheme,
+of Quark with attention not excluded) are emulated by ``mxlib.moe.linear.EmulatedLinear``.
+Writes go to a temporary folder renamed into place at the end, so a failed write leaves no
+half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from ...moe.base import TritonExperts
-from ...moe.factory import make_emulation_experts, quantize_expert_weights
+from ...moe.factory import make_emulated_linear, make_emulation_experts, quantize_expert_weights, quantize_linear_weight
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..calibration import Calibration
+from ...moe.linear import LinearWeights
 from ..qwen3 import empty_qwen3_moe, expert_weights, swap_experts
-from . import modelopt_nvfp4, quark_ocp_mx  # noqa: F401  (registers the layouts, in this order)
+# registers the layouts, in this order
+from . import modelopt_nvfp4, quark_ocp_mx, compressed_tensors_nvfp4  # noqa: F401,I001
 from .layout import (
     LAYOUTS,
     PROJS,
@@ -66,14 +72,20 @@ def _config_dict(model, num_hidden_layers: int) -> dict:
     return cfg
 
 
+ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def write_quantized_checkpoint(
     model,
     scheme: str | MoEQuantScheme,
     path: str | os.PathLike,
     calibration: Calibration | None = None,
     shard_bytes: int = SHARD_BYTES,
+    layout: str | None = None,
+    quantize_attention: bool = False,
+    linear_input_amax: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Quantize a bf16 Qwen3-MoE model's experts and write the checkpoint.
+    """Quantize a bf16 Qwen3-MoE model's experts (and optionally attention) and write the checkpoint.
 
     Args:
         model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
@@ -83,34 +95,65 @@ def write_quantized_checkpoint(
         calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
             needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
         shard_bytes: safetensors shard size.
+        layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
+            takes the first that stores the scheme (``nvfp4`` -> ``modelopt``).
+        quantize_attention: also quantize ``self_attn.{q,k,v,o}_proj`` (as ModelOpt's default NVFP4
+            config and llm-compressor's NVFP4 scheme do) instead of leaving them bf16 and ignored.
+        linear_input_amax: ``{module name: amax}`` of those projections' inputs
+            (``mxlib.moe.linear.linear_input_amax``), needed with ``quantize_attention`` by schemes
+            with static activation scales.
 
     Returns:
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
 
     Raises:
-        ValueError: a static-activation-scale scheme without ``calibration``.
+        ValueError: a static-activation-scale scheme without ``calibration`` (or without
+            ``linear_input_amax`` for quantized attention); a layout that does not store the scheme.
     """
     scheme = get_moe_scheme(scheme)
-    layout = layout_for_scheme(scheme)
+    if layout is None:
+        layout = layout_for_scheme(scheme)
+    else:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
+        layout = LAYOUTS[layout]
+        if not layout.handles(scheme):
+            raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
+    attn = [f"model.layers.{layer}.self_attn.{p}" for layer in range(len(model.model.layers))
+            for p in ATTENTION_PROJS] if quantize_attention else []
+    if attn and scheme.static_activation_scale:
+        missing = [n for n in attn if linear_input_amax is None or n not in linear_input_amax]
+        if missing:
+            raise ValueError(f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
+                             f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}")
+    quantize_experts = getattr(layout, "quantize_experts", None) or (lambda a, b, s: quantize_expert_weights(a, b, s))
+    quantize_linear = getattr(layout, "quantize_linear", None) or quantize_linear_weight
     with atomic_folder(path) as tmp:
         num_layers = len(model.model.layers)
         state = {}
         for name, t in model.state_dict().items():
-            if ".mlp.experts." in name:
+            if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn:
                 continue
             state[name] = t.detach().to(torch.bfloat16).contiguous().cpu()
+        modules = dict(model.named_modules())
+        for name in attn:
+            w = modules[name].weight.detach()
+            ins = None
+            if scheme.static_activation_scale:
+                ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
+            state.update(layout.linear_tensors(scheme, quantize_linear(w, scheme), ins, name))
         for layer in range(num_layers):
             w13, w2 = expert_weights(model, layer)
-            weights = quantize_expert_weights(w13, w2, scheme)
+            weights = quantize_experts(w13, w2, scheme)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)
             state.update(layout.expert_tensors(scheme, weights, in13, in2, f"model.layers.{layer}.mlp.experts"))
         write_shards(state, tmp, shard_bytes)
         cfg = _config_dict(model, num_layers)
-        qc, extra = layout.config_files(scheme)
+        qc, extra = layout.config_files(scheme, quantize_attention)
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         for fname, content in extra.items():
@@ -172,9 +215,15 @@ def load_quantized_qwen3_moe(
     Returns:
         ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
 
+    Quantized ``nn.Linear`` modules outside the experts (attention projections carrying the
+    layout's quantized tensors and not in the ignore list) become ``EmulatedLinear``
+    (``mxlib.moe.factory.make_emulated_linear``): dequantized weight, QDQ'd input with the
+    checkpoint's activation scale.
+
     Raises:
         CheckpointError: missing tensors, wrong shapes or dtypes, unsupported configs, quantized
-            modules outside the experts (the emulation covers MoE experts only).
+            modules that are not linear layers, fused unquantized experts (a Quark export made
+            without ``preprocess_for_quantization``).
     """
     folder = Path(path)
     info = read_quant_config(folder)
@@ -194,21 +243,28 @@ def load_quantized_qwen3_moe(
     tensors = TensorReader(folder)
     exclude = info.exclude
 
+    modules = dict(model.named_modules())
+    quantized_linears = []
     for name, p in model.named_parameters():
         if ".mlp.experts." in name:
             continue
         module = name.rsplit(".", 1)[0]
         if f"{module}.weight_scale" in tensors and not matches(module, exclude):
-            raise CheckpointError(
-                f"{module} is quantized in this checkpoint; mxlib emulates the MoE experts only, so it must be "
-                f"bf16 and listed in the ignore/exclude list"
-            )
+            if not isinstance(modules[module], torch.nn.Linear) or not hasattr(layout, "read_linear"):
+                raise CheckpointError(
+                    f"{module} is quantized in this checkpoint; mxlib emulates quantized experts and linear layers "
+                    f"only, so it must be bf16 and listed in the ignore/exclude list"
+                )
+            if name.endswith(".weight"):
+                quantized_linears.append(module)
+                continue
         p.data = tensors.get(name, tuple(p.shape), torch.bfloat16).to(device)
 
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
 
     def make(layer: int):
         prefix = f"model.layers.{layer}.mlp.experts"
+        _refuse_fused_unquantized(tensors, prefix)
         if _experts_excluded(exclude, layer):
             return _bf16_experts(tensors, prefix, e, h, i, device, backend)
         weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
@@ -219,7 +275,35 @@ def load_quantized_qwen3_moe(
                                       activation_dtype=activation_dtype)
 
     swap_experts(model, make)
+    for module in quantized_linears:
+        lin = modules[module]
+        weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)
+        bias = None
+        if lin.bias is not None:
+            bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(activation_dtype).to(device)
+        em = make_emulated_linear(
+            info.scheme, LinearWeights(weights.scheme, weights.weight.to(device), weights.weight_scale.to(device),
+                                       None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
+                                       weights.global_scale_kind),
+            None if ins is None else ins.to(device), bias=bias, backend=backend,
+            activation_scale_mode=info.activation_scale_mode or "even", activation_dtype=activation_dtype)
+        parent, _, child = module.rpartition(".")
+        setattr(modules[parent], child, em)
     return model.to(device).eval(), info
+
+
+def _refuse_fused_unquantized(tensors: TensorReader, prefix: str) -> None:
+    """A checkpoint with transformers' fused bf16 expert parameters under a quantization config."""
+    for fused in ("gate_up_proj", "down_proj"):
+        for name in (f"{prefix}.{fused}", f"{prefix}.{fused}.weight"):
+            if name in tensors:
+                raise CheckpointError(
+                    f"tensor {name!r}: the experts of this checkpoint are fused and unquantized (transformers' "
+                    f"{fused} parameter in bf16, no per-expert quantized tensors) although its config says they are "
+                    f"quantized. amd-quark writes this when run without "
+                    f"quark.torch.utils.llm.preprocess_for_quantization(model) before quantizing (it quantizes "
+                    f"nothing and still reports success); re-export with that preprocessing step"
+                )
 
 
 def _bf16_experts(tensors: TensorReader, prefix, e, h, i, device, backend):

@@ -11,6 +11,10 @@ with ``quantization_config`` in ``config.json`` (``quant_method: modelopt``, ``q
 ``config_groups``, ``ignore``) and the older ``hf_quant_config.json``
 (``quantization.exclude_modules``); the reader accepts either. ModelOpt gives gate and up one
 shared ``weight_scale_2`` (from the larger amax) so that they can be fused; the writer does the same.
+
+ModelOpt's default NVFP4 config also quantizes the attention projections
+(``model.layers.L.self_attn.{q,k,v,o}_proj``, the same four tensors each); its experts-only
+config leaves them bf16 and ignored. Scalar scales stored as bf16 or fp16 are widened exactly.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ import torch
 
 from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
+from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
 
 _ALGO = "NVFP4"
 _EXCLUDE = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.self_attn*"]
+_EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate"]
 _LEGACY_FILE = "hf_quant_config.json"
 
 
@@ -41,7 +48,8 @@ class ModelOptNvfp4Layout:
 
     # ----------------------------------------------------------------------------- config
 
-    def config_files(self, scheme: MoEQuantScheme) -> tuple[dict, dict[str, dict]]:
+    def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
+        exclude = _EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE
         bs = NVFP4.block_size
         bits = NVFP4.element.nbits
         group = {"type": "float", "num_bits": bits, "group_size": bs, "dynamic": False}
@@ -49,7 +57,7 @@ class ModelOptNvfp4Layout:
             "quant_method": self.quant_method,
             "quant_algo": _ALGO,
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
-            "ignore": list(_EXCLUDE),
+            "ignore": list(exclude),
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(group),
                                           "input_activations": dict(group)}},
             "kv_cache_scheme": None,
@@ -57,7 +65,7 @@ class ModelOptNvfp4Layout:
         legacy = {
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
             "quantization": {"quant_algo": _ALGO, "group_size": bs, "kv_cache_quant_algo": None,
-                             "exclude_modules": list(_EXCLUDE)},
+                             "exclude_modules": list(exclude)},
         }
         return qc, {_LEGACY_FILE: legacy}
 
@@ -115,7 +123,7 @@ class ModelOptNvfp4Layout:
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
         bs = NVFP4.block_size
-        f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
+        f8, u8 = torch.float8_e4m3fn, torch.uint8
         rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
         def stack(proj, what, shape, dtype):
@@ -123,8 +131,8 @@ class ModelOptNvfp4Layout:
 
         w = {p: stack(p, "weight", (rows[p][0], NVFP4.element.packed_size(rows[p][1])), u8) for p in PROJS}
         s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // bs), f8) for p in PROJS}
-        g = {p: stack(p, "weight_scale_2", (), f32) for p in PROJS}
-        ins = {p: stack(p, "input_scale", (), f32) for p in PROJS}
+        g = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)]) for p in PROJS}
+        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)]) for p in PROJS}
         weights = ExpertWeights(
             NVFP4,
             torch.cat([w["gate_proj"], w["up_proj"]], 1), torch.cat([s["gate_proj"], s["up_proj"]], 1),
@@ -132,6 +140,22 @@ class ModelOptNvfp4Layout:
             torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"],
         )
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+
+    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
+        return {f"{name}.weight": weights.weight.contiguous().cpu(),
+                f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
+                f"{name}.weight_scale_2": weights.weight_scale_2.reshape(()).float().cpu().clone(),
+                f"{name}.input_scale": input_scale.reshape(()).float().cpu().clone()}
+
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
+                    description: CheckpointDescription):
+        """``(LinearWeights, input_scale fp32 [1])`` of a quantized linear layer ``name``."""
+        bs = NVFP4.block_size
+        w = tensors.get(f"{name}.weight", (out_features, NVFP4.element.packed_size(in_features)), torch.uint8)
+        s = tensors.get(f"{name}.weight_scale", (out_features, in_features // bs), torch.float8_e4m3fn)
+        g = read_scalar_scales(tensors, [f"{name}.weight_scale_2"])
+        ins = read_scalar_scales(tensors, [f"{name}.input_scale"])
+        return LinearWeights(NVFP4, w, s, g.reshape(())), ins
 
 
 LAYOUT = register_layout(ModelOptNvfp4Layout())

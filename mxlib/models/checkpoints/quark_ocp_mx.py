@@ -2,10 +2,14 @@
 
 Per expert ``e`` of layer ``L`` and projection ``p``: ``...e.p.weight`` uint8 packed (FP4
 ``[out, in/2]``, FP6 ``[out, 3*in/4]``), ``...e.p.weight_scale`` uint8 E8M0 ``[out, in/32]``, and
-``...e.p.input_scale`` float32 ``[]`` for static FP8 activations only, with
+``...e.p.input_scale`` ``[]`` for static FP8 activations only (amd-quark 0.13 stores it as bf16:
+read widened to fp32 exactly; the writer writes fp32), with
 ``quantization_config.quant_method: quark`` (``global_quant_config`` weight / input_tensors,
 ``exclude`` as names or ``re:`` patterns, ``export``). Real exports carry many more keys; the
 reader tolerates them and rejects what the emulation cannot honour, naming the field.
+
+With attention not excluded, ``self_attn.{q,k,v,o}_proj`` carry the same tensors as an expert's
+projection (emulated by ``mxlib.moe.linear.EmulatedLinear``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import torch
 
 from ...formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, SCALE_MODES, BlockScheme
 from ...moe.emulation import ExpertWeights
+from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
 from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
 
@@ -27,6 +33,7 @@ _DTYPE = {BLOCK_SCHEMES["mxfp4"]: "fp4", BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3"
 _FROM_DTYPE = {v: k for k, v in _DTYPE.items()}
 _FP8_DTYPE = "fp8_e4m3"
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
+_EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
 _WEIGHT_SCALE_MODE = "even"
 
 
@@ -53,7 +60,7 @@ class QuarkOcpMxLayout:
 
     # ----------------------------------------------------------------------------- config
 
-    def config_files(self, scheme: MoEQuantScheme) -> tuple[dict, dict[str, dict]]:
+    def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         weight = _tensor_config(scheme.weight, _WEIGHT_SCALE_MODE)
         weight["is_dynamic"] = False
         qc = {
@@ -61,7 +68,7 @@ class QuarkOcpMxLayout:
             "global_quant_config": {"weight": weight,
                                     "input_tensors": _tensor_config(scheme.activation, _WEIGHT_SCALE_MODE),
                                     "output_tensors": None, "bias": None, "target_device": None},
-            "exclude": list(_EXCLUDE),
+            "exclude": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
             "layer_quant_config": {},
             "layer_type_quant_config": {},
             "kv_cache_quant_config": {},
@@ -189,8 +196,25 @@ class QuarkOcpMxLayout:
                                 torch.cat([s["gate_proj"], s["up_proj"]], 1), w["down_proj"], s["down_proj"])
         if not scheme.static_activation_scale:
             return weights, None, None
-        ins = {p: stack(p, "input_scale", (), torch.float32) for p in PROJS}
+        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)]) for p in PROJS}
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+
+    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
+        out = {f"{name}.weight": weights.weight.contiguous().cpu(),
+               f"{name}.weight_scale": weights.weight_scale.contiguous().cpu()}
+        if scheme.static_activation_scale:
+            out[f"{name}.input_scale"] = input_scale.reshape(()).float().cpu().clone()
+        return out
+
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
+                    description: CheckpointDescription):
+        """``(LinearWeights, input_scale fp32 [1] or None)`` of a quantized linear layer ``name``."""
+        scheme = description.scheme
+        fmt = scheme.weight
+        w = tensors.get(f"{name}.weight", (out_features, fmt.element.packed_size(in_features)), torch.uint8)
+        s = tensors.get(f"{name}.weight_scale", (out_features, in_features // fmt.block_size), torch.uint8)
+        ins = read_scalar_scales(tensors, [f"{name}.input_scale"]) if scheme.static_activation_scale else None
+        return LinearWeights(fmt, w, s), ins
 
 
 LAYOUT = register_layout(QuarkOcpMxLayout())
