@@ -28,7 +28,7 @@ from transformers import Qwen3MoeConfig
 from ...moe.factory import quantize_expert_weights
 from ..calibration import calibrate
 from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
-from . import read_quant_config
+from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointError, matches
 from .safetensors_io import INDEX_NAME, SHARD_BYTES, atomic_folder, write_shards
 
@@ -85,7 +85,7 @@ def dummy_checkpoint_from_config(
     if not cfg_path.exists():
         raise CheckpointError(f"config_dir: {config_dir} has no config.json")
     source = json.loads(cfg_path.read_text())
-    info = read_quant_config(config_dir)
+    info = config_description(config_dir)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
 

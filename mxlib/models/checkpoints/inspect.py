@@ -8,7 +8,7 @@ layout needs, and what its per-expert activation scales say about scale unificat
 What it reads:
 
 * ``config.json`` (and legacy files such as ``hf_quant_config.json``) through the layout registry
-  (``read_quant_config``: the same parser the loader uses);
+  (the steps of the loader's ``read_quant_config``: the same layout parsers);
 * every safetensors header (names, dtypes, shapes: a few kB per shard);
 * the data of the **scale scalars only**: tensors whose names end in ``input_scale``,
   ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
@@ -56,8 +56,7 @@ from safetensors import safe_open
 from ... import reference as R
 from ...formats import BlockScheme, PerTensorScheme, get_element_format
 from ...moe.scales import SCALE_STRATEGIES, unify_input_scales
-from . import read_quant_config
-from .layout import LAYOUTS, PROJS, CheckpointError, matches
+from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_method, matches
 from .safetensors_io import INDEX_NAME, TensorReader
 
 __all__ = [
@@ -160,6 +159,21 @@ def predicted_db_lost(ratio: float, activation: BlockScheme | PerTensorScheme) -
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+def config_description(folder: Path) -> CheckpointDescription:
+    """The steps of the package's ``read_quant_config`` (which this module, imported by the package,
+    cannot import): ``config.json``'s ``quantization_config``, else a layout's legacy file, parsed
+    by the layout of its ``quant_method``. Raises ``CheckpointError`` as that does."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{folder}: config.json not found")
+    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    if qc is None:
+        qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
+    if qc is None:
+        raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
+    return layout_for_method(qc.get("quant_method")).read_config(qc)
 
 
 class _Headers:
@@ -448,8 +462,10 @@ def _strategy_rows(act, activation, strategies) -> list[dict]:
                     if own <= 0:
                         continue
                     r = own * g  # own / unified
+                    if abs(r - 1.0) <= _RATIO_TOL:
+                        r = 1.0  # its own scale, to fp32 rounding of the reciprocal
                     n += 1
-                    clipped += r > 1.0 + _RATIO_TOL
+                    clipped += r > 1.0
                     subnormal += r < NVFP4_SUBNORMAL_RATIO
                     flushed += r < NVFP4_FLUSH_RATIO
                     lost = predicted_db_lost(r, activation) if activation is not None else 0.0
@@ -520,7 +536,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     problems: list[str] = []
     notes: list[str] = []
     try:
-        info = read_quant_config(folder)
+        info = config_description(folder)
     except CheckpointError as err:
         info = None
         problems.append(f"config: {err}")
