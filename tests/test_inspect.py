@@ -8,19 +8,22 @@ stored tensors (safetensors ``load_file``) or from hand-set scale values.
 import json
 import shutil
 import statistics
+import struct
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mxlib import explore
 from mxlib.cli import main as cli_main
 from mxlib.formats import FP8_E4M3_PER_TENSOR, NVFP4
-from mxlib.models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint, read_quant_config
+from mxlib.models.calibration import calibrate
+from mxlib.models.checkpoints import (dummy_checkpoint_from_config, inspect_checkpoint, read_quant_config,
+                                      write_quantized_checkpoint)
 from mxlib.models.checkpoints import inspect as I
 from mxlib.models.checkpoints import safetensors_io
+from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe import SCALE_STRATEGIES
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -67,53 +70,69 @@ def _input_scales(state, layer):
 
 
 class _Recorder:
-    """Wraps safetensors' ``safe_open``: records every ``get_tensor`` and lets slices give only
-    their dtype and shape (indexing one, which reads data, fails)."""
+    """Wraps ``open`` in the inspector's module: records the byte range of every ``read``."""
 
-    read: list = []
+    reads: list = []
 
-    def __init__(self, path, framework):
-        self._f = safe_open(path, framework)
+    def __init__(self, path, mode="r", *args, **kwargs):
+        assert mode == "rb", mode
+        self.path = Path(path)
+        self._f = open(path, mode, *args, **kwargs)
 
     def __enter__(self):
-        self._f.__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._f.__exit__(*exc)
+        self._f.close()
 
-    def keys(self):
-        return self._f.keys()
+    def seek(self, pos, whence=0):
+        return self._f.seek(pos, whence)
 
-    def get_slice(self, name):
-        sl = self._f.get_slice(name)
-        return type("HeaderOnly", (), {"get_dtype": lambda s: sl.get_dtype(), "get_shape": lambda s: sl.get_shape()})()
+    def read(self, n=-1):
+        pos = self._f.tell()
+        data = self._f.read(n)
+        _Recorder.reads.append((self.path.name, pos, len(data)))
+        return data
 
-    def get_tensor(self, name):
-        _Recorder.read.append(name)
-        return self._f.get_tensor(name)
+
+def _spans(path: Path) -> dict:
+    """{name: (file, begin, end)} of every tensor's data, parsed here from the safetensors header."""
+    out = {}
+    for f in path.glob("*.safetensors"):
+        raw = f.read_bytes()
+        n = struct.unpack("<Q", raw[:8])[0]
+        header = json.loads(raw[8:8 + n])
+        header.pop("__metadata__", None)
+        out.update({k: (f.name, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()})
+    return out
 
 
 @pytest.mark.parametrize("key", ["nvfp4", "fp8", "mxfp4"])
 def test_reads_only_the_scale_scalars(ckpts, monkeypatch, key):
     path = ckpts[key]
-    _Recorder.read = []
-    monkeypatch.setattr(I, "safe_open", _Recorder)
+    _Recorder.reads = []
+    monkeypatch.setattr(I, "open", _Recorder, raising=False)
 
     def no_open(*a, **k):
         raise AssertionError("the layout check opened a safetensors file")
 
     monkeypatch.setattr(safetensors_io, "safe_open", no_open)  # the loader's TensorReader must not read
     report = inspect_checkpoint(path)
-    with safe_open(str(path / SHARD), "pt") as f:
-        names = list(f.keys())
-    scale_names = {n for n in names if n.endswith(("input_scale", "weight_scale_2", "global_scale"))}
-    assert sorted(_Recorder.read) == sorted(scale_names)
-    assert not any(n.endswith((".weight", ".weight_scale", ".weight_packed")) for n in _Recorder.read)
-    assert report.tensors_read == len(scale_names) and report.bytes_read == 4 * len(scale_names)
-    assert report.tensors_total == len(names)
+    spans = _spans(path)
+    scale = {k: v for k, v in spans.items() if k.endswith(("input_scale", "weight_scale_2", "global_scale"))}
+    by_range = {v: k for k, v in spans.items()}
+    data_reads = []
+    for fname, pos, size in _Recorder.reads:
+        header_len = struct.unpack("<Q", (path / fname).read_bytes()[:8])[0]
+        if (pos, size) in ((0, 8), (8, header_len)):  # the header
+            continue
+        data_reads.append(by_range[(fname, pos, pos + size)])  # else exactly one tensor's data
+    assert sorted(data_reads) == sorted(scale)
+    assert not any(n.endswith((".weight", ".weight_scale", ".weight_packed")) for n in data_reads)
+    assert report.tensors_read == len(scale) and report.bytes_read == 4 * len(scale)
+    assert report.tensors_total == len(spans)
     expected = {"nvfp4": 2 * E * 3 * 2, "fp8": 2 * E * 3, "mxfp4": 0}[key]  # input_scale (+ weight_scale_2)
-    assert len(scale_names) == expected
+    assert len(scale) == expected
     assert report.layout_ok and report.problems == []
 
 
@@ -236,6 +255,17 @@ def test_layout_problems_are_reported_not_raised(ckpts, tmp_path):
     assert [q["pattern"] for q in r.quantized["attention"]] == ["model.layers.*.self_attn.q_proj"]
     assert any("named by the exclude list" in p for p in r.problems)  # its ignore list has self_attn*
     assert "FAILED" in r.table()
+
+
+def test_checkpoint_written_by_mxlib(tmp_path):
+    """write_quantized_checkpoint's config (transformers 5 names num_experts num_local_experts)."""
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=1, **{**MODEL_PRESETS["tiny"], "num_experts": 4})
+    model = dummy_qwen3_moe(cfg, seed=0)
+    cal = calibrate(model, torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)))
+    path = write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    r = inspect_checkpoint(path)
+    assert r.layout_ok and r.problems == [] and (r.num_experts, r.num_hidden_layers) == (4, 1)
+    assert r.producer == "modelopt mxlib-dummy" and r.scheme == "nvfp4"
 
 
 def test_mx_and_fp8_checkpoints(ckpts):

@@ -51,7 +51,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ... import reference as R
 from ...formats import BlockScheme, PerTensorScheme, get_element_format
@@ -96,6 +95,7 @@ for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
 
 # own * fp32(1 / unified) is 1 only to fp32 rounding for the expert that sets the unified scale
 _RATIO_TOL = 2.0**-20
+_FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
 _ROW_GRID_LOG2 = [x / 4 for x in range(-160, 33)]  # log2 r from -40 to 8 in quarter steps
 
 
@@ -177,8 +177,9 @@ def config_description(folder: Path) -> CheckpointDescription:
 
 
 class _Headers:
-    """Names, dtypes and shapes of every tensor, from the safetensors headers; reads only what
-    ``read`` is asked for (and counts it)."""
+    """Names, dtypes, shapes and data offsets of every tensor, parsed from the safetensors headers
+    (an 8-byte little-endian length, then a JSON object ``{name: {dtype, shape, data_offsets}}``,
+    then the data); ``read_scales`` reads the data of the scale scalars only, and counts it."""
 
     def __init__(self, folder: Path):
         index = folder / INDEX_NAME
@@ -193,36 +194,59 @@ class _Headers:
         self.where: dict[str, str] = {}
         self.dtype: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
+        self.span: dict[str, tuple[int, int]] = {}  # absolute byte range of the data in its file
         self.tensors_read = 0
         self.bytes_read = 0
         for fname in files:
             path = folder / fname
             if not path.exists():
                 raise CheckpointError(f"{folder}: {INDEX_NAME} lists {fname}, which does not exist")
-            with safe_open(str(path), "pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    self.where[name] = fname
-                    self.dtype[name] = sl.get_dtype()
-                    self.shape[name] = tuple(sl.get_shape())
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                size = path.stat().st_size
+                if not 2 <= n <= size - 8:
+                    raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name, meta in header.items():
+                begin, end = meta["data_offsets"]
+                self.where[name] = fname
+                self.dtype[name] = meta["dtype"]
+                self.shape[name] = tuple(meta["shape"])
+                self.span[name] = (8 + n + begin, 8 + n + end)
 
     def read_scales(self) -> dict[str, float]:
-        """Every tensor whose name ends in one of ``SCALE_SUFFIXES``, as Python floats (fp64,
-        exact for fp32/bf16/fp16), one per name; a tensor of more than one element is an error."""
+        """Every tensor whose name ends in one of ``SCALE_SUFFIXES``, as Python floats (exact
+        widening of fp32/bf16/fp16/fp64), one per name.
+
+        Raises:
+            CheckpointError: a scale tensor of more than one element, or of a non-float dtype.
+        """
         names = [n for n in self.where if n.endswith(SCALE_SUFFIXES)]
-        out: dict[str, float] = {}
+        for n in names:
+            if math.prod(self.shape[n]) != 1:
+                raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])}")
+            if self.dtype[n] not in _FLOAT_SCALARS:
+                raise CheckpointError(f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found "
+                                      f"{self.dtype[n]}")
+        raw: dict[str, list[tuple[str, bytes]]] = {}
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.where[n], []).append(n)
         for fname, group in by_file.items():
-            with safe_open(str(self.folder / fname), "pt") as f:
-                for n in group:
-                    t = f.get_tensor(n)
+            with open(self.folder / fname, "rb") as f:
+                for n in sorted(group, key=lambda x: self.span[x][0]):
+                    begin, end = self.span[n]
+                    f.seek(begin)
+                    data = f.read(end - begin)
                     self.tensors_read += 1
-                    self.bytes_read += t.numel() * t.element_size()
-                    if t.numel() != 1:
-                        raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(t.shape)}")
-                    out[n] = float(t.double().reshape(()))
+                    self.bytes_read += len(data)
+                    raw.setdefault(self.dtype[n], []).append((n, data))
+        out: dict[str, float] = {}
+        for dtype, items in raw.items():
+            values = torch.frombuffer(bytearray(b"".join(d for _, d in items)), dtype=_DTYPES[dtype]).double().tolist()
+            out.update(zip((n for n, _ in items), values))
         return out
 
 
@@ -250,6 +274,32 @@ class _HeaderReader(TensorReader):
         self.folder = headers.folder
         handle = _MetaHandle(headers)
         self._open = {fname: handle for fname in headers.files}
+
+
+def _expert_tensors_by_layer(h: _Headers) -> dict[int, dict[str, tuple]]:
+    """``{layer: {"E.proj.suffix": (dtype, shape)}}`` of the per-expert tensors, from the headers."""
+    out: dict[int, dict[str, tuple]] = {}
+    for name in h.where:
+        m = _EXPERT.match(name)
+        if m:
+            out.setdefault(int(m[1]), {})[f"{m[2]}.{m[3]}.{m[4]}"] = (h.dtype[name], h.shape[name])
+    return out
+
+
+def _signature_diff(want: dict, got: dict, prefix: str) -> str:
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    changed = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing, e.g. {prefix}{missing[0]}")
+    if extra:
+        parts.append(f"{len(extra)} unexpected, e.g. {prefix}{extra[0]}")
+    if changed:
+        k = changed[0]
+        parts.append(f"{len(changed)} of another dtype or shape, e.g. {prefix}{k}: expected {want[k][0]} "
+                     f"{list(want[k][1])}, found {got[k][0]} {list(got[k][1])}")
+    return "; ".join(parts)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -545,18 +595,25 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     scales = headers.read_scales()
     act, gate_up_differ, weight = _expert_scales(scales)
 
-    layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts")
+    # transformers 5 writes num_experts as num_local_experts
+    layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts", cfg.get("num_local_experts"))
     h, i = cfg.get("hidden_size"), cfg.get("moe_intermediate_size")
     layout_ok = False
     if info is not None:
         layout = LAYOUTS[info.format]
-        reader = _HeaderReader(headers)
+        checked = [layer for layer in range(layers)
+                   if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)]
         try:
-            for layer in range(layers):
-                names = [f"model.layers.{layer}.mlp.experts.0.{p}" for p in PROJS]
-                if all(matches(n, info.exclude) for n in names):
-                    continue
-                layout.read_experts(reader, f"model.layers.{layer}.mlp.experts", e, h, i, info)
+            if checked:
+                # the layout's own checks on the first quantized layer (meta tensors: nothing read),
+                # then every other layer must hold the same expert tensors (names, dtypes, shapes)
+                layout.read_experts(_HeaderReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i, info)
+                by_layer = _expert_tensors_by_layer(headers)
+                first = by_layer.get(checked[0], {})
+                for layer in checked[1:]:
+                    diff = _signature_diff(first, by_layer.get(layer, {}), f"model.layers.{layer}.mlp.experts.")
+                    if diff:
+                        raise CheckpointError(f"layer {layer}'s expert tensors differ from layer {checked[0]}'s: {diff}")
             layout_ok = True
         except (CheckpointError, ValueError, TypeError) as err:
             problems.append(f"layout: {err}")
