@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from mxlib.cli import main as cli_main
-from mxlib.models.checkpoints import CheckpointError, dummy_checkpoint_from_config, load_quantized_qwen3_moe
+from mxlib.models.checkpoints import (LAYOUTS, CheckpointDescription, CheckpointError, dummy_checkpoint_from_config,
+                                      inspect_checkpoint, load_quantized_qwen3_moe)
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.moe.emulation import ExpertWeights
+from mxlib.moe.factory import quantize_expert_weights
+from mxlib.moe.schemes import get_moe_scheme
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 TINY = MODEL_PRESETS["tiny"]
@@ -145,3 +150,84 @@ def test_cli_dummy_from_config(tmp_path, capsys):
     assert "layout modelopt, scheme nvfp4" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["logits_finite"] is True and data["layers"] == 1 and data["num_experts"] == E
+
+
+class _EncodeLayout:
+    """A layout registered only for this test: other tensor names, encode global scales of shape
+    [1] (as compressed-tensors stores them) and its own quantize_experts, so that the builder and
+    the inspector are seen to dispatch through the registry, not on the two layouts they know."""
+
+    name = quant_method = "test-encode-layout"
+    calls = 0
+
+    def handles(self, scheme):
+        return False
+
+    def read_legacy(self, folder):
+        return None
+
+    def read_config(self, qc):
+        return CheckpointDescription(self.name, get_moe_scheme("nvfp4"), list(qc.get("ignore") or []), None)
+
+    def quantize_experts(self, w13, w2, scheme):
+        _EncodeLayout.calls += 1
+        return quantize_expert_weights(w13, w2, scheme)
+
+    def expert_tensors(self, scheme, w, in13, in2, prefix):
+        out = {}
+        i = w.w13_weight.shape[1] // 2
+        for x in range(w.w13_weight.shape[0]):
+            for proj, rows, p, s, g, ins in (("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale,
+                                              w.w13_weight_scale_2, in13),
+                                             ("up_proj", slice(i, None), w.w13_weight, w.w13_weight_scale,
+                                              w.w13_weight_scale_2, in13),
+                                             ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale,
+                                              w.w2_weight_scale_2, in2)):
+                base = f"{prefix}.{x}.{proj}"
+                out[f"{base}.weight_packed"] = p[x, rows].contiguous()
+                out[f"{base}.weight_scale"] = s[x, rows].contiguous()
+                out[f"{base}.weight_global_scale"] = (1.0 / g[x].reshape(1).double()).float()
+                out[f"{base}.input_global_scale"] = (1.0 / ins[x].reshape(1).double()).float()
+        return out
+
+    def read_experts(self, tensors, prefix, e, h, i, description):
+        def stack(proj, what, shape, dtype):
+            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype)
+
+        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        w = {p: stack(p, "weight_packed", (rows[p][0], rows[p][1] // 2), torch.uint8) for p in rows}
+        s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // 16), torch.float8_e4m3fn) for p in rows}
+        g = {p: 1.0 / stack(p, "weight_global_scale", (1,), torch.float32).reshape(e) for p in rows}
+        ins = {p: 1.0 / stack(p, "input_global_scale", (1,), torch.float32).reshape(e) for p in rows}
+        weights = ExpertWeights(get_moe_scheme("nvfp4").weight, torch.cat([w["gate_proj"], w["up_proj"]], 1),
+                                torch.cat([s["gate_proj"], s["up_proj"]], 1), w["down_proj"], s["down_proj"],
+                                torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
+        return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+
+
+def test_any_registered_layout(tmp_path, monkeypatch):
+    layout = _EncodeLayout()
+    monkeypatch.setitem(LAYOUTS, layout.name, layout)
+    src = tmp_path / "src"
+    shutil.copytree(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b", src)
+    (src / "hf_quant_config.json").unlink()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": layout.quant_method, "ignore": cfg["quantization_config"]["ignore"]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    _EncodeLayout.calls = 0
+    path = dummy_checkpoint_from_config(src, tmp_path / "ckpt", num_hidden_layers=2, model_preset="tiny")
+    assert _EncodeLayout.calls == 2  # the layout's own quantization, once per layer
+    stored = _headers(path)
+    assert stored["model.layers.1.mlp.experts.3.up_proj.input_global_scale"] == ("F32", [1])
+    model, info = load_quantized_qwen3_moe(path, backend="torch")
+    assert info.format == layout.name
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
+    # the inspector: same registry, encode scales reported as decode ones
+    report = inspect_checkpoint(path)
+    assert report.layout_ok and report.format == layout.name and report.problems == []
+    a2 = next(r for r in report.activation_scales if (r["layer"], r["point"]) == (0, "a2"))
+    enc = [float(load_file(str(path / "model-00001-of-00001.safetensors"))[
+        f"model.layers.0.mlp.experts.{x}.down_proj.input_global_scale"]) for x in range(E)]
+    dec = [1.0 / v for v in enc if v > 0 and v != float("inf")]
+    assert a2["max"] == max(dec) and a2["min"] == min(dec)

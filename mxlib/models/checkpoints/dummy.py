@@ -116,6 +116,8 @@ def dummy_checkpoint_from_config(
         ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
         calibration = calibrate(model, ids)
 
+    # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
+    quantize = getattr(layout, "quantize_experts", None) or quantize_expert_weights
     with atomic_folder(out_dir) as tmp:
         state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()
                  if ".mlp.experts." not in n}
@@ -128,7 +130,7 @@ def dummy_checkpoint_from_config(
                     for proj, w in (("gate_proj", w13[x, :i]), ("up_proj", w13[x, i:]), ("down_proj", w2[x])):
                         state[f"{prefix}.{x}.{proj}.weight"] = w.to(torch.bfloat16).contiguous()
                 continue
-            weights = quantize_expert_weights(w13, w2, scheme)
+            weights = quantize(w13, w2, scheme)
             in13 = in2 = None
             if calibration is not None:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)
