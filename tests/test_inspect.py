@@ -268,6 +268,26 @@ def test_checkpoint_written_by_mxlib(tmp_path):
     assert r.producer == "modelopt mxlib-dummy" and r.scheme == "nvfp4"
 
 
+def test_fused_unquantized_experts_are_named(ckpts, tmp_path):
+    """What Quark writes without preprocess_for_quantization: transformers' fused bf16 experts."""
+    path = _copy(ckpts["mxfp4"], tmp_path / "fused")
+
+    def edit(state):
+        for k in [k for k in state if ".mlp.experts." in k]:
+            del state[k]
+        for layer in range(2):
+            state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.zeros(E, 64, 64, dtype=torch.bfloat16)
+            state[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.zeros(E, 64, 32, dtype=torch.bfloat16)
+
+    _edit_tensors(path, edit)
+    r = inspect_checkpoint(path)
+    assert r.quantized["experts"] == [] and not r.layout_ok
+    assert {"pattern": "model.layers.*.mlp.experts.{down_proj,gate_up_proj}", "modules": 4,
+            "weight_dtype": "BF16"} in r.unquantized
+    assert any("fused and unquantized" in n for n in r.notes)
+    assert any("missing tensor 'model.layers.0.mlp.experts.0.gate_proj.weight'" in p for p in r.problems)
+
+
 def test_mx_and_fp8_checkpoints(ckpts):
     mx = inspect_checkpoint(ckpts["mxfp4"])
     assert (mx.format, mx.scheme, mx.activation) == ("quark", "w_mxfp4_a_mxfp4", "mxfp4")

@@ -96,6 +96,7 @@ for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
 # own * fp32(1 / unified) is 1 only to fp32 rounding for the expert that sets the unified scale
 _RATIO_TOL = 2.0**-20
 _FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
+_FUSED_EXPERTS = ("gate_up_proj", "down_proj")
 _ROW_GRID_LOG2 = [x / 4 for x in range(-160, 33)]  # log2 r from -40 to 8 in quarter steps
 
 
@@ -435,6 +436,12 @@ def _modules(h: _Headers) -> tuple[dict[str, list[dict]], list[dict], dict[str, 
         elif "weight" in suffixes and len(h.shape[wname]) == 2 and wdtype in ("BF16", "F16", "F32"):
             row = plain.setdefault(_pattern(module), dict(pattern=_pattern(module), modules=0, weight_dtype=wdtype))
             row["modules"] += 1
+        if module.endswith(".mlp.experts"):  # transformers 5's fused 3-D expert parameters, stored as they are
+            for fused in sorted(suffixes & set(_FUSED_EXPERTS)):
+                name = f"{module}.{fused}"
+                pat = _pattern(name)
+                row = plain.setdefault(pat, dict(pattern=pat, modules=0, weight_dtype=h.dtype[name]))
+                row["modules"] += 1
     return {k: _merge(v.values()) for k, v in quant.items()}, _merge(plain.values()), names
 
 
@@ -627,6 +634,10 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
                 problems.append(f"{len(listed)} quantized {kind} modules are named by the exclude list, e.g. "
                                 f"{', '.join(listed[:3])}")
 
+    fused = [r["pattern"] for r in unquantized if ".mlp.experts." in r["pattern"] and ".experts.*." not in r["pattern"]]
+    if fused:
+        notes.append(f"the experts are stored fused and unquantized ({', '.join(fused)}): the quantizer saw no "
+                      f"per-expert linear layers (Quark run without preprocess_for_quantization writes this)")
     activation = info.scheme.activation if info is not None else None
     if activation is not None and not activation.static_scale:
         activation = None  # dynamic MX activations: nothing to unify
@@ -642,8 +653,8 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     shared = [f"{r['layer']}/{r['point']}" for r in layer_rows if r["shared"]]
     if shared:
         notes.append(f"{len(shared)} of {len(layer_rows)} (layer, point) pairs give every calibrated expert the same "
-                     f"input scale (one shared quantizer, as ModelOpt 0.47 writes): every strategy is the same, and "
-                     f"no per-expert range is left to recover")
+                     f"input scale (one quantizer shared by the experts, as ModelOpt 0.47 exports have): every "
+                     f"strategy is the same, and no per-expert range is left to recover")
     uncal = sum(len(r["uncalibrated"]) for r in layer_rows)
     if uncal:
         notes.append(f"{uncal} (layer, point, expert) input scales are 0 (never calibrated); they get the unified scale")
