@@ -103,16 +103,48 @@ def test_legacy_config_only(tmp_path):
     assert (info.format, info.scheme.name) == ("modelopt", "nvfp4")
 
 
-def test_config_quantizing_attention_is_refused(tmp_path):
+def _default_modelopt_config(tmp_path) -> Path:
+    """ModelOpt's default NVFP4 config: attention quantized too (its ignore list keeps only the routers,
+    lm_head and the embeddings)."""
     src = tmp_path / "src"
     shutil.copytree(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b", src)
-    cfg = json.loads((src / "config.json").read_text())
-    qc = cfg["quantization_config"]
-    qc["ignore"] = [p for p in qc["ignore"] if "self_attn" not in p]  # ModelOpt's default NVFP4 config
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"outside the MoE experts \(e\.g\. model\.layers\.0\.self_attn"):
+    for fname, key in (("config.json", ("quantization_config", "ignore")),
+                       ("hf_quant_config.json", ("quantization", "exclude_modules"))):
+        cfg = json.loads((src / fname).read_text())
+        cfg[key[0]][key[1]] = [p for p in cfg[key[0]][key[1]] if "self_attn" not in p]
+        (src / fname).write_text(json.dumps(cfg))
+    return src
+
+
+WRITES_LINEARS = hasattr(LAYOUTS["modelopt"], "linear_tensors")
+
+
+@pytest.mark.skipif(WRITES_LINEARS, reason="the ModelOpt layout writes quantized linear layers")
+def test_config_quantizing_attention_is_refused(tmp_path):
+    src = _default_modelopt_config(tmp_path)
+    with pytest.raises(CheckpointError, match=r"outside the MoE experts .*e\.g\. model\.layers\.0\.self_attn\.q_proj"):
         dummy_checkpoint_from_config(src, tmp_path / "ckpt", num_hidden_layers=1, model_preset="tiny")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.skipif(not WRITES_LINEARS, reason="no layout writes quantized linear layers in this mxlib")
+def test_config_quantizing_attention(tmp_path):
+    src = _default_modelopt_config(tmp_path)
+    path = dummy_checkpoint_from_config(src, tmp_path / "ckpt", num_hidden_layers=2, model_preset="tiny")
+    stored = _headers(path)
+    h, heads, kv, d = TINY["hidden_size"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["head_dim"]
+    for proj, (o, i) in (("q_proj", (heads * d, h)), ("k_proj", (kv * d, h)), ("v_proj", (kv * d, h)),
+                         ("o_proj", (h, heads * d))):
+        base = f"model.layers.1.self_attn.{proj}"
+        got = {k[len(base) + 1:]: v for k, v in stored.items() if k.startswith(base + ".")}
+        assert got == NVFP4_TENSORS(o, i), base
+        assert stored[f"{base}.input_scale"][0] == "F32"
+    model, info = load_quantized_qwen3_moe(path, backend="torch")
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
+    report = inspect_checkpoint(path)
+    assert report.layout_ok and [r["pattern"] for r in report.quantized["attention"]] == [
+        "model.layers.*.self_attn.{k_proj,o_proj,q_proj,v_proj}"]
 
 
 def test_bad_inputs(tmp_path):

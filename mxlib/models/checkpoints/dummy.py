@@ -6,7 +6,9 @@ weights: the real ``config.json`` (and ``hf_quant_config.json``), random tensors
 seeded dummy Qwen3-MoE at the config's sizes (``mxlib.models.qwen3.dummy_qwen3_moe``), calibrates
 it when the scheme has static activation scales, quantizes its experts and writes them with the
 tensors of the layout the config names (looked up in the layout registry by ``quant_method``, so
-every registered layout works, the ones added later included). The config files are written back
+every registered layout works, the ones added later included). Linear layers the config quantizes
+(attention projections not in its ignore list) are written with the layout's ``linear_tensors``
+where the layout has it, their static input scales from the same calibration forward. The config files are written back
 unchanged except for the sizes you override: the same ``quantization_config``, the same ignore /
 exclude lists, the same producer, the same ``hf_quant_config.json``.
 
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig
 
+from ...moe import factory as _factory
 from ...moe.factory import quantize_expert_weights
 from ..calibration import calibrate
 from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
@@ -41,6 +44,12 @@ def _linear_modules(model) -> list[str]:
     """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head``)."""
     return [n[: -len(".weight")] for n, p in model.state_dict().items()
             if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n]
+
+
+def _record_amax(amax: dict, name: str):
+    def hook(module, args):
+        amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float().cpu())
+    return hook
 
 
 def dummy_checkpoint_from_config(
@@ -77,7 +86,9 @@ def dummy_checkpoint_from_config(
     Raises:
         CheckpointError: no ``config.json``; a quantization config no registered layout reads or
             the emulation does not support (the message names the field); a config that
-            quantizes modules other than the MoE experts (the dummy writer quantizes experts only).
+            quantizes modules other than the MoE experts when the layout writes no quantized
+            linear layers (no ``linear_tensors``), or quantizes modules that are not ``nn.Linear``
+            (the routers).
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
     """
     config_dir = Path(config_dir)
@@ -102,25 +113,40 @@ def dummy_checkpoint_from_config(
     config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in _NOT_CONFIG_KEYS})
 
     model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
+    modules = dict(model.named_modules())
     quantized_linears = [m for m in _linear_modules(model) if not matches(m, info.exclude)]
-    if quantized_linears:
+    # a layout that stores quantized linear layers (attention) has linear_tensors; its weights are
+    # quantized by the layout's quantize_linear or by the factory's quantize_linear_weight
+    quantize_linear = getattr(layout, "quantize_linear", None) or getattr(_factory, "quantize_linear_weight", None)
+    not_linear = [m for m in quantized_linears if not isinstance(modules.get(m), torch.nn.Linear)]
+    if quantized_linears and (not_linear or not hasattr(layout, "linear_tensors") or quantize_linear is None):
+        what = (f"{', '.join(not_linear[:4])}, which are not nn.Linear layers" if not_linear else
+                f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized experts only")
         raise CheckpointError(
             f"{cfg_path}: the quantization config quantizes {len(quantized_linears)} modules outside the MoE experts "
-            f"(e.g. {', '.join(quantized_linears[:4])}: not in its ignore/exclude list); the dummy writer quantizes "
-            f"the experts only"
+            f"(not in its ignore/exclude list: {what})"
         )
     excluded_layers = [layer for layer in range(config.num_hidden_layers)
                        if all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)]
     calibration = None
+    linear_amax = {m: torch.zeros((), dtype=torch.float32) for m in quantized_linears}
     if scheme.static_activation_scale:
         ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
-        calibration = calibrate(model, ids)
+        hooks = [modules[m].register_forward_pre_hook(_record_amax(linear_amax, m)) for m in quantized_linears]
+        try:
+            calibration = calibrate(model, ids)  # the same forward also records the linear layers' input amax
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
     quantize = getattr(layout, "quantize_experts", None) or quantize_expert_weights
     with atomic_folder(out_dir) as tmp:
         state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()
-                 if ".mlp.experts." not in n}
+                 if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax}
+        for m in quantized_linears:
+            ins = linear_amax[m] / scheme.activation.scale_divisor if scheme.static_activation_scale else None
+            state.update(layout.linear_tensors(scheme, quantize_linear(modules[m].weight.detach(), scheme), ins, m))
         for layer in range(config.num_hidden_layers):
             w13, w2 = expert_weights(model, layer)
             prefix = f"model.layers.{layer}.mlp.experts"
