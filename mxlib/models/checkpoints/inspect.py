@@ -351,7 +351,7 @@ class InspectReport:
         """A readable multi-line summary (what ``python -m mxlib.cli inspect`` prints)."""
         out = [f"checkpoint   {self.path}",
                f"layout       {self.format or '?'}   scheme {self.scheme or '?'}   activations "
-               f"{self.activation or 'bf16 (weight-only)'}   producer {self.producer or '?'}",
+               f"{self.activation or ('bf16 (weight-only)' if self.scheme else '?')}   producer {self.producer or '?'}",
                f"model        {self.num_hidden_layers} layers, {self.num_experts} experts, hidden "
                f"{self.hidden_size}, expert intermediate {self.moe_intermediate_size}"]
         for kind in ("experts", "attention", "other"):
@@ -557,9 +557,11 @@ def _producer(folder: Path, qc: dict | None) -> str | None:
         prod = json.loads((folder / "hf_quant_config.json").read_text()).get("producer")
     if isinstance(prod, dict):
         return " ".join(str(prod[k]) for k in ("name", "version") if prod.get(k) is not None) or None
-    if (qc or {}).get("quant_method") == "quark":
-        return f"quark {qc.get('version', '')}".strip()
-    return str(prod) if prod else None
+    if prod:
+        return str(prod)
+    # no producer entry (Quark, compressed-tensors): the method and the version its config records
+    parts = [str((qc or {}).get(k)) for k in ("quant_method", "version") if (qc or {}).get(k) is not None]
+    return " ".join(parts) or None
 
 
 def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> InspectReport:
