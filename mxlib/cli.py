@@ -3,6 +3,8 @@
 ``python -m mxlib.cli e2e --scheme nvfp4 --layers 4 --device cuda --json out.json``
 ``python -m mxlib.cli compare --layers 4 --device cuda --json out.json``
 ``python -m mxlib.cli unify --layers 4 --spread 1.0 --device cuda --json out.json``
+``python -m mxlib.cli inspect CHECKPOINT_DIR --json report.json`` (configs and scale tensors only)
+``python -m mxlib.cli dummy-from-config CONFIG_DIR OUT_DIR --layers 2 --preset tiny``
 
 Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its notebook
 (01, 03 and 04) and prints a summary.
@@ -22,7 +24,9 @@ from . import report
 from . import studies as S
 from . import workflow as W
 from .formats import FP8_E4M3_PER_TENSOR
+from .models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint
 from .models.qwen3 import moe_layers
+from .moe import SCALE_STRATEGIES
 from .moe.schemes import MOE_SCHEMES, get_moe_scheme
 
 # An expert whose input scale is below this fraction of the largest one has even its largest
@@ -105,6 +109,35 @@ def unify(args) -> dict:
                 spread_study=sp, device=str(dev))
 
 
+def inspect_cmd(args) -> dict:
+    """``inspect PATH``: the checkpoint inspector's table on stdout; its report as the JSON result."""
+    report = inspect_checkpoint(args.path, strategies=args.strategies.split(","))
+    print(report.table())
+    return report.to_dict()
+
+
+def dummy_from_config(args) -> dict:
+    """``dummy-from-config CONFIG_DIR OUT_DIR``: dummy weights in the configs' layout, loaded and run."""
+    t0 = time.perf_counter()
+    path = dummy_checkpoint_from_config(args.config_dir, args.out_dir, num_hidden_layers=args.layers, seed=args.seed,
+                                        model_preset=args.preset)
+    t_write = time.perf_counter() - t0
+    dev = W.resolve_device(args.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = W.load_quantized_qwen3_moe(path, device=dev, backend=args.backend)
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    out = W.run_model(model, ids)
+    finite = bool(torch.isfinite(out.logits).all())
+    print(f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, "
+          f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
+          f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
+          f"logits {'finite' if finite else 'NOT finite'}")
+    return dict(path=str(path), format=info.format, scheme=info.scheme.name, layers=model.config.num_hidden_layers,
+                num_experts=model.config.num_experts, hidden_size=model.config.hidden_size, logits_finite=finite,
+                seconds_write=t_write, seconds_forward=out.seconds, device=str(dev))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -124,8 +157,23 @@ def main(argv=None) -> int:
     u.add_argument("--strategies", default="max,per_expert,median,p90,mean")
     u.add_argument("--spreads", default="0,0.5,1,1.5")
     u.add_argument("--output-layers", type=int, default=1)
+    ins = sub.add_parser("inspect", help="describe a quantized checkpoint from its configs and scale tensors only")
+    ins.add_argument("path")
+    ins.add_argument("--strategies", default=",".join(SCALE_STRATEGIES))
+    ins.add_argument("--json", default=None)
+    dfc = sub.add_parser("dummy-from-config", help="dummy weights in the layout of a checkpoint's config files")
+    dfc.add_argument("config_dir")
+    dfc.add_argument("out_dir")
+    dfc.add_argument("--layers", type=int, default=None, help="keep this many layers (default: the config's)")
+    dfc.add_argument("--preset", default=None, help="shrink to a MODEL_PRESETS size: small or tiny")
+    dfc.add_argument("--seed", type=int, default=0)
+    dfc.add_argument("--tokens", type=int, default=8)
+    dfc.add_argument("--device", default="auto")
+    dfc.add_argument("--backend", default="auto")
+    dfc.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    result = {"e2e": e2e, "compare": compare, "unify": unify}[args.cmd](args)
+    result = {"e2e": e2e, "compare": compare, "unify": unify, "inspect": inspect_cmd,
+              "dummy-from-config": dummy_from_config}[args.cmd](args)
     result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.json:

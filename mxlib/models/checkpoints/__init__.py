@@ -312,3 +312,10 @@ def _bf16_experts(tensors: TensorReader, prefix, e, h, i, device, backend):
 
     gate, up, down = stack("gate_proj", (i, h)), stack("up_proj", (i, h)), stack("down_proj", (h, i))
     return TritonExperts(torch.cat([gate, up], 1).to(device), down.to(device), backend=backend)
+
+
+# the inspector and the dummy-from-config builder use the functions above
+from .dummy import dummy_checkpoint_from_config  # noqa: E402
+from .inspect import InspectReport, inspect_checkpoint  # noqa: E402
+
+__all__ += ["inspect_checkpoint", "InspectReport", "dummy_checkpoint_from_config"]

@@ -1,0 +1,172 @@
+"""A dummy-weight checkpoint in exactly the layout a real checkpoint's config files describe.
+
+vLLM tested its emulation of this feature by loading the real model's repository with dummy
+weights: the real ``config.json`` (and ``hf_quant_config.json``), random tensors. Here the same:
+``dummy_checkpoint_from_config(config_dir, out_dir)`` reads only the config files, builds mxlib's
+seeded dummy Qwen3-MoE at the config's sizes (``mxlib.models.qwen3.dummy_qwen3_moe``), calibrates
+it when the scheme has static activation scales, quantizes its experts and writes them with the
+tensors of the layout the config names (looked up in the layout registry by ``quant_method``, so
+every registered layout works, the ones added later included). Linear layers the config quantizes
+(attention projections not in its ignore list) are written with the layout's ``linear_tensors``
+where the layout has it, their static input scales from the same calibration forward. The config files are written back
+unchanged except for the sizes you override: the same ``quantization_config``, the same ignore /
+exclude lists, the same producer, the same ``hf_quant_config.json``.
+
+``num_hidden_layers`` cuts the model as vLLM's ``hf_overrides`` does; ``model_preset`` (a key of
+``mxlib.models.qwen3.MODEL_PRESETS``: ``small``, ``tiny``) and ``overrides`` shrink hidden size,
+experts and vocabulary so that tests never build a full-size model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig
+
+from ...moe import factory as _factory
+from ...moe.factory import quantize_expert_weights
+from ..calibration import calibrate
+from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
+from .inspect import config_description
+from .layout import LAYOUTS, PROJS, CheckpointError, matches
+from .safetensors_io import INDEX_NAME, SHARD_BYTES, atomic_folder, write_shards
+
+__all__ = ["dummy_checkpoint_from_config"]
+
+_NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
+
+
+def _linear_modules(model) -> list[str]:
+    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head``)."""
+    return [n[: -len(".weight")] for n, p in model.state_dict().items()
+            if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n]
+
+
+def _record_amax(amax: dict, name: str):
+    def hook(module, args):
+        amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float().cpu())
+    return hook
+
+
+def dummy_checkpoint_from_config(
+    config_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    seed: int = 0,
+    model_preset: str | None = None,
+    overrides: dict | None = None,
+    calib_tokens: int = 64,
+    expert_spread: float = 0.0,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Write a dummy-weight checkpoint in the layout of the config files in ``config_dir``.
+
+    Args:
+        config_dir: a folder with a real checkpoint's ``config.json`` (with or without
+            ``quantization_config``) and any legacy quantization file (``hf_quant_config.json``);
+            no weights are needed.
+        out_dir: the checkpoint folder to write (replaced if it exists).
+        num_hidden_layers: keep this many layers (default: the config's).
+        seed: seeds the weights and the calibration token ids.
+        model_preset: shrink the model to a ``MODEL_PRESETS`` size (``"small"``, ``"tiny"``) for tests.
+        overrides: further config fields to replace (e.g. ``{"num_experts": 8}``); win over the preset.
+        calib_tokens: token ids that calibrate static activation scales (NVFP4, ``_a_fp8``).
+        expert_spread: ``dummy_qwen3_moe``'s per-expert scale spread.
+        shard_bytes: safetensors shard size.
+
+    Returns:
+        ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
+        is the source's with ``num_hidden_layers`` and the overrides applied; every other JSON file
+        of ``config_dir`` is copied unchanged.
+
+    Raises:
+        CheckpointError: no ``config.json``; a quantization config no registered layout reads or
+            the emulation does not support (the message names the field); a config that
+            quantizes modules other than the MoE experts when the layout writes no quantized
+            linear layers (no ``linear_tensors``), or quantizes modules that are not ``nn.Linear``
+            (the routers).
+        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
+    """
+    config_dir = Path(config_dir)
+    cfg_path = config_dir / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"config_dir: {config_dir} has no config.json")
+    source = json.loads(cfg_path.read_text())
+    info = config_description(config_dir)
+    layout = LAYOUTS[info.format]
+    scheme = info.scheme
+
+    cfg_dict = dict(source)
+    total = cfg_dict.get("num_hidden_layers")
+    if num_hidden_layers is not None:
+        if not (isinstance(num_hidden_layers, int) and 1 <= num_hidden_layers <= (total or num_hidden_layers)):
+            raise ValueError(f"num_hidden_layers: expected an integer from 1 to the config's {total}, "
+                             f"got {num_hidden_layers!r}")
+        cfg_dict["num_hidden_layers"] = num_hidden_layers
+    changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
+    changes.update(overrides or {})
+    cfg_dict.update(changes)
+    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in _NOT_CONFIG_KEYS})
+
+    model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
+    modules = dict(model.named_modules())
+    quantized_linears = [m for m in _linear_modules(model) if not matches(m, info.exclude)]
+    # a layout that stores quantized linear layers (attention) has linear_tensors; its weights are
+    # quantized by the layout's quantize_linear or by the factory's quantize_linear_weight
+    quantize_linear = getattr(layout, "quantize_linear", None) or getattr(_factory, "quantize_linear_weight", None)
+    not_linear = [m for m in quantized_linears if not isinstance(modules.get(m), torch.nn.Linear)]
+    if quantized_linears and (not_linear or not hasattr(layout, "linear_tensors") or quantize_linear is None):
+        what = (f"{', '.join(not_linear[:4])}, which are not nn.Linear layers" if not_linear else
+                f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized experts only")
+        raise CheckpointError(
+            f"{cfg_path}: the quantization config quantizes {len(quantized_linears)} modules outside the MoE experts "
+            f"(not in its ignore/exclude list: {what})"
+        )
+    excluded_layers = [layer for layer in range(config.num_hidden_layers)
+                       if all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)]
+    calibration = None
+    linear_amax = {m: torch.zeros((), dtype=torch.float32) for m in quantized_linears}
+    if scheme.static_activation_scale:
+        ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
+        hooks = [modules[m].register_forward_pre_hook(_record_amax(linear_amax, m)) for m in quantized_linears]
+        try:
+            calibration = calibrate(model, ids)  # the same forward also records the linear layers' input amax
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
+    quantize = getattr(layout, "quantize_experts", None) or quantize_expert_weights
+    with atomic_folder(out_dir) as tmp:
+        state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()
+                 if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax}
+        for m in quantized_linears:
+            ins = linear_amax[m] / scheme.activation.scale_divisor if scheme.static_activation_scale else None
+            state.update(layout.linear_tensors(scheme, quantize_linear(modules[m].weight.detach(), scheme), ins, m))
+        for layer in range(config.num_hidden_layers):
+            w13, w2 = expert_weights(model, layer)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            if layer in excluded_layers:  # bf16 experts under their per-expert names
+                i = w2.shape[2]
+                for x in range(w13.shape[0]):
+                    for proj, w in (("gate_proj", w13[x, :i]), ("up_proj", w13[x, i:]), ("down_proj", w2[x])):
+                        state[f"{prefix}.{x}.{proj}.weight"] = w.to(torch.bfloat16).contiguous()
+                continue
+            weights = quantize(w13, w2, scheme)
+            in13 = in2 = None
+            if calibration is not None:
+                in13, in2 = calibration.input_scales(layer, scheme.activation)
+            state.update(layout.expert_tensors(scheme, weights, in13, in2, prefix))
+        write_shards(state, tmp, shard_bytes)
+        out_cfg = dict(source)
+        out_cfg["num_hidden_layers"] = config.num_hidden_layers
+        out_cfg.update(changes)
+        (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
+        for f in config_dir.glob("*.json"):
+            if f.name not in ("config.json", INDEX_NAME):
+                shutil.copyfile(f, tmp / f.name)
+    return Path(out_dir)
