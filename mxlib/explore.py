@@ -18,7 +18,8 @@ functions only wire ipywidgets sliders and text boxes to them.
 * ``stored_shapes`` and ``stored_block``: what a checkpoint stores for one expert projection (the
   shapes its packing implies; one block of it read back and decoded), for notebook 01.
 * ``swapped_nibbles(model)``: notebook 01's negative control, every stored FP4 byte of every
-  emulation experts module with its two codes swapped, for the length of a ``with`` block.
+  emulation experts module with its two codes swapped, for the length of a ``with`` block;
+  ``captured_output(module)`` records a module's outputs meanwhile (the MoE block's, for its SQNR).
 
 All arithmetic goes through ``mxlib.reference``; these functions add no rounding of their own.
 """
@@ -56,6 +57,7 @@ __all__ = [
     "stored_shapes",
     "stored_block",
     "swapped_nibbles",
+    "captured_output",
     "floor_clips_rceil_does_not",
     "rows_table",
     "value_explorer_widget",
@@ -517,6 +519,28 @@ class swapped_nibbles:
     def __exit__(self, *exc) -> None:
         for t in self.buffers:
             self._swap(t)
+
+
+class captured_output:
+    """``with captured_output(module) as outs: ...`` appends each output of ``module`` (its first
+    element when it returns a tuple) to the list ``outs``, detached, as fp32 on the CPU; the hook is
+    removed on exit."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.outputs: list[torch.Tensor] = []
+        self.handle = None
+
+    def _hook(self, module, args, output) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        self.outputs.append(out.detach().float().cpu().clone())
+
+    def __enter__(self) -> list[torch.Tensor]:
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self.outputs
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
 
 
 # ----------------------------------------------------------------------------- widgets (thin)

@@ -28,6 +28,7 @@ __all__ = [
     "heatmap_figure",
     "scatter_figure",
     "storage_accuracy_figure",
+    "sweep_figure",
     "e4m3_code_map_figure",
     "grouped_bar_figure",
     "expert_loss_heatmap",
@@ -67,6 +68,8 @@ def _fmt(v):
     if isinstance(v, float):
         if math.isinf(v):
             return "inf" if v > 0 else "-inf"
+        if v.is_integer() and abs(v) < 1e7:
+            return str(int(v))  # 57344, not 5.734e+04
         return f"{v:.4g}"
     return str(v)
 
@@ -175,6 +178,19 @@ def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str
             k += 1
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=560)
     fig.update_xaxes(tickvals=sorted(groups), range=[min(groups) - 0.8, max(groups) + 0.8])
+    return fig
+
+
+def sweep_figure(rows: list[dict], x: str, ys: list[str], title: str, xtitle: str, ytitle: str,
+                 log_x: bool = False) -> go.Figure:
+    """One line per key in ``ys`` against ``row[x]`` (e.g. ``explore.outlier_scale_sweep`` rows), distinct colours."""
+    fig = go.Figure()
+    for k, y in enumerate(ys):
+        fig.add_trace(go.Scatter(x=[r[x] for r in rows], y=[r[y] for r in rows], name=y, mode="lines+markers",
+                                 line=dict(color=PALETTE[k % len(PALETTE)])))
+    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle)
+    if log_x:
+        fig.update_xaxes(type="log")
     return fig
 
 

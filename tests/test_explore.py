@@ -231,3 +231,13 @@ def test_swapped_nibbles_scrambles_and_restores():
     assert m.w13_weight.tolist() == [[0x12, 0xAB]] and m.w2_weight.tolist() == [[0xF0]]
     with pytest.raises(ValueError, match="no module"):
         X.swapped_nibbles(torch.nn.Linear(2, 2))
+
+
+def test_captured_output_records_and_unhooks():
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with X.captured_output(lin) as outs:
+        y = lin(x)
+        lin(x)
+    lin(x)  # after the block: not recorded
+    assert len(outs) == 2 and torch.equal(outs[0], y.detach()) and not outs[0].requires_grad

@@ -31,7 +31,7 @@ def test_benchmark_and_spread_figures():
 def test_format_pow2():
     assert plots.format_pow2(2.0**-6) == "2^-6" and plots.format_pow2(-(2.0**-9)) == "-2^-9"
     assert plots.format_pow2(2.0**15) == "2^15" and plots.format_pow2(1.0) == "1" and plots.format_pow2(8.0) == "8"
-    assert plots.format_pow2(448.0) == "448" and plots.format_pow2(57344.0) == "5.734e+04"
+    assert plots.format_pow2(448.0) == "448" and plots.format_pow2(57344.0) == "57344"
     assert plots.format_pow2(3) == "3" and plots.format_pow2(0.0) == "0"
 
 
@@ -66,3 +66,10 @@ def test_storage_accuracy_figure_labels_and_separates_points():
     assert len(set(xs)) == 7  # the five 4.25-bit schemes no longer overlap
     assert len({t.marker.color for t in fig.data}) == 7  # and no colour repeats
     assert all(abs(x - 4.25) <= 0.1 + 1e-9 for x in xs[:5]) and list(fig.layout.xaxis.tickvals) == [4.25, 4.5, 6.25]
+
+
+def test_sweep_figure():
+    rows = [dict(outlier_scale=s, a=1.0 * s, b=2.0) for s in (1, 10, 100)]
+    fig = plots.sweep_figure(rows, "outlier_scale", ["a", "b"], "t", "x", "y", log_x=True)
+    assert [t.name for t in fig.data] == ["a", "b"] and list(fig.data[0].y) == [1.0, 10.0, 100.0]
+    assert fig.data[0].line.color != fig.data[1].line.color and fig.layout.xaxis.type == "log"
