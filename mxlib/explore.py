@@ -549,7 +549,9 @@ class captured_output:
 def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str = ""):
     """An HTML table (``IPython.display.HTML``) of dict rows, every row shown, floats to 6 digits.
 
-    Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render.
+    Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render. Cells
+    are left-aligned; a column holding long text (over 40 characters) wraps within 10-40 em, the
+    others never wrap, so names stay whole and the table fits the page.
     """
     from html import escape
 
@@ -558,10 +560,15 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
     if not rows:
         raise ValueError("rows: expected at least one row")
     cols = columns or list(rows[0])
+    text = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    long = [max(len(t[j]) for t in text) > 40 for j in range(len(cols))]
+    style = ["text-align:left;vertical-align:top;" + ("white-space:normal;min-width:10em;max-width:40em"
+                                                       if lg else "white-space:nowrap") for lg in long]
     cap = f"<caption>{escape(caption)}</caption>" if caption else ""
-    head = "".join(f"<th>{escape(str(c))}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>" for r in rows)
-    return HTML(f'<table class="mxlib-rows">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+    head = "".join(f'<th style="{st}">{escape(str(c))}</th>' for c, st in zip(cols, style))
+    body = "".join("<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>"
+                   for row in text)
+    return HTML(f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
 
 
 def _show_rows(rows: list[dict]) -> None:

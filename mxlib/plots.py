@@ -68,14 +68,14 @@ def _fmt(v):
     if isinstance(v, float):
         if math.isinf(v):
             return "inf" if v > 0 else "-inf"
-        if v.is_integer() and abs(v) < 1e7:
-            return str(int(v))  # 57344, not 5.734e+04
+        if v.is_integer() and abs(v) < 1e7 and not (v == 0 and math.copysign(1.0, v) < 0):
+            return str(int(v))  # 57344, not 5.734e+04; -0.0 keeps its sign below
         return f"{v:.4g}"
     return str(v)
 
 
 _TABLE_WIDTH_CHARS = 150  # characters across a table at the workbook's ~1100 px (7 px a character)
-_ROW_PX = 22  # one line of a cell (plotly's default font, 12 px, with padding)
+_ROW_PX = 20  # one line of a cell (plotly's default font, 12 px, with padding)
 
 
 def _widths(cells: list[list[str]], columns: list[str]) -> list[int]:
@@ -94,7 +94,7 @@ def table_height(cells: list[list[str]], columns: list[str], title: bool = True)
     chars = [_TABLE_WIDTH_CHARS * w / sum(widths) for w in widths]
     header = max(_lines(str(h), c) for h, c in zip(columns, chars))
     rows = sum(max(_lines(col[i], c) for col, c in zip(cells, chars)) for i in range(len(cells[0]))) if cells else 0
-    return 60 * title + 40 + (_ROW_PX + 8) * header + (_ROW_PX + 6) * rows + 8 * len(cells[0] if cells else [])
+    return 60 * title + 30 + (_ROW_PX + 8) * header + _ROW_PX * rows + 4 * len(cells[0] if cells else [])
 
 
 def table(rows: list[dict], title: str = "", columns: list[str] | None = None, pow2: bool = False) -> go.Figure:

@@ -241,3 +241,10 @@ def test_captured_output_records_and_unhooks():
         lin(x)
     lin(x)  # after the block: not recorded
     assert len(outs) == 2 and torch.equal(outs[0], y.detach()) and not outs[0].requires_grad
+
+
+def test_rows_table_wraps_only_long_text():
+    html = X.rows_table([{"name": "w_mxfp6_e3m2_a_mxfp6_e3m2", "why": "a long reason " * 10}]).data
+    name_cell, why_cell = html.split("<tbody>")[1].split("<td ")[1:3]
+    assert "nowrap" in name_cell and "w_mxfp6_e3m2_a_mxfp6_e3m2" in name_cell
+    assert "white-space:normal" in why_cell and "text-align:left" in why_cell
