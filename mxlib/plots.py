@@ -39,8 +39,10 @@ __all__ = [
 ]
 
 
-# distinct colours for up to 24 series (plotly's default cycle repeats after 10)
-PALETTE: tuple[str, ...] = tuple(plotly.colors.qualitative.Dark24)
+# distinct colours for many series (plotly's default cycle repeats after 10): category10, then two
+# more that differ from all of them, then Dark24's
+PALETTE: tuple[str, ...] = tuple(dict.fromkeys([*plotly.colors.qualitative.D3, "#000000", "#FFD700",
+                                                *plotly.colors.qualitative.Dark24]))
 
 
 def use_offline_renderer() -> None:
@@ -154,30 +156,31 @@ def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str
                             label: str = "scheme", title: str = "Accuracy against storage",
                             xtitle: str = "expert weight bits per element (scales included)",
                             ytitle: str = "logits SQNR vs bf16 [dB]", spread: float = 0.2) -> go.Figure:
-    """One labelled marker per row, each in its own colour.
+    """One numbered marker per row, each in its own colour; the legend names the numbers.
 
     Rows sharing an ``x`` value (five schemes store 4.25 bits) are spread side by side over
-    ``spread`` (in x units) in the order of their ``y``, and each marker carries its label as text,
-    so no two points hide each other; the axis ticks stay at the true ``x`` values, and the hover
-    text gives the exact ``x`` and ``y``.
+    ``spread`` (in x units) in the order of their ``y``, so no two points hide each other; each
+    marker carries a short number (``1.``, ``2.``, ... in the legend, with the row's label), which
+    stays legible where full names would collide. The axis ticks stay at the true ``x`` values,
+    and the hover text gives the label and the exact ``x`` and ``y``.
     """
     groups: dict[float, list[dict]] = {}
     for r in rows:
         groups.setdefault(r[x], []).append(r)
     fig = go.Figure()
     k = 0
-    for xv, rr in groups.items():
+    for xv, rr in sorted(groups.items()):
         rr = sorted(rr, key=lambda r: r[y])
         n = len(rr)
         for j, r in enumerate(rr):
             dx = 0.0 if n == 1 else spread * (j / (n - 1) - 0.5)
-            fig.add_trace(go.Scatter(x=[xv + dx], y=[r[y]], mode="markers+text", name=str(r[label]),
-                                     text=[str(r[label])], textposition="middle right" if j % 2 else "middle left",
-                                     textfont=dict(size=10), marker=dict(size=11, color=PALETTE[k % len(PALETTE)]),
+            fig.add_trace(go.Scatter(x=[xv + dx], y=[r[y]], mode="markers+text", name=f"{k + 1}. {r[label]}",
+                                     text=[str(k + 1)], textposition="top center", textfont=dict(size=11),
+                                     marker=dict(size=11, color=PALETTE[k % len(PALETTE)]),
                                      hovertemplate=f"{r[label]}<br>{x} {xv}<br>{y} %{{y:.3f}}<extra></extra>"))
             k += 1
-    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=560)
-    fig.update_xaxes(tickvals=sorted(groups), range=[min(groups) - 0.8, max(groups) + 0.8])
+    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=600)
+    fig.update_xaxes(tickvals=sorted(groups), range=[min(groups) - 0.5, max(groups) + 0.5])
     return fig
 
 

@@ -61,7 +61,8 @@ def test_storage_accuracy_figure_labels_and_separates_points():
     rows = [dict(scheme=f"s{i}", bits_per_weight=4.25, sqnr_db=20.0 + i) for i in range(5)]
     rows += [dict(scheme="nvfp4", bits_per_weight=4.5, sqnr_db=21.0), dict(scheme="w6", bits_per_weight=6.25, sqnr_db=30.0)]
     fig = plots.storage_accuracy_figure(rows)
-    assert [t.text[0] for t in fig.data] == [t.name for t in fig.data] and len(fig.data) == 7
+    assert [t.name for t in fig.data] == [f"{i + 1}. {n}" for i, n in enumerate([f"s{i}" for i in range(5)] + ["nvfp4", "w6"])]
+    assert [t.text[0] for t in fig.data] == [str(i + 1) for i in range(7)]  # each marker numbered
     xs = [t.x[0] for t in fig.data]
     assert len(set(xs)) == 7  # the five 4.25-bit schemes no longer overlap
     assert len({t.marker.color for t in fig.data}) == 7  # and no colour repeats
