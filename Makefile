@@ -27,8 +27,10 @@ install: $(STAMP)
 
 test: test-unit test-notebooks
 
-# Unit and kernel tests: the Triton kernels run in the interpreter on the CPU.
+# Unit and kernel tests: the Triton kernels run in the interpreter on the CPU. tests/test_render.py
+# draws the executed notebooks in headless Chromium: ensure_chromium.sh installs it when it is missing.
 test-unit: $(STAMP)
+	sh tools/ensure_chromium.sh
 	TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q tests
 
 # Every notebook through papermill at the tiny preset, results read back (tests/test_notebooks.py,

@@ -15,6 +15,11 @@ functions only wire ipywidgets sliders and text boxes to them.
   vLLM's emulation (unified) and an ideal per-expert kernel would see them.
 * ``outlier_scale_sqnr(outlier_scale)``: SQNR of each block scheme on Gaussian data with a few
   outliers of a given magnitude.
+* ``stored_shapes`` and ``stored_block``: what a checkpoint stores for one expert projection (the
+  shapes its packing implies; one block of it read back and decoded), for notebook 01.
+* ``swapped_nibbles(model)``: notebook 01's negative control, every stored FP4 byte of every
+  emulation experts module with its two codes swapped, for the length of a ``with`` block;
+  ``captured_output(module)`` records a module's outputs meanwhile (the MoE block's, for its SQNR).
 
 All arithmetic goes through ``mxlib.reference``; these functions add no rounding of their own.
 """
@@ -49,6 +54,10 @@ __all__ = [
     "outlier_scale_sqnr",
     "outlier_scale_sweep",
     "scale_bytes",
+    "stored_shapes",
+    "stored_block",
+    "swapped_nibbles",
+    "captured_output",
     "floor_clips_rceil_does_not",
     "rows_table",
     "value_explorer_widget",
@@ -384,13 +393,165 @@ def outlier_scale_sweep(outlier_scales, **kwargs) -> list[dict]:
     return [{"outlier_scale": float(s), **outlier_scale_sqnr(float(s), **kwargs)} for s in outlier_scales]
 
 
+# ----------------------------------------------------------------------------- a stored checkpoint
+
+
+def stored_shapes(scheme: str, out_features: int, in_features: int) -> dict:
+    """Shapes and dtypes a ModelOpt / Quark checkpoint stores for one ``[out_features, in_features]``
+    expert weight in ``scheme``'s weight format (a block scheme name or a MoE scheme name).
+
+    ``weight``: uint8 ``[out, in * bits / 8]`` (FP4: two codes a byte, FP6: four codes in three
+    bytes, FP8: one a byte); ``weight_scale``: one scale per ``block_size`` inputs, ``[out, in /
+    block_size]``, float8_e4m3fn (NVFP4, block 16) or uint8 E8M0 (OCP MX, block 32). Returns
+    ``{"weight": (shape, dtype), "weight_scale": (shape, dtype)}`` with shapes as tuples, dtypes as
+    the safetensors names (``U8``, ``F8_E4M3``).
+
+    Raises:
+        ValueError: unknown scheme; ``in_features`` not a multiple of the block size.
+    """
+    from .moe import get_moe_scheme
+
+    bs = get_block_scheme(scheme) if scheme in BLOCK_SCHEMES else get_moe_scheme(scheme).weight
+    if in_features % bs.block_size:
+        raise ValueError(f"in_features={in_features} is not a multiple of block_size={bs.block_size}")
+    scale_dtype = "F8_E4M3" if bs.has_global_scale else "U8"
+    return {"weight": ((out_features, bs.element.packed_size(in_features)), "U8"),
+            "weight_scale": ((out_features, in_features // bs.block_size), scale_dtype)}
+
+
+def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj", row: int = 0, block: int = 0) -> dict:
+    """One block of one stored expert weight, read from the checkpoint's safetensors and decoded.
+
+    Args:
+        path: a checkpoint folder written by ``write_quantized_checkpoint`` (ModelOpt NVFP4 or Quark
+            OCP MX layout; its ``config.json`` names the scheme).
+        layer, expert: which expert; ``proj``: ``gate_proj``, ``up_proj`` or ``down_proj``.
+        row: the output row; ``block``: the block index along the input dimension.
+
+    Returns:
+        dict: ``scheme``, ``tensor`` (the weight's name), ``bytes_hex`` (the packed bytes of the
+        block as stored), ``codes`` (element codes), ``elements`` (their values), ``scale_byte``
+        (E8M0 byte, or the e4m3 byte of the NVFP4 block scale), ``block_scale`` (decoded),
+        ``weight_scale_2`` (NVFP4's per-tensor decode scale, else None) and ``values``: the
+        dequantized weights, ``elements * block_scale (* weight_scale_2)`` in fp32 (bit-equal to
+        ``mxlib.reference``'s dequantization of that row).
+
+    Raises:
+        ValueError: ``proj`` unknown or ``row`` / ``block`` outside the stored tensor.
+    """
+    import json as _json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from .models.checkpoints import read_quant_config
+
+    if proj not in ("gate_proj", "up_proj", "down_proj"):
+        raise ValueError(f"proj: expected gate_proj, up_proj or down_proj, got {proj!r}")
+    path = Path(path)
+    bs = read_quant_config(path).scheme.weight
+    index = _json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+    if name not in index:
+        raise ValueError(f"layer={layer}, expert={expert}: {name} is not in the checkpoint")
+
+    def read(tensor):
+        with safe_open(str(path / index[tensor]), "pt") as f:
+            return f.get_tensor(tensor)
+
+    w, sc = read(name), read(name + "_scale")
+    if not 0 <= row < w.shape[0]:
+        raise ValueError(f"row: expected an integer in [0, {w.shape[0]}), got {row}")
+    if not 0 <= block < sc.shape[1]:
+        raise ValueError(f"block: expected an integer in [0, {sc.shape[1]}), got {block}")
+    fmt = bs.element
+    nbytes = fmt.packed_size(bs.block_size)
+    raw = w[row, block * nbytes:(block + 1) * nbytes].reshape(1, -1)
+    codes = R.unpack_codes(raw, fmt)[0]
+    elements = R.decode_element(codes, fmt)
+    if bs.has_global_scale:
+        s = sc[row, block].reshape(1)
+        scale_byte = int(s.view(torch.uint8)[0])
+        block_scale = float(s.float()[0])
+        ws2 = float(read(name + "_scale_2").float().reshape(()))
+        # vLLM's dequantize_to_dtype: e2m1 * (fp32(block_scale) * weight_scale_2), in fp32
+        values = elements * (torch.tensor(block_scale, dtype=torch.float32) * torch.tensor(ws2, dtype=torch.float32))
+    else:
+        scale_byte = int(sc[row, block].view(torch.uint8))
+        block_scale = float(R.decode_e8m0(torch.tensor([scale_byte], dtype=torch.uint8))[0])
+        ws2 = None
+        values = elements * block_scale
+    return {"scheme": bs.name, "tensor": name, "row": row, "block": block,
+            "bytes_hex": " ".join(f"{int(b):02X}" for b in raw[0]), "codes": [int(c) for c in codes],
+            "elements": elements.tolist(), "scale_byte": scale_byte, "block_scale": block_scale,
+            "weight_scale_2": ws2, "values": values.tolist()}
+
+
+class swapped_nibbles:
+    """``with swapped_nibbles(model): ...`` runs ``model`` with every packed expert weight byte's two
+    FP4 codes swapped (``b -> (b << 4 | b >> 4) & 0xFF``), then swaps them back (an involution).
+
+    Notebook 01's negative control: a packing bug of the kind the loader cannot see (the shapes,
+    dtypes and scales are all right) scrambles every expert's weights, and the metrics must say so.
+    Acts on the ``w13_weight`` and ``w2_weight`` uint8 buffers of every module that has both (the
+    emulation experts); for FP6 and FP8 weights the swap scrambles their bytes likewise. Yields the
+    number of modules changed.
+
+    Raises:
+        ValueError: ``model`` has no such module (nothing to corrupt: the control would prove nothing).
+    """
+
+    def __init__(self, model) -> None:
+        self.buffers = [t for m in model.modules() for t in (getattr(m, "w13_weight", None), getattr(m, "w2_weight", None))
+                        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8]
+        if not self.buffers:
+            raise ValueError("model: no module with uint8 w13_weight / w2_weight buffers (no quantized experts)")
+
+    @staticmethod
+    def _swap(t: torch.Tensor) -> None:
+        t.copy_(((t << 4) | (t >> 4)) & 0xFF)
+
+    def __enter__(self) -> int:
+        for t in self.buffers:
+            self._swap(t)
+        return len(self.buffers) // 2
+
+    def __exit__(self, *exc) -> None:
+        for t in self.buffers:
+            self._swap(t)
+
+
+class captured_output:
+    """``with captured_output(module) as outs: ...`` appends each output of ``module`` (its first
+    element when it returns a tuple) to the list ``outs``, detached, as fp32 on the CPU; the hook is
+    removed on exit."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.outputs: list[torch.Tensor] = []
+        self.handle = None
+
+    def _hook(self, module, args, output) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        self.outputs.append(out.detach().float().cpu().clone())
+
+    def __enter__(self) -> list[torch.Tensor]:
+        self.handle = self.module.register_forward_hook(self._hook)
+        return self.outputs
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
 # ----------------------------------------------------------------------------- widgets (thin)
 
 
 def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str = ""):
     """An HTML table (``IPython.display.HTML``) of dict rows, every row shown, floats to 6 digits.
 
-    Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render.
+    Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render. Cells
+    are left-aligned; a column holding long text (over 40 characters) wraps within 10-40 em, the
+    others never wrap, so names stay whole and the table fits the page.
     """
     from html import escape
 
@@ -399,10 +560,15 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
     if not rows:
         raise ValueError("rows: expected at least one row")
     cols = columns or list(rows[0])
+    text = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    long = [max(len(t[j]) for t in text) > 40 for j in range(len(cols))]
+    style = ["text-align:left;vertical-align:top;" + ("white-space:normal;min-width:10em;max-width:40em"
+                                                       if lg else "white-space:nowrap") for lg in long]
     cap = f"<caption>{escape(caption)}</caption>" if caption else ""
-    head = "".join(f"<th>{escape(str(c))}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>" for r in rows)
-    return HTML(f'<table class="mxlib-rows">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+    head = "".join(f'<th style="{st}">{escape(str(c))}</th>' for c, st in zip(cols, style))
+    body = "".join("<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>"
+                   for row in text)
+    return HTML(f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
 
 
 def _show_rows(rows: list[dict]) -> None:

@@ -1,13 +1,16 @@
 """Plotly figures for the workbook notebooks.
 
-Figures render with plotly.js embedded in the notebook output (renderer
-``notebook``), so the executed notebooks and their HTML export work offline.
+Notebooks call ``mxlib.notebook_setup.use_notebook_renderer()``: figures carry the plotly mime
+bundle (drawn by JupyterLab, also untrusted) and HTML with plotly.js embedded (offline export).
+Tables size themselves to show every row (``tests/test_render.py`` checks it in Chromium); traces
+of many series take distinct colours from a 24-colour palette.
 """
 
 from __future__ import annotations
 
 import math
 
+import plotly.colors
 import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
@@ -16,11 +19,16 @@ from .formats import ELEMENT_FORMATS
 
 __all__ = [
     "use_offline_renderer",
+    "PALETTE",
+    "format_pow2",
     "table",
+    "table_height",
     "layer_sqnr_figure",
     "bar_figure",
     "heatmap_figure",
     "scatter_figure",
+    "storage_accuracy_figure",
+    "sweep_figure",
     "e4m3_code_map_figure",
     "grouped_bar_figure",
     "expert_loss_heatmap",
@@ -31,34 +39,87 @@ __all__ = [
 ]
 
 
+# distinct colours for many series (plotly's default cycle repeats after 10): category10, then two
+# more that differ from all of them, then Dark24's
+PALETTE: tuple[str, ...] = tuple(dict.fromkeys([*plotly.colors.qualitative.D3, "#000000", "#FFD700",
+                                                *plotly.colors.qualitative.Dark24]))
+
+
 def use_offline_renderer() -> None:
-    """Embed plotly.js in notebook outputs (self-contained HTML export, no network)."""
+    """Embed plotly.js in notebook outputs (self-contained HTML export, no network).
+
+    Superseded by ``mxlib.notebook_setup.use_notebook_renderer`` (which adds the plotly mime bundle);
+    kept for scripts that call it."""
     pio.renderers.default = "notebook"
+
+
+def format_pow2(v, min_abs_exp: int = 4) -> str:
+    """``v`` as text; a power of two ``2^k`` with ``|k| >= min_abs_exp`` prints as ``"2^k"`` (or ``"-2^k"``).
+
+    ``format_pow2(0.015625) == "2^-6"``, ``format_pow2(448.0) == "448"``, ``format_pow2(1.0) == "1"``.
+    Other floats print with 4 significant digits; non-floats with ``str``.
+    """
+    if isinstance(v, float) and math.isfinite(v) and v != 0.0:
+        m, e = math.frexp(abs(v))
+        if m == 0.5 and abs(e - 1) >= min_abs_exp:
+            return f"{'-' if v < 0 else ''}2^{e - 1}"
+    return _fmt(v)
 
 
 def _fmt(v):
     if isinstance(v, float):
         if math.isinf(v):
             return "inf" if v > 0 else "-inf"
+        if v.is_integer() and abs(v) < 1e7 and not (v == 0 and math.copysign(1.0, v) < 0):
+            return str(int(v))  # 57344, not 5.734e+04; -0.0 keeps its sign below
         return f"{v:.4g}"
     return str(v)
 
 
-def table(rows: list[dict], title: str = "", columns: list[str] | None = None) -> go.Figure:
-    """A plotly table of dict rows (floats shown with 4 significant digits)."""
+_TABLE_WIDTH_CHARS = 150  # characters across a table at the workbook's ~1100 px (7 px a character)
+_ROW_PX = 20  # one line of a cell (plotly's default font, 12 px, with padding)
+
+
+def _widths(cells: list[list[str]], columns: list[str]) -> list[int]:
+    """Relative column widths: the longest entry of each column (header included), clipped to [4, 60]."""
+    return [min(max(len(str(h)), *(len(t) for t in col), 4), 60) for h, col in zip(columns, cells)]
+
+
+def _lines(text: str, width_chars: float) -> int:
+    return max(1, math.ceil(len(text) / max(width_chars, 1.0)))
+
+
+def table_height(cells: list[list[str]], columns: list[str], title: bool = True) -> int:
+    """Pixels a plotly table needs to show every row without scrolling: each row as tall as its most
+    wrapped cell (estimated from the column widths ``table`` gives), plus header and title."""
+    widths = _widths(cells, columns)
+    chars = [_TABLE_WIDTH_CHARS * w / sum(widths) for w in widths]
+    header = max(_lines(str(h), c) for h, c in zip(columns, chars))
+    rows = sum(max(_lines(col[i], c) for col, c in zip(cells, chars)) for i in range(len(cells[0]))) if cells else 0
+    return 60 * title + 30 + (_ROW_PX + 8) * header + _ROW_PX * rows + 4 * len(cells[0] if cells else [])
+
+
+def table(rows: list[dict], title: str = "", columns: list[str] | None = None, pow2: bool = False) -> go.Figure:
+    """A plotly table of dict rows (floats with 4 significant digits), tall enough to show every row.
+
+    ``pow2=True`` prints powers of two as ``2^k`` (``format_pow2``). For very wide tables (many
+    columns, long names) prefer ``mxlib.explore.rows_table`` (HTML), which never wraps a name.
+    """
     columns = columns or list(rows[0])
-    cells = [[_fmt(r.get(c, "")) for r in rows] for c in columns]
-    fig = go.Figure(go.Table(header=dict(values=columns, align="left"), cells=dict(values=cells, align="left")))
-    fig.update_layout(title=title, height=min(120 + 28 * len(rows), 900), margin=dict(l=10, r=10, t=40, b=10))
+    fmt = format_pow2 if pow2 else _fmt
+    cells = [[fmt(r.get(c, "")) for r in rows] for c in columns]
+    fig = go.Figure(go.Table(columnwidth=_widths(cells, columns), header=dict(values=columns, align="left"),
+                             cells=dict(values=cells, align="left")))
+    fig.update_layout(title=title, height=table_height(cells, columns), margin=dict(l=10, r=10, t=50, b=10))
     return fig
 
 
 def layer_sqnr_figure(per_layer: dict[str, list[dict]], title: str = "SQNR of each decoder layer's output") -> go.Figure:
     """One line per run: SQNR (dB) of each decoder layer's output against the bf16 model."""
     fig = go.Figure()
-    for name, layers in per_layer.items():
+    for k, (name, layers) in enumerate(per_layer.items()):
         fig.add_trace(go.Scatter(x=[r["layer"] for r in layers], y=[r["sqnr_db"] for r in layers],
-                                 mode="lines+markers", name=name))
+                                 mode="lines+markers", name=name, line=dict(color=PALETTE[k % len(PALETTE)])))
     fig.update_layout(title=title, xaxis_title="decoder layer", yaxis_title="SQNR vs bf16 [dB]")
     fig.update_xaxes(dtick=1)
     return fig
@@ -91,13 +152,86 @@ def scatter_figure(traces: dict[str, tuple], title: str, xtitle: str, ytitle: st
     return fig
 
 
+def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str = "sqnr_db",
+                            label: str = "scheme", title: str = "Accuracy against storage",
+                            xtitle: str = "expert weight bits per element (scales included)",
+                            ytitle: str = "logits SQNR vs bf16 [dB]", spread: float = 0.2) -> go.Figure:
+    """One numbered marker per row, each in its own colour; the legend names the numbers.
+
+    Rows sharing an ``x`` value (five schemes store 4.25 bits) are spread side by side over
+    ``spread`` (in x units) in the order of their ``y``, so no two points hide each other; each
+    marker carries a short number (``1.``, ``2.``, ... in the legend, with the row's label), which
+    stays legible where full names would collide. The axis ticks stay at the true ``x`` values,
+    and the hover text gives the label and the exact ``x`` and ``y``.
+    """
+    groups: dict[float, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r[x], []).append(r)
+    fig = go.Figure()
+    k = 0
+    for xv, rr in sorted(groups.items()):
+        rr = sorted(rr, key=lambda r: r[y])
+        n = len(rr)
+        for j, r in enumerate(rr):
+            dx = 0.0 if n == 1 else spread * (j / (n - 1) - 0.5)
+            fig.add_trace(go.Scatter(x=[xv + dx], y=[r[y]], mode="markers+text", name=f"{k + 1}. {r[label]}",
+                                     text=[str(k + 1)], textposition="top center", textfont=dict(size=11),
+                                     marker=dict(size=11, color=PALETTE[k % len(PALETTE)]),
+                                     hovertemplate=f"{r[label]}<br>{x} {xv}<br>{y} %{{y:.3f}}<extra></extra>"))
+            k += 1
+    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=600)
+    fig.update_xaxes(tickvals=sorted(groups), range=[min(groups) - 0.5, max(groups) + 0.5])
+    return fig
+
+
+def sweep_figure(rows: list[dict], x: str, ys: list[str], title: str, xtitle: str, ytitle: str,
+                 log_x: bool = False) -> go.Figure:
+    """One line per key in ``ys`` against ``row[x]`` (e.g. ``explore.outlier_scale_sweep`` rows), distinct colours."""
+    fig = go.Figure()
+    for k, y in enumerate(ys):
+        fig.add_trace(go.Scatter(x=[r[x] for r in rows], y=[r[y] for r in rows], name=y, mode="lines+markers",
+                                 line=dict(color=PALETTE[k % len(PALETTE)])))
+    fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle)
+    if log_x:
+        fig.update_xaxes(type="log")
+    return fig
+
+
 def e4m3_code_map_figure() -> go.Figure:
-    """Every e4m3 code 0x00-0xFF as a 16 x 16 heatmap of its signed log2 magnitude (NaN codes 0)."""
+    """Every e4m3 code 0x00-0xFF as a 16 x 16 map; colour is log2 of the magnitude, text the value.
+
+    Row ``R``, column ``C`` is code ``0xRC``. The colour scale runs from 2^-9 (0x01, the smallest
+    subnormal) to 448 (0x7E), so small and large codes differ; the negative half (rows 8-F) repeats
+    the positive colours and its text carries the sign. Zero (0x00, 0x80) and NaN (0x7F, 0xFF) have
+    no magnitude: they are drawn in their own grey and black cells and labelled ``0`` / ``NaN``.
+    Powers of two print as ``2^k``.
+    """
     e4m3 = ELEMENT_FORMATS["e4m3"]
     grid = [[e4m3.code_value(16 * r + c) for c in range(16)] for r in range(16)]
-    z = [[math.copysign(math.log2(abs(v)), v) if v and math.isfinite(v) else 0 for v in row] for row in grid]
-    return heatmap_figure(z, [f"x{c:X}" for c in range(16)], [f"{r:X}x" for r in range(16)],
-                          "e4m3 codes 0x00-0xFF: signed log2 of the value (0x7F and 0xFF are NaN)", "±log2|v|")
+    z = [[math.log2(abs(v)) if v and math.isfinite(v) else None for v in row] for row in grid]
+    text = [["NaN" if math.isnan(v) else ("-0" if v == 0 and math.copysign(1, v) < 0 else
+             ("0" if v == 0 else _value_text(v))) for v in row] for row in grid]
+    xs, ys = [f"x{c:X}" for c in range(16)], [f"{r:X}x" for r in range(16)]
+    fig = go.Figure()
+    # zero and NaN cells first, in their own colours, under the magnitude layer (which leaves them blank)
+    special = [[0.0 if v == 0 else (1.0 if math.isnan(v) else None) for v in row] for row in grid]
+    fig.add_trace(go.Heatmap(z=special, x=xs, y=ys, colorscale=[[0, "#bbbbbb"], [1, "#000000"]], zmin=0, zmax=1,
+                             text=text, texttemplate="%{text}", textfont=dict(size=9), showscale=False,
+                             hovertemplate="code %{y}%{x}: %{text}<extra></extra>", name="zero / NaN"))
+    fig.add_trace(go.Heatmap(z=z, x=xs, y=ys, text=text, texttemplate="%{text}", textfont=dict(size=9),
+                             colorscale="Viridis", zmin=-9, zmax=math.log2(e4m3.max),
+                             colorbar=dict(title="log2|v|", tickvals=list(range(-9, 9, 3)),
+                                           ticktext=[f"2^{k}" for k in range(-9, 9, 3)]),
+                             hovertemplate="code %{y}%{x}: %{text}<extra></extra>", name="log2|v|"))
+    fig.update_layout(title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, "
+                            "grey zero, black NaN", height=620, yaxis=dict(autorange="reversed"))
+    return fig
+
+
+def _value_text(v: float) -> str:
+    """A short label for a code-map cell: ``2^k`` for powers of two, else 3 significant digits."""
+    t = format_pow2(v, min_abs_exp=4)
+    return t if t.startswith(("2^", "-2^")) else f"{v:.3g}"
 
 
 def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, ytitle: str) -> go.Figure:

@@ -4,15 +4,23 @@
 * ``strategy_summary``: notebook 04's per-expert QDQ table, averaged over experts.
 * ``spread_study``: notebook 04's loss-vs-spread sweep, an alias of ``studies.spread_study``.
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
+* ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers.
 """
 
 from __future__ import annotations
 
 import statistics
 
+import math
+
+import torch
+
+from . import explore
+from . import reference as R
 from . import studies
 
-__all__ = ["Checks", "strategy_summary", "spread_study", "FLOOR_TARGETS", "floors_table"]
+__all__ = ["Checks", "strategy_summary", "spread_study", "FLOOR_TARGETS", "floors_table", "EXERCISES",
+           "check_exercise"]
 
 
 class Checks:
@@ -114,3 +122,94 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
                            floor_frac=r["fused_floor_frac_graph"],
                            mem_frac_of_packed=r["fused_mem_mb"] / r["packed_weight_mb"]))
     return floors
+
+
+# ----------------------------------------------------------------------------- exercises
+# name -> the prompt a notebook shows. ``check_exercise(name, answer, **context)`` says whether an
+# answer is right; the checkers compute the answer with mxlib (never a stored literal), so they
+# stay right if the formats or the data change.
+EXERCISES: dict[str, str] = {
+    "01.fp6_shapes": "A Quark w_mxfp6_e2m3 checkpoint of Qwen3-30B-A3B stores each expert's gate_proj "
+                     "(out 768, in 2048). Give (weight shape, weight_scale shape) as two tuples.",
+    "01.decode_byte": "An NVFP4 weight byte 0x2B, its block scale byte 0x38 (e4m3 1.0) and weight_scale_2 = "
+                      "2**-10: give the two weights it decodes to, low nibble first.",
+    "02.floor_clips": "Find a 32-value MXFP8 (e4m3) block in which the OCP floor rule clips an element and "
+                      "rceil does not.",
+    "02.e4m3_code": "Which e4m3 code (an int, e.g. 0x79) does 300.0 round to?",
+    "02.outlier_gap": "With explore.outlier_scale_sqnr, find the smallest outlier_scale among 1, 10, 100, 1000 "
+                      "and 10000 at which NVFP4 beats MXFP4 by more than 3 dB.",
+    "03.best_4bit": "Which 4.25-bit scheme has the highest logits SQNR in this run?",
+    "03.nvfp4_bits_32": "NVFP4 with blocks of 32 instead of 16 (still one e4m3 scale a block): how many bits "
+                        "per weight, scales included (the per-tensor fp32 scale is negligible)?",
+    "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
+                       "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
+    "05.seed_wins_at": "In the recorded MoE-layer rows, from which token count M on does the seed's design "
+                       "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
+}
+
+
+def _exercise_answer(name: str, **context):
+    """The right answer of exercise ``name`` (``rows`` in ``context`` where the exercise reads a run)."""
+    if name == "01.fp6_shapes":
+        sh = explore.stored_shapes("w_mxfp6_e2m3", 768, 2048)
+        return (sh["weight"][0], sh["weight_scale"][0])
+    if name == "01.decode_byte":
+        codes = R.unpack_codes(torch.tensor([[0x2B]], dtype=torch.uint8), "e2m1")[0]
+        return tuple(float(v) * 2.0**-10 for v in R.decode_element(codes, "e2m1"))
+    if name == "02.e4m3_code":
+        return explore.value_info(300.0, "e4m3")["code"]
+    if name == "02.outlier_gap":
+        for scale in (1, 10, 100, 1000, 10000):
+            r = explore.outlier_scale_sqnr(scale, schemes=("mxfp4", "nvfp4"))
+            if r["nvfp4"] - r["mxfp4"] > 3.0:
+                return scale
+        return None
+    if name == "03.best_4bit":
+        rows = [r for r in context["rows"] if r["bits_per_weight"] == 4.25]
+        return max(rows, key=lambda r: r["sqnr_db"])["scheme"]
+    if name == "03.nvfp4_bits_32":
+        return 4 + 8 / 32
+    if name == "05.packed_bytes":
+        sh = [explore.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
+        return 128 * sum(math.prod(s["weight"][0]) + math.prod(s["weight_scale"][0]) for s in sh)
+    if name == "05.seed_wins_at":
+        scheme = context.get("scheme", "nvfp4")  # a benchmark row's label (data), not a format lookup
+        rows = sorted((r for r in context["rows"] if r["scheme"] == scheme), key=lambda r: r["M"])
+        return next((r["M"] for r in rows if r["seed_graph_ms"] < r["fused_graph_ms"]), None)
+    raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
+
+
+def check_exercise(name: str, answer, **context) -> bool:
+    """Check a "try this" answer; prints why and returns True when it is right.
+
+    Args:
+        name: a key of ``EXERCISES`` (the notebook shows its prompt).
+        answer: the learner's answer, in the form the prompt asks (a block for ``02.floor_clips``).
+        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``,
+            ``05.seed_wins_at``).
+
+    Numbers are compared with a relative tolerance of 1% (``05.packed_bytes``) or exactly.
+
+    Raises:
+        KeyError: unknown exercise name.
+    """
+    if name not in EXERCISES:
+        raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
+    if name == "02.floor_clips":
+        try:
+            ok = explore.floor_clips_rceil_does_not(answer, "mxfp8_e4m3")
+        except ValueError as err:
+            print(f"not a valid block: {err}")
+            return False
+        print("right: floor clips, rceil does not" if ok else
+              "not yet: floor must saturate an element (|x| / scale > 448) while rceil keeps it")
+        return ok
+    want = _exercise_answer(name, **context)
+    if name == "05.packed_bytes":
+        ok = isinstance(answer, (int, float)) and abs(answer - want) <= 0.01 * want
+    elif isinstance(want, tuple):
+        ok = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in answer) == want
+    else:
+        ok = answer == want
+    print("right" if ok else f"not yet (the checker computes {want!r})")
+    return ok

@@ -20,3 +20,56 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+# ----------------------------------------------------------------------------- executed notebooks
+# tests/test_notebooks.py reads an executed notebook's results JSON, tests/test_render.py renders the
+# same executed copy in Chromium: each (notebook, parameters) runs once per `pytest` run. Under
+# pytest-xdist the workers share the run's base temporary folder, and a file lock per entry lets the
+# first worker execute while the others wait and reuse its copy.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _execute_notebook(name: str, params: dict, out_dir) -> None:
+    """papermill ``notebooks/<name>.ipynb`` into ``out_dir/<name>.ipynb`` with ``params`` and
+    ``results_path="results.json"`` (relative: the injected parameters hold no absolute path), the
+    checkout on ``PYTHONPATH`` and checkpoints in ``out_dir/checkpoints``."""
+    import papermill as pm
+
+    with pytest.MonkeyPatch.context() as mp:
+        path = os.environ.get("PYTHONPATH", "")
+        mp.setenv("PYTHONPATH", os.pathsep.join([ROOT] + [p for p in path.split(os.pathsep) if p]))
+        mp.setenv("MXLIB_CACHE", str(out_dir / "checkpoints"))
+        # timeouts turn a stalled kernel into a failure instead of a hung test
+        pm.execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(out_dir / f"{name}.ipynb"),
+                            parameters=dict(params, results_path="results.json"), kernel_name="python3",
+                            cwd=str(out_dir), progress_bar=False, start_timeout=180, execution_timeout=900)
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """``executed_notebook(name, params) -> folder`` holding ``<name>.ipynb`` (executed) and
+    ``results.json``; executed once per run for each distinct ``(name, params)``."""
+    import hashlib
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this run
+    root = root / "executed-notebooks"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def run(name: str, params: dict):
+        key = hashlib.sha1(json.dumps([name, params], sort_keys=True).encode()).hexdigest()[:12]
+        out = root / f"{name}-{key}"
+        with FileLock(str(out) + ".lock"):
+            if not (out / "done").exists():
+                out.mkdir(exist_ok=True)
+                _execute_notebook(name, params, out)
+                (out / "done").write_text("ok")
+        return out
+
+    return run

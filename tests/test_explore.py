@@ -185,3 +185,66 @@ def test_widgets_construct():
     for make in (X.value_explorer_widget, X.block_explorer_widget, X.expert_scale_ratio_widget, X.outlier_scale_widget):
         w = make()
         assert len(w.children) >= 2, make.__name__  # controls and the output area
+
+
+def test_stored_shapes():
+    assert X.stored_shapes("nvfp4", 768, 2048) == {"weight": ((768, 1024), "U8"), "weight_scale": ((768, 128), "F8_E4M3")}
+    assert X.stored_shapes("w_mxfp4_a_mxfp4", 768, 2048) == {"weight": ((768, 1024), "U8"), "weight_scale": ((768, 64), "U8")}
+    assert X.stored_shapes("mxfp6_e3m2", 2048, 768)["weight"][0] == (2048, 576)
+    with pytest.raises(ValueError, match="block_size=32"):
+        X.stored_shapes("mxfp4", 8, 48)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
+    from mxlib import reference as R
+    from mxlib import workflow as W
+    from safetensors import safe_open
+
+    model = W.dummy_model(1, seed=0, model_preset="tiny")
+    ckpt = W.prepare_checkpoint(scheme, model, seed=0, calib_tokens=16, cache_dir=tmp_path)
+    info = X.stored_block(ckpt, layer=0, expert=3, proj="down_proj", row=5, block=1 if scheme == "nvfp4" else 0)
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    files = list(ckpt.glob("*.safetensors"))
+    t = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            t.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(name)})
+    if scheme == "nvfp4":
+        row = R.dequantize_to_dtype(t[name][5:6], t[name + "_scale"][5:6], t[name + "_scale_2"].float(), torch.float32)[0]
+        want = row[16:32]
+    else:
+        row = R.dequantize_mx(t[name][5:6], t[name + "_scale"][5:6], "e2m1", 32, torch.float32)[0]
+        want = row[0:32]  # tiny: down_proj's input (moe intermediate 32) is one MX block
+    assert torch.equal(torch.tensor(info["values"]), want)
+    assert len(info["codes"]) == len(want) and info["tensor"] == name
+    with pytest.raises(ValueError, match="row"):
+        X.stored_block(ckpt, row=10**6)
+
+
+def test_swapped_nibbles_scrambles_and_restores():
+    m = torch.nn.Module()
+    m.register_buffer("w13_weight", torch.tensor([[0x12, 0xAB]], dtype=torch.uint8))
+    m.register_buffer("w2_weight", torch.tensor([[0xF0]], dtype=torch.uint8))
+    with X.swapped_nibbles(torch.nn.Sequential(m)) as n:
+        assert n == 1 and m.w13_weight.tolist() == [[0x21, 0xBA]] and m.w2_weight.tolist() == [[0x0F]]
+    assert m.w13_weight.tolist() == [[0x12, 0xAB]] and m.w2_weight.tolist() == [[0xF0]]
+    with pytest.raises(ValueError, match="no module"):
+        X.swapped_nibbles(torch.nn.Linear(2, 2))
+
+
+def test_captured_output_records_and_unhooks():
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with X.captured_output(lin) as outs:
+        y = lin(x)
+        lin(x)
+    lin(x)  # after the block: not recorded
+    assert len(outs) == 2 and torch.equal(outs[0], y.detach()) and not outs[0].requires_grad
+
+
+def test_rows_table_wraps_only_long_text():
+    html = X.rows_table([{"name": "w_mxfp6_e3m2_a_mxfp6_e3m2", "why": "a long reason " * 10}]).data
+    name_cell, why_cell = html.split("<tbody>")[1].split("<td ")[1:3]
+    assert "nowrap" in name_cell and "w_mxfp6_e3m2_a_mxfp6_e3m2" in name_cell
+    assert "white-space:normal" in why_cell and "text-align:left" in why_cell

@@ -7,13 +7,14 @@ check). Each run must pass the notebook's own checks cell, and the numbers it wr
 the size matters. ``make workbook`` runs the full-size defaults.
 
 The kernel is the ``python3`` kernel of this interpreter; it imports the checkout under test
-(``PYTHONPATH``) and writes its checkpoints into the test's temporary folder (``MXLIB_CACHE``).
-The injected parameters hold no absolute path: each notebook runs with the temporary folder as
-its working directory and writes ``results.json`` there.
+(``PYTHONPATH``) and writes its checkpoints into a temporary folder (``MXLIB_CACHE``). The injected
+parameters hold no absolute path: each notebook runs with a temporary folder as its working
+directory and writes ``results.json`` there. Execution goes through the session fixture
+``executed_notebook`` (tests/conftest.py), so tests/test_render.py renders these same executed
+copies (``NOTEBOOK_PARAMS``) instead of running the notebooks again.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,21 +25,34 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def run_notebook(name: str, params: dict, tmp_path: Path, monkeypatch) -> dict:
-    """Execute ``notebooks/<name>.ipynb`` with ``params`` and return its results JSON."""
-    path = os.environ.get("PYTHONPATH", "")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT)] + [p for p in path.split(os.pathsep) if p]))
-    monkeypatch.setenv("MXLIB_CACHE", str(tmp_path / "checkpoints"))
-    pm.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
-                        parameters=dict(params, results_path="results.json"), kernel_name="python3",
-                        cwd=str(tmp_path), progress_bar=False)
-    return json.loads((tmp_path / "results.json").read_text())
+# The parameters each notebook runs on here; tests/test_render.py renders the same executions.
+NOTEBOOK_PARAMS: dict[str, dict] = {
+    "01_end_to_end-nvfp4": dict(scheme="nvfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
+    "01_end_to_end-mxfp4": dict(scheme="mxfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
+    "02_microscaling_formats": dict(num_rows=16, row_length=1024),
+    "03_scheme_comparison": dict(model_preset="tiny", calib_tokens=64),
+    # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
+    # run uses a wider spread, so that the subnormal-scale claims are exercised.
+    "04_scale_unification": dict(model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512,
+                                 num_tokens=16),
+    "05_fused_emulation_benchmark": dict(run_live="no"),
+}
+
+
+def notebook_of(entry: str) -> str:
+    """The notebook an entry of ``NOTEBOOK_PARAMS`` runs (``01_end_to_end-nvfp4`` -> ``01_end_to_end``)."""
+    return entry.split("-")[0]
+
+
+def run_notebook(entry: str, executed_notebook) -> dict:
+    """Execute (once per run) the notebook of ``NOTEBOOK_PARAMS[entry]`` and return its results JSON."""
+    folder = executed_notebook(notebook_of(entry), NOTEBOOK_PARAMS[entry])
+    return json.loads((folder / "results.json").read_text())
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_01_end_to_end(scheme, tmp_path, monkeypatch):
-    res = run_notebook("01_end_to_end", dict(scheme=scheme, model_preset="tiny", num_tokens=16, calib_tokens=64),
-                       tmp_path, monkeypatch)
+def test_01_end_to_end(scheme, executed_notebook):
+    res = run_notebook(f"01_end_to_end-{scheme}", executed_notebook)
     assert res["model_preset"] == "tiny" and res["num_hidden_layers"] == 4
     logit = res["logits"]
     assert 15.0 < logit["sqnr_db"] < 60.0, logit  # lossy, but far from broken
@@ -46,10 +60,14 @@ def test_01_end_to_end(scheme, tmp_path, monkeypatch):
     assert logit["kl_divergence"] < 0.02, logit
     assert len(res["layers"]) == 4 and all(15.0 < r["sqnr_db"] < 60.0 for r in res["layers"]), res["layers"]
     assert res["checkpoint_bytes"] > 0
+    moe = res["moe_block_0_sqnr_db"]  # the negative control: a scrambled MoE block gives ~-3 dB
+    assert moe["swapped nibbles"] < 3.0 and moe["working"] > moe["swapped nibbles"] + 8.0, moe
+    assert res["swapped_nibbles_logits"]["sqnr_db"] < logit["sqnr_db"], res["swapped_nibbles_logits"]
+    assert res["bf16_rounding_sqnr_db"] > 40.0
 
 
-def test_02_microscaling_formats(tmp_path, monkeypatch):
-    res = run_notebook("02_microscaling_formats", dict(num_rows=16, row_length=1024), tmp_path, monkeypatch)
+def test_02_microscaling_formats(executed_notebook):
+    res = run_notebook("02_microscaling_formats", executed_notebook)
     assert res["cases"] and all(c["ok"] for c in res["cases"]), res["cases"]
     assert res["scale_rules_957"] == [896.0, 896.0, 960.0]  # floor, even, rceil
     assert res["scale_rules_7"][:2] == [6.0, 8.0]  # floor clips, even moves up
@@ -59,9 +77,8 @@ def test_02_microscaling_formats(tmp_path, monkeypatch):
     assert 17 < g["mxfp4"] < 22, g  # 1 mantissa bit
 
 
-def test_03_scheme_comparison(tmp_path, monkeypatch):
-    res = run_notebook("03_scheme_comparison", dict(model_preset="tiny", calib_tokens=64),
-                       tmp_path, monkeypatch)
+def test_03_scheme_comparison(executed_notebook):
+    res = run_notebook("03_scheme_comparison", executed_notebook)
     by = {r["scheme"]: r for r in res["rows"]}
     assert len(by) == 12, sorted(by)  # every MoE scheme ran
     assert all(10.0 < r["sqnr_db"] < 60.0 and r["top1_agreement"] > 0.5 for r in res["rows"]), res["rows"]
@@ -78,12 +95,8 @@ def test_03_scheme_comparison(tmp_path, monkeypatch):
     assert all(len(r["layer_sqnr_db"]) == 4 for r in res["rows"])
 
 
-def test_04_scale_unification(tmp_path, monkeypatch):
-    # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
-    # run uses a wider spread, so that the subnormal-scale claims are exercised.
-    res = run_notebook("04_scale_unification",
-                       dict(model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512, num_tokens=16),
-                       tmp_path, monkeypatch)
+def test_04_scale_unification(executed_notebook):
+    res = run_notebook("04_scale_unification", executed_notebook)
     summary = {(r["point"], r["strategy"]): r for r in res["summary"]}
     for point in ("a1", "a2"):
         per, mx = summary[(point, "per_expert")], summary[(point, "max")]
@@ -99,8 +112,8 @@ def test_04_scale_unification(tmp_path, monkeypatch):
     assert all(r["sqnr_db"] > 5 for r in res["end_to_end"]), res["end_to_end"]
 
 
-def test_05_fused_emulation_benchmark(tmp_path, monkeypatch):
-    res = run_notebook("05_fused_emulation_benchmark", dict(run_live="no"), tmp_path, monkeypatch)
+def test_05_fused_emulation_benchmark(executed_notebook):
+    res = run_notebook("05_fused_emulation_benchmark", executed_notebook)
     assert res["numerics_rel_err"]["fused"] < 5e-3 and res["numerics_rel_err"]["triton"] < 5e-3, res["numerics_rel_err"]
     assert res["recorded_max_fused_vs_seed_rel_err"] < 1e-2
     assert set(res["model_layers"]) >= {4, 48}

@@ -1,14 +1,16 @@
 """Rendered output: executed notebooks, exported to HTML, drawn by headless Chromium.
 
-For each entry of ``RENDERED_NOTEBOOKS`` the test executes the notebook with papermill on tiny
-parameters into a temporary directory, exports HTML with nbconvert (as ``make workbook`` does), loads
-it in headless Chromium with a probe script appended, and checks in the DOM after the scripts ran:
+For each entry of ``RENDERED_NOTEBOOKS`` the test takes the notebook executed with papermill on tiny
+parameters (the session fixture ``executed_notebook`` of tests/conftest.py: the same execution that
+tests/test_notebooks.py reads, run once), exports HTML with nbconvert (as ``make workbook`` does),
+loads it in headless Chromium with a probe script appended, and checks in the DOM after the scripts ran:
 
 * every plotly figure was drawn (``Plotly.newPlot`` ran: the div has class ``js-plotly-plot``), each of
   its traces holds data, and its SVG holds drawn traces;
 * every plotly table shows all its rows inside its visible area (no scrolling needed);
 * every HTML table (pandas or ``mxlib.explore.rows_table``) shows all its rows: no ``...`` row and no
-  pandas "N rows x M columns" truncation note.
+  pandas "N rows x M columns" truncation note;
+* the papermill-injected parameters cell holds no absolute path.
 
 Chromium is the Debian package ``chromium``; ``tools/ensure_chromium.sh`` installs it.
 """
@@ -22,14 +24,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_notebooks import NOTEBOOK_PARAMS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# The notebooks whose rendering is tested, with the tiny parameters they run on here. Add a row per
-# notebook; ``results_path`` is added (a relative path inside the temporary directory).
+# The notebooks whose rendering is tested, with the tiny parameters they run on here (those of
+# tests/test_notebooks.py where it runs the notebook too, so that one execution serves both). Add a
+# row per notebook; ``results_path="results.json"`` is added (relative to the execution's folder).
 RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
     ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
+    ("01_end_to_end.ipynb", NOTEBOOK_PARAMS["01_end_to_end-nvfp4"]),
+    ("02_microscaling_formats.ipynb", NOTEBOOK_PARAMS["02_microscaling_formats"]),
+    ("03_scheme_comparison.ipynb", NOTEBOOK_PARAMS["03_scheme_comparison"]),
+    ("05_fused_emulation_benchmark.ipynb", NOTEBOOK_PARAMS["05_fused_emulation_benchmark"]),
 ]
 
 _PROBE = r"""
@@ -84,22 +92,22 @@ def chromium_binary() -> str:
     pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
 
 
-def execute_and_export(notebook: str, params: dict, out_dir: Path) -> Path:
-    """papermill-execute ``notebooks/<notebook>`` into ``out_dir`` and export HTML; returns the HTML path."""
+def export_html(executed: Path, out_dir: Path) -> Path:
+    """nbconvert's HTML export of an executed notebook into ``out_dir``; returns the HTML path."""
     import nbformat
-    import papermill as pm
     from nbconvert import HTMLExporter
 
-    stem = Path(notebook).stem
-    params = {"results_path": f"results/{stem}.json", **params}
-    executed = out_dir / f"{stem}.ipynb"
-    # timeouts turn a stalled kernel into a failure instead of a hung test
-    pm.execute_notebook(str(NOTEBOOKS / notebook), str(executed), parameters=params, kernel_name="python3",
-                        cwd=str(out_dir), progress_bar=False, start_timeout=180, execution_timeout=600)
     body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
-    html = out_dir / f"{stem}.html"
+    html = out_dir / f"{executed.stem}.html"
     html.write_text(body, encoding="utf-8")
     return html
+
+
+def injected_parameters(executed: Path) -> str:
+    """The source of the papermill-injected parameters cell ("" if there is none)."""
+    nb = json.loads(executed.read_text(encoding="utf-8"))
+    return next(("".join(c["source"]) for c in nb["cells"]
+                 if "injected-parameters" in c.get("metadata", {}).get("tags", [])), "")
 
 
 def dump_dom(html: Path, budget_ms: int = 30000) -> str:
@@ -147,11 +155,16 @@ def check_dom(dom: str) -> dict:
 
 
 @pytest.mark.parametrize("notebook, params", RENDERED_NOTEBOOKS, ids=[nb for nb, _ in RENDERED_NOTEBOOKS])
-def test_notebook_renders(notebook, params, tmp_path):
-    html = execute_and_export(notebook, params, tmp_path)
-    counts = check_dom(dump_dom(html))
+def test_notebook_renders(notebook, params, executed_notebook, tmp_path):
+    stem = Path(notebook).stem
+    folder = executed_notebook(stem, params)
+    executed = folder / f"{stem}.ipynb"
+    injected = injected_parameters(executed)
+    assert "results_path" in injected, "papermill injected no parameters"
+    assert not re.search(r"""['"](/|[A-Za-z]:\\)""", injected), f"an absolute path in the injected parameters: {injected}"
+    counts = check_dom(dump_dom(export_html(executed, tmp_path)))
     assert counts["figures"] >= 1, f"{notebook}: no plotly figure in the rendered HTML"
-    assert (tmp_path / "results" / f"{Path(notebook).stem}.json").exists(), "results_path was not written"
+    assert (folder / "results.json").exists(), "results_path was not written"
 
 
 def test_probe_catches_truncation_and_empty_figures(tmp_path):
