@@ -3,6 +3,7 @@
 ``python -m mxlib.cli e2e --scheme nvfp4 --layers 4 --device cuda --json out.json``
 ``python -m mxlib.cli compare --layers 4 --device cuda --json out.json``
 ``python -m mxlib.cli unify --layers 4 --spread 1.0 --device cuda --json out.json``
+``python -m mxlib.cli routing --layers 4 --preset small --json out.json``
 
 Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its notebook
 (01, 03 and 04) and prints a summary.
@@ -106,6 +107,20 @@ def unify(args) -> dict:
                 spread_study=sp, device=str(dev))
 
 
+def routing(args) -> dict:
+    """Notebook 04's routing table: ``summarize_counts`` of the calibration's per-expert token counts."""
+    from .models.routing_stats import routing_rows, summarize_counts
+
+    model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=W.resolve_device(args.device),
+                          model_preset=args.preset)
+    cal = W.calibrate_model(model, args.calib_tokens, args.seed)
+    rows = routing_rows(summarize_counts([lc.tokens for lc in cal.layers], model.config.num_experts_per_tok))
+    for r in rows:
+        print(f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
+              f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}")
+    return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -125,8 +140,15 @@ def main(argv=None) -> int:
     u.add_argument("--strategies", default="max,per_expert,median,p90,mean")
     u.add_argument("--spreads", default="0,0.5,1,1.5")
     u.add_argument("--output-layers", type=int, default=1)
+    # routing (issue 15): per-layer routing statistics of the dummy model on its calibration tokens
+    rt = sub.add_parser("routing", help="experts hit, largest/smallest share and entropy per layer")
+    for flag, kw in (("--layers", dict(type=int, default=4)), ("--seed", dict(type=int, default=0)),
+                     ("--calib-tokens", dict(type=int, default=512)), ("--spread", dict(type=float, default=1.0)),
+                     ("--preset", dict(default="qwen3-30b-a3b")), ("--device", dict(default="auto")),
+                     ("--json", dict(default=None))):
+        rt.add_argument(flag, **kw)
     args = ap.parse_args(argv)
-    result = {"e2e": e2e, "compare": compare, "unify": unify}[args.cmd](args)
+    result = {"e2e": e2e, "compare": compare, "unify": unify, "routing": routing}[args.cmd](args)
     result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.json:
