@@ -30,6 +30,8 @@ NOTEBOOKS = ROOT / "notebooks"
 # notebook; ``results_path`` is added (a relative path inside the temporary directory).
 RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
     ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
+    ("04_scale_unification.ipynb", {"model_preset": "tiny", "expert_spread": 2.0, "spreads": [0.0, 1.0, 2.0],
+                                    "calib_tokens": 512, "num_tokens": 16}),
 ]
 
 _PROBE = r"""
