@@ -111,6 +111,8 @@ def routing(args) -> dict:
     """Notebook 04's routing table: ``summarize_counts`` of the calibration's per-expert token counts."""
     from .models.routing_stats import routing_rows, summarize_counts
 
+    if args.layers < 1 or args.calib_tokens < 1:
+        raise SystemExit(f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and {args.calib_tokens}")
     model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=W.resolve_device(args.device),
                           model_preset=args.preset)
     cal = W.calibrate_model(model, args.calib_tokens, args.seed)
@@ -141,10 +143,13 @@ def main(argv=None) -> int:
     u.add_argument("--spreads", default="0,0.5,1,1.5")
     u.add_argument("--output-layers", type=int, default=1)
     # routing (issue 15): per-layer routing statistics of the dummy model on its calibration tokens
+    from .models.qwen3 import MODEL_PRESETS
+
     rt = sub.add_parser("routing", help="experts hit, largest/smallest share and entropy per layer")
     for flag, kw in (("--layers", dict(type=int, default=4)), ("--seed", dict(type=int, default=0)),
                      ("--calib-tokens", dict(type=int, default=512)), ("--spread", dict(type=float, default=1.0)),
-                     ("--preset", dict(default="qwen3-30b-a3b")), ("--device", dict(default="auto")),
+                     ("--preset", dict(default="qwen3-30b-a3b", choices=list(MODEL_PRESETS))),
+                     ("--device", dict(default="auto")),
                      ("--json", dict(default=None))):
         rt.add_argument(flag, **kw)
     args = ap.parse_args(argv)

@@ -184,3 +184,14 @@ def test_cli_routing_reports_the_calibration_routing(tmp_path, capsys):
     assert rows == want
     printed = capsys.readouterr().out
     assert printed.count("[routing] layer") == 2 and f"{want[0]['experts_hit']}/16 experts hit" in printed
+
+
+@pytest.mark.parametrize("argv", [["routing", "--layers", "0"], ["routing", "--calib-tokens", "0"],
+                                  ["routing", "--preset", "huge"]])
+def test_cli_routing_refuses_bad_options(argv, capsys):
+    from mxlib import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(argv)
+    msg = str(err.value) + capsys.readouterr().err
+    assert err.value.code != 0 and ("--layers" in msg or "--preset" in msg), msg
