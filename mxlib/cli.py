@@ -5,6 +5,7 @@
 ``python -m mxlib.cli unify --layers 4 --spread 1.0 --device cuda --json out.json``
 ``python -m mxlib.cli inspect CHECKPOINT_DIR --json report.json`` (configs and scale tensors only)
 ``python -m mxlib.cli dummy-from-config CONFIG_DIR OUT_DIR --layers 2 --preset tiny``
+``python -m mxlib.cli routing --layers 4 --preset small --json out.json``
 
 Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its notebook
 (01, 03 and 04) and prints a summary.
@@ -138,6 +139,22 @@ def dummy_from_config(args) -> dict:
                 seconds_write=t_write, seconds_forward=out.seconds, device=str(dev))
 
 
+def routing(args) -> dict:
+    """Notebook 04's routing table: ``summarize_counts`` of the calibration's per-expert token counts."""
+    from .models.routing_stats import routing_rows, summarize_counts
+
+    if args.layers < 1 or args.calib_tokens < 1:
+        raise SystemExit(f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and {args.calib_tokens}")
+    model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=W.resolve_device(args.device),
+                          model_preset=args.preset)
+    cal = W.calibrate_model(model, args.calib_tokens, args.seed)
+    rows = routing_rows(summarize_counts([lc.tokens for lc in cal.layers], model.config.num_experts_per_tok))
+    for r in rows:
+        print(f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
+              f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}")
+    return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -171,9 +188,19 @@ def main(argv=None) -> int:
     dfc.add_argument("--device", default="auto")
     dfc.add_argument("--backend", default="auto")
     dfc.add_argument("--json", default=None)
+    # routing (issue 15): per-layer routing statistics of the dummy model on its calibration tokens
+    from .models.qwen3 import MODEL_PRESETS
+
+    rt = sub.add_parser("routing", help="experts hit, largest/smallest share and entropy per layer")
+    for flag, kw in (("--layers", dict(type=int, default=4)), ("--seed", dict(type=int, default=0)),
+                     ("--calib-tokens", dict(type=int, default=512)), ("--spread", dict(type=float, default=1.0)),
+                     ("--preset", dict(default="qwen3-30b-a3b", choices=list(MODEL_PRESETS))),
+                     ("--device", dict(default="auto")),
+                     ("--json", dict(default=None))):
+        rt.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     result = {"e2e": e2e, "compare": compare, "unify": unify, "inspect": inspect_cmd,
-              "dummy-from-config": dummy_from_config}[args.cmd](args)
+              "dummy-from-config": dummy_from_config, "routing": routing}[args.cmd](args)
     result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.json:

@@ -50,6 +50,9 @@ __all__ = [
     "block_info",
     "expert_scale_ratio",
     "expert_scale_ratio_sweep",
+    "add_scale_ratio_thresholds",
+    "loses_without_flushing",
+    "is_largest_flushing_power_of_two",
     "outlier_data",
     "outlier_scale_sqnr",
     "outlier_scale_sweep",
@@ -353,6 +356,59 @@ def expert_scale_ratio(
 def expert_scale_ratio_sweep(ratios, **kwargs) -> list[dict]:
     """``expert_scale_ratio`` of the smallest expert for each ratio: rows with ``ratio`` added."""
     return [{"ratio": float(r), **expert_scale_ratio(float(r), **kwargs)[-1]} for r in ratios]
+
+
+def add_scale_ratio_thresholds(fig, y_range=None):
+    """Draw ``NVFP4_SUBNORMAL_RATIO`` and ``NVFP4_FLUSH_RATIO`` on a figure whose x axis is an expert
+    scale ratio (log or linear), as two dashed line traces from the lowest to the highest y of the
+    figure's traces (or ``y_range = (y0, y1)``). Returns ``fig``.
+
+    Traces rather than ``add_vline`` shapes: plotly places shapes and their annotations
+    inconsistently on log axes (plotly.py issue #4012).
+    """
+    import plotly.graph_objects as go
+
+    if y_range is None:
+        ys = [float(y) for tr in fig.data if getattr(tr, "y", None) is not None for y in tr.y
+              if y is not None and math.isfinite(float(y))]
+        y_range = (min(ys, default=0.0), max(ys, default=1.0))
+    for ratio, name in ((NVFP4_SUBNORMAL_RATIO, "r = 2^-6/448: largest block scale subnormal"),
+                        (NVFP4_FLUSH_RATIO, "r = 2^-10/448: every block flushed")):
+        fig.add_trace(go.Scatter(x=[ratio, ratio], y=list(y_range), mode="lines", name=name,
+                                 line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black")))
+    return fig
+
+
+def loses_without_flushing(ratio: float, min_db: float = 2.0, **kwargs) -> bool:
+    """Exercise checker (notebook 04): True when, at this ``ratio``, the smallest synthetic expert of
+    ``expert_scale_ratio`` loses more than ``min_db`` dB under the unified scale against its own scale
+    while none of its blocks is flushed (its block scales are subnormal, not zero). Answers lie
+    between ``NVFP4_FLUSH_RATIO`` and ``NVFP4_SUBNORMAL_RATIO``. ``kwargs`` go to ``expert_scale_ratio``."""
+    row = expert_scale_ratio(float(ratio), **kwargs)[-1]
+    return row["sqnr_per_expert_db"] - row["sqnr_unified_db"] > min_db and row["flushed_blocks"] == 0.0
+
+
+def is_largest_flushing_power_of_two(ratio: float, **kwargs) -> bool:
+    """Exercise checker (notebook 04): True when ``ratio`` is a power of two at which every block of
+    the smallest synthetic expert is flushed under the unified scale (its QDQ output is all zero)
+    while at ``2 * ratio`` at least one block survives.
+
+    By hand: the expert's largest block scale is ``e4m3(448 * ratio)`` and rounds to zero when it is
+    at most ``2**-10`` (half the smallest subnormal ``2**-9``; the tie goes to the even code 0), so
+    the answer is ``2**-19`` (``448 * 2**-19 = 0.875 * 2**-10``; ``448 * 2**-18 = 1.75 * 2**-10``
+    rounds up to ``2**-9``).
+
+    Raises:
+        ValueError: ``ratio`` not in (0, 1].
+    """
+    ratio = float(ratio)
+    if not (0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio: expected a number in (0, 1], got {ratio}")
+    if math.frexp(ratio)[0] != 0.5:
+        return False
+    here = expert_scale_ratio(ratio, **kwargs)[-1]["flushed_blocks"]
+    above = expert_scale_ratio(min(2.0 * ratio, 1.0), **kwargs)[-1]["flushed_blocks"] if ratio < 1.0 else 0.0
+    return here == 1.0 and above < 1.0
 
 
 # ----------------------------------------------------------------------------- outliers

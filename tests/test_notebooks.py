@@ -107,9 +107,18 @@ def test_04_scale_unification(executed_notebook):
     assert summary[("a2", "max")]["worst_db_lost"] > 1.0  # some expert sits below r = 2**-6 / 448
     a2 = [r for r in res["spread"] if r["point"] == "a2"]
     assert [r["spread"] for r in a2] == [0.0, 1.0, 2.0]
-    assert a2[-1]["max_db_lost"] > a2[0]["max_db_lost"] + 1 and a2[-1]["max_db_lost"] == max(r["max_db_lost"] for r in a2)
-    assert {r["strategy"] for r in res["end_to_end"]} == {"max", "per_expert", "median", "p90", "mean"}
-    assert all(r["sqnr_db"] > 5 for r in res["end_to_end"]), res["end_to_end"]
+    assert a2[-1]["mean_db_lost"] == max(r["mean_db_lost"] for r in a2)
+    assert a2[-1]["max_db_lost"] > a2[0]["max_db_lost"] + 1  # the worst case saturates: no strict order asserted
+    # a1 is the normalized layer input: the spread (a scale on w13 and w2) changes none of its rows
+    a1 = [{k: v for k, v in r.items() if k != "spread"} for r in res["spread"] if r["point"] == "a1"]
+    assert len(a1) == 3 and all(r == a1[0] for r in a1), a1
+    e2e = {r["strategy"]: r["sqnr_db"] for r in res["end_to_end"]}
+    assert set(e2e) == {"max", "per_expert", "median", "p90", "mean"}
+    assert all(v > 5 for v in e2e.values()), e2e
+    assert e2e["per_expert"] >= e2e["max"] - 0.5 and e2e["median"] < e2e["max"], e2e
+    # issue 15's bar, scaled to 16 experts: every layer routes to at least 15 experts, none above 3x uniform
+    assert len(res["routing"]) == 4
+    assert all(r["experts_hit"] >= 15 and r["max_over_uniform"] <= 3.0 for r in res["routing"]), res["routing"]
 
 
 def test_05_fused_emulation_benchmark(executed_notebook):

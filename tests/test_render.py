@@ -35,6 +35,7 @@ NOTEBOOKS = ROOT / "notebooks"
 RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
     ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
     ("01_end_to_end.ipynb", NOTEBOOK_PARAMS["01_end_to_end-nvfp4"]),
+    ("04_scale_unification.ipynb", NOTEBOOK_PARAMS["04_scale_unification"]),
     ("02_microscaling_formats.ipynb", NOTEBOOK_PARAMS["02_microscaling_formats"]),
     ("03_scheme_comparison.ipynb", NOTEBOOK_PARAMS["03_scheme_comparison"]),
     ("05_fused_emulation_benchmark.ipynb", NOTEBOOK_PARAMS["05_fused_emulation_benchmark"]),

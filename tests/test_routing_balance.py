@@ -167,3 +167,31 @@ def test_routing_figure(models):
     rows = routing_rows(stats)
     assert [r["layer"] for r in rows] == [0, 1, 2, 3] and rows[0]["experts_hit"] == stats[0]["experts_hit"]
     assert "tokens_per_expert" not in rows[0]
+
+
+def test_cli_routing_reports_the_calibration_routing(tmp_path, capsys):
+    # the CLI's routing subcommand: the same numbers as summarize_counts of the calibration (notebook 04)
+    from mxlib import cli, workflow
+
+    out = tmp_path / "routing.json"
+    assert cli.main(["routing", "--preset", "tiny", "--layers", "2", "--calib-tokens", "256", "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())["routing"]
+    model = workflow.dummy_model(2, seed=0, expert_spread=1.0, model_preset="tiny")
+    cal = workflow.calibrate_model(model, 256, 0)
+    want = routing_rows(summarize_counts([lc.tokens for lc in cal.layers], model.config.num_experts_per_tok))
+    assert rows == want
+    printed = capsys.readouterr().out
+    assert printed.count("[routing] layer") == 2 and f"{want[0]['experts_hit']}/16 experts hit" in printed
+
+
+@pytest.mark.parametrize("argv", [["routing", "--layers", "0"], ["routing", "--calib-tokens", "0"],
+                                  ["routing", "--preset", "huge"]])
+def test_cli_routing_refuses_bad_options(argv, capsys):
+    from mxlib import cli
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(argv)
+    msg = str(err.value) + capsys.readouterr().err
+    assert err.value.code != 0 and ("--layers" in msg or "--preset" in msg), msg
