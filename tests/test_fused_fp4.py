@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mxlib import reference as R
+from mxlib.formats import BLOCK_SCHEMES, NVFP4
 from mxlib.kernels.fused_dequant_moe import ActivationQDQ
 from mxlib.kernels.fused_fp4_moe import FP4Config, fused_fp4_moe, prepare_fp4_weights, unprepare_fp4_weights
 from mxlib.kernels.moe_align_triton import moe_align_block_size_triton
@@ -45,8 +46,8 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         p2, s2, g2 = R.quantize_nvfp4(w2.to(torch.bfloat16))
         gs1 = torch.tensor([2688.0 / float(x.float().abs().amax())], device=device)
         gs2 = torch.tensor([2688.0 / 0.05], device=device)
-        q1 = ActivationQDQ(kind=2, block_size=16, scale=gs1.to(device))
-        q2 = ActivationQDQ(kind=2, block_size=16, scale=gs2.to(device))
+        q1 = ActivationQDQ(NVFP4, scale=gs1.to(device))
+        q2 = ActivationQDQ(NVFP4, scale=gs2.to(device))
         dq13 = {"seed": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
                 "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32)}
         dq2 = {"seed": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
@@ -67,7 +68,7 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 32)
         pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 32)
         if scheme == "w_mxfp4_a_mxfp4":
-            q1 = q2 = ActivationQDQ(kind=1, block_size=32)
+            q1 = q2 = ActivationQDQ(BLOCK_SCHEMES["mxfp4"])
             a1 = a2 = lambda v, mode: R.quant_dequant_mx(v, "e2m1", 32, "even")  # noqa: E731
         else:
             q1 = q2 = None
