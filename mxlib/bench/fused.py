@@ -109,9 +109,10 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
         q = quantize_expert_weights(w13, w2, s)
         scales = (in13, in2) if s.static_activation_scale else (None, None)
         paths[f"mxlib_fused_{name}"] = make_emulation_experts(s, q, *scales, backend="fused")
-        if name == "nvfp4":
-            paths["mxlib_fused_nvfp4_hw"] = make_emulation_experts(s, q, *scales, backend="fused", numerics="hardware")
-        if extra and name in ("nvfp4", FP6_SCHEME):
+        if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
+            paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(s, q, *scales, backend="fused",
+                                                                     numerics="hardware")
+        if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # seed-style NVFP4 and FP6
             paths[f"mxlib_triton_{name}"] = make_emulation_experts(s, q, *scales, backend="triton")
     return paths
 
