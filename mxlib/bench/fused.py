@@ -223,10 +223,10 @@ def floors(rat: dict, result: dict) -> list[dict]:
     return checks
 
 
-def _fmt(v, pct=False) -> str:
+def _fmt(v, pct=False, digits=3) -> str:
     if v is None:
         return "-"
-    return f"{100 * v:.0f}%" if pct else f"{v:.3f}" if v < 10 else f"{v:.2f}"
+    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
 
 
 def markdown(result: dict, anchor: dict | None = None) -> str:
@@ -251,7 +251,7 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
         rat = ratios(result, anchor)
         t = head.format("ratio")
         for key in rat[tokens[0]]:
-            t += f"| {key} | " + " | ".join(_fmt(rat[m][key]) for m in tokens) + " |\n"
+            t += f"| {key} | " + " | ".join(_fmt(rat[m][key], digits=2) for m in tokens) + " |\n"
         lines.append(t)
     t = head.format("fraction of the memory floor")
     for p in dict.fromkeys(r["path"] for r in result["rows"] if "floor_fraction" in r):
@@ -268,7 +268,7 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
     if anchor:
         t = "| floor | worst | holds |\n|---|---:|---|\n"
         for c in floors(ratios(result, anchor), result):
-            t += f"| {c['floor']} | {_fmt(c['worst'])} | {'yes' if c['holds'] else 'no'} |\n"
+            t += f"| {c['floor']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
         lines.append(t)
     return "\n".join(lines)
 
