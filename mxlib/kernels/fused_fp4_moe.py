@@ -22,7 +22,8 @@ Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert f
 * **Scales as words**: a K tile's scale bytes are loaded as 32-bit words, so they join the
   cp.async pipeline with the weights (``FP4Config.SCALE_WORDS``).
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
-  H200 (``tools/bench_fused.py --sweep``; measurements in ``benchmarks/h200_fused_fp4.md``).
+  H200 (the sweep of the since-removed ``tools/bench_fused.py``; measurements in ``benchmarks/h200_fused_fp4.md``;
+  ``python -m mxlib.bench fused`` times them beside the anchor harness).
 
 Numerics modes (``mode``):
 
@@ -179,7 +180,8 @@ class FP4Config:
 
 
 # (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
-# ``tools/bench_fused.py --sweep`` on the H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
+# the tile sweep of ``tools/bench_fused.py`` (since folded into ``mxlib.bench.fused``, without the sweep) on the
+# H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
 FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
     (16.0, (FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4))),
     (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
