@@ -128,7 +128,9 @@ class QuantizedExperts(TritonExperts):
 
     def _prepare_if_fused(self) -> None:
         """Prepare the FP4 layout now when the forward will use it (construction time)."""
-        if self.resolved_backend(self._device()) == "fused" and self.fp4_kernel_applies():
+        # (an unknown backend name is left for the forward to refuse, as before)
+        if self.backend in ("fused", "auto") and self.fp4_kernel_applies() and \
+                self.resolved_backend(self._device()) == "fused":
             self.fp4_weights()
 
     def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | None:
