@@ -216,7 +216,8 @@ def floors(rat: dict, result: dict) -> list[dict]:
     for name in ("w_mxfp4", "nvfp4"):
         add(f"{name} fused >= 45% of the memory floor at M = 16, 64",
             {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)}, 0.45, le=False)
-    add("FP6 fused / seed-style <= 1.0 at every M", {m: d["fused w_mxfp6_e3m2 / seed-style"] for m, d in rat.items()}, 1.0)
+    add("FP6 fused / seed-style <= 1.0 at every M",
+        {m: d["fused w_mxfp6_e3m2 / seed-style"] for m, d in rat.items()}, 1.0)
     add("FP6 fused / mxlib_bf16 <= 1.0 at M = 16, 64",
         {m: d["fused w_mxfp6_e3m2 / mxlib_bf16"] for m, d in rat.items() if m in (16, 64)}, 1.0)
     add("mxlib_bf16 / vllm_bf16 <= 1.05 at every M", {m: d["mxlib_bf16 / vllm_bf16"] for m, d in rat.items()}, 1.05)
@@ -255,7 +256,8 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
         lines.append(t)
     t = head.format("fraction of the memory floor")
     for p in dict.fromkeys(r["path"] for r in result["rows"] if "floor_fraction" in r):
-        t += f"| `{p}` | " + " | ".join(_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens) + " |\n"
+        vals = (_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens)
+        t += f"| `{p}` | " + " | ".join(vals) + " |\n"
     if anchor:
         anc = _by(anchor.get("rows", []))
         for p in ("tk_mxfp4", TK):
