@@ -152,8 +152,9 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
 
 
 def naive_block_assignment(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """vLLM's rule for skipping the alignment: each pair its own block when ``M * k * 4 <= E``."""
-    return num_tokens * top_k * 4 <= num_experts
+    """vLLM's rule for skipping the alignment: each pair its own block when ``M * k * 4 <= E``
+    (never for an empty batch: the aligned path's padded grid handles it)."""
+    return 0 < num_tokens * top_k and num_tokens * top_k * 4 <= num_experts
 
 
 def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
