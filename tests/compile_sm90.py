@@ -24,6 +24,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, NVFP4, get_activation_format  # noqa: E402
 from mxlib.kernels import fused_dequant_moe as D  # noqa: E402
+from mxlib.kernels import fused_fp4_moe as P  # noqa: E402
+from mxlib.kernels import moe_align_triton as A  # noqa: E402
 from mxlib.kernels import fused_moe as F  # noqa: E402
 from mxlib.kernels import quant as Q  # noqa: E402
 from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
@@ -64,13 +66,13 @@ def nvfp4_kernels(divide):
                    dict(OUT_DTYPE=tl.float16, BLOCK=1024))
 
 
-def fused_moe(mul_routed_weight):
+def fused_moe(mul_routed_weight, naive=False):
     k = compile_kernel(
         F.fused_moe_kernel,
         {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32",
          "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"},
         dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, MUL_ROUTED_WEIGHT=mul_routed_weight,
-             top_k=8, UPCAST=False, OUT_DTYPE=tl.bfloat16),
+             top_k=8, UPCAST=False, OUT_DTYPE=tl.bfloat16, NAIVE=naive),
     )
     # bf16 tensor-core MMA on Hopper: warpgroup MMA (wgmma) in the PTX
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
@@ -89,9 +91,50 @@ def fused_dequant(weight, gated, a2, split=False):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
+def fused_fp4(weight, mode, gated, a, words=True, scale_words=True, naive=False):
+    """The FP4 kernel: ``weight`` mxfp4 / nvfp4, ``mode`` seed / hardware, ``a`` the activation format
+    of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or None; PTX decode (the compiled path)."""
+    w = BLOCK_SCHEMES[weight]
+    q = D.ActivationQDQ(get_activation_format(a))
+    md = P.MODES[mode]
+    w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_SEED if mode == "seed" else P.W_NVFP4_HW)
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32" if words else "*u8", "ws_ptr": "*i32" if scale_words else "*u8",
+            "wg_ptr": "*fp32", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
+            "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "a_scale_ptr": "*fp32",
+            "c_scale_ptr": "*fp32"}
+    kernel = P.fused_fp4_moe_kernel
+    qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
+    nv_hw = md == P.MODES["hardware"] and q.kind == D.A2_NVFP4
+    k = compile_kernel(kernel, ptrs, dict(
+        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, GATED=gated,
+        W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
+        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, USE_ASM=True, WORDS=words,
+        SCALE_WORDS=scale_words))
+    assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the FP4 kernel's PTX"
+    compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
+                                                                                   OUT_DTYPE=tl.bfloat16))
+
+
+def align(single):
+    """The Triton moe_align_block_size: one launch (one chunk) or histogram + scatter."""
+    ptrs = {"topk_ids_ptr": "*i32", "hist_ptr": "*i32", "base_ptr": "*i32", "sorted_ptr": "*i32",
+            "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"}
+    if not single:
+        compile_kernel(A._chunk_hist_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024))
+    compile_kernel(A._align_scatter_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024, LOG_CHUNK=10,
+                                                       NCHUNK_PAD=1 if single else 32, SINGLE=single, BLOCK_M=64,
+                                                       BM_PAD=64, FILL=128))
+
+
 JOBS = [(mx_kernels, a) for a in [("e2m1", "even", "bf16"), ("e2m3", "floor", "bf16"), ("e3m2", "rceil", "fp16"),
                                   ("e4m3", "floor", "fp32"), ("e5m2", "even", "bf16")]]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
+JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
+JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
+                                  ("nvfp4", "seed", False, None), ("nvfp4", "hardware", False, None),
+                                  ("mxfp4", "seed", True, None), ("mxfp4", "seed", True, "mxfp4"),
+                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True, True, True),
+                                  ("nvfp4", "seed", True, "nvfp4", False, False)]]
 JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
                                       ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
                                       ("nvfp4", False, None), ("mxfp8_e4m3", False, None),

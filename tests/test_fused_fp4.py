@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mxlib import reference as R
+from mxlib.formats import BLOCK_SCHEMES, NVFP4
 from mxlib.kernels.fused_dequant_moe import ActivationQDQ
 from mxlib.kernels.fused_fp4_moe import FP4Config, fused_fp4_moe, prepare_fp4_weights, unprepare_fp4_weights
 from mxlib.kernels.moe_align_triton import moe_align_block_size_triton
@@ -45,8 +46,8 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         p2, s2, g2 = R.quantize_nvfp4(w2.to(torch.bfloat16))
         gs1 = torch.tensor([2688.0 / float(x.float().abs().amax())], device=device)
         gs2 = torch.tensor([2688.0 / 0.05], device=device)
-        q1 = ActivationQDQ(kind=2, block_size=16, scale=gs1.to(device))
-        q2 = ActivationQDQ(kind=2, block_size=16, scale=gs2.to(device))
+        q1 = ActivationQDQ(NVFP4, scale=gs1.to(device))
+        q2 = ActivationQDQ(NVFP4, scale=gs2.to(device))
         dq13 = {"seed": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
                 "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32)}
         dq2 = {"seed": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
@@ -67,7 +68,7 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 32)
         pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 32)
         if scheme == "w_mxfp4_a_mxfp4":
-            q1 = q2 = ActivationQDQ(kind=1, block_size=32)
+            q1 = q2 = ActivationQDQ(BLOCK_SCHEMES["mxfp4"])
             a1 = a2 = lambda v, mode: R.quant_dequant_mx(v, "e2m1", 32, "even")  # noqa: E731
         else:
             q1 = q2 = None
@@ -237,3 +238,27 @@ def test_fused_fp4_rejects_bad_input():
         fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], mode="fast")
     with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 256\]"):
         fused_fp4_moe(L["x"][:, :128], L["pw13"], L["pw2"], L["tw"], L["ti"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("numerics", ["seed", "hardware"])
+@pytest.mark.parametrize("m", [1, 64, 1024])
+def test_gpu_experts_fused_matches_torch_reference(numerics, m):
+    """The experts' ``fused`` backend (FP4 kernel, auto's pick on CUDA) against the pure-PyTorch
+    reference of the same numerics, full Qwen3-30B-A3B layer, NVFP4."""
+    from mxlib.moe import fused_topk as topk, make_emulation_experts, quantize_expert_weights
+
+    e, h, i, k = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    w2 = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    tw, ti = topk(torch.randn(m, e, device="cuda", generator=g), k)
+    q = quantize_expert_weights(w13, w2, "nvfp4")
+    in13 = torch.full((e,), float(x.float().abs().amax()) / 2688.0, device="cuda")
+    in2 = torch.full((e,), 0.02 / 2688.0, device="cuda")
+    fused = make_emulation_experts("nvfp4", q, in13, in2, backend="auto", numerics=numerics)
+    assert fused.resolved_backend(x.device) == "fused" and "w13_weight" not in fused._buffers
+    ref = make_emulation_experts("nvfp4", q, in13, in2, backend="torch", numerics=numerics)
+    assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 1e-2

@@ -461,3 +461,119 @@ def test_base_experts_do_not_ask_for_their_subclass():
     import mxlib.moe.base as B
 
     assert "isinstance(self" not in inspect.getsource(B.TritonExperts)
+
+
+# ----------------------------------------------------------------------------- FP4 kernel in the experts, numerics
+
+H4, I4 = 256, 128  # the FP4 kernel needs H and I multiples of its 128-element K tile
+
+
+def fp4_layer(scheme, numerics, backend, device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H4, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I4, H4, generator=g) * 0.05 * torch.exp(torch.randn(E, 1, 1, generator=g)))
+    w2 = torch.randn(E, H4, I4, generator=g) * 0.05
+    tw, ti = fused_topk(torch.randn(M, E, generator=g), TOPK, True)
+    s = get_moe_scheme(scheme)
+    q = quantize_expert_weights(w13.to(torch.bfloat16), w2.to(torch.bfloat16), s, ops=R)
+    in13 = in2 = None
+    if s.static_activation_scale:
+        in13 = torch.full((E,), float(x.float().abs().amax()) / 2688.0)
+        in2 = torch.linspace(0.2, 0.5, E) / 2688.0
+    ex = make_emulation_experts(s, q.to(device), *(t if t is None else t.to(device) for t in (in13, in2)),
+                                backend=backend, numerics=numerics)
+    return ex, q, x, tw, ti
+
+
+def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
+    """float64 MoE from the scheme's operands, computed here from mxlib.reference: ``seed``: the
+    seed's bf16 weights and activations; ``hardware``: weights and NVFP4 activations without the
+    bf16 rounding of ``element * scale * global`` (fp32). GEMM1 and SiLU-and-mul rounded to bf16."""
+    dt = torch.bfloat16 if numerics == "seed" else torch.float32
+    if q.scheme.has_global_scale:
+        w13 = R.dequantize_to_dtype(q.w13_weight, q.w13_weight_scale, q.w13_weight_scale_2, dt)
+        w2 = R.dequantize_to_dtype(q.w2_weight, q.w2_weight_scale, q.w2_weight_scale_2, dt)
+        gs1, gs2 = ex.a13_gscale[:1].cpu(), ex.a2_gscale[:1].cpu()
+        qdq1 = lambda v: R.ref_nvfp4_quant_dequant(v, gs1, dtype=dt)  # noqa: E731
+        qdq2 = lambda v: R.ref_nvfp4_quant_dequant(v, gs2, dtype=dt)  # noqa: E731
+    else:
+        w13 = R.dequantize_mx(q.w13_weight, q.w13_weight_scale, "e2m1")
+        w2 = R.dequantize_mx(q.w2_weight, q.w2_weight_scale, "e2m1")
+        act = ex.activation_format
+        qdq1 = qdq2 = (lambda v: v) if act is None else (lambda v: R.quant_dequant_mx(v, "e2m1", 32, "even"))  # noqa: E731
+    a1 = qdq1(x).double()
+    out = torch.zeros(x.shape[0], H4, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            h = (w13[e].double() @ a1[t]).to(torch.bfloat16).double()
+            a2 = (torch.nn.functional.silu(h[:I4]) * h[I4:]).to(torch.bfloat16)
+            out[t] += float(tw[t, j]) * (w2[e].double() @ qdq2(a2.unsqueeze(0)).double()[0])
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
+@pytest.mark.parametrize("numerics", ["seed", "hardware"])
+def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
+    ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
+    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ref = TritonExperts.__call__(fp4_layer(scheme, numerics, "torch", "cpu")[0], x, tw, ti)
+    oracle = fp4_oracle_fp64(ex, q, x, tw, ti, numerics)
+    assert rel_err(fused, oracle) < 5e-3
+    assert rel_err(ref, oracle) < 5e-3
+    assert rel_err(fused, ref) < 5e-3
+    if numerics == "hardware" and scheme == "nvfp4":  # the modes differ measurably (NVFP4 only)
+        seed = fp4_layer(scheme, "seed", "torch", "cpu")[0](x, tw, ti)
+        assert rel_err(ref, seed) > 1e-4
+        assert rel_err(fp4_oracle_fp64(ex, q, x, tw, ti, "seed"), oracle) > 1e-4
+
+
+def test_fp4_experts_keep_only_the_prepared_copy(device):
+    ex, q, x, tw, ti = fp4_layer("nvfp4", "seed", "fused", device)
+    assert "w13_weight" not in ex._buffers and "w2_weight" not in ex._buffers
+    assert ex.w13_weight_fp4.numel() == q.w13_weight.numel()  # same size: no extra memory
+    # the checkpoint layout comes back for the other backends, bit for bit
+    assert torch.equal(ex.w13_weight.cpu(), q.w13_weight) and torch.equal(ex.w2_weight.cpu(), q.w2_weight)
+    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ex.backend = "triton"  # seed-style path from the unprepared bytes: the same operands
+    assert rel_err(ex(x.to(device), tw.to(device), ti.to(device)).cpu(), fused) < 5e-3
+
+
+def test_auto_backend_choice():
+    cuda = torch.device("cuda")
+    fp4 = fp4_layer("nvfp4", "seed", "auto", "cpu")[0]
+    assert "w13_weight" in fp4._buffers  # auto on the CPU is torch: nothing prepared
+    assert fp4.resolved_backend(cuda) == "fused" and fp4.resolved_backend(torch.device("cpu")) == "torch"
+    x, w13, w2, tw, ti = make_inputs()
+    fp6 = build_experts("w_mxfp6_e3m2", x, w13, w2, backend="auto")
+    assert fp6.resolved_backend(cuda) == "triton"  # FP6 weights stay seed-style
+    small = build_experts("nvfp4", x, w13, w2, backend="auto")  # H = 96: not the FP4 kernel's shape
+    assert small.resolved_backend(cuda) == "triton"
+    assert TritonExperts(w13, w2, backend="auto").resolved_backend(cuda) == "triton"
+
+
+def test_hardware_numerics_bad_backend_and_value():
+    ex = fp4_layer("nvfp4", "hardware", "triton", "cpu")[0]
+    with pytest.raises(ValueError, match="numerics='hardware' runs on the 'torch' backend"):
+        ex(torch.zeros(M, H4, dtype=torch.bfloat16), *fused_topk(torch.randn(M, E), TOPK))
+    with pytest.raises(ValueError, match="numerics: expected one of"):
+        fp4_layer("w_mxfp4", "fast", "torch", "cpu")
+
+
+@pytest.mark.parametrize("mul_routed_weight", [False, True])
+def test_bf16_kernel_naive_blocks_same_bits(mul_routed_weight, device):
+    """No alignment (each pair its own block, vLLM's tiny-batch mode) gives the aligned path's bits."""
+    from mxlib.kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
+
+    x, w13, w2, tw, ti = make_inputs(e=16)
+    x, w13, tw, ti = x[:2].to(device), w13.to(device), tw[:2].to(device), ti[:2].to(device)
+    cfg = get_moe_config(2, 16, TOPK, 2 * I, H)
+    outs = []
+    for naive in (False, True):
+        c = torch.zeros(2 * TOPK, 2 * I, dtype=x.dtype, device=device)
+        s, e, p = moe_align_block_size(ti, cfg.BLOCK_SIZE_M, 16)
+        if naive:
+            s, e, p = None, ti.reshape(-1), None
+        invoke_fused_moe_kernel(x, w13, c, tw, s, e, p, mul_routed_weight, TOPK, cfg, naive)
+        outs.append(c.cpu())
+    assert torch.equal(outs[0], outs[1])

@@ -4,7 +4,9 @@
 kernel beside a device-to-device copy measured in the same run.
 
 ``moe`` (``mxlib.bench.moe``): one Qwen3-30B-A3B MoE layer, bf16 vs seed-style vs fused
-emulation (and, with ``--model``, whole-model forwards).
+emulation (and, with ``--model``, whole-model forwards). ``moe --anchor ANCHOR.json`` (or ``fused``)
+runs ``mxlib.bench.fused`` instead: the same layer on the anchor harness's inputs, CUDA-graph replay
+times, ratios to the anchor rows, fractions of the memory floor and the issue-12 floors.
 
 Both print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
 """
@@ -16,22 +18,24 @@ import json
 
 import torch
 
-from . import moe, quant
+from . import fused, moe, quant
 from ._common import copy_bandwidth
 from .quant import bench_quant, print_quant, sweep_quant
 
-__all__ = ["main", "copy_bandwidth", "bench_quant", "sweep_quant", "moe", "quant"]
+__all__ = ["main", "copy_bandwidth", "bench_quant", "sweep_quant", "fused", "moe", "quant"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["quant", "moe"])
+    ap.add_argument("what", choices=["quant", "moe", "fused"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="quant: sweep tile sizes and warps first")
     args, rest = ap.parse_known_args(argv)
     if not torch.cuda.is_available():
         print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")
         return 2
+    if args.what == "fused" or (args.what == "moe" and any(a.startswith("--anchor") for a in rest)):
+        return fused.main(rest, json_path=args.json)
     if args.what == "moe":
         return moe.main(rest + (["--sweep"] if args.sweep else []), json_path=args.json)
     sweep = sweep_quant() if args.sweep else None

@@ -33,7 +33,8 @@ from ..formats import BLOCK_SCHEMES, BlockScheme, PerTensorScheme
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting, kernel_format_args, select
-from .align import moe_align_block_size
+from .fused_moe import pick_tiles
+from .moe_align_triton import align_blocks
 
 __all__ = ["FusedConfig", "get_fused_config", "invoke_fused_dequant_moe", "PackedWeights", "ActivationQDQ"]
 
@@ -81,12 +82,7 @@ def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits:
     """Tiles by packed weight bits and the average number of pairs per expert."""
     if interpreting():
         return FusedConfig(16, 32, 32, 1, 4, 1)
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    table = FUSED_CONFIGS.get(weight_bits, FUSED_CONFIGS[4])
-    for limit, cfg in table:
-        if per_expert <= limit:
-            return cfg
-    return table[-1][1]
+    return pick_tiles(FUSED_CONFIGS.get(weight_bits, FUSED_CONFIGS[4]), num_tokens, num_experts, top_k)
 
 
 @triton.jit
@@ -336,12 +332,12 @@ class ActivationQDQ:
             return A2_FP8
         return A2_NVFP4 if self.fmt.has_global_scale else A2_MX
 
-    def kernel_args(self) -> dict:
-        """The ``A2_*`` constexprs (unused ones keep the values of mxfp4)."""
-        args = kernel_format_args(BLOCK_SCHEMES["mxfp4"], "A2_", scale_mode=self.scale_mode)
+    def kernel_args(self, prefix: str = "A2_") -> dict:
+        """The ``A2_*`` constexprs, or ``{prefix}*`` (unused ones keep the values of mxfp4)."""
+        args = kernel_format_args(BLOCK_SCHEMES["mxfp4"], prefix, scale_mode=self.scale_mode)
         if self.fmt is not None:
-            args.update(kernel_format_args(self.fmt, "A2_", scale_mode=self.scale_mode))
-        args["A2_KIND"] = self.kind
+            args.update(kernel_format_args(self.fmt, prefix, scale_mode=self.scale_mode))
+        args[prefix + "KIND"] = self.kind
         return args
 
 
@@ -403,7 +399,7 @@ def invoke_fused_dequant_moe(
     h = w2.packed.shape[1]
     i = two_i // 2
     cfg = config or get_fused_config(m, e, k, w13.nbits)
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, cfg.BLOCK_M, e)
+    sorted_ids, expert_ids, num_post = align_blocks(topk_ids, cfg.BLOCK_M, e)
     weights = topk_weights.reshape(-1).float().contiguous()
     cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)
     _launch(a1, w13, cache2, weights, sorted_ids, expert_ids, num_post, i, h, True, a2_qdq, False,

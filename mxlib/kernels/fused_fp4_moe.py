@@ -22,7 +22,8 @@ Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert f
 * **Scales as words**: a K tile's scale bytes are loaded as 32-bit words, so they join the
   cp.async pipeline with the weights (``FP4Config.SCALE_WORDS``).
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
-  H200 (``tools/bench_fused.py --sweep``; measurements in ``benchmarks/h200_fused_fp4.md``).
+  H200 (the sweep of the since-removed ``tools/bench_fused.py``; measurements in ``benchmarks/h200_fused_fp4.md``;
+  ``python -m mxlib.bench fused`` times them beside the anchor harness).
 
 Numerics modes (``mode``):
 
@@ -48,15 +49,22 @@ import triton
 import triton.language as tl
 
 from . import _numerics as nm
-from .fused_dequant_moe import ActivationQDQ
-from .fused_moe import interpreting
+from . import quant as Q
+from ._bridge import interpreting, select
+from .fused_moe import pick_tiles
+from .fused_dequant_moe import A2_FP8, A2_MX, A2_NONE, A2_NVFP4, ActivationQDQ, PackedWeights
 from .moe_align_triton import moe_align_block_size_triton, naive_block_assignment
 
-__all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS"]
+__all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "prepare_packed_weights", "unprepare_fp4_weights",
+           "unprepare_fp4_packed",
+           "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "MODES"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 K_TILE = 128  # the prepared layout's K tile (elements): byte p holds elements p and p + 64
 MODES = {"seed": 0, "hardware": 1}
+# W_KIND: how a weight tile is scaled: E8M0 (exact in bf16), NVFP4 ``bf16(e2m1 * (fp32(ue4m3) * g))``
+# (seed mode), NVFP4 ``e2m1 * ue4m3`` exact with ``g`` on the accumulator (hardware mode)
+W_MX, W_NVFP4_SEED, W_NVFP4_HW = 0, 1, 2
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -127,10 +135,28 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
     return FP4Weights(out, scales.contiguous(), block_size, nvfp4, global_scale)
 
 
+def prepare_packed_weights(w: PackedWeights) -> FP4Weights:
+    """``prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``).
+
+    Raises:
+        ValueError: a scheme whose elements are not 4 bits wide (FP6 / FP8 weights stay on
+            ``fused_dequant_moe``).
+    """
+    if w.nbits != 4:
+        raise ValueError(f"w: the FP4 kernel takes 4-bit elements, got {w.scheme.name} ({w.nbits} bits)")
+    return prepare_fp4_weights(w.packed, w.scales, w.scheme.block_size, w.global_scale)
+
+
 def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
-    """The checkpoint-layout packed bytes of ``w`` (inverse of ``prepare_fp4_weights``; for tests)."""
-    e, rows, half = w.packed.shape
-    b = w.packed.view(e, rows, half // 64, 64)
+    """The checkpoint-layout packed bytes of ``w`` (inverse of ``prepare_fp4_weights``): what the
+    other backends and checkpoint writers need when only the prepared copy is kept."""
+    return unprepare_fp4_packed(w.packed)
+
+
+def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Prepared packed bytes ``[E, rows, K / 2]`` -> checkpoint layout (a new tensor, same shape)."""
+    e, rows, half = packed.shape
+    b = packed.view(e, rows, half // 64, 64)
     codes = torch.cat((b & 0xF, b >> 4), dim=-1)  # [.., 128] in element order
     c = codes.view(e, rows, half // 64, 64, 2)
     return (c[..., 0] | (c[..., 1] << 4)).reshape(e, rows, half)
@@ -154,11 +180,12 @@ class FP4Config:
 
 
 # (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
-# ``tools/bench_fused.py --sweep`` on the H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
-FP4_CONFIGS: list[tuple[float, FP4Config, FP4Config]] = [
-    (16.0, FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4)),
-    (64.0, FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3)),
-    (float("inf"), FP4Config(128, 128, 8, 8, 3, False), FP4Config(128, 128, 8, 8, 3)),
+# the tile sweep of ``tools/bench_fused.py`` (since folded into ``mxlib.bench.fused``, without the sweep) on the
+# H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
+FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
+    (16.0, (FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4))),
+    (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
+    (float("inf"), (FP4Config(128, 128, 8, 8, 3, False), FP4Config(128, 128, 8, 8, 3))),
 ]
 
 
@@ -166,11 +193,7 @@ def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4C
     """(GEMM1, GEMM2) tiles by the average number of pairs per expert."""
     if interpreting():
         return FP4Config(16, 32, 1, 4, 1), FP4Config(16, 32, 1, 4, 1, False)
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    for limit, c1, c2 in FP4_CONFIGS:
-        if per_expert <= limit:
-            return c1, c2
-    return FP4_CONFIGS[-1][1], FP4_CONFIGS[-1][2]
+    return pick_tiles(FP4_CONFIGS, num_tokens, num_experts, top_k)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -622,17 +645,15 @@ def _sum_k_kernel(x_ptr, out_ptr, H, top_k: tl.constexpr, BLOCK: tl.constexpr, O
 
 
 def _qdq_consts(q: ActivationQDQ | None, prefix: str) -> dict:
-    q = q or ActivationQDQ()
-    return {f"{prefix}_KIND": q.kind, f"{prefix}_EBITS": q.ebits, f"{prefix}_MBITS": q.mbits,
-            f"{prefix}_EMAX": q.emax, f"{prefix}_MAX": q.max, f"{prefix}_SCALE_MODE": q.scale_mode,
-            f"{prefix}_BS": q.block_size}
+    """The ``{prefix}_KIND, _EBITS, ...`` constexprs of an activation QDQ (``ActivationQDQ.kernel_args``)."""
+    return (q or ActivationQDQ()).kernel_args(prefix + "_")
 
 
 def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
     if q is None or q.scale is None:
         return dummy, 0
     s = q.scale.float().reshape(-1)
-    return s, (1 if (q.kind == 2 and s.numel() == e) else 0)
+    return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
 def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
@@ -649,7 +670,7 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     scale_src = a_qdq if a_qdq is not None else a_inv
     a_scale, a_stride = _scale_arg(scale_src, e, one)
     c_scale, c_stride = _scale_arg(c_qdq, e, one)
-    w_kind = 0 if not w.nvfp4 else (1 if mode == 0 else 2)
+    w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
     words = cfg.WORDS and use_asm
     wp = w.packed.view(torch.int32) if words else w.packed  # rows of K/8 words (K/2 bytes)
     ws = w.scales.view(torch.int32) if cfg.SCALE_WORDS else w.scales  # K/BS bytes a row: a multiple of 4
@@ -660,9 +681,10 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
         n, w.k, em, c.shape[0],
         a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
-        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, **_qdq_consts(a_qdq, "A"),
-        GATED=gated, **_qdq_consts(c_qdq, "C"),
-        W_GLOBAL_OUT=w_kind == 2, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        W_KIND=w_kind, W_BS=w.block_size, MODE=mode,
+        **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}), GATED=gated,
+        W_GLOBAL_OUT=w_kind == W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
+        top_k=top_k,
         NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
         OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words, SCALE_WORDS=cfg.SCALE_WORDS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
@@ -670,14 +692,12 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
 
 
 def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ) -> torch.Tensor:
-    from . import quant as Q
-
-    if q.kind == 1:
-        el = {(2, 1): "e2m1", (2, 3): "e2m3", (3, 2): "e3m2", (4, 3): "e4m3", (5, 2): "e5m2"}[(q.ebits, q.mbits)]
-        return Q.quant_dequant_mx(x, el, q.block_size, ("floor", "even", "rceil")[q.scale_mode])
-    if q.kind == 2:
-        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float())
-    if q.kind == 3:
+    """a1 QDQ by the standalone kernels (one pass over ``[M, H]``), the same bits as the fused load."""
+    if q.kind == A2_MX:
+        return Q.quant_dequant_mx(x, q.fmt.element.name, q.fmt.block_size, q.scale_mode)
+    if q.kind == A2_NVFP4:
+        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float(), check_scale=False)
+    if q.kind == A2_FP8:
         return Q.quant_dequant_fp8_per_tensor(x, q.scale, check_scale=False)
     return x
 
@@ -701,9 +721,10 @@ def fused_fp4_moe(
         w13: ``prepare_fp4_weights`` of ``[E, 2I, H/2]`` (gate rows, then up rows);
             w2: of ``[E, H, I/2]``. Both MXFP4 or both NVFP4.
         topk_weights: ``[M, k]`` router weights (fp32); topk_ids: ``[M, k]`` int expert ids.
-        a1_qdq, a2_qdq: the activation QDQs (``ActivationQDQ``: kind 0 none, 1 MX, 2 NVFP4 with
-            ``scale`` the encode global scale gs, ``[1]`` or per expert ``[E]``, 3 FP8 per tensor
-            with ``scale`` the decode scale ``[1]``); None for weight-only schemes.
+        a1_qdq, a2_qdq: the activation QDQs (``ActivationQDQ(fmt, scale_mode, scale)``: an OCP MX
+            block scheme; NVFP4 with ``scale`` the encode global scale gs, ``[1]`` or per expert
+            ``[E]``; per-tensor FP8 with ``scale`` the decode scale ``[1]``); None (or
+            ``ActivationQDQ()``) for weight-only schemes.
         mode: ``"seed"`` (bf16 operands bit-identical to the seed's dequant and QDQ) or
             ``"hardware"`` (exact ``element * block_scale`` operands, per-tensor scales on the
             fp32 accumulator); see the module docstring.
@@ -740,8 +761,8 @@ def fused_fp4_moe(
     dev = hidden_states.device
     weights = topk_weights.reshape(-1).float().contiguous()
     a1 = hidden_states
-    a1q = a1_qdq if (a1_qdq is not None and a1_qdq.kind != 0) else None
-    a1_per_expert = a1q is not None and a1q.kind == 2 and a1q.scale is not None and a1q.scale.numel() > 1
+    a1q = a1_qdq if (a1_qdq is not None and a1_qdq.kind != A2_NONE) else None
+    a1_per_expert = a1q is not None and a1q.kind == A2_NVFP4 and a1q.scale is not None and a1q.scale.numel() > 1
     if a1q is not None and not c1.A1_FUSED and md == 0 and not a1_per_expert:
         a1 = _standalone_a1_qdq(hidden_states, a1q)
         a1q = None
@@ -757,13 +778,13 @@ def fused_fp4_moe(
             sorted2, eid2, post2 = sorted1, eid1, post1
         else:
             sorted2, eid2, post2 = moe_align_block_size_triton(topk_ids, c2.BLOCK_M, e)
-    hw_nv = md == 1 and a1q is not None and a1q.kind == 2
+    hw_nv = md == 1 and a1q is not None and a1q.kind == A2_NVFP4
     a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
     _launch(a1, w13, a2, weights, sorted1, eid1, post1, i, True, a1q, a1q if hw_nv else None, a2_qdq, md, False, k,
             naive, c1, use_asm)
     out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
     # hardware mode: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
-    a2_inv = a2_qdq if (md == 1 and a2_qdq is not None and a2_qdq.kind == 2) else None
+    a2_inv = a2_qdq if (md == 1 and a2_qdq is not None and a2_qdq.kind == A2_NVFP4) else None
     _launch(a2, w2, out_pairs, weights, sorted2, eid2, post2, h, False, None, a2_inv, None, md, True, 1, naive, c2,
             use_asm)
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)

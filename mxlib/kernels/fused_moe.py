@@ -23,7 +23,7 @@ from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting
 
-__all__ = ["MoEGemmConfig", "get_moe_config", "invoke_fused_moe_kernel", "interpreting"]
+__all__ = ["MoEGemmConfig", "BF16_CONFIGS", "get_moe_config", "pick_tiles", "invoke_fused_moe_kernel", "interpreting"]
 
 
 @dataclass(frozen=True)
@@ -38,19 +38,36 @@ class MoEGemmConfig:
     num_stages: int = 3
 
 
+def pick_tiles(table, num_tokens: int, num_experts: int, top_k: int):
+    """The entry of a tile table ``[(max pairs per expert, tiles), ...]`` (ascending limits) for a
+    batch: the first whose limit holds ``num_tokens * top_k / num_experts`` (else the last).
+    Every grouped-GEMM path (bf16, fused dequant, FP4) picks its tiles with this helper."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    for limit, tiles in table:
+        if per_expert <= limit:
+            return tiles
+    return table[-1][1]
+
+
+# (max pairs per expert, tiles): the winners of CUDA-graph replay timings on the H200 at the
+# Qwen3-30B-A3B layer (E 128, top-8; M = 1, 4, 16, 64, 256, 1024, 4096 are 1/16 .. 256 pairs per
+# expert; limits halfway on a log scale), Triton alignment (2026-11-30, benchmarks/h200_fused_fp4.md)
+BF16_CONFIGS: list[tuple[float, MoEGemmConfig]] = [
+    (0.125, MoEGemmConfig(16, 64, 64, 1, 4, 5)),  # M = 1
+    (0.5, MoEGemmConfig(16, 128, 128, 1, 4, 3)),  # M = 4
+    (2.0, MoEGemmConfig(16, 128, 128, 1, 4, 4)),  # M = 16
+    (8.0, MoEGemmConfig(16, 64, 128, 1, 4, 3)),  # M = 64
+    (32.0, MoEGemmConfig(32, 256, 128, 16, 4, 2)),  # M = 256
+    (float("inf"), MoEGemmConfig(128, 256, 64, 16, 8, 4)),  # M = 1024, 4096
+]
+
+
 def get_moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int) -> MoEGemmConfig:
-    """Tiles by the average number of pairs per expert (small batches want small BLOCK_M)."""
+    """Tiles by the average number of pairs per expert (``BF16_CONFIGS``; small batches want small
+    BLOCK_M); one small tile under the interpreter."""
     if interpreting():
         return MoEGemmConfig(16, 32, 32, 1, 4, 1)
-    # chosen by the sweep of ``python -m mxlib.bench moe --sweep`` on the H200 (Qwen3-30B-A3B shapes)
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    if per_expert <= 0.25:
-        return MoEGemmConfig(16, 128, 128, 1, 4, 3)
-    if per_expert <= 4:
-        return MoEGemmConfig(16, 64, 256, 1, 4, 3)
-    if per_expert <= 64:
-        return MoEGemmConfig(16, 128, 128, 1, 4, 3)
-    return MoEGemmConfig(128, 256, 64, 8, 8, 3)
+    return pick_tiles(BF16_CONFIGS, num_tokens, num_experts, top_k)
 
 
 @triton.jit
@@ -64,21 +81,27 @@ def fused_moe_kernel(
     # meta-parameters
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
-    UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr, NAIVE: tl.constexpr = False,
 ):
     """Grouped GEMM over expert-sorted pairs.
 
     A: [rows, K] (rows = M with top_k = k, or M * k with top_k = 1), B: [E, N, K],
     C: [M * k, N] (a view of [M, k, N]), topk_weights: [M * k] fp32,
     sorted_token_ids: [EM], expert_ids: [EM / BLOCK_SIZE_M], num_tokens_post_padded: [1].
+    NAIVE (tiny batches, no alignment): block ``pid_m`` is the single pair ``pid_m`` (row 0 of the
+    block live), ``expert_ids`` the flat topk_ids, EM = pairs * BLOCK_SIZE_M; the sorted ids and
+    the padded count are not read.
     """
     pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
 
-    num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
-    if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
-        return
-    offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
+    if NAIVE:
+        offs_token = tl.where(tl.arange(0, BLOCK_SIZE_M) == 0, pid_m, num_valid_tokens).to(tl.int64)
+    else:
+        num_tokens_post_padded = tl.load(num_tokens_post_padded_ptr)
+        if pid_m * BLOCK_SIZE_M >= num_tokens_post_padded:
+            return
+        offs_token_id = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+        offs_token = tl.load(sorted_token_ids_ptr + offs_token_id).to(tl.int64)
     token_mask = offs_token < num_valid_tokens
     off_expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
 
@@ -119,6 +142,7 @@ def invoke_fused_moe_kernel(
     mul_routed_weight: bool,
     top_k: int,
     config: MoEGemmConfig,
+    naive: bool = False,
 ) -> None:
     """Launch ``fused_moe_kernel``: ``C[M*k, N] = A @ B[e]^T`` for every (token, k) pair.
 
@@ -130,13 +154,18 @@ def invoke_fused_moe_kernel(
         sorted_token_ids, expert_ids, num_tokens_post_padded: from ``moe_align_block_size``
             with ``block_m == config.BLOCK_SIZE_M``.
         top_k: ``k`` when ``A`` has one row per token, 1 when it has one row per pair.
+        naive: no alignment (``naive_block_assignment``): ``expert_ids`` is the flat ``[M * k]``
+            topk_ids, ``sorted_token_ids`` and ``num_tokens_post_padded`` are not read (the grid
+            has one block per pair).
     """
     if A.dtype != B.dtype:
         raise TypeError(f"A and B must share a dtype, got A {A.dtype} and B {B.dtype}")
     if A.shape[-1] != B.shape[-1]:
         raise ValueError(f"A: K={A.shape[-1]} does not match B's K={B.shape[-1]} (B is [E, N, K])")
     c2 = C.view(-1, C.shape[-1])
-    em = sorted_token_ids.shape[0]
+    if naive:  # not read by the kernel
+        sorted_token_ids = num_tokens_post_padded = expert_ids
+    em = expert_ids.numel() * config.BLOCK_SIZE_M if naive else sorted_token_ids.shape[0]
     num_valid = topk_weights.numel() if topk_weights is not None else c2.shape[0]
     weights = topk_weights.reshape(-1).float().contiguous() if mul_routed_weight else c2
     n, k = B.shape[1], B.shape[2]
@@ -147,6 +176,6 @@ def invoke_fused_moe_kernel(
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), B.stride(2), c2.stride(0), c2.stride(1),
         BLOCK_SIZE_M=config.BLOCK_SIZE_M, BLOCK_SIZE_N=config.BLOCK_SIZE_N, BLOCK_SIZE_K=config.BLOCK_SIZE_K,
         GROUP_SIZE_M=config.GROUP_SIZE_M, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
-        UPCAST=interpreting(), OUT_DTYPE=_TL_DTYPE[C.dtype],
+        UPCAST=interpreting(), OUT_DTYPE=_TL_DTYPE[C.dtype], NAIVE=naive,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

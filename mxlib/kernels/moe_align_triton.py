@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_align_block_size_triton", "naive_block_assignment"]
+from .align import moe_align_block_size
+
+__all__ = ["moe_align_block_size_triton", "naive_block_assignment", "align_pairs", "align_blocks"]
 
 _MAX_CHUNK = 1024
 
@@ -150,5 +152,28 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
 
 
 def naive_block_assignment(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """vLLM's rule for skipping the alignment: each pair its own block when ``M * k * 4 <= E``."""
-    return num_tokens * top_k * 4 <= num_experts
+    """vLLM's rule for skipping the alignment: each pair its own block when ``M * k * 4 <= E``
+    (never for an empty batch: the aligned path's padded grid handles it)."""
+    return 0 < num_tokens * top_k and num_tokens * top_k * 4 <= num_experts
+
+
+def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """``(sorted_token_ids, expert_ids, num_tokens_post_padded, naive)`` for the grouped GEMMs.
+
+    CUDA: tiny batches (``M * k * 4 <= E``, vLLM's rule) skip the alignment (``naive``: one block
+    per pair, ``expert_ids`` the flat topk_ids, the other two None); otherwise the Triton alignment
+    (no host synchronization, graph-capturable). Elsewhere: the PyTorch version.
+    """
+    if topk_ids.device.type != "cuda":
+        return (*moe_align_block_size(topk_ids, block_m, num_experts), False)
+    m, k = topk_ids.shape
+    if naive_block_assignment(m, k, num_experts):
+        return None, topk_ids.reshape(-1), None, True
+    return (*moe_align_block_size_triton(topk_ids, block_m, num_experts), False)
+
+
+def align_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """``moe_align_block_size``'s outputs: the Triton version on CUDA, the PyTorch one elsewhere."""
+    if topk_ids.device.type == "cuda":
+        return moe_align_block_size_triton(topk_ids, block_m, num_experts)
+    return moe_align_block_size(topk_ids, block_m, num_experts)

@@ -19,10 +19,20 @@ The base class never asks which subclass it is.
 Backends: ``"triton"`` (Triton kernels, the seed's design: dequantize all experts,
 then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
 ``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
-epilogue, ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch reference MoE,
-``mxlib.moe.reference_moe``, which dequantizes only the experts that received tokens: it serves
-full-size CPU runs), ``"auto"`` (triton for CUDA tensors, torch otherwise). Both give the same
-QDQ bits; the GEMMs agree within fp32-accumulation tolerance.
+epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 run
+``mxlib.kernels.fused_fp4_moe`` on weights prepared once into its layout, with the a1 QDQ fused
+too; other weights run ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch
+reference MoE, ``mxlib.moe.reference_moe``, which dequantizes only the experts that received
+tokens: it serves full-size CPU runs), ``"auto"`` (on CUDA: ``fused`` for experts whose
+``prefers_fused()`` says so, the FP4-weight emulations, faster there at every batch size on the
+H200; ``triton`` otherwise; ``torch`` on the CPU). All give the same QDQ bits; the GEMMs agree
+within fp32-accumulation tolerance.
+
+Alignment (``moe_align_block_size``): on CUDA the Triton version
+(``mxlib.kernels.moe_align_triton``, one or two launches), and none at all for tiny batches
+(``M * k * 4 <= E``, vLLM's rule: each pair its own block); the PyTorch version elsewhere.
+Tiles: ``get_moe_config`` (bf16 GEMMs) and ``get_fp4_configs`` (FP4 kernel), both chosen from
+CUDA-graph replay timings on the H200.
 """
 
 from __future__ import annotations
@@ -31,9 +41,10 @@ import torch
 
 from .. import kernels as _kernels
 from .. import reference as _ref
-from ..kernels.align import moe_align_block_size
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, invoke_fused_dequant_moe
+from ..kernels.fused_fp4_moe import FP4Weights, fused_fp4_moe
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
+from ..kernels.moe_align_triton import align_pairs
 from .reference_moe import silu_and_mul, torch_moe
 
 __all__ = ["BACKENDS", "TritonExperts", "TransformersExperts", "resolve_backend", "ops_for_backend", "ops_for_device"]
@@ -80,6 +91,9 @@ class TritonExperts(torch.nn.Module):
     # Tile configuration overrides (``MoEGemmConfig`` / ``FusedConfig``); None picks by batch size.
     gemm_config = None
     fused_config = None
+    fp4_config = None  # (GEMM1, GEMM2) ``FP4Config`` of the FP4 kernel
+    # Numerics of the emulation (``mxlib.moe.emulation``): "seed" or "hardware".
+    numerics = "seed"
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
@@ -136,6 +150,33 @@ class TritonExperts(torch.nn.Module):
         """The a2 QDQ the fused kernel applies in GEMM1's epilogue."""
         return ActivationQDQ()
 
+    def a1_qdq(self) -> ActivationQDQ:
+        """The a1 QDQ the FP4 kernel applies as it loads the activation tile."""
+        return ActivationQDQ()
+
+    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | None:
+        """``(w13, w2)`` in the FP4 kernel's layout, or None where that kernel does not apply."""
+        return None
+
+    def prefers_fused(self) -> bool:
+        """Whether ``auto`` picks the ``fused`` backend on CUDA."""
+        return False
+
+    def output_scales(self, e: int):
+        """Multipliers of expert ``e``'s fp32 GEMM outputs, ``([GEMM1 ...], [GEMM2 ...])`` applied in
+        order before the rounding (hardware numerics: per-tensor scales), or None."""
+        return None
+
+    def check_backend(self, backend: str, fp4: bool) -> None:
+        """Raise if this experts' numerics cannot run on ``backend`` (``fp4``: the FP4 kernel applies)."""
+
+    def resolved_backend(self, device: torch.device) -> str:
+        """The backend a forward on ``device`` runs (``auto`` resolved, module docstring)."""
+        backend = resolve_backend(self.backend, device)
+        if self.backend == "auto" and device.type == "cuda" and self.supports_fused and self.prefers_fused():
+            return "fused"
+        return backend
+
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [M, {self.hidden_size}], got {list(hidden_states.shape)}")
@@ -146,7 +187,12 @@ class TritonExperts(torch.nn.Module):
             )
         if hidden_states.dtype != self.activation_dtype:
             raise TypeError(f"hidden_states: expected dtype {self.activation_dtype}, got {hidden_states.dtype}")
-        backend = resolve_backend(self.backend, hidden_states.device)
+        backend = self.resolved_backend(hidden_states.device)
+        fp4 = self.fp4_weights() if (backend == "fused" and self.supports_fused) else None
+        self.check_backend(backend, fp4 is not None)
+        if fp4 is not None:  # a1 QDQ fused in the A-tile load, a2 QDQ in GEMM1's epilogue
+            return fused_fp4_moe(hidden_states, fp4[0], fp4[1], topk_weights, topk_ids, a1_qdq=self.a1_qdq(),
+                                 a2_qdq=self.a2_qdq(), mode=self.numerics, configs=self.fp4_config)
         a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
         return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
 
@@ -163,22 +209,23 @@ class TritonExperts(torch.nn.Module):
                 a1,
                 lambda e: self.dequantized_expert(e)[0],
                 lambda e: self.dequantized_expert(e)[1],
-                topk_weights, topk_ids, qi, a1_per_pair,
+                topk_weights, topk_ids, qi, a1_per_pair, output_scales=self.output_scales,
             )
         w13, w2 = self.dequantized_weights()
         m, k = topk_ids.shape
         num_experts, two_i, h = w13.shape
         config = self.gemm_config or get_moe_config(m, num_experts, k, two_i, h)
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config.BLOCK_SIZE_M, num_experts)
+        sorted_ids, expert_ids, num_post, naive = align_pairs(topk_ids, config.BLOCK_SIZE_M, num_experts)
         cache1 = torch.empty(m * k, two_i, dtype=a1.dtype, device=a1.device)
         invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, sorted_ids, expert_ids, num_post,
-                                False, 1 if a1_per_pair else k, config)
+                                False, 1 if a1_per_pair else k, config, naive)
         cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
         cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
         config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
-        if config2.BLOCK_SIZE_M != config.BLOCK_SIZE_M:
-            sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, config2.BLOCK_SIZE_M, num_experts)
-        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, sorted_ids, expert_ids, num_post, True, 1, config2)
+        if config2.BLOCK_SIZE_M != config.BLOCK_SIZE_M and not naive:
+            sorted_ids, expert_ids, num_post, naive = align_pairs(topk_ids, config2.BLOCK_SIZE_M, num_experts)
+        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, sorted_ids, expert_ids, num_post, True, 1, config2,
+                                naive)
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
 
 

@@ -6,6 +6,26 @@ the activation dtype, quantize-dequantize (QDQ) the layer input ``a1`` and the i
 activation ``a2`` in the scheme's activation format, and run ``TritonExperts``' bf16 path.
 ``expects_unquantized_inputs`` is true: they take bf16 hidden states and do the activation
 QDQ themselves. Build them with ``mxlib.moe.factory.make_emulation_experts``.
+
+Numerics (``numerics=``):
+
+* ``"seed"`` (default): vLLM's emulation bit for bit: weights dequantized to
+  ``bf16(e2m1 * (block_scale * global_scale))``, activations QDQ'd to ``bf16(e2m1 * (s / gs))``,
+  bf16 GEMMs with fp32 accumulation.
+* ``"hardware"``: what an FP4 tensor-core GEMM computes: operands ``element * block_scale``
+  (exact in bf16 for e2m1 x ue4m3 and for every MX element with an in-range E8M0 scale), fp32
+  accumulation, and the per-tensor scales (NVFP4 weight ``global_scale``, activation ``1 / gs``)
+  multiplying the fp32 GEMM output before its rounding. For OCP MX schemes the operands are the
+  same in both modes (E8M0 scales are exact; static per-tensor FP8 activations keep the seed's
+  ``bf16(e4m3 * scale)`` operand in both), so the modes differ for NVFP4 only. Runs on the
+  ``torch`` backend (pure PyTorch, ``reference_moe.torch_moe`` with ``output_scales``) and on the
+  ``fused`` backend's FP4 kernel; the seed-style ``triton`` path computes the seed's numerics only.
+
+FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
+the FP4 kernel's layout (``mxlib.kernels.fused_fp4_moe.prepare_fp4_weights``), prepared once
+(at construction when the backend resolves to ``fused``, else at the first fused forward); only
+that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and the other backends) then get
+the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy.
 """
 
 from __future__ import annotations
@@ -18,6 +38,7 @@ from .. import reference as _ref
 from .._checks import check_global_scale
 from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from ..kernels.fused_fp4_moe import K_TILE, MODES, FP4Weights, prepare_packed_weights, unprepare_fp4_packed
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .scales import _warn_once, max_input_scale, unify_input_scales
 from .schemes import MoEQuantScheme, get_moe_scheme
@@ -76,16 +97,74 @@ def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
     return t
 
 
+_PACKED = ("w13_weight", "w2_weight")
+_PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout
+
+
 class QuantizedExperts(TritonExperts):
     """Shared plumbing of the emulation subclasses: weights stored quantized as buffers.
 
-    A subclass sets ``weight_scheme`` (a ``BlockScheme``) and implements ``_dequantize(ops, sel)``,
-    ``quantize_input``, ``quantize_intermediate`` and ``a2_qdq``.
+    A subclass sets ``weight_scheme`` (a ``BlockScheme``) and implements ``_dequantize(ops, sel)``
+    (reading packed bytes through ``checkpoint_packed``), ``quantize_input``,
+    ``quantize_intermediate``, ``a1_qdq`` and ``a2_qdq``.
     """
 
     expects_unquantized_inputs = True
     supports_fused = True
     weight_scheme: BlockScheme
+
+    def _set_numerics(self, numerics: str) -> None:
+        if numerics not in MODES:
+            raise ValueError(f"numerics: expected one of {sorted(MODES)}, got {numerics!r}")
+        self.numerics = numerics
+
+    def fp4_kernel_applies(self) -> bool:
+        """Whether the FP4 kernel can run these experts: 4-bit weight elements (``mxfp4``,
+        ``nvfp4``), bf16 activations, H and I multiples of its 128-element K tile."""
+        return (self.weight_scheme.element.nbits == 4 and self.activation_dtype == torch.bfloat16
+                and self.hidden_size % K_TILE == 0 and self.intermediate_size % K_TILE == 0)
+
+    def prefers_fused(self) -> bool:
+        # H200 (benchmarks/h200_fused_fp4.md): the FP4 kernel beats the seed-style path at every
+        # batch size; FP6 / FP8 weights stay seed-style (the generic fused kernel is slower there)
+        return self.fp4_kernel_applies()
+
+    def _prepare_if_fused(self) -> None:
+        """Prepare the FP4 layout now when the forward will use it (construction time)."""
+        # (an unknown backend name is left for the forward to refuse, as before)
+        if self.backend in ("fused", "auto") and self.fp4_kernel_applies() and \
+                self.resolved_backend(self._device()) == "fused":
+            self.fp4_weights()
+
+    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | None:
+        if not self.fp4_kernel_applies():
+            return None
+        if "w13_weight" + _PREPARED not in self._buffers:
+            for name, pw in zip(_PACKED, QuantizedExperts.packed_weights(self)):
+                prepared = prepare_packed_weights(pw).packed
+                del self._buffers[name]  # keep only the prepared copy
+                self.register_buffer(name + _PREPARED, prepared, persistent=False)
+        s = self.weight_scheme
+        g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
+        return (FP4Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.block_size,
+                           s.has_global_scale, g13),
+                FP4Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.block_size,
+                           s.has_global_scale, g2))
+
+    def checkpoint_packed(self, name: str, sel=slice(None)) -> torch.Tensor:
+        """Packed bytes ``name`` (``w13_weight`` / ``w2_weight``) of experts ``sel`` in the checkpoint
+        layout, unpreparing only those experts when the FP4 kernel's copy is the one held."""
+        prepared = self._buffers.get(name + _PREPARED)
+        if prepared is None:
+            return self._buffers[name][sel]
+        return unprepare_fp4_packed(prepared[sel])
+
+    def __getattr__(self, name: str):
+        if name in _PACKED:
+            buffers = self.__dict__.get("_buffers", {})
+            if name not in buffers and name + _PREPARED in buffers:
+                return unprepare_fp4_packed(buffers[name + _PREPARED])
+        return super().__getattr__(name)
 
     def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:
         self._dims = (e, h, i)
@@ -108,7 +187,7 @@ class QuantizedExperts(TritonExperts):
         return w13[0], w2[0]
 
     def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
-        """(w13, w2) as ``PackedWeights`` for the fused kernel."""
+        """(w13, w2) as ``PackedWeights`` (checkpoint layout) for the generic fused kernel."""
         s = self.weight_scheme
         return (PackedWeights(self.w13_weight, self.w13_weight_scale.view(torch.uint8), s,
                               getattr(self, "w13_weight_scale_2", None)),
@@ -125,7 +204,7 @@ class QuantizedExperts(TritonExperts):
 
 _NVFP4_LEGACY_ARGS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
                       "w2_weight_scale_2", "w13_input_scale", "w2_input_scale", "scale_strategy", "activation_dtype",
-                      "backend")
+                      "backend", "numerics")
 
 
 class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
@@ -145,7 +224,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             then runs the triton path);
         scale_strategy: how per-expert activation scales become global ones
             (``unify_input_scales``); ``max`` is the seed's and warns when scales differ;
-        activation_dtype: bf16 (default) or fp16.
+        activation_dtype: bf16 (default) or fp16;
+        backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
+        numerics: ``seed`` (default) or ``hardware`` (module docstring).
 
     The seed's call with the eight tensors in order (``w13_weight, w13_weight_scale,
     w13_weight_scale_2, w2_weight, w2_weight_scale, w2_weight_scale_2, w13_input_scale,
@@ -197,6 +278,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         self._register({**w.tensors(), "w13_weight_scale_2": g13, "w13_input_scale": w13_input_scale,
                         "w2_input_scale": w2_input_scale})
         self.set_scale_strategy(args.get("scale_strategy", "max"))
+        self._set_numerics(args.get("numerics", "seed"))
+        if self._hardware() and self.global_scale_kind == "encode":
+            raise ValueError("numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
+                             "weights carry encode scales (compressed-tensors): use numerics='seed'")
+        self._prepare_if_fused()
 
     def set_scale_strategy(self, strategy: str) -> None:
         """Recompute the activation global scales (``unify_input_scales``) for a strategy."""
@@ -207,16 +293,49 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         self.register_buffer("a13_gscale", a13, persistent=False)
         self.register_buffer("a2_gscale", a2, persistent=False)
 
+    def a1_qdq(self) -> ActivationQDQ:
+        return ActivationQDQ(NVFP4, scale=self.a13_gscale[:1] if self._a13_uniform else self.a13_gscale)
+
     def a2_qdq(self) -> ActivationQDQ:
-        return ActivationQDQ(NVFP4, scale=self.a2_gscale)
+        return ActivationQDQ(NVFP4, scale=self.a2_gscale[:1] if self._a2_uniform else self.a2_gscale)
+
+    # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
+    def _hardware(self) -> bool:
+        return self.numerics == "hardware"
+
+    def check_backend(self, backend: str, fp4: bool) -> None:
+        if self._hardware() and backend != "torch" and not fp4:
+            raise ValueError(
+                f"numerics='hardware' runs on the 'torch' backend or on the 'fused' backend's FP4 kernel (bf16 "
+                f"activations, H and I multiples of {K_TILE}); got backend {backend!r} with H={self.hidden_size}, "
+                f"I={self.intermediate_size}, activation dtype {self.activation_dtype}")
+
+    def output_scales(self, e: int):
+        if not self._hardware():
+            return None
+        inv1 = 1.0 / self.a13_gscale[0 if self._a13_uniform else e]
+        inv2 = 1.0 / self.a2_gscale[0 if self._a2_uniform else e]
+        g13 = self.w13_weight_scale_2[e]
+        if g13.ndim == 1:  # [2]: gate and up columns each their own
+            g13 = g13.repeat_interleave(self.intermediate_size)
+        return [inv1, g13], [inv2, self.w2_weight_scale_2[e]]
+
+    def _hw_qdq(self, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+        """NVFP4 QDQ in hardware form: ``e2m1 * block_scale`` (exact in bf16), ``1 / gs`` left out."""
+        el, s = _ref.ref_nvfp4_quant(x, gs)
+        return (el * s.repeat_interleave(NVFP4.block_size, dim=-1)).to(x.dtype)
 
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
         g13 = self.w13_weight_scale_2[sel]
+        g2 = self.w2_weight_scale_2[sel]
+        if self._hardware():  # element x block scale only: the global scales go on the GEMM outputs
+            g13, g2 = torch.ones_like(g13), torch.ones_like(g2)
+        w13_packed = self.checkpoint_packed("w13_weight", sel)
         if g13.ndim == 2:  # gate and up halves with their own scales
             i = self.intermediate_size
             halves = [
-                ops.dequantize_to_dtype(self.w13_weight[sel][:, j * i:(j + 1) * i].contiguous(),
+                ops.dequantize_to_dtype(w13_packed[:, j * i:(j + 1) * i].contiguous(),
                                         self.w13_weight_scale[sel][:, j * i:(j + 1) * i].contiguous(),
                                         g13[:, j].contiguous(), dt, check_scale=False,
                                         global_scale_kind=self.global_scale_kind)
@@ -224,26 +343,27 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             ]
             w13 = torch.cat(halves, dim=1)
         else:
-            w13 = ops.dequantize_to_dtype(self.w13_weight[sel], self.w13_weight_scale[sel], g13, dt, check_scale=False,
+            w13 = ops.dequantize_to_dtype(w13_packed, self.w13_weight_scale[sel], g13, dt, check_scale=False,
                                           global_scale_kind=self.global_scale_kind)
-        w2 = ops.dequantize_to_dtype(self.w2_weight[sel], self.w2_weight_scale[sel], self.w2_weight_scale_2[sel], dt,
+        w2 = ops.dequantize_to_dtype(self.checkpoint_packed("w2_weight", sel), self.w2_weight_scale[sel], g2, dt,
                                      check_scale=False, global_scale_kind=self.global_scale_kind)
         return w13, w2
 
     def quantize_input(self, a1, topk_ids, backend):
         ops = ops_for_backend(backend)
+        qdq = self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         if self._a13_uniform:
-            return ops.ref_nvfp4_quant_dequant(a1, self.a13_gscale[:1], check_scale=False), False
+            return qdq(a1, self.a13_gscale[:1]), False
         k = topk_ids.shape[1]
         pairs = a1.repeat_interleave(k, dim=0)  # [M*k, H], row t*k + j
-        gs = self.a13_gscale[topk_ids.reshape(-1).long()]
-        return ops.ref_nvfp4_quant_dequant(pairs, gs, check_scale=False), True
+        return qdq(pairs, self.a13_gscale[topk_ids.reshape(-1).long()]), True
 
     def quantize_intermediate(self, a2, row_experts, backend):
         ops = ops_for_backend(backend)
+        qdq = self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         if self._a2_uniform:
-            return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[:1], check_scale=False)
-        return ops.ref_nvfp4_quant_dequant(a2, self.a2_gscale[row_experts.long()], check_scale=False)
+            return qdq(a2, self.a2_gscale[:1])
+        return qdq(a2, self.a2_gscale[row_experts.long()])
 
 
 def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) -> tuple[torch.Tensor, bool]:
@@ -310,7 +430,9 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         w13_input_scale, w2_input_scale: fp32 ``[E]`` static FP8 scales (``amax / 448``), only
             for ``_a_fp8`` schemes (one scale for all experts, the max, as for NVFP4);
         activation_scale_mode: E8M0 rule for the dynamic MX activation QDQ (Quark: ``even``);
-        activation_dtype: bf16 (default) or fp16.
+        activation_dtype: bf16 (default) or fp16;
+        backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
+        numerics: ``seed`` (default) or ``hardware``: the same operands for OCP MX (module docstring).
 
     Both activation points are quantized whenever the scheme names an activation format: the
     layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
@@ -330,8 +452,10 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         activation_scale_mode: str = "even",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
+        numerics: str = "seed",
     ):
         super().__init__(backend=backend)
+        self._set_numerics(numerics)
         self.scheme = get_moe_scheme(scheme)
         if not self.scheme.is_ocp_mx:
             raise ValueError(f"scheme: {self.scheme.name} is not an OCP MX scheme; use Nvfp4QuantizationEmulationTritonExperts")
@@ -366,16 +490,23 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
             # one scale across experts, the max, as vLLM does for static per-tensor FP8
             self.register_buffer("a13_scale", max_input_scale(w13_input_scale, "w13_input_scale"), persistent=False)
             self.register_buffer("a2_scale", max_input_scale(w2_input_scale, "w2_input_scale"), persistent=False)
+        self._prepare_if_fused()
+
+    def _act_qdq(self, scale_name: str) -> ActivationQDQ:
+        scale = getattr(self, scale_name) if isinstance(self.activation_format, PerTensorScheme) else None
+        return ActivationQDQ(self.activation_format, self.activation_scale_mode, scale)
+
+    def a1_qdq(self) -> ActivationQDQ:
+        return self._act_qdq("a13_scale")
 
     def a2_qdq(self) -> ActivationQDQ:
-        scale = self.a2_scale if isinstance(self.activation_format, PerTensorScheme) else None
-        return ActivationQDQ(self.activation_format, self.activation_scale_mode, scale)
+        return self._act_qdq("a2_scale")
 
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
         el, bs = self.weight_scheme.element.name, self.weight_scheme.block_size
-        w13 = ops.dequantize_mx(self.w13_weight[sel], self.w13_weight_scale[sel], el, bs, dt)
-        w2 = ops.dequantize_mx(self.w2_weight[sel], self.w2_weight_scale[sel], el, bs, dt)
+        w13 = ops.dequantize_mx(self.checkpoint_packed("w13_weight", sel), self.w13_weight_scale[sel], el, bs, dt)
+        w2 = ops.dequantize_mx(self.checkpoint_packed("w2_weight", sel), self.w2_weight_scale[sel], el, bs, dt)
         return w13, w2
 
     def _qdq(self, x, ops, scale_name):

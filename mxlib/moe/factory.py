@@ -96,6 +96,7 @@ def make_emulation_experts(
     scale_strategy: str = "max",
     activation_scale_mode: str = "even",
     activation_dtype: torch.dtype = torch.bfloat16,
+    numerics: str = "seed",
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -109,6 +110,8 @@ def make_emulation_experts(
         scale_strategy: NVFP4 activation-scale unification (``mxlib.moe.scales``).
         activation_scale_mode: E8M0 rule of dynamic MX activations.
         activation_dtype: bf16 (default), fp16 or fp32.
+        numerics: ``seed`` (vLLM's emulation, bit for bit) or ``hardware`` (operands
+            ``element * block_scale``, per-tensor scales on the fp32 GEMM outputs; ``mxlib.moe.emulation``).
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
@@ -123,13 +126,13 @@ def make_emulation_experts(
     if s.weight.has_global_scale:
         return Nvfp4QuantizationEmulationTritonExperts(
             weights, w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale, scale_strategy=scale_strategy,
-            activation_dtype=activation_dtype, backend=backend)
+            activation_dtype=activation_dtype, backend=backend, numerics=numerics)
     kw = {}
     if isinstance(s.activation, PerTensorScheme):
         kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
     return OCP_MXQuantizationEmulationTritonExperts(
         s, weights, activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype, backend=backend,
-        **kw)
+        numerics=numerics, **kw)
 
 
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:

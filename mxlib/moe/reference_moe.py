@@ -28,6 +28,7 @@ def torch_moe(
     topk_ids: torch.Tensor,
     quantize_intermediate=None,
     a1_per_pair: bool = False,
+    output_scales=None,
 ) -> torch.Tensor:
     """Pure-PyTorch reference MoE: a loop over the experts that received tokens.
 
@@ -41,6 +42,11 @@ def torch_moe(
             dequantize one expert at a time).
         topk_weights, topk_ids: ``[M, k]``.
         quantize_intermediate: ``(a2 [n, I], row_experts [n]) -> a2`` or None.
+        output_scales: ``e -> ([GEMM1 multipliers], [GEMM2 multipliers]) | None`` or None: fp32 scalars
+            or per-output-column vectors that multiply expert ``e``'s fp32 GEMM products, in order,
+            before the rounding (and, for GEMM2, before the router weight). The ``hardware``
+            numerics put the per-tensor scales here (``mxlib.moe.emulation``): the operands are
+            then ``element * block_scale``, exact in bf16, as an FP4 tensor-core GEMM sees them.
 
     Returns:
         ``[M, H]`` in ``a1.dtype``.
@@ -55,12 +61,19 @@ def torch_moe(
     for e in torch.unique(flat_ids).tolist():
         pairs = (flat_ids == e).nonzero().squeeze(1)
         rows = pairs if a1_per_pair else pairs // k
-        h = (a1[rows].float() @ get13(e).float().T).to(dtype)
+        scales = (output_scales(e) if output_scales is not None else None) or ((), ())
+        h = a1[rows].float() @ get13(e).float().T
+        for s in scales[0]:
+            h = h * s
+        h = h.to(dtype)
         act = silu_and_mul(h)
         if quantize_intermediate is not None:
             act = quantize_intermediate(act, flat_ids[pairs])
         w2e = get2(e)
-        y = ((act.float() @ w2e.float().T) * flat_w[pairs, None]).to(dtype)
+        y = act.float() @ w2e.float().T
+        for s in scales[1]:
+            y = y * s
+        y = (y * flat_w[pairs, None]).to(dtype)
         if hidden is None:
             hidden = torch.zeros(m * k, w2e.shape[0], dtype=dtype, device=a1.device)
         hidden[pairs] = y

@@ -1,0 +1,303 @@
+"""The MoE layer beside the anchor harness: CUDA-graph replay times of mxlib's paths on its inputs.
+
+``python -m mxlib.bench fused [--tokens 1,4,16,64,256,1024,4096] [--anchor ANCHOR.json] [--json PATH]
+[--markdown PATH] [--no-extra]`` (also ``python -m mxlib.bench moe --anchor ANCHOR.json``).
+
+Inputs: the anchor harness's recipe (``../shared/anchor_bench`` README "Inputs"), so that the experts
+hit, and so the bytes moved, are the same as in its rows: one Qwen3-30B-A3B layer (E 128, top-8,
+H 2048, I 768), weights N(0, 0.02) bf16 from generator seed 0 (w13, then w2, then a calibration batch
+of 4096 tokens), tokens and router logits from seed ``1 + M``, Qwen3 routing (``fused_topk``). NVFP4
+activation scales: ``amax / 2688`` of the calibration batch (a1) and of the SiLU-and-mul of expert 0's
+GEMM1 on 512 calibration tokens (a2), one for all experts.
+
+Rows (``path``), all through the experts classes as a user runs them:
+
+* ``mxlib_bf16``: ``TritonExperts`` on the bf16 weights (Triton alignment, its tile table);
+* ``mxlib_fused_<scheme>`` for ``w_mxfp4``, ``w_mxfp4_a_mxfp4``, ``nvfp4`` (seed numerics) and
+  ``mxlib_fused_nvfp4_hw`` (hardware numerics): the ``fused`` backend, i.e. the FP4 kernel;
+* with extras (default): ``mxlib_triton_nvfp4`` (seed-style: dequantize all experts, bf16 GEMMs),
+  ``mxlib_fused_w_mxfp6_e3m2`` and ``mxlib_triton_w_mxfp6_e3m2`` (FP6 weights: generic fused kernel
+  and seed-style).
+
+Timing: ``triton.testing.do_bench`` medians (warm-up 10 ms, 50 ms of replays, L2 flushed before each)
+of the whole forward captured in a CUDA graph, routing outside, as the anchor harness times. Memory
+floor: (experts hit x packed bytes per expert + the bf16 activations in and out) / the copy bandwidth
+measured in this run; bytes per expert as the anchor's (values + block scales of w13 and w2).
+
+With ``--anchor`` (the anchor harness's JSON from the same device call) the report adds the ratios
+of each row to the anchor rows (``tk_mxfp4_unfused_silu``: triton_kernels' Qwen3-correct MXFP4 path;
+``vllm_bf16``: vLLM's tuned bf16 kernel), writes the anchor rows into the same table, and checks the
+issue-12 floors. Nothing here imports the anchor harness: it reads its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from ..moe.base import TritonExperts
+from ..moe.factory import make_emulation_experts, quantize_expert_weights
+from ..moe.reference_moe import silu_and_mul
+from ..moe.routing import fused_topk
+from ..moe.schemes import get_moe_scheme
+from ._common import copy_bandwidth, env, median_ms
+
+E, TOPK, H, I = 128, 8, 2048, 768
+DEVICE = "cuda"
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+FP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4")
+FP6_SCHEME = "w_mxfp6_e3m2"
+# anchor rows read for ratios and for the table
+ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu", "vllm_later_fused_nvfp4",
+               "floor_mxfp4", "floor_nvfp4")
+TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
+
+
+def graph_ms(fn, rep: int = 50) -> float:
+    """Median replay time (ms) of ``fn`` captured in a CUDA graph after two warm-up runs on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = median_ms(g.replay, warmup=10, rep=rep)
+    del g
+    return ms
+
+
+def anchor_layer():
+    """bf16 ``(w13, w2, x_cal)`` of the anchor recipe."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.empty(E, 2 * I, H, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    w2 = torch.empty(E, H, I, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    x_cal = torch.randn(4096, H, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    return w13, w2, x_cal
+
+
+def anchor_tokens(m: int):
+    """``(hidden_states, topk_weights, topk_ids)`` of the anchor recipe at ``m`` tokens."""
+    g = torch.Generator(device=DEVICE).manual_seed(1 + m)
+    x = torch.randn(m, H, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(m, E, device=DEVICE, generator=g)
+    tw, ti = fused_topk(logits, TOPK)
+    return x, tw, ti
+
+
+def packed_bytes_per_expert(scheme: str) -> int:
+    """Packed values + block scales of one expert's w13 and w2 (the anchor's count)."""
+    w = get_moe_scheme(scheme).weight
+    n = 3 * I * H  # elements of w13 and w2
+    return int(n * w.bits_per_element) // 8
+
+
+def build(w13, w2, x_cal, extra: bool) -> dict:
+    in13 = torch.full((E,), float(x_cal.abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor,
+                      device=DEVICE)
+    h_cal = (x_cal[:512].float() @ w13[0].float().T).to(torch.bfloat16)
+    in2 = torch.full((E,), float(silu_and_mul(h_cal).abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor,
+                     device=DEVICE)
+    paths = {"mxlib_bf16": TritonExperts(w13, w2, backend="triton")}
+    for name in FP4_SCHEMES + ((FP6_SCHEME,) if extra else ()):
+        s = get_moe_scheme(name)
+        q = quantize_expert_weights(w13, w2, s)
+        scales = (in13, in2) if s.static_activation_scale else (None, None)
+        paths[f"mxlib_fused_{name}"] = make_emulation_experts(s, q, *scales, backend="fused")
+        if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
+            paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(s, q, *scales, backend="fused",
+                                                                     numerics="hardware")
+        if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # seed-style NVFP4 and FP6
+            paths[f"mxlib_triton_{name}"] = make_emulation_experts(s, q, *scales, backend="triton")
+    return paths
+
+
+def _scheme_of(path: str) -> str | None:
+    for name in FP4_SCHEMES + (FP6_SCHEME,):
+        if path.endswith(name) or path.endswith(name + "_hw"):
+            return name
+    return None
+
+
+def run(tokens, extra: bool = True, log=print) -> dict:
+    """Time every path at every M; returns ``{"env", "copy_gbs", "rows", "checks", "errors"}``."""
+    result = {"env": env(), "copy_gbs": copy_bandwidth(), "rows": [], "checks": [], "errors": []}
+    t0 = time.time()
+    w13, w2, x_cal = anchor_layer()
+    paths = build(w13, w2, x_cal, extra)
+    log(f"# {result['env']} copy {result['copy_gbs']:.0f} GB/s; setup {time.time() - t0:.0f}s")
+    bps = result["copy_gbs"] * 1e9
+    for m in tokens:
+        x, tw, ti = anchor_tokens(m)
+        hit = int(torch.unique(ti).numel())
+        act_bytes = 2 * m * H * 2
+        ref_seed = fused_seed = None
+        for path, ex in paths.items():
+            try:
+                out = ex(x, tw, ti)
+                ms = graph_ms(lambda ex=ex: ex(x, tw, ti))
+            except Exception as exc:  # noqa: BLE001 - one failing row must not lose the others
+                result["errors"].append(f"{path} M={m}: {exc!r}")
+                continue
+            row = dict(path=path, M=m, graph_ms=ms, experts_hit=hit)
+            scheme = _scheme_of(path)
+            if scheme is not None:
+                floor = (hit * packed_bytes_per_expert(scheme) + act_bytes) / bps * 1e3
+                row.update(floor_ms=floor, floor_fraction=floor / ms)
+            result["rows"].append(row)
+            if path == "mxlib_triton_nvfp4":  # the seed-style result: the fused seed mode must match it
+                ref_seed = out
+            if path == "mxlib_fused_nvfp4":
+                fused_seed = out
+        if ref_seed is not None and fused_seed is not None:
+            a, b = fused_seed.double(), ref_seed.double()
+            result["checks"].append(dict(M=m, what="fused nvfp4 seed vs seed-style, relative L2",
+                                         rel=((a - b).norm() / b.norm()).item()))
+        log(f"M={m} ({time.time() - t0:.0f}s): " + ", ".join(
+            f"{r['path']} {r['graph_ms']:.3f}" for r in result["rows"] if r["M"] == m))
+    return result
+
+
+def _by(rows) -> dict:
+    return {(r["path"], r["M"]): r for r in rows}
+
+
+def ratios(result: dict, anchor: dict) -> dict:
+    """Ratios of mxlib rows to anchor rows, the issue-12 floors, per M."""
+    mine, anc = _by(result["rows"]), _by(anchor.get("rows", []))
+    tokens = sorted({r["M"] for r in result["rows"]})
+
+    def t(table, path, m, key="graph_ms"):
+        r = table.get((path, m))
+        return None if r is None else r.get(key)
+
+    def ratio(a, b):
+        return None if (a is None or b is None or not b) else a / b
+
+    out: dict = {}
+    for m in tokens:
+        tk, vb = t(anc, TK, m), t(anc, VLLM_BF16, m)
+        bf16 = t(mine, "mxlib_bf16", m)
+        d = {"mxlib_bf16 / vllm_bf16": ratio(bf16, vb)}
+        for name in FP4_SCHEMES:
+            d[f"fused {name} / {TK}"] = ratio(t(mine, f"mxlib_fused_{name}", m), tk)
+            d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))
+        d[f"fused nvfp4 hardware / {TK}"] = ratio(t(mine, "mxlib_fused_nvfp4_hw", m), tk)
+        d["fused w_mxfp6_e3m2 / seed-style"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m),
+                                                     t(mine, f"mxlib_triton_{FP6_SCHEME}", m))
+        d["fused w_mxfp6_e3m2 / mxlib_bf16"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m), bf16)
+        out[m] = d
+    return out
+
+
+def floors(rat: dict, result: dict) -> list[dict]:
+    """The issue-12 floors, each with the measured worst value and whether it holds."""
+    mine = _by(result["rows"])
+    checks = []
+
+    def add(what, values, limit, le=True):
+        vals = {m: v for m, v in values.items() if v is not None}
+        if not vals:
+            return
+        worst = max(vals.values()) if le else min(vals.values())
+        checks.append(dict(floor=what, limit=limit, worst=worst, holds=(worst <= limit) if le else (worst >= limit),
+                           values=vals))
+
+    add(f"w_mxfp4 fused / {TK} <= 1.0 at every M", {m: d[f"fused w_mxfp4 / {TK}"] for m, d in rat.items()}, 1.0)
+    for name in ("w_mxfp4_a_mxfp4", "nvfp4"):
+        add(f"{name} fused / {TK} <= 1.15 at every M", {m: d[f"fused {name} / {TK}"] for m, d in rat.items()}, 1.15)
+        add(f"mxlib_bf16 / {name} fused >= 1.5 at M = 16, 64",
+            {m: d[f"mxlib_bf16 / fused {name}"] for m, d in rat.items() if m in (16, 64)}, 1.5, le=False)
+    for name in ("w_mxfp4", "nvfp4"):
+        add(f"{name} fused >= 45% of the memory floor at M = 16, 64",
+            {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)}, 0.45, le=False)
+    add("FP6 fused / seed-style <= 1.0 at every M",
+        {m: d["fused w_mxfp6_e3m2 / seed-style"] for m, d in rat.items()}, 1.0)
+    add("FP6 fused / mxlib_bf16 <= 1.0 at M = 16, 64",
+        {m: d["fused w_mxfp6_e3m2 / mxlib_bf16"] for m, d in rat.items() if m in (16, 64)}, 1.0)
+    add("mxlib_bf16 / vllm_bf16 <= 1.05 at every M", {m: d["mxlib_bf16 / vllm_bf16"] for m, d in rat.items()}, 1.05)
+    return checks
+
+
+def _fmt(v, pct=False, digits=3) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
+
+
+def markdown(result: dict, anchor: dict | None = None) -> str:
+    """Tables: times (anchor rows first), ratios, fractions of the memory floor, floors."""
+    tokens = sorted({r["M"] for r in result["rows"]})
+    head = "| {} | " + " | ".join(f"M={m}" for m in tokens) + " |\n|---|" + "---:|" * len(tokens) + "\n"
+    mine = _by(result["rows"])
+    lines = []
+    e = result["env"]
+    lines.append(f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
+                 f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), anchor input recipe.\n")
+    t = head.format("row (ms)")
+    if anchor:
+        anc = _by(anchor.get("rows", []))
+        for p in ANCHOR_ROWS:
+            key = "floor_ms" if p.startswith("floor") else "graph_ms"
+            t += f"| `{p}` (anchor) | " + " | ".join(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens) + " |\n"
+    for p in dict.fromkeys(r["path"] for r in result["rows"]):
+        t += f"| `{p}` | " + " | ".join(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens) + " |\n"
+    lines.append(t)
+    if anchor:
+        rat = ratios(result, anchor)
+        t = head.format("ratio")
+        for key in rat[tokens[0]]:
+            t += f"| {key} | " + " | ".join(_fmt(rat[m][key], digits=2) for m in tokens) + " |\n"
+        lines.append(t)
+    t = head.format("fraction of the memory floor")
+    for p in dict.fromkeys(r["path"] for r in result["rows"] if "floor_fraction" in r):
+        vals = (_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens)
+        t += f"| `{p}` | " + " | ".join(vals) + " |\n"
+    if anchor:
+        anc = _by(anchor.get("rows", []))
+        for p in ("tk_mxfp4", TK):
+            vals = []
+            for m in tokens:
+                f, g = (anc.get(("floor_mxfp4", m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
+                vals.append(_fmt(f / g if f and g else None, True))
+            t += f"| `{p}` (anchor) | " + " | ".join(vals) + " |\n"
+    lines.append(t)
+    if anchor:
+        t = "| floor | worst | holds |\n|---|---:|---|\n"
+        for c in floors(ratios(result, anchor), result):
+            t += f"| {c['floor']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
+        lines.append(t)
+    return "\n".join(lines)
+
+
+def main(argv=None, json_path=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mxlib.bench fused", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--anchor", default=None, help="the anchor harness's JSON from the same device call")
+    ap.add_argument("--markdown", default=None, help="write the markdown tables here")
+    ap.add_argument("--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no seed-style, no FP6)")
+    ap.add_argument("--json", default=json_path)
+    args = ap.parse_args(argv)
+    result = run([int(t) for t in args.tokens.split(",")], extra=not args.no_extra)
+    anchor = None
+    if args.anchor:
+        with open(args.anchor) as f:
+            anchor = json.load(f)
+        result["ratios"] = ratios(result, anchor)
+        result["floors"] = floors(result["ratios"], result)
+        result["anchor"] = anchor
+    md = markdown(result, anchor)
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(md + "\n")
+    return 0
