@@ -15,7 +15,6 @@ shared ``weight_scale_2`` (from the larger amax) so that they can be fused; the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -23,7 +22,15 @@ import torch
 from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .layout import (
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    block_scale_check,
+    global_scale_check,
+    register_layout,
+)
+from .safetensors_io import read_json
 
 __all__ = ["LAYOUT"]
 
@@ -65,7 +72,9 @@ class ModelOptNvfp4Layout:
         path = folder / _LEGACY_FILE
         if not path.exists():
             return None
-        q = json.loads(path.read_text()).get("quantization", {})
+        q = read_json(path).get("quantization") or {}
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{path}: quantization: expected an object, found {type(q).__name__}")
         return {"quant_method": self.quant_method, "quant_algo": q.get("quant_algo"), "group_size": q.get("group_size"),
                 "ignore": q.get("exclude_modules", [])}
 
@@ -118,19 +127,25 @@ class ModelOptNvfp4Layout:
         f8, u8, f32 = torch.float8_e4m3fn, torch.uint8, torch.float32
         rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
-        def stack(proj, what, shape, dtype):
-            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype)
+        def stack(proj, what, shape, dtype, check=None, out=None):
+            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype, check, out)
 
-        w = {p: stack(p, "weight", (rows[p][0], NVFP4.element.packed_size(rows[p][1])), u8) for p in PROJS}
-        s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // bs), f8) for p in PROJS}
-        g = {p: stack(p, "weight_scale_2", (), f32) for p in PROJS}
-        ins = {p: stack(p, "input_scale", (), f32) for p in PROJS}
-        weights = ExpertWeights(
-            NVFP4,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1), torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"], s["down_proj"],
-            torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"],
-        )
+        # every value that could silently spoil the emulation is checked here, naming the tensor:
+        # block scales (NaN, negative), weight_scale_2 (finite, positive), input_scale (also 0)
+        blocks, gs, ins_ok = block_scale_check(e4m3=True), global_scale_check(), global_scale_check(True, "input_scale")
+        packed = {p: (rows[p][0], NVFP4.element.packed_size(rows[p][1])) for p in PROJS}
+        sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
+        w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
+        s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
+        for j, p in enumerate(("gate_proj", "up_proj")):
+            stack(p, "weight", packed[p], u8, out=w13[:, j * i:(j + 1) * i])
+            stack(p, "weight_scale", sshape[p], f8, blocks, out=s13[:, j * i:(j + 1) * i])
+        w2 = stack("down_proj", "weight", packed["down_proj"], u8)
+        s2 = stack("down_proj", "weight_scale", sshape["down_proj"], f8, blocks)
+        g = {p: stack(p, "weight_scale_2", (), f32, gs) for p in PROJS}
+        ins = {p: stack(p, "input_scale", (), f32, ins_ok) for p in PROJS}
+        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1),
+                                g["down_proj"])
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
 
