@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -22,6 +23,7 @@ from . import studies as S
 from . import workflow as W
 from .formats import FP8_E4M3_PER_TENSOR
 from .models.qwen3 import moe_layers
+from .moe.scales import SCALE_STRATEGIES
 from .moe.schemes import MOE_SCHEMES, get_moe_scheme
 
 # An expert whose input scale is below this fraction of the largest one has even its largest
@@ -106,6 +108,37 @@ def unify(args) -> dict:
                 spread_study=sp, device=str(dev))
 
 
+def _check_args(args) -> None:
+    """Check every option of ``args`` (ValueError naming the option) and create the ``--json``
+    folder, before anything is built (``mxlib.workflow.check_e2e_parameters`` for the shared ones)."""
+    names = dict(scheme="--scheme", num_hidden_layers="--layers", num_tokens="--tokens", seed="--seed",
+                 calib_tokens="--calib-tokens", device="--device", experts_backend="--backend", results_path="--json")
+    W.check_e2e_parameters(scheme=getattr(args, "scheme", "nvfp4"), num_hidden_layers=args.layers,
+                           num_tokens=args.tokens, seed=args.seed, calib_tokens=args.calib_tokens, device=args.device,
+                           experts_backend=args.backend, results_path=args.json, names=names)
+    if args.cmd == "compare" and args.schemes != "all":
+        for n in args.schemes.split(","):
+            try:
+                get_moe_scheme(n)
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"--schemes: {n!r} is not a scheme ({err}); expected 'all' or a comma-separated "
+                                 f"list of {list(MOE_SCHEMES)}") from None
+    if args.cmd == "unify":
+        bad = [s for s in args.strategies.split(",") if s not in SCALE_STRATEGIES]
+        if bad:
+            raise ValueError(f"--strategies: expected a comma-separated list of {list(SCALE_STRATEGIES)}, got {bad}")
+        for option, text in (("--spreads", args.spreads), ("--spread", str(args.spread))):
+            for v in text.split(","):
+                try:
+                    ok = math.isfinite(float(v)) and float(v) >= 0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"{option}: expected finite numbers >= 0 (comma-separated for --spreads), "
+                                     f"got {v!r}")
+        W.check_positive_int(args.output_layers, "--output-layers")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -126,11 +159,15 @@ def main(argv=None) -> int:
     u.add_argument("--spreads", default="0,0.5,1,1.5")
     u.add_argument("--output-layers", type=int, default=1)
     args = ap.parse_args(argv)
+    try:
+        _check_args(args)
+    except ValueError as err:  # every option is checked before any model is built
+        sub.choices[args.cmd].error(str(err))
     result = {"e2e": e2e, "compare": compare, "unify": unify}[args.cmd](args)
     result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as f:  # its folder was made ready by _check_args
             json.dump(result, f, indent=1, default=str)
     return 0
 
