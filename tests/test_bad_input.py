@@ -725,3 +725,56 @@ def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp
     (look_alike / "mine.txt").write_text("keep me\n")
     write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", calibration)
     assert (look_alike / "mine.txt").read_text() == "keep me\n"
+
+
+# ============================================================================= case 13: peak memory of the e2e run
+
+_PEAK_E2E = textwrap.dedent("""
+    import json, os, resource, sys, tempfile
+    os.environ["MXLIB_CACHE"] = tempfile.mkdtemp(prefix="mxlib-peak-")
+    from mxlib import cli
+    from mxlib import workflow as W
+
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    sizes, build = {{}}, W.dummy_model
+
+    def sized(*args, **kwargs):  # the CLI's model, at this test's size
+        m = build(*args, **{{**{over!r}, **kwargs}})
+        sizes["model_bytes"] = sum(p.numel() * p.element_size() for p in m.parameters())
+        return m
+
+    W.dummy_model = sized
+    base = rss()  # imports done: what the run adds is measured from here
+    cli.main(["e2e", "--layers", "1", "--scheme", "w_mxfp4", "--tokens", "8", "--calib-tokens", "64",
+              "--device", "cpu", "--backend", "torch"])
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+    print("RESULT", json.dumps(dict(base=base, peak=peak, **sizes)))
+""")
+# 1 layer, hidden 1024, 16 experts of intermediate 384, vocabulary 40960: 225 MB of bf16 weights
+_PEAK_MODEL = dict(hidden_size=1024, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
+                   intermediate_size=3072, vocab_size=40960, bos_token_id=1, eos_token_id=2)
+# What the run adds beyond the model that does not grow with it (transformers' and the
+# allocator's working memory, forward-pass buffers): measured ~70 MB.
+_PEAK_FIXED_BYTES = 100e6
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
+def test_e2e_peak_memory_stays_near_the_model_bytes():
+    """``mxlib.cli e2e`` (build, calibrate, quantize and write, reference run, load, emulated run)
+    adds at most 1.25x the bf16 model's bytes (plus a fixed allowance) to the resident memory it
+    starts with: experts are quantized one at a time and streamed into shards, and the bf16 model
+    is freed before the quantized one is loaded. Holding both models at once (the old order)
+    adds ~0.75x here, whole-layer fp32 quantization temporaries ~0.5x."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", _PEAK_E2E.format(over=_PEAK_MODEL)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    m = json.loads(line[len("RESULT "):])
+    added, model_bytes = m["peak"] - m["base"], m["model_bytes"]
+    assert model_bytes >= 200e6, model_bytes
+    assert added <= 1.25 * model_bytes + _PEAK_FIXED_BYTES, \
+        f"the run added {added / 1e6:.0f} MB to {m['base'] / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"

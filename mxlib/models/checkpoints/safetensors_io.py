@@ -42,9 +42,9 @@ import time
 import uuid
 from pathlib import Path
 
-import safetensors.torch as st
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .layout import CheckpointError
 
@@ -104,7 +104,7 @@ class ShardWriter:
         if not self._pending:
             return
         fname = f"model-{len(self._files) + 1:05d}.safetensors"  # provisional: the count is not known yet
-        st.save_file(self._pending, str(self.folder / fname), metadata={"format": "pt"})  # looked up per call
+        save_file(self._pending, str(self.folder / fname), metadata={"format": "pt"})
         self._files.append((fname, list(self._pending)))
         self._pending = {}
         self._size = 0
@@ -357,6 +357,7 @@ class TensorReader:
             except Exception as err:  # noqa: BLE001  safetensors raises its own error types
                 raise CheckpointError(f"{self.folder / fname}: not a readable safetensors file ({err})") from None
             self._name = fname
+            self._keys = set(self._handle.keys())
         return self._handle
 
     def close(self) -> None:
@@ -370,15 +371,17 @@ class TensorReader:
             raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r}")
         fname = self.weight_map[name]
         f = self._open(fname)
+        if name not in self._keys:
+            raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r} (listed in the index for "
+                                  f"{fname}, not found in that file)")
         try:
             t = f.get_tensor(name)
-        except Exception as err:  # noqa: BLE001  the index lists a tensor the shard does not hold, or bad data
-            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name!r} (listed in the index for this "
-                                  f"file: {err})") from None
+        except Exception as err:  # noqa: BLE001  safetensors raises its own error types
+            raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name!r} ({err})") from None
         if dtype is not None and t.dtype != dtype:
-            raise CheckpointError(f"tensor {name!r} ({fname}): expected dtype {dtype}, found {t.dtype}")
+            raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype} (in {fname})")
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} ({fname}): expected shape {list(shape)}, found {list(t.shape)}")
+            raise CheckpointError(f"tensor {name!r}: expected shape {list(shape)}, found {list(t.shape)} (in {fname})")
         return t
 
     def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -395,6 +398,6 @@ class TensorReader:
             if check is not None:
                 ok, what = check(t)
                 if not ok:
-                    raise CheckpointError(f"tensor {n!r} ({self.weight_map[n]}): {what}")
+                    raise CheckpointError(f"tensor {n!r}: {what} (in {self.weight_map[n]})")
             out[x].copy_(t)
         return out
