@@ -33,8 +33,8 @@ from .layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
-    layout_for_method,
     check_exclude_patterns,
+    layout_for_method,
     layout_for_scheme,
     matches,
     register_layout,
@@ -234,8 +234,11 @@ def load_quantized_qwen3_moe(
         ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
 
     Raises:
-        CheckpointError: missing tensors, wrong shapes or dtypes, unsupported configs, quantized
-            modules outside the experts (the emulation covers MoE experts only).
+        CheckpointError: missing tensors, wrong shapes or dtypes, invalid scale values, unreadable
+            files, unsupported configs, quantized modules outside the experts (the emulation covers
+            MoE experts only); the message names the file and the tensor or field.
+        ValueError: an unknown ``backend`` or a ``num_hidden_layers`` that is not a positive
+            integer (checked before anything is read).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
