@@ -128,7 +128,7 @@ def write_quantized_checkpoint(
                 one = layout.expert_tensors(scheme, weights, None if in13 is None else in13[x : x + 1],
                                             None if in2 is None else in2[x : x + 1], prefix)
                 for name, t in one.items():  # the layout names the single expert 0
-                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3:], t)
+                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3:], t, copy=True)
                 del weights, one
         shards.close()
         cfg = _config_dict(model, num_layers)
