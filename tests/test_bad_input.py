@@ -1,10 +1,9 @@
 """Issue 11, the cases still open: bad input to the writer, the loader, the experts and the CLI.
 
-Cases 1, 2, 3, 4, 7, 8, 9 and 11 of issue 11 (5, 6, 10 and 12 are in ``test_edge_cases.py``). Each
-case's expected behaviour is a test; a test that fails today is marked
-``xfail(strict=True, reason="issue 11 case N: ...")``, so the suite stays green and the fix flips it
-(strict: an unexpected pass fails, and the marker must then be removed). Tests without the marker
-pin behaviour that already holds and must keep holding.
+Cases 1, 2, 3, 4, 7, 8, 9, 11 and 13 of issue 11 (5, 6, 10 and 12 are in ``test_edge_cases.py``). Each
+case's expected behaviour is a test. They were written first, marked
+``xfail(strict=True, reason="issue 11 case N: ...")`` (the ``xfail`` helper below), and the markers
+were removed as the fixes landed; a new case that fails today gets the marker the same way.
 
 Only public entry points are used (``write_quantized_checkpoint``, ``load_quantized_qwen3_moe``,
 ``read_quant_config``, ``CheckpointError``, ``mxlib.workflow``, the experts classes, ``mxlib.cli.main``),
