@@ -729,8 +729,7 @@ def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp
 # ============================================================================= case 13: peak memory of the e2e run
 
 _PEAK_E2E = textwrap.dedent("""
-    import json, os, resource, sys, tempfile
-    os.environ["MXLIB_CACHE"] = tempfile.mkdtemp(prefix="mxlib-peak-")
+    import json, os, resource, sys
     from mxlib import cli
     from mxlib import workflow as W
 
@@ -760,7 +759,7 @@ _PEAK_FIXED_BYTES = 100e6
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
-def test_e2e_peak_memory_stays_near_the_model_bytes():
+def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
     """``mxlib.cli e2e`` (build, calibrate, quantize and write, reference run, load, emulated run)
     adds at most 1.25x the bf16 model's bytes (plus a fixed allowance) to the resident memory it
     starts with: experts are quantized one at a time and streamed into shards, and the bf16 model
@@ -768,6 +767,7 @@ def test_e2e_peak_memory_stays_near_the_model_bytes():
     adds ~0.75x here, whole-layer fp32 quantization temporaries ~0.5x."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
+    env["MXLIB_CACHE"] = str(tmp_path)  # the checkpoint cache of this run
     r = subprocess.run([sys.executable, "-c", _PEAK_E2E.format(over=_PEAK_MODEL)], env=env, capture_output=True,
                        text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
