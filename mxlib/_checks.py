@@ -242,3 +242,36 @@ def fp8_args(x, scale, dtype, check_scale):
     if check_scale:
         check_global_scale(scale, "scale", what="input_scale")
     return scale, dtype
+
+
+def bad_block_scale_mask(scale_bytes: torch.Tensor, e4m3: bool) -> torch.Tensor:
+    """Where stored block scales (as uint8 bytes) are invalid.
+
+    E8M0 (OCP MX): byte 0xFF is NaN. e4m3 used as NVFP4's unsigned "ue4m3": bytes 0x7F and
+    0xFF are NaN, and a set sign bit (a negative scale, other than -0 = 0x80) would flip the
+    block's signs.
+    """
+    u = scale_bytes.view(torch.uint8)
+    if e4m3:
+        return ((u & 0x7F) == 0x7F) | ((u > 0x80) & (u < 0xFF))
+    return u == 0xFF
+
+
+def check_block_scales(scale: torch.Tensor, name: str, e4m3: bool) -> None:
+    """Every stored block scale must be a valid, finite, non-negative scale
+    (``bad_block_scale_mask``). Skipped while a CUDA graph is being captured.
+
+    Raises:
+        ValueError: naming ``name``, the first bad byte, its index and how many are bad.
+    """
+    if capturing() or scale.numel() == 0:
+        return
+    bad = bad_block_scale_mask(scale, e4m3)
+    if not bool(bad.any()):
+        return
+    where = bad.nonzero()[0].tolist()
+    byte = int(scale.view(torch.uint8)[tuple(where)])
+    kind = "e4m3 (ue4m3) block scale: 0x7F/0xFF are NaN, the sign bit must be clear" if e4m3 else \
+        "E8M0 block scale: 0xFF is NaN"
+    raise ValueError(f"{name}: invalid {kind}; got byte 0x{byte:02X} at index {where} "
+                     f"({int(bad.sum())} of {scale.numel()} scales invalid)")

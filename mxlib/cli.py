@@ -14,7 +14,9 @@ Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its note
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import sys
 import time
 import warnings
@@ -44,14 +46,17 @@ def e2e(args) -> dict:
     scheme = get_moe_scheme(args.scheme)  # the name enters here; the object travels below
     ckpt = W.prepare_checkpoint(scheme, model, seed=args.seed, calib_tokens=args.calib_tokens)
     t_ckpt = time.perf_counter() - t0
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    # the bf16 reference runs first and is freed before the quantized model is loaded, so that
+    # the two never share memory (peak resident memory ~ the bf16 model's bytes, issue 11 case 13)
+    W.run_model(model, ids)
+    ref = W.run_model(model, ids)  # timed warm (the first call compiles kernels)
+    del model
+    gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model_q, info = W.load_quantized_qwen3_moe(ckpt, args.layers, device=dev, backend=args.backend)
-    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
-    ref = W.run_model(model, ids)
-    out = W.run_model(model_q, ids)
-    # time again, warm (the first call compiles kernels)
-    ref = W.run_model(model, ids)
+    W.run_model(model_q, ids)
     out = W.run_model(model_q, ids)
     res = W.compare_runs(out, ref)
     fused = None
@@ -155,6 +160,71 @@ def routing(args) -> dict:
     return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows)
 
 
+def _check_args(args) -> None:
+    """Check every option of ``args`` (ValueError naming the option) and create the ``--json``
+    folder, before anything is built (``mxlib.workflow.check_e2e_parameters`` for the shared ones)."""
+    if args.cmd in ("inspect", "dummy-from-config", "routing"):
+        _check_new_args(args)
+        return
+    names = dict(scheme="--scheme", num_hidden_layers="--layers", num_tokens="--tokens", seed="--seed",
+                 calib_tokens="--calib-tokens", device="--device", experts_backend="--backend", results_path="--json")
+    W.check_e2e_parameters(scheme=getattr(args, "scheme", "nvfp4"), num_hidden_layers=args.layers,
+                           num_tokens=args.tokens, seed=args.seed, calib_tokens=args.calib_tokens, device=args.device,
+                           experts_backend=args.backend, results_path=args.json, names=names)
+    if args.cmd == "compare" and args.schemes != "all":
+        for n in args.schemes.split(","):
+            try:
+                get_moe_scheme(n)
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"--schemes: {n!r} is not a scheme ({err}); expected 'all' or a comma-separated "
+                                 f"list of {list(MOE_SCHEMES)}") from None
+    if args.cmd == "unify":
+        bad = [s for s in args.strategies.split(",") if s not in SCALE_STRATEGIES]
+        if bad:
+            raise ValueError(f"--strategies: expected a comma-separated list of {list(SCALE_STRATEGIES)}, got {bad}")
+        for option, text in (("--spreads", args.spreads), ("--spread", str(args.spread))):
+            for v in text.split(","):
+                try:
+                    ok = math.isfinite(float(v)) and float(v) >= 0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"{option}: expected finite numbers >= 0 (comma-separated for --spreads), "
+                                     f"got {v!r}")
+        W.check_positive_int(args.output_layers, "--output-layers")
+
+
+
+def _check_new_args(args) -> None:
+    """The options of ``inspect``, ``dummy-from-config`` and ``routing`` checked before any work
+    (ValueError naming the option); ``--json``'s folder is created. ``routing`` keeps its own
+    checks of ``--layers`` / ``--calib-tokens``; ``--preset`` there is an argparse choice."""
+    from pathlib import Path
+
+    from .models.qwen3 import MODEL_PRESETS
+
+    if args.cmd == "inspect":
+        if not Path(args.path).exists():
+            raise ValueError(f"path: {args.path!r} does not exist; expected a checkpoint folder")
+        bad = [s for s in args.strategies.split(",") if s not in SCALE_STRATEGIES]
+        if bad:
+            raise ValueError(f"--strategies: expected a comma-separated list of {list(SCALE_STRATEGIES)}, got {bad}")
+    if args.cmd == "dummy-from-config":
+        if not Path(args.config_dir).is_dir():
+            raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder")
+        if args.layers is not None:
+            W.check_positive_int(args.layers, "--layers")
+        if args.preset is not None and args.preset not in MODEL_PRESETS:
+            raise ValueError(f"--preset: expected one of {list(MODEL_PRESETS)}, got {args.preset!r}")
+        W.check_positive_int(args.tokens, "--tokens")
+        if args.seed < 0:
+            raise ValueError(f"--seed: expected an integer >= 0, got {args.seed!r}")
+        W.check_backend(args.backend, "--backend")
+    if args.cmd in ("dummy-from-config", "routing"):
+        W.check_device(args.device, "--device")
+    W.prepare_results_path(args.json, "--json")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -199,12 +269,16 @@ def main(argv=None) -> int:
                      ("--json", dict(default=None))):
         rt.add_argument(flag, **kw)
     args = ap.parse_args(argv)
+    try:
+        _check_args(args)
+    except ValueError as err:  # every option is checked before any model is built
+        sub.choices[args.cmd].error(str(err))
     result = {"e2e": e2e, "compare": compare, "unify": unify, "inspect": inspect_cmd,
               "dummy-from-config": dummy_from_config, "routing": routing}[args.cmd](args)
     result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as f:  # its folder was made ready by _check_args
             json.dump(result, f, indent=1, default=str)
     return 0
 

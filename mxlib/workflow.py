@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,7 +23,9 @@ import torch
 from .analysis import compare_logits, compare_tensors
 from .models.calibration import Calibration, calibrate
 from .models.checkpoints import checkpoint_size_bytes, load_quantized_qwen3_moe, write_quantized_checkpoint
-from .models.qwen3 import QWEN3_30B_A3B, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
+from .models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from .models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
+from .moe.base import BACKENDS
 from .moe.schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -39,10 +43,105 @@ __all__ = [
     "default_cache_dir",
     "save_results",
     "CACHE_VERSION",
+    "check_e2e_parameters",
+    "checkpoint_cache_key",
+    "model_fingerprint",
 ]
 
-# Bump when the dummy weights, calibration or writer change what a cached checkpoint holds.
+# Bump when calibration changes what a cached checkpoint holds (the writer has its own
+# WRITER_VERSION; the weights and config are fingerprinted).
 CACHE_VERSION = 3
+
+
+# ----------------------------------------------------------------------------- parameter checks
+
+
+def _name(names: dict | None, param: str) -> str:
+    return (names or {}).get(param, param)
+
+
+def check_positive_int(value, param: str, names: dict | None = None) -> int:
+    """``value`` must be an int >= 1 (not a bool); ValueError naming the parameter otherwise."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{_name(names, param)}: expected a positive integer, got {value!r}")
+    return value
+
+
+def check_device(device, param: str = "device", names: dict | None = None) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (a GPU must then be present): the resolved device."""
+    try:
+        dev = resolve_device(str(device))
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{_name(names, param)}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_name(names, param)}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and (not torch.cuda.is_available()
+                               or (dev.index is not None and dev.index >= torch.cuda.device_count())):
+        raise ValueError(f"{_name(names, param)}: {device!r} asked for, but torch sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
+    return dev
+
+
+def check_backend(backend, param: str = "backend", names: dict | None = None) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{_name(names, param)}: expected one of {list(BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def prepare_results_path(path, param: str = "results_path", names: dict | None = None) -> Path | None:
+    """An output JSON path made ready before a long run: its folder is created, and a path that
+    is a folder or sits in a folder that cannot be written is refused. Empty / None: no output."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{_name(names, param)}: {str(p)!r} is a folder; expected a file path")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{_name(names, param)}: cannot create the folder of {str(p)!r} ({err.strerror})") from None
+    if not os.access(p.parent, os.W_OK):
+        raise ValueError(f"{_name(names, param)}: the folder of {str(p)!r} is not writable")
+    return p
+
+
+def check_e2e_parameters(
+    scheme="nvfp4",
+    model_preset: str = "qwen3-30b-a3b",
+    num_hidden_layers: int = 4,
+    num_tokens: int = 32,
+    seed: int = 0,
+    calib_tokens: int = 512,
+    device: str = "auto",
+    experts_backend: str = "auto",
+    results_path: str | os.PathLike | None = "",
+    names: dict[str, str] | None = None,
+) -> dict:
+    """Check the end-to-end run's parameters (notebook 01's ``parameters`` cell, ``mxlib.cli e2e``)
+    before anything is built: each must be valid, and the results path's folder is created.
+
+    ``names`` maps a parameter to the name the caller shows (the CLI passes ``--layers`` for
+    ``num_hidden_layers``, ...). Returns the checked values (``scheme`` as a ``MoEQuantScheme``,
+    ``device`` as a ``torch.device``, ``results_path`` as a ``Path`` or None).
+
+    Raises:
+        ValueError: naming the parameter, what is expected and what was given.
+    """
+    try:
+        s = get_moe_scheme(scheme)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{_name(names, 'scheme')}: {err}") from None
+    if model_preset not in MODEL_PRESETS:
+        raise ValueError(f"{_name(names, 'model_preset')}: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
+    for param, value in (("num_hidden_layers", num_hidden_layers), ("num_tokens", num_tokens),
+                         ("calib_tokens", calib_tokens)):
+        check_positive_int(value, param, names)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
+    return dict(scheme=s, model_preset=model_preset, num_hidden_layers=num_hidden_layers, num_tokens=num_tokens,
+                seed=seed, calib_tokens=calib_tokens, device=check_device(device, "device", names),
+                experts_backend=check_backend(experts_backend, "experts_backend", names),
+                results_path=prepare_results_path(results_path, "results_path", names))
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -62,6 +161,9 @@ def dummy_model(num_hidden_layers: int = 4, seed: int = 0, expert_spread: float 
                 model_preset: str = "qwen3-30b-a3b", **overrides):
     """The seeded bf16 dummy Qwen3-30B-A3B (``mxlib.models.qwen3.dummy_qwen3_moe``), at the size of
     ``model_preset`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``; ``overrides`` win over it)."""
+    check_positive_int(num_hidden_layers, "num_hidden_layers")
+    if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
+        raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
     cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
     return dummy_qwen3_moe(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
 
@@ -81,6 +183,44 @@ def _cache_dir(cache_dir) -> Path:
     return Path(cache_dir) if cache_dir else default_cache_dir()
 
 
+def model_fingerprint(model) -> str:
+    """SHA-1 of a model's config and every tensor of its state dict (names, dtypes, shapes, bytes),
+    read in 64 MB pieces (device tensors copied piece by piece). About 0.5 GB/s on a slow CPU."""
+    h = hashlib.sha1()
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    piece = 64 * 1024**2
+    for name, t in model.state_dict().items():
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), piece):
+            h.update(flat[start:start + piece].cpu().numpy())
+    return h.hexdigest()
+
+
+def _calibration_fingerprint(cal: Calibration) -> str:
+    h = hashlib.sha1(str(cal.num_tokens).encode())
+    for lc in cal.layers:
+        for t in (lc.a1_amax, lc.a2_amax, lc.tokens):
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def checkpoint_cache_key(scheme, model, seed: int = 0, calib_tokens: int = 512,
+                         calibration: Calibration | None = None) -> dict:
+    """Everything that determines a written checkpoint: the scheme, the writer's format version,
+    the model (config and weights, ``model_fingerprint``) and, for schemes with static activation
+    scales, the calibration (the ``calibration`` given, else how one is made: ``calib_tokens``
+    and ``seed``)."""
+    s = get_moe_scheme(scheme)
+    cal = None
+    if s.static_activation_scale:
+        cal = ({"fingerprint": _calibration_fingerprint(calibration)} if calibration is not None
+               else {"calib_tokens": calib_tokens, "seed": seed})
+    return {"scheme": s.name, "writer_version": WRITER_VERSION, "cache_version": CACHE_VERSION,
+            "model": model_fingerprint(model), "calibration": cal}
+
+
 def prepare_checkpoint(
     scheme: str | MoEQuantScheme,
     model,
@@ -92,29 +232,32 @@ def prepare_checkpoint(
 ) -> Path:
     """Calibrate ``model`` on seeded token ids, quantize its experts and write the checkpoint.
 
-    The folder is ``<cache_dir>/<scheme>-L<layers>-seed<seed>-spread<spread>-calib<n>-v<CACHE_VERSION>``
-    (``cache_dir`` defaults to ``default_cache_dir()``); an existing complete
-    folder is reused. ``seed`` and ``expert_spread`` must be the ones ``model`` was built with.
-    A ``calibration`` may be passed to reuse one across schemes.
+    The folder is ``<cache_dir>/<scheme>-L<layers>-<key hash>`` (``cache_dir`` defaults to
+    ``default_cache_dir()``), the hash covering ``checkpoint_cache_key``: scheme, writer version,
+    the model's config and weights, and the calibration (``calibration`` if given, else
+    ``calib_tokens`` and ``seed``). A complete mxlib checkpoint there is reused. Fingerprinting
+    reads every weight once (seconds at full size). ``expert_spread`` is accepted for
+    compatibility; the weights' fingerprint covers it.
+
+    Raises:
+        ValueError: ``calib_tokens`` not a positive integer, or an unknown scheme.
     """
     s = get_moe_scheme(scheme)
+    check_positive_int(calib_tokens, "calib_tokens")
     layers = len(model.model.layers)
-    c = model.config
-    dims = ("hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "vocab_size")
-    shape = "" if all(getattr(c, d) == QWEN3_30B_A3B[d] for d in dims) else \
-        "-" + "-".join(str(getattr(c, d)) for d in dims)  # a smaller preset: the folder names its shape
-    name = f"{s.name}-L{layers}{shape}-seed{seed}-spread{expert_spread:g}-calib{calib_tokens}-v{CACHE_VERSION}"
-    path = _cache_dir(cache_dir) / name
-    if (path / "config.json").exists() and (path / "model.safetensors.index.json").exists():
+    key = checkpoint_cache_key(s, model, seed, calib_tokens, calibration)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = _cache_dir(cache_dir) / f"{s.name}-L{layers}-{digest}"
+    if is_mxlib_checkpoint(path):
         return path
-    if calibration is None and (s.static_activation_scale):
+    if calibration is None and s.static_activation_scale:
         calibration = calibrate_model(model, calib_tokens, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
     return write_quantized_checkpoint(model, s, path, calibration)
 
 
 def calibrate_model(model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False) -> Calibration:
     """Calibration over ``calib_tokens`` seeded token ids in sequences of 256 (seed ``seed + 1000``)."""
+    check_positive_int(calib_tokens, "calib_tokens")
     seq = min(256, calib_tokens)
     ids = random_token_ids(seq, seed + 1000, model.config.vocab_size, batch=max(1, calib_tokens // seq))
     return calibrate(model, ids, keep_activations=keep_activations)
@@ -177,6 +320,7 @@ def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0)
 
 
 def save_results(results: dict, path: str | os.PathLike) -> None:
-    """Write a small JSON record of a notebook's results (read back by tests and README)."""
+    """Write a small JSON record of a notebook's results (read back by tests and README).
+    ``prepare_results_path`` checks the path before a long run."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(results, indent=2, default=float))

@@ -221,3 +221,26 @@ def test_layout_registry_dispatch(tiny, tmp_path):
     info = C.read_quant_config(path)
     assert isinstance(info, C.CheckpointDescription) and info.scheme is MOE_SCHEMES["w_mxfp4"]
     assert info["format"] == "quark" and info.activation_scale_mode == "even"
+
+
+def test_shard_writer_streams_shards(tmp_path):
+    """``ShardWriter`` writes a shard as soon as the next tensor would overflow it (holding at most one
+    shard's tensors), gives the shards their final ``-of-n`` names and indexes every tensor."""
+    from safetensors.torch import load_file
+
+    from mxlib.models.checkpoints.safetensors_io import INDEX_NAME, ShardWriter
+
+    w = ShardWriter(tmp_path, shard_bytes=1000)
+    tensors = {f"t{j}": torch.full((100,), float(j)) for j in range(5)}  # 400 bytes each: two per shard
+    for j, (name, t) in enumerate(tensors.items()):
+        w.add(name, t)
+        assert len(list(tmp_path.glob("*.safetensors"))) == j // 2  # written when the third would overflow
+        assert sum(v.numel() * v.element_size() for v in w._pending.values()) <= 1000
+    weight_map = w.close()
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert files == [f"model-{k:05d}-of-00003.safetensors" for k in (1, 2, 3)]
+    assert json.loads((tmp_path / INDEX_NAME).read_text())["weight_map"] == weight_map
+    for name, t in tensors.items():
+        assert torch.equal(load_file(str(tmp_path / weight_map[name]))[name], t)
+    with pytest.raises(ValueError, match="shard_bytes"):
+        ShardWriter(tmp_path, shard_bytes=0)

@@ -41,13 +41,15 @@ import torch
 
 from .. import kernels as _kernels
 from .. import reference as _ref
+from .._checks import capturing
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, invoke_fused_dequant_moe
 from ..kernels.fused_fp4_moe import FP4Weights, fused_fp4_moe
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
 from ..kernels.moe_align_triton import align_pairs
 from .reference_moe import silu_and_mul, torch_moe
 
-__all__ = ["BACKENDS", "TritonExperts", "TransformersExperts", "resolve_backend", "ops_for_backend", "ops_for_device"]
+__all__ = ["BACKENDS", "TritonExperts", "check_topk_ids", "TransformersExperts", "resolve_backend", "ops_for_backend",
+           "ops_for_device"]
 
 BACKENDS = ("auto", "triton", "fused", "torch")
 
@@ -71,6 +73,32 @@ def ops_for_device(device) -> object:
     """The quantization functions to use for tensors on ``device``: the Triton twins on CUDA,
     the reference on the CPU (same bits either way)."""
     return ops_for_backend("triton" if torch.device(device).type == "cuda" else "torch")
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """``topk_ids`` must be an integer tensor with every value in ``[0, num_experts)``.
+
+    An id out of range would otherwise pick a wrong expert silently (-1 is the last one under
+    Python indexing) or fail deep inside a kernel. The dtype check always runs; the value check
+    reads the tensor (one host sync for a CUDA tensor), so it is skipped while a CUDA graph is
+    being captured (``mxlib._checks.capturing``): a captured forward must be given valid ids.
+
+    Raises:
+        TypeError: a floating or bool ``topk_ids``.
+        ValueError: naming ``topk_ids``, the first bad value, its index and the valid range.
+    """
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids: expected an integer tensor (int32 or int64), got {topk_ids.dtype}")
+    if topk_ids.numel() == 0 or capturing():
+        return
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        where = bad.nonzero()[0].tolist()
+        value = int(topk_ids[tuple(where)])
+        raise ValueError(
+            f"topk_ids: expected expert ids in [0, {num_experts}) (0 <= id < num_experts = {num_experts}), got "
+            f"{value} at index {where} ({int(bad.sum())} of {topk_ids.numel()} ids out of range)"
+        )
 
 
 class TritonExperts(torch.nn.Module):
@@ -97,6 +125,8 @@ class TritonExperts(torch.nn.Module):
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
+        if backend not in BACKENDS:  # refused here, not at the first forward
+            raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
         self.backend = backend
         if w13 is not None:
             if w13.ndim != 3 or w2.ndim != 3:
@@ -187,6 +217,7 @@ class TritonExperts(torch.nn.Module):
             )
         if hidden_states.dtype != self.activation_dtype:
             raise TypeError(f"hidden_states: expected dtype {self.activation_dtype}, got {hidden_states.dtype}")
+        check_topk_ids(topk_ids, self.num_experts)
         backend = self.resolved_backend(hidden_states.device)
         fp4 = self.fp4_weights() if (backend == "fused" and self.supports_fused) else None
         self.check_backend(backend, fp4 is not None)

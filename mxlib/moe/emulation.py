@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import reference as _ref
-from .._checks import check_global_scale
+from .._checks import check_block_scales, check_global_scale
 from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import K_TILE, MODES, FP4Weights, prepare_packed_weights, unprepare_fp4_packed
@@ -267,6 +267,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         for name, t, zero_ok in [("w13_weight_scale_2", g13, False), ("w2_weight_scale_2", w.w2_weight_scale_2, False),
                                  ("w13_input_scale", w13_input_scale, True), ("w2_input_scale", w2_input_scale, True)]:
             check_global_scale(t, name, allow_zero=zero_ok)
+        check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=True)
+        check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=True)
         self.global_scale_kind = w.global_scale_kind
         if self.global_scale_kind == "encode":
             self.supports_fused = False  # the fused kernel multiplies by decode global scales
@@ -480,6 +482,8 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         _check(w.w13_weight_scale, "w13_weight_scale", (e, 2 * i, h // bs), u8)
         _check(w.w2_weight, "w2_weight", (e, h, wfmt.packed_size(i)), u8)
         _check(w.w2_weight_scale, "w2_weight_scale", (e, h, i // bs), u8)
+        check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=False)
+        check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=False)
         self._register(w.tensors())
         self.activation_scale_mode = get_scale_mode(activation_scale_mode)
         if isinstance(self.activation_format, PerTensorScheme):

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import Qwen3MoeConfig
 
-from ...moe.base import TritonExperts
+from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts, quantize_expert_weights, quantize_linear_weight
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..calibration import Calibration
@@ -39,12 +40,20 @@ from .layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
+    check_exclude_patterns,
     layout_for_method,
     layout_for_scheme,
     matches,
     register_layout,
 )
-from .safetensors_io import SHARD_BYTES, TensorReader, atomic_folder, checkpoint_size_bytes, write_shards
+from .safetensors_io import (
+    SHARD_BYTES,
+    ShardWriter,
+    TensorReader,
+    atomic_folder,
+    checkpoint_size_bytes,
+    read_json,
+)
 
 __all__ = [
     "CheckpointError",
@@ -84,17 +93,22 @@ def write_quantized_checkpoint(
     layout: str | None = None,
     quantize_attention: bool = False,
     linear_input_amax: dict[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize a bf16 Qwen3-MoE model's experts (and optionally attention) and write the checkpoint.
+
+    Experts are quantized one at a time and streamed into shards (``ShardWriter``), so the
+    writer holds at most one shard of quantized tensors besides the model.
 
     Args:
         model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
         scheme: ``nvfp4`` (ModelOpt layout) or a Quark OCP MX scheme (Quark layout); the layout is
             the first registered one that stores the scheme.
-        path: the checkpoint folder (replaced if it exists).
+        path: the checkpoint folder: absent, empty, or an earlier mxlib checkpoint (replaced
+            atomically); anything else needs ``overwrite=True``.
         calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
             needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
-        shard_bytes: safetensors shard size.
+        shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
             takes the first that stores the scheme (``nvfp4`` -> ``modelopt``).
         quantize_attention: also quantize ``self_attn.{q,k,v,o}_proj`` (as ModelOpt's default NVFP4
@@ -102,6 +116,7 @@ def write_quantized_checkpoint(
         linear_input_amax: ``{module name: amax}`` of those projections' inputs
             (``mxlib.moe.linear.linear_input_amax``), needed with ``quantize_attention`` by schemes
             with static activation scales.
+        overwrite: replace whatever is at ``path`` (a file, a user's folder).
 
     Returns:
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
@@ -109,6 +124,8 @@ def write_quantized_checkpoint(
     Raises:
         ValueError: a static-activation-scale scheme without ``calibration`` (or without
             ``linear_input_amax`` for quantized attention); a layout that does not store the scheme.
+        FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
+        PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
     """
     scheme = get_moe_scheme(scheme)
     if layout is None:
@@ -128,30 +145,44 @@ def write_quantized_checkpoint(
         if missing:
             raise ValueError(f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
                              f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}")
-    quantize_experts = getattr(layout, "quantize_experts", None) or (lambda a, b, s: quantize_expert_weights(a, b, s))
+    # a layout's own expert quantization (``quantize_experts``, e.g. compressed-tensors' encode
+    # scales) is called once per layer; the default quantizes expert by expert
+    layout_quantize = getattr(layout, "quantize_experts", None)
     quantize_linear = getattr(layout, "quantize_linear", None) or quantize_linear_weight
-    with atomic_folder(path) as tmp:
+    with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
-        state = {}
+        shards = ShardWriter(tmp, shard_bytes)
         for name, t in model.state_dict().items():
             if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn:
                 continue
-            state[name] = t.detach().to(torch.bfloat16).contiguous().cpu()
+            shards.add(name, t.detach().to(torch.bfloat16))
         modules = dict(model.named_modules())
-        for name in attn:
+        for name in attn:  # quantized attention projections, one at a time
             w = modules[name].weight.detach()
             ins = None
             if scheme.static_activation_scale:
                 ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
-            state.update(layout.linear_tensors(scheme, quantize_linear(w, scheme), ins, name))
+            for n, t in layout.linear_tensors(scheme, quantize_linear(w, scheme), ins, name).items():
+                shards.add(n, t, copy=True)
         for layer in range(num_layers):
             w13, w2 = expert_weights(model, layer)
-            weights = quantize_experts(w13, w2, scheme)
+            layer_weights = None if layout_quantize is None else layout_quantize(w13, w2, scheme)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)
-            state.update(layout.expert_tensors(scheme, weights, in13, in2, f"model.layers.{layer}.mlp.experts"))
-        write_shards(state, tmp, shard_bytes)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
+                if layer_weights is None:
+                    weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
+                else:  # expert x of the layout's whole-layer quantization
+                    weights = replace(layer_weights, **{k: v[x : x + 1] for k, v in layer_weights.tensors().items()})
+                one = layout.expert_tensors(scheme, weights, None if in13 is None else in13[x : x + 1],
+                                            None if in2 is None else in2[x : x + 1], prefix)
+                for name, t in one.items():  # the layout names the single expert 0
+                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3:], t, copy=True)
+                del weights, one
+            del layer_weights
+        shards.close()
         cfg = _config_dict(model, num_layers)
         qc, extra = layout.config_files(scheme, quantize_attention)
         cfg["quantization_config"] = qc
@@ -175,19 +206,58 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
         also readable as ``info["scheme"]``).
 
     Raises:
-        CheckpointError: unknown method, or a config the emulation cannot honour; the message
-            names the field, the value found and what is supported.
+        CheckpointError: a missing or unreadable config file (named), unknown method, or a config
+            the emulation cannot honour; the message names the file, the field, the value found
+            and what is supported.
     """
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: config.json not found")
-    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
+    source = cfg_path
     if qc is None:
-        qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
+        for lay in LAYOUTS.values():
+            try:
+                qc = lay.read_legacy(folder)
+            except CheckpointError:
+                raise
+            except (ValueError, OSError, AttributeError, TypeError) as err:
+                raise CheckpointError(f"{folder}: legacy quantization config of layout {lay.name} cannot be read "
+                                      f"({type(err).__name__}: {err})") from None
+            if qc is not None:
+                source = folder
+                break
     if qc is None:
         raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
-    return layout_for_method(qc.get("quant_method")).read_config(qc)
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, found {type(qc).__name__} "
+                              f"{str(qc)[:80]!r}")
+    try:
+        info = layout_for_method(qc.get("quant_method")).read_config(qc)
+    except CheckpointError as err:
+        raise CheckpointError(f"{source}: {err}") from None
+    except (AttributeError, TypeError, KeyError, ValueError) as err:  # a field of the wrong JSON type
+        raise CheckpointError(f"{source}: quantization_config is malformed ({type(err).__name__}: {err})") from None
+    check_exclude_patterns(info.exclude, f"{source}: quantization_config exclude/ignore list")
+    return info
+
+
+# config.json fields the loader needs, all positive ints
+# (transformers 5 writes num_experts as num_local_experts)
+_CONFIG_INTS = ("hidden_size", "num_hidden_layers", ("num_experts", "num_local_experts"), "num_experts_per_tok",
+                "moe_intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+
+
+def _read_model_config(cfg_path: Path) -> dict:
+    cfg = read_json(cfg_path, "a transformers model config")
+    for keys in _CONFIG_INTS:
+        keys = (keys,) if isinstance(keys, str) else keys
+        key = next((k for k in keys if k in cfg), keys[0])
+        v = cfg.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"{cfg_path}: {key}: expected a positive integer, found {v!r}")
+    return cfg
 
 
 def _experts_excluded(exclude: list[str], layer: int) -> bool:
@@ -221,21 +291,34 @@ def load_quantized_qwen3_moe(
     checkpoint's activation scale.
 
     Raises:
-        CheckpointError: missing tensors, wrong shapes or dtypes, unsupported configs, quantized
-            modules that are not linear layers, fused unquantized experts (a Quark export made
-            without ``preprocess_for_quantization``).
+        CheckpointError: missing tensors, wrong shapes or dtypes, invalid scale values, unreadable
+            files, unsupported configs, quantized modules that are not linear layers, fused
+            unquantized experts (a Quark export made without ``preprocess_for_quantization``); the
+            message names the file and the tensor or field.
+        ValueError: an unknown ``backend`` or a ``num_hidden_layers`` that is not a positive
+            integer (checked before anything is read).
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    if num_hidden_layers is not None and (not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool)
+                                          or num_hidden_layers < 1):
+        raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
     folder = Path(path)
     info = read_quant_config(folder)
     layout = LAYOUTS[info.format]
-    cfg_dict = json.loads((folder / "config.json").read_text())
+    cfg_path = folder / "config.json"
+    cfg_dict = _read_model_config(cfg_path)
     cfg_dict.pop("quantization_config", None)
-    ckpt_layers = cfg_dict.get("num_hidden_layers")
+    ckpt_layers = cfg_dict["num_hidden_layers"]
     if num_hidden_layers is not None:
         if num_hidden_layers > ckpt_layers:
             raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
         cfg_dict["num_hidden_layers"] = num_hidden_layers
-    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "transformers_version")})
+    try:
+        config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items()
+                                   if k not in ("architectures", "transformers_version")})
+    except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
+        raise CheckpointError(f"{cfg_path}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
     device = torch.device(device)
     # Parameters are allocated but never written (no pages touched) until loaded below;
     # the experts' fused bf16 parameters are replaced without ever being paged in.
@@ -289,6 +372,7 @@ def load_quantized_qwen3_moe(
             activation_scale_mode=info.activation_scale_mode or "even", activation_dtype=activation_dtype)
         parent, _, child = module.rpartition(".")
         setattr(modules[parent], child, em)
+    tensors.close()
     return model.to(device).eval(), info
 
 

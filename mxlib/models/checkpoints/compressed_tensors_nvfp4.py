@@ -40,7 +40,14 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .layout import (
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    block_scale_check,
+    global_scale_check,
+    register_layout,
+)
 from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT", "quantize_nvfp4_encode"]
@@ -201,11 +208,15 @@ class CompressedTensorsNvfp4Layout:
         def names(proj, what):
             return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
 
+        # the stored encode scales get the range check of decode ones (issue 11): block scales no
+        # NaN or negative e4m3, weight_global_scale in [2**-126, 2**126], input_global_scale also 0
+        blocks, gs = block_scale_check(e4m3=True), global_scale_check(what="weight_global_scale")
+        ins_ok = global_scale_check(True, "input_global_scale")
         w = {p: tensors.stack(names(p, "weight_packed"), (rows[p][0], rows[p][1] // 2), torch.uint8) for p in PROJS}
-        s = {p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), torch.float8_e4m3fn)
+        s = {p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), torch.float8_e4m3fn, blocks)
              for p in PROJS}
-        g = {p: read_scalar_scales(tensors, names(p, "weight_global_scale"), (1,)).reshape(e) for p in PROJS}
-        ins = {p: read_scalar_scales(tensors, names(p, "input_global_scale"), (1,)).reshape(e) for p in PROJS}
+        g = {p: read_scalar_scales(tensors, names(p, "weight_global_scale"), (1,), gs).reshape(e) for p in PROJS}
+        ins = {p: read_scalar_scales(tensors, names(p, "input_global_scale"), (1,), ins_ok).reshape(e) for p in PROJS}
         weights = ExpertWeights(
             NVFP4,
             torch.cat([w["gate_proj"], w["up_proj"]], 1), torch.cat([s["gate_proj"], s["up_proj"]], 1),
@@ -230,9 +241,12 @@ class CompressedTensorsNvfp4Layout:
         """``(LinearWeights with encode global scale, input_global_scale fp32 [1])``."""
         bs = NVFP4.block_size
         w = tensors.get(f"{name}.weight_packed", (out_features, in_features // 2), torch.uint8)
-        s = tensors.get(f"{name}.weight_scale", (out_features, in_features // bs), torch.float8_e4m3fn)
-        g = read_scalar_scales(tensors, [f"{name}.weight_global_scale"], (1,))
-        ins = read_scalar_scales(tensors, [f"{name}.input_global_scale"], (1,))
+        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // bs), torch.float8_e4m3fn,
+                          block_scale_check(e4m3=True))[0]
+        g = read_scalar_scales(tensors, [f"{name}.weight_global_scale"], (1,),
+                               global_scale_check(what="weight_global_scale"))
+        ins = read_scalar_scales(tensors, [f"{name}.input_global_scale"], (1,),
+                                 global_scale_check(True, "input_global_scale"))
         return LinearWeights(NVFP4, w, s, g.reshape(()), global_scale_kind="encode"), ins.reshape(1)
 
 

@@ -20,13 +20,17 @@ A layout is a module-level object with:
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 
+import regex
+import torch
+
+from ..._checks import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, bad_block_scale_mask
 from ...moe.schemes import MoEQuantScheme
 
 __all__ = ["CheckpointError", "CheckpointDescription", "LAYOUTS", "register_layout", "layout_for_scheme",
-           "layout_for_method", "matches", "PROJS"]
+           "layout_for_method", "matches", "check_exclude_patterns", "PROJS", "global_scale_check",
+           "block_scale_check", "REGEX_TIMEOUT_S"]
 
 # per-expert projections, in the order w13 (gate rows, then up rows) and w2 stack them
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -86,12 +90,90 @@ def layout_for_method(method):
     raise CheckpointError(f"quantization_config.quant_method: expected {methods}, found {method!r}")
 
 
+# Exclude lists come from checkpoints, which may be untrusted: ``re:`` patterns run on the
+# ``regex`` module with a time limit (Python's ``re`` can backtrack for ages on a pattern such as
+# ``(.|.)*Z`` and cannot be interrupted), and patterns are limited in length.
+REGEX_TIMEOUT_S = 0.5
+_PATTERN_MAX_CHARS = 1000
+_compiled: dict[str, object] = {}
+
+
+def _compile(pattern: str):
+    if pattern not in _compiled:
+        if len(pattern) > _PATTERN_MAX_CHARS:
+            raise CheckpointError(f"exclude pattern {pattern[:60]!r}...: longer than {_PATTERN_MAX_CHARS} characters")
+        try:
+            _compiled[pattern] = regex.compile(pattern[3:], flags=regex.VERSION0)
+        except (regex.error, ValueError, TypeError) as err:
+            raise CheckpointError(f"exclude pattern {pattern!r}: not a valid regular expression ({err})") from None
+    return _compiled[pattern]
+
+
+def check_exclude_patterns(patterns, where: str) -> None:
+    """Every entry must be a string; ``re:`` entries must compile (``CheckpointError`` naming ``where``)."""
+    if not isinstance(patterns, list):
+        raise CheckpointError(f"{where}: expected a list of module names or patterns, found {type(patterns).__name__}")
+    for p in patterns:
+        if not isinstance(p, str):
+            raise CheckpointError(f"{where}: expected strings, found {p!r}")
+        if p.startswith("re:"):
+            try:
+                _compile(p)
+            except CheckpointError as err:
+                raise CheckpointError(f"{where}: {err}") from None
+
+
 def matches(name: str, patterns: list[str]) -> bool:
-    """Whether a module name is in an exclude list: exact names, glob patterns, or ``re:<regex>``."""
+    """Whether a module name is in an exclude list: exact names, glob patterns, or ``re:<regex>``
+    (full match, at most ``REGEX_TIMEOUT_S`` seconds each).
+
+    Raises:
+        CheckpointError: a ``re:`` pattern that does not compile or runs past the time limit
+            (naming the pattern).
+    """
     for p in patterns:
         if p.startswith("re:"):
-            if re.fullmatch(p[3:], name):
+            try:
+                hit = _compile(p).fullmatch(name, timeout=REGEX_TIMEOUT_S)
+            except TimeoutError:
+                raise CheckpointError(
+                    f"exclude pattern {p!r}: matching module name {name!r} took more than {REGEX_TIMEOUT_S} s "
+                    f"(catastrophic backtracking?); refusing the checkpoint") from None
+            if hit:
                 return True
         elif fnmatch.fnmatchcase(name, p) or name == p:
             return True
     return False
+
+
+# ----------------------------------------------------------------------------- value checks (stack(check=...))
+
+
+def global_scale_check(allow_zero: bool = False, what: str = "global scale"):
+    """A ``TensorReader.stack`` check: values in ``[2**-126, 2**126]`` (or 0 with ``allow_zero``),
+    the rule of ``mxlib._checks.check_global_scale``."""
+    def check(t: torch.Tensor):
+        s = t.float()
+        ok = (s >= GLOBAL_SCALE_MIN) & (s <= GLOBAL_SCALE_MAX)
+        if allow_zero:
+            ok |= s == 0
+        if bool(ok.all()):
+            return True, ""
+        zero = " or 0 (uncalibrated)" if allow_zero else ""
+        bad = s[~ok].reshape(-1)[0].item()
+        return False, f"expected a positive finite {what}{zero} in [2**-126, 2**126], found {bad!r}"
+    return check
+
+
+def block_scale_check(e4m3: bool):
+    """A ``TensorReader.stack`` check: no NaN block scale (E8M0 0xFF; e4m3 0x7F / 0xFF) and, for
+    NVFP4's unsigned e4m3 scales, no negative one (``mxlib._checks.bad_block_scale_mask``)."""
+    def check(t: torch.Tensor):
+        bad = bad_block_scale_mask(t, e4m3)
+        if not bool(bad.any()):
+            return True, ""
+        where = bad.nonzero()[0].tolist()
+        byte = int(t.view(torch.uint8)[tuple(where)])
+        kind = "e4m3 block scale (0x7F/0xFF NaN, or negative)" if e4m3 else "E8M0 block scale (0xFF is NaN)"
+        return False, f"invalid {kind}: byte 0x{byte:02X} at index {where} ({int(bad.sum())} invalid)"
+    return check

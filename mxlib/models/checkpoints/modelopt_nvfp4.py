@@ -19,7 +19,6 @@ config leaves them bf16 and ignored. Scalar scales stored as bf16 or fp16 are wi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -28,7 +27,15 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .layout import (
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    block_scale_check,
+    global_scale_check,
+    register_layout,
+)
+from .safetensors_io import read_json
 from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
@@ -73,7 +80,9 @@ class ModelOptNvfp4Layout:
         path = folder / _LEGACY_FILE
         if not path.exists():
             return None
-        q = json.loads(path.read_text()).get("quantization", {})
+        q = read_json(path).get("quantization") or {}
+        if not isinstance(q, dict):
+            raise CheckpointError(f"{path}: quantization: expected an object, found {type(q).__name__}")
         return {"quant_method": self.quant_method, "quant_algo": q.get("quant_algo"), "group_size": q.get("group_size"),
                 "ignore": q.get("exclude_modules", [])}
 
@@ -126,19 +135,28 @@ class ModelOptNvfp4Layout:
         f8, u8 = torch.float8_e4m3fn, torch.uint8
         rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
-        def stack(proj, what, shape, dtype):
-            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype)
+        def stack(proj, what, shape, dtype, check=None, out=None):
+            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype, check, out)
 
-        w = {p: stack(p, "weight", (rows[p][0], NVFP4.element.packed_size(rows[p][1])), u8) for p in PROJS}
-        s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // bs), f8) for p in PROJS}
-        g = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)]) for p in PROJS}
-        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)]) for p in PROJS}
-        weights = ExpertWeights(
-            NVFP4,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1), torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"], s["down_proj"],
-            torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"],
-        )
+        # every value that could silently spoil the emulation is checked here, naming the tensor:
+        # block scales (NaN, negative), weight_scale_2 (finite, positive), input_scale (also 0)
+        blocks, gs, ins_ok = block_scale_check(e4m3=True), global_scale_check(), global_scale_check(True, "input_scale")
+        packed = {p: (rows[p][0], NVFP4.element.packed_size(rows[p][1])) for p in PROJS}
+        sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
+        w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
+        s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
+        for j, p in enumerate(("gate_proj", "up_proj")):
+            stack(p, "weight", packed[p], u8, out=w13[:, j * i:(j + 1) * i])
+            stack(p, "weight_scale", sshape[p], f8, blocks, out=s13[:, j * i:(j + 1) * i])
+        w2 = stack("down_proj", "weight", packed["down_proj"], u8)
+        s2 = stack("down_proj", "weight_scale", sshape["down_proj"], f8, blocks)
+        # scalar scales: fp32, bf16 or fp16 as stored, widened to fp32 exactly (scalars.py)
+        g = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)], (), gs)
+             for p in PROJS}
+        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
+               for p in PROJS}
+        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1),
+                                g["down_proj"])
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
@@ -152,9 +170,10 @@ class ModelOptNvfp4Layout:
         """``(LinearWeights, input_scale fp32 [1])`` of a quantized linear layer ``name``."""
         bs = NVFP4.block_size
         w = tensors.get(f"{name}.weight", (out_features, NVFP4.element.packed_size(in_features)), torch.uint8)
-        s = tensors.get(f"{name}.weight_scale", (out_features, in_features // bs), torch.float8_e4m3fn)
-        g = read_scalar_scales(tensors, [f"{name}.weight_scale_2"])
-        ins = read_scalar_scales(tensors, [f"{name}.input_scale"])
+        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // bs), torch.float8_e4m3fn,
+                          block_scale_check(e4m3=True))[0]
+        g = read_scalar_scales(tensors, [f"{name}.weight_scale_2"], (), global_scale_check())
+        ins = read_scalar_scales(tensors, [f"{name}.input_scale"], (), global_scale_check(True, "input_scale"))
         return LinearWeights(NVFP4, w, s, g.reshape(())), ins
 
 

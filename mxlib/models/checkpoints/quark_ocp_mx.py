@@ -23,7 +23,14 @@ from ...formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, SCALE_MODES, BlockSch
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, register_layout
+from .layout import (
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    block_scale_check,
+    global_scale_check,
+    register_layout,
+)
 from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
@@ -187,16 +194,25 @@ class QuarkOcpMxLayout:
         bs = fmt.block_size
         rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
-        def stack(proj, what, shape, dtype):
-            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype)
+        def stack(proj, what, shape, dtype, check=None, out=None):
+            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype, check, out)
 
-        w = {p: stack(p, "weight", (rows[p][0], fmt.element.packed_size(rows[p][1])), torch.uint8) for p in PROJS}
-        s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // bs), torch.uint8) for p in PROJS}
-        weights = ExpertWeights(fmt, torch.cat([w["gate_proj"], w["up_proj"]], 1),
-                                torch.cat([s["gate_proj"], s["up_proj"]], 1), w["down_proj"], s["down_proj"])
+        # block scales (E8M0 0xFF is NaN) and static input scales are checked here, naming the tensor
+        u8, blocks = torch.uint8, block_scale_check(e4m3=False)
+        packed = {p: (rows[p][0], fmt.element.packed_size(rows[p][1])) for p in PROJS}
+        sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
+        w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
+        s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=u8)
+        for j, p in enumerate(("gate_proj", "up_proj")):
+            stack(p, "weight", packed[p], u8, out=w13[:, j * i:(j + 1) * i])
+            stack(p, "weight_scale", sshape[p], u8, blocks, out=s13[:, j * i:(j + 1) * i])
+        weights = ExpertWeights(fmt, w13, s13, stack("down_proj", "weight", packed["down_proj"], u8),
+                                stack("down_proj", "weight_scale", sshape["down_proj"], u8, blocks))
         if not scheme.static_activation_scale:
             return weights, None, None
-        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)]) for p in PROJS}
+        ins_ok = global_scale_check(True, "input_scale")
+        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
+               for p in PROJS}
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
@@ -212,8 +228,11 @@ class QuarkOcpMxLayout:
         scheme = description.scheme
         fmt = scheme.weight
         w = tensors.get(f"{name}.weight", (out_features, fmt.element.packed_size(in_features)), torch.uint8)
-        s = tensors.get(f"{name}.weight_scale", (out_features, in_features // fmt.block_size), torch.uint8)
-        ins = read_scalar_scales(tensors, [f"{name}.input_scale"]) if scheme.static_activation_scale else None
+        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // fmt.block_size), torch.uint8,
+                          block_scale_check(e4m3=False))[0]
+        ins = None
+        if scheme.static_activation_scale:
+            ins = read_scalar_scales(tensors, [f"{name}.input_scale"], (), global_scale_check(True, "input_scale"))
         return LinearWeights(fmt, w, s), ins
 
 

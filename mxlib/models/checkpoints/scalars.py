@@ -39,6 +39,19 @@ def widen_scale(t: torch.Tensor, name: str) -> torch.Tensor:
                           f"to fp32 exactly), found {t.dtype}")
 
 
-def read_scalar_scales(tensors, names: list[str], shape=()) -> torch.Tensor:
-    """The named scale tensors (each of ``shape``), widened to fp32 and stacked: ``[len(names), *shape]``."""
-    return torch.stack([widen_scale(tensors.get(n, shape, None), n) for n in names])
+def read_scalar_scales(tensors, names: list[str], shape=(), check=None) -> torch.Tensor:
+    """The named scale tensors (each of ``shape``), widened to fp32 and stacked: ``[len(names), *shape]``.
+
+    ``check(tensor) -> (ok, what)`` (``layout.global_scale_check``) validates the widened values
+    as stored: a false ``ok`` raises ``CheckpointError`` naming the tensor, its file and ``what``.
+    """
+    out = []
+    for n in names:
+        t = widen_scale(tensors.get(n, shape, None), n)
+        if check is not None:
+            ok, what = check(t)
+            if not ok:
+                where = getattr(tensors, "weight_map", {}).get(n, "?")
+                raise CheckpointError(f"tensor {n!r}: {what} (in {where})")
+        out.append(t)
+    return torch.stack(out)
