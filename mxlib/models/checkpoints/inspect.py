@@ -273,8 +273,19 @@ class _HeaderReader(TensorReader):
     def __init__(self, headers: _Headers):
         self.weight_map = dict(headers.where)
         self.folder = headers.folder
-        handle = _MetaHandle(headers)
-        self._open = {fname: handle for fname in headers.files}
+        self._handle = _MetaHandle(headers)
+        self._name = None
+        self._keys = set(headers.dtype)
+
+    def _open(self, fname: str):
+        return self._handle
+
+    def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dtype and shape checks of every named tensor (``TensorReader.get``); the value checks
+        (``check``) need the data and are left to the loader. ``out`` (never written) or a meta tensor."""
+        for n in names:
+            self.get(n, shape, dtype)
+        return out if out is not None else torch.empty((len(names), *shape), dtype=dtype, device="meta")
 
 
 def _expert_tensors_by_layer(h: _Headers) -> dict[int, dict[str, tuple]]:

@@ -48,7 +48,7 @@ def read_scalar_scales(tensors, names: list[str], shape=(), check=None) -> torch
     out = []
     for n in names:
         t = widen_scale(tensors.get(n, shape, None), n)
-        if check is not None:
+        if check is not None and not t.is_meta:  # a meta tensor (the inspector) has no values
             ok, what = check(t)
             if not ok:
                 where = getattr(tensors, "weight_map", {}).get(n, "?")
