@@ -777,3 +777,63 @@ def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
     assert model_bytes >= 200e6, model_bytes
     assert added <= 1.25 * model_bytes + _PEAK_FIXED_BYTES, \
         f"the run added {added / 1e6:.0f} MB to {m['base'] / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
+
+
+# ============================================================================= merged with issue 13 / the inspector
+
+
+@pytest.fixture(scope="module")
+def ct_ckpt(model, calibration, tmp_path_factory):
+    """A good compressed-tensors NVFP4 checkpoint (encode global scales as stored), attention quantized too."""
+    amax = {f"model.layers.{layer}.self_attn.{p}": torch.tensor(1.0) for layer in range(2)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    return write_quantized_checkpoint(model, "nvfp4", tmp_path_factory.mktemp("ct") / "ckpt", calibration,
+                                      shard_bytes=SHARD_BYTES, layout="compressed-tensors", quantize_attention=True,
+                                      linear_input_amax=amax)
+
+
+def test_compressed_tensors_checkpoint_loads(ct_ckpt):
+    model, info = load_quantized_qwen3_moe(ct_ckpt, backend="torch")
+    assert info.format == "compressed-tensors"
+
+
+@pytest.mark.parametrize("field,bad", [("weight_global_scale", 0.0), ("weight_global_scale", -1.0),
+                                       ("weight_global_scale", math.nan), ("weight_global_scale", math.inf),
+                                       ("input_global_scale", math.nan), ("input_global_scale", -1.0),
+                                       ("input_global_scale", math.inf)], ids=repr)
+def test_loader_rejects_bad_encode_scale(ct_ckpt, tmp_path, field, bad):
+    """compressed-tensors' stored encode scales get the range check of decode ones (0 input scale: uncalibrated)."""
+    p = _copy(ct_ckpt, tmp_path / "ckpt")
+    _set_tensor(p, f"{BAD}.{field}", lambda t: torch.full_like(t, bad))
+    msg = _load_error(p)
+    assert _names_tensor(msg, 1, 2, "down_proj", field), msg
+
+
+def test_loader_rejects_bad_attention_scale(ct_ckpt, tmp_path):
+    p = _copy(ct_ckpt, tmp_path / "ckpt")
+    name = "model.layers.0.self_attn.o_proj"
+    _set_tensor(p, f"{name}.weight_global_scale", lambda t: torch.full_like(t, math.nan))
+    msg = _load_error(p)
+    assert f"{name}.weight_global_scale" in msg, msg
+
+
+def test_loader_rejects_nan_bf16_input_scale(quark_fp8_ckpt, tmp_path):
+    """A bf16 scalar scale (widened exactly, scalars.py) is range-checked like an fp32 one."""
+    p = _copy(quark_fp8_ckpt, tmp_path / "ckpt")
+    _set_tensor(p, f"{BAD}.input_scale", lambda t: torch.full_like(t, math.nan, dtype=torch.bfloat16))
+    msg = _load_error(p)
+    assert _names_tensor(msg, 1, 2, "down_proj", "input_scale"), msg
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["inspect", "/no/such/checkpoint"], "path"),
+    (["inspect", ".", "--strategies", "max,nope"], "--strategies"),
+    (["dummy-from-config", ".", "/tmp/unused", "--layers", "0"], "--layers"),
+    (["dummy-from-config", ".", "/tmp/unused", "--preset", "nope"], "--preset"),
+    (["dummy-from-config", "/no/such/configs", "/tmp/unused"], "config_dir"),
+    (["routing", "--device", "nope"], "--device"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_cli_new_subcommands_refuse_bad_option_first(no_model, capsys, argv, option):
+    msg, seconds = _cli_error(argv, capsys)
+    assert option in msg, msg
+    assert seconds < 5, f"{argv} took {seconds:.1f} s to fail"
