@@ -70,7 +70,7 @@ def test_construction_is_seeded_and_keeps_the_architecture(models):
         if not torch.equal(p, sd_plain[name]):
             changed.add(name)
     # only attention output projections and routers change; experts, embeddings, norms do not
-    assert changed == {n for n in sd if n.endswith("self_attn.o_proj.weight") or n.endswith("mlp.gate.weight")}
+    assert changed == {n for n in sd if n.endswith(("self_attn.o_proj.weight", "mlp.gate.weight", "experts.down_proj"))}
     other = dummy_qwen3_moe(_config(), seed=SEED + 1)
     assert not torch.equal(other.state_dict()["model.layers.3.mlp.gate.weight"], sd["model.layers.3.mlp.gate.weight"])
 
@@ -85,7 +85,9 @@ def test_expert_spread_still_scales_experts(models):
         f = (s13.float().norm(dim=(1, 2)) / w13.float().norm(dim=(1, 2)))
         g = (s2.float().norm(dim=(1, 2)) / w2.float().norm(dim=(1, 2)))
         assert f.max() / f.min() > 2.0
-        torch.testing.assert_close(g, f ** -2, rtol=1e-2, atol=0)
+        # w2 by f**-2 per expert, times one per-layer factor (step 3 scales every expert's w2 alike)
+        ratio = g * f ** 2
+        assert float(ratio.max() / ratio.min()) < 1.02, ratio
 
 
 def test_routing_statistics_against_independent_count(models):
