@@ -23,3 +23,29 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "
         a = [actual[tuple(i)].item() for i in idx]
         e = [expected[tuple(i)].item() for i in idx]
         raise AssertionError(f"{msg} {int(bad.sum())} of {bad.numel()} differ; first at {idx}: got {a}, expected {e}")
+
+
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class OnKernelDevice:
+    """A module of Triton twins (``mxlib.kernels``) called on the device its kernels run on:
+    tensor arguments moved to ``cuda`` when there is one (compiled kernels cannot read CPU
+    memory), tensor results moved back to the CPU, so that a test comparing with the CPU
+    reference runs unchanged on the CPU (interpreter) and on a GPU. Errors pass through."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        if not callable(fn) or isinstance(fn, type):
+            return fn
+
+        def call(*args, **kwargs):
+            to = lambda v: v.to(KERNEL_DEVICE) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            back = lambda v: v.cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            out = fn(*[to(a) for a in args], **{k: to(v) for k, v in kwargs.items()})
+            return tuple(back(o) for o in out) if isinstance(out, tuple) else back(out)
+
+        return call

@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from mxlib import _checks
-from mxlib import kernels as K
+from mxlib import kernels as _kernels
 from mxlib import reference as R
 
-from _util import assert_bits_equal
+from _util import OnKernelDevice, assert_bits_equal
+
+K = OnKernelDevice(_kernels)  # the twins on cuda when there is one, results back on the CPU
 from oracles import vllm_nvfp4_qdq
 
 TWINS = [R, K]

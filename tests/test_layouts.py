@@ -14,6 +14,7 @@
 A tiny Qwen3-MoE (hidden 64, 4 experts, 2 layers) keeps this fast.
 """
 
+import dataclasses
 import json
 
 import ml_dtypes
@@ -22,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from _util import KERNEL_DEVICE, OnKernelDevice
 from mxlib import kernels as K
 from mxlib import reference as R
 from mxlib.models import checkpoints as C
@@ -180,7 +182,7 @@ def test_encode_dequantize_triton_twin():
     g = torch.stack([p[2] for p in parts])
     for dtype in (torch.bfloat16, torch.float32):
         ref = R.dequantize_to_dtype(packed, scale, g, dtype, global_scale_kind="encode")
-        tri = K.dequantize_to_dtype(packed, scale, g, dtype, global_scale_kind="encode")
+        tri = OnKernelDevice(K).dequantize_to_dtype(packed, scale, g, dtype, global_scale_kind="encode")
         _bits_equal(tri, ref, f"triton twin {dtype}")
     with pytest.raises(ValueError, match="global_scale_kind"):
         R.dequantize_to_dtype(packed, scale, g, torch.bfloat16, global_scale_kind="inverse")
@@ -356,7 +358,10 @@ def test_emulated_linear_triton_twin(scheme):
         scale = torch.tensor([4.0 / s.activation.scale_divisor])
     x = (torch.randn(3, 7, 64, generator=gen)).to(torch.bfloat16)
     a = make_emulated_linear(scheme, weights, scale, backend="torch")(x)
-    b = make_emulated_linear(scheme, weights, scale, backend="triton")(x)
+    on = lambda t: None if t is None else t.to(KERNEL_DEVICE)  # noqa: E731  (compiled kernels need cuda)
+    wd = dataclasses.replace(weights, weight=on(weights.weight), weight_scale=on(weights.weight_scale),
+                             weight_scale_2=on(weights.weight_scale_2))
+    b = make_emulated_linear(scheme, wd, on(scale), backend="triton")(on(x)).cpu()
     assert a.shape == (3, 7, 48)
     _bits_equal(b, a, f"{scheme} triton vs torch")
 
