@@ -31,6 +31,7 @@ import math
 import torch
 
 from . import reference as R
+from .analysis import sqnr_db
 from .formats import (
     BLOCK_SCHEMES,
     ELEMENT_FORMATS,
@@ -81,16 +82,7 @@ NVFP4_SUBNORMAL_RATIO = 2.0**-6 / _E4M3.max
 NVFP4_FLUSH_RATIO = 2.0**-10 / _E4M3.max
 
 
-def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``10 log10(sum ref^2 / sum (x - ref)^2)`` in float64; +inf for an exact match."""
-    x, ref = x.double(), ref.double()
-    noise = ((x - ref) ** 2).sum().item()
-    signal = (ref**2).sum().item()
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
+_sqnr_db = sqnr_db  # ``mxlib.analysis.sqnr_db``: float64, +inf for an exact match
 
 
 # ----------------------------------------------------------------------------- one value
