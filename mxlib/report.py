@@ -20,7 +20,7 @@ from . import reference as R
 from . import studies
 
 __all__ = ["Checks", "strategy_summary", "spread_study", "FLOOR_TARGETS", "floors_table", "EXERCISES",
-           "check_exercise"]
+           "check_exercise", "ISSUE12_RATIOS", "issue12_tables"]
 
 
 class Checks:
@@ -213,3 +213,93 @@ def check_exercise(name: str, answer, **context) -> bool:
         ok = answer == want
     print("right" if ok else f"not yet (the checker computes {want!r})")
     return ok
+
+
+# ----------------------------------------------------------------------------- issue 12 (H200, beside the anchors)
+# ratio name as the benchmark's JSON records it -> (numerator row, denominator row); rows are the
+# ``path`` names of the JSON's ``rows`` (mxlib) and ``anchor.rows`` (vLLM, triton_kernels).
+ISSUE12_RATIOS: dict[str, tuple[str, str]] = {
+    "mxlib_bf16 / vllm_bf16": ("mxlib_bf16", "vllm_bf16"),
+    "fused w_mxfp4 / tk_mxfp4_unfused_silu": ("mxlib_fused_w_mxfp4", "tk_mxfp4_unfused_silu"),
+    "mxlib_bf16 / fused w_mxfp4": ("mxlib_bf16", "mxlib_fused_w_mxfp4"),
+    "fused w_mxfp4_a_mxfp4 / tk_mxfp4_unfused_silu": ("mxlib_fused_w_mxfp4_a_mxfp4", "tk_mxfp4_unfused_silu"),
+    "mxlib_bf16 / fused w_mxfp4_a_mxfp4": ("mxlib_bf16", "mxlib_fused_w_mxfp4_a_mxfp4"),
+    "fused nvfp4 / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4", "tk_mxfp4_unfused_silu"),
+    "mxlib_bf16 / fused nvfp4": ("mxlib_bf16", "mxlib_fused_nvfp4"),
+    "fused nvfp4 hardware / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4_hw", "tk_mxfp4_unfused_silu"),
+    "fused w_mxfp6_e3m2 / seed-style": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
+    "fused w_mxfp6_e3m2 / mxlib_bf16": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_bf16"),
+}
+
+# anchor rows shown in the ms table, in this order (the tk_bf16 / with-routing rows stay in the JSON)
+ISSUE12_ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu",
+                       "vllm_later_fused_nvfp4", "floor_mxfp4", "floor_nvfp4")
+
+
+def issue12_tables(path) -> dict:
+    """Issue 12's H200 tables from ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
+
+    Args:
+        path: the JSON file (``benchmarks/h200_issue12_integrated.json``): ``env``, ``rows`` (mxlib,
+            ``path, M, graph_ms[, floor_ms, floor_fraction]``), ``ratios`` (``{M: {name: value}}``),
+            ``floors``, ``checks`` and ``anchor`` (the anchor harness's JSON, ``rows`` with
+            ``graph_ms`` or ``floor_ms``).
+
+    Returns:
+        A dict of lists of rows (every M a column ``M=<m>``, times in ms as CUDA-graph replay
+        medians, floor rows the memory floor's time):
+
+        * ``env``: one row ``device, date, torch, triton, vllm_source, copy_gbs``.
+        * ``ms``: ``row, source`` ("anchor" / "mxlib") then the times.
+        * ``ratios``: ``ratio, numerator, denominator`` then the recorded ratios.
+        * ``floors``: ``floor, limit, worst, holds`` ("yes" / "no"), as recorded.
+        * ``floor_fraction``: ``row`` then floor time / graph time (0-1): mxlib's fused and
+          seed-style rows as recorded, the triton_kernels rows against ``floor_mxfp4``.
+        * ``checks``: the recorded numerics checks ``M, what, rel``.
+        * ``Ms``: the token counts, ascending.
+
+    Raises:
+        ValueError: a ratio name the JSON records that ``ISSUE12_RATIOS`` does not know.
+    """
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    anchor = data["anchor"]
+    ms = sorted({r["M"] for r in data["rows"]})
+    key = [f"M={m}" for m in ms]
+    times: dict[str, dict[int, float]] = {}
+    for src, rows in (("anchor", anchor["rows"]), ("mxlib", data["rows"])):
+        for r in rows:
+            t = r.get("graph_ms", r.get("floor_ms"))
+            if t is not None:
+                times.setdefault(r["path"], {})[r["M"]] = t
+    order = [(p, "anchor") for p in ISSUE12_ANCHOR_ROWS if p in times]
+    order += [(p, "mxlib") for p in dict.fromkeys(r["path"] for r in data["rows"])]
+    ms_rows = [dict(row=p, source=src, **{k: times[p].get(m, "") for k, m in zip(key, ms)}) for p, src in order]
+
+    ratio_rows = []
+    for name in data["ratios"][str(ms[0])]:
+        if name not in ISSUE12_RATIOS:
+            raise ValueError(f"path: ratio {name!r} not in report.ISSUE12_RATIOS ({sorted(ISSUE12_RATIOS)})")
+        num, den = ISSUE12_RATIOS[name]
+        ratio_rows.append(dict(ratio=name, numerator=num, denominator=den,
+                               **{k: data["ratios"][str(m)][name] for k, m in zip(key, ms)}))
+
+    frac_rows = []
+    for p in dict.fromkeys(r["path"] for r in data["rows"] if "floor_fraction" in r):
+        by = {r["M"]: r["floor_fraction"] for r in data["rows"] if r["path"] == p and "floor_fraction" in r}
+        frac_rows.append(dict(row=p, **{k: by.get(m, "") for k, m in zip(key, ms)}))
+    for p in ("tk_mxfp4", "tk_mxfp4_unfused_silu"):
+        if p in times and "floor_mxfp4" in times:
+            frac_rows.append(dict(row=f"{p} (anchor)", **{k: times["floor_mxfp4"][m] / times[p][m]
+                                                           for k, m in zip(key, ms)}))
+
+    env = data["env"]
+    return dict(
+        env=[dict(device=env["device"], date=env["date"], torch=env["torch"], triton=env["triton"],
+                  vllm_source=anchor["env"].get("vllm_source", ""), copy_gbs=data["copy_gbs"])],
+        ms=ms_rows, ratios=ratio_rows,
+        floors=[dict(floor=f["floor"], limit=f["limit"], worst=f["worst"], holds="yes" if f["holds"] else "no")
+                for f in data["floors"]],
+        floor_fraction=frac_rows, checks=list(data["checks"]), Ms=ms)

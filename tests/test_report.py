@@ -89,3 +89,50 @@ def test_exercises_accept_right_and_reject_wrong_answers(capsys):
     assert "not a valid block" in capsys.readouterr().out
     with pytest.raises(KeyError, match="name"):
         report.check_exercise("99.nothing", 0)
+
+
+def test_issue12_tables_recompute_from_json():
+    """issue12_tables on the recorded H200 JSON: ratios are quotients of its own timed rows."""
+    import json
+    from pathlib import Path
+
+    from mxlib.report import ISSUE12_RATIOS, issue12_tables
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_integrated.json"
+    data = json.loads(path.read_text())
+    t = issue12_tables(path)
+    assert t["Ms"] == [1, 4, 16, 64, 256, 1024, 4096]
+    assert t["env"][0]["device"] == "NVIDIA H200" and t["env"][0]["date"] == data["env"]["date"]
+    ms = {r["row"]: r for r in t["ms"]}
+    assert ms["vllm_bf16"]["source"] == "anchor" and ms["mxlib_bf16"]["source"] == "mxlib"
+    assert set(ms) >= {"tk_mxfp4_unfused_silu", "floor_mxfp4", "mxlib_fused_nvfp4", "mxlib_triton_w_mxfp6_e3m2"}
+    # the one recorded value, straight from the rows list
+    m16 = next(r for r in data["rows"] if r["path"] == "mxlib_fused_nvfp4" and r["M"] == 16)
+    assert ms["mxlib_fused_nvfp4"]["M=16"] == m16["graph_ms"]
+    assert len(t["ratios"]) == len(ISSUE12_RATIOS)
+    for r in t["ratios"]:
+        for m in t["Ms"]:
+            q = ms[r["numerator"]][f"M={m}"] / ms[r["denominator"]][f"M={m}"]
+            assert r[f"M={m}"] == pytest.approx(q, rel=1e-9), (r["ratio"], m)
+    assert [f["holds"] for f in t["floors"]] == ["yes" if f["holds"] else "no" for f in data["floors"]]
+    fr = {r["row"]: r for r in t["floor_fraction"]}
+    for m in t["Ms"]:
+        q = ms["floor_mxfp4"][f"M={m}"] / ms["tk_mxfp4"][f"M={m}"]
+        assert fr["tk_mxfp4 (anchor)"][f"M={m}"] == pytest.approx(q, rel=1e-12)
+        r = next(r for r in data["rows"] if r["path"] == "mxlib_fused_w_mxfp4" and r["M"] == m)
+        assert fr["mxlib_fused_w_mxfp4"][f"M={m}"] == pytest.approx(r["floor_ms"] / r["graph_ms"], rel=1e-9)
+    assert [c["rel"] for c in t["checks"]] == [0.0] * 7
+
+
+def test_issue12_tables_unknown_ratio(tmp_path):
+    import json
+    from pathlib import Path
+
+    from mxlib.report import issue12_tables
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_integrated.json"
+    data = json.loads(src.read_text())
+    data["ratios"]["1"]["made up / ratio"] = 1.0
+    (tmp_path / "x.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="made up"):
+        issue12_tables(tmp_path / "x.json")
