@@ -132,3 +132,5 @@ def test_05_fused_emulation_benchmark(executed_notebook):
     assert {("nvfp4", 1), ("w_mxfp4_a_mxfp4", 4096)} <= set(floors), sorted(floors)
     for r in floors.values():
         assert r["fused_vs_seed"] > 0 and r["fused_over_bf16"] > 0 and r["meets"] in ("yes", "no")
+    assert len(res["issue12_bf16_over_vllm"]) == 7 and max(res["issue12_bf16_over_vllm"]) <= 1.05
+    assert res["issue12_checks_passed"] >= 90  # 70 ratio checks among them
