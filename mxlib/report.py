@@ -4,6 +4,7 @@
 * ``strategy_summary``: notebook 04's per-expert QDQ table, averaged over experts.
 * ``spread_study``: notebook 04's loss-vs-spread sweep, an alias of ``studies.spread_study``.
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
+* ``issue12_tables`` and ``ISSUE12_RATIOS``: notebook 05's issue-12 tables (H200, beside the anchor harness).
 * ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers.
 """
 
