@@ -7,7 +7,7 @@ import time
 import torch
 import triton
 
-__all__ = ["env", "median_ms", "copy_bandwidth"]
+__all__ = ["env", "median_ms", "graph_ms", "copy_bandwidth"]
 
 
 def env() -> dict:
@@ -30,3 +30,19 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     b = torch.empty_like(a)
     ms = median_ms(lambda: b.copy_(a))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def graph_ms(fn, rep: int = 50) -> float:
+    """Median replay time (ms) of ``fn`` captured in a CUDA graph after two warm-up runs on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ms = median_ms(g.replay, warmup=10, rep=rep)
+    del g
+    return ms

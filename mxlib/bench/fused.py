@@ -43,7 +43,7 @@ from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import get_moe_scheme
-from ._common import copy_bandwidth, env, median_ms
+from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
 DEVICE = "cuda"
@@ -54,22 +54,6 @@ FP6_SCHEME = "w_mxfp6_e3m2"
 ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu", "vllm_later_fused_nvfp4",
                "floor_mxfp4", "floor_nvfp4")
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
-
-
-def graph_ms(fn, rep: int = 50) -> float:
-    """Median replay time (ms) of ``fn`` captured in a CUDA graph after two warm-up runs on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ms = median_ms(g.replay, warmup=10, rep=rep)
-    del g
-    return ms
 
 
 def anchor_layer():

@@ -41,7 +41,7 @@ from ..moe import base as X
 from ..moe.factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.routing import fused_topk
 from ..moe.schemes import OCP_MX_SCHEMES, get_moe_scheme
-from ._common import copy_bandwidth, env, median_ms
+from ._common import copy_bandwidth, env, graph_ms, median_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
 DEVICE = "cuda"
@@ -68,18 +68,7 @@ def _ms(fn, rep=50) -> float:
     return median_ms(fn, warmup=10, rep=rep)
 
 
-def _graph_ms(fn) -> float:
-    """Median replay time of ``fn`` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return _ms(g.replay)
+_graph_ms = graph_ms  # CUDA-graph replay median (``_common.graph_ms``)
 
 
 def _peak_extra_mb(fn) -> float:
