@@ -15,14 +15,16 @@ OCP MX (per-32 E8M0 scales, no global scale) is measured beside it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import time
 import warnings
 
 import torch
 
 from . import reference as R
-from .analysis import compare_tensors
-from .formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR
+from .analysis import compare_tensors, rel_error, sqnr_db, top1_agreement
+from .formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
 from .models.calibration import Calibration
 from .models.qwen3 import expert_weights, moe_layers
 from .moe.base import TransformersExperts, ops_for_device
@@ -41,6 +43,10 @@ __all__ = [
     "compare_schemes",
     "unification_study",
     "spread_study",
+    "exact_block_weights",
+    "exact_activation_qdq",
+    "fp64_moe",
+    "seed_vs_hardware_study",
 ]
 
 
@@ -284,3 +290,263 @@ def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device=
                              median_scale_ratio=sorted(ratios)[len(ratios) // 2]))
         del m, cal
     return rows
+
+
+# ----------------------------------------------------------------------------- seed vs hardware numerics
+
+
+def exact_block_weights(experts, which: str) -> torch.Tensor:
+    """One weight of quantized emulation experts, dequantized exactly: float64 ``[E, n, k]``.
+
+    ``element * block_scale * global_scale`` with every factor decoded from the stored
+    operands (``{which}_weight``, ``{which}_weight_scale``, and for NVFP4 the per-expert
+    ``{which}_weight_scale_2``, ``[E]`` or ``[E, 2]`` for gate and up): a product of at most
+    2 + 4 + 24 significant bits, exact in float64.
+
+    Args:
+        experts: a ``QuantizedExperts`` (``mxlib.moe.emulation``).
+        which: ``"w13"`` or ``"w2"``.
+    """
+    if which not in ("w13", "w2"):
+        raise ValueError(f"which: expected 'w13' or 'w2', got {which!r}")
+    fmt = experts.weight_scheme
+    values = R.decode_element(R.unpack_codes(experts.checkpoint_packed(f"{which}_weight"), fmt.element),
+                              fmt.element).double()
+    scale = getattr(experts, f"{which}_weight_scale")
+    scale = R.decode_e8m0(scale) if scale.dtype == torch.uint8 else scale.float()
+    e, n, k = values.shape
+    w = (values.reshape(e, n, k // fmt.block_size, fmt.block_size) * scale.double().unsqueeze(-1)).reshape(e, n, k)
+    g = getattr(experts, f"{which}_weight_scale_2", None)
+    if g is not None:
+        g = g.double()
+        if getattr(experts, "global_scale_kind", "decode") == "encode":
+            g = 1.0 / g
+        g = g.repeat_interleave(n // 2, dim=1) if g.ndim == 2 else g[:, None].expand(e, n)
+        w = w * g[:, :, None]
+    return w
+
+
+def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
+    """The activation QDQ of an emulation (``experts.a1_qdq()`` / ``a2_qdq()``), its value exact in float64.
+
+    The quantization decisions (element codes, block scales) are the seed's arithmetic on ``x``
+    (``mxlib.reference``); the dequantized value ``element * block_scale / global_scale``
+    (NVFP4) or ``element * 2**e`` (OCP MX) is formed in float64 without rounding. ``qdq.fmt`` None:
+    ``x`` unchanged.
+
+    Raises:
+        ValueError: a per-tensor FP8 activation (its operand is the seed's in both numerics modes,
+            so this study does not apply), or NVFP4 with more than one global scale (per-expert
+            scales: the study needs ``scale_strategy="max"``).
+    """
+    fmt = qdq.fmt
+    if fmt is None:
+        return x.double()
+    if not isinstance(fmt, BlockScheme):
+        raise ValueError(f"activation format {fmt}: a per-tensor FP8 operand is the same in both numerics "
+                         f"modes; expected NVFP4, an OCP MX block format or none")
+    if fmt.has_global_scale:
+        if qdq.scale.numel() != 1:
+            raise ValueError(f"activation global scale: expected one for all experts (scale_strategy 'max'), "
+                             f"got {qdq.scale.numel()}")
+        el, s = R.ref_nvfp4_quant(x, qdq.scale.reshape(1), fmt.block_size)
+        return el.double() * s.double().repeat_interleave(fmt.block_size, dim=-1) / qdq.scale.double().reshape(())
+    return R.quant_dequant_mx(x, fmt.element, fmt.block_size, qdq.scale_mode, dtype=torch.float32).double()
+
+
+@torch.no_grad()
+def fp64_moe(x, w13, w2, topk_weights, topk_ids, a1_qdq, a2_qdq, round_dtype=torch.bfloat16):
+    """The MoE function in float64 on given operands: the reference of ``seed_vs_hardware_study``.
+
+    ``out[t] = sum_j w_tj * w2[e] @ a2_qdq(silu(gate) * up)``, ``[gate; up] = w13[e] @ a1_qdq(x[t])``
+    with float64 GEMMs and sums. ``round_dtype`` (default bf16; None: no rounding) rounds GEMM1's
+    output and the SiLU-and-mul output where every emulation path materializes them in the
+    activation dtype (``mxlib.moe.base``): those two roundings are part of the function the
+    modes compute, not of how they compute it.
+
+    Args:
+        x: ``[M, H]`` layer input; w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (float64 operands);
+        topk_weights, topk_ids: ``[M, k]``;
+        a1_qdq: ``x -> float64 [M, H]``; a2_qdq: ``(a2 [n, I], expert) -> float64 [n, I]``.
+
+    Returns:
+        ``(out float64 [M, H], a2_input [M * k, I])``: the output and the SiLU-and-mul output
+        before its QDQ, row ``t * k + j`` for token t's j-th expert.
+    """
+    m, k = topk_ids.shape
+    i = w2.shape[-1]
+    a1 = a1_qdq(x)
+    flat = topk_ids.reshape(-1).long()
+    tw = topk_weights.reshape(-1).double()
+    out = torch.zeros(m * k, w2.shape[1], dtype=torch.float64, device=x.device)
+    a2_in = torch.zeros(m * k, i, dtype=round_dtype or torch.float64, device=x.device)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        h = a1[pairs // k] @ w13[e].T
+        if round_dtype is None:
+            act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        else:
+            act = silu_and_mul(h.to(round_dtype))
+        a2_in[pairs] = act
+        out[pairs] = (a2_qdq(act, e) @ w2[e].T) * tw[pairs, None]
+    return out.view(m, k, -1).sum(dim=1), a2_in
+
+
+@torch.no_grad()
+def _run_recording_a2(experts, x, topk_weights, topk_ids):
+    """``experts(x, ...)`` and the SiLU-and-mul output it quantized, rows in pair order ``t * k + j``.
+
+    The ``torch`` backend calls ``quantize_intermediate`` once per expert hit, in ascending
+    expert order, each with that expert's pairs in ascending order (``reference_moe.torch_moe``)."""
+    rec = []
+    orig = experts.quantize_intermediate
+
+    def record(a2, row_experts, backend):
+        rec.append(a2)
+        return orig(a2, row_experts, backend)
+
+    experts.quantize_intermediate = record
+    try:
+        out = experts(x, topk_weights, topk_ids)
+    finally:
+        del experts.quantize_intermediate
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    a2 = torch.empty(flat.numel(), rec[0].shape[1], dtype=rec[0].dtype, device=x.device)
+    a2[order] = torch.cat(rec)
+    return out, a2
+
+
+@contextlib.contextmanager
+def _experts_dequantized_once(experts: list):
+    """Each expert's weights dequantized once while the context lasts (the ``torch`` backend's
+    forward dequantizes an expert's w13 and w2 for each of the two GEMMs, on every call)."""
+    for ex in experts:
+        ex.dequantized_expert = functools.lru_cache(maxsize=None)(ex.dequantized_expert)
+    try:
+        yield
+    finally:
+        for ex in experts:
+            del ex.dequantized_expert
+
+
+@torch.no_grad()
+def _run_capturing(model, experts: list, token_ids):
+    """Logits and, per MoE layer, the experts' inputs and output (forward hooks on each MoE block's experts)."""
+    captured = []
+
+    def hook(mod, args, kwargs, out):
+        bound = inspect.signature(mod.forward).bind(*args, **kwargs)
+        a = bound.arguments
+        captured.append(dict(x=a["hidden_states"].detach(), topk_ids=a["top_k_index"].to(torch.int32),
+                             topk_weights=a["top_k_weights"].float(), out=out.detach()))
+
+    with experts_swapped(model, experts):
+        hooks = [mlp.experts.register_forward_hook(hook, with_kwargs=True) for mlp in moe_layers(model)]
+        try:
+            res = run_model(model, token_ids)
+        finally:
+            for h in hooks:
+                h.remove()
+    return res.logits, captured
+
+
+def _pair_metrics(prefix: str, x: torch.Tensor, ref: torch.Tensor) -> dict:
+    return {f"{prefix}_sqnr_db": sqnr_db(x, ref), f"{prefix}_rel_error": rel_error(x, ref)}
+
+
+def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch.Tensor,
+                           calibration: Calibration | None = None) -> dict:
+    """How far the seed's numerics move each MoE layer and the logits against the hardware mode.
+
+    The bf16 ``model``'s experts are quantized in ``scheme`` and run twice on the pure-PyTorch
+    backend: with ``numerics="seed"`` (vLLM's emulation: weights dequantized to
+    ``bf16(element * (block_scale * global_scale))``, activations to ``bf16(element * (s / gs))``)
+    and ``numerics="hardware"`` (operands ``element * block_scale``, exact in bf16; the per-tensor
+    scales on the fp32 GEMM outputs), ``mxlib.moe.emulation``. Forward hooks on each MoE block's
+    experts capture their inputs in the seed run; on those same inputs, each layer is then
+    computed in both modes and by ``fp64_moe`` on the exact operands (``exact_block_weights``,
+    ``exact_activation_qdq``: the same codes and scales, no rounding but the bf16 GEMM1 and
+    SiLU-and-mul outputs both modes materialize). A second float64 MoE built from the seed's
+    rounded bf16 operands is a negative control: the seed must be the closer mode there.
+
+    Args:
+        model: the bf16 dummy Qwen3-MoE (``workflow.dummy_model``), its bf16 experts in place.
+        scheme: NVFP4 or an OCP MX scheme with MX or no activation QDQ (not ``_a_fp8``).
+        token_ids: ``[1, T]``.
+        calibration: static input scales (``workflow.calibrate_model``), required for NVFP4.
+
+    Returns:
+        ``{"scheme", "num_tokens", "layers": rows, "logits": {...}}``. Per MoE layer (same input
+        to every computation): ``{seed,hw}_vs_ref_{sqnr_db,rel_error}`` and ``seed_vs_hw_*``
+        (the layer output), ``a2_input_{seed,hw}_vs_ref_sqnr_db`` (the SiLU-and-mul output before
+        its QDQ), ``a2_input_changed`` and ``a2_changed`` (fractions of a2 elements whose bf16
+        input, resp. quantized value, differ between the modes), ``e2e_seed_vs_hw_sqnr_db`` (the
+        layer's output in the two whole-model runs, errors of earlier layers included) and
+        ``control_{seed,hw}_sqnr_db`` (against the seed-operand float64 MoE). ``logits``:
+        ``seed_vs_hw_sqnr_db``, ``top1_agreement``, ``max_abs_diff``, and ``{seed,hw}_vs_bf16_sqnr_db``,
+        ``{seed,hw}_top1_vs_bf16``. SQNR in dB (+inf: equal), differences in logit units.
+
+    Raises:
+        ValueError: an ``_a_fp8`` scheme; NVFP4 without ``calibration``.
+    """
+    s = get_moe_scheme(scheme)
+    if s.activation is not None and not isinstance(s.activation, BlockScheme):
+        raise ValueError(f"scheme: {s.name} has per-tensor FP8 activations, the same operand in both numerics "
+                         f"modes; expected nvfp4 or an OCP MX scheme with MX or no activation QDQ")
+    if s.static_activation_scale and calibration is None:
+        raise ValueError(f"calibration: {s.name} needs static input scales (workflow.calibrate_model), got None")
+    nl = len(model.model.layers)
+    quantized = [quantize_expert_weights(*expert_weights(model, li), s) for li in range(nl)]
+    modes = {}
+    for numerics in ("seed", "hardware"):
+        experts = []
+        for li, q in enumerate(quantized):
+            in13 = in2 = None
+            if s.static_activation_scale:
+                in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, s.activation))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the activation scales' unification warning
+                experts.append(make_emulation_experts(s, q, in13, in2, backend="torch", numerics=numerics))
+        modes[numerics] = experts
+    with _experts_dequantized_once(modes["seed"] + modes["hardware"]):
+        return _seed_vs_hardware_rows(s, model, modes, token_ids)
+
+
+def _seed_vs_hardware_rows(s, model, modes, token_ids) -> dict:
+    nl = len(model.model.layers)
+    bf16_logits = run_model(model, token_ids).logits
+    seed_logits, seed_cap = _run_capturing(model, modes["seed"], token_ids)
+    hw_logits, hw_cap = _run_capturing(model, modes["hardware"], token_ids)
+    rows = []
+    for li in range(nl):
+        c = seed_cap[li]
+        x, tw, ti = c["x"], c["topk_weights"], c["topk_ids"]
+        seed_ex, hw_ex = modes["seed"][li], modes["hardware"][li]
+        seed_out, seed_a2 = _run_recording_a2(seed_ex, x, tw, ti)
+        hw_out, hw_a2 = _run_recording_a2(hw_ex, x, tw, ti)
+        a1q, a2q = seed_ex.a1_qdq(), seed_ex.a2_qdq()
+        ref, ref_a2 = fp64_moe(x, exact_block_weights(seed_ex, "w13"), exact_block_weights(seed_ex, "w2"), tw, ti,
+                               lambda v: exact_activation_qdq(v, a1q), lambda v, e: exact_activation_qdq(v, a2q))
+        d13, d2 = seed_ex.dequantized_weights()  # the seed's bf16 operands
+        ctl, _ = fp64_moe(x, d13.double(), d2.double(), tw, ti,
+                          lambda v: seed_ex.quantize_input(v, ti, "torch")[0].double(),
+                          lambda v, e: seed_ex.quantize_intermediate(
+                              v, torch.full((v.shape[0],), e, device=v.device), "torch").double())
+        q_seed, q_hw = exact_activation_qdq(seed_a2, a2q), exact_activation_qdq(hw_a2, a2q)
+        rows.append(dict(
+            layer=li,
+            **_pair_metrics("seed_vs_ref", seed_out, ref), **_pair_metrics("hw_vs_ref", hw_out, ref),
+            **_pair_metrics("seed_vs_hw", seed_out, hw_out),
+            a2_input_seed_vs_ref_sqnr_db=sqnr_db(seed_a2, ref_a2), a2_input_hw_vs_ref_sqnr_db=sqnr_db(hw_a2, ref_a2),
+            a2_input_changed=(seed_a2 != hw_a2).double().mean().item(),
+            a2_changed=(q_seed != q_hw).double().mean().item(),
+            e2e_seed_vs_hw_sqnr_db=sqnr_db(seed_cap[li]["out"], hw_cap[li]["out"]),
+            control_seed_sqnr_db=sqnr_db(seed_out, ctl), control_hw_sqnr_db=sqnr_db(hw_out, ctl),
+        ))
+    logits = dict(seed_vs_hw_sqnr_db=sqnr_db(seed_logits, hw_logits), top1_agreement=top1_agreement(seed_logits, hw_logits),
+                  max_abs_diff=(seed_logits.double() - hw_logits.double()).abs().max().item(),
+                  seed_vs_bf16_sqnr_db=sqnr_db(seed_logits, bf16_logits), hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
+                  seed_top1_vs_bf16=top1_agreement(seed_logits, bf16_logits),
+                  hw_top1_vs_bf16=top1_agreement(hw_logits, bf16_logits))
+    return {"scheme": s.name, "num_tokens": int(token_ids.numel()), "layers": rows, "logits": logits}
