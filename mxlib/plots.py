@@ -36,6 +36,7 @@ __all__ = [
     "spread_figure",
     "moe_layer_time_figures",
     "model_time_figure",
+    "seed_vs_hardware_figure",
 ]
 
 
@@ -311,4 +312,48 @@ def model_time_figure(model_rows: list[dict]) -> go.Figure:
         fig.add_trace(go.Bar(x=[f"{r['layers']} layers, {r['tokens']} tokens" for r in model_rows],
                              y=[r[f"{path}_ms"] for r in model_rows], name=path))
     fig.update_layout(barmode="group", title="Whole-model forward time", yaxis_title="ms")
+    return fig
+
+
+def _finite_or_none(v):
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
+    """``mxlib.studies.seed_vs_hardware_study`` results, one or more schemes.
+
+    Left: per MoE layer, SQNR (dB) of the seed and hardware numerics against the float64 MoE on
+    the same quantized operands, of the seed against the hardware mode (same layer input), and of
+    the layer's output in the two whole-model runs, one dash style per scheme. Right: the logits, seed vs hardware and each against the bf16
+    model. An SQNR of +inf (equal outputs: OCP MX) has no point or bar; its label says so.
+    """
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
+                        subplot_titles=("each MoE layer", "logits, whole model"))
+    lines = (("seed_vs_ref_sqnr_db", "seed vs fp64", 6), ("hw_vs_ref_sqnr_db", "hardware vs fp64", 2),
+             ("seed_vs_hw_sqnr_db", "seed vs hardware", 2),
+             ("e2e_seed_vs_hw_sqnr_db", "seed vs hardware, whole-model runs (earlier layers' drift included)", 2))
+    dashes = ("solid", "dot", "dash", "dashdot")
+    for si, st in enumerate(studies):
+        layers = [r["layer"] for r in st["layers"]]
+        for k, (key, label, width) in enumerate(lines):
+            ys = [_finite_or_none(r[key]) for r in st["layers"]]
+            equal = all(y is None for y in ys)
+            fig.add_trace(go.Scatter(x=layers, y=ys, mode="lines+markers",
+                                     name=f"{st['scheme']}: {label}" + (" (equal: +inf)" if equal else ""),
+                                     line=dict(color=PALETTE[k], dash=dashes[si % len(dashes)], width=width),
+                                     opacity=0.5 if width > 2 else 1.0, marker=dict(symbol=si)), row=1, col=1)
+    bars = (("seed_vs_hw_sqnr_db", "seed vs hardware"), ("seed_vs_bf16_sqnr_db", "seed vs bf16"),
+            ("hw_vs_bf16_sqnr_db", "hardware vs bf16"))  # colours after the four lines
+    names = [st["scheme"] for st in studies]
+    for k, (key, label) in enumerate(bars):
+        vals = [st["logits"][key] for st in studies]
+        fig.add_trace(go.Bar(x=names, y=[_finite_or_none(v) for v in vals], name=f"logits: {label}",
+                             marker_color=PALETTE[4 + k],
+                             text=["equal" if _finite_or_none(v) is None else f"{v:.1f}" for v in vals],
+                             textposition="outside"), row=1, col=2)
+    fig.update_xaxes(title_text="MoE layer", dtick=1, row=1, col=1)
+    fig.update_yaxes(title_text="SQNR [dB]", row=1, col=1)
+    fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
+    fig.update_layout(title="Seed vs hardware numerics: each MoE layer against float64 on the same operands, and the logits",
+                      barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
     return fig
