@@ -324,8 +324,9 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
 
     Left: per MoE layer, SQNR (dB) of the seed and hardware numerics against the float64 MoE on
     the same quantized operands, of the seed against the hardware mode (same layer input), and of
-    the layer's output in the two whole-model runs, one dash style per scheme. Right: the logits, seed vs hardware and each against the bf16
-    model. An SQNR of +inf (equal outputs: OCP MX) has no point or bar; its label says so.
+    the layer's output in the two whole-model runs, one dash style per scheme. Right: the logits,
+    seed vs hardware and each against the bf16 model. An SQNR of +inf (equal outputs: OCP MX) has
+    no point or bar; its legend entry or bar label says so.
     """
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
                         subplot_titles=("each MoE layer", "logits, whole model"))
@@ -354,6 +355,6 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
     fig.update_xaxes(title_text="MoE layer", dtick=1, row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
-    fig.update_layout(title="Seed vs hardware numerics: each MoE layer against float64 on the same operands, and the logits",
+    fig.update_layout(title="Seed vs hardware numerics: MoE layers against float64 on the same operands; logits",
                       barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
     return fig

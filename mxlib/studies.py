@@ -10,6 +10,10 @@ scale, and against strategies in between: on each expert's own calibration
 activations (SQNR, dB lost, subnormal / flushed block scales, clipped elements, the
 histogram of e4m3 block-scale codes), on each expert's output, and end to end.
 OCP MX (per-32 E8M0 scales, no global scale) is measured beside it.
+
+``seed_vs_hardware_study`` runs one scheme's experts in the seed's numerics and in the hardware
+mode (``mxlib.moe.emulation``) and measures, per MoE layer, each against a float64 MoE built from
+the same quantized operands (``fp64_moe``), and the logits of the two modes against each other.
 """
 
 from __future__ import annotations
@@ -332,7 +336,8 @@ def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
     The quantization decisions (element codes, block scales) are the seed's arithmetic on ``x``
     (``mxlib.reference``); the dequantized value ``element * block_scale / global_scale``
     (NVFP4) or ``element * 2**e`` (OCP MX) is formed in float64 without rounding. ``qdq.fmt`` None:
-    ``x`` unchanged.
+    ``x`` unchanged. A float64 ``x`` is decided on its fp32 rounding (the reference functions take
+    fp32, bf16 or fp16).
 
     Raises:
         ValueError: a per-tensor FP8 activation (its operand is the seed's in both numerics modes,
@@ -342,6 +347,8 @@ def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
     fmt = qdq.fmt
     if fmt is None:
         return x.double()
+    if x.dtype == torch.float64:
+        x = x.float()
     if not isinstance(fmt, BlockScheme):
         raise ValueError(f"activation format {fmt}: a per-tensor FP8 operand is the same in both numerics "
                          f"modes; expected NVFP4, an OCP MX block format or none")
@@ -359,10 +366,11 @@ def fp64_moe(x, w13, w2, topk_weights, topk_ids, a1_qdq, a2_qdq, round_dtype=tor
     """The MoE function in float64 on given operands: the reference of ``seed_vs_hardware_study``.
 
     ``out[t] = sum_j w_tj * w2[e] @ a2_qdq(silu(gate) * up)``, ``[gate; up] = w13[e] @ a1_qdq(x[t])``
-    with float64 GEMMs and sums. ``round_dtype`` (default bf16; None: no rounding) rounds GEMM1's
-    output and the SiLU-and-mul output where every emulation path materializes them in the
-    activation dtype (``mxlib.moe.base``): those two roundings are part of the function the
-    modes compute, not of how they compute it.
+    with float64 GEMMs and sums. ``round_dtype`` (default bf16) rounds GEMM1's output and the
+    SiLU-and-mul output where every emulation path materializes them in the activation dtype
+    (``mxlib.moe.base``): those two roundings are part of the function the modes compute, not of
+    how they compute it. None keeps both in float64 (the quantized MoE with no rounding but the
+    quantizers').
 
     Args:
         x: ``[M, H]`` layer input; w13 ``[E, 2I, H]``, w2 ``[E, H, I]`` (float64 operands);
@@ -456,7 +464,7 @@ def _pair_metrics(prefix: str, x: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch.Tensor,
-                           calibration: Calibration | None = None) -> dict:
+                           calibration: Calibration | None = None, bf16_logits: torch.Tensor | None = None) -> dict:
     """How far the seed's numerics move each MoE layer and the logits against the hardware mode.
 
     The bf16 ``model``'s experts are quantized in ``scheme`` and run twice on the pure-PyTorch
@@ -475,6 +483,8 @@ def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
         scheme: NVFP4 or an OCP MX scheme with MX or no activation QDQ (not ``_a_fp8``).
         token_ids: ``[1, T]``.
         calibration: static input scales (``workflow.calibrate_model``), required for NVFP4.
+        bf16_logits: the bf16 model's logits on ``token_ids`` (``run_model(model, token_ids).logits``)
+            when the caller has them (one run serves several schemes); None runs the model.
 
     Returns:
         ``{"scheme", "num_tokens", "layers": rows, "logits": {...}}``. Per MoE layer (same input
@@ -510,12 +520,13 @@ def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
                 experts.append(make_emulation_experts(s, q, in13, in2, backend="torch", numerics=numerics))
         modes[numerics] = experts
     with _experts_dequantized_once(modes["seed"] + modes["hardware"]):
-        return _seed_vs_hardware_rows(s, model, modes, token_ids)
+        return _seed_vs_hardware_rows(s, model, modes, token_ids, bf16_logits)
 
 
-def _seed_vs_hardware_rows(s, model, modes, token_ids) -> dict:
+def _seed_vs_hardware_rows(s, model, modes, token_ids, bf16_logits) -> dict:
     nl = len(model.model.layers)
-    bf16_logits = run_model(model, token_ids).logits
+    if bf16_logits is None:
+        bf16_logits = run_model(model, token_ids).logits
     seed_logits, seed_cap = _run_capturing(model, modes["seed"], token_ids)
     hw_logits, hw_cap = _run_capturing(model, modes["hardware"], token_ids)
     rows = []
@@ -544,9 +555,11 @@ def _seed_vs_hardware_rows(s, model, modes, token_ids) -> dict:
             e2e_seed_vs_hw_sqnr_db=sqnr_db(seed_cap[li]["out"], hw_cap[li]["out"]),
             control_seed_sqnr_db=sqnr_db(seed_out, ctl), control_hw_sqnr_db=sqnr_db(hw_out, ctl),
         ))
-    logits = dict(seed_vs_hw_sqnr_db=sqnr_db(seed_logits, hw_logits), top1_agreement=top1_agreement(seed_logits, hw_logits),
+    logits = dict(seed_vs_hw_sqnr_db=sqnr_db(seed_logits, hw_logits),
+                  top1_agreement=top1_agreement(seed_logits, hw_logits),
                   max_abs_diff=(seed_logits.double() - hw_logits.double()).abs().max().item(),
-                  seed_vs_bf16_sqnr_db=sqnr_db(seed_logits, bf16_logits), hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
+                  seed_vs_bf16_sqnr_db=sqnr_db(seed_logits, bf16_logits),
+                  hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
                   seed_top1_vs_bf16=top1_agreement(seed_logits, bf16_logits),
                   hw_top1_vs_bf16=top1_agreement(hw_logits, bf16_logits))
     return {"scheme": s.name, "num_tokens": int(token_ids.numel()), "layers": rows, "logits": logits}

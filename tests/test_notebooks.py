@@ -2,9 +2,9 @@
 
 Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``);
 02 on fewer rows of test data; 05 on its defaults (recorded benchmark results and a small numerics
-check). Each run must pass the notebook's own checks cell, and the numbers it writes to
-``results_path`` are checked again here: the notebooks' claims, restated for the tiny size where
-the size matters. ``make workbook`` runs the full-size defaults.
+check) but for section 5's model, the ``tiny`` preset. Each run must pass the notebook's own checks
+cell, and the numbers it writes to ``results_path`` are checked again here: the notebooks' claims,
+restated for the tiny size where the size matters. ``make workbook`` runs the full-size defaults.
 
 The kernel is the ``python3`` kernel of this interpreter; it imports the checkout under test
 (``PYTHONPATH``) and writes its checkpoints into a temporary folder (``MXLIB_CACHE``). The injected
@@ -35,7 +35,7 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     # run uses a wider spread, so that the subnormal-scale claims are exercised.
     "04_scale_unification": dict(model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512,
                                  num_tokens=16),
-    "05_fused_emulation_benchmark": dict(run_live="no"),
+    "05_fused_emulation_benchmark": dict(run_live="no", hw_model_preset="tiny", hw_tokens=16),
 }
 
 
@@ -134,3 +134,12 @@ def test_05_fused_emulation_benchmark(executed_notebook):
         assert r["fused_vs_seed"] > 0 and r["fused_over_bf16"] > 0 and r["meets"] in ("yes", "no")
     assert len(res["issue12_bf16_over_vllm"]) == 7 and max(res["issue12_bf16_over_vllm"]) <= 1.05
     assert res["issue12_checks_passed"] >= 90  # 70 ratio checks among them
+    # section 5: seed vs hardware numerics, each MoE layer against float64 on the same operands, and the logits
+    assert res["hw_model_preset"] == "tiny" and res["seed_vs_hardware_checks_passed"] >= 30
+    nv, mx = res["seed_vs_hardware"]["nvfp4"], res["seed_vs_hardware"]["w_mxfp4_a_mxfp4"]
+    assert len(nv["layers"]) == len(mx["layers"]) == res["hw_layers"]
+    for r in nv["layers"]:
+        assert r["hw_vs_ref_sqnr_db"] > 45.0 and r["hw_vs_ref_sqnr_db"] > r["seed_vs_ref_sqnr_db"] + 10.0, r
+        assert r["control_seed_sqnr_db"] > r["control_hw_sqnr_db"] + 10.0, r
+    assert all(r["seed_vs_hw_sqnr_db"] == float("inf") for r in mx["layers"]) and mx["logits"]["max_abs_diff"] == 0.0
+    assert nv["logits"]["max_abs_diff"] > 0.0

@@ -131,11 +131,16 @@ def test_fp64_moe_matches_pairwise_oracle(scheme):
         a1 = a2 = exact_mxfp4
     want = oracle_moe(x, w13, w2, tw, ti, a1, a2)
     a1q, a2q = ex["seed"].a1_qdq(), ex["seed"].a2_qdq()
-    got, a2_in = S.fp64_moe(x, S.exact_block_weights(ex["seed"], "w13"), S.exact_block_weights(ex["seed"], "w2"), tw, ti,
-                            lambda v: S.exact_activation_qdq(v, a1q), lambda v, e: S.exact_activation_qdq(v, a2q))
+    w13x, w2x = S.exact_block_weights(ex["seed"], "w13"), S.exact_block_weights(ex["seed"], "w2")
+    got, a2_in = S.fp64_moe(x, w13x, w2x, tw, ti, lambda v: S.exact_activation_qdq(v, a1q),
+                            lambda v, e: S.exact_activation_qdq(v, a2q))
     assert got.dtype == torch.float64 and a2_in.shape == (x.shape[0] * K, I)
     # the same bf16 roundings and codes; only the float64 summation order differs
     assert ((got - want).norm() / want.norm()).item() < 1e-12
+    # without the two bf16 roundings: the same function up to them and the a2 decisions they move
+    unrounded, a2_64 = S.fp64_moe(x, w13x, w2x, tw, ti, lambda v: S.exact_activation_qdq(v, a1q),
+                                  lambda v, e: S.exact_activation_qdq(v, a2q), round_dtype=None)
+    assert a2_64.dtype == torch.float64 and 20.0 < sqnr_db(unrounded, got) < math.inf
 
     seed, hw = (ex[n](x, tw, ti) for n in ("seed", "hardware"))
     if scheme == "nvfp4":
