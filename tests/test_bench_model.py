@@ -100,3 +100,40 @@ def test_bad_options_name_the_option():
     paths = bm.parse_paths("bf16,mxfp4,w_mxfp4_a_mxfp4", cpu)  # the short name resolves, duplicates drop
     assert paths == [bm.PathSpec(None), bm.PathSpec("w_mxfp4_a_mxfp4")]
     assert bm.parse_paths(None, torch.device("cuda"))[-1] == bm.PathSpec("nvfp4", "triton")
+
+
+class _FakeGraph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` on the CPU: replay reruns the function into the same output."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+@pytest.mark.parametrize("whole_fails", [False, True])
+def test_graph_modes_flow_on_the_cpu(monkeypatch, whole_fails):
+    # the graph bookkeeping (whole forward, or per-MoE-block after a failed capture) with a fake capture
+    calls = []
+
+    def fake_capture(fn, pool=None):
+        calls.append(pool)
+        if whole_fails and len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        out = fn()
+        return _FakeGraph(fn, out), out
+
+    monkeypatch.setattr(bm, "_capture", fake_capture)
+    model = bm.build_model("tiny", 2, "cpu")
+    blocks = [layer.mlp for layer in model.model.layers]
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        r = bm._time_forward(model, ids, torch.device("cpu"), 1.0, graphs=True)
+    assert r["graph_ms"] > 0 and r["eager_ms"] > 0 and r["graph_bit_exact"] and r["graph_sqnr_db"] is None
+    if whole_fails:
+        assert r["graph_mode"] == "per_moe_block" and "stream is capturing" in r["graph_error"]
+        assert len(calls) == 1 + len(blocks)
+    else:
+        assert r["graph_mode"] == "whole" and "graph_error" not in r and len(calls) == 1
+    assert [layer.mlp for layer in model.model.layers] == blocks  # the blocks are put back

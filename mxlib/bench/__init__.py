@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -34,8 +35,11 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=["quant", "moe", "fused", "model"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="quant: sweep tile sizes and warps first")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["model"]:  # its own options and --help; also runs on the CPU (--device cpu)
+        return model.main(argv[1:])
     args, rest = ap.parse_known_args(argv)
-    if args.what == "model":  # also runs on the CPU (--device cpu)
+    if args.what == "model":  # options before the subcommand (``--json PATH model ...``)
         return model.main(rest, json_path=args.json)
     if not torch.cuda.is_available():
         print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")

@@ -160,8 +160,9 @@ def _time_ms(fn, device: torch.device, rep_ms: float) -> float:
     return statistics.median(times)
 
 
-def _capture(fn):
-    """``(graph, out)``: ``fn`` run twice on a side stream, then captured; ``out`` its static output."""
+def _capture(fn, pool=None):
+    """``(graph, out)``: ``fn`` run twice on a side stream, then captured (into memory pool ``pool``
+    if given); ``out`` is its static output, rewritten by each replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -169,7 +170,7 @@ def _capture(fn):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, pool=pool):
         out = fn()
     return g, out
 
@@ -177,11 +178,11 @@ def _capture(fn):
 class _GraphedBlock(torch.nn.Module):
     """A MoE block captured once for inputs of one shape: copy in, replay, return the static output."""
 
-    def __init__(self, block: torch.nn.Module, example: torch.Tensor):
+    def __init__(self, block: torch.nn.Module, example: torch.Tensor, pool=None):
         super().__init__()
         self.block = block
         self.static_in = example.clone()
-        self.graph, self.static_out = _capture(lambda: block(self.static_in))
+        self.graph, self.static_out = _capture(lambda: block(self.static_in), pool)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.static_in.copy_(hidden_states)
@@ -222,22 +223,26 @@ def _time_forward(model, ids, device, rep_ms: float, graphs: bool, eager_out: to
         g, out = _capture(fwd)
         res["graph_mode"] = "whole"
     except Exception as e:  # noqa: BLE001 (any capture failure falls back to per-block graphs)
-        torch.cuda.synchronize()
+        _sync(device)
         res["graph_error"] = f"{type(e).__name__}: {e}"[:500]
         res["graph_mode"] = "per_moe_block"
         g = out = None
     if g is not None:
         g.replay()
-        torch.cuda.synchronize()
+        _sync(device)
         res["graph_ms"] = _time_ms(g.replay, device, rep_ms)
         replayed = out
     else:
         layers = model.model.layers
         blocks = [layer.mlp for layer in layers]
         example = torch.randn(1, ids.shape[1], model.config.hidden_size, device=device, dtype=model.dtype)
+        # One memory pool for all blocks' graphs: they replay in the order captured, one at a time, and
+        # each output is consumed (residual add) before the next replay. Private pools would each keep
+        # their block's transients (1.2 GB per layer for the seed-style path's dequantized experts).
+        pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         try:
             for layer, block in zip(layers, blocks):
-                layer.mlp = _GraphedBlock(block, example)
+                layer.mlp = _GraphedBlock(block, example, pool)
             replayed = fwd().clone()
             res["graph_ms"] = _time_ms(fwd, device, rep_ms)
         finally:
@@ -489,9 +494,16 @@ def main(argv=None, json_path=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA GPU here (use --device cpu)")
-        return 2
-    result = bench_model(args.preset, args.layers, _parse_tokens(args.tokens), args.schemes, device, args.seed,
+        ap.error("--device cuda: no CUDA GPU here (use --device cpu)")
+    try:
+        tokens = _parse_tokens(args.tokens)
+        parse_paths(args.schemes, device)
+        model_preset_overrides(args.preset)
+        if args.layers < 1:
+            raise ValueError(f"--layers: expected a positive integer, got {args.layers}")
+    except ValueError as e:
+        ap.error(str(e))
+    result = bench_model(args.preset, args.layers, tokens, args.schemes, device, args.seed,
                          args.calib_tokens, args.rep_ms, not args.no_graph, args.min_sqnr_db, args.min_graph_sqnr_db)
     md = markdown(result)
     print(md)
