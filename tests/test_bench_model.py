@@ -40,7 +40,8 @@ def test_rows_times_ratios_and_sqnr(result):
     _, res, _ = result
     for r in res["rows"]:
         assert r["backend"] == "torch"
-        assert r["eager_ms"] > 0 and r["ms"] == r["eager_ms"] and r["ratio_to_bf16"] > 0 and r["eager_ratio_to_bf16"] > 0
+        assert r["eager_ms"] > 0 and r["ms"] == r["eager_ms"]
+        assert r["ratio_to_bf16"] > 0 and r["eager_ratio_to_bf16"] > 0
         assert r["tokens_per_s"] == pytest.approx(r["M"] / (r["ms"] * 1e-3))
         assert r["moe_share"] == pytest.approx((r["ms"] - r["no_moe_ms"]) / r["ms"])
         if r["path"] == "bf16":
@@ -137,3 +138,12 @@ def test_graph_modes_flow_on_the_cpu(monkeypatch, whole_fails):
     else:
         assert r["graph_mode"] == "whole" and "graph_error" not in r and len(calls) == 1
     assert [layer.mlp for layer in model.model.layers] == blocks  # the blocks are put back
+
+
+def test_a_path_named_twice_runs_once():
+    # on the CPU "nvfp4" (auto) and "nvfp4@torch" are the same path
+    logs = []
+    res = bm.bench_model("tiny", 1, (1,), "nvfp4,nvfp4@torch", "cpu", calib_tokens=64, rep_ms=1.0,
+                         log=lambda *a, **k: logs.append(a[0]))
+    assert [r["path"] for r in res["rows"]] == ["bf16", "nvfp4@torch"] and res["failures"] == []
+    assert any("already measured" in line for line in logs)

@@ -31,7 +31,8 @@ Reported per row: ``ms`` (graph time where there is one, else eager), ``tokens_p
 ``ratio_to_bf16`` (``ms`` over the bf16 path's at the same ``M``; also ``eager_ratio_to_bf16``),
 ``moe_share`` (``(ms - no_moe_ms) / ms``: ``no_moe_ms`` is the same forward, same mode, with every
 MoE block (router and experts) replaced by zeros), ``sqnr_db_vs_bf16`` (eager logits against the bf16
-path's, dB; None for bf16) and the graph check: ``graph_bit_exact`` (the replay's logits equal to the
+path's, dB; None for bf16; a scheme run on two backends also gets ``sqnr_db_vs_path`` against its first,
+``vs_path``) and the graph check: ``graph_bit_exact`` (the replay's logits equal to the
 eager forward's) and, when they differ, ``graph_sqnr_db``.
 
 Checks (exit status 1 if any fails, after the JSON and markdown are written): the graph replay's
@@ -291,8 +292,11 @@ def _env(device: torch.device) -> dict:
 @torch.no_grad()
 def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, schemes: str | None = None,
                 device=None, seed: int = 0, calib_tokens: int = 1024, rep_ms: float = 200.0, graphs: bool = True,
-                min_sqnr_db: float = 1.0, min_graph_sqnr_db: float = 60.0, log=print) -> dict:
+                min_sqnr_db: float = 1.0, min_graph_sqnr_db: float = 60.0, log=print, on_path=None) -> dict:
     """Time the whole-model forward per path and token count (module docstring); returns the JSON dict.
+
+    ``on_path(result)``, if given, is called after each path with the result so far (the CLI writes its
+    files then, so a run stopped by a time limit keeps the paths it finished).
 
     Raises:
         ValueError: bad ``schemes``, ``tokens``, ``layers`` or ``preset`` (naming the option).
@@ -350,12 +354,15 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
     finally:
         for layer, block in zip(model.model.layers, blocks):
             layer.mlp = block
-    log(f"[model] without MoE blocks: " + ", ".join(
+    log("[model] without MoE blocks: " + ", ".join(
         f"M={m} eager {v['eager_ms']:.2f} ms" + (f" graph {v['graph_ms']:.2f} ms" if v["graph_ms"] else "")
         for m, v in result["no_moe"].items()), flush=True)
 
     ref_logits: dict[int, torch.Tensor] = {}
     bf16_rows: dict[int, dict] = {}
+    # a scheme on several backends: its later backends compared with its first (same QDQ bits)
+    repeated = {p.scheme for p in paths if p.scheme is not None and sum(q.scheme == p.scheme for q in paths) > 1}
+    first_backend: dict[tuple[str, int], tuple[str, torch.Tensor]] = {}
     for spec in paths:
         t0 = time.perf_counter()
         if device.type == "cuda":
@@ -365,6 +372,10 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
             swap_experts(model, _emulation_experts(spec, weights, calib))
         backend = moe_layers(model)[0].experts.experts.resolved_backend(device)
         name = _path_name(spec, backend)
+        if any(r["path"] == name for r in result["rows"]):
+            log(f"[{name}] already measured (--schemes entry {spec.scheme}@{spec.backend}); skipped", flush=True)
+            swap_experts(model, _bf16_experts(weights))
+            continue
         _sync(device)
         log(f"[{name}] experts ready in {time.perf_counter() - t0:.1f} s", flush=True)
         for m in tokens:
@@ -385,6 +396,10 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
                 row["sqnr_db_vs_bf16"] = None
             else:
                 row["sqnr_db_vs_bf16"] = _sqnr_db(eager, ref_logits[m])
+                if spec.scheme in repeated:
+                    first = first_backend.setdefault((spec.scheme, m), (name, eager))
+                    if first[0] != name:
+                        row["vs_path"], row["sqnr_db_vs_path"] = first[0], _sqnr_db(eager, first[1])
             b = bf16_rows[m]
             row["ratio_to_bf16"] = row["ms"] / b["ms"]
             row["eager_ratio_to_bf16"] = row["eager_ms"] / b["eager_ms"]
@@ -396,6 +411,8 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
             del eager
         if spec.scheme is not None:
             swap_experts(model, _bf16_experts(weights))  # frees this scheme's experts
+        if on_path is not None:
+            on_path(result)
     result["seconds"] = time.perf_counter() - t_start
     for f in result["failures"]:
         log(f"[model] CHECK FAILED: {f}", flush=True)
@@ -410,8 +427,9 @@ def _graph_check(row: dict) -> str:
 
 def _row_summary(row: dict) -> str:
     g = f", graph {row['graph_ms']:.3f} ms ({row['graph_mode']})" if row.get("graph_ms") is not None else ""
+    v = f", {row['sqnr_db_vs_path']:.1f} dB vs {row['vs_path']}" if "vs_path" in row else ""
     return (f"eager {row['eager_ms']:.3f} ms{g}, {row['tokens_per_s']:.0f} tok/s, {row['ratio_to_bf16']:.2f}x bf16, "
-            f"MoE share {row['moe_share']:.0%}, SQNR vs bf16 {_fmt(row['sqnr_db_vs_bf16'], '.1f')} dB, "
+            f"MoE share {row['moe_share']:.0%}, SQNR vs bf16 {_fmt(row['sqnr_db_vs_bf16'], '.1f')} dB{v}, "
             f"graph vs eager {_graph_check(row)}")
 
 
@@ -461,10 +479,14 @@ def markdown(result: dict) -> str:
     lines += table(f"ms per forward ({timed}), ratio to bf16",
                    lambda r: f"{r['ms']:.3f} ({r['ratio_to_bf16']:.2f}x)")
     lines += table("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
-    lines += table("eager ms per forward, ratio to bf16", lambda r: f"{r['eager_ms']:.2f} ({r['eager_ratio_to_bf16']:.2f}x)")
-    lines += table("MoE share of the forward (blocks replaced by zeros for the rest)", lambda r: f"{r['moe_share']:.0%}")
+    lines += table("eager ms per forward, ratio to bf16",
+                   lambda r: f"{r['eager_ms']:.2f} ({r['eager_ratio_to_bf16']:.2f}x)")
+    lines += table("MoE share of the forward (blocks replaced by zeros for the rest)",
+                   lambda r: f"{r['moe_share']:.0%}")
     lines += table("logits SQNR vs bf16 (dB); graph replay vs eager",
-                   lambda r: f"{_fmt(r['sqnr_db_vs_bf16'], '.1f')}; {_graph_check(r)}")
+                   lambda r: f"{_fmt(r['sqnr_db_vs_bf16'], '.1f')}"
+                             + (f" ({r['sqnr_db_vs_path']:.1f} vs {r['vs_path']})" if "vs_path" in r else "")
+                             + f"; {_graph_check(r)}")
     skipped = {r.get("graph_skipped") for r in rows} - {None}
     errors = {r.get("graph_error") for r in rows} - {None}
     lines += [f"Graphs skipped: {s}" for s in skipped] + [f"Whole-forward capture failed: {e}" for e in errors]
@@ -503,14 +525,16 @@ def main(argv=None, json_path=None) -> int:
             raise ValueError(f"--layers: expected a positive integer, got {args.layers}")
     except ValueError as e:
         ap.error(str(e))
-    result = bench_model(args.preset, args.layers, tokens, args.schemes, device, args.seed,
-                         args.calib_tokens, args.rep_ms, not args.no_graph, args.min_sqnr_db, args.min_graph_sqnr_db)
-    md = markdown(result)
-    print(md)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(md)
+    def write(result):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(markdown(result))
+
+    result = bench_model(args.preset, args.layers, tokens, args.schemes, device, args.seed, args.calib_tokens,
+                         args.rep_ms, not args.no_graph, args.min_sqnr_db, args.min_graph_sqnr_db, on_path=write)
+    write(result)
+    print(markdown(result))
     return 1 if result["failures"] else 0
