@@ -147,3 +147,17 @@ def test_a_path_named_twice_runs_once():
                          log=lambda *a, **k: logs.append(a[0]))
     assert [r["path"] for r in res["rows"]] == ["bf16", "nvfp4@torch"] and res["failures"] == []
     assert any("already measured" in line for line in logs)
+
+
+def test_no_graph_at_all_keeps_the_eager_time(monkeypatch):
+    def failing_capture(fn, pool=None):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(bm, "_capture", failing_capture)
+    model = bm.build_model("tiny", 1, "cpu")
+    blocks = [layer.mlp for layer in model.model.layers]
+    with torch.no_grad():
+        r = bm._time_forward(model, torch.zeros(1, 4, dtype=torch.long), torch.device("cpu"), 1.0, graphs=True)
+    assert r["graph_ms"] is None and r["graph_mode"] is None and r["eager_ms"] > 0
+    assert r["graph_error"].count("capture failed") == 2 and "per-block" in r["graph_error"]
+    assert [layer.mlp for layer in model.model.layers] == blocks

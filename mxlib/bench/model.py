@@ -25,7 +25,8 @@ every path), ``use_cache=False``, and the output the logits ``[1, M, vocab]``. T
 * ``graph_ms``: the whole forward captured in ONE CUDA graph (mxlib's experts are sync-free) and
   replayed, median; ``graph_mode`` is ``whole``. If the capture fails, each MoE block is captured on
   its own and the rest runs eagerly between replays (``graph_mode`` ``per_moe_block``, with the
-  capture error in ``graph_error``). On the CPU there is no graph (``graph_skipped``, the reason).
+  capture error in ``graph_error``); if that fails too, ``graph_ms`` is None and ``ms`` the eager time.
+  On the CPU there is no graph (``graph_skipped``, the reason).
 
 Reported per row: ``ms`` (graph time where there is one, else eager), ``tokens_per_s`` (``M / ms``),
 ``ratio_to_bf16`` (``ms`` over the bf16 path's at the same ``M``; also ``eager_ratio_to_bf16``),
@@ -41,7 +42,7 @@ kernels have no atomics); each emulation path's logits at least ``--min-sqnr-db`
 path that returns zeros is at 0 dB, an unrelated output of the same power at -3 dB); every time
 positive and finite.
 
-Device memory (full size): the bf16 model is about 62 GB (58 GB of it experts); one FP4 scheme adds
+Device memory (full size): the bf16 model is about 61 GB (58 GB of it experts); one FP4 scheme adds
 about 16 GB of packed experts; ``peak_gb`` per path records the allocator's peak.
 """
 
@@ -246,6 +247,11 @@ def _time_forward(model, ids, device, rep_ms: float, graphs: bool, eager_out: to
                 layer.mlp = _GraphedBlock(block, example, pool)
             replayed = fwd().clone()
             res["graph_ms"] = _time_ms(fwd, device, rep_ms)
+        except Exception as e:  # noqa: BLE001 (no graph at all: the row keeps its eager time)
+            _sync(device)
+            res.update(graph_ms=None, graph_mode=None)
+            res["graph_error"] += f"; per-block capture: {type(e).__name__}: {e}"[:500]
+            return res
         finally:
             for layer, block in zip(layers, blocks):
                 layer.mlp = block
