@@ -30,16 +30,17 @@ every path), ``use_cache=False``, and the output the logits ``[1, M, vocab]``. T
 
 Reported per row: ``ms`` (graph time where there is one, else eager), ``tokens_per_s`` (``M / ms``),
 ``ratio_to_bf16`` (``ms`` over the bf16 path's at the same ``M``; also ``eager_ratio_to_bf16``),
-``moe_share`` (``(ms - no_moe_ms) / ms``: ``no_moe_ms`` is the same forward, same mode, with every
-MoE block (router and experts) replaced by zeros), ``sqnr_db_vs_bf16`` (eager logits against the bf16
+``moe_share`` (``(ms - no_moe_ms) / ms``: ``no_moe_ms`` is the same forward with every MoE block
+(router and experts) replaced by zeros, in the same graph mode, else eager), ``sqnr_db_vs_bf16`` (eager logits against the bf16
 path's, dB; None for bf16; a scheme run on two backends also gets ``sqnr_db_vs_path`` against its first,
 ``vs_path``) and the graph check: ``graph_bit_exact`` (the replay's logits equal to the
 eager forward's) and, when they differ, ``graph_sqnr_db``.
 
 Checks (exit status 1 if any fails, after the JSON and markdown are written): the graph replay's
 logits within ``--min-graph-sqnr-db`` (60 dB) of the eager logits (identical bits expected: the
-kernels have no atomics); each emulation path's logits at least ``--min-sqnr-db`` (1 dB) from bf16 (a
-path that returns zeros is at 0 dB, an unrelated output of the same power at -3 dB); every time
+kernels have no atomics); each emulation path's logits at an SQNR of at least ``--min-sqnr-db`` (1 dB)
+against bf16's (an MoE that returns zeros, or an unrelated output of the same power, lands near
+0 or -3 dB per layer); every time
 positive and finite.
 
 Device memory (full size): the bf16 model is about 61 GB (58 GB of it experts); one FP4 scheme adds
