@@ -37,6 +37,7 @@ __all__ = [
     "moe_layer_time_figures",
     "model_time_figure",
     "seed_vs_hardware_figure",
+    "model_forward_figure",
 ]
 
 
@@ -357,4 +358,38 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
     fig.update_layout(title="Seed vs hardware numerics: MoE layers against float64 on the same operands; logits",
                       barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
+
+
+def model_forward_figure(result: dict | str, eager: bool = False) -> go.Figure:
+    """Whole-model forward time by token count, one line per path, log-log, from ``python -m mxlib.bench
+    model``'s JSON (a path to the file, or the loaded dict).
+
+    ``eager=False`` plots each row's ``ms`` (the CUDA-graph replay where there was one, else eager);
+    ``eager=True`` the eager times. Hover shows the ratio to bf16 and tokens/s.
+
+    Raises:
+        ValueError: ``result`` has no ``rows``.
+    """
+    if isinstance(result, str):
+        import json
+
+        with open(result) as f:
+            result = json.load(f)
+    rows = result.get("rows") or []
+    if not rows:
+        raise ValueError("result: expected the benchmark JSON with a non-empty 'rows' list")
+    key, ratio = ("eager_ms", "eager_ratio_to_bf16") if eager else ("ms", "ratio_to_bf16")
+    fig = go.Figure()
+    for i, path in enumerate(dict.fromkeys(r["path"] for r in rows)):
+        rr = sorted((r for r in rows if r["path"] == path), key=lambda r: r["M"])
+        fig.add_trace(go.Scatter(
+            x=[r["M"] for r in rr], y=[r[key] for r in rr], name=path, mode="lines+markers",
+            line=dict(color=PALETTE[i % len(PALETTE)], dash="dash" if path == "bf16" else None),
+            customdata=[[r[ratio], r["M"] / (r[key] * 1e-3)] for r in rr],
+            hovertemplate="M %{x}: %{y:.3f} ms, %{customdata[0]:.2f}x bf16, %{customdata[1]:.0f} tokens/s"))
+    cfg, env = result.get("config", {}), result.get("env", {})
+    timed = "eager" if eager else ("CUDA graph" if any(r.get("graph_ms") is not None for r in rows) else "eager")
+    fig.update_layout(
+        title=f"Whole-model forward ({cfg.get('layers', '?')} layers, {timed}), {env.get('device', '')}",
+        xaxis_title="tokens M", yaxis_title="ms per forward", xaxis_type="log", yaxis_type="log")
     return fig

@@ -8,29 +8,39 @@ emulation (and, with ``--model``, whole-model forwards). ``moe --anchor ANCHOR.j
 runs ``mxlib.bench.fused`` instead: the same layer on the anchor harness's inputs, CUDA-graph replay
 times, ratios to the anchor rows, fractions of the memory floor and the issue-12 floors.
 
-Both print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
+``model`` (``mxlib.bench.model``): the whole dummy Qwen3-30B-A3B forward (48 layers) at decode-sized
+and prefill M, bf16 vs each emulation path, eager and as one CUDA graph (``--device cpu`` runs a small
+preset eagerly, for tests).
+
+All print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
-from . import fused, moe, quant
+from . import fused, model, moe, quant
 from ._common import copy_bandwidth
 from .quant import bench_quant, print_quant, sweep_quant
 
-__all__ = ["main", "copy_bandwidth", "bench_quant", "sweep_quant", "fused", "moe", "quant"]
+__all__ = ["main", "copy_bandwidth", "bench_quant", "sweep_quant", "fused", "model", "moe", "quant"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["quant", "moe", "fused"])
+    ap.add_argument("what", choices=["quant", "moe", "fused", "model"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="quant: sweep tile sizes and warps first")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["model"]:  # its own options and --help; also runs on the CPU (--device cpu)
+        return model.main(argv[1:])
     args, rest = ap.parse_known_args(argv)
+    if args.what == "model":  # options before the subcommand (``--json PATH model ...``)
+        return model.main(rest, json_path=args.json)
     if not torch.cuda.is_available():
         print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")
         return 2
