@@ -91,14 +91,14 @@ def fused_dequant(weight, gated, a2, split=False):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
-def fused_fp4(weight, mode, gated, a, words=True, scale_words=True, naive=False):
+def fused_fp4(weight, mode, gated, a, naive=False):
     """The FP4 kernel: ``weight`` mxfp4 / nvfp4, ``mode`` seed / hardware, ``a`` the activation format
     of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or None; PTX decode (the compiled path)."""
     w = BLOCK_SCHEMES[weight]
     q = D.ActivationQDQ(get_activation_format(a))
     md = P.MODES[mode]
     w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_SEED if mode == "seed" else P.W_NVFP4_HW)
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32" if words else "*u8", "ws_ptr": "*i32" if scale_words else "*u8",
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*i32",
             "wg_ptr": "*fp32", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
             "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "a_scale_ptr": "*fp32",
             "c_scale_ptr": "*fp32"}
@@ -108,8 +108,7 @@ def fused_fp4(weight, mode, gated, a, words=True, scale_words=True, naive=False)
     k = compile_kernel(kernel, ptrs, dict(
         select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, GATED=gated,
         W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
-        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, USE_ASM=True, WORDS=words,
-        SCALE_WORDS=scale_words))
+        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16))
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the FP4 kernel's PTX"
     compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
                                                                                    OUT_DTYPE=tl.bfloat16))
@@ -133,8 +132,7 @@ JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
 JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
                                   ("nvfp4", "seed", False, None), ("nvfp4", "hardware", False, None),
                                   ("mxfp4", "seed", True, None), ("mxfp4", "seed", True, "mxfp4"),
-                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True, True, True),
-                                  ("nvfp4", "seed", True, "nvfp4", False, False)]]
+                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True)]]
 JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
                                       ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
                                       ("nvfp4", False, None), ("mxfp8_e4m3", False, None),

@@ -4,23 +4,29 @@ Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert f
 ``global_scale``). What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 
 * **Weight layout prepared once** (``prepare_fp4_weights``): the checkpoint keeps its layout
-  (two codes a byte, even element in the low nibble); the kernel's layout pairs, inside every
-  128-element K tile, element ``p`` (low nibble) with element ``p + 64`` (high nibble). A byte
-  tile ``[BLOCK_N, 64]`` then decodes into two contiguous half tiles (K ``0..63`` and
-  ``64..127``), each one ``tl.dot`` against a contiguous activation tile: no interleaving
-  shuffle of codes and no strided activation loads. Same bytes, no extra memory.
+  (two codes a byte, even element in the low nibble); the kernel's layout reorders the bytes of
+  every row's 128-element K tile so that (1) a byte holds element ``p`` (low nibble) and ``p + 64``
+  (high nibble): one byte tile decodes into the two half tiles K ``0..63`` and ``64..127``, each one
+  ``tl.dot``; (2) the 16 bytes one thread loads are exactly the elements it holds in Hopper's
+  warpgroup-MMA register operand, so after the decode a few ``reshape``/``permute`` calls (free:
+  register renaming) give the dot operand, with no round trip through shared memory, and the MMA
+  of one half tile overlaps the decode of the next (the approach of OpenAI's triton_kernels Hopper
+  MXFP4 value layout, derived here from the PTX fragment layout). Same bytes, no extra memory.
 * **Several elements per integer op** (compiled path): a PTX block (``tl.inline_asm_elementwise``,
-  four packed bytes at a time) spreads two bytes into the halves of a 32-bit word (``prmt``),
-  builds two bf16 codes with one shift/and/or sequence, and scales them with one
-  ``mul.rn.bf16x2``. Under ``TRITON_INTERPRET=1`` the same values come from the shared fp32
-  helpers of ``_numerics`` (the interpreter runs no PTX).
+  one 32-bit word = eight codes per call) spreads two bytes into the halves of a 32-bit word
+  (``prmt``), builds two bf16 codes with one shift/and/or sequence and scales them with one
+  ``mul.rn.bf16x2``; the block scales are decoded in PTX too (E8M0 by a shift, ue4m3 by the
+  hardware's exact e4m3 -> f16 conversion). Under ``TRITON_INTERPRET=1`` the same values come
+  from the shared fp32 helpers of ``_numerics`` (the interpreter runs no PTX); the reshapes are the
+  same, so the interpreter tests check the layout.
 * **a1 QDQ fused into the A-tile load** (MX, NVFP4 with per-expert or shared scale, FP8
   per tensor), or, for large batches where the tile would be re-quantized for every N tile,
   done once by the standalone kernel (``FP4Config.A1_FUSED``); **a2 QDQ in GEMM1's epilogue**.
 * **Block assignment**: tiny batches (``M * k * 4 <= E``, vLLM's rule) give each pair its own
   block and skip the alignment; otherwise ``moe_align_block_size_triton`` (one or two launches).
-* **Scales as words**: a K tile's scale bytes are loaded as 32-bit words, so they join the
-  cp.async pipeline with the weights (``FP4Config.SCALE_WORDS``).
+* **Scales as words**: each packed word's scale byte is loaded as the 32-bit word holding it, in
+  the register layout of the word it scales (cp.async-pipelined with the weights; lanes that share
+  a scale read the same word from L1).
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
   H200 (the sweep of the since-removed ``tools/bench_fused.py``; measurements in ``benchmarks/h200_fused_fp4.md``;
   ``python -m mxlib.bench fused`` times them beside the anchor harness).
@@ -74,8 +80,13 @@ W_MX, W_NVFP4_SEED, W_NVFP4_HW = 0, 1, 2
 class FP4Weights:
     """One expert stack in the kernel's layout (``prepare_fp4_weights``).
 
-    ``packed`` uint8 ``[E, rows, K / 2]`` (byte ``t * 64 + p`` of a row: element ``t * 128 + p``
-    in the low nibble, ``t * 128 + 64 + p`` in the high nibble); ``scales`` uint8
+    ``packed`` uint8 ``[E, rows, K / 2]``: each row's K tile ``t`` of 128 elements is 64 bytes; byte
+    ``c * 16 + j * 4 + h * 2 + e`` (c, j in 0..3, h, e in 0..1) holds element ``t * 128 + p`` in the
+    low nibble and ``t * 128 + 64 + p`` in the high nibble, ``p = 16j + 8h + 2c + e``. That is the
+    order of Hopper's warpgroup MMA register operand (PTX ISA, "wgmma register fragment A" for
+    16-bit types: lane ``4g + c`` holds K ``2c + {0, 1, 8, 9}`` of each 16-wide K step): a thread's
+    16-byte load is exactly what it feeds the MMA, so the decoded tile never goes through shared
+    memory. ``scales`` uint8
     ``[E, rows, K / block_size]`` (E8M0 or ue4m3 bytes, checkpoint order); ``global_scale``
     fp32 ``[E]`` or ``[E, 2]`` (gate, up) NVFP4 decode scales, else None.
     """
@@ -125,9 +136,7 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
         raise ValueError(f"scales: expected shape {[e, rows, k // block_size]}, got {list(scales.shape)}")
     out = torch.empty_like(packed)
     for i in range(e):  # one expert at a time: a few MB of temporaries
-        b = packed[i].view(rows, k // K_TILE, K_TILE // 2)
-        codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(rows, k // K_TILE, K_TILE)
-        out[i] = (codes[..., :64] | (codes[..., 64:] << 4)).reshape(rows, half)
+        out[i] = _to_mma_bytes(packed[i])
     if global_scale is not None:
         global_scale = global_scale.float().contiguous()
         if global_scale.shape not in ((e,), (e, 2)):
@@ -156,10 +165,21 @@ def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
 def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:
     """Prepared packed bytes ``[E, rows, K / 2]`` -> checkpoint layout (a new tensor, same shape)."""
     e, rows, half = packed.shape
-    b = packed.view(e, rows, half // 64, 64)
-    codes = torch.cat((b & 0xF, b >> 4), dim=-1)  # [.., 128] in element order
-    c = codes.view(e, rows, half // 64, 64, 2)
-    return (c[..., 0] | (c[..., 1] << 4)).reshape(e, rows, half)
+    b = packed.view(e, rows, half // 64, 4, 4, 2, 2)  # [.., tile, c, j, h, e]
+    lo = (b & 0xF).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)  # K order: [j, h, c, e]
+    hi = (b >> 4).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)
+    codes = torch.cat((lo, hi), dim=-1).view(e, rows, half // 64, 64, 2)  # [.., 128] in element order
+    return (codes[..., 0] | (codes[..., 1] << 4)).reshape(e, rows, half)
+
+
+def _to_mma_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-layout bytes ``[rows, K / 2]`` -> the kernel's layout (see ``FP4Weights``)."""
+    rows, half = packed.shape
+    b = packed.view(rows, half // 64, 64)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(rows, half // 64, 2, 64)  # [.., lo/hi, K]
+    # K = 16j + 8h + 2c + e -> byte c * 16 + j * 4 + h * 2 + e
+    codes = codes.view(rows, half // 64, 2, 4, 2, 4, 2).permute(0, 1, 2, 5, 3, 4, 6).reshape(rows, half // 64, 2, 64)
+    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, half)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -175,17 +195,18 @@ class FP4Config:
     num_warps: int = 4
     num_stages: int = 3
     A1_FUSED: bool = True  # GEMM1 only: QDQ a1 in the A-tile load (else one standalone pass)
-    WORDS: bool = True  # compiled decode: int32 words, one scale per word (else bytes, four per asm call)
-    SCALE_WORDS: bool = True  # load a K tile's scale bytes as 32-bit words (cp.async-pipelined; else bytes)
 
 
-# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of the graph-replay sweep of
-# the tile sweep of ``tools/bench_fused.py`` (since folded into ``mxlib.bench.fused``, without the sweep) on the
-# H200 (nvfp4 seed mode, Qwen3-30B-A3B layer, 2026-11-30)
+# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of a graph-replay sweep on the H200
+# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 seed mode, torch 2.11, triton 3.6,
+# 2026-11-30; benchmarks/h200_fp4_sweep_2026-11-30.json). The a1 QDQ runs as its own pass
+# (``A1_FUSED=False``): a QDQ'd A tile goes registers -> shared memory inside the K loop, which
+# makes Triton wait for each MMA before the next; loaded by cp.async it stays pipelined.
 FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
-    (16.0, (FP4Config(16, 64, 1, 4, 4), FP4Config(16, 64, 1, 4, 4))),
+    (4.0, (FP4Config(16, 64, 1, 4, 3, False), FP4Config(16, 64, 1, 4, 3))),
+    (16.0, (FP4Config(32, 128, 4, 4, 3, False), FP4Config(32, 128, 4, 4, 3))),
     (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
-    (float("inf"), (FP4Config(128, 128, 8, 8, 3, False), FP4Config(128, 128, 8, 8, 3))),
+    (float("inf"), (FP4Config(128, 128, 4, 8, 3, False), FP4Config(128, 128, 4, 8, 3))),
 ]
 
 
@@ -199,107 +220,12 @@ def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4C
 # ----------------------------------------------------------------------------- decode
 
 
-# Four packed bytes -> four low-nibble and four high-nibble bf16 values, times their scales.
-# $4: the bytes b0..b3; $5,$6: bf16x2 scales of the low elements; $7,$8: of the high ones.
-# A code c becomes the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and
-# mantissa at the top of bf16's fields (a bf16 subnormal for c & 7 == 1), exact after
-# multiplying by 2**126; then one multiply by the block scale (exact for in-range scales).
-_ASM_BF16 = tl.constexpr("""
-{
-.reg .b32 c, t<2>, u<4>, v<4>, r<4>;
-mov.b32 c, 0x7E807E80;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 u0, t0, 6;
-shl.b32 v0, t0, 12;
-and.b32 u0, u0, 0x01C001C0;
-and.b32 v0, v0, 0x80008000;
-or.b32 r0, u0, v0;
-shl.b32 u1, t1, 6;
-shl.b32 v1, t1, 12;
-and.b32 u1, u1, 0x01C001C0;
-and.b32 v1, v1, 0x80008000;
-or.b32 r1, u1, v1;
-shl.b32 u2, t0, 2;
-shl.b32 v2, t0, 8;
-and.b32 u2, u2, 0x01C001C0;
-and.b32 v2, v2, 0x80008000;
-or.b32 r2, u2, v2;
-shl.b32 u3, t1, 2;
-shl.b32 v3, t1, 8;
-and.b32 u3, u3, 0x01C001C0;
-and.b32 v3, v3, 0x80008000;
-or.b32 r3, u3, v3;
-mul.rn.bf16x2 r0, r0, c;
-mul.rn.bf16x2 r1, r1, c;
-mul.rn.bf16x2 r2, r2, c;
-mul.rn.bf16x2 r3, r3, c;
-mul.rn.bf16x2 $0, r0, $5;
-mul.rn.bf16x2 $1, r1, $6;
-mul.rn.bf16x2 $2, r2, $7;
-mul.rn.bf16x2 $3, r3, $8;
-}
-""")
-
-# Same codes, but the seed's NVFP4 product: bf16(fp32(e2m1) * B) with B = fp32(ue4m3) * global
-# scale in fp32; $4 bytes, $5..$8 B of the low elements, $9..$12 of the high ones.
-_ASM_SEED_F32 = tl.constexpr("""
-{
-.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;
-mov.b32 c, 0x7E807E80;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 u0, t0, 6;
-shl.b32 v0, t0, 12;
-and.b32 u0, u0, 0x01C001C0;
-and.b32 v0, v0, 0x80008000;
-or.b32 r0, u0, v0;
-shl.b32 u1, t1, 6;
-shl.b32 v1, t1, 12;
-and.b32 u1, u1, 0x01C001C0;
-and.b32 v1, v1, 0x80008000;
-or.b32 r1, u1, v1;
-shl.b32 u2, t0, 2;
-shl.b32 v2, t0, 8;
-and.b32 u2, u2, 0x01C001C0;
-and.b32 v2, v2, 0x80008000;
-or.b32 r2, u2, v2;
-shl.b32 u3, t1, 2;
-shl.b32 v3, t1, 8;
-and.b32 u3, u3, 0x01C001C0;
-and.b32 v3, v3, 0x80008000;
-or.b32 r3, u3, v3;
-mul.rn.bf16x2 r0, r0, c;
-mul.rn.bf16x2 r1, r1, c;
-mul.rn.bf16x2 r2, r2, c;
-mul.rn.bf16x2 r3, r3, c;
-shl.b32 f0, r0, 16;
-and.b32 f1, r0, 0xFFFF0000;
-shl.b32 f2, r1, 16;
-and.b32 f3, r1, 0xFFFF0000;
-shl.b32 f4, r2, 16;
-and.b32 f5, r2, 0xFFFF0000;
-shl.b32 f6, r3, 16;
-and.b32 f7, r3, 0xFFFF0000;
-mul.rn.f32 f0, f0, $5;
-mul.rn.f32 f1, f1, $6;
-mul.rn.f32 f2, f2, $7;
-mul.rn.f32 f3, f3, $8;
-mul.rn.f32 f4, f4, $9;
-mul.rn.f32 f5, f5, $10;
-mul.rn.f32 f6, f6, $11;
-mul.rn.f32 f7, f7, $12;
-cvt.rn.bf16x2.f32 $0, f1, f0;
-cvt.rn.bf16x2.f32 $1, f3, f2;
-cvt.rn.bf16x2.f32 $2, f5, f4;
-cvt.rn.bf16x2.f32 $3, f7, f6;
-}
-""")
-
-
-# The same decode on one 32-bit word (four packed bytes) per call, the scale once per word:
-# $8 the word; $9 / $10 the scale of its low / high elements (bf16x2, the value twice; or, for
-# the seed's NVFP4, fp32 bits). Outputs $0..$3: low elements 0..3, $4..$7: high elements 0..3.
+# One 32-bit word (four packed bytes) -> its four low-nibble and four high-nibble elements, scaled.
+# $8 the word; $9 / $10 the scale of its low / high elements (bf16x2 bits, the value twice; or, for
+# the seed's NVFP4, fp32 bits). Outputs $0..$3: low nibbles of bytes 0..3, $4..$7: high nibbles.
+# A code c becomes the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and mantissa
+# at the top of bf16's fields (a bf16 subnormal for c & 7 == 1), exact after multiplying by
+# 2**126; then one multiply by the block scale (exact for in-range scales).
 _WORD_DECODE = """
 prmt.b32 t0, $8, 0, 0x4140;
 prmt.b32 t1, $8, 0, 0x4342;
@@ -340,6 +266,7 @@ mov.b32 {$4, $5}, r2;
 mov.b32 {$6, $7}, r3;
 }
 """)
+# The seed's NVFP4 product: bf16(fp32(e2m1) * B), B = fp32(ue4m3) * global scale in fp32 ($9, $10).
 _ASM_WORD_SEED = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;\n" + _WORD_DECODE + """
 shl.b32 f0, r0, 16;
 and.b32 f1, r0, 0xFFFF0000;
@@ -368,106 +295,153 @@ mov.b32 {$6, $7}, r3;
 }
 """)
 
+# Scale byte ($2 the bit offset of the byte in the word $1) -> multiplier bits. In PTX rather than
+# Triton arithmetic so that the compiler keeps the whole decode in the dot operand's register
+# layout (with the decode written as Triton arithmetic it judges the rematerialization too costly
+# and round-trips every decoded tile through shared memory).
+# E8M0 -> bf16x2 2**(b - 127): bits b << 7; b = 0 is 2**-127 (bf16 subnormal 0x0040), 255 NaN.
+_ASM_SCALE_E8M0 = tl.constexpr("""{
+.reg .b32 b, v;
+.reg .pred p0, p1;
+shr.u32 b, $1, $2;
+and.b32 b, b, 0xFF;
+shl.b32 v, b, 7;
+setp.eq.u32 p0, b, 0;
+setp.eq.u32 p1, b, 255;
+selp.b32 v, 0x40, v, p0;
+selp.b32 v, 0x7FC0, v, p1;
+prmt.b32 $0, v, v, 0x1010;
+}""")
+# ue4m3 (e4m3fn bits) -> bf16x2, exact: e4m3 -> f16 (hardware conversion, exact, NaN kept) -> f32 -> bf16.
+_ASM_SCALE_E4M3 = tl.constexpr("""{
+.reg .b32 b, h;
+.reg .b16 s, lo, hi, r;
+.reg .f32 f;
+shr.u32 b, $1, $2;
+cvt.u16.u32 s, b;
+and.b16 s, s, 0xFF;
+cvt.rn.f16x2.e4m3x2 h, s;
+mov.b32 {lo, hi}, h;
+cvt.f32.f16 f, lo;
+cvt.rn.bf16.f32 r, f;
+mov.b32 $0, {r, r};
+}""")
+# ue4m3 -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier), fp32 bits.
+_ASM_SCALE_E4M3_G = tl.constexpr("""{
+.reg .b32 b, h;
+.reg .b16 s, lo, hi;
+.reg .f32 f;
+shr.u32 b, $1, $2;
+cvt.u16.u32 s, b;
+and.b16 s, s, 0xFF;
+cvt.rn.f16x2.e4m3x2 h, s;
+mov.b32 {lo, hi}, h;
+cvt.f32.f16 f, lo;
+mul.rn.f32 $0, f, $3;
+}""")
+
 
 @triton.jit
-def _scale_bytes(s_rows, n_mask, kt, BS: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """The scale bytes of K tile ``kt`` as int32 ``(low half [BLOCK_N, 64/BS], high half [...])``.
+def _word_scales(s_rows, n_mask, g, kt, half: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The block scale of every packed word of half tile ``half`` (K ``kt * 128 + 64 * half + 0..63``),
+    [BLOCK_N, 16] in word order ``c * 4 + j`` (``prepare_fp4_weights``).
 
-    SCALE_WORDS: ``s_rows`` point at int32 rows and the tile's 128/BS bytes arrive as 32-bit words
-    (one load per row instead of one per byte); else bytes."""
-    NB: tl.constexpr = 64 // BS
-    if SCALE_WORDS:
-        NW: tl.constexpr = 128 // BS // 4
-        wd = tl.load(s_rows[:, None] + (kt * NW + tl.arange(0, NW))[None, :], mask=n_mask[:, None], other=0)
-        b = (wd[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # [BLOCK_N, NW, 4], byte order
-        lo, hi = tl.split(tl.permute(tl.reshape(b, (BLOCK_N, 2, NB)), (0, 2, 1)))
+    Compiled: int32 bits, bf16x2 (the value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32
+    ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed). Interpreted: the same values as fp32.
+    ``s_rows`` point at int32 rows of scale bytes (a K tile's 128 / BS bytes are 1 or 2 words)."""
+    NB: tl.constexpr = 64 // BS  # scale blocks per half tile
+    # the half tile's NB scale bytes are one word: MX (4 bytes a K tile) word 0, bytes 2 * half + 0..1;
+    # NVFP4 (8 bytes) word ``half``, bytes 0..3. One load per row, broadcast in registers.
+    WOFF: tl.constexpr = half * (NB // 4)
+    BOFF: tl.constexpr = half * NB * (2 // NB)
+    sw = tl.broadcast_to(tl.load(s_rows + kt * (2 * NB // 4) + WOFF, mask=n_mask, other=0)[:, None], (BLOCK_N, 16))
+    j = tl.arange(0, 16) % 4  # word c * 4 + j holds K 16j + {0, 1, 8, 9} + 2c of the half tile
+    shift = tl.broadcast_to(((j * NB) // 4 * 8 + BOFF * 8)[None, :], (BLOCK_N, 16))
+    if nm.INTERPRETING:
+        sb = (sw >> shift) & 0xFF
+        if KIND == 0:
+            return nm.decode_e8m0(sb)
+        elif KIND == 1:
+            return nm.decode_e4m3(sb) * g
+        else:
+            return nm.decode_e4m3(sb)
     else:
-        cols = kt * (128 // BS) + tl.arange(0, NB)
-        lo = tl.load(s_rows[:, None] + cols[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-        hi = tl.load(s_rows[:, None] + (cols + NB)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    return lo, hi
+        if KIND == 0:
+            return tl.inline_asm_elementwise(_ASM_SCALE_E8M0, "=r,r,r", [sw, shift], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        elif KIND == 1:
+            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3_G, "=r,r,r,f", [sw, shift, g], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3, "=r,r,r", [sw, shift], dtype=tl.int32,
+                                             is_pure=True, pack=1)
 
 
 @triton.jit
-def _word_scales(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One multiplier per packed word of a half tile, [BLOCK_N, 16] int32: bf16x2 bits (the
-    value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32 bits of ``fp32(ue4m3) * g`` (KIND 1);
-    ``sb`` the half tile's scale bytes [BLOCK_N, 64 / BS]."""
-    NB: tl.constexpr = 64 // BS
-    if KIND == 0:
-        s = nm.decode_e8m0(sb)
-    elif KIND == 1:
-        s = nm.decode_e4m3(sb) * g
-    else:
-        s = nm.decode_e4m3(sb)
-    if KIND == 1:
-        bits = s.to(tl.int32, bitcast=True)
-    else:
-        h = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        bits = h | (h << 16)
-    return tl.reshape(tl.broadcast_to(bits[:, :, None], (BLOCK_N, NB, BS // 4)), (BLOCK_N, 16))
+def _mma_order(t0, t1, t2, t3, BLOCK_N: tl.constexpr):
+    """Four [BLOCK_N, 16] tiles (element ``t`` of word ``c * 4 + j``: K ``16j + 8(t // 2) + 2c +
+    t % 2``) -> the half tile [BLOCK_N, 64] in K order. Only reshapes and permutes: in the
+    prepared layout a thread's 16-byte load holds exactly the elements its part of the warpgroup
+    MMA's register operand needs, so Triton lowers these to nothing."""
+    x = tl.join(tl.join(t0, t1), tl.join(t2, t3))  # [n, word, e = t % 2, h = t // 2]
+    x = tl.reshape(x, (BLOCK_N, 4, 4, 2, 2))  # [n, c, j, e, h]
+    x = tl.permute(x, (0, 2, 4, 1, 3))  # [n, j, h, c, e]
+    return tl.reshape(x, (BLOCK_N, 64))
+
+
+@triton.jit
+def _load_rows(BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """The weight row each row of a loaded [BLOCK_N, 16]-word tile holds (``_to_logical_rows`` undoes it).
+
+    Triton loads such a tile 8 rows a warp (4 lanes of 16 bytes a row), tile row
+    ``r = 8 W q + 8 w + g`` (W warps, warp w, lane row g, repeat q); the warpgroup MMA wants warp w
+    on rows ``16 w + 8 (q % 2) + g`` (+ ``16 W (q // 2)``). Loading row ``n(r)`` puts every row
+    where the MMA needs it, so the decoded tile reaches the dot with no exchange between warps."""
+    r = tl.arange(0, BLOCK_N)
+    q = r // (8 * NUM_WARPS)
+    w = (r // 8) % NUM_WARPS
+    return 16 * NUM_WARPS * (q // 2) + 16 * w + 8 * (q % 2) + r % 8
+
+
+@triton.jit
+def _to_logical_rows(x, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr):
+    """[BLOCK_N, 128] in load order (``_load_rows``) -> weight-row order (a register relabeling)."""
+    x = tl.reshape(x, (BLOCK_N // (16 * NUM_WARPS), 2, NUM_WARPS, 8, 128))  # [q // 2, q % 2, w, g, K]
+    return tl.reshape(tl.permute(x, (0, 2, 1, 3, 4)), (BLOCK_N, 128))  # rows 16 W (q // 2) + 16 w + 8 (q % 2) + g
+
+
+@triton.jit
+def _code(wd, shift: tl.constexpr, s):
+    """Interpreter: the element at bit ``shift`` of every word, times its scale, rounded to bf16 once."""
+    v = nm.decode_element((wd >> shift) & 0xF, 2, 1, 0) * s
+    return nm.to_fp32(nm.cast_out(v, tl.bfloat16))
 
 
 @triton.jit
 def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SCALE_WORDS: tl.constexpr):
-    """``_decode_halves`` from int32 words: w_rows point at int32 rows (16 words per K tile)."""
+                  NUM_WARPS: tl.constexpr):
+    """Weight K tile ``kt`` [BLOCK_N, 128], bf16 (fp32 holding the bf16 values under the interpreter);
+    ``w_rows`` point at int32 rows (16 words per K tile) in load order (``_load_rows``): a word's
+    low nibbles are the half tile K 0..63, its high nibbles K 64..127."""
     wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
-    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
-    s_lo = _word_scales(sb_lo, g, KIND, BS, BLOCK_N)
-    s_hi = _word_scales(sb_hi, g, KIND, BS, BLOCK_N)
-    if KIND == 1:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
-            is_pure=True, pack=1)
-    else:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _ASM_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
-            is_pure=True, pack=1)
-    lo = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (BLOCK_N, 64))
-    hi = tl.reshape(tl.join(tl.join(o4, o6), tl.join(o5, o7)), (BLOCK_N, 64))
-    return lo, hi
-
-
-@triton.jit
-def _scale_tile(sb, g, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Per-element multipliers of a half tile [BLOCK_N, 64]: bf16 (KIND 0 MX, 2 NVFP4 hardware:
-    exact) or fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed); ``sb`` the scale bytes [BLOCK_N, 64 / BS]."""
-    NB: tl.constexpr = 64 // BS
-    if KIND == 0:
-        s = nm.decode_e8m0(sb)
-    elif KIND == 1:
-        s = nm.decode_e4m3(sb) * g
-    else:
-        s = nm.decode_e4m3(sb)
-    if KIND != 1:
-        s = s.to(tl.bfloat16)  # exact: 2**(s-127) and ue4m3 values are bf16 values
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NB, BS)), (BLOCK_N, 64))
-
-
-@triton.jit
-def _decode_halves(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, USE_ASM: tl.constexpr, SCALE_WORDS: tl.constexpr):
-    """The two half tiles [BLOCK_N, 64] (K ``kt*128 + 0..63`` and ``+ 64..127``) in the dot dtype."""
-    b = tl.load(w_rows[:, None] + (kt * 64 + tl.arange(0, 64))[None, :], mask=n_mask[:, None], other=0)
-    sb_lo, sb_hi = _scale_bytes(s_rows, n_mask, kt, BS, BLOCK_N, SCALE_WORDS)
-    s_lo = _scale_tile(sb_lo, g, KIND, BS, BLOCK_N)
-    s_hi = _scale_tile(sb_hi, g, KIND, BS, BLOCK_N)
-    if USE_ASM:
-        if KIND == 1:
-            lo, hi = tl.inline_asm_elementwise(_ASM_SEED_F32, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [b, s_lo, s_hi],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        else:
-            lo, hi = tl.inline_asm_elementwise(_ASM_BF16, "=r,=r,=r,=r,r,r,r,r,r", [b, s_lo, s_hi],
-                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        bi = b.to(tl.int32)
-        lo = nm.cast_out(nm.decode_element(bi & 0xF, 2, 1, 0) * nm.to_fp32(s_lo), DOT_DTYPE)
-        hi = nm.cast_out(nm.decode_element(bi >> 4, 2, 1, 0) * nm.to_fp32(s_hi), DOT_DTYPE)
+    s_lo = _word_scales(s_rows, n_mask, g, kt, 0, KIND, BS, BLOCK_N)
+    s_hi = _word_scales(s_rows, n_mask, g, kt, 1, KIND, BS, BLOCK_N)
     if nm.INTERPRETING:
-        lo = nm.to_fp32(lo)
-        hi = nm.to_fp32(hi)
-    return lo, hi
+        lo = _mma_order(_code(wd, 0, s_lo), _code(wd, 8, s_lo), _code(wd, 16, s_lo), _code(wd, 24, s_lo), BLOCK_N)
+        hi = _mma_order(_code(wd, 4, s_hi), _code(wd, 12, s_hi), _code(wd, 20, s_hi), _code(wd, 28, s_hi), BLOCK_N)
+    else:
+        if KIND == 1:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        else:
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                _ASM_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
+                is_pure=True, pack=1)
+        lo = _mma_order(o0, o1, o2, o3, BLOCK_N)
+        hi = _mma_order(o4, o5, o6, o7, BLOCK_N)
+    return _to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -507,15 +481,15 @@ def _act_qdq(x, scale, KIND: tl.constexpr, MODE: tl.constexpr, EBITS: tl.constex
 
 
 @triton.jit
-def _a_half(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.constexpr, A_EBITS: tl.constexpr,
+def _a_tile(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.constexpr, A_EBITS: tl.constexpr,
             A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr, A_SCALE_MODE: tl.constexpr,
             A_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Activation half tile, columns ``col0 .. col0+63``, QDQ'd, transposed: [64, BLOCK_M]."""
-    cols = col0 + tl.arange(0, 64)
+    """Activation K tile, columns ``col0 .. col0+127``, QDQ'd, transposed: [128, BLOCK_M]."""
+    cols = col0 + tl.arange(0, 128)
     a = tl.load(a_rows[:, None] + cols[None, :], mask=token_mask[:, None], other=0.0)
     if A_KIND != 0:
         a = nm.cast_out(_act_qdq(nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                                 A_SCALE_MODE, A_BS, BLOCK_M, 64), DOT_DTYPE)
+                                 A_SCALE_MODE, A_BS, BLOCK_M, 128), DOT_DTYPE)
     if nm.INTERPRETING:
         a = nm.to_fp32(a)
     return tl.trans(a)
@@ -545,7 +519,7 @@ def fused_fp4_moe_kernel(
     W_GLOBAL_OUT: tl.constexpr, A_INV_OUT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr, NAIVE: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    USE_ASM: tl.constexpr, WORDS: tl.constexpr, SCALE_WORDS: tl.constexpr,
+    NUM_WARPS: tl.constexpr,
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
@@ -568,9 +542,10 @@ def fused_fp4_moe_kernel(
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     token_mask = offs_token < num_valid_tokens
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn
-    s_rows = ws_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    load_n = pid_n * BLOCK_N + _load_rows(BLOCK_N, NUM_WARPS)  # weight rows in load order
+    n_mask = load_n < N
+    w_rows = w_ptr + expert * stride_we + load_n.to(tl.int64) * stride_wn
+    s_rows = ws_ptr + expert * stride_se + load_n.to(tl.int64) * stride_sn
     if W_KIND != 0:
         g = tl.load(wg_ptr + expert * wg_stride_e)
         g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
@@ -584,26 +559,12 @@ def fused_fp4_moe_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(0, K // 128):
-        a_lo = _a_half(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                       A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-        a_hi = _a_half(a_rows, token_mask, kt * 128 + 64, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                       A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-        if WORDS:
-            w_lo, w_hi = _decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, SCALE_WORDS)
-        else:
-            w_lo, w_hi = _decode_halves(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM,
-                                            SCALE_WORDS)
-        acc = tl.dot(w_lo, a_lo, acc)
-        acc = tl.dot(w_hi, a_hi, acc)
+        a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                    A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+        acc = tl.dot(_decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS), a, acc)
         if GATED:
-            if WORDS:
-                u_lo, u_hi = _decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
-                                           W_BS, BLOCK_N, SCALE_WORDS)
-            else:
-                u_lo, u_hi = _decode_halves(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt,
-                                            W_KIND, W_BS, BLOCK_N, DOT_DTYPE, USE_ASM, SCALE_WORDS)
-            acc_up = tl.dot(u_lo, a_lo, acc_up)
-            acc_up = tl.dot(u_hi, a_hi, acc_up)
+            acc_up = tl.dot(_decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
+                                          W_BS, BLOCK_N, NUM_WARPS), a, acc_up)
 
     if A_INV_OUT:
         inv_a = tl.math.div_rn(a_scale * 0.0 + 1.0, a_scale)
@@ -657,7 +618,7 @@ def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[to
 
 
 def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
-            mode, mul_routed_weight, top_k, naive, cfg: FP4Config, use_asm):
+            mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
     """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware mode), or None."""
     e = w.packed.shape[0]
@@ -671,10 +632,11 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     a_scale, a_stride = _scale_arg(scale_src, e, one)
     c_scale, c_stride = _scale_arg(c_qdq, e, one)
     w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
-    words = cfg.WORDS and use_asm
-    wp = w.packed.view(torch.int32) if words else w.packed  # rows of K/8 words (K/2 bytes)
-    ws = w.scales.view(torch.int32) if cfg.SCALE_WORDS else w.scales  # K/BS bytes a row: a multiple of 4
+    wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes)
+    ws = w.scales.view(torch.int32)  # K/BS bytes a row: a multiple of 4
     em = sorted_ids.shape[0]
+    # the row order of the weight loads (``_load_rows``) needs 16 rows a warp
+    num_warps = max(1, min(cfg.num_warps, cfg.BLOCK_N // 16))
     grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     fused_fp4_moe_kernel[grid](
         a, wp, ws, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
@@ -686,8 +648,8 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
         W_GLOBAL_OUT=w_kind == W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
         NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        OUT_DTYPE=_TL_DTYPE[c.dtype], USE_ASM=use_asm, WORDS=words, SCALE_WORDS=cfg.SCALE_WORDS,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        OUT_DTYPE=_TL_DTYPE[c.dtype], NUM_WARPS=num_warps,
+        num_warps=num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
 
 
@@ -712,7 +674,6 @@ def fused_fp4_moe(
     a2_qdq: ActivationQDQ | None = None,
     mode: str = "seed",
     configs: tuple[FP4Config, FP4Config] | None = None,
-    use_asm: bool | None = None,
 ) -> torch.Tensor:
     """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
 
@@ -729,7 +690,6 @@ def fused_fp4_moe(
             ``"hardware"`` (exact ``element * block_scale`` operands, per-tensor scales on the
             fp32 accumulator); see the module docstring.
         configs: (GEMM1, GEMM2) tiles; None picks from ``FP4_CONFIGS`` by batch size.
-        use_asm: decode with the PTX block (default: compiled, i.e. not under the interpreter).
 
     Returns:
         ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
@@ -749,7 +709,6 @@ def fused_fp4_moe(
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
-    use_asm = (not interpreting()) if use_asm is None else use_asm
     m, k = topk_ids.shape
     e, two_i = w13.packed.shape[:2]
     h = w2.packed.shape[1]
@@ -781,12 +740,11 @@ def fused_fp4_moe(
     hw_nv = md == 1 and a1q is not None and a1q.kind == A2_NVFP4
     a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
     _launch(a1, w13, a2, weights, sorted1, eid1, post1, i, True, a1q, a1q if hw_nv else None, a2_qdq, md, False, k,
-            naive, c1, use_asm)
+            naive, c1)
     out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
     # hardware mode: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
     a2_inv = a2_qdq if (md == 1 and a2_qdq is not None and a2_qdq.kind == A2_NVFP4) else None
-    _launch(a2, w2, out_pairs, weights, sorted2, eid2, post2, h, False, None, a2_inv, None, md, True, 1, naive, c2,
-            use_asm)
+    _launch(a2, w2, out_pairs, weights, sorted2, eid2, post2, h, False, None, a2_inv, None, md, True, 1, naive, c2)
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
     block = 1024
     _sum_k_kernel[(m, triton.cdiv(h, block))](out_pairs, out, h, top_k=k, BLOCK=block,
