@@ -66,7 +66,7 @@ __all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "prepare_packed_wei
            "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "MODES"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-K_TILE = 128  # the prepared layout's K tile (elements): byte p holds elements p and p + 64
+K_TILE = 128  # the prepared layout's K tile (elements): a byte holds elements p and p + 64 (see FP4Weights)
 MODES = {"seed": 0, "hardware": 1}
 # W_KIND: how a weight tile is scaled: E8M0 (exact in bf16), NVFP4 ``bf16(e2m1 * (fp32(ue4m3) * g))``
 # (seed mode), NVFP4 ``e2m1 * ue4m3`` exact with ``g`` on the accumulator (hardware mode)
