@@ -358,6 +358,7 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
     fig.update_layout(title="Seed vs hardware numerics: MoE layers against float64 on the same operands; logits",
                       barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
+    return fig
 
 
 def model_forward_figure(result: dict | str, eager: bool = False) -> go.Figure:

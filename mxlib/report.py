@@ -252,7 +252,8 @@ def issue12_tables(path) -> dict:
 
         * ``env``: one row ``device, date, torch, triton, vllm_source, copy_gbs``.
         * ``ms``: ``row, source`` ("anchor" / "mxlib") then the times.
-        * ``ratios``: ``ratio, numerator, denominator`` then the recorded ratios.
+        * ``ratios``: ``ratio, numerator, denominator`` then the recorded ratios (a ratio of rows not timed in
+          that call, all None, is left out).
         * ``floors``: ``floor, limit, worst, holds`` ("yes" / "no"), as recorded.
         * ``floor_fraction``: ``row`` then floor time / graph time (0-1): mxlib's fused and
           seed-style rows as recorded, the triton_kernels rows against ``floor_mxfp4``.
@@ -284,6 +285,8 @@ def issue12_tables(path) -> dict:
         if name not in ISSUE12_RATIOS:
             raise ValueError(f"path: ratio {name!r} not in report.ISSUE12_RATIOS ({sorted(ISSUE12_RATIOS)})")
         num, den = ISSUE12_RATIOS[name]
+        if all(data["ratios"][str(m)][name] is None for m in ms):  # rows not timed in this call (``--no-extra``)
+            continue
         ratio_rows.append(dict(ratio=name, numerator=num, denominator=den,
                                **{k: data["ratios"][str(m)][name] for k, m in zip(key, ms)}))
 
