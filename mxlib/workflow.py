@@ -288,6 +288,7 @@ def prepare_checkpoint(
         return path
     if calibration is None and s.static_activation_scale:
         calibration = calibrate_model(model, calib_tokens, seed)
+        release_freed_memory()  # the calibration pass's freed temporaries (~0.14 GB at full size)
     return write_quantized_checkpoint(model, s, path, calibration)
 
 
