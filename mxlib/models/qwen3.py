@@ -302,7 +302,10 @@ def _balance_routing(model, seed: int, attn_update_ratio: float, moe_update_rati
             y = out[0] if isinstance(out, tuple) else out
             gain = moe_update_ratio * mlp_residual_rms[i] / _rms(y).clamp_min(torch.finfo(torch.float32).tiny)
             w2 = module.experts.down_proj
-            w2.copy_((w2.float() * gain).to(w2.dtype))
+            # expert by expert: a whole-layer fp32 copy (and its product) added ~1.6 GB at full
+            # size and made this the e2e run's resident peak (issue 11 case 13); same bits
+            for x in range(w2.shape[0]):
+                w2[x].copy_((w2[x].float() * gain).to(w2.dtype))
             y = (y.float() * gain).to(y.dtype)  # the block is linear in w2 (up to w2's bf16 rounding)
             return (y, *out[1:]) if isinstance(out, tuple) else y
 
