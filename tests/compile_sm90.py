@@ -33,10 +33,14 @@ from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4):
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divisible=()):
+    """``divisible``: pointer and integer arguments to specialize as multiples of 16 (what the JIT does
+    at a launch whose pointers are 16-byte aligned and whose values are multiples of 16)."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
@@ -108,8 +112,14 @@ def fused_fp4(weight, mode, gated, a, naive=False):
     k = compile_kernel(kernel, ptrs, dict(
         select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, GATED=gated,
         W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
-        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16))
+        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, NUM_WARPS=4),
+        # as launched on the Qwen3-30B-A3B layer: torch's pointers 16-byte aligned, H, I and the row strides
+        # multiples of 16 (the scale rows of w2 are not: I / 32 / 4 = 6 words)
+        divisible=[*ptrs, "N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_cm"])
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the FP4 kernel's PTX"
+    if a is None:  # weight-only: the decoded tile reaches the MMA in registers (no register -> shared store)
+        stores = k.asm["ttgir"].count("ttg.local_alloc %")
+        assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only FP4 kernel"
     compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
                                                                                    OUT_DTYPE=tl.bfloat16))
 

@@ -125,7 +125,7 @@ def test_graph_modes_flow_on_the_cpu(monkeypatch, whole_fails):
         out = fn()
         return _FakeGraph(fn, out), out
 
-    monkeypatch.setattr(bm, "_capture", fake_capture)
+    monkeypatch.setattr(bm, "capture", fake_capture)
     model = bm.build_model("tiny", 2, "cpu")
     blocks = [layer.mlp for layer in model.model.layers]
     ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -153,7 +153,7 @@ def test_no_graph_at_all_keeps_the_eager_time(monkeypatch):
     def failing_capture(fn, pool=None):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr(bm, "_capture", failing_capture)
+    monkeypatch.setattr(bm, "capture", failing_capture)
     model = bm.build_model("tiny", 1, "cpu")
     blocks = [layer.mlp for layer in model.model.layers]
     with torch.no_grad():

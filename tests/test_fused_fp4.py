@@ -197,33 +197,42 @@ def test_gpu_full_shape_against_fp64(scheme, mode, m):
     assert err < 1e-2, err
 
 
+def _every_code(i: int, h: int) -> torch.Tensor:
+    """Packed bytes ``[1, 2I, H/2]`` cycling through all 256 byte values (every pair of e2m1 codes)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * i * h // 2 // 256 + 1)[: 2 * i * h // 2]
+    return codes.view(1, 2 * i, h // 2)
+
+
+def _weight_columns(pw, i: int, h: int, mode: str = "seed") -> torch.Tensor:
+    """The ``[2I, H]`` weights the kernel computes with, read through it: a GEMM2-style launch (no
+    gating) over all 2I rows with a one-hot activation per token, so ``out[t, n] = W[n, t]``."""
+    from mxlib.kernels.fused_fp4_moe import MODES, _launch, FP4Config as C
+
+    x = torch.zeros(h, h, dtype=torch.bfloat16)
+    x[torch.arange(h), torch.arange(h)] = 1
+    out = torch.empty(h, 2 * i, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
+    sorted_ids, eid, post = moe_align_block_size_triton(ids, 64, 1)
+    one = torch.ones(h, device="cuda")
+    _launch(x.cuda(), pw, out, one, sorted_ids, eid, post, 2 * i, False, None, None, None, MODES[mode], False, 1,
+            False, C(64, 64, 1, 4, 3))
+    return out.T.cpu()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_decode_bits_match_reference():
     """The PTX decode gives the reference's bf16 weights bit for bit (every code x scale byte):
     a one-hot activation reads single weight columns through the whole MoE."""
-    e, i = 1, 128
-    h = 256
-    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * i * h // 2 // 256 + 1)[: 2 * i * h // 2]
-    packed = codes.view(1, 2 * i, h // 2)
+    i, h = 128, 256
+    packed = _every_code(i, h)
     # every scale byte whose products stay finite and normal (a NaN / Inf weight would reach every
     # output through 0 * w; subnormal dot operands are not what this test is about)
     scales = (2 + torch.arange(2 * i * h // 32, dtype=torch.int64).remainder(248)).to(torch.uint8).view(1, 2 * i, h // 32)
     ref = R.dequantize_mx(packed, scales, "e2m1")  # [1, 2I, H] bf16
     pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 32)
-    x = torch.zeros(h, h, dtype=torch.bfloat16)
-    x[torch.arange(h), torch.arange(h)] = 1
-    from mxlib.kernels.fused_fp4_moe import _launch, FP4Config as C
-
-    out = torch.empty(h, 2 * i, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
-    sorted_ids, eid, post = moe_align_block_size_triton(ids, 64, e)
-    one = torch.ones(h, device="cuda")
-    # GEMM2-style launch (no gating) over all 2I rows: out[t, n] = W[n, t]
-    _launch(x.cuda(), pw, out, one, sorted_ids, eid, post, 2 * i, False, None, None, None, 0, False, 1, False,
-            C(64, 64, 1, 4, 3))
     # the GEMM's sum 1 * w + 0 * (others) turns -0.0 into +0.0; every other value must match bit for bit
-    assert_bits_equal(out.T.cpu(), ref[0] + 0.0)
+    assert_bits_equal(_weight_columns(pw, i, h), ref[0] + 0.0)
 
 
 @pytest.mark.gpu
@@ -234,28 +243,16 @@ def test_gpu_nvfp4_decode_bits_match_reference(mode):
     PTX scale decode (e4m3 -> f16 -> f32) and, in seed mode, the fp32 product with the global scale:
     seed operands equal ``dequantize_to_dtype`` bit for bit; hardware operands are ``e2m1 * ue4m3``
     exactly, with the global scale (a power of two here, so exact) on the fp32 accumulator."""
-    e, i, h = 1, 128, 256
-    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * i * h // 2 // 256 + 1)[: 2 * i * h // 2]
-    packed = codes.view(1, 2 * i, h // 2)
-    nblk = 2 * i * h // 16
-    scales = torch.arange(nblk, dtype=torch.int64).remainder(127).to(torch.uint8).view(1, 2 * i, h // 16)  # 0x00..0x7E
+    i, h = 128, 256
+    packed = _every_code(i, h)
+    scales = torch.arange(2 * i * h // 16, dtype=torch.int64).remainder(127).to(torch.uint8).view(1, 2 * i, h // 16)
     g = torch.tensor([0.375 if mode == "seed" else 0.25])  # seed: a product that rounds; hardware: exact
     ref = R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), g, torch.bfloat16, 16)[0]
     if mode == "hardware":  # e2m1 * ue4m3 is exact in bf16; times 1/4 exact too
         ref = (R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), torch.ones(1), torch.float32, 16)[0]
                * 0.25).to(torch.bfloat16)
     pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 16, g.cuda())
-    x = torch.zeros(h, h, dtype=torch.bfloat16)
-    x[torch.arange(h), torch.arange(h)] = 1
-    from mxlib.kernels.fused_fp4_moe import MODES, _launch, FP4Config as C
-
-    out = torch.empty(h, 2 * i, dtype=torch.bfloat16, device="cuda")
-    ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
-    sorted_ids, eid, post = moe_align_block_size_triton(ids, 64, e)
-    one = torch.ones(h, device="cuda")
-    _launch(x.cuda(), pw, out, one, sorted_ids, eid, post, 2 * i, False, None, None, None, MODES[mode], False, 1,
-            False, C(64, 64, 1, 4, 3))
-    assert_bits_equal(out.T.cpu(), ref + 0.0)
+    assert_bits_equal(_weight_columns(pw, i, h, mode), ref + 0.0)
 
 
 def test_fused_fp4_rejects_bad_input():

@@ -7,7 +7,7 @@ import time
 import torch
 import triton
 
-__all__ = ["env", "median_ms", "graph_ms", "copy_bandwidth"]
+__all__ = ["env", "median_ms", "capture", "graph_ms", "copy_bandwidth"]
 
 
 def env() -> dict:
@@ -32,8 +32,9 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def graph_ms(fn, rep: int = 50) -> float:
-    """Median replay time (ms) of ``fn`` captured in a CUDA graph after two warm-up runs on a side stream."""
+def capture(fn, pool=None):
+    """``(graph, out)``: ``fn`` run twice on a side stream (warm-up), then captured in a CUDA graph (into
+    memory pool ``pool`` if given); ``out`` is its static output, rewritten by each replay."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -41,8 +42,14 @@ def graph_ms(fn, rep: int = 50) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+def graph_ms(fn, rep: int = 50) -> float:
+    """Median replay time (ms) of ``fn`` captured in a CUDA graph after two warm-up runs on a side stream."""
+    g, _ = capture(fn)
     ms = median_ms(g.replay, warmup=10, rep=rep)
     del g
     return ms

@@ -73,6 +73,7 @@ from ..models.qwen3 import (
 from ..moe.base import BACKENDS, TritonExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
+from ._common import capture
 
 __all__ = ["TOKENS", "CUDA_SCHEMES", "CPU_SCHEMES", "PathSpec", "parse_paths", "build_model", "bench_model",
            "markdown", "main"]
@@ -163,21 +164,6 @@ def _time_ms(fn, device: torch.device, rep_ms: float) -> float:
     return statistics.median(times)
 
 
-def _capture(fn, pool=None):
-    """``(graph, out)``: ``fn`` run twice on a side stream, then captured (into memory pool ``pool``
-    if given); ``out`` is its static output, rewritten by each replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=pool):
-        out = fn()
-    return g, out
-
-
 class _GraphedBlock(torch.nn.Module):
     """A MoE block captured once for inputs of one shape: copy in, replay, return the static output."""
 
@@ -185,7 +171,7 @@ class _GraphedBlock(torch.nn.Module):
         super().__init__()
         self.block = block
         self.static_in = example.clone()
-        self.graph, self.static_out = _capture(lambda: block(self.static_in), pool)
+        self.graph, self.static_out = capture(lambda: block(self.static_in), pool)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self.static_in.copy_(hidden_states)
@@ -223,7 +209,7 @@ def _time_forward(model, ids, device, rep_ms: float, graphs: bool, eager_out: to
         res.update(graph_ms=None, graph_mode=None, graph_skipped=NO_GRAPH_ON_CPU)
         return res
     try:
-        g, out = _capture(fwd)
+        g, out = capture(fwd)
         res["graph_mode"] = "whole"
     except Exception as e:  # noqa: BLE001 (any capture failure falls back to per-block graphs)
         _sync(device)

@@ -312,8 +312,9 @@ selp.b32 v, 0x40, v, p0;
 selp.b32 v, 0x7FC0, v, p1;
 prmt.b32 $0, v, v, 0x1010;
 }""")
-# ue4m3 (e4m3fn bits) -> bf16x2, exact: e4m3 -> f16 (hardware conversion, exact, NaN kept) -> f32 -> bf16.
-_ASM_SCALE_E4M3 = tl.constexpr("""{
+# ue4m3 (e4m3fn bits): the byte at bit $2 of $1 -> fp32 f, exactly (the hardware's e4m3 -> f16
+# conversion is exact and keeps NaN; f16 -> f32 is exact).
+_E4M3_TO_F32 = """
 .reg .b32 b, h;
 .reg .b16 s, lo, hi, r;
 .reg .f32 f;
@@ -323,21 +324,13 @@ and.b16 s, s, 0xFF;
 cvt.rn.f16x2.e4m3x2 h, s;
 mov.b32 {lo, hi}, h;
 cvt.f32.f16 f, lo;
-cvt.rn.bf16.f32 r, f;
+"""
+# -> bf16x2 (exact: every e4m3 value is a bf16 value)
+_ASM_SCALE_E4M3 = tl.constexpr("{" + _E4M3_TO_F32 + """cvt.rn.bf16.f32 r, f;
 mov.b32 $0, {r, r};
 }""")
-# ue4m3 -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier), fp32 bits.
-_ASM_SCALE_E4M3_G = tl.constexpr("""{
-.reg .b32 b, h;
-.reg .b16 s, lo, hi;
-.reg .f32 f;
-shr.u32 b, $1, $2;
-cvt.u16.u32 s, b;
-and.b16 s, s, 0xFF;
-cvt.rn.f16x2.e4m3x2 h, s;
-mov.b32 {lo, hi}, h;
-cvt.f32.f16 f, lo;
-mul.rn.f32 $0, f, $3;
+# -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier), fp32 bits
+_ASM_SCALE_E4M3_G = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 $0, f, $3;
 }""")
 
 
