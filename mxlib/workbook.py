@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
+CELL_TIMEOUT_S = 1800  # seconds one cell may run (the slowest full-size cell takes a few minutes on 2 cores)
+
 # (output name, notebook, parameters beyond the defaults)
 WORKBOOK: list[tuple[str, str, dict]] = [
     ("01_end_to_end-nvfp4", "01_end_to_end.ipynb", {}),
@@ -59,8 +61,10 @@ def run(out: Path, only: str | None = None, model_preset: str | None = None) -> 
         t0 = time.perf_counter()
         print(f"[workbook] {name}: {nb} {params}", flush=True)
         executed = out / f"{name}.ipynb"
+        # a cell that outlives CELL_TIMEOUT_S fails the run instead of hanging it (a kernel once stopped
+        # answering in a widget cell of notebook 00 and the run waited with no end; its rerun took 20 s)
         pm.execute_notebook(str(NOTEBOOKS / nb), str(executed), parameters=params, kernel_name="python3",
-                            cwd=str(NOTEBOOKS), progress_bar=False)
+                            cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=CELL_TIMEOUT_S)
         body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
         (out / f"{name}.html").write_text(body, encoding="utf-8")
         seconds = time.perf_counter() - t0
