@@ -255,17 +255,19 @@ mul.rn.bf16x2 r1, r1, c;
 mul.rn.bf16x2 r2, r2, c;
 mul.rn.bf16x2 r3, r3, c;
 """
+# the four bf16x2 results r0..r3 -> outputs $0..$7
+_WORD_OUT = """mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
 _ASM_WORD_BF16 = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>;\n" + _WORD_DECODE + """
 mul.rn.bf16x2 r0, r0, $9;
 mul.rn.bf16x2 r1, r1, $9;
 mul.rn.bf16x2 r2, r2, $10;
 mul.rn.bf16x2 r3, r3, $10;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-""")
+""" + _WORD_OUT)
 # The seed's NVFP4 product: bf16(fp32(e2m1) * B), B = fp32(ue4m3) * global scale in fp32 ($9, $10).
 _ASM_WORD_SEED = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;\n" + _WORD_DECODE + """
 shl.b32 f0, r0, 16;
@@ -288,12 +290,7 @@ cvt.rn.bf16x2.f32 r0, f1, f0;
 cvt.rn.bf16x2.f32 r1, f3, f2;
 cvt.rn.bf16x2.f32 r2, f5, f4;
 cvt.rn.bf16x2.f32 r3, f7, f6;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-""")
+""" + _WORD_OUT)
 
 # Scale byte ($2 the bit offset of the byte in the word $1) -> multiplier bits. In PTX rather than
 # Triton arithmetic so that the compiler keeps the whole decode in the dot operand's register
