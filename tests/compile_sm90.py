@@ -95,9 +95,10 @@ def fused_dequant(weight, gated, a2, split=False):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
-def fused_fp4(weight, mode, gated, a, naive=False):
+def fused_fp4(weight, mode, gated, a, naive=False, one=False):
     """The FP4 kernel: ``weight`` mxfp4 / nvfp4, ``mode`` seed / hardware, ``a`` the activation format
-    of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or None; PTX decode (the compiled path)."""
+    of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or None; PTX decode (the compiled path);
+    ``one``: the one-multiply decode (``fp4_one_multiply``)."""
     w = BLOCK_SCHEMES[weight]
     q = D.ActivationQDQ(get_activation_format(a))
     md = P.MODES[mode]
@@ -110,7 +111,7 @@ def fused_fp4(weight, mode, gated, a, naive=False):
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
     nv_hw = md == P.MODES["hardware"] and q.kind == D.A2_NVFP4
     k = compile_kernel(kernel, ptrs, dict(
-        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, GATED=gated,
+        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, W_ONE=one, GATED=gated,
         W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
         NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, NUM_WARPS=4),
         # as launched on the Qwen3-30B-A3B layer: torch's pointers 16-byte aligned, H, I and the row strides
@@ -142,7 +143,9 @@ JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
 JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
                                   ("nvfp4", "seed", False, None), ("nvfp4", "hardware", False, None),
                                   ("mxfp4", "seed", True, None), ("mxfp4", "seed", True, "mxfp4"),
-                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True)]]
+                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True),
+                                  ("mxfp4", "seed", True, None, False, True), ("mxfp4", "seed", False, None, False, True),
+                                  ("nvfp4", "seed", True, "nvfp4", False, True)]]
 JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
                                       ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
                                       ("nvfp4", False, None), ("mxfp8_e4m3", False, None),

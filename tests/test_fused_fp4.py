@@ -103,6 +103,10 @@ def run(L, device, mode, configs=None, m=None):
 # ----------------------------------------------------------------------------- layout and alignment
 
 
+def _rotl(w: torch.Tensor, r: int) -> torch.Tensor:
+    return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+
+
 def test_prepare_round_trip_and_layout():
     g = torch.Generator().manual_seed(1)
     packed = torch.randint(0, 256, (3, 5, 128), generator=g, dtype=torch.uint8)  # K = 256
@@ -110,17 +114,42 @@ def test_prepare_round_trip_and_layout():
     w = prepare_fp4_weights(packed, scales, 32)
     assert_bits_equal(unprepare_fp4_weights(w), packed)
     codes = torch.stack((packed & 0xF, packed >> 4), -1).reshape(3, 5, 256)
-    # the documented rule, element by element: byte c*16 + j*4 + h*2 + e of K tile t holds element
-    # 128 t + p (low nibble) and 128 t + 64 + p (high nibble), p = 16 j + 8 h + 2 c + e
+    # the documented rule, element by element: word c*4 + j of K tile t holds, as its element
+    # 2h + e (4 + 2h + e), the code of 128 t + p (128 t + 64 + p), p = 16 j + 8 h + 2 c + e; the
+    # decode's output i (rotations 0, 20, 26; output 3: bits 6 / 22 rotated by 6, the rest by 14),
+    # masked to bits 6..8 | 15 (+16), holds element 2i in its low bf16 and 2i + 1 in its high one
+    words = w.packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [3, 5, 32]
+    outs = [words & 0x81C081C0, _rotl(words, 20) & 0x81C081C0, _rotl(words, 26) & 0x81C081C0,
+            (_rotl(words, 6) & 0x00400040) | (_rotl(words, 14) & 0x81808180)]
+    assert all(((o & ~0x81C081C0) == 0).all() for o in outs)
+    elements = []
+    for o in outs:
+        elements += [((o >> 6) & 7) | ((o >> 12) & 8), ((o >> 22) & 7) | ((o >> 28) & 8)]
     for t in range(2):
         for c in range(4):
             for j in range(4):
                 for h in range(2):
                     for e in range(2):
-                        byte, p = 64 * t + c * 16 + j * 4 + h * 2 + e, 128 * t + 16 * j + 8 * h + 2 * c + e
-                        assert_bits_equal(w.packed[:, :, byte] & 0xF, codes[:, :, p])
-                        assert_bits_equal(w.packed[:, :, byte] >> 4, codes[:, :, p + 64])
+                        word, p = 16 * t + c * 4 + j, 128 * t + 16 * j + 8 * h + 2 * c + e
+                        assert_bits_equal(elements[2 * h + e][:, :, word].to(torch.uint8), codes[:, :, p])
+                        assert_bits_equal(elements[4 + 2 * h + e][:, :, word].to(torch.uint8), codes[:, :, p + 64])
     assert w.packed.numel() == packed.numel()  # no extra memory
+
+
+def test_one_multiply_rule():
+    """The one-multiply decode needs E8M0 bytes <= 128 (MX) and fp32(ue4m3) * global_scale < 4 (NVFP4)."""
+    from mxlib.kernels.fused_fp4_moe import fp4_one_multiply
+
+    s = torch.full((2, 4, 8), 128, dtype=torch.uint8)
+    assert fp4_one_multiply(s, 32, None)
+    s[1, 3, 7] = 129
+    assert not fp4_one_multiply(s, 32, None)
+    s[1, 3, 7] = 255  # NaN scale: the two-multiply form keeps it NaN
+    assert not fp4_one_multiply(s, 32, None)
+    e4m3 = torch.full((2, 4, 8), 448.0).to(torch.float8_e4m3fn)
+    assert fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -7, 2.0 ** -8]))  # 448 / 128 = 3.5
+    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -8, 2.0 ** -6]))  # 7 in expert 1
+    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([[2.0 ** -8, 2.0 ** -6]] * 2))  # up half
 
 
 def test_prepare_rejects_bad_input():
@@ -221,37 +250,43 @@ def _weight_columns(pw, i: int, h: int, mode: str = "seed") -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_decode_bits_match_reference():
+@pytest.mark.parametrize("top", [249, 128])
+def test_gpu_decode_bits_match_reference(top):
     """The PTX decode gives the reference's bf16 weights bit for bit (every code x scale byte):
-    a one-hot activation reads single weight columns through the whole MoE."""
+    a one-hot activation reads single weight columns through the whole MoE. Scale bytes up to
+    ``top``: 249 takes the two-multiply decode, 128 the one-multiply one (``fp4_one_multiply``)."""
     i, h = 128, 256
     packed = _every_code(i, h)
     # every scale byte whose products stay finite and normal (a NaN / Inf weight would reach every
     # output through 0 * w; subnormal dot operands are not what this test is about)
-    scales = (2 + torch.arange(2 * i * h // 32, dtype=torch.int64).remainder(248)).to(torch.uint8).view(1, 2 * i, h // 32)
+    scales = (2 + torch.arange(2 * i * h // 32, dtype=torch.int64).remainder(top - 1)).to(torch.uint8)
+    scales = scales.view(1, 2 * i, h // 32)
     ref = R.dequantize_mx(packed, scales, "e2m1")  # [1, 2I, H] bf16
     pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 32)
+    assert pw.one_multiply == (top <= 128)
     # the GEMM's sum 1 * w + 0 * (others) turns -0.0 into +0.0; every other value must match bit for bit
     assert_bits_equal(_weight_columns(pw, i, h), ref[0] + 0.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["seed", "hardware"])
-def test_gpu_nvfp4_decode_bits_match_reference(mode):
+@pytest.mark.parametrize("mode,g", [("seed", 0.375), ("seed", 0.375 / 64), ("hardware", 0.25)])
+def test_gpu_nvfp4_decode_bits_match_reference(mode, g):
     """NVFP4: every e2m1 code under every finite ue4m3 scale byte (subnormal scales included), the
-    PTX scale decode (e4m3 -> f16 -> f32) and, in seed mode, the fp32 product with the global scale:
+    PTX scale decode (e4m3 -> f16 -> f32) and, in seed mode, the fp32 product with the global scale
+    (``g`` 0.375: two multiplies; 0.375 / 64: the one-multiply decode, ``fp4_one_multiply``):
     seed operands equal ``dequantize_to_dtype`` bit for bit; hardware operands are ``e2m1 * ue4m3``
     exactly, with the global scale (a power of two here, so exact) on the fp32 accumulator."""
     i, h = 128, 256
     packed = _every_code(i, h)
     scales = torch.arange(2 * i * h // 16, dtype=torch.int64).remainder(127).to(torch.uint8).view(1, 2 * i, h // 16)
-    g = torch.tensor([0.375 if mode == "seed" else 0.25])  # seed: a product that rounds; hardware: exact
+    g = torch.tensor([g])  # seed: products that round; hardware: exact
     ref = R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), g, torch.bfloat16, 16)[0]
     if mode == "hardware":  # e2m1 * ue4m3 is exact in bf16; times 1/4 exact too
         ref = (R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), torch.ones(1), torch.float32, 16)[0]
                * 0.25).to(torch.bfloat16)
     pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 16, g.cuda())
+    assert pw.one_multiply == (float(g) < 4 / 448)
     assert_bits_equal(_weight_columns(pw, i, h, mode), ref + 0.0)
 
 

@@ -62,7 +62,7 @@ from .fused_dequant_moe import A2_FP8, A2_MX, A2_NONE, A2_NVFP4, ActivationQDQ, 
 from .moe_align_triton import moe_align_block_size_triton, naive_block_assignment
 
 __all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "prepare_packed_weights", "unprepare_fp4_weights",
-           "unprepare_fp4_packed",
+           "unprepare_fp4_packed", "fp4_one_multiply", "WORD_BIT_SOURCE",
            "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "MODES"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -80,15 +80,23 @@ W_MX, W_NVFP4_SEED, W_NVFP4_HW = 0, 1, 2
 class FP4Weights:
     """One expert stack in the kernel's layout (``prepare_fp4_weights``).
 
-    ``packed`` uint8 ``[E, rows, K / 2]``: each row's K tile ``t`` of 128 elements is 64 bytes; byte
-    ``c * 16 + j * 4 + h * 2 + e`` (c, j in 0..3, h, e in 0..1) holds element ``t * 128 + p`` in the
-    low nibble and ``t * 128 + 64 + p`` in the high nibble, ``p = 16j + 8h + 2c + e``. That is the
-    order of Hopper's warpgroup MMA register operand (PTX ISA, "wgmma register fragment A" for
-    16-bit types: lane ``4g + c`` holds K ``2c + {0, 1, 8, 9}`` of each 16-wide K step): a thread's
-    16-byte load is exactly what it feeds the MMA, so the decoded tile never goes through shared
-    memory. ``scales`` uint8
-    ``[E, rows, K / block_size]`` (E8M0 or ue4m3 bytes, checkpoint order); ``global_scale``
-    fp32 ``[E]`` or ``[E, 2]`` (gate, up) NVFP4 decode scales, else None.
+    ``packed`` uint8 ``[E, rows, K / 2]``, two levels:
+
+    * bytes: each row's K tile ``t`` of 128 elements is 64 bytes (16 words); the codes of elements
+      ``t * 128 + p`` and ``t * 128 + 64 + p``, ``p = 16j + 8h + 2c + e`` (c, j in 0..3, h, e in 0..1),
+      live in word ``c * 4 + j``, as element ``2h + e`` and ``4 + 2h + e`` of its eight. That is
+      the order of Hopper's warpgroup MMA register operand (PTX ISA, "wgmma register fragment A"
+      for 16-bit types: lane ``4g + c`` holds K ``2c + {0, 1, 8, 9}`` of each 16-wide K step): a
+      thread's 16-byte load is exactly what it feeds the MMA, so the decoded tile never goes
+      through shared memory.
+    * bits: inside each 32-bit word (little-endian) the eight 4-bit codes are spread so that the
+      decode is four rotate-and-mask steps (``WORD_BIT_SOURCE``, ``_WORD_BITS``): output ``i`` of
+      the decode holds elements ``2i`` (low bf16) and ``2i + 1`` (high bf16) with the code's
+      magnitude bits at bf16 bits 6..8 and its sign at bit 15.
+
+    ``scales`` uint8 ``[E, rows, K / block_size]`` (E8M0 or ue4m3 bytes, checkpoint order);
+    ``global_scale`` fp32 ``[E]`` or ``[E, 2]`` (gate, up) NVFP4 decode scales, else None.
+    ``one_multiply``: the scales allow the decode's one-multiply form (``fp4_one_multiply``).
     """
 
     packed: torch.Tensor
@@ -96,10 +104,72 @@ class FP4Weights:
     block_size: int
     nvfp4: bool
     global_scale: torch.Tensor | None = None
+    one_multiply: bool = False
 
     @property
     def k(self) -> int:
         return self.packed.shape[2] * 2
+
+
+def _word_bit_source() -> tuple[tuple[int, int], ...]:
+    """``source[bit]``: the (element 0..7, code bit 0..3) that bit ``bit`` of a prepared word holds.
+
+    The decode's output ``i`` (a bf16 pair: elements ``2i`` and ``2i + 1``) is the word rotated left
+    by ``_ROTATE[i]`` and masked to bits 6..8, 15 (+16): code bits (m, e0, e1, sign). Output 3
+    takes bits 6 and 22 from a rotation by 6 and the rest from a rotation by 14. Found by an
+    exhaustive search: no four plain rotations place all 32 bits (the bf16 pattern does not tile
+    the word), so one output costs two rotations; eight or nine instructions a word in all."""
+    src = {}
+    for i in range(4):
+        for half in range(2):
+            for pos, bit in ((6, 0), (7, 1), (8, 2), (15, 3)):
+                rot = _ROTATE[i] if i < 3 else (6 if pos == 6 else 14)
+                src[(pos + 16 * half - rot) % 32] = (2 * i + half, bit)
+    assert sorted(src) == list(range(32))
+    return tuple(src[b] for b in range(32))
+
+
+_ROTATE = (0, 20, 26)
+WORD_BIT_SOURCE = _word_bit_source()
+
+
+def _bit_moves(to_new: bool) -> list[tuple[int, int]]:
+    """(shift, mask of source bits) groups moving nibble-layout words (element ``q``: byte ``q % 4``,
+    nibble ``q // 4``) to prepared words (``to_new``) or back."""
+    moves: dict[int, int] = {}
+    for new, (q, b) in enumerate(WORD_BIT_SOURCE):
+        old = 8 * (q % 4) + 4 * (q // 4) + b
+        src, dst = (old, new) if to_new else (new, old)
+        moves[dst - src] = moves.get(dst - src, 0) | (1 << src)
+    return sorted(moves.items())
+
+
+def _permute_words(b: torch.Tensor, to_new: bool) -> torch.Tensor:
+    """uint8 ``[..., 4n]`` -> the same bytes with each 32-bit word's bits moved (``_bit_moves``)."""
+    w = b.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for shift, mask in _bit_moves(to_new):
+        part = w & mask
+        out |= (part << shift) if shift >= 0 else (part >> -shift)
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.view(torch.uint8).view(b.shape)
+
+
+def fp4_one_multiply(scales: torch.Tensor, block_size: int, global_scale: torch.Tensor | None) -> bool:
+    """Whether every block scale lets the decode fold the codes' ``2**126`` (``_WORD_BITS``) into
+    the scale multiplier, one multiply a pair of elements instead of two, with the same bits.
+
+    MXFP4: every E8M0 byte <= 128 (``2**(s - 1)`` is a bf16; 255 is NaN). NVFP4 seed mode: every
+    ``fp32(ue4m3) * global_scale`` < 4 (times ``2**126`` stays finite in fp32). Reads the tensors
+    (a host synchronization): call once at load time.
+    """
+    if scales.numel() == 0:
+        return True
+    if block_size == 32:
+        return int(scales.view(torch.uint8).max()) <= 128
+    v = scales.view(torch.uint8).view(torch.float8_e4m3fn).float().abs().reshape(scales.shape[0], -1).amax(dim=1)
+    g = global_scale.float().abs().reshape(scales.shape[0], -1).amax(dim=1)
+    return bool(((v * g) < 4).all())
 
 
 def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: int,
@@ -141,7 +211,8 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
         global_scale = global_scale.float().contiguous()
         if global_scale.shape not in ((e,), (e, 2)):
             raise ValueError(f"global_scale: expected [E] or [E, 2] with E={e}, got {list(global_scale.shape)}")
-    return FP4Weights(out, scales.contiguous(), block_size, nvfp4, global_scale)
+    scales = scales.contiguous()
+    return FP4Weights(out, scales, block_size, nvfp4, global_scale, fp4_one_multiply(scales, block_size, global_scale))
 
 
 def prepare_packed_weights(w: PackedWeights) -> FP4Weights:
@@ -165,7 +236,7 @@ def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
 def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:
     """Prepared packed bytes ``[E, rows, K / 2]`` -> checkpoint layout (a new tensor, same shape)."""
     e, rows, half = packed.shape
-    b = packed.view(e, rows, half // 64, 4, 4, 2, 2)  # [.., tile, c, j, h, e]
+    b = _permute_words(packed, to_new=False).view(e, rows, half // 64, 4, 4, 2, 2)  # [.., tile, c, j, h, e]
     lo = (b & 0xF).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)  # K order: [j, h, c, e]
     hi = (b >> 4).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)
     codes = torch.cat((lo, hi), dim=-1).view(e, rows, half // 64, 64, 2)  # [.., 128] in element order
@@ -177,9 +248,9 @@ def _to_mma_bytes(packed: torch.Tensor) -> torch.Tensor:
     rows, half = packed.shape
     b = packed.view(rows, half // 64, 64)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(rows, half // 64, 2, 64)  # [.., lo/hi, K]
-    # K = 16j + 8h + 2c + e -> byte c * 16 + j * 4 + h * 2 + e
+    # K = 16j + 8h + 2c + e -> byte c * 16 + j * 4 + h * 2 + e (low nibble: half tile 0, high: 1)
     codes = codes.view(rows, half // 64, 2, 4, 2, 4, 2).permute(0, 1, 2, 5, 3, 4, 6).reshape(rows, half // 64, 2, 64)
-    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, half)
+    return _permute_words((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, half), to_new=True)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -220,57 +291,39 @@ def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4C
 # ----------------------------------------------------------------------------- decode
 
 
-# One 32-bit word (four packed bytes) -> its four low-nibble and four high-nibble elements, scaled.
-# $8 the word; $9 / $10 the scale of its low / high elements (bf16x2 bits, the value twice; or, for
-# the seed's NVFP4, fp32 bits). Outputs $0..$3: low nibbles of bytes 0..3, $4..$7: high nibbles.
-# A code c becomes the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and mantissa
-# at the top of bf16's fields (a bf16 subnormal for c & 7 == 1), exact after multiplying by
-# 2**126; then one multiply by the block scale (exact for in-range scales).
-_WORD_DECODE = """
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-shl.b32 u0, t0, 6;
-shl.b32 v0, t0, 12;
-and.b32 u0, u0, 0x01C001C0;
-and.b32 v0, v0, 0x80008000;
-or.b32 r0, u0, v0;
-shl.b32 u1, t1, 6;
-shl.b32 v1, t1, 12;
-and.b32 u1, u1, 0x01C001C0;
-and.b32 v1, v1, 0x80008000;
-or.b32 r1, u1, v1;
-shl.b32 u2, t0, 2;
-shl.b32 v2, t0, 8;
-and.b32 u2, u2, 0x01C001C0;
-and.b32 v2, v2, 0x80008000;
-or.b32 r2, u2, v2;
-shl.b32 u3, t1, 2;
-shl.b32 v3, t1, 8;
-and.b32 u3, u3, 0x01C001C0;
-and.b32 v3, v3, 0x80008000;
-or.b32 r3, u3, v3;
-mov.b32 c, 0x7E807E80;
+# One prepared 32-bit word -> its eight elements, scaled (outputs $0..$7: elements 0..7, i.e. $0..$3
+# the half tile K 0..63, $4..$7 K 64..127). $8 the word; $9 / $10 the scale multiplier of elements
+# 0..3 / 4..7 (bf16x2 bits, the value twice; or, for the seed's NVFP4, fp32 bits).
+# Four rotate-and-mask steps (``FP4Weights``' bit layout) give four bf16x2 registers r0..r3, each
+# two codes as the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and mantissa at
+# the top of bf16's fields (a bf16 subnormal for c & 7 == 1), which is e2m1 * 2**-126 exactly.
+_WORD_BITS = """
+and.b32 r0, $8, 0x81C081C0;
+shf.l.wrap.b32 r1, $8, $8, 20;
+and.b32 r1, r1, 0x81C081C0;
+shf.l.wrap.b32 r2, $8, $8, 26;
+and.b32 r2, r2, 0x81C081C0;
+shf.l.wrap.b32 x, $8, $8, 6;
+and.b32 x, x, 0x00400040;
+shf.l.wrap.b32 r3, $8, $8, 14;
+and.b32 r3, r3, 0x81808180;
+or.b32 r3, r3, x;
+"""
+# times 2**126: the exact e2m1 values
+_TIMES_2_126 = """mov.b32 c, 0x7E807E80;
 mul.rn.bf16x2 r0, r0, c;
 mul.rn.bf16x2 r1, r1, c;
 mul.rn.bf16x2 r2, r2, c;
 mul.rn.bf16x2 r3, r3, c;
 """
-# the four bf16x2 results r0..r3 -> outputs $0..$7
-_WORD_OUT = """mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-"""
-_ASM_WORD_BF16 = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>;\n" + _WORD_DECODE + """
-mul.rn.bf16x2 r0, r0, $9;
+# times the block scale multipliers (bf16x2)
+_TIMES_SCALE = """mul.rn.bf16x2 r0, r0, $9;
 mul.rn.bf16x2 r1, r1, $9;
 mul.rn.bf16x2 r2, r2, $10;
 mul.rn.bf16x2 r3, r3, $10;
-""" + _WORD_OUT)
-# The seed's NVFP4 product: bf16(fp32(e2m1) * B), B = fp32(ue4m3) * global scale in fp32 ($9, $10).
-_ASM_WORD_SEED = tl.constexpr("{\n.reg .b32 c, t<2>, u<4>, v<4>, r<4>, f<8>;\n" + _WORD_DECODE + """
-shl.b32 f0, r0, 16;
+"""
+# the seed's NVFP4 product bf16(fp32(e2m1) * B): each bf16 -> fp32 (exact), times B in fp32 ($9, $10), one rounding
+_TIMES_F32_SCALE = """shl.b32 f0, r0, 16;
 and.b32 f1, r0, 0xFFFF0000;
 shl.b32 f2, r1, 16;
 and.b32 f3, r1, 0xFFFF0000;
@@ -290,7 +343,23 @@ cvt.rn.bf16x2.f32 r0, f1, f0;
 cvt.rn.bf16x2.f32 r1, f3, f2;
 cvt.rn.bf16x2.f32 r2, f5, f4;
 cvt.rn.bf16x2.f32 r3, f7, f6;
-""" + _WORD_OUT)
+"""
+# the four bf16x2 results r0..r3 -> outputs $0..$7
+_WORD_OUT = """mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
+_REGS = "{\n.reg .b32 c, x, r<4>, f<8>;\n"
+# One multiply a pair: the multiplier already holds the 2**126 (``fp4_one_multiply``; NVFP4 hardware
+# mode: ue4m3 * 2**117, the 2**9 put back on the accumulator), or two (any E8M0 byte).
+_ASM_WORD_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_SCALE + _WORD_OUT)
+_ASM_WORD_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_SCALE + _WORD_OUT)
+# The seed's NVFP4: B * 2**126 when ``fp4_one_multiply`` holds (the fp32 of a code's bits is e2m1 * 2**-126
+# exactly, an fp32 subnormal for 0.5: the product is e2m1 * B, rounded once), else the exact e2m1 first.
+_ASM_WORD_SEED_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_F32_SCALE + _WORD_OUT)
+_ASM_WORD_SEED_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_F32_SCALE + _WORD_OUT)
 
 # Scale byte ($2 the bit offset of the byte in the word $1) -> multiplier bits. In PTX rather than
 # Triton arithmetic so that the compiler keeps the whole decode in the dot operand's register
@@ -309,6 +378,15 @@ selp.b32 v, 0x40, v, p0;
 selp.b32 v, 0x7FC0, v, p1;
 prmt.b32 $0, v, v, 0x1010;
 }""")
+# E8M0 -> bf16x2 2**(b - 127) * 2**126 = 2**(b - 1) (one-multiply form: every b <= 128): bits (b + 126) << 7
+_ASM_SCALE_E8M0_ONE = tl.constexpr("""{
+.reg .b32 b, v;
+shr.u32 b, $1, $2;
+and.b32 b, b, 0xFF;
+add.u32 b, b, 126;
+shl.b32 v, b, 7;
+prmt.b32 $0, v, v, 0x1010;
+}""")
 # ue4m3 (e4m3fn bits): the byte at bit $2 of $1 -> fp32 f, exactly (the hardware's e4m3 -> f16
 # conversion is exact and keeps NaN; f16 -> f32 is exact).
 _E4M3_TO_F32 = """
@@ -322,23 +400,31 @@ cvt.rn.f16x2.e4m3x2 h, s;
 mov.b32 {lo, hi}, h;
 cvt.f32.f16 f, lo;
 """
-# -> bf16x2 (exact: every e4m3 value is a bf16 value)
-_ASM_SCALE_E4M3 = tl.constexpr("{" + _E4M3_TO_F32 + """cvt.rn.bf16.f32 r, f;
+# -> bf16x2 ue4m3 * 2**117 (hardware mode, exact: 2**108 .. 448 * 2**117 are normal bf16 values; the
+# code's 2**-126 makes the operand e2m1 * ue4m3 * 2**-9, exact too; the kernel multiplies the fp32
+# accumulator by 2**9)
+_ASM_SCALE_E4M3 = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 f, f, 0f7A000000;
+cvt.rn.bf16.f32 r, f;
 mov.b32 $0, {r, r};
 }""")
-# -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier), fp32 bits
+# -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier B), fp32 bits
 _ASM_SCALE_E4M3_G = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 $0, f, $3;
+}""")
+# -> B * 2**126 (one-multiply form: B < 4, so finite)
+_ASM_SCALE_E4M3_G_ONE = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 f, f, $3;
+mul.rn.f32 $0, f, 0f7E800000;
 }""")
 
 
 @triton.jit
 def _word_scales(s_rows, n_mask, g, kt, half: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, ONE: tl.constexpr):
     """The block scale of every packed word of half tile ``half`` (K ``kt * 128 + 64 * half + 0..63``),
     [BLOCK_N, 16] in word order ``c * 4 + j`` (``prepare_fp4_weights``).
 
-    Compiled: int32 bits, bf16x2 (the value twice; KIND 0 MX, 2 NVFP4 hardware) or fp32
-    ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed). Interpreted: the same values as fp32.
+    Compiled: int32 bits, bf16x2 (the value twice; KIND 0 MX, 2 NVFP4 hardware: ue4m3 * 2**117) or
+    fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed); ``ONE`` (``fp4_one_multiply``): times 2**126.
+    Interpreted: the values the decode multiplies the exact e2m1 by, fp32 (KIND 2: ue4m3 / 2**9).
     ``s_rows`` point at int32 rows of scale bytes (a K tile's 128 / BS bytes are 1 or 2 words)."""
     NB: tl.constexpr = 64 // BS  # scale blocks per half tile
     # the half tile's NB scale bytes are one word: MX (4 bytes a K tile) word 0, bytes 2 * half + 0..1;
@@ -355,14 +441,14 @@ def _word_scales(s_rows, n_mask, g, kt, half: tl.constexpr, KIND: tl.constexpr, 
         elif KIND == 1:
             return nm.decode_e4m3(sb) * g
         else:
-            return nm.decode_e4m3(sb)
+            return nm.decode_e4m3(sb) * (1.0 / 512.0)
     else:
         if KIND == 0:
-            return tl.inline_asm_elementwise(_ASM_SCALE_E8M0, "=r,r,r", [sw, shift], dtype=tl.int32,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_ASM_SCALE_E8M0_ONE if ONE else _ASM_SCALE_E8M0, "=r,r,r", [sw, shift],
+                                             dtype=tl.int32, is_pure=True, pack=1)
         elif KIND == 1:
-            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3_G, "=r,r,r,f", [sw, shift, g], dtype=tl.int32,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3_G_ONE if ONE else _ASM_SCALE_E4M3_G, "=r,r,r,f",
+                                             [sw, shift, g], dtype=tl.int32, is_pure=True, pack=1)
         else:
             return tl.inline_asm_elementwise(_ASM_SCALE_E4M3, "=r,r,r", [sw, shift], dtype=tl.int32,
                                              is_pure=True, pack=1)
@@ -402,35 +488,46 @@ def _to_logical_rows(x, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr):
 
 
 @triton.jit
-def _code(wd, shift: tl.constexpr, s):
-    """Interpreter: the element at bit ``shift`` of every word, times its scale, rounded to bf16 once."""
-    v = nm.decode_element((wd >> shift) & 0xF, 2, 1, 0) * s
-    return nm.to_fp32(nm.cast_out(v, tl.bfloat16))
+def _rotl(w, r: tl.constexpr):
+    """Interpreter: 32-bit rotate left of int64 words in [0, 2**32)."""
+    return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF
+
+
+@triton.jit
+def _pair(o, s):
+    """Interpreter: a decode output register (bf16 bits of two codes, ``_WORD_BITS``) -> its low and
+    high element, each ``e2m1 * s`` rounded to bf16 once (fp32 holding the bf16 values)."""
+    lo = nm.decode_element((((o >> 6) & 7) | ((o >> 12) & 8)).to(tl.int32), 2, 1, 0) * s
+    hi = nm.decode_element((((o >> 22) & 7) | ((o >> 28) & 8)).to(tl.int32), 2, 1, 0) * s
+    return nm.to_fp32(nm.cast_out(lo, tl.bfloat16)), nm.to_fp32(nm.cast_out(hi, tl.bfloat16))
 
 
 @triton.jit
 def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_WARPS: tl.constexpr):
+                  NUM_WARPS: tl.constexpr, ONE: tl.constexpr):
     """Weight K tile ``kt`` [BLOCK_N, 128], bf16 (fp32 holding the bf16 values under the interpreter);
     ``w_rows`` point at int32 rows (16 words per K tile) in load order (``_load_rows``): a word's
-    low nibbles are the half tile K 0..63, its high nibbles K 64..127."""
+    elements 0..3 are in the half tile K 0..63, 4..7 in K 64..127 (``FP4Weights``)."""
     wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
-    s_lo = _word_scales(s_rows, n_mask, g, kt, 0, KIND, BS, BLOCK_N)
-    s_hi = _word_scales(s_rows, n_mask, g, kt, 1, KIND, BS, BLOCK_N)
-    if nm.INTERPRETING:
-        lo = _mma_order(_code(wd, 0, s_lo), _code(wd, 8, s_lo), _code(wd, 16, s_lo), _code(wd, 24, s_lo), BLOCK_N)
-        hi = _mma_order(_code(wd, 4, s_hi), _code(wd, 12, s_hi), _code(wd, 20, s_hi), _code(wd, 28, s_hi), BLOCK_N)
+    s_lo = _word_scales(s_rows, n_mask, g, kt, 0, KIND, BS, BLOCK_N, ONE)
+    s_hi = _word_scales(s_rows, n_mask, g, kt, 1, KIND, BS, BLOCK_N, ONE)
+    if nm.INTERPRETING:  # the PTX's rotate-and-mask steps, then the codes' values
+        w = wd.to(tl.int64) & 0xFFFFFFFF
+        o0, o1 = _pair(w & 0x81C081C0, s_lo)
+        o2, o3 = _pair(_rotl(w, 20) & 0x81C081C0, s_lo)
+        o4, o5 = _pair(_rotl(w, 26) & 0x81C081C0, s_hi)
+        o6, o7 = _pair((_rotl(w, 6) & 0x00400040) | (_rotl(w, 14) & 0x81808180), s_hi)
     else:
         if KIND == 1:
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                _ASM_WORD_SEED, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
-                is_pure=True, pack=1)
-        else:
+                _ASM_WORD_SEED_ONE if ONE else _ASM_WORD_SEED_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        else:  # NVFP4 hardware mode: always one multiply (ue4m3 * 2**117)
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                _ASM_WORD_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8,
-                is_pure=True, pack=1)
-        lo = _mma_order(o0, o1, o2, o3, BLOCK_N)
-        hi = _mma_order(o4, o5, o6, o7, BLOCK_N)
+                _ASM_WORD_ONE if (ONE or KIND == 2) else _ASM_WORD_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    lo = _mma_order(o0, o1, o2, o3, BLOCK_N)
+    hi = _mma_order(o4, o5, o6, o7, BLOCK_N)
     return _to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
 
 
@@ -499,7 +596,7 @@ def fused_fp4_moe_kernel(
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, wg_stride_e, wg_stride_half,
     a_scale_stride_e, c_scale_stride_e,
     # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16
-    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr,
+    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr, W_ONE: tl.constexpr,
     # A-load QDQ (a1 in GEMM1, none in GEMM2)
     A_KIND: tl.constexpr, A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, A_BS: tl.constexpr,
@@ -551,18 +648,18 @@ def fused_fp4_moe_kernel(
     for kt in range(0, K // 128):
         a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                     A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-        acc = tl.dot(_decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS), a, acc)
+        acc = tl.dot(_decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc)
         if GATED:
             acc_up = tl.dot(_decode_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt, W_KIND,
-                                          W_BS, BLOCK_N, NUM_WARPS), a, acc_up)
+                                          W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc_up)
 
     if A_INV_OUT:
         inv_a = tl.math.div_rn(a_scale * 0.0 + 1.0, a_scale)
         acc = acc * inv_a
         acc_up = acc_up * inv_a
-    if W_GLOBAL_OUT:
-        acc = acc * g
-        acc_up = acc_up * g_up
+    if W_GLOBAL_OUT:  # the operands were e2m1 * ue4m3 / 2**9 (exact): 2**9 back, then the global scale
+        acc = acc * 512.0 * g
+        acc_up = acc_up * 512.0 * g_up
     if GATED:
         gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
         up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
@@ -633,7 +730,7 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
         n, w.k, em, c.shape[0],
         a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
-        W_KIND=w_kind, W_BS=w.block_size, MODE=mode,
+        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, W_ONE=w.one_multiply,
         **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}), GATED=gated,
         W_GLOBAL_OUT=w_kind == W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,

@@ -38,7 +38,8 @@ from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
 from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
-from ..kernels.fused_fp4_moe import K_TILE, MODES, FP4Weights, prepare_packed_weights, unprepare_fp4_packed
+from ..kernels.fused_fp4_moe import (K_TILE, MODES, FP4Weights, fp4_one_multiply, prepare_packed_weights,
+                                     unprepare_fp4_packed)
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .scales import _warn_once, max_input_scale, unify_input_scales
 from .schemes import MoEQuantScheme, get_moe_scheme
@@ -146,10 +147,19 @@ class QuantizedExperts(TritonExperts):
                 self.register_buffer(name + _PREPARED, prepared, persistent=False)
         s = self.weight_scheme
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
-        return (FP4Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.block_size,
-                           s.has_global_scale, g13),
-                FP4Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.block_size,
-                           s.has_global_scale, g2))
+        s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
+        return (FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13,
+                           self._one_multiply("w13", s13, g13)),
+                FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, self._one_multiply("w2", s2, g2)))
+
+    def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
+        """``fp4_one_multiply`` of weight ``name``'s scales, read once (a host synchronization) and
+        again only after they change (a new storage, or an in-place write: it bumps ``_version``)."""
+        key = tuple((t.data_ptr(), t._version) for t in (scales, g) if t is not None)
+        cache = self.__dict__.setdefault("_one_multiply_cache", {})
+        if name not in cache or cache[name][0] != key:
+            cache[name] = (key, fp4_one_multiply(scales, self.weight_scheme.block_size, g))
+        return cache[name][1]
 
     def checkpoint_packed(self, name: str, sel=slice(None)) -> torch.Tensor:
         """Packed bytes ``name`` (``w13_weight`` / ``w2_weight``) of experts ``sel`` in the checkpoint
