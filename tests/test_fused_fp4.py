@@ -150,6 +150,10 @@ def test_one_multiply_rule():
     assert fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -7, 2.0 ** -8]))  # 448 / 128 = 3.5
     assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -8, 2.0 ** -6]))  # 7 in expert 1
     assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([[2.0 ** -8, 2.0 ** -6]] * 2))  # up half
+    tiny = torch.full((2, 4, 8), 2.0 ** -9).to(torch.float8_e4m3fn).view(torch.uint8)  # subnormal ue4m3
+    assert fp4_one_multiply(tiny, 16, torch.tensor([4 - 2.0 ** -20, 2.0 ** -117]))
+    assert not fp4_one_multiply(tiny, 16, torch.tensor([4.0, 1.0]))  # g * 2**126 overflows
+    assert not fp4_one_multiply(tiny, 16, torch.tensor([1.0, 2.0 ** -118]))  # B could be an fp32 subnormal
 
 
 def test_prepare_rejects_bad_input():

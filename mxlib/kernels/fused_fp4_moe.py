@@ -160,16 +160,19 @@ def fp4_one_multiply(scales: torch.Tensor, block_size: int, global_scale: torch.
     the scale multiplier, one multiply a pair of elements instead of two, with the same bits.
 
     MXFP4: every E8M0 byte <= 128 (``2**(s - 1)`` is a bf16; 255 is NaN). NVFP4 seed mode: every
-    ``fp32(ue4m3) * global_scale`` < 4 (times ``2**126`` stays finite in fp32). Reads the tensors
-    (a host synchronization): call once at load time.
+    ``B = fp32(ue4m3) * global_scale`` < 4 (``B * 2**126`` stays finite in fp32) and every global
+    scale in ``[2**-117, 4)``: the kernel then multiplies ue4m3 by ``global_scale * 2**126`` (exact),
+    which rounds as ``B * 2**126`` does since no ``B`` is an fp32 subnormal. Reads the tensors (a
+    host synchronization): call once at load time.
     """
     if scales.numel() == 0:
         return True
     if block_size == 32:
         return int(scales.view(torch.uint8).max()) <= 128
     v = scales.view(torch.uint8).view(torch.float8_e4m3fn).float().abs().reshape(scales.shape[0], -1).amax(dim=1)
-    g = global_scale.float().abs().reshape(scales.shape[0], -1).amax(dim=1)
-    return bool(((v * g) < 4).all())
+    g = global_scale.float().abs().reshape(scales.shape[0], -1)
+    gmax = g.amax(dim=1)
+    return bool(((v * gmax) < 4).all() and (gmax < 4).all() and (g.amin() >= 2.0 ** -117))
 
 
 def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: int,
@@ -361,97 +364,105 @@ _ASM_WORD_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_SCALE + 
 _ASM_WORD_SEED_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_F32_SCALE + _WORD_OUT)
 _ASM_WORD_SEED_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_F32_SCALE + _WORD_OUT)
 
-# Scale byte ($2 the bit offset of the byte in the word $1) -> multiplier bits. In PTX rather than
-# Triton arithmetic so that the compiler keeps the whole decode in the dot operand's register
-# layout (with the decode written as Triton arithmetic it judges the rematerialization too costly
-# and round-trips every decoded tile through shared memory).
-# E8M0 -> bf16x2 2**(b - 127): bits b << 7; b = 0 is 2**-127 (bf16 subnormal 0x0040), 255 NaN.
-_ASM_SCALE_E8M0 = tl.constexpr("""{
-.reg .b32 b, v;
-.reg .pred p0, p1;
-shr.u32 b, $1, $2;
-and.b32 b, b, 0xFF;
+# A row's scale word (four scale bytes, $4) -> the four multipliers ($0..$3, byte 0..3), decoded once a
+# row and then spread over the words they scale (``_tile_scales``). In PTX rather than Triton
+# arithmetic so that the compiler keeps the whole decode in the dot operand's register layout (with
+# the decode written as Triton arithmetic it judges the rematerialization too costly and
+# round-trips every decoded tile through shared memory).
+def _each_byte(body: str) -> str:
+    """``body`` four times: ``$i`` the output, ``@8i`` the byte's bit offset, ``@i`` the byte (i = 0..3)."""
+    return "".join(body.replace("$i", f"${i}").replace("@8i", str(8 * i)).replace("@i", str(i)) for i in range(4))
+
+
+# E8M0 -> bf16x2 2**(b - 127) (the value twice): bits b << 7; b = 0 is 2**-127 (bf16 subnormal 0x0040), 255 NaN.
+_ASM_SCALES_E8M0 = tl.constexpr("{\n.reg .b32 b, v;\n.reg .pred p0, p1;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
 shl.b32 v, b, 7;
 setp.eq.u32 p0, b, 0;
 setp.eq.u32 p1, b, 255;
 selp.b32 v, 0x40, v, p0;
 selp.b32 v, 0x7FC0, v, p1;
-prmt.b32 $0, v, v, 0x1010;
-}""")
+prmt.b32 $i, v, v, 0x1010;
+""") + "}")
 # E8M0 -> bf16x2 2**(b - 127) * 2**126 = 2**(b - 1) (one-multiply form: every b <= 128): bits (b + 126) << 7
-_ASM_SCALE_E8M0_ONE = tl.constexpr("""{
-.reg .b32 b, v;
-shr.u32 b, $1, $2;
-and.b32 b, b, 0xFF;
-add.u32 b, b, 126;
-shl.b32 v, b, 7;
-prmt.b32 $0, v, v, 0x1010;
-}""")
-# ue4m3 (e4m3fn bits): the byte at bit $2 of $1 -> fp32 f, exactly (the hardware's e4m3 -> f16
-# conversion is exact and keeps NaN; f16 -> f32 is exact).
-_E4M3_TO_F32 = """
-.reg .b32 b, h;
-.reg .b16 s, lo, hi, r;
-.reg .f32 f;
-shr.u32 b, $1, $2;
-cvt.u16.u32 s, b;
-and.b16 s, s, 0xFF;
-cvt.rn.f16x2.e4m3x2 h, s;
-mov.b32 {lo, hi}, h;
-cvt.f32.f16 f, lo;
+_ASM_SCALES_E8M0_ONE = tl.constexpr("{\n.reg .b32 b, v;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
+mad.lo.u32 v, b, 128, 16128;
+prmt.b32 $i, v, v, 0x1010;
+""") + "}")
+# ue4m3 (e4m3fn bits) -> fp32 f0..f3, exactly: the hardware's e4m3 -> f16 conversion (two bytes an
+# instruction) is exact and keeps NaN; f16 -> f32 is exact.
+_E4M3X4_TO_F32 = """
+.reg .b16 w<2>, x<4>;
+.reg .b32 h<2>;
+.reg .f32 f<4>;
+mov.b32 {w0, w1}, $4;
+cvt.rn.f16x2.e4m3x2 h0, w0;
+cvt.rn.f16x2.e4m3x2 h1, w1;
+mov.b32 {x0, x1}, h0;
+mov.b32 {x2, x3}, h1;
+cvt.f32.f16 f0, x0;
+cvt.f32.f16 f1, x1;
+cvt.f32.f16 f2, x2;
+cvt.f32.f16 f3, x3;
 """
 # -> bf16x2 ue4m3 * 2**117 (hardware mode, exact: 2**108 .. 448 * 2**117 are normal bf16 values; the
 # code's 2**-126 makes the operand e2m1 * ue4m3 * 2**-9, exact too; the kernel multiplies the fp32
 # accumulator by 2**9)
-_ASM_SCALE_E4M3 = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 f, f, 0f7A000000;
-cvt.rn.bf16.f32 r, f;
-mov.b32 $0, {r, r};
+_ASM_SCALES_E4M3 = tl.constexpr("{" + _E4M3X4_TO_F32 + _each_byte("""mul.rn.f32 f@i, f@i, 0f7A000000;
+cvt.rn.bf16x2.f32 $i, f@i, f@i;
+""") + "}")
+# -> fp32(ue4m3) * g ($5), one fp32 rounding (the seed's per-block multiplier B), fp32 bits
+_ASM_SCALES_E4M3_G = tl.constexpr("{" + _E4M3X4_TO_F32 + """mul.rn.f32 $0, f0, $5;
+mul.rn.f32 $1, f1, $5;
+mul.rn.f32 $2, f2, $5;
+mul.rn.f32 $3, f3, $5;
 }""")
-# -> fp32(ue4m3) * g ($3), one fp32 rounding (the seed's per-block multiplier B), fp32 bits
-_ASM_SCALE_E4M3_G = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 $0, f, $3;
-}""")
-# -> B * 2**126 (one-multiply form: B < 4, so finite)
-_ASM_SCALE_E4M3_G_ONE = tl.constexpr("{" + _E4M3_TO_F32 + """mul.rn.f32 f, f, $3;
-mul.rn.f32 $0, f, 0f7E800000;
-}""")
-
-
 @triton.jit
-def _word_scales(s_rows, n_mask, g, kt, half: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, ONE: tl.constexpr):
-    """The block scale of every packed word of half tile ``half`` (K ``kt * 128 + 64 * half + 0..63``),
-    [BLOCK_N, 16] in word order ``c * 4 + j`` (``prepare_fp4_weights``).
+def _row_scales(s_rows, n_mask, g, word, KIND: tl.constexpr, ONE: tl.constexpr):
+    """The four multipliers of scale word ``word`` of every row ([BLOCK_N] each, byte 0..3).
 
     Compiled: int32 bits, bf16x2 (the value twice; KIND 0 MX, 2 NVFP4 hardware: ue4m3 * 2**117) or
     fp32 ``fp32(ue4m3) * g`` (KIND 1, NVFP4 seed); ``ONE`` (``fp4_one_multiply``): times 2**126.
-    Interpreted: the values the decode multiplies the exact e2m1 by, fp32 (KIND 2: ue4m3 / 2**9).
-    ``s_rows`` point at int32 rows of scale bytes (a K tile's 128 / BS bytes are 1 or 2 words)."""
-    NB: tl.constexpr = 64 // BS  # scale blocks per half tile
-    # the half tile's NB scale bytes are one word: MX (4 bytes a K tile) word 0, bytes 2 * half + 0..1;
-    # NVFP4 (8 bytes) word ``half``, bytes 0..3. One load per row, broadcast in registers.
-    WOFF: tl.constexpr = half * (NB // 4)
-    BOFF: tl.constexpr = half * NB * (2 // NB)
-    sw = tl.broadcast_to(tl.load(s_rows + kt * (2 * NB // 4) + WOFF, mask=n_mask, other=0)[:, None], (BLOCK_N, 16))
-    j = tl.arange(0, 16) % 4  # word c * 4 + j holds K 16j + {0, 1, 8, 9} + 2c of the half tile
-    shift = tl.broadcast_to(((j * NB) // 4 * 8 + BOFF * 8)[None, :], (BLOCK_N, 16))
+    Interpreted: the values the decode multiplies the exact e2m1 by, fp32 (KIND 2: ue4m3 / 2**9)."""
+    sw = tl.load(s_rows + word, mask=n_mask, other=0)
     if nm.INTERPRETING:
-        sb = (sw >> shift) & 0xFF
+        b0, b1, b2, b3 = sw & 0xFF, (sw >> 8) & 0xFF, (sw >> 16) & 0xFF, (sw >> 24) & 0xFF
         if KIND == 0:
-            return nm.decode_e8m0(sb)
+            return nm.decode_e8m0(b0), nm.decode_e8m0(b1), nm.decode_e8m0(b2), nm.decode_e8m0(b3)
         elif KIND == 1:
-            return nm.decode_e4m3(sb) * g
+            return nm.decode_e4m3(b0) * g, nm.decode_e4m3(b1) * g, nm.decode_e4m3(b2) * g, nm.decode_e4m3(b3) * g
         else:
-            return nm.decode_e4m3(sb) * (1.0 / 512.0)
+            q = 1.0 / 512.0
+            return nm.decode_e4m3(b0) * q, nm.decode_e4m3(b1) * q, nm.decode_e4m3(b2) * q, nm.decode_e4m3(b3) * q
     else:
         if KIND == 0:
-            return tl.inline_asm_elementwise(_ASM_SCALE_E8M0_ONE if ONE else _ASM_SCALE_E8M0, "=r,r,r", [sw, shift],
-                                             dtype=tl.int32, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(_ASM_SCALES_E8M0_ONE if ONE else _ASM_SCALES_E8M0, "=r,=r,=r,=r,r",
+                                             [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
         elif KIND == 1:
-            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3_G_ONE if ONE else _ASM_SCALE_E4M3_G, "=r,r,r,f",
-                                             [sw, shift, g], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            return tl.inline_asm_elementwise(_ASM_SCALE_E4M3, "=r,r,r", [sw, shift], dtype=tl.int32,
+            # ONE: g arrives as g * 2**126 (exact), so the products are B * 2**126 (``fp4_one_multiply``)
+            return tl.inline_asm_elementwise(_ASM_SCALES_E4M3_G, "=r,=r,=r,=r,r,f", [sw, g], dtype=(tl.int32,) * 4,
                                              is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_ASM_SCALES_E4M3, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4,
+                                             is_pure=True, pack=1)
+
+
+@triton.jit
+def _tile_scales(s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, ONE: tl.constexpr):
+    """The block scale multiplier of every packed word of K tile ``kt``: ``(s_lo, s_hi)`` for the half
+    tiles K 0..63 and 64..127, [BLOCK_N, 16] each in word order ``c * 4 + j`` (word ``c * 4 + j``
+    holds K ``16j + {0, 1, 8, 9} + 2c`` of its half tile, so its block is ``16j // BS``).
+    ``s_rows`` point at int32 rows of scale bytes: a K tile's MX scales are one word (blocks 0..3),
+    its NVFP4 scales two (blocks 0..3 of each half). Decoded once a row, then selected by ``j``."""
+    j = (tl.arange(0, 16) % 4)[None, :]
+    if BS == 32:
+        m0, m1, m2, m3 = _row_scales(s_rows, n_mask, g, kt, KIND, ONE)
+        return (tl.where(j < 2, m0[:, None], m1[:, None]), tl.where(j < 2, m2[:, None], m3[:, None]))
+    else:
+        m0, m1, m2, m3 = _row_scales(s_rows, n_mask, g, 2 * kt, KIND, ONE)
+        s_lo = tl.where(j < 2, tl.where(j == 0, m0[:, None], m1[:, None]), tl.where(j == 2, m2[:, None], m3[:, None]))
+        m0, m1, m2, m3 = _row_scales(s_rows, n_mask, g, 2 * kt + 1, KIND, ONE)
+        s_hi = tl.where(j < 2, tl.where(j == 0, m0[:, None], m1[:, None]), tl.where(j == 2, m2[:, None], m3[:, None]))
+        return s_lo, s_hi
 
 
 @triton.jit
@@ -509,8 +520,7 @@ def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.cons
     ``w_rows`` point at int32 rows (16 words per K tile) in load order (``_load_rows``): a word's
     elements 0..3 are in the half tile K 0..63, 4..7 in K 64..127 (``FP4Weights``)."""
     wd = tl.load(w_rows[:, None] + (kt * 16 + tl.arange(0, 16))[None, :], mask=n_mask[:, None], other=0)
-    s_lo = _word_scales(s_rows, n_mask, g, kt, 0, KIND, BS, BLOCK_N, ONE)
-    s_hi = _word_scales(s_rows, n_mask, g, kt, 1, KIND, BS, BLOCK_N, ONE)
+    s_lo, s_hi = _tile_scales(s_rows, n_mask, g, kt, KIND, BS, ONE)
     if nm.INTERPRETING:  # the PTX's rotate-and-mask steps, then the codes' values
         w = wd.to(tl.int64) & 0xFFFFFFFF
         o0, o1 = _pair(w & 0x81C081C0, s_lo)
@@ -636,10 +646,16 @@ def fused_fp4_moe_kernel(
     if W_KIND != 0:
         g = tl.load(wg_ptr + expert * wg_stride_e)
         g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
+        if W_KIND == 1 and W_ONE and not nm.INTERPRETING:  # the seed's one-multiply decode: g * 2**126 (exact)
+            g = g * 8.507059173023462e37
+            g_up = g_up * 8.507059173023462e37
     else:
         g = 1.0
         g_up = 1.0
-    a_scale = tl.load(a_scale_ptr + expert * a_scale_stride_e)
+    if A_KIND != 0 or A_INV_OUT:
+        a_scale = tl.load(a_scale_ptr + expert * a_scale_stride_e)
+    else:
+        a_scale = 1.0
     a_rows = a_ptr + (offs_token // top_k) * stride_am
     DOT_DTYPE: tl.constexpr = OUT_DTYPE
 
@@ -664,7 +680,10 @@ def fused_fp4_moe_kernel(
         gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
         up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
         act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
-        c_scale = tl.load(c_scale_ptr + expert * c_scale_stride_e)
+        if C_KIND != 0:
+            c_scale = tl.load(c_scale_ptr + expert * c_scale_stride_e)
+        else:
+            c_scale = 1.0
         act = _act_qdq(act, c_scale, C_KIND, MODE, C_EBITS, C_MBITS, C_EMAX, C_MAX, C_SCALE_MODE, C_BS,
                        BLOCK_M, BLOCK_N)
         out = nm.cast_out(act, OUT_DTYPE)
@@ -709,15 +728,17 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware mode), or None."""
     e = w.packed.shape[0]
-    one = torch.ones(1, dtype=torch.float32, device=a.device)
+    # pointer arguments the kernel does not read (no scale of that kind): any fp32 tensor, no new
+    # allocation (a fill kernel per launch otherwise)
+    unread = topk_weights
     if w.global_scale is not None:
         gsc = w.global_scale
         wg_stride_e, wg_stride_half = (2, 1) if gsc.ndim == 2 else (1, 0)
     else:
-        gsc, wg_stride_e, wg_stride_half = one, 0, 0
+        gsc, wg_stride_e, wg_stride_half = unread, 0, 0
     scale_src = a_qdq if a_qdq is not None else a_inv
-    a_scale, a_stride = _scale_arg(scale_src, e, one)
-    c_scale, c_stride = _scale_arg(c_qdq, e, one)
+    a_scale, a_stride = _scale_arg(scale_src, e, unread)
+    c_scale, c_stride = _scale_arg(c_qdq, e, unread)
     w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
     wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes)
     ws = w.scales.view(torch.int32)  # K/BS bytes a row: a multiple of 4
