@@ -123,6 +123,9 @@ def fused_fp4(weight, mode, gated, a, naive=False, one=False):
         assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only FP4 kernel"
     compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
                                                                                    OUT_DTYPE=tl.bfloat16))
+    if w.has_global_scale and mode == "hardware" and gated:  # its standalone a1 QDQ
+        compile_kernel(P._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"},
+                       dict(BLOCK_K=512))
 
 
 def align(single):

@@ -200,6 +200,10 @@ def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
     assert rel_err(one, want[:1]) < 5e-3
     cfg = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), FP4Config(16, 64, 1, 4, 1))
     assert rel_err(run(L, device, "seed", configs=cfg), want) < 5e-3
+    # a1 QDQ in its own pass or in the A-tile load: the same bits, in both numerics modes
+    fused = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=True), cfg[1])
+    for mode in ("seed", "hardware"):
+        assert_bits_equal(run(L, device, mode, configs=cfg), run(L, device, mode, configs=fused))
 
 
 # ----------------------------------------------------------------------------- H200, full shapes

@@ -761,8 +761,27 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     )
 
 
-def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ) -> torch.Tensor:
-    """a1 QDQ by the standalone kernels (one pass over ``[M, H]``), the same bits as the fused load."""
+@triton.jit
+def _nvfp4_hw_qdq_kernel(x_ptr, out_ptr, gs_ptr, H, BLOCK_K: tl.constexpr):
+    """NVFP4 QDQ of ``BLOCK_K`` columns of one row in hardware form: ``e2m1 * s`` (exact in bf16), the
+    ``1 / gs`` left to GEMM1's accumulator; the bits of the A-tile load's QDQ (``_nvfp4_qdq_hw``)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = nm.to_fp32(tl.load(x_ptr + r * H + cols))
+    q = _nvfp4_qdq_hw(tl.reshape(x, (1, BLOCK_K)), tl.load(gs_ptr), 16, 1, BLOCK_K)
+    tl.store(out_ptr + r * H + cols, nm.cast_out(tl.reshape(q, (BLOCK_K,)), tl.bfloat16))
+
+
+def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ, mode: int) -> torch.Tensor:
+    """a1 QDQ by the standalone kernels (one pass over ``[M, H]``), the same bits as the fused load
+    (hardware-mode NVFP4: ``e2m1 * s``, the ``1 / gs`` still to apply)."""
+    if q.kind == A2_NVFP4 and mode == MODES["hardware"]:
+        m, h = x.shape
+        out = torch.empty_like(x)
+        block = 512 if h % 512 == 0 else K_TILE  # H is a multiple of the K tile
+        if m:
+            _nvfp4_hw_qdq_kernel[(m, h // block)](x, out, q.scale.reshape(-1)[:1].float(), h, BLOCK_K=block)
+        return out
     if q.kind == A2_MX:
         return Q.quant_dequant_mx(x, q.fmt.element.name, q.fmt.block_size, q.scale_mode)
     if q.kind == A2_NVFP4:
@@ -830,8 +849,10 @@ def fused_fp4_moe(
     a1 = hidden_states
     a1q = a1_qdq if (a1_qdq is not None and a1_qdq.kind != A2_NONE) else None
     a1_per_expert = a1q is not None and a1q.kind == A2_NVFP4 and a1q.scale is not None and a1q.scale.numel() > 1
-    if a1q is not None and not c1.A1_FUSED and md == 0 and not a1_per_expert:
-        a1 = _standalone_a1_qdq(hidden_states, a1q)
+    # hardware mode: GEMM1's A holds e2m1 * s (NVFP4); its 1 / gs goes on the accumulator
+    a1_inv = a1q if (md == 1 and a1q is not None and a1q.kind == A2_NVFP4) else None
+    if a1q is not None and not c1.A1_FUSED and not a1_per_expert:
+        a1 = _standalone_a1_qdq(hidden_states.contiguous(), a1q, md)
         a1q = None
     if naive:  # each pair its own block of 16 rows (row 0 live): no alignment
         c1 = replace(c1, BLOCK_M=16, GROUP_SIZE_M=1)
@@ -845,10 +866,8 @@ def fused_fp4_moe(
             sorted2, eid2, post2 = sorted1, eid1, post1
         else:
             sorted2, eid2, post2 = moe_align_block_size_triton(topk_ids, c2.BLOCK_M, e)
-    hw_nv = md == 1 and a1q is not None and a1q.kind == A2_NVFP4
     a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
-    _launch(a1, w13, a2, weights, sorted1, eid1, post1, i, True, a1q, a1q if hw_nv else None, a2_qdq, md, False, k,
-            naive, c1)
+    _launch(a1, w13, a2, weights, sorted1, eid1, post1, i, True, a1q, a1_inv, a2_qdq, md, False, k, naive, c1)
     out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
     # hardware mode: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
     a2_inv = a2_qdq if (md == 1 and a2_qdq is not None and a2_qdq.kind == A2_NVFP4) else None
