@@ -136,7 +136,7 @@ def align(single):
         compile_kernel(A._chunk_hist_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024))
     compile_kernel(A._align_scatter_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024, LOG_CHUNK=10,
                                                        NCHUNK_PAD=1 if single else 32, SINGLE=single, BLOCK_M=64,
-                                                       BM_PAD=64, FILL=128))
+                                                       BM_PAD=64, FILL=1024, JB=16), num_warps=8)
 
 
 JOBS = [(mx_kernels, a) for a in [("e2m1", "even", "bf16"), ("e2m3", "floor", "bf16"), ("e3m2", "rceil", "fp16"),

@@ -50,7 +50,7 @@ def _align_scatter_kernel(topk_ids_ptr, hist_ptr, base_ptr, sorted_ptr, expert_i
                           max_padded, num_blocks,
                           E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
                           NCHUNK_PAD: tl.constexpr, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BM_PAD: tl.constexpr, FILL: tl.constexpr):
+                          BM_PAD: tl.constexpr, FILL: tl.constexpr, JB: tl.constexpr):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     local = tl.arange(0, CHUNK)
@@ -91,15 +91,21 @@ def _align_scatter_kernel(topk_ids_ptr, hist_ptr, base_ptr, sorted_ptr, expert_i
         slot = (padded_start + counts)[:, None] + j[None, :]
         tl.store(sorted_ptr + slot, tl.full((E_PAD, BM_PAD), 0, tl.int32) + numel,
                  mask=(slot < padded_end[:, None]) & (experts < E)[:, None])
-        for t0 in range(0, max_padded, FILL):
+        for t0 in range(total, max_padded, FILL):
             t = t0 + tl.arange(0, FILL)
             tl.store(sorted_ptr + t, tl.full((FILL,), 0, tl.int32) + numel, mask=(t >= total) & (t < max_padded))
-        # expert of each block: the number of experts whose padded range ends at or before it
-        for b0 in range(0, num_blocks, FILL):
+        # expert of each block: expert e owns blocks padded_start[e] / BLOCK_M .. padded_end[e] / BLOCK_M - 1
+        # (one masked store per expert and block, JB blocks at a time); the blocks past the last
+        # expert's repeat expert E - 1
+        first = padded_start // BLOCK_M
+        nb = tl.where(experts < E, padded // BLOCK_M, 0)
+        for j0 in range(0, tl.max(nb, 0), JB):
+            jb = j0 + tl.arange(0, JB)
+            tl.store(expert_ids_ptr + first[:, None] + jb[None, :], experts[:, None] + 0 * jb[None, :],
+                     mask=jb[None, :] < nb[:, None])
+        for b0 in range(total // BLOCK_M, num_blocks, FILL):
             b = b0 + tl.arange(0, FILL)
-            ends = tl.where(experts < E, padded_end, 2147483647)
-            n = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-            tl.store(expert_ids_ptr + b, tl.minimum(n, E - 1), mask=b < num_blocks)
+            tl.store(expert_ids_ptr + b, tl.full((FILL,), E - 1, tl.int32), mask=b < num_blocks)
 
 
 def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_experts: int):
@@ -146,7 +152,7 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
         flat, hist, base, sorted_ids, expert_ids, num_post, numel, max_padded, num_blocks,
         E=num_experts, E_PAD=e_pad, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
         NCHUNK_PAD=triton.next_power_of_2(nchunks), SINGLE=single, BLOCK_M=block_m,
-        BM_PAD=triton.next_power_of_2(block_m), FILL=128, num_warps=4,
+        BM_PAD=triton.next_power_of_2(block_m), FILL=1024, JB=16, num_warps=8,
     )
     return sorted_ids, expert_ids, num_post
 
