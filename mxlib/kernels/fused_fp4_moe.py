@@ -63,7 +63,7 @@ from .moe_align_triton import moe_align_block_size_triton, naive_block_assignmen
 
 __all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "prepare_packed_weights", "unprepare_fp4_weights",
            "unprepare_fp4_packed", "fp4_one_multiply", "WORD_BIT_SOURCE",
-           "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "MODES"]
+           "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "MODES"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 K_TILE = 128  # the prepared layout's K tile (elements): a byte holds elements p and p + 64 (see FP4Weights)
@@ -271,9 +271,11 @@ class FP4Config:
     A1_FUSED: bool = True  # GEMM1 only: QDQ a1 in the A-tile load (else one standalone pass)
 
 
-# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of a graph-replay sweep on the H200
-# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 seed mode, torch 2.11, triton 3.6,
-# 2026-11-30; benchmarks/h200_fp4_sweep_2026-11-30.json). The a1 QDQ runs as its own pass
+# (max pairs per expert, GEMM1 config, GEMM2 config): the winners of graph-replay sweeps on the H200
+# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 seed and hardware mode, torch 2.11,
+# triton 3.6, 2026-11-30; benchmarks/h200_fp4_sweep_2026-11-30.json, and with the rotate decode
+# benchmarks/h200_decode_rotate_2026-11-30.json, h200_fp4_sweep_2026-11-30b.json: NVFP4's heavier
+# decode prefers 64-row tiles at 16 pairs an expert, 0.244 vs 0.281 ms). The a1 QDQ runs as its own pass
 # (``A1_FUSED=False``): a QDQ'd A tile goes registers -> shared memory inside the K loop, which
 # makes Triton wait for each MMA before the next; loaded by cp.async it stays pipelined.
 FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
@@ -282,13 +284,16 @@ FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
     (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
     (float("inf"), (FP4Config(128, 128, 4, 8, 3, False), FP4Config(128, 128, 4, 8, 3))),
 ]
+NVFP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
+    FP4_CONFIGS[0], (16.0, (FP4Config(32, 64, 1, 4, 3, False), FP4Config(32, 64, 1, 4, 3))), *FP4_CONFIGS[2:]]
 
 
-def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4Config, FP4Config]:
-    """(GEMM1, GEMM2) tiles by the average number of pairs per expert."""
+def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int,
+                    nvfp4: bool = False) -> tuple[FP4Config, FP4Config]:
+    """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``nvfp4``: NVFP4 weights)."""
     if interpreting():
         return FP4Config(16, 32, 1, 4, 1), FP4Config(16, 32, 1, 4, 1, False)
-    return pick_tiles(FP4_CONFIGS, num_tokens, num_experts, top_k)
+    return pick_tiles(NVFP4_CONFIGS if nvfp4 else FP4_CONFIGS, num_tokens, num_experts, top_k)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -842,7 +847,7 @@ def fused_fp4_moe(
     i = two_i // 2
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
-    c1, c2 = configs or get_fp4_configs(m, e, k)
+    c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4)
     naive = naive_block_assignment(m, k, e)
     dev = hidden_states.device
     weights = topk_weights.reshape(-1).float().contiguous()
