@@ -228,6 +228,7 @@ ISSUE12_RATIOS: dict[str, tuple[str, str]] = {
     "fused nvfp4 / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4", "tk_mxfp4_unfused_silu"),
     "mxlib_bf16 / fused nvfp4": ("mxlib_bf16", "mxlib_fused_nvfp4"),
     "fused nvfp4 hardware / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4_hw", "tk_mxfp4_unfused_silu"),
+    "mxlib_bf16 / fused nvfp4 hardware": ("mxlib_bf16", "mxlib_fused_nvfp4_hw"),
     "fused w_mxfp6_e3m2 / seed-style": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
     "fused w_mxfp6_e3m2 / mxlib_bf16": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_bf16"),
 }

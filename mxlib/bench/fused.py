@@ -172,6 +172,7 @@ def ratios(result: dict, anchor: dict) -> dict:
             d[f"fused {name} / {TK}"] = ratio(t(mine, f"mxlib_fused_{name}", m), tk)
             d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))
         d[f"fused nvfp4 hardware / {TK}"] = ratio(t(mine, "mxlib_fused_nvfp4_hw", m), tk)
+        d["mxlib_bf16 / fused nvfp4 hardware"] = ratio(bf16, t(mine, "mxlib_fused_nvfp4_hw", m))
         d["fused w_mxfp6_e3m2 / seed-style"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m),
                                                      t(mine, f"mxlib_triton_{FP6_SCHEME}", m))
         d["fused w_mxfp6_e3m2 / mxlib_bf16"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m), bf16)
@@ -197,7 +198,12 @@ def floors(rat: dict, result: dict) -> list[dict]:
         add(f"{name} fused / {TK} <= 1.15 at every M", {m: d[f"fused {name} / {TK}"] for m, d in rat.items()}, 1.15)
         add(f"mxlib_bf16 / {name} fused >= 1.5 at M = 16, 64",
             {m: d[f"mxlib_bf16 / fused {name}"] for m, d in rat.items() if m in (16, 64)}, 1.5, le=False)
-    for name in ("w_mxfp4", "nvfp4"):
+    # NVFP4 in hardware numerics (the same floors, for the operands an FP4 tensor core would use)
+    add(f"nvfp4 hardware fused / {TK} <= 1.15 at every M", {m: d[f"fused nvfp4 hardware / {TK}"] for m, d in rat.items()},
+        1.15)
+    add("mxlib_bf16 / nvfp4 hardware fused >= 1.5 at M = 16, 64",
+        {m: d["mxlib_bf16 / fused nvfp4 hardware"] for m, d in rat.items() if m in (16, 64)}, 1.5, le=False)
+    for name in ("w_mxfp4", "nvfp4", "nvfp4_hw"):
         add(f"{name} fused >= 45% of the memory floor at M = 16, 64",
             {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)}, 0.45, le=False)
     add("FP6 fused / seed-style <= 1.0 at every M",
