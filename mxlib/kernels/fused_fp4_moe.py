@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from . import _numerics as nm
+from . import fp6_layout as F6
 from . import quant as Q
 from ._bridge import interpreting, select
 from .fused_moe import pick_tiles
@@ -144,15 +145,18 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
     return FP4Weights(out, scales.contiguous(), block_size, nvfp4, global_scale)
 
 
-def prepare_packed_weights(w: PackedWeights) -> FP4Weights:
-    """``prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``).
+def prepare_packed_weights(w: PackedWeights) -> FP4Weights | F6.FP6Weights:
+    """``prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``), or
+    ``fp6_layout.prepare_fp6_weights`` (MXFP6: ``mxfp6_e2m3``, ``mxfp6_e3m2``).
 
     Raises:
-        ValueError: a scheme whose elements are not 4 bits wide (FP6 / FP8 weights stay on
-            ``fused_dequant_moe``).
+        ValueError: a scheme whose elements are neither 4 nor 6 bits wide (FP8 weights stay on
+            ``fused_dequant_moe``); the prepare functions' errors (K not a multiple of the tile).
     """
+    if w.nbits == 6 and not w.scheme.has_global_scale:
+        return F6.prepare_fp6_weights(w.packed, w.scales, w.scheme.element, w.scheme.block_size)
     if w.nbits != 4:
-        raise ValueError(f"w: the FP4 kernel takes 4-bit elements, got {w.scheme.name} ({w.nbits} bits)")
+        raise ValueError(f"w: the FP4 kernel takes 4- or 6-bit elements, got {w.scheme.name} ({w.nbits} bits)")
     return prepare_fp4_weights(w.packed, w.scales, w.scheme.block_size, w.global_scale)
 
 
@@ -498,8 +502,9 @@ def fused_fp4_moe_kernel(
     # strides (elements; packed weights and scales in bytes)
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, wg_stride_e, wg_stride_half,
     a_scale_stride_e, c_scale_stride_e,
-    # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16
-    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr,
+    # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16; BITS 4 (FP4 layout) or 6
+    # (MXFP6 in ``fp6_layout``'s layout, element exponent bits EBITS)
+    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr, W_BITS: tl.constexpr, W_EBITS: tl.constexpr,
     # A-load QDQ (a1 in GEMM1, none in GEMM2)
     A_KIND: tl.constexpr, A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, A_BS: tl.constexpr,
@@ -548,7 +553,23 @@ def fused_fp4_moe_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(0, K // 128):
+    if W_BITS == 6:  # MXFP6: 256-element super tiles, two K tiles (two dots per matrix) a step
+        for st in range(0, K // 256):
+            a0 = _a_tile(a_rows, token_mask, st * 256, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                         A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+            a1 = _a_tile(a_rows, token_mask, st * 256 + 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX,
+                         A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+            n0, n1, p = F6.load_fp6_planes(w_rows, n_mask, st)
+            acc = tl.dot(F6.decode_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
+            acc = tl.dot(F6.decode_fp6_tile(n1, p, s_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc)
+            if GATED:
+                u0, u1, pu = F6.load_fp6_planes(w_rows + N * stride_wn, n_mask, st)
+                su_rows = s_rows + N * stride_sn
+                acc_up = tl.dot(F6.decode_fp6_tile(u0, pu, su_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0,
+                                acc_up)
+                acc_up = tl.dot(F6.decode_fp6_tile(u1, pu, su_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1,
+                                acc_up)
+    for kt in range(0, K // 128 if W_BITS == 4 else 0):  # FP4: 128-element K tiles (FP6 ran above)
         a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                     A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
         acc = tl.dot(_decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS), a, acc)
@@ -607,7 +628,7 @@ def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[to
     return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
-def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
+def _launch(a, w: FP4Weights | F6.FP6Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
             mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
     """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware mode), or None."""
@@ -622,7 +643,8 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     a_scale, a_stride = _scale_arg(scale_src, e, one)
     c_scale, c_stride = _scale_arg(c_qdq, e, one)
     w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
-    wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes)
+    fp6 = isinstance(w, F6.FP6Weights)
+    wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes; FP6: 3K/16 words)
     ws = w.scales.view(torch.int32)  # K/BS bytes a row: a multiple of 4
     em = sorted_ids.shape[0]
     # the row order of the weight loads (``_load_rows``) needs 16 rows a warp
@@ -633,7 +655,7 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
         n, w.k, em, c.shape[0],
         a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
-        W_KIND=w_kind, W_BS=w.block_size, MODE=mode,
+        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, W_BITS=6 if fp6 else 4, W_EBITS=w.element.ebits if fp6 else 2,
         **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}), GATED=gated,
         W_GLOBAL_OUT=w_kind == W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
@@ -697,6 +719,10 @@ def fused_fp4_moe(
         raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}")
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
+    if isinstance(w13, F6.FP6Weights) or isinstance(w2, F6.FP6Weights):
+        el13, el2 = getattr(w13, "element", "e2m1"), getattr(w2, "element", "e2m1")
+        if el13 != el2:
+            raise ValueError(f"w13 and w2 must have one element format, got {el13} and {el2}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
     m, k = topk_ids.shape
