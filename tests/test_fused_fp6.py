@@ -5,6 +5,8 @@ weight tile, bit for bit; the float64 MoE of ``tests/test_fused_fp4.py`` for the
 Interpreter on small shapes (K a multiple of the 256-element super tile: H = I = 256).
 """
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -44,9 +46,9 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, K, stride_wn, stride_sn, stride_on, EB
 
 
 def decoded_weights(w: F6.FP6Weights, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
-    """``[rows, K]`` fp32: the weights of expert 0 as the kernel's decode gives them."""
+    """``[rows, K]`` fp32: the weights of expert 0 as the kernel's decode gives them (on ``w``'s device)."""
     rows, k = w.packed.shape[1], w.k
-    out = torch.empty(rows, k, dtype=torch.float32)
+    out = torch.empty(rows, k, dtype=torch.float32, device=w.packed.device)
     wp, ws = w.packed[0].view(torch.int32), w.scales[0].view(torch.int32)
     _decode_kernel[(rows // block_n,)](wp, ws, out, k, wp.stride(0), ws.stride(0), out.stride(0),
                                        EBITS=w.element.ebits, BLOCK_N=block_n, NUM_WARPS=num_warps)
@@ -112,15 +114,111 @@ def test_bf16_placement_rule(element):
 
 
 @pytest.mark.parametrize("element", ELEMENTS)
-def test_decoded_tile_matches_reference(element):
+def test_decoded_tile_matches_reference(element, device):
     """Every code under E8M0 scales 0, 127, 254, 255 and others: the kernel's decoded weights equal
     ``dequantize_mx`` to bf16, bit for bit (NaN blocks for scale 255, Inf where the product overflows)."""
     packed, scales = every_code_layer(element)
     want = R.dequantize_mx(packed, scales, element, 32, torch.bfloat16)[0].float()
-    w = F6.prepare_fp6_weights(packed, scales, element)
-    got = decoded_weights(w)
+    w = F6.prepare_fp6_weights(packed.to(device), scales.to(device), element)
+    got = decoded_weights(w, *((64, 4) if device == "cuda" else (32, 2))).cpu()
     assert_bits_equal(got, want)
     assert torch.isnan(want).any() and torch.isinf(want).any() and (want == 0).any()
+
+
+def _run_ptx(asm: str, inputs: list) -> list:
+    """A CPU model of the few PTX instructions the decode blocks use (uint32 numpy arrays; bf16x2
+    multiplies by ml_dtypes, one rounding of the exact product as ``mul.rn.bf16x2``); returns ``$0..``."""
+    u32 = np.uint32
+    n_out = max(int(t[1:]) for t in re.findall(r"\$\d+", asm)) + 1 - len(inputs)
+    regs = {f"${n_out + i}": np.asarray(v, dtype=u32) for i, v in enumerate(inputs)}
+    out = {}
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else u32(int(tok, 0))
+
+    def bf16x2_mul(a, b):
+        def halves(x):
+            x = np.broadcast_to(np.asarray(x, dtype=u32), np.broadcast_shapes(np.shape(a), np.shape(b)))
+            return [(x >> u32(16 * h) & u32(0xFFFF)).astype(np.uint16).view(ml_dtypes.bfloat16) for h in (0, 1)]
+        (a0, a1), (b0, b1) = halves(a), halves(b)
+        with np.errstate(over="ignore"):  # Inf where the product overflows, as the hardware
+            lo, hi = [(x * y).view(np.uint16).astype(u32) for x, y in ((a0, b0), (a1, b1))]
+        return lo | (hi << u32(16))
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32" and args.startswith("{"):
+            names, src = args.split("}")
+            lo, hi = [t.strip() for t in names.strip("{ ").split(",")]
+            v = val(src.strip(", "))
+            out[lo], out[hi] = v & u32(0xFFFF), v >> u32(16)
+            continue
+        a = [t.strip() for t in args.split(",")]
+        d, x = a[0], [val(t) for t in a[1:]]
+        if op == "lop3.b32":
+            lut, r = int(a[4], 0), u32(0)
+            for i in range(8):
+                if lut >> i & 1:
+                    r = r | ((x[0] if i & 4 else ~x[0]) & (x[1] if i & 2 else ~x[1]) & (x[2] if i & 1 else ~x[2]))
+        elif op == "shf.l.wrap.b32":
+            n = int(x[2]) & 31
+            r = (x[1] << u32(n)) | (x[0] >> u32(32 - n)) if n else x[1]
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "shl.b32":
+            r = x[0] << x[1]
+        elif op == "bfe.u32":
+            r = (x[0] >> x[1]) & ((u32(1) << x[2]) - u32(1))
+        elif op == "setp.eq.u32":
+            r = x[0] == x[1]
+        elif op == "selp.b32":
+            r = np.where(x[2], x[0], x[1]).astype(u32)
+        elif op == "prmt.b32":
+            pair = x[0].astype(np.uint64) | (np.asarray(x[1], dtype=np.uint64) << np.uint64(32))
+            sel = int(x[2])
+            r = u32(0)
+            for i in range(4):
+                byte = ((pair >> np.uint64(8 * (sel >> 4 * i & 7))) & np.uint64(0xFF)).astype(u32)
+                r = r | (byte << u32(8 * i))
+        elif op == "mov.b32":
+            r = x[0]
+        elif op == "mul.rn.bf16x2":
+            r = bf16x2_mul(x[0], x[1])
+        else:
+            raise NotImplementedError(op)
+        regs[d] = np.asarray(r, dtype=u32) if op != "setp.eq.u32" else r
+    return [regs.get(f"${i}", out.get(f"${i}")) for i in range(n_out)]
+
+
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_ptx_decode_blocks_match_reference(element):
+    """The PTX strings the compiled kernel runs (``_decode_asm``, the E8M0 block), executed by a CPU
+    model of their instructions on every word of a prepared layer: the reference's bf16 weights."""
+    packed, scales = every_code_layer(element)
+    want = R.dequantize_mx(packed, scales, element, 32, torch.bfloat16)[0]
+    w = F6.prepare_fp6_weights(packed, scales, element)
+    rows, k = w.packed.shape[1], w.k
+    words = w.packed[0].numpy().view(np.uint32).reshape(rows, k // 256, 3, 16)  # planes 0, 1, 2
+    sw = scales[0].numpy().view(np.uint32).reshape(rows, k // 256, 2)
+    eb = BLOCK_SCHEMES[f"mxfp6_{element}"].element.ebits
+    got = torch.empty(rows, k, dtype=torch.int16)
+    jj = np.arange(16) % 4
+    for t in range(2):
+        s = np.broadcast_to(sw[:, :, t, None], (rows, k // 256, 16))
+        s_lo, = _run_ptx(F6._ASM_E8M0_BF16X2.value, [s, (jj // 2) * 8])
+        s_hi, = _run_ptx(F6._ASM_E8M0_BF16X2.value, [s, (jj // 2) * 8 + 16])
+        outs = _run_ptx(F6._decode_asm(eb, t), [words[:, :, t], words[:, :, 2], s_lo, s_hi])
+        for u, o in enumerate(outs):  # output u of word 4c + j: K 64 (u // 4) + 16 j + 8 ((u % 4) // 2) + 2 c + u % 2
+            for wd in range(16):
+                c, j = wd // 4, wd % 4
+                kk = 128 * t + 64 * (u // 4) + 16 * j + 8 * ((u % 4) // 2) + 2 * c + u % 2
+                got[:, kk::256] = torch.from_numpy(o[:, :, wd].astype(np.uint16).view(np.int16).copy())
+    assert_bits_equal(got.view(torch.bfloat16), want)
+    assert F6.DECODE_INSTRUCTIONS[(element, 0)] == 20 and F6.DECODE_INSTRUCTIONS[(element, 1)] == 21
 
 
 def test_prepare_rejects_bad_input():
@@ -201,3 +299,62 @@ def test_fused_fp6_rejects_mixed_elements():
     a, b = make_fp6_layer("e2m3", None, m=2), make_fp6_layer("e3m2", None, m=2)
     with pytest.raises(ValueError, match="w13 and w2 must have one element format"):
         P.fused_fp4_moe(a["x"], a["pw13"], b["pw2"], a["tw"], a["ti"])
+
+
+# ----------------------------------------------------------------------------- the experts
+
+
+@pytest.mark.parametrize("scheme", ["w_mxfp6_e2m3", "w_mxfp6_e3m2_a_mxfp6_e3m2", "w_mxfp6_e2m3_a_fp8"])
+def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme):
+    """``backend="fused"``: MXFP6 weights held only in the FP6 layout, the FP4 kernel runs them, and
+    the output matches the pure-PyTorch backend; the checkpoint bytes still come back; ``auto``'s
+    choice follows ``FP6_AUTO_FUSED`` (off until measured)."""
+    from mxlib.moe import emulation as EM
+    from mxlib.moe import fused_topk, make_emulation_experts, quantize_expert_weights
+
+    g = torch.Generator().manual_seed(2)
+    e, h, i, m = 4, 256, 256, 5
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, h, generator=g).to(torch.bfloat16)
+    tw, ti = fused_topk(torch.randn(m, e, generator=g), 2)
+    q = quantize_expert_weights(w13, w2, scheme)
+    scales = {}
+    if scheme.endswith("_a_fp8"):  # static per-tensor FP8 activations
+        scales = dict(w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448),
+                      w2_input_scale=torch.full((e,), 0.05 / 448))
+    fused = make_emulation_experts(scheme, q, backend="fused", **scales)
+    assert "w13_weight" not in fused._buffers and "w13_weight_fp4" in fused._buffers
+    w13p, w2p = fused.fp4_weights()
+    assert isinstance(w13p, F6.FP6Weights) and isinstance(w2p, F6.FP6Weights)
+    assert_bits_equal(fused.w13_weight, q.w13_weight)
+    assert_bits_equal(fused.checkpoint_packed("w2_weight", slice(1, 3)), q.w2_weight[1:3])
+    ref = make_emulation_experts(scheme, q, backend="torch", **scales)
+    assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 5e-3
+    assert fused.fp4_kernel_applies() and fused.prefers_fused() == EM.FP6_AUTO_FUSED
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["w_mxfp6_e2m3", "w_mxfp6_e3m2", "w_mxfp6_e3m2_a_fp8"])
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_gpu_experts_fp6_fused_matches_seed_style(scheme, m):
+    """Full Qwen3-30B-A3B layer: the FP4 kernel on MXFP6 weights against the seed-style backend
+    (the same MX operands; the GEMMs differ only in accumulation order)."""
+    from mxlib.moe import fused_topk, make_emulation_experts, quantize_expert_weights
+
+    e, h, i, k = 128, 2048, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w13 = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    w2 = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
+    x = torch.randn(m, h, device="cuda", generator=g).to(torch.bfloat16)
+    tw, ti = fused_topk(torch.randn(m, e, device="cuda", generator=g), k)
+    q = quantize_expert_weights(w13, w2, scheme)
+    scales = {}
+    if scheme.endswith("_a_fp8"):
+        scales = dict(w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448, device="cuda"),
+                      w2_input_scale=torch.full((e,), 0.02 / 448, device="cuda"))
+    fused = make_emulation_experts(scheme, q, backend="fused", **scales)
+    assert isinstance(fused.fp4_weights()[0], F6.FP6Weights)
+    ref = make_emulation_experts(scheme, q, backend="triton", **scales)
+    assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 1e-2
