@@ -214,11 +214,22 @@ FP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
 ]
 
 
-def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int) -> tuple[FP4Config, FP4Config]:
-    """(GEMM1, GEMM2) tiles by the average number of pairs per expert."""
+# MXFP6 weights (``fp6_layout``, a K step of 256, so twice the A tile per stage): FP4_CONFIGS' tiles,
+# not yet swept on the H200; the largest with 2 stages (3 would need 292 KiB for GEMM1 and 242 KiB for
+# GEMM2 of shared memory, sm_90 has 227 KiB; 2 need 178 / 153 KiB: ``tests/compile_sm90.py`` sizes).
+FP6_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
+    (4.0, (FP4Config(16, 64, 1, 4, 3, False), FP4Config(16, 64, 1, 4, 3))),
+    (16.0, (FP4Config(32, 128, 4, 4, 3, False), FP4Config(32, 128, 4, 4, 3))),
+    (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
+    (float("inf"), (FP4Config(128, 128, 4, 8, 2, False), FP4Config(128, 128, 4, 8, 2))),
+]
+
+
+def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int, weight_bits: int = 4) -> tuple[FP4Config, FP4Config]:
+    """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``weight_bits`` 6: ``FP6_CONFIGS``)."""
     if interpreting():
         return FP4Config(16, 32, 1, 4, 1), FP4Config(16, 32, 1, 4, 1, False)
-    return pick_tiles(FP4_CONFIGS, num_tokens, num_experts, top_k)
+    return pick_tiles(FP6_CONFIGS if weight_bits == 6 else FP4_CONFIGS, num_tokens, num_experts, top_k)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -518,8 +529,8 @@ def fused_fp4_moe_kernel(
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
-    A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2], scales
-    [E, rows_w, K / W_BS]; GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
+    A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2] (W_BITS 6: prepared
+    MXFP6 [E, rows_w, 3K / 4], ``fp6_layout``), scales [E, rows_w, K / W_BS]; GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
     the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). NAIVE: block ``pid_m`` is
     the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
     Hardware mode: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
@@ -731,7 +742,7 @@ def fused_fp4_moe(
     i = two_i // 2
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
-    c1, c2 = configs or get_fp4_configs(m, e, k)
+    c1, c2 = configs or get_fp4_configs(m, e, k, 6 if isinstance(w13, F6.FP6Weights) else 4)
     naive = naive_block_assignment(m, k, e)
     dev = hidden_states.device
     weights = topk_weights.reshape(-1).float().contiguous()
