@@ -200,13 +200,20 @@ def _to_layout(packed: torch.Tensor, ebits: int) -> torch.Tensor:
     """Checkpoint bytes ``[rows, 3K / 4]`` -> prepared bytes (same shape)."""
     rows, nbytes = packed.shape
     s = nbytes * 4 // 3 // SUPER_TILE
-    codes = _ref.unpack_codes(packed, _FP6[ebits]).view(rows, s, SUPER_TILE, 1).to(torch.int32)
-    bits = ((codes >> torch.arange(6, device=packed.device, dtype=torch.int32)) & 1).reshape(rows, s, SUPER_TILE * 6)
-    dest = layout_table(ebits).to(packed.device).reshape(-1)
-    ordered = torch.empty_like(bits)
-    ordered[:, :, dest] = bits  # bit index word * 32 + bit, words little-endian: byte 4 word + bit // 8
-    weights = 1 << torch.arange(8, device=packed.device, dtype=torch.int32)
-    return (ordered.view(rows, s, _WORDS * 4, 8) * weights).sum(-1).to(torch.uint8).reshape(rows, nbytes)
+    codes = _ref.unpack_codes(packed, _FP6[ebits]).view(rows, s, SUPER_TILE, 1)
+    bits = ((codes >> torch.arange(6, device=packed.device, dtype=torch.uint8)) & 1).reshape(rows, s, SUPER_TILE * 6)
+    # bit ``word * 32 + i`` of the super tile takes code bit ``src``; words little-endian: byte 4 word + i // 8
+    src = torch.argsort(layout_table(ebits).reshape(-1)).to(packed.device)
+    return _bytes_of_bits(bits[:, :, src]).reshape(rows, nbytes)
+
+
+def _bytes_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 0/1 ``[..., 8n]`` -> uint8 ``[..., n]``, bit ``8j + i`` at bit ``i`` of byte ``j``."""
+    b = bits.view(*bits.shape[:-1], bits.shape[-1] // 8, 8)
+    out = b[..., 0].clone()
+    for i in range(1, 8):
+        out |= b[..., i] << i
+    return out
 
 
 def unprepare_fp6_packed(packed: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
@@ -214,14 +221,16 @@ def unprepare_fp6_packed(packed: torch.Tensor, element: str | ElementFormat) -> 
     el = _check_element(element)
     e, rows, nbytes = packed.shape
     s = nbytes * 4 // 3 // SUPER_TILE
-    src = layout_table(el.ebits).to(packed.device).reshape(-1)
+    dest = layout_table(el.ebits).to(packed.device)  # [256, 6]: code bit -> bit of the super tile's words
     out = torch.empty_like(packed)
     for i in range(e):
-        b = packed[i].view(rows, s, _WORDS * 4, 1).to(torch.int32)
-        bits = ((b >> torch.arange(8, device=packed.device, dtype=torch.int32)) & 1).reshape(rows, s, _WORDS * 32)
-        codes = (bits[:, :, src].view(rows, s, SUPER_TILE, 6) << torch.arange(6, device=packed.device,
-                                                                               dtype=torch.int32)).sum(-1)
-        out[i] = _ref.pack_codes(codes.to(torch.uint8).reshape(rows, s * SUPER_TILE), el)
+        b = packed[i].view(rows, s, _WORDS * 4, 1)
+        bits = ((b >> torch.arange(8, device=packed.device, dtype=torch.uint8)) & 1).reshape(rows, s, _WORDS * 32)
+        cb = bits[:, :, dest]  # [rows, s, 256, 6]
+        codes = cb[..., 0].clone()
+        for j in range(1, 6):
+            codes |= cb[..., j] << j
+        out[i] = _ref.pack_codes(codes.reshape(rows, s * SUPER_TILE), el)
     return out
 
 
