@@ -158,7 +158,8 @@ JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "h
                                   ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True),
                                   ("mxfp6_e2m3", "seed", True, None), ("mxfp6_e2m3", "seed", False, None),
                                   ("mxfp6_e3m2", "seed", True, None), ("mxfp6_e3m2", "seed", False, None, True),
-                                  ("mxfp6_e3m2", "seed", True, "mxfp6_e3m2"), ("mxfp6_e2m3", "hardware", True, "fp8_e4m3")]]
+                                  ("mxfp6_e3m2", "seed", True, "mxfp6_e3m2"),
+                                  ("mxfp6_e2m3", "hardware", True, "fp8_e4m3")]]
 # every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory
 JOBS += [(fused_fp4, ("mxfp6_e3m2", "seed", gated, None, False, cfgs[1 - gated]))
          for _, cfgs in P.FP6_CONFIGS for gated in (True, False)]

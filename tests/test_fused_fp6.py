@@ -109,7 +109,8 @@ def test_bf16_placement_rule(element):
     bits = ((codes >> 5) << 15) | ((codes & 31) << (7 - el.mbits))
     v = bits.to(torch.int16).view(torch.bfloat16)
     got = (v * torch.tensor(2.0 ** (127 - el.bias), dtype=torch.bfloat16)).float()
-    want = torch.from_numpy(np.arange(64, dtype=np.uint8).view(getattr(ml_dtypes, f"float6_{element}fn")).astype(np.float32))
+    fp6 = getattr(ml_dtypes, f"float6_{element}fn")
+    want = torch.from_numpy(np.arange(64, dtype=np.uint8).view(fp6).astype(np.float32))
     assert_bits_equal(got, want)
 
 

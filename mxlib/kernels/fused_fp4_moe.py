@@ -529,8 +529,9 @@ def fused_fp4_moe_kernel(
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
-    A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2] (W_BITS 6: prepared
-    MXFP6 [E, rows_w, 3K / 4], ``fp6_layout``), scales [E, rows_w, K / W_BS]; GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
+    A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2], scales
+    [E, rows_w, K / W_BS] (W_BITS 6: prepared MXFP6 [E, rows_w, 3K / 4], ``fp6_layout``);
+    GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
     the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). NAIVE: block ``pid_m`` is
     the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
     Hardware mode: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
@@ -639,8 +640,8 @@ def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[to
     return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
-def _launch(a, w: FP4Weights | F6.FP6Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
-            mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
+def _launch(a, w: FP4Weights | F6.FP6Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq,
+            a_inv, c_qdq, mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
     """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware mode), or None."""
     e = w.packed.shape[0]
@@ -730,10 +731,9 @@ def fused_fp4_moe(
         raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}")
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
-    if isinstance(w13, F6.FP6Weights) or isinstance(w2, F6.FP6Weights):
-        el13, el2 = getattr(w13, "element", "e2m1"), getattr(w2, "element", "e2m1")
-        if el13 != el2:
-            raise ValueError(f"w13 and w2 must have one element format, got {el13} and {el2}")
+    el13, el2 = getattr(w13, "element", None), getattr(w2, "element", None)  # FP6Weights: e2m3 or e3m2
+    if el13 != el2:
+        raise ValueError(f"w13 and w2 must have one element format, got {el13 or 'e2m1'} and {el2 or 'e2m1'}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
     m, k = topk_ids.shape
