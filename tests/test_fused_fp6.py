@@ -39,8 +39,8 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, K, stride_wn, stride_sn, stride_on, EB
     out_rows = out_ptr + (n0 + tl.arange(0, BLOCK_N))[:, None] * stride_on
     for st in range(0, K // 256):
         a, b, p = F6.load_fp6_planes(w_rows, n_mask, st)
-        t0 = F6.decode_fp6_tile(a, p, s_rows, n_mask, st, 0, EBITS, BLOCK_N, NUM_WARPS)
-        t1 = F6.decode_fp6_tile(b, p, s_rows, n_mask, st, 1, EBITS, BLOCK_N, NUM_WARPS)
+        t0 = P._fp6_tile(a, p, s_rows, n_mask, st, 0, EBITS, BLOCK_N, NUM_WARPS)
+        t1 = P._fp6_tile(b, p, s_rows, n_mask, st, 1, EBITS, BLOCK_N, NUM_WARPS)
         tl.store(out_rows + st * 256 + tl.arange(0, 128)[None, :], t0.to(tl.float32))
         tl.store(out_rows + st * 256 + 128 + tl.arange(0, 128)[None, :], t1.to(tl.float32))
 

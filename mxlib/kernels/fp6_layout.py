@@ -35,7 +35,9 @@ PTX per eight elements of a tile (``DECODE_INSTRUCTIONS``): 11 (tile 0) or 12 (t
 
 Under ``TRITON_INTERPRET=1`` (no PTX) the same select/rotate/mask runs as Triton integer ops and
 the element value comes from the code bits read back out of ``r`` by ``_numerics``; the reshapes
-are the same, so the interpreter tests check the layout.
+are the same, so the interpreter tests check the layout. ``decode_fp6_words`` returns the eight
+elements of every word pair; ``fused_fp4_moe._fp6_tile`` puts them in the dot operand's order
+with the FP4 path's ``_mma_order`` (this module does not import the kernel module).
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import triton.language as tl
 from .. import reference as _ref
 from ..formats import ELEMENT_FORMATS, ElementFormat
 from . import _numerics as nm
-from . import fused_fp4_moe as _fp4  # the FP4 layout's row order and MMA order (a circular import: used lazily)
 
 __all__ = ["FP6Weights", "prepare_fp6_weights", "unprepare_fp6_packed", "unprepare_fp6_weights", "layout_table",
            "SUPER_TILE", "DECODE_INSTRUCTIONS"]
@@ -340,11 +341,12 @@ def _ptx_decode(n, p, s_lo, s_hi, ASM: tl.constexpr):
 
 
 @triton.jit
-def decode_fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NUM_WARPS: tl.constexpr):
-    """K tile ``T`` (0, 1) of super tile ``st`` as the dot operand [BLOCK_N, 128] in weight-row order:
-    bf16 (fp32 holding the bf16 values under the interpreter). ``n`` the plane-T words, ``p`` the
-    plane-2 words (``load_fp6_planes``); ``s_rows`` int32 rows of E8M0 bytes (load order)."""
+def decode_fp6_words(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The eight elements of every word pair of K tile ``T`` (0, 1) of super tile ``st``: eight
+    [BLOCK_N, 16] tiles in the order of ``fused_fp4_moe._mma_order``'s t0..t3 (K 0..63 of the
+    tile), then the same for K 64..127; bf16 (fp32 holding the bf16 values under the interpreter).
+    ``n`` the plane-T words, ``p`` the plane-2 words (``load_fp6_planes``); ``s_rows`` int32 rows of
+    E8M0 bytes (the rows' load order)."""
     # the tile's four scale bytes are one word; word 4c + j: low half block j // 2, high half 2 + j // 2
     sw = tl.broadcast_to(tl.load(s_rows + st * 2 + T, mask=n_mask, other=0)[:, None], (BLOCK_N, 16))
     j = tl.arange(0, 16) % 4
@@ -357,10 +359,9 @@ def decode_fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constex
         r1 = _pair_bits(n, p, 1, T, EBITS)
         r2 = _pair_bits(n, p, 2, T, EBITS)
         r3 = _pair_bits(n, p, 3, T, EBITS)
-        lo = _fp4._mma_order(_half_value(r0, 0, s_lo, EBITS), _half_value(r0, 1, s_lo, EBITS),
-                             _half_value(r1, 0, s_lo, EBITS), _half_value(r1, 1, s_lo, EBITS), BLOCK_N)
-        hi = _fp4._mma_order(_half_value(r2, 0, s_hi, EBITS), _half_value(r2, 1, s_hi, EBITS),
-                             _half_value(r3, 0, s_hi, EBITS), _half_value(r3, 1, s_hi, EBITS), BLOCK_N)
+        return (_half_value(r0, 0, s_lo, EBITS), _half_value(r0, 1, s_lo, EBITS), _half_value(r1, 0, s_lo, EBITS),
+                _half_value(r1, 1, s_lo, EBITS), _half_value(r2, 0, s_hi, EBITS), _half_value(r2, 1, s_hi, EBITS),
+                _half_value(r3, 0, s_hi, EBITS), _half_value(r3, 1, s_hi, EBITS))
     else:
         s_lo = tl.inline_asm_elementwise(_ASM_E8M0_BF16X2, "=r,r,r", [sw, sh_lo], dtype=tl.int32, is_pure=True,
                                          pack=1)
@@ -368,15 +369,11 @@ def decode_fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constex
                                          pack=1)
         if EBITS == 2:
             if T == 0:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _ptx_decode(n, p, s_lo, s_hi, _ASM_E2M3_T0)
+                return _ptx_decode(n, p, s_lo, s_hi, _ASM_E2M3_T0)
             else:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _ptx_decode(n, p, s_lo, s_hi, _ASM_E2M3_T1)
+                return _ptx_decode(n, p, s_lo, s_hi, _ASM_E2M3_T1)
         else:
             if T == 0:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T0)
+                return _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T0)
             else:
-                o0, o1, o2, o3, o4, o5, o6, o7 = _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T1)
-        lo = _fp4._mma_order(o0, o1, o2, o3, BLOCK_N)
-        hi = _fp4._mma_order(o4, o5, o6, o7, BLOCK_N)
-    return _fp4._to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N,
-                                 NUM_WARPS)
+                return _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T1)

@@ -500,6 +500,17 @@ def _a_tile(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.co
     return tl.trans(a)
 
 
+@triton.jit
+def _fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
+              NUM_WARPS: tl.constexpr):
+    """MXFP6 weights: K tile ``T`` (0, 1) of super tile ``st`` [BLOCK_N, 128] in weight-row order, as
+    ``_decode_words`` gives an FP4 tile (``fp6_layout``: plane-T words ``n``, plane-2 words ``p``)."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = F6.decode_fp6_words(n, p, s_rows, n_mask, st, T, EBITS, BLOCK_N)
+    lo = _mma_order(o0, o1, o2, o3, BLOCK_N)
+    hi = _mma_order(o4, o5, o6, o7, BLOCK_N)
+    return _to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -572,15 +583,13 @@ def fused_fp4_moe_kernel(
             a1 = _a_tile(a_rows, token_mask, st * 256 + 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX,
                          A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
             n0, n1, p = F6.load_fp6_planes(w_rows, n_mask, st)
-            acc = tl.dot(F6.decode_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
-            acc = tl.dot(F6.decode_fp6_tile(n1, p, s_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc)
+            acc = tl.dot(_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
+            acc = tl.dot(_fp6_tile(n1, p, s_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc)
             if GATED:
                 u0, u1, pu = F6.load_fp6_planes(w_rows + N * stride_wn, n_mask, st)
                 su_rows = s_rows + N * stride_sn
-                acc_up = tl.dot(F6.decode_fp6_tile(u0, pu, su_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0,
-                                acc_up)
-                acc_up = tl.dot(F6.decode_fp6_tile(u1, pu, su_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1,
-                                acc_up)
+                acc_up = tl.dot(_fp6_tile(u0, pu, su_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc_up)
+                acc_up = tl.dot(_fp6_tile(u1, pu, su_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc_up)
     for kt in range(0, K // 128 if W_BITS == 4 else 0):  # FP4: 128-element K tiles (FP6 ran above)
         a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                     A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
