@@ -1,7 +1,9 @@
 """Fused FP4-weight MoE for Hopper: packed e2m1 weights decoded in registers, a1 QDQ in the A load.
 
 Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert fp32 decode
-``global_scale``). What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
+``global_scale``); MXFP6 (e2m3 / e3m2 + E8M0 per 32) in ``fp6_layout``'s layout, which keeps the
+properties below, through the K loop's ``W_BITS=6`` branch (256-element steps).
+What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 
 * **Weight layout prepared once** (``prepare_fp4_weights``): the checkpoint keeps its layout
   (two codes a byte, even element in the low nibble); the kernel's layout reorders the bytes of
