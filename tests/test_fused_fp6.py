@@ -178,13 +178,21 @@ def _run_ptx(asm: str, inputs: list) -> list:
             r = x[0] == x[1]
         elif op == "selp.b32":
             r = np.where(x[2], x[0], x[1]).astype(u32)
-        elif op == "prmt.b32":
-            pair = x[0].astype(np.uint64) | (np.asarray(x[1], dtype=np.uint64) << np.uint64(32))
-            sel = int(x[2])
+        elif op == "prmt.b32":  # default mode: result byte i is byte (selector nibble i) of {b, a}
+            pair = np.asarray(x[0], dtype=np.uint64) | (np.asarray(x[1], dtype=np.uint64) << np.uint64(32))
+            sel = np.asarray(x[2], dtype=np.uint64)
             r = u32(0)
             for i in range(4):
-                byte = ((pair >> np.uint64(8 * (sel >> 4 * i & 7))) & np.uint64(0xFF)).astype(u32)
+                nib = (sel >> np.uint64(4 * i)) & np.uint64(7)
+                byte = ((pair >> (np.uint64(8) * nib)) & np.uint64(0xFF)).astype(u32)
                 r = r | (byte << u32(8 * i))
+        elif op == "max.u16x2":
+            r = np.maximum(x[0] & u32(0xFFFF), x[1] & u32(0xFFFF)) | np.maximum(x[0] >> u32(16) << u32(16),
+                                                                                 x[1] >> u32(16) << u32(16))
+        elif op == "add.u32":
+            r = x[0] + x[1]
+        elif op == "shr.u32":
+            r = x[0] >> x[1]
         elif op == "mov.b32":
             r = x[0]
         elif op == "mul.rn.bf16x2":
@@ -210,8 +218,7 @@ def test_ptx_decode_blocks_match_reference(element):
     jj = np.arange(16) % 4
     for t in range(2):
         s = np.broadcast_to(sw[:, :, t, None], (rows, k // 256, 16))
-        s_lo, = _run_ptx(F6._ASM_E8M0_BF16X2.value, [s, (jj // 2) * 8])
-        s_hi, = _run_ptx(F6._ASM_E8M0_BF16X2.value, [s, (jj // 2) * 8 + 16])
+        s_lo, s_hi = _run_ptx(F6._ASM_E8M0_PAIR.value, [s, 0x4240 + (jj // 2) * 0x0101])
         outs = _run_ptx(F6._decode_asm(eb, t), [words[:, :, t], words[:, :, 2], s_lo, s_hi])
         for u, o in enumerate(outs):  # output u of word 4c + j: K 64 (u // 4) + 16 j + 8 ((u % 4) // 2) + 2 c + u % 2
             for wd in range(16):
