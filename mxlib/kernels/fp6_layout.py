@@ -22,7 +22,8 @@ is ``layout_table`` and the tests check it against ``mxlib.reference``.
 Decode of a word pair (plane ``t`` word ``n``, plane 2 word ``p``) into four bf16x2 registers,
 output ``o`` (0..3) holding the elements ``2o``, ``2o + 1`` of ``_mma_order``'s eight:
 ``r = rotl((n & C) | (p & ~C), k) & M``, ``k = 4o + t * D`` (``D`` = 2 for e2m3, 1 for e3m2, so
-that the plane-2 bits of the two tiles interleave), ``C = rotr(M_N, k)``. ``r`` holds each code
+that the plane-2 bits of the two tiles interleave), ``C = rotr(M_N, k)``, ``M = M_N | M_P`` (``M_N``:
+where code bits 1..4 go in the two bf16 halves, ``M_P``: bits 0 and 5). ``r`` holds each code
 as bf16 bits: sign at bit 15, the five exponent-mantissa bits with the mantissa at the top of
 bf16's mantissa (bits ``F .. F + 4``, ``F = 7 - mbits``): the bf16 value is
 ``element * 2**(bias - 127)`` (e2m3: ``2**-126``, e3m2: ``2**-124``; element subnormals land on
@@ -33,7 +34,8 @@ subnormal ``2**-127``, byte 255 NaN) the weight: exact for in-range products, an
 PTX per eight elements of a tile (``DECODE_INSTRUCTIONS``): 11 (tile 0) or 12 (tile 1)
 ``lop3`` / ``shf`` / ``and``, 1 ``mov`` of the constant and 8 ``mul.rn.bf16x2``; the scales of a
 thread's 32 elements of a row and K tile (four blocks) take two 9-instruction blocks
-(``_ASM_E8M0_PAIR``), 4.5 more per eight elements.
+(``_ASM_E8M0_PAIR``), 4.5 more per eight elements. The PTX needs sm_90 (``max.u16x2``), as the
+kernel's warpgroup MMA does.
 
 Under ``TRITON_INTERPRET=1`` (no PTX) the same select/rotate/mask runs as Triton integer ops and
 the element value comes from the code bits read back out of ``r`` by ``_numerics``; the reshapes
