@@ -33,7 +33,7 @@ from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divisible=()):
+def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divisible=(), num_stages=3):
     """``divisible``: pointer and integer arguments to specialize as multiples of 16 (what the JIT does
     at a launch whose pointers are 16-byte aligned and whose values are multiples of 16)."""
     names = fn.arg_names
@@ -41,7 +41,8 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divis
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                       "enable_fp_fusion": False})
 
 
 def mx_kernels(el, mode, dtype):
@@ -95,11 +96,18 @@ def fused_dequant(weight, gated, a2, split=False):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
-def fused_fp4(weight, mode, gated, a, naive=False, one=False):
-    """The FP4 kernel: ``weight`` mxfp4 / nvfp4, ``mode`` seed / hardware, ``a`` the activation format
-    of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or None; PTX decode (the compiled path);
-    ``one``: the one-multiply decode (``fp4_one_multiply``)."""
+SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
+
+
+def fused_fp4(weight, mode, gated, a, naive=False, one=False, cfg=None):
+    """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``mode`` seed /
+    hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or
+    None; PTX decode (the compiled path); ``one``: the one-multiply decode (``fp4_one_multiply``).
+    ``cfg``: an ``FP4Config`` (default 16 x 64, 4 warps, 3 stages)."""
+    cfg = cfg or P.FP4Config(16, 64, 1, 4, 3)
+    nw = max(1, min(cfg.num_warps, cfg.BLOCK_N // 16))  # as ``_launch``
     w = BLOCK_SCHEMES[weight]
+    fp6 = w.element.nbits == 6
     q = D.ActivationQDQ(get_activation_format(a))
     md = P.MODES[mode]
     w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_SEED if mode == "seed" else P.W_NVFP4_HW)
@@ -111,16 +119,21 @@ def fused_fp4(weight, mode, gated, a, naive=False, one=False):
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
     nv_hw = md == P.MODES["hardware"] and q.kind == D.A2_NVFP4
     k = compile_kernel(kernel, ptrs, dict(
-        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, W_ONE=one, GATED=gated,
+        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, W_ONE=one, W_BITS=w.element.nbits,
+        W_EBITS=w.element.ebits, GATED=gated,
         W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
-        NAIVE=naive, BLOCK_M=16, BLOCK_N=64, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, NUM_WARPS=4),
+        NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, NUM_WARPS=nw),
+        num_warps=nw, num_stages=cfg.num_stages,
         # as launched on the Qwen3-30B-A3B layer: torch's pointers 16-byte aligned, H, I and the row strides
         # multiples of 16 (the scale rows of w2 are not: I / 32 / 4 = 6 words)
         divisible=[*ptrs, "N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_cm"])
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the FP4 kernel's PTX"
+    assert k.metadata.shared <= SM90_SHARED, f"{k.metadata.shared} bytes of shared memory (sm_90: {SM90_SHARED})"
+    if fp6:  # the FP6 decode ran (its PTX block: rotate and bf16x2 multiply), not the FP4 loop
+        assert "shf.l.wrap.b32" in k.asm["ptx"] and "lop3.b32" in k.asm["ptx"], "no FP6 decode in the PTX"
     if a is None:  # weight-only: the decoded tile reaches the MMA in registers (no register -> shared store)
         stores = k.asm["ttgir"].count("ttg.local_alloc %")
-        assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only FP4 kernel"
+        assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only {weight} kernel"
     compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
                                                                                    OUT_DTYPE=tl.bfloat16))
     if w.has_global_scale and mode == "hardware" and gated:  # its standalone a1 QDQ
@@ -148,7 +161,14 @@ JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "h
                                   ("mxfp4", "seed", True, None), ("mxfp4", "seed", True, "mxfp4"),
                                   ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True),
                                   ("mxfp4", "seed", True, None, False, True), ("mxfp4", "seed", False, None, False, True),
-                                  ("nvfp4", "seed", True, "nvfp4", False, True)]]
+                                  ("nvfp4", "seed", True, "nvfp4", False, True),
+                                  ("mxfp6_e2m3", "seed", True, None), ("mxfp6_e2m3", "seed", False, None),
+                                  ("mxfp6_e3m2", "seed", True, None), ("mxfp6_e3m2", "seed", False, None, True),
+                                  ("mxfp6_e3m2", "seed", True, "mxfp6_e3m2"),
+                                  ("mxfp6_e2m3", "hardware", True, "fp8_e4m3")]]
+# every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory
+JOBS += [(fused_fp4, ("mxfp6_e3m2", "seed", gated, None, False, False, cfgs[1 - gated]))
+         for _, cfgs in P.FP6_CONFIGS for gated in (True, False)]
 JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
                                       ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
                                       ("nvfp4", False, None), ("mxfp8_e4m3", False, None),

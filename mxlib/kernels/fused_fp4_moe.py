@@ -1,7 +1,9 @@
 """Fused FP4-weight MoE for Hopper: packed e2m1 weights decoded in registers, a1 QDQ in the A load.
 
 Formats: MXFP4 (e2m1 + E8M0 per 32) and NVFP4 (e2m1 + ue4m3 per 16, per-expert fp32 decode
-``global_scale``). What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
+``global_scale``); MXFP6 (e2m3 / e3m2 + E8M0 per 32) in ``fp6_layout``'s layout, which keeps the
+properties below, through the K loop's ``W_BITS=6`` branch (256-element steps).
+What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 
 * **Weight layout prepared once** (``prepare_fp4_weights``): the checkpoint keeps its layout
   (two codes a byte, even element in the low nibble); the kernel's layout reorders the bytes of
@@ -55,6 +57,7 @@ import triton
 import triton.language as tl
 
 from . import _numerics as nm
+from . import fp6_layout as F6
 from . import quant as Q
 from ._bridge import interpreting, select
 from .fused_moe import pick_tiles
@@ -218,15 +221,18 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
     return FP4Weights(out, scales, block_size, nvfp4, global_scale, fp4_one_multiply(scales, block_size, global_scale))
 
 
-def prepare_packed_weights(w: PackedWeights) -> FP4Weights:
-    """``prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``).
+def prepare_packed_weights(w: PackedWeights) -> FP4Weights | F6.FP6Weights:
+    """``prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``), or
+    ``fp6_layout.prepare_fp6_weights`` (MXFP6: ``mxfp6_e2m3``, ``mxfp6_e3m2``).
 
     Raises:
-        ValueError: a scheme whose elements are not 4 bits wide (FP6 / FP8 weights stay on
-            ``fused_dequant_moe``).
+        ValueError: a scheme whose elements are neither 4 nor 6 bits wide (FP8 weights stay on
+            ``fused_dequant_moe``); the prepare functions' errors (K not a multiple of the tile).
     """
+    if w.nbits == 6 and not w.scheme.has_global_scale:
+        return F6.prepare_fp6_weights(w.packed, w.scales, w.scheme.element, w.scheme.block_size)
     if w.nbits != 4:
-        raise ValueError(f"w: the FP4 kernel takes 4-bit elements, got {w.scheme.name} ({w.nbits} bits)")
+        raise ValueError(f"w: the FP4 kernel takes 4- or 6-bit elements, got {w.scheme.name} ({w.nbits} bits)")
     return prepare_fp4_weights(w.packed, w.scales, w.scheme.block_size, w.global_scale)
 
 
@@ -288,12 +294,25 @@ NVFP4_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
     FP4_CONFIGS[0], (16.0, (FP4Config(32, 64, 1, 4, 3, False), FP4Config(32, 64, 1, 4, 3))), *FP4_CONFIGS[2:]]
 
 
-def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int,
-                    nvfp4: bool = False) -> tuple[FP4Config, FP4Config]:
-    """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``nvfp4``: NVFP4 weights)."""
+# MXFP6 weights (``fp6_layout``, a K step of 256, so twice the A tile per stage): FP4_CONFIGS' tiles,
+# not yet swept on the H200; the largest with 2 stages (3 would need 292 KiB for GEMM1 and 242 KiB for
+# GEMM2 of shared memory, sm_90 has 227 KiB; 2 need 178 / 153 KiB: ``tests/compile_sm90.py`` sizes).
+FP6_CONFIGS: list[tuple[float, tuple[FP4Config, FP4Config]]] = [
+    (4.0, (FP4Config(16, 64, 1, 4, 3, False), FP4Config(16, 64, 1, 4, 3))),
+    (16.0, (FP4Config(32, 128, 4, 4, 3, False), FP4Config(32, 128, 4, 4, 3))),
+    (64.0, (FP4Config(64, 64, 4, 4, 3, False), FP4Config(64, 64, 4, 4, 3))),
+    (float("inf"), (FP4Config(128, 128, 4, 8, 2, False), FP4Config(128, 128, 4, 8, 2))),
+]
+
+
+def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int, nvfp4: bool = False,
+                    weight_bits: int = 4) -> tuple[FP4Config, FP4Config]:
+    """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``nvfp4``: NVFP4 weights,
+    ``NVFP4_CONFIGS``; ``weight_bits`` 6: ``FP6_CONFIGS``)."""
     if interpreting():
         return FP4Config(16, 32, 1, 4, 1), FP4Config(16, 32, 1, 4, 1, False)
-    return pick_tiles(NVFP4_CONFIGS if nvfp4 else FP4_CONFIGS, num_tokens, num_experts, top_k)
+    table = FP6_CONFIGS if weight_bits == 6 else (NVFP4_CONFIGS if nvfp4 else FP4_CONFIGS)
+    return pick_tiles(table, num_tokens, num_experts, top_k)
 
 
 # ----------------------------------------------------------------------------- decode
@@ -597,6 +616,17 @@ def _a_tile(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.co
     return tl.trans(a)
 
 
+@triton.jit
+def _fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
+              NUM_WARPS: tl.constexpr):
+    """MXFP6 weights: K tile ``T`` (0, 1) of super tile ``st`` [BLOCK_N, 128] in weight-row order, as
+    ``_decode_words`` gives an FP4 tile (``fp6_layout``: plane-T words ``n``, plane-2 words ``p``)."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = F6.decode_fp6_words(n, p, s_rows, n_mask, st, T, EBITS, BLOCK_N)
+    lo = _mma_order(o0, o1, o2, o3, BLOCK_N)
+    hi = _mma_order(o4, o5, o6, o7, BLOCK_N)
+    return _to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
+
+
 # ----------------------------------------------------------------------------- kernel
 
 
@@ -610,8 +640,10 @@ def fused_fp4_moe_kernel(
     # strides (elements; packed weights and scales in bytes)
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, wg_stride_e, wg_stride_half,
     a_scale_stride_e, c_scale_stride_e,
-    # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16
-    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr, W_ONE: tl.constexpr,
+    # weight format: KIND 0 MX, 1 NVFP4 seed, 2 NVFP4 hardware; BS 32 or 16; ONE the one-multiply decode
+    # (``fp4_one_multiply``); BITS 4 (FP4 layout) or 6 (MXFP6 in ``fp6_layout``'s layout, element exponent bits EBITS)
+    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr, W_ONE: tl.constexpr, W_BITS: tl.constexpr,
+    W_EBITS: tl.constexpr,
     # A-load QDQ (a1 in GEMM1, none in GEMM2)
     A_KIND: tl.constexpr, A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr,
     A_SCALE_MODE: tl.constexpr, A_BS: tl.constexpr,
@@ -626,7 +658,8 @@ def fused_fp4_moe_kernel(
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
 
     A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2], scales
-    [E, rows_w, K / W_BS]; GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
+    [E, rows_w, K / W_BS] (W_BITS 6: prepared MXFP6 [E, rows_w, 3K / 4], ``fp6_layout``);
+    GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
     the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). NAIVE: block ``pid_m`` is
     the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
     Hardware mode: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
@@ -666,7 +699,21 @@ def fused_fp4_moe_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(0, K // 128):
+    if W_BITS == 6:  # MXFP6: 256-element super tiles, two K tiles (two dots per matrix) a step
+        for st in range(0, K // 256):
+            a0 = _a_tile(a_rows, token_mask, st * 256, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
+                         A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+            a1 = _a_tile(a_rows, token_mask, st * 256 + 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX,
+                         A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+            n0, n1, p = F6.load_fp6_planes(w_rows, n_mask, st)
+            acc = tl.dot(_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
+            acc = tl.dot(_fp6_tile(n1, p, s_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc)
+            if GATED:
+                u0, u1, pu = F6.load_fp6_planes(w_rows + N * stride_wn, n_mask, st)
+                su_rows = s_rows + N * stride_sn
+                acc_up = tl.dot(_fp6_tile(u0, pu, su_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc_up)
+                acc_up = tl.dot(_fp6_tile(u1, pu, su_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc_up)
+    for kt in range(0, K // 128 if W_BITS == 4 else 0):  # FP4: 128-element K tiles (FP6 ran above)
         a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
                     A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
         acc = tl.dot(_decode_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc)
@@ -728,8 +775,8 @@ def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[to
     return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
-def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq, a_inv, c_qdq,
-            mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
+def _launch(a, w: FP4Weights | F6.FP6Weights, c, topk_weights, sorted_ids, expert_ids, num_post, n, gated, a_qdq,
+            a_inv, c_qdq, mode, mul_routed_weight, top_k, naive, cfg: FP4Config):
     """a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware mode), or None."""
     e = w.packed.shape[0]
@@ -745,7 +792,8 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
     a_scale, a_stride = _scale_arg(scale_src, e, unread)
     c_scale, c_stride = _scale_arg(c_qdq, e, unread)
     w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
-    wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes)
+    fp6 = isinstance(w, F6.FP6Weights)
+    wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes; FP6: 3K/16 words)
     ws = w.scales.view(torch.int32)  # K/BS bytes a row: a multiple of 4
     em = sorted_ids.shape[0]
     # the row order of the weight loads (``_load_rows``) needs 16 rows a warp
@@ -756,7 +804,8 @@ def _launch(a, w: FP4Weights, c, topk_weights, sorted_ids, expert_ids, num_post,
         n, w.k, em, c.shape[0],
         a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, a_stride, c_stride,
-        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, W_ONE=w.one_multiply,
+        W_KIND=w_kind, W_BS=w.block_size, MODE=mode, W_ONE=getattr(w, "one_multiply", False),
+        W_BITS=6 if fp6 else 4, W_EBITS=w.element.ebits if fp6 else 2,
         **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}), GATED=gated,
         W_GLOBAL_OUT=w_kind == W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
@@ -839,6 +888,9 @@ def fused_fp4_moe(
         raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}")
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
+    el13, el2 = getattr(w13, "element", None), getattr(w2, "element", None)  # FP6Weights: e2m3 or e3m2
+    if el13 != el2:
+        raise ValueError(f"w13 and w2 must have one element format, got {el13 or 'e2m1'} and {el2 or 'e2m1'}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
     m, k = topk_ids.shape
@@ -847,7 +899,7 @@ def fused_fp4_moe(
     i = two_i // 2
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
-    c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4)
+    c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4, 6 if isinstance(w13, F6.FP6Weights) else 4)
     naive = naive_block_assignment(m, k, e)
     dev = hidden_states.device
     weights = topk_weights.reshape(-1).float().contiguous()

@@ -25,7 +25,10 @@ FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128
 the FP4 kernel's layout (``mxlib.kernels.fused_fp4_moe.prepare_fp4_weights``), prepared once
 (at construction when the backend resolves to ``fused``, else at the first fused forward); only
 that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and the other backends) then get
-the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy.
+the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy. MXFP6 weights (H and I
+multiples of 256) run in the same kernel in ``mxlib.kernels.fp6_layout``'s layout, held and
+unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is
+``FP6_AUTO_FUSED``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
 from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_fp4_moe import (K_TILE, MODES, FP4Weights, fp4_one_multiply, prepare_packed_weights,
                                      unprepare_fp4_packed)
 from .base import TritonExperts, ops_for_backend, resolve_backend
@@ -99,7 +103,10 @@ def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
 
 
 _PACKED = ("w13_weight", "w2_weight")
-_PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout
+_PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
+# Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA; False
+# (seed-style) until the H200 measures it faster than the seed-style path and bf16 TritonExperts.
+FP6_AUTO_FUSED = False
 
 
 class QuantizedExperts(TritonExperts):
@@ -120,15 +127,25 @@ class QuantizedExperts(TritonExperts):
         self.numerics = numerics
 
     def fp4_kernel_applies(self) -> bool:
-        """Whether the FP4 kernel can run these experts: 4-bit weight elements (``mxfp4``,
-        ``nvfp4``), bf16 activations, H and I multiples of its 128-element K tile."""
-        return (self.weight_scheme.element.nbits == 4 and self.activation_dtype == torch.bfloat16
-                and self.hidden_size % K_TILE == 0 and self.intermediate_size % K_TILE == 0)
+        """Whether the FP4 kernel can run these experts: bf16 activations and either 4-bit weight
+        elements (``mxfp4``, ``nvfp4``) with H and I multiples of its 128-element K tile, or MXFP6
+        weights (``mxfp6_e2m3``, ``mxfp6_e3m2``) with H and I multiples of the 256-element super tile."""
+        s = self.weight_scheme
+        if self.activation_dtype != torch.bfloat16:
+            return False
+        if s.element.nbits == 4:
+            tile = K_TILE
+        elif s.element.nbits == 6 and not s.has_global_scale:
+            tile = SUPER_TILE
+        else:
+            return False
+        return self.hidden_size % tile == 0 and self.intermediate_size % tile == 0
 
     def prefers_fused(self) -> bool:
         # H200 (benchmarks/h200_fused_fp4.md): the FP4 kernel beats the seed-style path at every
-        # batch size; FP6 / FP8 weights stay seed-style (the generic fused kernel is slower there)
-        return self.fp4_kernel_applies()
+        # batch size; FP6 weights there only with FP6_AUTO_FUSED; FP8 weights stay seed-style
+        # (the generic fused kernel is slower there)
+        return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
 
     def _prepare_if_fused(self) -> None:
         """Prepare the FP4 layout now when the forward will use it (construction time)."""
@@ -137,7 +154,7 @@ class QuantizedExperts(TritonExperts):
                 self.resolved_backend(self._device()) == "fused":
             self.fp4_weights()
 
-    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | None:
+    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | tuple[FP6Weights, FP6Weights] | None:
         if not self.fp4_kernel_applies():
             return None
         if "w13_weight" + _PREPARED not in self._buffers:
@@ -146,6 +163,9 @@ class QuantizedExperts(TritonExperts):
                 del self._buffers[name]  # keep only the prepared copy
                 self.register_buffer(name + _PREPARED, prepared, persistent=False)
         s = self.weight_scheme
+        if s.element.nbits == 6:
+            return (FP6Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.element, s.block_size),
+                    FP6Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.element, s.block_size))
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
         s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
         return (FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13,
@@ -167,13 +187,18 @@ class QuantizedExperts(TritonExperts):
         prepared = self._buffers.get(name + _PREPARED)
         if prepared is None:
             return self._buffers[name][sel]
-        return unprepare_fp4_packed(prepared[sel])
+        return self._unprepare(prepared[sel])
+
+    def _unprepare(self, prepared: torch.Tensor) -> torch.Tensor:
+        """Checkpoint layout of bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
+        el = self.weight_scheme.element
+        return unprepare_fp6_packed(prepared, el) if el.nbits == 6 else unprepare_fp4_packed(prepared)
 
     def __getattr__(self, name: str):
         if name in _PACKED:
             buffers = self.__dict__.get("_buffers", {})
             if name not in buffers and name + _PREPARED in buffers:
-                return unprepare_fp4_packed(buffers[name + _PREPARED])
+                return self._unprepare(buffers[name + _PREPARED])
         return super().__getattr__(name)
 
     def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:
