@@ -255,9 +255,10 @@ def test_prepare_rejects_bad_input():
 # ----------------------------------------------------------------------------- the MoE
 
 
-def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0):
+def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0, device="cpu"):
     """An MXFP6 layer (weights ``element``) with activation QDQ ``act`` (None, or an MX block scheme
-    name) in the form of ``test_fused_fp4.make_layer`` (MX operands are the same in both modes)."""
+    name) in the form of ``test_fused_fp4.make_layer`` (MX operands are the same in both modes); the
+    kernel's operands on ``device``."""
     from mxlib.moe import fused_topk
 
     g = torch.Generator().manual_seed(seed)
@@ -269,8 +270,9 @@ def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0):
     p2, s2 = R.quantize_mx(w2.to(torch.bfloat16), element)
     d13, d2 = R.dequantize_mx(p13, s13, element), R.dequantize_mx(p2, s2, element)
     scheme = BLOCK_SCHEMES[f"mxfp6_{element}"]
-    pw13 = P.prepare_packed_weights(PackedWeights(p13, s13, scheme))
-    pw2 = P.prepare_packed_weights(PackedWeights(p2, s2, scheme))
+    pw13 = P.prepare_packed_weights(PackedWeights(p13.to(device), s13.to(device), scheme))
+    pw2 = P.prepare_packed_weights(PackedWeights(p2.to(device), s2.to(device), scheme))
+    x, tw, ti = x.to(device), tw.to(device), ti.to(device)
     if act is None:
         q = None
         a = lambda v, mode: v  # noqa: E731
@@ -284,22 +286,22 @@ def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0):
 
 @pytest.mark.parametrize("element", ELEMENTS)
 @pytest.mark.parametrize("act", [None, "mxfp6_e2m3", "mxfp4"])
-def test_fused_fp6_against_fp64(element, act):
-    L = make_fp6_layer(element, act)
+def test_fused_fp6_against_fp64(element, act, device):
+    L = make_fp6_layer(element, act, device=device)
     assert isinstance(L["pw13"], F6.FP6Weights)
-    out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"])
+    out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"]).cpu()
     err = rel_err(out, oracle_fp64(L, "seed"))
     assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3 (test_fused_fp4's tolerance)
 
 
-def test_fused_fp6_naive_blocks_and_tiles():
+def test_fused_fp6_naive_blocks_and_tiles(device):
     """M = 1 (each pair its own block, no alignment) and explicit tiles with a standalone a1 QDQ."""
-    L = make_fp6_layer("e3m2", "mxfp4", m=9)
+    L = make_fp6_layer("e3m2", "mxfp4", m=9, device=device)
     want = oracle_fp64(L, "seed")
-    one = P.fused_fp4_moe(L["x"][:1], L["pw13"], L["pw2"], L["tw"][:1], L["ti"][:1], L["q1"], L["q2"])
+    one = P.fused_fp4_moe(L["x"][:1], L["pw13"], L["pw2"], L["tw"][:1], L["ti"][:1], L["q1"], L["q2"]).cpu()
     assert rel_err(one, want[:1]) < 5e-3
     cfg = (P.FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), P.FP4Config(16, 64, 1, 4, 1))
-    out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"], configs=cfg)
+    out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"], configs=cfg).cpu()
     assert rel_err(out, want) < 5e-3
 
 
@@ -313,7 +315,7 @@ def test_fused_fp6_rejects_mixed_elements():
 
 
 @pytest.mark.parametrize("scheme", ["w_mxfp6_e2m3", "w_mxfp6_e3m2_a_mxfp6_e3m2", "w_mxfp6_e2m3_a_fp8"])
-def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme):
+def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme, device):
     """``backend="fused"``: MXFP6 weights held only in the FP6 layout, the FP4 kernel runs them, and
     the output matches the pure-PyTorch backend; the checkpoint bytes still come back; ``auto``'s
     choice follows ``FP6_AUTO_FUSED`` (off until measured)."""
@@ -338,7 +340,8 @@ def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme):
     assert_bits_equal(fused.w13_weight, q.w13_weight)
     assert_bits_equal(fused.checkpoint_packed("w2_weight", slice(1, 3)), q.w2_weight[1:3])
     ref = make_emulation_experts(scheme, q, backend="torch", **scales)
-    assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 5e-3
+    out = fused.to(device)(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out, ref(x, tw, ti)) < 5e-3
     assert fused.fp4_kernel_applies() and fused.prefers_fused() == EM.FP6_AUTO_FUSED
 
 

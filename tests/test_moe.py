@@ -545,8 +545,12 @@ def test_auto_backend_choice():
     assert "w13_weight" in fp4._buffers  # auto on the CPU is torch: nothing prepared
     assert fp4.resolved_backend(cuda) == "fused" and fp4.resolved_backend(torch.device("cpu")) == "torch"
     x, w13, w2, tw, ti = make_inputs()
-    fp6 = build_experts("w_mxfp6_e3m2", x, w13, w2, backend="auto")
-    assert fp6.resolved_backend(cuda) == "triton"  # FP6 weights stay seed-style
+    fp6 = build_experts("w_mxfp6_e3m2", x, w13, w2, backend="auto")  # H = 96: not the kernel's shape
+    assert fp6.resolved_backend(cuda) == "triton"
+    g = torch.Generator().manual_seed(3)  # H = I = 256: MXFP6 runs on the FP4 kernel (FP6_AUTO_FUSED)
+    w13_256, w2_256 = torch.randn(4, 512, 256, generator=g).to(torch.bfloat16), torch.randn(4, 256, 256, generator=g)
+    fp6_256 = build_experts("w_mxfp6_e3m2", x, w13_256, w2_256.to(torch.bfloat16), backend="auto")
+    assert fp6_256.resolved_backend(cuda) == "fused" and fp6_256.resolved_backend(torch.device("cpu")) == "torch"
     small = build_experts("nvfp4", x, w13, w2, backend="auto")  # H = 96: not the FP4 kernel's shape
     assert small.resolved_backend(cuda) == "triton"
     assert TritonExperts(w13, w2, backend="auto").resolved_backend(cuda) == "triton"

@@ -16,7 +16,7 @@ Rows (``path``), all through the experts classes as a user runs them:
 * ``mxlib_fused_<scheme>`` for ``w_mxfp4``, ``w_mxfp4_a_mxfp4``, ``nvfp4`` (seed numerics) and
   ``mxlib_fused_nvfp4_hw`` (hardware numerics): the ``fused`` backend, i.e. the FP4 kernel;
 * with extras (default): ``mxlib_triton_nvfp4`` (seed-style: dequantize all experts, bf16 GEMMs),
-  ``mxlib_fused_w_mxfp6_e3m2`` and ``mxlib_triton_w_mxfp6_e3m2`` (FP6 weights: generic fused kernel
+  ``mxlib_fused_w_mxfp6_e3m2`` and ``mxlib_triton_w_mxfp6_e3m2`` (FP6 weights: the FP4 kernel in the MXFP6 layout
   and seed-style).
 
 Timing: ``triton.testing.do_bench`` medians (warm-up 10 ms, 50 ms of replays, L2 flushed before each)
