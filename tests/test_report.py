@@ -98,7 +98,7 @@ def test_issue12_tables_recompute_from_json():
 
     from mxlib.report import ISSUE12_RATIOS, issue12_tables
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_integrated.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_rotate.json"
     data = json.loads(path.read_text())
     t = issue12_tables(path)
     assert t["Ms"] == [1, 4, 16, 64, 256, 1024, 4096]
