@@ -14,23 +14,25 @@ What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
   register renaming) give the dot operand, with no round trip through shared memory, and the MMA
   of one half tile overlaps the decode of the next (the approach of OpenAI's triton_kernels Hopper
   MXFP4 value layout, derived here from the PTX fragment layout). Same bytes, no extra memory.
-* **Several elements per integer op** (compiled path): a PTX block (``tl.inline_asm_elementwise``,
-  one 32-bit word = eight codes per call) spreads two bytes into the halves of a 32-bit word
-  (``prmt``), builds two bf16 codes with one shift/and/or sequence and scales them with one
-  ``mul.rn.bf16x2``; the block scales are decoded in PTX too (E8M0 by a shift, ue4m3 by the
-  hardware's exact e4m3 -> f16 conversion). Under ``TRITON_INTERPRET=1`` the same values come
-  from the shared fp32 helpers of ``_numerics`` (the interpreter runs no PTX); the reshapes are the
-  same, so the interpreter tests check the layout.
-* **a1 QDQ fused into the A-tile load** (MX, NVFP4 with per-expert or shared scale, FP8
-  per tensor), or, for large batches where the tile would be re-quantized for every N tile,
-  done once by the standalone kernel (``FP4Config.A1_FUSED``); **a2 QDQ in GEMM1's epilogue**.
+* **Bits placed for the decode** (``FP4Weights``, ``WORD_BIT_SOURCE``): inside each 32-bit word
+  the eight codes' bits sit where four rotate-and-mask steps (``shf.l.wrap`` + ``and``, one PTX
+  block a word, ``tl.inline_asm_elementwise``) leave two codes a register as the bf16 bits of
+  ``e2m1 * 2**-126``; one ``mul.rn.bf16x2`` a pair then applies the block scale with the
+  ``2**126`` folded in (``fp4_one_multiply``: every E8M0 byte <= 128; NVFP4 seed ``B < 4``;
+  NVFP4 hardware always, as ``ue4m3 * 2**117`` with ``2**9`` back on the accumulator), else two.
+  NVFP4 seed mode multiplies in fp32 and rounds once, as the seed. Under ``TRITON_INTERPRET=1``
+  the same rotations run as Triton integer ops and the values come from ``_numerics`` (the
+  interpreter runs no PTX); the reshapes are the same, so the interpreter tests check the layout.
+* **Scales decoded once a row**: a row's scale word (four E8M0 or ue4m3 bytes) is loaded once per
+  K tile and decoded by one PTX block (ue4m3 two bytes an instruction, the hardware's exact
+  e4m3 -> f16), then selected for each packed word by its constant column.
+* **a1 QDQ** as one standalone pass (seed and hardware forms: ``FP4Config.A1_FUSED=False``, the
+  default tiles) or in the A-tile load (per-expert NVFP4 scales, or ``A1_FUSED=True``: an A tile
+  stored from registers makes Triton wait for every MMA); **a2 QDQ in GEMM1's epilogue**.
 * **Block assignment**: tiny batches (``M * k * 4 <= E``, vLLM's rule) give each pair its own
   block and skip the alignment; otherwise ``moe_align_block_size_triton`` (one or two launches).
-* **Scales as words**: each packed word's scale byte is loaded as the 32-bit word holding it, in
-  the register layout of the word it scales (cp.async-pipelined with the weights; lanes that share
-  a scale read the same word from L1).
-* **Tiles per batch size and per GEMM** (``FP4_CONFIGS``) from CUDA-graph replay timings on the
-  H200 (the sweep of the since-removed ``tools/bench_fused.py``; measurements in ``benchmarks/h200_fused_fp4.md``;
+* **Tiles per batch size and per GEMM** (``FP4_CONFIGS``, ``NVFP4_CONFIGS``, ``FP6_CONFIGS``) from
+  CUDA-graph replay sweeps on the H200 (``benchmarks/h200_fp4_sweep_2026-11-30*.json``;
   ``python -m mxlib.bench fused`` times them beside the anchor harness).
 
 Numerics modes (``mode``):
