@@ -6,10 +6,9 @@ properties below, through the K loop's ``W_BITS=6`` branch (256-element steps).
 What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 
 * **Weight layout prepared once** (``prepare_fp4_weights``): the checkpoint keeps its layout
-  (two codes a byte, even element in the low nibble); the kernel's layout reorders the bytes of
-  every row's 128-element K tile so that (1) a byte holds element ``p`` (low nibble) and ``p + 64``
-  (high nibble): one byte tile decodes into the two half tiles K ``0..63`` and ``64..127``, each one
-  ``tl.dot``; (2) the 16 bytes one thread loads are exactly the elements it holds in Hopper's
+  (two codes a byte, even element in the low nibble); the kernel's layout reorders every row's
+  128-element K tile so that (1) a 32-bit word holds four elements ``p`` of the half tile K ``0..63``
+  and the four ``p + 64``: one word tile decodes into both half tiles; (2) the 16 bytes one thread loads are exactly the elements it holds in Hopper's
   warpgroup-MMA register operand, so after the decode a few ``reshape``/``permute`` calls (free:
   register renaming) give the dot operand, with no round trip through shared memory, and the MMA
   of one half tile overlaps the decode of the next (the approach of OpenAI's triton_kernels Hopper
