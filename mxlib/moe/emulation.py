@@ -179,6 +179,8 @@ class QuantizedExperts(TritonExperts):
         key = tuple((t.data_ptr(), t._version) for t in (scales, g) if t is not None)
         cache = self.__dict__.setdefault("_one_multiply_cache", {})
         if name not in cache or cache[name][0] != key:
+            if scales.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False  # no host read inside a CUDA-graph capture: the two-multiply decode fits any scale
             cache[name] = (key, fp4_one_multiply(scales, self.weight_scheme.block_size, g))
         return cache[name][1]
 
