@@ -330,3 +330,52 @@ def test_gpu_experts_fused_matches_torch_reference(numerics, m):
     assert fused.resolved_backend(x.device) == "fused" and "w13_weight" not in fused._buffers
     ref = make_emulation_experts("nvfp4", q, in13, in2, backend="torch", numerics=numerics)
     assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 1e-2
+
+
+def test_fused_fp4_bad_input_and_layouts(device):
+    """Adversarial calls: a non-contiguous activation view gives the contiguous result; unprepared
+    weights, float ids, mismatched experts / H, float scale bytes and unpreparable shapes are refused
+    naming the argument."""
+    L = make_layer("w_mxfp4", device)
+    wide = torch.zeros(L["x"].shape[0], 2 * H, dtype=torch.bfloat16, device=L["x"].device)
+    wide[:, ::2] = L["x"]
+    view = wide[:, ::2]  # stride (2H, 2)
+    assert not view.is_contiguous()
+    assert_bits_equal(fused_fp4_moe(view, L["pw13"], L["pw2"], L["tw"], L["ti"]),
+                      fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"]))
+    with pytest.raises(TypeError, match="w13: expected FP4Weights or FP6Weights"):
+        fused_fp4_moe(L["x"], L["pw13"].packed, L["pw2"], L["tw"], L["ti"])
+    with pytest.raises(TypeError, match="topk_ids: expected an integer tensor"):
+        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"].float())
+    from dataclasses import replace as dc_replace
+    few = dc_replace(L["pw2"], packed=L["pw2"].packed[:4], scales=L["pw2"].scales[:4])
+    with pytest.raises(ValueError, match=r"w2: expected \[E=8, H=256"):
+        fused_fp4_moe(L["x"], L["pw13"], few, L["tw"], L["ti"])
+    with pytest.raises(ValueError, match=r"scales: expected the scale bytes as torch.uint8"):
+        prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 4), 32)
+    from mxlib.kernels.fused_fp4_moe import fp4_one_multiply, unprepare_fp4_packed
+    with pytest.raises(ValueError, match="global_scale: required for NVFP4"):
+        fp4_one_multiply(torch.zeros(1, 2, 8, dtype=torch.uint8), 16, None)
+    with pytest.raises(ValueError, match="packed: expected prepared uint8"):
+        unprepare_fp4_packed(torch.zeros(1, 2, 48, dtype=torch.uint8))
+
+
+def test_experts_reread_one_multiply_after_a_scale_write():
+    """The experts cache ``fp4_one_multiply`` (a host read) and read it again when a scale tensor is
+    written in place (autograd's version counter) or replaced."""
+    from mxlib.moe import fused_topk as topk, make_emulation_experts, quantize_expert_weights
+
+    g = torch.Generator().manual_seed(4)
+    w13 = (torch.randn(4, 256, 128, generator=g) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(4, 128, 128, generator=g) * 0.02).to(torch.bfloat16)
+    ex = make_emulation_experts("w_mxfp4", quantize_expert_weights(w13, w2, "w_mxfp4"), backend="fused")
+    assert ex.fp4_weights()[0].one_multiply
+    with torch.no_grad():
+        ex.w13_weight_scale.view(torch.uint8)[0, 0, 0] = 140  # a block scale of 2**13
+    assert not ex.fp4_weights()[0].one_multiply and ex.fp4_weights()[1].one_multiply
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    tw, ti = topk(torch.randn(3, 4, generator=g), 2)
+    ref = make_emulation_experts("w_mxfp4", quantize_expert_weights(w13, w2, "w_mxfp4"), backend="torch")
+    with torch.no_grad():
+        ref.w13_weight_scale.view(torch.uint8)[0, 0, 0] = 140
+    assert rel_err(ex(x, tw, ti), ref(x, tw, ti)) < 5e-3

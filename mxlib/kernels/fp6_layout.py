@@ -222,8 +222,17 @@ def _bytes_of_bits(bits: torch.Tensor) -> torch.Tensor:
 
 
 def unprepare_fp6_packed(packed: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
-    """Prepared FP6 bytes ``[E, rows, 3K / 4]`` -> checkpoint layout (a new tensor, same shape)."""
+    """Prepared FP6 bytes ``[E, rows, 3K / 4]`` -> checkpoint layout (a new tensor, same shape).
+
+    Raises:
+        ValueError: not uint8 ``[E, rows, 3K / 4]`` with K a multiple of the super tile (256); an
+            element format other than e2m3 / e3m2. (Which of the two wrote the bytes cannot be read
+            from them: ``element`` must be the one given to ``prepare_fp6_weights``.)
+    """
     el = _check_element(element)
+    if packed.dtype != torch.uint8 or packed.ndim != 3 or packed.shape[2] % (SUPER_TILE * 3 // 4):
+        raise ValueError(f"packed: expected prepared uint8 [E, rows, 3K/4] with K a multiple of {SUPER_TILE}, got "
+                         f"{packed.dtype} {list(packed.shape)}")
     e, rows, nbytes = packed.shape
     s = nbytes * 4 // 3 // SUPER_TILE
     dest = layout_table(el.ebits).to(packed.device)  # [256, 6]: code bit -> bit of the super tile's words

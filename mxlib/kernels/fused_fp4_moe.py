@@ -169,6 +169,8 @@ def fp4_one_multiply(scales: torch.Tensor, block_size: int, global_scale: torch.
     which rounds as ``B * 2**126`` does since no ``B`` is an fp32 subnormal. Reads the tensors (a
     host synchronization): call once at load time.
     """
+    if block_size == 16 and global_scale is None:
+        raise ValueError("global_scale: required for NVFP4 (block_size 16)")
     if scales.numel() == 0:
         return True
     if block_size == 32:
@@ -208,6 +210,10 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
     nvfp4 = block_size == 16
     if nvfp4 != (global_scale is not None):
         raise ValueError("global_scale: required for NVFP4 (block_size 16), not allowed for MXFP4")
+    byte_dtypes = (torch.uint8, torch.float8_e4m3fn) if nvfp4 else (torch.uint8,) + (
+        (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    if scales.dtype not in byte_dtypes:
+        raise ValueError(f"scales: expected the scale bytes as {' or '.join(map(str, byte_dtypes))}, got {scales.dtype}")
     scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
     if tuple(scales.shape) != (e, rows, k // block_size):
         raise ValueError(f"scales: expected shape {[e, rows, k // block_size]}, got {list(scales.shape)}")
@@ -244,7 +250,14 @@ def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
 
 
 def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:
-    """Prepared packed bytes ``[E, rows, K / 2]`` -> checkpoint layout (a new tensor, same shape)."""
+    """Prepared packed bytes ``[E, rows, K / 2]`` -> checkpoint layout (a new tensor, same shape).
+
+    Raises:
+        ValueError: not uint8 ``[E, rows, K / 2]`` with K a multiple of the K tile (128).
+    """
+    if packed.dtype != torch.uint8 or packed.ndim != 3 or packed.shape[2] % (K_TILE // 2):
+        raise ValueError(f"packed: expected prepared uint8 [E, rows, K/2] with K a multiple of {K_TILE}, got "
+                         f"{packed.dtype} {list(packed.shape)}")
     e, rows, half = packed.shape
     b = _permute_words(packed, to_new=False).view(e, rows, half // 64, 4, 4, 2, 2)  # [.., tile, c, j, h, e]
     lo = (b & 0xF).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)  # K order: [j, h, c, e]
@@ -408,9 +421,13 @@ selp.b32 v, 0x40, v, p0;
 selp.b32 v, 0x7FC0, v, p1;
 prmt.b32 $i, v, v, 0x1010;
 """) + "}")
-# E8M0 -> bf16x2 2**(b - 127) * 2**126 = 2**(b - 1) (one-multiply form: every b <= 128): bits (b + 126) << 7
-_ASM_SCALES_E8M0_ONE = tl.constexpr("{\n.reg .b32 b, v;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
+# E8M0 -> bf16x2 2**(b - 127) * 2**126 = 2**(b - 1) (one-multiply form: every b <= 128): bits (b + 126) << 7;
+# a byte above 128 (a stale ``one_multiply``: the scales changed behind the experts' back) gives NaN, never a
+# plausible wrong value
+_ASM_SCALES_E8M0_ONE = tl.constexpr("{\n.reg .b32 b, v;\n.reg .pred p;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
 mad.lo.u32 v, b, 128, 16128;
+setp.gt.u32 p, b, 128;
+selp.b32 v, 0x7FC0, v, p;
 prmt.b32 $i, v, v, 0x1010;
 """) + "}")
 # ue4m3 (e4m3fn bits) -> fp32 f0..f3, exactly: the hardware's e4m3 -> f16 conversion (two bytes an
@@ -686,8 +703,9 @@ def fused_fp4_moe_kernel(
         g = tl.load(wg_ptr + expert * wg_stride_e)
         g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
         if W_KIND == 1 and W_ONE and not nm.INTERPRETING:  # the seed's one-multiply decode: g * 2**126 (exact)
-            g = g * 8.507059173023462e37
-            g_up = g_up * 8.507059173023462e37
+            # (a g outside [2**-117, 4), a stale ``one_multiply``, gives NaN or Inf weights, never plausible ones)
+            g = tl.where(g >= 2.0 ** -117, g * 8.507059173023462e37, float("nan"))
+            g_up = tl.where(g_up >= 2.0 ** -117, g_up * 8.507059173023462e37, float("nan"))
     else:
         g = 1.0
         g_up = 1.0
@@ -877,12 +895,20 @@ def fused_fp4_moe(
         ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
 
     Raises:
-        ValueError: unknown mode, mismatched shapes or formats.
-        TypeError: ``hidden_states`` not bf16.
+        ValueError: unknown mode, mismatched shapes or formats (experts, H, I, element format).
+        TypeError: ``hidden_states`` not bf16, weights not prepared, ``topk_ids`` not integer.
+
+    ``topk_ids`` values must lie in ``[0, E)``: reading them would synchronize, so they are not
+    checked here (the experts classes check them before calling, ``check_topk_ids``).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {sorted(MODES)}, got {mode!r}")
     md = MODES[mode]
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, (FP4Weights, F6.FP6Weights)):
+            raise TypeError(f"{name}: expected FP4Weights or FP6Weights (prepare_packed_weights), got {type(w).__name__}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids: expected an integer tensor (int32 or int64), got {topk_ids.dtype}")
     if hidden_states.ndim != 2 or hidden_states.shape[1] != w13.k:
         raise ValueError(f"hidden_states: expected [M, {w13.k}], got {list(hidden_states.shape)}")
     if hidden_states.dtype != torch.bfloat16:
@@ -900,6 +926,10 @@ def fused_fp4_moe(
     i = two_i // 2
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
+    if w2.packed.shape[0] != e or h != hidden_states.shape[1]:
+        raise ValueError(f"w2: expected [E={e}, H={hidden_states.shape[1]}, ...] as w13 and hidden_states, got "
+                         f"{list(w2.packed.shape)}")
+    hidden_states = hidden_states.contiguous()  # the kernels read rows with a unit column stride
     c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4, 6 if isinstance(w13, F6.FP6Weights) else 4)
     naive = naive_block_assignment(m, k, e)
     dev = hidden_states.device
@@ -910,7 +940,7 @@ def fused_fp4_moe(
     # hardware mode: GEMM1's A holds e2m1 * s (NVFP4); its 1 / gs goes on the accumulator
     a1_inv = a1q if (md == 1 and a1q is not None and a1q.kind == A2_NVFP4) else None
     if a1q is not None and not c1.A1_FUSED and not a1_per_expert:
-        a1 = _standalone_a1_qdq(hidden_states.contiguous(), a1q, md)
+        a1 = _standalone_a1_qdq(hidden_states, a1q, md)
         a1q = None
     if naive:  # each pair its own block of 16 rows (row 0 live): no alignment
         c1 = replace(c1, BLOCK_M=16, GROUP_SIZE_M=1)
