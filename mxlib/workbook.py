@@ -27,6 +27,44 @@ WORKBOOK: list[tuple[str, str, dict]] = [
 ]
 
 
+CHANNEL_POLL_S = 0.5  # the longest one wait on a kernel channel lasts before it looks again (see below)
+
+
+def poll_kernel_channels_in_slices(seconds: float = CHANNEL_POLL_S) -> None:
+    """Make every wait on a Jupyter kernel channel, in this process, look again every ``seconds``.
+
+    A papermill run sometimes stops forever on a cell that shows an ipywidgets ``interactive``
+    (jupyter/nbclient#312; here in notebooks 00 and 04, once in roughly ten runs): the kernel has
+    sent the cell's reply and is idle, but nbclient's wait on the channel (jupyter_client's asyncio
+    ``get_msg`` with no timeout) is never woken. A wait with a timeout finds the message when the
+    timeout expires (measured: 25 widget cells, 8 papermill runs, stalls of exactly the cell timeout
+    that then went on). So waits are cut into slices of ``seconds``: a lost wake-up costs at most one
+    slice. The overall timeout a caller passes is kept. Idempotent; patches
+    ``jupyter_client.channels.AsyncZMQSocketChannel.get_msg``.
+    """
+    import time as _time
+    from queue import Empty
+
+    from jupyter_client.channels import AsyncZMQSocketChannel
+
+    if getattr(AsyncZMQSocketChannel.get_msg, "_mxlib_sliced", False):
+        return
+    whole = AsyncZMQSocketChannel.get_msg
+
+    async def get_msg(self, timeout=None):
+        end = None if timeout is None else _time.monotonic() + timeout
+        while True:
+            step = seconds if end is None else max(0.0, min(seconds, end - _time.monotonic()))
+            try:
+                return await whole(self, timeout=step)
+            except Empty:
+                if end is not None and _time.monotonic() >= end:
+                    raise
+
+    get_msg._mxlib_sliced = True
+    AsyncZMQSocketChannel.get_msg = get_msg
+
+
 def _extra_entries() -> list[tuple[str, str, dict]]:
     """Every other notebook in notebooks/, once, on its defaults."""
     listed = {nb for _, nb, _ in WORKBOOK}
@@ -47,6 +85,7 @@ def run(out: Path, only: str | None = None, model_preset: str | None = None) -> 
     import papermill as pm
     from nbconvert import HTMLExporter
 
+    poll_kernel_channels_in_slices()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results").mkdir(exist_ok=True)
     done = []
