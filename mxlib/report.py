@@ -242,7 +242,7 @@ def issue12_tables(path) -> dict:
     """Issue 12's H200 tables from ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
 
     Args:
-        path: the JSON file (``benchmarks/h200_issue12_integrated.json``): ``env``, ``rows`` (mxlib,
+        path: the JSON file (``benchmarks/h200_fp4_anchors_smem_decode.json``): ``env``, ``rows`` (mxlib,
             ``path, M, graph_ms[, floor_ms, floor_fraction]``), ``ratios`` (``{M: {name: value}}``),
             ``floors``, ``checks`` and ``anchor`` (the anchor harness's JSON, ``rows`` with
             ``graph_ms`` or ``floor_ms``).

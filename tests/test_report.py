@@ -98,7 +98,7 @@ def test_issue12_tables_recompute_from_json():
 
     from mxlib.report import ISSUE12_RATIOS, issue12_tables
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_rotate.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors.json"
     data = json.loads(path.read_text())
     t = issue12_tables(path)
     assert t["Ms"] == [1, 4, 16, 64, 256, 1024, 4096]
@@ -131,7 +131,7 @@ def test_issue12_tables_unknown_ratio(tmp_path):
 
     from mxlib.report import issue12_tables
 
-    src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_issue12_integrated.json"
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors_smem_decode.json"
     data = json.loads(src.read_text())
     data["ratios"]["1"]["made up / ratio"] = 1.0
     (tmp_path / "x.json").write_text(json.dumps(data))

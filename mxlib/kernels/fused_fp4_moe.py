@@ -31,7 +31,7 @@ What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 * **Block assignment**: tiny batches (``M * k * 4 <= E``, vLLM's rule) give each pair its own
   block and skip the alignment; otherwise ``moe_align_block_size_triton`` (one or two launches).
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``, ``NVFP4_CONFIGS``, ``FP6_CONFIGS``) from
-  CUDA-graph replay sweeps on the H200 (``benchmarks/h200_fp4_sweep_2026-11-30*.json``;
+  CUDA-graph replay sweeps on the H200 (``benchmarks/h200_fp4_sweep*.json``;
   ``python -m mxlib.bench fused`` times them beside the anchor harness).
 
 Numerics modes (``mode``):
@@ -293,8 +293,8 @@ class FP4Config:
 
 # (max pairs per expert, GEMM1 config, GEMM2 config): the winners of graph-replay sweeps on the H200
 # (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 seed and hardware mode, torch 2.11,
-# triton 3.6, 2026-11-30; benchmarks/h200_fp4_sweep_2026-11-30.json, and with the rotate decode
-# benchmarks/h200_decode_rotate_2026-11-30.json, h200_fp4_sweep_2026-11-30b.json: NVFP4's heavier
+# triton 3.6, 2026-11-30; benchmarks/h200_fp4_sweep_operand_layout.json, and with the rotate decode
+# benchmarks/h200_decode_rotate.json, h200_fp4_sweep.json: NVFP4's heavier
 # decode prefers 64-row tiles at 16 pairs an expert, 0.244 vs 0.281 ms). The a1 QDQ runs as its own pass
 # (``A1_FUSED=False``): a QDQ'd A tile goes registers -> shared memory inside the K loop, which
 # makes Triton wait for each MMA before the next; loaded by cp.async it stays pipelined.

@@ -105,7 +105,7 @@ def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
 _PACKED = ("w13_weight", "w2_weight")
 _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
-# the H200 (benchmarks/h200_issue12_rotate.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
+# the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # seed-style path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
 
@@ -143,7 +143,7 @@ class QuantizedExperts(TritonExperts):
         return self.hidden_size % tile == 0 and self.intermediate_size % tile == 0
 
     def prefers_fused(self) -> bool:
-        # H200 (benchmarks/h200_issue12_rotate.md): the FP4 kernel beats the seed-style path at every
+        # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the seed-style path at every
         # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; FP8 weights stay seed-style
         # (the generic fused kernel is slower there)
         return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
