@@ -147,7 +147,7 @@ NAMED_CASES: tuple[NamedCase, ...] = (
     ),
     NamedCase(
         "nvfp4_nan_in_block", "qdq", "nvfp4", _block([NAN, 1.0], 0.5, 16), _block([], NAN, 16),
-        "NaN propagates through amax into the block scale, so the whole block is NaN (the seed's "
+        "NaN propagates through amax into the block scale, so the whole block is NaN (vLLM's "
         "behaviour; torch.max propagates NaN).",
         {"global_scale": 1.0},
     ),
@@ -162,7 +162,7 @@ NAMED_CASES: tuple[NamedCase, ...] = (
     NamedCase(
         "nvfp4_negative_zero", "qdq", "nvfp4", _block([-0.0, 6.0, -0.01], 0.0, 16),
         _block([0.0, 6.0, -0.0], 0.0, 16),
-        "The seed takes the sign with torch.sign, and sign(-0.0) = 0: an input of -0.0 comes out "
+        "vLLM takes the sign with torch.sign, and sign(-0.0) = 0: an input of -0.0 comes out "
         "+0.0, while -0.01 (rounds to zero) keeps its sign.",
         {"global_scale": 448.0},
     ),

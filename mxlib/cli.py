@@ -47,7 +47,7 @@ def e2e(args) -> dict:
     t_ckpt = time.perf_counter() - t0
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     # the bf16 reference runs first and is freed before the quantized model is loaded, so that
-    # the two never share memory (peak resident memory ~ the bf16 model's bytes, issue 11 case 13)
+    # the two never share memory (peak resident memory ~ the bf16 model's bytes)
     W.run_model(model, ids)
     ref = W.run_model(model, ids)  # timed warm (the first call compiles kernels)
     del model
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     dfc.add_argument("--device", default="auto")
     dfc.add_argument("--backend", default="auto")
     dfc.add_argument("--json", default=None)
-    # routing (issue 15): per-layer routing statistics of the dummy model on its calibration tokens
+    # routing: per-layer routing statistics of the dummy model on its calibration tokens
     from .models.qwen3 import MODEL_PRESETS
 
     rt = sub.add_parser("routing", help="experts hit, largest/smallest share and entropy per layer")

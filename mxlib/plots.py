@@ -18,7 +18,6 @@ from plotly.subplots import make_subplots
 from .formats import ELEMENT_FORMATS
 
 __all__ = [
-    "use_offline_renderer",
     "PALETTE",
     "format_pow2",
     "table",
@@ -36,7 +35,7 @@ __all__ = [
     "spread_figure",
     "moe_layer_time_figures",
     "model_time_figure",
-    "seed_vs_hardware_figure",
+    "vllm_vs_hardware_figure",
     "model_forward_figure",
 ]
 
@@ -46,13 +45,6 @@ __all__ = [
 PALETTE: tuple[str, ...] = tuple(dict.fromkeys([*plotly.colors.qualitative.D3, "#000000", "#FFD700",
                                                 *plotly.colors.qualitative.Dark24]))
 
-
-def use_offline_renderer() -> None:
-    """Embed plotly.js in notebook outputs (self-contained HTML export, no network).
-
-    Superseded by ``mxlib.notebook_setup.use_notebook_renderer`` (which adds the plotly mime bundle);
-    kept for scripts that call it."""
-    pio.renderers.default = "notebook"
 
 
 def format_pow2(v, min_abs_exp: int = 4) -> str:
@@ -286,7 +278,7 @@ def spread_figure(spread_rows: list[dict]) -> go.Figure:
 
 
 def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Figure]:
-    """One log-log figure per scheme with at least ``min_points`` token counts: bf16, seed and fused
+    """One log-log figure per scheme with at least ``min_points`` token counts: bf16, dequantize-then-GEMM and fused
     times (graph replay solid, eager dotted) and the memory floor, from MoE-benchmark rows."""
     figs = []
     for scheme in dict.fromkeys(r["scheme"] for r in rows):
@@ -295,7 +287,7 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
             continue
         m = [r["M"] for r in rr]
         fig = go.Figure()
-        for path in ("bf16", "seed", "fused"):
+        for path in ("bf16", "dequant", "fused"):
             fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_graph_ms"] for r in rr], name=f"{path} (graph)", mode="lines+markers"))
             fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_ms"] for r in rr], name=f"{path} (eager)", mode="lines+markers",
                                      line=dict(dash="dot")))
@@ -309,7 +301,7 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
 def model_time_figure(model_rows: list[dict]) -> go.Figure:
     """Whole-model forward time per path (bf16, seed, fused), one bar group per (layers, tokens)."""
     fig = go.Figure()
-    for path in ("bf16", "seed", "fused"):
+    for path in ("bf16", "dequant", "fused"):
         fig.add_trace(go.Bar(x=[f"{r['layers']} layers, {r['tokens']} tokens" for r in model_rows],
                              y=[r[f"{path}_ms"] for r in model_rows], name=path))
     fig.update_layout(barmode="group", title="Whole-model forward time", yaxis_title="ms")
@@ -320,20 +312,20 @@ def _finite_or_none(v):
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
-    """``mxlib.studies.seed_vs_hardware_study`` results, one or more schemes.
+def vllm_vs_hardware_figure(studies: list[dict]) -> go.Figure:
+    """``mxlib.studies.vllm_vs_hardware_study`` results, one or more schemes.
 
-    Left: per MoE layer, SQNR (dB) of the seed and hardware numerics against the float64 MoE on
-    the same quantized operands, of the seed against the hardware mode (same layer input), and of
+    Left: per MoE layer, SQNR (dB) of vLLM's and the hardware numerics against the float64 MoE on
+    the same quantized operands, of vLLM's against the hardware mode (same layer input), and of
     the layer's output in the two whole-model runs, one dash style per scheme. Right: the logits,
-    seed vs hardware and each against the bf16 model. An SQNR of +inf (equal outputs: OCP MX) has
+    vLLM vs hardware and each against the bf16 model. An SQNR of +inf (equal outputs: OCP MX) has
     no point or bar; its legend entry or bar label says so.
     """
     fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
                         subplot_titles=("each MoE layer", "logits, whole model"))
-    lines = (("seed_vs_ref_sqnr_db", "seed vs fp64", 6), ("hw_vs_ref_sqnr_db", "hardware vs fp64", 2),
-             ("seed_vs_hw_sqnr_db", "seed vs hardware", 2),
-             ("e2e_seed_vs_hw_sqnr_db", "seed vs hardware, whole-model runs (earlier layers' drift included)", 2))
+    lines = (("vllm_vs_ref_sqnr_db", "vLLM vs fp64", 6), ("hw_vs_ref_sqnr_db", "hardware vs fp64", 2),
+             ("vllm_vs_hw_sqnr_db", "vLLM vs hardware", 2),
+             ("e2e_vllm_vs_hw_sqnr_db", "vLLM vs hardware, whole-model runs (earlier layers' drift included)", 2))
     dashes = ("solid", "dot", "dash", "dashdot")
     for si, st in enumerate(studies):
         layers = [r["layer"] for r in st["layers"]]
@@ -344,7 +336,7 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
                                      name=f"{st['scheme']}: {label}" + (" (equal: +inf)" if equal else ""),
                                      line=dict(color=PALETTE[k], dash=dashes[si % len(dashes)], width=width),
                                      opacity=0.5 if width > 2 else 1.0, marker=dict(symbol=si)), row=1, col=1)
-    bars = (("seed_vs_hw_sqnr_db", "seed vs hardware"), ("seed_vs_bf16_sqnr_db", "seed vs bf16"),
+    bars = (("vllm_vs_hw_sqnr_db", "vLLM vs hardware"), ("vllm_vs_bf16_sqnr_db", "vLLM vs bf16"),
             ("hw_vs_bf16_sqnr_db", "hardware vs bf16"))  # colours after the four lines
     names = [st["scheme"] for st in studies]
     for k, (key, label) in enumerate(bars):
@@ -356,7 +348,7 @@ def seed_vs_hardware_figure(studies: list[dict]) -> go.Figure:
     fig.update_xaxes(title_text="MoE layer", dtick=1, row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
-    fig.update_layout(title="Seed vs hardware numerics: MoE layers against float64 on the same operands; logits",
+    fig.update_layout(title="vLLM vs hardware numerics: MoE layers against float64 on the same operands; logits",
                       barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
     return fig
 

@@ -29,7 +29,7 @@ power of two from 2 to 1024; NVFP4 global scales lie, elementwise, in
 unless ``check_scale=False`` or while a CUDA graph is being captured; empty
 inputs give empty outputs of the right shapes and dtypes.
 
-NVFP4 activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``):
+NVFP4 activations, vLLM's arithmetic (vLLM ``ref_nvfp4_quant_dequant``):
 ``global_scale`` ``gs`` is the *encode* scale ``1 / input_scale`` (about
 ``2688 / amax``), and with ``recip(v) = 1 / (v + (v == 0) * 1e8)``::
 
@@ -42,7 +42,7 @@ Details that are easy to "simplify" wrongly, each reproduced bit for bit:
 ``amax * (1/6)`` is not ``amax / 6``; ``recip(s * recip(gs))`` is not ``gs / s``
 (a later vLLM Triton kernel forms ``gs / s`` in one division: select it with
 ``multiplier="divide"``; it differs at rounding thresholds); an all-zero block
-gets ``s = 0``, ``q = 1e-8`` and dequantizes to zeros, never NaN; the seed takes
+gets ``s = 0``, ``q = 1e-8`` and dequantizes to zeros, never NaN; vLLM takes
 the sign through ``torch.sign``, so an input of ``-0.0`` comes out ``+0.0`` while
 a negative value that rounds to zero comes out ``-0.0``. A NaN anywhere in a
 block makes the block scale NaN and the whole block NaN. An Inf makes the block
@@ -496,7 +496,7 @@ def _nvfp4_scale_and_multiplier(amax: torch.Tensor, gs: torch.Tensor, multiplier
     return s, q
 
 
-def _round_e2m1_signed_like_seed(v: torch.Tensor) -> torch.Tensor:
+def _round_e2m1_signed_like_vllm(v: torch.Tensor) -> torch.Tensor:
     mag = round_to_element(v.abs(), _E2M1)
     return torch.where(v < 0, -mag, mag)
 
@@ -507,7 +507,7 @@ def ref_nvfp4_quant(
     block_size: int = NVFP4_BLOCK_SIZE,
     multiplier: str = "reciprocal",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4 quantization with the seed's arithmetic (module docstring), values not packed.
+    """NVFP4 quantization with vLLM's arithmetic (module docstring), values not packed.
 
     Args:
         x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
@@ -527,7 +527,7 @@ def ref_nvfp4_quant(
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
-    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
+    e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
     return e.reshape(x.shape), s.squeeze(-1)
 
 
@@ -539,7 +539,7 @@ def ref_nvfp4_quant_dequant(
     dtype: torch.dtype | None = None,
     check_scale: bool = True,
 ) -> torch.Tensor:
-    """NVFP4 QDQ of activations, the seed's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
+    """NVFP4 QDQ of activations, vLLM's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
 
     ``dq = e2m1 * (block_scale / global_scale)`` in fp32, cast once to ``dtype``
     (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``. ``check_scale=False``
@@ -562,7 +562,7 @@ def ref_nvfp4_quant_dequant(
     xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
     amax = xb.abs().amax(dim=-1, keepdim=True)
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
-    e = _round_e2m1_signed_like_seed(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
+    e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
     return (e * (s / gs)).reshape(x.shape).to(dtype)
 
 
@@ -594,7 +594,7 @@ def compressed_tensors_nvfp4_quant_dequant(
 def nvfp4_block_stats(
     x: torch.Tensor, global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
 ) -> dict[str, torch.Tensor]:
-    """What NVFP4 activation QDQ (the seed's arithmetic) does to each block of ``x``.
+    """What NVFP4 activation QDQ (vLLM's arithmetic) does to each block of ``x``.
 
     Returns tensors shaped ``[..., k / block_size]`` (``scale_code``, ``subnormal``,
     ``flushed``) and ``[..., k]`` (``clipped``):

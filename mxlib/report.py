@@ -2,9 +2,8 @@
 
 * ``Checks``: an assert cell's checks, counted, so the cell can say how many passed.
 * ``strategy_summary``: notebook 04's per-expert QDQ table, averaged over experts.
-* ``spread_study``: notebook 04's loss-vs-spread sweep, an alias of ``studies.spread_study``.
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
-* ``issue12_tables`` and ``ISSUE12_RATIOS``: notebook 05's issue-12 tables (H200, beside the anchor harness).
+* ``anchor_tables`` and ``ANCHOR_RATIOS``: notebook 05's tables of the fused FP4 kernel beside the anchor harness (H200).
 * ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers.
 """
 
@@ -20,8 +19,8 @@ from . import explore
 from . import reference as R
 from . import studies
 
-__all__ = ["Checks", "strategy_summary", "spread_study", "FLOOR_TARGETS", "floors_table", "EXERCISES",
-           "check_exercise", "ISSUE12_RATIOS", "issue12_tables"]
+__all__ = ["Checks", "strategy_summary", "FLOOR_TARGETS", "floors_table", "EXERCISES",
+           "check_exercise", "ANCHOR_RATIOS", "anchor_tables"]
 
 
 class Checks:
@@ -76,34 +75,28 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
     return summary
 
 
-def spread_study(spreads, num_hidden_layers: int = 1, seed: int = 0, calib_tokens: int = 256, device="cpu",
-                 model_preset: str = "qwen3-30b-a3b") -> list[dict]:
-    """``studies.spread_study`` (kept under this name for notebook 04; same arguments, same rows)."""
-    return studies.spread_study(spreads, num_hidden_layers=num_hidden_layers, seed=seed, calib_tokens=calib_tokens,
-                                device=device, model_preset=model_preset)
 
-
-# (scheme, tokens M, fused speed-up wanted over the seed's design (None: no target),
+# (scheme, tokens M, fused speed-up wanted over vLLM's emulation design (None: no target),
 #  fused time allowed as a multiple of bf16's); CUDA-graph replay times.
 FLOOR_TARGETS: tuple[tuple[str, int, float | None, float], ...] = tuple(
-    (scheme, m, want_seed, want_bf16)
+    (scheme, m, want_dequant, want_bf16)
     for scheme in ("nvfp4", "w_mxfp4_a_mxfp4")
-    for m, want_seed, want_bf16 in ((1, 10, 1.5), (16, 10, 1.5), (256, 3, 1.5), (1024, None, 1.25), (4096, None, 1.25))
+    for m, want_dequant, want_bf16 in ((1, 10, 1.5), (16, 10, 1.5), (256, 3, 1.5), (1024, None, 1.25), (4096, None, 1.25))
 )
 
 
 def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
-    """Notebook 05's floors: the fused MoE emulation against the seed's design and bf16.
+    """Notebook 05's floors: the fused MoE emulation against vLLM's emulation design and bf16.
 
     Args:
         rows: MoE-layer benchmark rows (``mxlib.bench moe``'s JSON ``rows``) with ``scheme, M,
-            seed_graph_ms, fused_graph_ms, bf16_graph_ms, fused_floor_frac_graph, fused_mem_mb,
+            dequant_graph_ms, fused_graph_ms, bf16_graph_ms, fused_floor_frac_graph, fused_mem_mb,
             packed_weight_mb``.
-        targets: ``(scheme, M, wanted speed-up over seed or None, allowed multiple of bf16)``.
+        targets: ``(scheme, M, wanted speed-up over the dequantize-then-GEMM path or None, allowed multiple of bf16)``.
 
     Returns:
-        One row per target the benchmark measured: ``scheme, M, fused_vs_seed`` (seed time /
-        fused time), ``target_vs_seed`` ("" when none), ``fused_over_bf16`` (fused / bf16 time),
+        One row per target the benchmark measured: ``scheme, M, fused_vs_dequant`` (seed time /
+        fused time), ``target_vs_dequant`` ("" when none), ``fused_over_bf16`` (fused / bf16 time),
         ``target_over_bf16``, ``meets`` ("yes" / "no"), ``floor_frac`` and
         ``mem_frac_of_packed`` (peak extra memory / packed weight size).
     """
@@ -111,14 +104,14 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
     for r in rows:
         by.setdefault((r["scheme"], r["M"]), r)  # the first row of a (scheme, M), as measured
     floors = []
-    for scheme, m, want_seed, want_bf16 in targets:
+    for scheme, m, want_dequant, want_bf16 in targets:
         r = by.get((scheme, m))
         if r is None:
             continue
-        seed_x = r["seed_graph_ms"] / r["fused_graph_ms"]
+        dequant_x = r["dequant_graph_ms"] / r["fused_graph_ms"]
         bf16_x = r["fused_graph_ms"] / r["bf16_graph_ms"]
-        meets = (want_seed is None or seed_x >= want_seed) and bf16_x <= want_bf16
-        floors.append(dict(scheme=scheme, M=m, fused_vs_seed=seed_x, target_vs_seed=want_seed or "",
+        meets = (want_dequant is None or dequant_x >= want_dequant) and bf16_x <= want_bf16
+        floors.append(dict(scheme=scheme, M=m, fused_vs_dequant=dequant_x, target_vs_dequant=want_dequant or "",
                            fused_over_bf16=bf16_x, target_over_bf16=want_bf16, meets="yes" if meets else "no",
                            floor_frac=r["fused_floor_frac_graph"],
                            mem_frac_of_packed=r["fused_mem_mb"] / r["packed_weight_mb"]))
@@ -144,7 +137,7 @@ EXERCISES: dict[str, str] = {
                         "per weight, scales included (the per-tensor fp32 scale is negligible)?",
     "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
                        "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
-    "05.seed_wins_at": "In the recorded MoE-layer rows, from which token count M on does the seed's design "
+    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on does vLLM's emulation design "
                        "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
 }
 
@@ -173,10 +166,10 @@ def _exercise_answer(name: str, **context):
     if name == "05.packed_bytes":
         sh = [explore.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
         return 128 * sum(math.prod(s["weight"][0]) + math.prod(s["weight_scale"][0]) for s in sh)
-    if name == "05.seed_wins_at":
+    if name == "05.dequant_wins_at":
         scheme = context.get("scheme", "nvfp4")  # a benchmark row's label (data), not a format lookup
         rows = sorted((r for r in context["rows"] if r["scheme"] == scheme), key=lambda r: r["M"])
-        return next((r["M"] for r in rows if r["seed_graph_ms"] < r["fused_graph_ms"]), None)
+        return next((r["M"] for r in rows if r["dequant_graph_ms"] < r["fused_graph_ms"]), None)
     raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
 
 
@@ -187,7 +180,7 @@ def check_exercise(name: str, answer, **context) -> bool:
         name: a key of ``EXERCISES`` (the notebook shows its prompt).
         answer: the learner's answer, in the form the prompt asks (a block for ``02.floor_clips``).
         context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``,
-            ``05.seed_wins_at``).
+            ``05.dequant_wins_at``).
 
     Numbers are compared with a relative tolerance of 1% (``05.packed_bytes``) or exactly.
 
@@ -216,10 +209,10 @@ def check_exercise(name: str, answer, **context) -> bool:
     return ok
 
 
-# ----------------------------------------------------------------------------- issue 12 (H200, beside the anchors)
+# ----------------------------------------------------------------------------- the FP4 kernel beside the anchors (H200)
 # ratio name as the benchmark's JSON records it -> (numerator row, denominator row); rows are the
 # ``path`` names of the JSON's ``rows`` (mxlib) and ``anchor.rows`` (vLLM, triton_kernels).
-ISSUE12_RATIOS: dict[str, tuple[str, str]] = {
+ANCHOR_RATIOS: dict[str, tuple[str, str]] = {
     "mxlib_bf16 / vllm_bf16": ("mxlib_bf16", "vllm_bf16"),
     "fused w_mxfp4 / tk_mxfp4_unfused_silu": ("mxlib_fused_w_mxfp4", "tk_mxfp4_unfused_silu"),
     "mxlib_bf16 / fused w_mxfp4": ("mxlib_bf16", "mxlib_fused_w_mxfp4"),
@@ -229,20 +222,20 @@ ISSUE12_RATIOS: dict[str, tuple[str, str]] = {
     "mxlib_bf16 / fused nvfp4": ("mxlib_bf16", "mxlib_fused_nvfp4"),
     "fused nvfp4 hardware / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4_hw", "tk_mxfp4_unfused_silu"),
     "mxlib_bf16 / fused nvfp4 hardware": ("mxlib_bf16", "mxlib_fused_nvfp4_hw"),
-    "fused w_mxfp6_e3m2 / seed-style": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
+    "fused w_mxfp6_e3m2 / dequantize-then-GEMM": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
     "fused w_mxfp6_e3m2 / mxlib_bf16": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_bf16"),
 }
 
 # anchor rows shown in the ms table, in this order (the tk_bf16 / with-routing rows stay in the JSON)
-ISSUE12_ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu",
-                       "vllm_later_fused_nvfp4", "floor_mxfp4", "floor_nvfp4")
+ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu", "vllm_later_fused_nvfp4",
+               "floor_mxfp4", "floor_nvfp4")
 
 
-def issue12_tables(path) -> dict:
-    """Issue 12's H200 tables from ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
+def anchor_tables(path) -> dict:
+    """The H200 tables of the fused FP4 kernel beside the anchor harness, from ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
 
     Args:
-        path: the JSON file (``benchmarks/h200_fp4_anchors_smem_decode.json``): ``env``, ``rows`` (mxlib,
+        path: the JSON file (``benchmarks/h200_fp4_anchors.json``): ``env``, ``rows`` (mxlib,
             ``path, M, graph_ms[, floor_ms, floor_fraction]``), ``ratios`` (``{M: {name: value}}``),
             ``floors``, ``checks`` and ``anchor`` (the anchor harness's JSON, ``rows`` with
             ``graph_ms`` or ``floor_ms``).
@@ -257,12 +250,12 @@ def issue12_tables(path) -> dict:
           that call, all None, is left out).
         * ``floors``: ``floor, limit, worst, holds`` ("yes" / "no"), as recorded.
         * ``floor_fraction``: ``row`` then floor time / graph time (0-1): mxlib's fused and
-          seed-style rows as recorded, the triton_kernels rows against ``floor_mxfp4``.
+          dequantize-then-GEMM rows as recorded, the triton_kernels rows against ``floor_mxfp4``.
         * ``checks``: the recorded numerics checks ``M, what, rel``.
         * ``Ms``: the token counts, ascending.
 
     Raises:
-        ValueError: a ratio name the JSON records that ``ISSUE12_RATIOS`` does not know.
+        ValueError: a ratio name the JSON records that ``ANCHOR_RATIOS`` does not know.
     """
     import json
     from pathlib import Path
@@ -277,15 +270,15 @@ def issue12_tables(path) -> dict:
             t = r.get("graph_ms", r.get("floor_ms"))
             if t is not None:
                 times.setdefault(r["path"], {})[r["M"]] = t
-    order = [(p, "anchor") for p in ISSUE12_ANCHOR_ROWS if p in times]
+    order = [(p, "anchor") for p in ANCHOR_ROWS if p in times]
     order += [(p, "mxlib") for p in dict.fromkeys(r["path"] for r in data["rows"])]
     ms_rows = [dict(row=p, source=src, **{k: times[p].get(m, "") for k, m in zip(key, ms)}) for p, src in order]
 
     ratio_rows = []
     for name in data["ratios"][str(ms[0])]:
-        if name not in ISSUE12_RATIOS:
-            raise ValueError(f"path: ratio {name!r} not in report.ISSUE12_RATIOS ({sorted(ISSUE12_RATIOS)})")
-        num, den = ISSUE12_RATIOS[name]
+        if name not in ANCHOR_RATIOS:
+            raise ValueError(f"path: ratio {name!r} not in report.ANCHOR_RATIOS ({sorted(ANCHOR_RATIOS)})")
+        num, den = ANCHOR_RATIOS[name]
         if all(data["ratios"][str(m)][name] is None for m in ms):  # rows not timed in this call (``--no-extra``)
             continue
         ratio_rows.append(dict(ratio=name, numerator=num, denominator=den,

@@ -4,14 +4,14 @@
 one weight format at a time), runs the same token ids through each, and measures
 what each costs against bf16.
 
-``unification_study`` measures what the seed's single activation global scale (the max
+``unification_study`` measures what vLLM's single activation global scale (the max
 of the per-expert input scales) costs each expert, against each expert using its own
 scale, and against strategies in between: on each expert's own calibration
 activations (SQNR, dB lost, subnormal / flushed block scales, clipped elements, the
 histogram of e4m3 block-scale codes), on each expert's output, and end to end.
 OCP MX (per-32 E8M0 scales, no global scale) is measured beside it.
 
-``seed_vs_hardware_study`` runs one scheme's experts in the seed's numerics and in the hardware
+``vllm_vs_hardware_study`` runs one scheme's experts in vLLM's numerics and in the hardware
 mode (``mxlib.moe.emulation``) and measures, per MoE layer, each against a float64 MoE built from
 the same quantized operands (``fp64_moe``), and the logits of the two modes against each other.
 """
@@ -50,7 +50,7 @@ __all__ = [
     "exact_block_weights",
     "exact_activation_qdq",
     "fp64_moe",
-    "seed_vs_hardware_study",
+    "vllm_vs_hardware_study",
 ]
 
 
@@ -296,7 +296,7 @@ def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device=
     return rows
 
 
-# ----------------------------------------------------------------------------- seed vs hardware numerics
+# ----------------------------------------------------------------------------- vLLM vs hardware numerics
 
 
 def exact_block_weights(experts, which: str) -> torch.Tensor:
@@ -333,14 +333,14 @@ def exact_block_weights(experts, which: str) -> torch.Tensor:
 def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
     """The activation QDQ of an emulation (``experts.a1_qdq()`` / ``a2_qdq()``), its value exact in float64.
 
-    The quantization decisions (element codes, block scales) are the seed's arithmetic on ``x``
+    The quantization decisions (element codes, block scales) are vLLM's arithmetic on ``x``
     (``mxlib.reference``); the dequantized value ``element * block_scale / global_scale``
     (NVFP4) or ``element * 2**e`` (OCP MX) is formed in float64 without rounding. ``qdq.fmt`` None:
     ``x`` unchanged. A float64 ``x`` is decided on its fp32 rounding (the reference functions take
     fp32, bf16 or fp16).
 
     Raises:
-        ValueError: a per-tensor FP8 activation (its operand is the seed's in both numerics modes,
+        ValueError: a per-tensor FP8 activation (its operand is vLLM's in both numerics modes,
             so this study does not apply), or NVFP4 with more than one global scale (per-expert
             scales: the study needs ``scale_strategy="max"``).
     """
@@ -363,7 +363,7 @@ def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
 
 @torch.no_grad()
 def fp64_moe(x, w13, w2, topk_weights, topk_ids, a1_qdq, a2_qdq, round_dtype=torch.bfloat16):
-    """The MoE function in float64 on given operands: the reference of ``seed_vs_hardware_study``.
+    """The MoE function in float64 on given operands: the reference of ``vllm_vs_hardware_study``.
 
     ``out[t] = sum_j w_tj * w2[e] @ a2_qdq(silu(gate) * up)``, ``[gate; up] = w13[e] @ a1_qdq(x[t])``
     with float64 GEMMs and sums. ``round_dtype`` (default bf16) rounds GEMM1's output and the
@@ -463,20 +463,20 @@ def _pair_metrics(prefix: str, x: torch.Tensor, ref: torch.Tensor) -> dict:
     return {f"{prefix}_sqnr_db": sqnr_db(x, ref), f"{prefix}_rel_error": rel_error(x, ref)}
 
 
-def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch.Tensor,
+def vllm_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch.Tensor,
                            calibration: Calibration | None = None, bf16_logits: torch.Tensor | None = None) -> dict:
-    """How far the seed's numerics move each MoE layer and the logits against the hardware mode.
+    """How far vLLM's numerics move each MoE layer and the logits against the hardware mode.
 
     The bf16 ``model``'s experts are quantized in ``scheme`` and run twice on the pure-PyTorch
-    backend: with ``numerics="seed"`` (vLLM's emulation: weights dequantized to
+    backend: with ``numerics="vllm"`` (vLLM's emulation: weights dequantized to
     ``bf16(element * (block_scale * global_scale))``, activations to ``bf16(element * (s / gs))``)
     and ``numerics="hardware"`` (operands ``element * block_scale``, exact in bf16; the per-tensor
     scales on the fp32 GEMM outputs), ``mxlib.moe.emulation``. Forward hooks on each MoE block's
-    experts capture their inputs in the seed run; on those same inputs, each layer is then
+    experts capture their inputs in the vLLM run; on those same inputs, each layer is then
     computed in both modes and by ``fp64_moe`` on the exact operands (``exact_block_weights``,
     ``exact_activation_qdq``: the same codes and scales, no rounding but the bf16 GEMM1 and
-    SiLU-and-mul outputs both modes materialize). A second float64 MoE built from the seed's
-    rounded bf16 operands is a negative control: the seed must be the closer mode there.
+    SiLU-and-mul outputs both modes materialize). A second float64 MoE built from vLLM's
+    rounded bf16 operands is a negative control: vLLM's must be the closer mode there.
 
     Args:
         model: the bf16 dummy Qwen3-MoE (``workflow.dummy_model``), its bf16 experts in place.
@@ -488,14 +488,14 @@ def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
 
     Returns:
         ``{"scheme", "num_tokens", "layers": rows, "logits": {...}}``. Per MoE layer (same input
-        to every computation): ``{seed,hw}_vs_ref_{sqnr_db,rel_error}`` and ``seed_vs_hw_*``
-        (the layer output), ``a2_input_{seed,hw}_vs_ref_sqnr_db`` (the SiLU-and-mul output before
+        to every computation): ``{vllm,hw}_vs_ref_{sqnr_db,rel_error}`` and ``vllm_vs_hw_*``
+        (the layer output), ``a2_input_{vllm,hw}_vs_ref_sqnr_db`` (the SiLU-and-mul output before
         its QDQ), ``a2_input_changed`` and ``a2_changed`` (fractions of a2 elements whose bf16
-        input, resp. quantized value, differ between the modes), ``e2e_seed_vs_hw_sqnr_db`` (the
+        input, resp. quantized value, differ between the modes), ``e2e_vllm_vs_hw_sqnr_db`` (the
         layer's output in the two whole-model runs, errors of earlier layers included) and
-        ``control_{seed,hw}_sqnr_db`` (against the seed-operand float64 MoE). ``logits``:
-        ``seed_vs_hw_sqnr_db``, ``top1_agreement``, ``max_abs_diff``, and ``{seed,hw}_vs_bf16_sqnr_db``,
-        ``{seed,hw}_top1_vs_bf16``. SQNR in dB (+inf: equal), differences in logit units.
+        ``control_{vllm,hw}_sqnr_db`` (against the vLLM-operand float64 MoE). ``logits``:
+        ``vllm_vs_hw_sqnr_db``, ``top1_agreement``, ``max_abs_diff``, and ``{vllm,hw}_vs_bf16_sqnr_db``,
+        ``{vllm,hw}_top1_vs_bf16``. SQNR in dB (+inf: equal), differences in logit units.
 
     Raises:
         ValueError: an ``_a_fp8`` scheme; NVFP4 without ``calibration``.
@@ -509,7 +509,7 @@ def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
     nl = len(model.model.layers)
     quantized = [quantize_expert_weights(*expert_weights(model, li), s) for li in range(nl)]
     modes = {}
-    for numerics in ("seed", "hardware"):
+    for numerics in ("vllm", "hardware"):
         experts = []
         for li, q in enumerate(quantized):
             in13 = in2 = None
@@ -519,47 +519,47 @@ def seed_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
                 warnings.simplefilter("ignore")  # the activation scales' unification warning
                 experts.append(make_emulation_experts(s, q, in13, in2, backend="torch", numerics=numerics))
         modes[numerics] = experts
-    with _experts_dequantized_once(modes["seed"] + modes["hardware"]):
-        return _seed_vs_hardware_rows(s, model, modes, token_ids, bf16_logits)
+    with _experts_dequantized_once(modes["vllm"] + modes["hardware"]):
+        return _vllm_vs_hardware_rows(s, model, modes, token_ids, bf16_logits)
 
 
-def _seed_vs_hardware_rows(s, model, modes, token_ids, bf16_logits) -> dict:
+def _vllm_vs_hardware_rows(s, model, modes, token_ids, bf16_logits) -> dict:
     nl = len(model.model.layers)
     if bf16_logits is None:
         bf16_logits = run_model(model, token_ids).logits
-    seed_logits, seed_cap = _run_capturing(model, modes["seed"], token_ids)
+    vllm_logits, vllm_cap = _run_capturing(model, modes["vllm"], token_ids)
     hw_logits, hw_cap = _run_capturing(model, modes["hardware"], token_ids)
     rows = []
     for li in range(nl):
-        c = seed_cap[li]
+        c = vllm_cap[li]
         x, tw, ti = c["x"], c["topk_weights"], c["topk_ids"]
-        seed_ex, hw_ex = modes["seed"][li], modes["hardware"][li]
-        seed_out, seed_a2 = _run_recording_a2(seed_ex, x, tw, ti)
+        vllm_ex, hw_ex = modes["vllm"][li], modes["hardware"][li]
+        vllm_out, vllm_a2 = _run_recording_a2(vllm_ex, x, tw, ti)
         hw_out, hw_a2 = _run_recording_a2(hw_ex, x, tw, ti)
-        a1q, a2q = seed_ex.a1_qdq(), seed_ex.a2_qdq()
-        ref, ref_a2 = fp64_moe(x, exact_block_weights(seed_ex, "w13"), exact_block_weights(seed_ex, "w2"), tw, ti,
+        a1q, a2q = vllm_ex.a1_qdq(), vllm_ex.a2_qdq()
+        ref, ref_a2 = fp64_moe(x, exact_block_weights(vllm_ex, "w13"), exact_block_weights(vllm_ex, "w2"), tw, ti,
                                lambda v: exact_activation_qdq(v, a1q), lambda v, e: exact_activation_qdq(v, a2q))
-        d13, d2 = seed_ex.dequantized_weights()  # the seed's bf16 operands
+        d13, d2 = vllm_ex.dequantized_weights()  # vLLM's bf16 operands
         ctl, _ = fp64_moe(x, d13.double(), d2.double(), tw, ti,
-                          lambda v: seed_ex.quantize_input(v, ti, "torch")[0].double(),
-                          lambda v, e: seed_ex.quantize_intermediate(
+                          lambda v: vllm_ex.quantize_input(v, ti, "torch")[0].double(),
+                          lambda v, e: vllm_ex.quantize_intermediate(
                               v, torch.full((v.shape[0],), e, device=v.device), "torch").double())
-        q_seed, q_hw = exact_activation_qdq(seed_a2, a2q), exact_activation_qdq(hw_a2, a2q)
+        q_vllm, q_hw = exact_activation_qdq(vllm_a2, a2q), exact_activation_qdq(hw_a2, a2q)
         rows.append(dict(
             layer=li,
-            **_pair_metrics("seed_vs_ref", seed_out, ref), **_pair_metrics("hw_vs_ref", hw_out, ref),
-            **_pair_metrics("seed_vs_hw", seed_out, hw_out),
-            a2_input_seed_vs_ref_sqnr_db=sqnr_db(seed_a2, ref_a2), a2_input_hw_vs_ref_sqnr_db=sqnr_db(hw_a2, ref_a2),
-            a2_input_changed=(seed_a2 != hw_a2).double().mean().item(),
-            a2_changed=(q_seed != q_hw).double().mean().item(),
-            e2e_seed_vs_hw_sqnr_db=sqnr_db(seed_cap[li]["out"], hw_cap[li]["out"]),
-            control_seed_sqnr_db=sqnr_db(seed_out, ctl), control_hw_sqnr_db=sqnr_db(hw_out, ctl),
+            **_pair_metrics("vllm_vs_ref", vllm_out, ref), **_pair_metrics("hw_vs_ref", hw_out, ref),
+            **_pair_metrics("vllm_vs_hw", vllm_out, hw_out),
+            a2_input_vllm_vs_ref_sqnr_db=sqnr_db(vllm_a2, ref_a2), a2_input_hw_vs_ref_sqnr_db=sqnr_db(hw_a2, ref_a2),
+            a2_input_changed=(vllm_a2 != hw_a2).double().mean().item(),
+            a2_changed=(q_vllm != q_hw).double().mean().item(),
+            e2e_vllm_vs_hw_sqnr_db=sqnr_db(vllm_cap[li]["out"], hw_cap[li]["out"]),
+            control_vllm_sqnr_db=sqnr_db(vllm_out, ctl), control_hw_sqnr_db=sqnr_db(hw_out, ctl),
         ))
-    logits = dict(seed_vs_hw_sqnr_db=sqnr_db(seed_logits, hw_logits),
-                  top1_agreement=top1_agreement(seed_logits, hw_logits),
-                  max_abs_diff=(seed_logits.double() - hw_logits.double()).abs().max().item(),
-                  seed_vs_bf16_sqnr_db=sqnr_db(seed_logits, bf16_logits),
+    logits = dict(vllm_vs_hw_sqnr_db=sqnr_db(vllm_logits, hw_logits),
+                  top1_agreement=top1_agreement(vllm_logits, hw_logits),
+                  max_abs_diff=(vllm_logits.double() - hw_logits.double()).abs().max().item(),
+                  vllm_vs_bf16_sqnr_db=sqnr_db(vllm_logits, bf16_logits),
                   hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
-                  seed_top1_vs_bf16=top1_agreement(seed_logits, bf16_logits),
+                  vllm_top1_vs_bf16=top1_agreement(vllm_logits, bf16_logits),
                   hw_top1_vs_bf16=top1_agreement(hw_logits, bf16_logits))
     return {"scheme": s.name, "num_tokens": int(token_ids.numel()), "layers": rows, "logits": logits}

@@ -100,7 +100,7 @@ SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB
 
 
 def fused_fp4(weight, mode, gated, a, naive=False, one=False, cfg=None):
-    """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``mode`` seed /
+    """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``mode`` vllm /
     hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or
     None; PTX decode (the compiled path); ``one``: the one-multiply decode (``fp4_one_multiply``).
     ``cfg``: an ``FP4Config`` (default 16 x 64, 4 warps, 3 stages)."""
@@ -110,7 +110,7 @@ def fused_fp4(weight, mode, gated, a, naive=False, one=False, cfg=None):
     fp6 = w.element.nbits == 6
     q = D.ActivationQDQ(get_activation_format(a))
     md = P.MODES[mode]
-    w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_SEED if mode == "seed" else P.W_NVFP4_HW)
+    w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_VLLM if mode == "vllm" else P.W_NVFP4_HW)
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*i32",
             "wg_ptr": "*fp32", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
             "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "a_scale_ptr": "*fp32",
@@ -156,18 +156,18 @@ JOBS = [(mx_kernels, a) for a in [("e2m1", "even", "bf16"), ("e2m3", "floor", "b
                                   ("e4m3", "floor", "fp32"), ("e5m2", "even", "bf16")]]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
 JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
-JOBS += [(fused_fp4, a) for a in [("nvfp4", "seed", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
-                                  ("nvfp4", "seed", False, None), ("nvfp4", "hardware", False, None),
-                                  ("mxfp4", "seed", True, None), ("mxfp4", "seed", True, "mxfp4"),
-                                  ("mxfp4", "seed", True, "fp8_e4m3"), ("mxfp4", "seed", False, None, True),
-                                  ("mxfp4", "seed", True, None, False, True), ("mxfp4", "seed", False, None, False, True),
-                                  ("nvfp4", "seed", True, "nvfp4", False, True),
-                                  ("mxfp6_e2m3", "seed", True, None), ("mxfp6_e2m3", "seed", False, None),
-                                  ("mxfp6_e3m2", "seed", True, None), ("mxfp6_e3m2", "seed", False, None, True),
-                                  ("mxfp6_e3m2", "seed", True, "mxfp6_e3m2"),
+JOBS += [(fused_fp4, a) for a in [("nvfp4", "vllm", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
+                                  ("nvfp4", "vllm", False, None), ("nvfp4", "hardware", False, None),
+                                  ("mxfp4", "vllm", True, None), ("mxfp4", "vllm", True, "mxfp4"),
+                                  ("mxfp4", "vllm", True, "fp8_e4m3"), ("mxfp4", "vllm", False, None, True),
+                                  ("mxfp4", "vllm", True, None, False, True), ("mxfp4", "vllm", False, None, False, True),
+                                  ("nvfp4", "vllm", True, "nvfp4", False, True),
+                                  ("mxfp6_e2m3", "vllm", True, None), ("mxfp6_e2m3", "vllm", False, None),
+                                  ("mxfp6_e3m2", "vllm", True, None), ("mxfp6_e3m2", "vllm", False, None, True),
+                                  ("mxfp6_e3m2", "vllm", True, "mxfp6_e3m2"),
                                   ("mxfp6_e2m3", "hardware", True, "fp8_e4m3")]]
 # every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory
-JOBS += [(fused_fp4, ("mxfp6_e3m2", "seed", gated, None, False, False, cfgs[1 - gated]))
+JOBS += [(fused_fp4, ("mxfp6_e3m2", "vllm", gated, None, False, False, cfgs[1 - gated]))
          for _, cfgs in P.FP6_CONFIGS for gated in (True, False)]
 JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
                                       ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),

@@ -1,9 +1,5 @@
-"""Issue 11, the cases still open: bad input to the writer, the loader, the experts and the CLI.
-
-Cases 1, 2, 3, 4, 7, 8, 9, 11 and 13 of issue 11 (5, 6, 10 and 12 are in ``test_edge_cases.py``). Each
-case's expected behaviour is a test. They were written first, marked
-``xfail(strict=True, reason="issue 11 case N: ...")`` (the ``xfail`` helper below), and the markers
-were removed as the fixes landed; a new case that fails today gets the marker the same way.
+"""Bad input to the writer, the loader, the experts and the CLI (numerics edge cases are in
+``test_edge_cases.py``). Each case's expected behaviour is a test.
 
 Only public entry points are used (``write_quantized_checkpoint``, ``load_quantized_qwen3_moe``,
 ``read_quant_config``, ``CheckpointError``, ``mxlib.workflow``, the experts classes, ``mxlib.cli.main``),
@@ -43,6 +39,7 @@ from mxlib.moe import (
     OCP_MXQuantizationEmulationTritonExperts,
     TritonExperts,
 )
+from _util import mx_experts, nvfp4_experts
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128,
@@ -50,10 +47,6 @@ TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts
 E, H, I = TINY["num_experts"], TINY["hidden_size"], TINY["moe_intermediate_size"]
 SHARD_BYTES = 20_000  # several shards even for the tiny model
 BAD = "model.layers.1.mlp.experts.2.down_proj"  # the module whose tensors the scale tests spoil
-
-
-def xfail(case: int, expected: str):
-    return pytest.mark.xfail(strict=True, reason=f"issue 11 case {case}: {expected}")
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
@@ -323,11 +316,11 @@ def test_experts_reject_nan_block_scale(kind):
     scale = scale.view(good.w2_weight_scale.dtype)
     with pytest.raises(ValueError, match=r"w2_weight_scale(?!_2).*\[2, 3, 0\]"):
         if kind == "nvfp4":
-            Nvfp4QuantizationEmulationTritonExperts(
+            nvfp4_experts(
                 good.w13_weight, good.w13_weight_scale, good.w13_weight_scale_2, good.w2_weight, scale,
                 good.w2_weight_scale_2, good.w13_input_scale, good.w2_input_scale, backend="torch")
         else:
-            OCP_MXQuantizationEmulationTritonExperts(
+            mx_experts(
                 "w_mxfp4_a_mxfp4", good.w13_weight, good.w13_weight_scale, good.w2_weight, scale, backend="torch")
 
 
@@ -345,13 +338,13 @@ def _experts(kind: str, backend: str):
         u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
         f8 = lambda *s: torch.full(s, 0.5).to(torch.float8_e4m3fn)  # noqa: E731
         f32 = lambda v: torch.full((E,), v)  # noqa: E731
-        return Nvfp4QuantizationEmulationTritonExperts(
+        return nvfp4_experts(
             u8(E, 2 * I, H // 2), f8(E, 2 * I, H // 16), f32(0.01),
             u8(E, H, I // 2), f8(E, H, I // 16), f32(0.01),
             f32(0.002), f32(0.002), backend=backend)
     u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
     sc = lambda *s: torch.full(s, 120, dtype=torch.uint8)  # noqa: E731  E8M0 2**-7
-    return OCP_MXQuantizationEmulationTritonExperts(
+    return mx_experts(
         "w_mxfp4_a_mxfp4", u8(E, 2 * I, H // 2), sc(E, 2 * I, H // 32), u8(E, H, I // 2), sc(E, H, I // 32),
         backend=backend)
 
@@ -819,7 +812,7 @@ def test_dummy_build_peak_memory_stays_near_the_model_bytes():
         f"building added {added / 1e6:.0f} MB to {m['base'] / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
 
 
-# ============================================================================= merged with issue 13 / the inspector
+# ============================================================================= the inspector
 
 
 @pytest.fixture(scope="module")

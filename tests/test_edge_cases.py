@@ -1,4 +1,4 @@
-"""Edge cases of the numerics (issue 11, cases 5, 6, 10 and 12), reference and Triton twin alike.
+"""Edge cases of the numerics, reference and Triton twin alike.
 
 * Global scales outside the valid range are refused with one message from both twins.
 * A per-tensor scale derived from a tensor holding Inf/NaN comes from its finite values.
@@ -19,7 +19,7 @@ from mxlib import _checks
 from mxlib import kernels as _kernels
 from mxlib import reference as R
 
-from _util import OnKernelDevice, assert_bits_equal
+from _util import OnKernelDevice, assert_bits_equal, nvfp4_experts
 
 K = OnKernelDevice(_kernels)  # the twins on cuda when there is one, results back on the CPU
 from oracles import vllm_nvfp4_qdq
@@ -107,7 +107,6 @@ def test_nvfp4_weights_reject_bad_weight_scale_2(bad, device):
 def test_nvfp4_experts_reject_bad_scales(which, bad):
     from test_moe import make_inputs, nvfp4_experts_inputs
 
-    from mxlib.moe.experts import Nvfp4QuantizationEmulationTritonExperts
 
     x, w13, w2, _, _ = make_inputs()
     t = list(nvfp4_experts_inputs(x, w13, w2))
@@ -117,7 +116,7 @@ def test_nvfp4_experts_reject_bad_scales(which, bad):
     t[pos] = t[pos].clone()
     t[pos][3] = bad
     with pytest.raises(ValueError, match=rf"^{which}: expected .* at index \[3\]"):
-        Nvfp4QuantizationEmulationTritonExperts(*t, backend="torch")
+        nvfp4_experts(*t, backend="torch")
 
 
 def test_global_scale_check_skipped_under_graph_capture(monkeypatch):
@@ -148,7 +147,7 @@ def test_derived_nvfp4_scale_ignores_inf():
     out = R.quant_dequant(x, "nvfp4")
     gs = torch.tensor(6.0 * 448.0 / 5.0, dtype=torch.float32)  # amax of the finite values is 5
     assert_bits_equal(out, vllm_nvfp4_qdq(x, gs.reshape(1)))
-    # the Inf block follows the seed's Inf rule: scale 448, the Inf becomes 6 * 448 / gs
+    # the Inf block follows vLLM's Inf rule: scale 448, the Inf becomes 6 * 448 / gs
     assert out[0, 3].item() == pytest.approx(6 * 448 / gs.item(), rel=1e-6)
     assert torch.isfinite(out).all()
     # blocks without the Inf are those of the same tensor with the Inf replaced by a finite value

@@ -3,7 +3,7 @@
 Oracle: a float64 MoE assembled here from ``mxlib.reference`` (dequantized weights, QDQ'd
 activations) for each numerics mode:
 
-* ``seed``: bf16 weights and activations as the seed computes them; GEMM1's gate and up and the
+* ``vllm``: bf16 weights and activations as vLLM computes them; GEMM1's gate and up and the
   SiLU-and-mul output rounded to bf16 as the kernel does, then a2 QDQ'd;
 * ``hardware``: weights ``e2m1 * block_scale * global_scale`` and NVFP4 activations
   ``e2m1 * s / gs`` without the bf16 rounding of the product (fp32, i.e. exact to 2**-24).
@@ -48,15 +48,15 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         gs2 = torch.tensor([2688.0 / 0.05], device=device)
         q1 = ActivationQDQ(NVFP4, scale=gs1.to(device))
         q2 = ActivationQDQ(NVFP4, scale=gs2.to(device))
-        dq13 = {"seed": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
+        dq13 = {"vllm": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
                 "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32)}
-        dq2 = {"seed": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
+        dq2 = {"vllm": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
                "hardware": R.dequantize_to_dtype(p2, s2, g2, torch.float32)}
         pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 16, g13.to(device))
         pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 16, g2.to(device))
 
         def qdq(v, gs, mode):
-            return R.ref_nvfp4_quant_dequant(v, gs, dtype=torch.bfloat16 if mode == "seed" else torch.float32)
+            return R.ref_nvfp4_quant_dequant(v, gs, dtype=torch.bfloat16 if mode == "vllm" else torch.float32)
 
         a1 = lambda v, mode: qdq(v, gs1, mode)  # noqa: E731
         a2 = lambda v, mode: qdq(v, gs2, mode)  # noqa: E731
@@ -64,7 +64,7 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         p13, s13 = R.quantize_mx(w13.to(torch.bfloat16), "e2m1")
         p2, s2 = R.quantize_mx(w2.to(torch.bfloat16), "e2m1")
         d13, d2 = R.dequantize_mx(p13, s13, "e2m1"), R.dequantize_mx(p2, s2, "e2m1")
-        dq13, dq2 = {"seed": d13, "hardware": d13}, {"seed": d2, "hardware": d2}
+        dq13, dq2 = {"vllm": d13, "hardware": d13}, {"vllm": d2, "hardware": d2}
         pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 32)
         pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 32)
         if scheme == "w_mxfp4_a_mxfp4":
@@ -180,29 +180,29 @@ def test_triton_align_matches_torch(m, k, e, bm, device):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("mode", ["seed", "hardware"])
+@pytest.mark.parametrize("mode", ["vllm", "hardware"])
 def test_fused_fp4_against_fp64(scheme, mode, device):
     L = make_layer(scheme, device)
     out = run(L, device, mode)
     err = rel_err(out, oracle_fp64(L, mode))
     assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3
     if mode == "hardware" and scheme == "nvfp4":
-        # the modes differ by the seed's bf16 rounding of the dequantized operands: measurably
-        assert rel_err(out, run(L, device, "seed")) > 1e-4
+        # the modes differ by vLLM's bf16 rounding of the dequantized operands: measurably
+        assert rel_err(out, run(L, device, "vllm")) > 1e-4
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
 def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
     L = make_layer(scheme, device, m=9)
-    want = oracle_fp64(L, "seed")
+    want = oracle_fp64(L, "vllm")
     # M = 1: M * k * 4 <= E, so each pair is its own block (no alignment)
-    one = run(L, device, "seed", m=1)
+    one = run(L, device, "vllm", m=1)
     assert rel_err(one, want[:1]) < 5e-3
     cfg = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), FP4Config(16, 64, 1, 4, 1))
-    assert rel_err(run(L, device, "seed", configs=cfg), want) < 5e-3
+    assert rel_err(run(L, device, "vllm", configs=cfg), want) < 5e-3
     # a1 QDQ in its own pass or in the A-tile load: the same bits, in both numerics modes
     fused = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=True), cfg[1])
-    for mode in ("seed", "hardware"):
+    for mode in ("vllm", "hardware"):
         assert_bits_equal(run(L, device, mode, configs=cfg), run(L, device, mode, configs=fused))
 
 
@@ -212,7 +212,7 @@ def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("mode", ["seed", "hardware"])
+@pytest.mark.parametrize("mode", ["vllm", "hardware"])
 @pytest.mark.parametrize("m", [1, 64, 512])
 def test_gpu_full_shape_against_fp64(scheme, mode, m):
     L = make_layer(scheme, "cuda", e=128, h=2048, i=768, m=m, k=8, seed=m)
@@ -240,7 +240,7 @@ def _every_code(i: int, h: int) -> torch.Tensor:
     return codes.view(1, 2 * i, h // 2)
 
 
-def _weight_columns(pw, i: int, h: int, mode: str = "seed") -> torch.Tensor:
+def _weight_columns(pw, i: int, h: int, mode: str = "vllm") -> torch.Tensor:
     """The ``[2I, H]`` weights the kernel computes with, read through it: a GEMM2-style launch (no
     gating) over all 2I rows with a one-hot activation per token, so ``out[t, n] = W[n, t]``."""
     from mxlib.kernels.fused_fp4_moe import MODES, _launch, FP4Config as C
@@ -278,17 +278,17 @@ def test_gpu_decode_bits_match_reference(top):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode,g", [("seed", 0.375), ("seed", 0.375 / 64), ("hardware", 0.25)])
+@pytest.mark.parametrize("mode,g", [("vllm", 0.375), ("vllm", 0.375 / 64), ("hardware", 0.25)])
 def test_gpu_nvfp4_decode_bits_match_reference(mode, g):
     """NVFP4: every e2m1 code under every finite ue4m3 scale byte (subnormal scales included), the
-    PTX scale decode (e4m3 -> f16 -> f32) and, in seed mode, the fp32 product with the global scale
+    PTX scale decode (e4m3 -> f16 -> f32) and, in vLLM mode, the fp32 product with the global scale
     (``g`` 0.375: two multiplies; 0.375 / 64: the one-multiply decode, ``fp4_one_multiply``):
-    seed operands equal ``dequantize_to_dtype`` bit for bit; hardware operands are ``e2m1 * ue4m3``
+    vLLM operands equal ``dequantize_to_dtype`` bit for bit; hardware operands are ``e2m1 * ue4m3``
     exactly, with the global scale (a power of two here, so exact) on the fp32 accumulator."""
     i, h = 128, 256
     packed = _every_code(i, h)
     scales = torch.arange(2 * i * h // 16, dtype=torch.int64).remainder(127).to(torch.uint8).view(1, 2 * i, h // 16)
-    g = torch.tensor([g])  # seed: products that round; hardware: exact
+    g = torch.tensor([g])  # vllm: products that round; hardware: exact
     ref = R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), g, torch.bfloat16, 16)[0]
     if mode == "hardware":  # e2m1 * ue4m3 is exact in bf16; times 1/4 exact too
         ref = (R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), torch.ones(1), torch.float32, 16)[0]
@@ -310,7 +310,7 @@ def test_fused_fp4_rejects_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("numerics", ["seed", "hardware"])
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
 @pytest.mark.parametrize("m", [1, 64, 1024])
 def test_gpu_experts_fused_matches_torch_reference(numerics, m):
     """The experts' ``fused`` backend (FP4 kernel, auto's pick on CUDA) against the pure-PyTorch

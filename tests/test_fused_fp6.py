@@ -280,8 +280,8 @@ def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0, device="cpu
         q = ActivationQDQ(BLOCK_SCHEMES[act])
         el = BLOCK_SCHEMES[act].element.name
         a = lambda v, mode: R.quant_dequant_mx(v, el, 32, "even")  # noqa: E731
-    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q, q2=q, dq13={"seed": d13, "hardware": d13},
-                dq2={"seed": d2, "hardware": d2}, a1=a, a2=a, raw13=p13)
+    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q, q2=q, dq13={"vllm": d13, "hardware": d13},
+                dq2={"vllm": d2, "hardware": d2}, a1=a, a2=a, raw13=p13)
 
 
 @pytest.mark.parametrize("element", ELEMENTS)
@@ -290,14 +290,14 @@ def test_fused_fp6_against_fp64(element, act, device):
     L = make_fp6_layer(element, act, device=device)
     assert isinstance(L["pw13"], F6.FP6Weights)
     out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"]).cpu()
-    err = rel_err(out, oracle_fp64(L, "seed"))
+    err = rel_err(out, oracle_fp64(L, "vllm"))
     assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3 (test_fused_fp4's tolerance)
 
 
 def test_fused_fp6_naive_blocks_and_tiles(device):
     """M = 1 (each pair its own block, no alignment) and explicit tiles with a standalone a1 QDQ."""
     L = make_fp6_layer("e3m2", "mxfp4", m=9, device=device)
-    want = oracle_fp64(L, "seed")
+    want = oracle_fp64(L, "vllm")
     one = P.fused_fp4_moe(L["x"][:1], L["pw13"], L["pw2"], L["tw"][:1], L["ti"][:1], L["q1"], L["q2"]).cpu()
     assert rel_err(one, want[:1]) < 5e-3
     cfg = (P.FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), P.FP4Config(16, 64, 1, 4, 1))
@@ -349,8 +349,8 @@ def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme", ["w_mxfp6_e2m3", "w_mxfp6_e3m2", "w_mxfp6_e3m2_a_fp8"])
 @pytest.mark.parametrize("m", [1, 64, 512])
-def test_gpu_experts_fp6_fused_matches_seed_style(scheme, m):
-    """Full Qwen3-30B-A3B layer: the FP4 kernel on MXFP6 weights against the seed-style backend
+def test_gpu_experts_fp6_fused_matches_dequant_gemm(scheme, m):
+    """Full Qwen3-30B-A3B layer: the FP4 kernel on MXFP6 weights against the dequantize-then-GEMM backend
     (the same MX operands; the GEMMs differ only in accumulation order)."""
     from mxlib.moe import fused_topk, make_emulation_experts, quantize_expert_weights
 

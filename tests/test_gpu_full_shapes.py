@@ -1,6 +1,6 @@
 """Full Qwen3-30B-A3B layer shapes on a CUDA GPU (skipped without one).
 
-Every scheme's experts, seed-style (``triton``) and fused, against a float64 MoE built from the same
+Every scheme's experts, dequantize-then-GEMM (``triton``) and fused, against a float64 MoE built from the same
 dequantized weights and the same QDQ'd activations (mxlib.reference on the GPU), at E 128, top-8,
 H 2048, I 768. The a2 QDQ is applied to the bf16-rounded SiLU-and-mul output as both paths do, so the
 oracle differs from them only by their bf16 GEMM roundings.

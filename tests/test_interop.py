@@ -36,7 +36,7 @@ Tolerances (SQNR in dB of mxlib's logits against the reference; the measured val
 (transformers' eager experts round SiLU-and-mul, router weights and the running sum to bf16;
 mxlib accumulates in fp32; Quark's reference forward ran in fp32).
 
-Every fixture loads (issue 13: bf16 scalar scales widened, quantized attention emulated by
+Every fixture loads (bf16 scalar scales widened, quantized attention emulated by
 ``EmulatedLinear``, the compressed-tensors layout with its encode scales as stored); the Quark export
 made without preprocessing is refused with an error naming the cause. The Quark MX fixtures run in
 fp32 reproduce Quark's fp32 logits bit for bit.

@@ -23,7 +23,7 @@ LAYERS = [
     ("mxlib.moe",),
     ("mxlib.models",),
     ("mxlib.workflow", "mxlib.studies", "mxlib.plots", "mxlib.cases", "mxlib.report", "mxlib.explore"),
-    ("mxlib.cli", "mxlib.bench", "mxlib.bench_moe", "mxlib.workbook"),
+    ("mxlib.cli", "mxlib.bench", "mxlib.workbook"),
 ]
 TOP = len(LAYERS)
 

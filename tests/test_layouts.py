@@ -1,4 +1,4 @@
-"""Checkpoint layouts of the real producers (issue 13), on checkpoints mxlib writes itself.
+"""Checkpoint layouts of the real producers, on checkpoints mxlib writes itself.
 
 - compressed-tensors NVFP4 (llm-compressor's ``nvfp4-pack-quantized``): written and read, encode
   global scales used as stored; the dequantized experts equal an independent transcription of

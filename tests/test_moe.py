@@ -27,6 +27,8 @@ from mxlib.moe import (
     unify_input_scales,
 )
 
+from _util import nvfp4_experts
+
 E, H, I, M, TOPK = 8, 96, 64, 7, 2
 
 
@@ -165,7 +167,7 @@ def nvfp4_experts_inputs(x, w13, w2, scale_spread=False):
 
 
 def nvfp4_design_reference(x, t, tw, ti, a1_mode="once", a2_mode="once", strategy="max"):
-    """The seed's NVFP4 emulation assembled from mxlib.reference (no experts class involved)."""
+    """vLLM's NVFP4 emulation assembled from mxlib.reference (no experts class involved)."""
     p13, s13, g13, p2, s2, g2, in13, in2 = t
     w13 = R.dequantize_to_dtype(p13, s13, g13, x.dtype)
     w2 = R.dequantize_to_dtype(p2, s2, g2, x.dtype)
@@ -210,7 +212,7 @@ def test_nvfp4_emulation_matches_design(dtype, backend, device):
     x, w13, w2, tw, ti = make_inputs(dtype, seed=2)
     t = nvfp4_experts_inputs(x, w13, w2)
     dev = device if backend == "triton" else "cpu"
-    ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(dev) for v in t], activation_dtype=dtype, backend=backend)
+    ex = nvfp4_experts(*[v.to(dev) for v in t], activation_dtype=dtype, backend=backend)
     assert ex.quant_dtype == "nvfp4" and ex.expects_unquantized_inputs
     out = ex(x.to(dev), tw.to(dev), ti.to(dev)).cpu()
     ref = nvfp4_design_reference(x, t, tw, ti)
@@ -225,7 +227,7 @@ def test_nvfp4_per_expert_strategy(device):
     t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
-        ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], backend="triton")
+        ex = nvfp4_experts(*[v.to(device) for v in t], backend="triton")
     ex.set_scale_strategy("per_expert")
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     assert rel_err(out, nvfp4_design_reference(x, t, tw, ti, strategy="per_expert")) < 3e-3
@@ -284,7 +286,7 @@ def build_experts(scheme, x, w13, w2, backend, device="cpu"):
 def ocp_design_reference(scheme, x, w13, w2, tw, ti):
     """OCP MX emulation assembled from mxlib.reference: dequantized weights, QDQ'd a1 and a2."""
     s = get_moe_scheme(scheme)
-    el = s.weight_scheme.element.name
+    el = s.weight.element.name
     w13d = R.dequantize_mx(*R.quantize_mx(w13, el), el, dtype=x.dtype)
     w2d = R.dequantize_mx(*R.quantize_mx(w2, el), el, dtype=x.dtype)
     if s.activation is None:
@@ -330,11 +332,11 @@ def test_experts_bad_input():
     bad = list(t)
     bad[1] = t[1][:, :, :-1]
     with pytest.raises(ValueError, match=r"w13_weight_scale: expected shape \[8, 128, 6\], got \[8, 128, 5\]"):
-        Nvfp4QuantizationEmulationTritonExperts(*bad)
+        nvfp4_experts(*bad)
     bad = list(t)
     bad[2] = t[2].double()
     with pytest.raises(TypeError, match="w13_weight_scale_2: expected dtype torch.float32, got torch.float64"):
-        Nvfp4QuantizationEmulationTritonExperts(*bad)
+        nvfp4_experts(*bad)
     with pytest.raises(ValueError, match="unknown MoE scheme 'w_mxfp5'"):
         get_moe_scheme("w_mxfp5")
     ex = TritonExperts(w13, w2, backend="torch")
@@ -369,18 +371,18 @@ def fused_reference_fp64(ex, x, tw, ti):
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3", "w_mxfp4_a_mxfp6_e2m3"])
-def test_fused_matches_seed_style_and_fp64(scheme, device):
+def test_fused_matches_dequant_gemm_and_fp64(scheme, device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=6)
     ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
     fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     ex.backend = "triton"
-    seed_style = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    dequant_gemm = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     ex_cpu = build_experts(scheme, x, w13, w2, backend="torch")
     oracle = fused_reference_fp64(ex_cpu, x, tw, ti)
     # bf16 GEMM outputs and a2 rounding: both paths land ~1e-3 from the fp64 oracle
     assert rel_err(fused, oracle) < 5e-3
-    assert rel_err(seed_style, oracle) < 5e-3
-    assert rel_err(fused, seed_style) < 5e-3
+    assert rel_err(dequant_gemm, oracle) < 5e-3
+    assert rel_err(fused, dequant_gemm) < 5e-3
 
 
 def test_fused_edge_cases(device):
@@ -389,8 +391,8 @@ def test_fused_edge_cases(device):
     ti[:, 1] = 11
     t = nvfp4_experts_inputs(x, w13[:8], w2[:8])  # quantize 8 experts, then reuse them for 16
     x16 = [torch.cat([v, v]) if v.shape[0] == 8 else v for v in t]
-    ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in x16], backend="fused")
-    ex_ref = Nvfp4QuantizationEmulationTritonExperts(*x16, backend="torch")
+    ex = nvfp4_experts(*[v.to(device) for v in x16], backend="fused")
+    ex_ref = nvfp4_experts(*x16, backend="torch")
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3
     one = ex(x[:1].to(device), tw[:1].to(device), ti[:1].to(device)).cpu()  # M = 1
@@ -402,9 +404,9 @@ def test_fused_per_expert_scales(device):
     t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ex = Nvfp4QuantizationEmulationTritonExperts(*[v.to(device) for v in t], scale_strategy="per_expert",
+        ex = nvfp4_experts(*[v.to(device) for v in t], scale_strategy="per_expert",
                                                      backend="fused")
-        ex_ref = Nvfp4QuantizationEmulationTritonExperts(*t, scale_strategy="per_expert", backend="torch")
+        ex_ref = nvfp4_experts(*t, scale_strategy="per_expert", backend="torch")
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3
 
@@ -434,19 +436,19 @@ def test_scheme_objects_are_the_format_table():
     assert get_moe_scheme("w_mxfp4").activation is None and get_moe_scheme("mxfp4").name == "w_mxfp4_a_mxfp4"
 
 
-def test_nvfp4_experts_typed_and_seed_call_forms_agree():
+def test_nvfp4_experts_typed_and_vllm_call_forms_agree():
     from mxlib.moe import ExpertWeights
 
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=10)
     t = nvfp4_experts_inputs(x, w13, w2)
-    seed_form = Nvfp4QuantizationEmulationTritonExperts(*t, backend="torch")
-    by_keyword = Nvfp4QuantizationEmulationTritonExperts(
+    vllm_form = nvfp4_experts(*t, backend="torch")
+    by_keyword = nvfp4_experts(
         w13_weight=t[0], w13_weight_scale=t[1], w13_weight_scale_2=t[2], w2_weight=t[3], w2_weight_scale=t[4],
         w2_weight_scale_2=t[5], w13_input_scale=t[6], w2_input_scale=t[7], backend="torch")
     weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
     assert isinstance(weights, ExpertWeights)
     typed = make_emulation_experts("nvfp4", weights, t[6], t[7], backend="torch")
-    ref = seed_form(x, tw, ti)
+    ref = vllm_form(x, tw, ti)
     for ex in (by_keyword, typed):
         assert torch.equal(ex(x, tw, ti), ref)
     with pytest.raises(ValueError, match="weights: quantized as nvfp4, scheme w_mxfp4 stores mxfp4"):
@@ -486,10 +488,10 @@ def fp4_layer(scheme, numerics, backend, device, seed=3):
 
 
 def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
-    """float64 MoE from the scheme's operands, computed here from mxlib.reference: ``seed``: the
-    seed's bf16 weights and activations; ``hardware``: weights and NVFP4 activations without the
+    """float64 MoE from the scheme's operands, computed here from mxlib.reference: ``vllm``: the
+    vLLM's bf16 weights and activations; ``hardware``: weights and NVFP4 activations without the
     bf16 rounding of ``element * scale * global`` (fp32). GEMM1 and SiLU-and-mul rounded to bf16."""
-    dt = torch.bfloat16 if numerics == "seed" else torch.float32
+    dt = torch.bfloat16 if numerics == "vllm" else torch.float32
     if q.scheme.has_global_scale:
         w13 = R.dequantize_to_dtype(q.w13_weight, q.w13_weight_scale, q.w13_weight_scale_2, dt)
         w2 = R.dequantize_to_dtype(q.w2_weight, q.w2_weight_scale, q.w2_weight_scale_2, dt)
@@ -513,7 +515,7 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
-@pytest.mark.parametrize("numerics", ["seed", "hardware"])
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
 def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
     ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
     fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
@@ -523,25 +525,25 @@ def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
     assert rel_err(ref, oracle) < 5e-3
     assert rel_err(fused, ref) < 5e-3
     if numerics == "hardware" and scheme == "nvfp4":  # the modes differ measurably (NVFP4 only)
-        seed = fp4_layer(scheme, "seed", "torch", "cpu")[0](x, tw, ti)
+        seed = fp4_layer(scheme, "vllm", "torch", "cpu")[0](x, tw, ti)
         assert rel_err(ref, seed) > 1e-4
-        assert rel_err(fp4_oracle_fp64(ex, q, x, tw, ti, "seed"), oracle) > 1e-4
+        assert rel_err(fp4_oracle_fp64(ex, q, x, tw, ti, "vllm"), oracle) > 1e-4
 
 
 def test_fp4_experts_keep_only_the_prepared_copy(device):
-    ex, q, x, tw, ti = fp4_layer("nvfp4", "seed", "fused", device)
+    ex, q, x, tw, ti = fp4_layer("nvfp4", "vllm", "fused", device)
     assert "w13_weight" not in ex._buffers and "w2_weight" not in ex._buffers
     assert ex.w13_weight_fp4.numel() == q.w13_weight.numel()  # same size: no extra memory
     # the checkpoint layout comes back for the other backends, bit for bit
     assert torch.equal(ex.w13_weight.cpu(), q.w13_weight) and torch.equal(ex.w2_weight.cpu(), q.w2_weight)
     fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
-    ex.backend = "triton"  # seed-style path from the unprepared bytes: the same operands
+    ex.backend = "triton"  # dequantize-then-GEMM path from the unprepared bytes: the same operands
     assert rel_err(ex(x.to(device), tw.to(device), ti.to(device)).cpu(), fused) < 5e-3
 
 
 def test_auto_backend_choice():
     cuda = torch.device("cuda")
-    fp4 = fp4_layer("nvfp4", "seed", "auto", "cpu")[0]
+    fp4 = fp4_layer("nvfp4", "vllm", "auto", "cpu")[0]
     assert "w13_weight" in fp4._buffers  # auto on the CPU is torch: nothing prepared
     assert fp4.resolved_backend(cuda) == "fused" and fp4.resolved_backend(torch.device("cpu")) == "torch"
     x, w13, w2, tw, ti = make_inputs()

@@ -15,12 +15,12 @@ def test_grouped_bar_and_heatmap():
 
 
 def test_benchmark_and_spread_figures():
-    rows = [dict(scheme="nvfp4", M=m, floor_ms=0.1, **{f"{p}{g}_ms": 1.0 for p in ("bf16", "seed", "fused")
+    rows = [dict(scheme="nvfp4", M=m, floor_ms=0.1, **{f"{p}{g}_ms": 1.0 for p in ("bf16", "dequant", "fused")
                                                        for g in ("", "_graph")}) for m in (1, 16, 256, 4096)]
     rows.append(dict(rows[0], scheme="w_mxfp4"))  # one point: no figure
     figs = plots.moe_layer_time_figures(rows)
     assert len(figs) == 1 and len(figs[0].data) == 7 and list(figs[0].data[0].x) == [1, 16, 256, 4096]
-    model = [dict(layers=4, tokens=1, bf16_ms=1.0, seed_ms=2.0, fused_ms=1.5)]
+    model = [dict(layers=4, tokens=1, bf16_ms=1.0, dequant_ms=2.0, fused_ms=1.5)]
     assert [list(t.y) for t in plots.model_time_figure(model).data] == [[1.0], [2.0], [1.5]]
     spread = [dict(spread=s, point=p, mean_db_lost=s, max_db_lost=2 * s) for s in (0.0, 1.0) for p in ("a1", "a2")]
     assert len(plots.spread_figure(spread).data) == 4

@@ -16,7 +16,7 @@ def test_checks_count_and_raise():
 
 
 def _bench_row(scheme, m, seed, fused, bf16):
-    return dict(scheme=scheme, M=m, seed_graph_ms=seed, fused_graph_ms=fused, bf16_graph_ms=bf16,
+    return dict(scheme=scheme, M=m, dequant_graph_ms=seed, fused_graph_ms=fused, bf16_graph_ms=bf16,
                 fused_floor_frac_graph=0.5, fused_mem_mb=10.0, packed_weight_mb=40.0)
 
 
@@ -24,15 +24,15 @@ def test_floors_table():
     rows = [
         _bench_row("nvfp4", 1, 2.0, 0.1, 0.08),  # 20x the seed, 1.25x bf16: meets (10, 1.5)
         _bench_row("nvfp4", 1, 9.0, 9.0, 9.0),  # a second row of the same (scheme, M): the first wins
-        _bench_row("nvfp4", 16, 1.0, 0.2, 0.1),  # 5x the seed (< 10): misses
-        _bench_row("w_mxfp4_a_mxfp4", 4096, 1.0, 1.2, 1.0),  # no seed target, 1.2x bf16 <= 1.25: meets
+        _bench_row("nvfp4", 16, 1.0, 0.2, 0.1),  # 5x the dequantize-then-GEMM path (< 10): misses
+        _bench_row("w_mxfp4_a_mxfp4", 4096, 1.0, 1.2, 1.0),  # no dequantize-then-GEMM target, 1.2x bf16 <= 1.25: meets
         _bench_row("w_mxfp4_a_mxfp4", 3, 1.0, 1.0, 1.0),  # not a target
     ]
     floors = floors_table(rows)
     assert [(r["scheme"], r["M"], r["meets"]) for r in floors] == [
         ("nvfp4", 1, "yes"), ("nvfp4", 16, "no"), ("w_mxfp4_a_mxfp4", 4096, "yes")]
-    assert floors[0]["fused_vs_seed"] == 20.0 and floors[0]["fused_over_bf16"] == 0.1 / 0.08
-    assert floors[0]["target_vs_seed"] == 10 and floors[2]["target_vs_seed"] == ""
+    assert floors[0]["fused_vs_dequant"] == 20.0 and floors[0]["fused_over_bf16"] == 0.1 / 0.08
+    assert floors[0]["target_vs_dequant"] == 10 and floors[2]["target_vs_dequant"] == ""
     assert floors[0]["mem_frac_of_packed"] == 0.25
     assert len(FLOOR_TARGETS) == 10
 
@@ -75,32 +75,32 @@ def test_exercises_accept_right_and_reject_wrong_answers(capsys):
         "05.packed_bytes": 128 * 3 * 768 * 2048 * 2,  # bf16
     }
     wrong["02.floor_clips"] = [1.0] * 32  # nothing clips
-    assert set(right) | {"03.best_4bit", "05.seed_wins_at"} == set(report.EXERCISES)
+    assert set(right) | {"03.best_4bit", "05.dequant_wins_at"} == set(report.EXERCISES)
     for name, answer in right.items():
         assert report.check_exercise(name, answer), name
         assert not report.check_exercise(name, wrong[name]), name
     rows = [dict(scheme="a", bits_per_weight=4.25, sqnr_db=20.0), dict(scheme="b", bits_per_weight=4.25, sqnr_db=21.0),
             dict(scheme="c", bits_per_weight=6.25, sqnr_db=30.0)]
     assert report.check_exercise("03.best_4bit", "b", rows=rows) and not report.check_exercise("03.best_4bit", "c", rows=rows)
-    bench = [dict(scheme="nvfp4", M=m, seed_graph_ms=s, fused_graph_ms=f) for m, s, f in ((1, 2, 1), (16, 2, 1), (256, 1, 2))]
-    assert report.check_exercise("05.seed_wins_at", 256, rows=bench)
-    assert not report.check_exercise("05.seed_wins_at", 16, rows=bench)
+    bench = [dict(scheme="nvfp4", M=m, dequant_graph_ms=s, fused_graph_ms=f) for m, s, f in ((1, 2, 1), (16, 2, 1), (256, 1, 2))]
+    assert report.check_exercise("05.dequant_wins_at", 256, rows=bench)
+    assert not report.check_exercise("05.dequant_wins_at", 16, rows=bench)
     assert not report.check_exercise("02.floor_clips", [1.0] * 5)  # wrong length: a message, not a crash
     assert "not a valid block" in capsys.readouterr().out
     with pytest.raises(KeyError, match="name"):
         report.check_exercise("99.nothing", 0)
 
 
-def test_issue12_tables_recompute_from_json():
-    """issue12_tables on the recorded H200 JSON: ratios are quotients of its own timed rows."""
+def test_anchor_tables_recompute_from_json():
+    """anchor_tables on the recorded H200 JSON: ratios are quotients of its own timed rows."""
     import json
     from pathlib import Path
 
-    from mxlib.report import ISSUE12_RATIOS, issue12_tables
+    from mxlib.report import ANCHOR_RATIOS, anchor_tables
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors.json"
     data = json.loads(path.read_text())
-    t = issue12_tables(path)
+    t = anchor_tables(path)
     assert t["Ms"] == [1, 4, 16, 64, 256, 1024, 4096]
     assert t["env"][0]["device"] == "NVIDIA H200" and t["env"][0]["date"] == data["env"]["date"]
     ms = {r["row"]: r for r in t["ms"]}
@@ -110,7 +110,7 @@ def test_issue12_tables_recompute_from_json():
     m16 = next(r for r in data["rows"] if r["path"] == "mxlib_fused_nvfp4" and r["M"] == 16)
     assert ms["mxlib_fused_nvfp4"]["M=16"] == m16["graph_ms"]
     recorded = [n for n in data["ratios"]["1"] if any(data["ratios"][str(m)][n] is not None for m in t["Ms"])]
-    assert [r["ratio"] for r in t["ratios"]] == recorded and set(recorded) <= set(ISSUE12_RATIOS)
+    assert [r["ratio"] for r in t["ratios"]] == recorded and set(recorded) <= set(ANCHOR_RATIOS)
     for r in t["ratios"]:
         for m in t["Ms"]:
             q = ms[r["numerator"]][f"M={m}"] / ms[r["denominator"]][f"M={m}"]
@@ -125,15 +125,15 @@ def test_issue12_tables_recompute_from_json():
     assert [c["rel"] for c in t["checks"]] == [0.0] * 7
 
 
-def test_issue12_tables_unknown_ratio(tmp_path):
+def test_anchor_tables_unknown_ratio(tmp_path):
     import json
     from pathlib import Path
 
-    from mxlib.report import issue12_tables
+    from mxlib.report import anchor_tables
 
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors_smem_decode.json"
     data = json.loads(src.read_text())
     data["ratios"]["1"]["made up / ratio"] = 1.0
     (tmp_path / "x.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="made up"):
-        issue12_tables(tmp_path / "x.json")
+        anchor_tables(tmp_path / "x.json")

@@ -1,4 +1,4 @@
-"""The dummy Qwen3-MoE routes like a trained model (issue 15), and routing_statistics counts right.
+"""The dummy Qwen3-MoE routes like a trained model, and routing_statistics counts right.
 
 A small model (hidden 256, 64 experts, top-8, 4 layers; 4 heads of 128 so attention is twice
 the hidden size wide, as in Qwen3-30B-A3B) on the 512 calibration tokens of

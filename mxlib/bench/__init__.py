@@ -3,10 +3,10 @@
 ``quant`` (``mxlib.bench.quant``): achieved bandwidth of every quantize / dequantize / QDQ
 kernel beside a device-to-device copy measured in the same run.
 
-``moe`` (``mxlib.bench.moe``): one Qwen3-30B-A3B MoE layer, bf16 vs seed-style vs fused
+``moe`` (``mxlib.bench.moe``): one Qwen3-30B-A3B MoE layer, bf16 vs dequantize-then-GEMM vs fused
 emulation (and, with ``--model``, whole-model forwards). ``moe --anchor ANCHOR.json`` (or ``fused``)
 runs ``mxlib.bench.fused`` instead: the same layer on the anchor harness's inputs, CUDA-graph replay
-times, ratios to the anchor rows, fractions of the memory floor and the issue-12 floors.
+times, ratios to the anchor rows, fractions of the memory floor and the speed floors (``mxlib.bench.fused.floors``).
 
 ``model`` (``mxlib.bench.model``): the whole dummy Qwen3-30B-A3B forward (48 layers) at decode-sized
 and prefill M, bf16 vs each emulation path, eager and as one CUDA graph (``--device cpu`` runs a small

@@ -15,9 +15,9 @@ Rows (``path``), all through the experts classes as a user runs them:
 * ``mxlib_bf16``: ``TritonExperts`` on the bf16 weights (Triton alignment, its tile table);
 * ``mxlib_fused_<scheme>`` for ``w_mxfp4``, ``w_mxfp4_a_mxfp4``, ``nvfp4`` (seed numerics) and
   ``mxlib_fused_nvfp4_hw`` (hardware numerics): the ``fused`` backend, i.e. the FP4 kernel;
-* with extras (default): ``mxlib_triton_nvfp4`` (seed-style: dequantize all experts, bf16 GEMMs),
+* with extras (default): ``mxlib_triton_nvfp4`` (dequantize-then-GEMM: dequantize all experts, bf16 GEMMs),
   ``mxlib_fused_w_mxfp6_e3m2`` and ``mxlib_triton_w_mxfp6_e3m2`` (FP6 weights: the FP4 kernel in the MXFP6 layout
-  and seed-style).
+  and dequantize-then-GEMM).
 
 Timing: ``triton.testing.do_bench`` medians (warm-up 10 ms, 50 ms of replays, L2 flushed before each)
 of the whole forward captured in a CUDA graph, routing outside, as the anchor harness times. Memory
@@ -27,7 +27,7 @@ measured in this run; bytes per expert as the anchor's (values + block scales of
 With ``--anchor`` (the anchor harness's JSON from the same device call) the report adds the ratios
 of each row to the anchor rows (``tk_mxfp4_unfused_silu``: triton_kernels' Qwen3-correct MXFP4 path;
 ``vllm_bf16``: vLLM's tuned bf16 kernel), writes the anchor rows into the same table, and checks the
-issue-12 floors. Nothing here imports the anchor harness: it reads its JSON.
+speed floors. Nothing here imports the anchor harness: it reads its JSON.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
         if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
             paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(s, q, *scales, backend="fused",
                                                                      numerics="hardware")
-        if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # seed-style NVFP4 and FP6
+        if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # dequantize-then-GEMM NVFP4 and FP6
             paths[f"mxlib_triton_{name}"] = make_emulation_experts(s, q, *scales, backend="triton")
     return paths
 
@@ -120,7 +120,7 @@ def run(tokens, extra: bool = True, log=print) -> dict:
         x, tw, ti = anchor_tokens(m)
         hit = int(torch.unique(ti).numel())
         act_bytes = 2 * m * H * 2
-        ref_seed = fused_seed = None
+        ref_vllm = fused_vllm = None
         for path, ex in paths.items():
             try:
                 out = ex(x, tw, ti)
@@ -134,13 +134,13 @@ def run(tokens, extra: bool = True, log=print) -> dict:
                 floor = (hit * packed_bytes_per_expert(scheme) + act_bytes) / bps * 1e3
                 row.update(floor_ms=floor, floor_fraction=floor / ms)
             result["rows"].append(row)
-            if path == "mxlib_triton_nvfp4":  # the seed-style result: the fused seed mode must match it
-                ref_seed = out
+            if path == "mxlib_triton_nvfp4":  # the dequantize-then-GEMM result: the fused vLLM mode must match it
+                ref_vllm = out
             if path == "mxlib_fused_nvfp4":
-                fused_seed = out
-        if ref_seed is not None and fused_seed is not None:
-            a, b = fused_seed.double(), ref_seed.double()
-            result["checks"].append(dict(M=m, what="fused nvfp4 seed vs seed-style, relative L2",
+                fused_vllm = out
+        if ref_vllm is not None and fused_vllm is not None:
+            a, b = fused_vllm.double(), ref_vllm.double()
+            result["checks"].append(dict(M=m, what="fused nvfp4 vLLM vs dequantize-then-GEMM, relative L2",
                                          rel=((a - b).norm() / b.norm()).item()))
         log(f"M={m} ({time.time() - t0:.0f}s): " + ", ".join(
             f"{r['path']} {r['graph_ms']:.3f}" for r in result["rows"] if r["M"] == m))
@@ -152,7 +152,7 @@ def _by(rows) -> dict:
 
 
 def ratios(result: dict, anchor: dict) -> dict:
-    """Ratios of mxlib rows to anchor rows, the issue-12 floors, per M."""
+    """Ratios of mxlib rows to anchor rows, the speed floors, per M."""
     mine, anc = _by(result["rows"]), _by(anchor.get("rows", []))
     tokens = sorted({r["M"] for r in result["rows"]})
 
@@ -173,7 +173,7 @@ def ratios(result: dict, anchor: dict) -> dict:
             d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))
         d[f"fused nvfp4 hardware / {TK}"] = ratio(t(mine, "mxlib_fused_nvfp4_hw", m), tk)
         d["mxlib_bf16 / fused nvfp4 hardware"] = ratio(bf16, t(mine, "mxlib_fused_nvfp4_hw", m))
-        d["fused w_mxfp6_e3m2 / seed-style"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m),
+        d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m),
                                                      t(mine, f"mxlib_triton_{FP6_SCHEME}", m))
         d["fused w_mxfp6_e3m2 / mxlib_bf16"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m), bf16)
         out[m] = d
@@ -181,7 +181,7 @@ def ratios(result: dict, anchor: dict) -> dict:
 
 
 def floors(rat: dict, result: dict) -> list[dict]:
-    """The issue-12 floors, each with the measured worst value and whether it holds."""
+    """The speed floors, each with the measured worst value and whether it holds."""
     mine = _by(result["rows"])
     checks = []
 
@@ -206,8 +206,8 @@ def floors(rat: dict, result: dict) -> list[dict]:
     for name in ("w_mxfp4", "nvfp4", "nvfp4_hw"):
         add(f"{name} fused >= 45% of the memory floor at M = 16, 64",
             {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)}, 0.45, le=False)
-    add("FP6 fused / seed-style <= 1.0 at every M",
-        {m: d["fused w_mxfp6_e3m2 / seed-style"] for m, d in rat.items()}, 1.0)
+    add("FP6 fused / dequantize-then-GEMM <= 1.0 at every M",
+        {m: d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] for m, d in rat.items()}, 1.0)
     add("FP6 fused / mxlib_bf16 <= 1.0 at M = 16, 64",
         {m: d["fused w_mxfp6_e3m2 / mxlib_bf16"] for m, d in rat.items() if m in (16, 64)}, 1.0)
     add("mxlib_bf16 / vllm_bf16 <= 1.05 at every M", {m: d["mxlib_bf16 / vllm_bf16"] for m, d in rat.items()}, 1.05)
@@ -271,7 +271,7 @@ def main(argv=None, json_path=None) -> int:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--anchor", default=None, help="the anchor harness's JSON from the same device call")
     ap.add_argument("--markdown", default=None, help="write the markdown tables here")
-    ap.add_argument("--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no seed-style, no FP6)")
+    ap.add_argument("--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no dequantize-then-GEMM, no FP6)")
     ap.add_argument("--json", default=json_path)
     args = ap.parse_args(argv)
     result = run([int(t) for t in args.tokens.split(",")], extra=not args.no_extra)

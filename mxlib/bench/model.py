@@ -11,7 +11,7 @@ decoder layers (the real model has 48). Its experts are swapped (``swap_experts`
 * one emulation path per ``--schemes`` entry ``scheme[@backend]``: every layer's bf16 experts quantized
   in the scheme's weight format (``quantize_expert_weights``) and wrapped by ``make_emulation_experts``
   with ``backend`` (default ``auto``: on CUDA the ``fused`` kernels for FP4 weights, ``triton``
-  otherwise; ``torch`` on the CPU). ``nvfp4@triton`` is the seed-style path (all experts dequantized
+  otherwise; ``torch`` on the CPU). ``nvfp4@triton`` is the dequantize-then-GEMM path (all experts dequantized
   to bf16 each forward, then the bf16 GEMMs). Static activation scales (``nvfp4``, ``_a_fp8``) come
   from one calibration pass of the bf16 model (``mxlib.models.calibration.calibrate``,
   ``--calib-tokens`` token ids). One scheme's quantized experts exist at a time: built layer by layer
@@ -79,7 +79,7 @@ __all__ = ["TOKENS", "CUDA_SCHEMES", "CPU_SCHEMES", "PathSpec", "parse_paths", "
            "markdown", "main"]
 
 TOKENS = (1, 8, 64, 1024)
-# Emulation paths by default: the FP4 schemes on the CUDA default backend (fused) and NVFP4 seed-style.
+# Emulation paths by default: the FP4 schemes on the CUDA default backend (fused) and NVFP4 dequantize-then-GEMM.
 CUDA_SCHEMES = ("nvfp4", "w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4@triton")
 CPU_SCHEMES = ("nvfp4", "w_mxfp4", "w_mxfp4_a_mxfp4")
 NO_GRAPH_ON_CPU = "CUDA graphs need a CUDA device (--device cpu runs eager forwards only)"
@@ -227,7 +227,7 @@ def _time_forward(model, ids, device, rep_ms: float, graphs: bool, eager_out: to
         example = torch.randn(1, ids.shape[1], model.config.hidden_size, device=device, dtype=model.dtype)
         # One memory pool for all blocks' graphs: they replay in the order captured, one at a time, and
         # each output is consumed (residual add) before the next replay. Private pools would each keep
-        # their block's transients (1.2 GB per layer for the seed-style path's dequantized experts).
+        # their block's transients (1.2 GB per layer for the dequantize-then-GEMM path's dequantized experts).
         pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         try:
             for layer, block in zip(layers, blocks):

@@ -1,4 +1,4 @@
-"""MoE-layer benchmark on the GPU: bf16 TritonExperts vs seed-style vs fused emulation.
+"""MoE-layer benchmark on the GPU: bf16 TritonExperts vs dequantize-then-GEMM vs fused emulation.
 
 ``python -m mxlib.bench moe [--schemes nvfp4,w_mxfp4_a_mxfp4] [--tokens 1,16,256] [--sweep] [--model]
 [--json PATH]``
@@ -8,8 +8,8 @@ and token count M, it times with CUDA events (``triton.testing.do_bench``: warm-
 median) each path on the same inputs:
 
 * ``bf16``: ``TritonExperts`` on unquantized bf16 weights (the ceiling);
-* ``seed``: mxlib's seed-style emulation: every expert dequantized to bf16 each forward,
-  activations QDQ'd, then the bf16 GEMMs (the seed's design, with mxlib's Triton
+* ``dequant``: mxlib's dequantize-then-GEMM emulation: every expert dequantized to bf16 each forward,
+  activations QDQ'd, then the bf16 GEMMs (vLLM's emulation design, with mxlib's Triton
   dequantize / QDQ kernels where vLLM's merged version used PyTorch ops);
 * ``fused``: the fused dequantize-GEMM emulation (``backend="fused"``).
 
@@ -19,7 +19,7 @@ memory floor (packed weights and scales of the experts hit + activations in and 
 at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
 (measured in the same run). ``--sweep`` first tries tile configurations per M and uses
 the fastest. ``--model`` adds whole-model forward times (4 and 48 layers). Last, it prints
-notebook 05's floors table (``mxlib.report.floors_table``: fused against seed and bf16, per
+notebook 05's floors table (``mxlib.report.floors_table``: fused against the dequantize-then-GEMM path and bf16, per
 target) and stores it in the JSON as ``floors``.
 """
 
@@ -178,7 +178,7 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         em.fused_config = _nearest(best_fused, m)
         em.gemm_config = _nearest(best_bf16, m)
         out = {}
-        for name in ("bf16", "seed", "fused"):
+        for name in ("bf16", "dequant", "fused"):
             if name == "bf16":
                 fn = lambda: bf16(x, tw, ti)  # noqa: E731
             else:
@@ -188,9 +188,9 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
             row[f"{name}_ms"] = _ms(fn)
             row[f"{name}_graph_ms"] = _graph_ms(fn)
             row[f"{name}_mem_mb"] = _peak_extra_mb(fn)
-        ref = out["seed"].double()
-        row["fused_vs_seed_rel_err"] = ((out["fused"].double() - ref).norm() / ref.norm()).item()
-        row["fused_speedup_vs_seed"] = row["seed_ms"] / row["fused_ms"]
+        ref = out["dequant"].double()
+        row["fused_vs_dequant_rel_err"] = ((out["fused"].double() - ref).norm() / ref.norm()).item()
+        row["fused_speedup_vs_dequant"] = row["dequant_ms"] / row["fused_ms"]
         row["fused_over_bf16"] = row["fused_ms"] / row["bf16_ms"]
         row["fused_graph_over_bf16_graph"] = row["fused_graph_ms"] / row["bf16_graph_ms"]
         row["fused_floor_frac"] = floor_ms / row["fused_ms"]
@@ -199,10 +199,10 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         row["bf16_tflops_frac"] = flops / (row["bf16_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
         row["packed_weight_mb"] = per_expert_bytes * E / 1e6
         rows.append(row)
-        print(f"[{scheme}] M={m:5d} bf16 {row['bf16_ms']:.3f} seed {row['seed_ms']:.3f} fused {row['fused_ms']:.3f} ms "
-              f"(graph {row['bf16_graph_ms']:.3f}/{row['seed_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
-              f"x{row['fused_speedup_vs_seed']:.1f} vs seed, {row['fused_over_bf16']:.2f} of bf16, "
-              f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_seed_rel_err']:.1e}", flush=True)
+        print(f"[{scheme}] M={m:5d} bf16 {row['bf16_ms']:.3f} dequant {row['dequant_ms']:.3f} fused {row['fused_ms']:.3f} ms "
+              f"(graph {row['bf16_graph_ms']:.3f}/{row['dequant_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
+              f"x{row['fused_speedup_vs_dequant']:.1f} vs seed, {row['fused_over_bf16']:.2f} of bf16, "
+              f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_dequant_rel_err']:.1e}", flush=True)
     del bf16
     return rows
 
@@ -230,16 +230,16 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
         for m in tokens:
             x = torch.randint(0, cfg.vocab_size, (1, m), device=DEVICE)
             row = dict(layers=layers, tokens=m)
-            for name in ("bf16", "seed", "fused"):
+            for name in ("bf16", "dequant", "fused"):
                 for li, mlp in enumerate(moe_layers(model)):
                     ex = bf16_experts[li] if name == "bf16" else emu_experts[li]
                     if name != "bf16":
-                        ex.backend = "triton" if name == "seed" else "fused"
+                        ex.backend = "triton" if name == "dequant" else "fused"
                     mlp.experts = X.TransformersExperts(ex)
                 with torch.no_grad():
                     row[f"{name}_ms"] = _ms(lambda: model(input_ids=x, use_cache=False), rep=200)
             rows.append(row)
-            print(f"[model] {layers} layers, {m} tokens: bf16 {row['bf16_ms']:.1f} ms, seed {row['seed_ms']:.1f} ms, "
+            print(f"[model] {layers} layers, {m} tokens: bf16 {row['bf16_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, "
                   f"fused {row['fused_ms']:.1f} ms", flush=True)
         del model, bf16_experts, emu_experts
         torch.cuda.empty_cache()
@@ -250,8 +250,8 @@ def print_floors(rows: list[dict]) -> list[dict]:
     """Print and return notebook 05's floors table (``mxlib.report.floors_table``) of bench rows."""
     floors = report.floors_table(rows)
     for r in floors:
-        want = f"{r['target_vs_seed']}x" if r["target_vs_seed"] != "" else "-"
-        print(f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_seed']:.2f}x faster than seed (wanted {want}), "
+        want = f"{r['target_vs_dequant']}x" if r["target_vs_dequant"] != "" else "-"
+        print(f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than dequantize-then-GEMM (wanted {want}), "
               f"{r['fused_over_bf16']:.2f}x bf16's time (allowed {r['target_over_bf16']}x), meets {r['meets']}, "
               f"floor fraction {r['floor_frac']:.2f}, peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
               flush=True)

@@ -42,7 +42,7 @@ _NAN_BITS = tl.constexpr(0x7FC00000)
 # each launch), as named constexprs that the bridge makes from the format table:
 # * FP4_*: the one 4-bit element format (e2m1), which the FP4-only paths decode;
 # * NVFP4_SCALE_*: NVFP4's block-scale element (e4m3fn), and NVFP4_INV_MAX = fp32(1 / e2m1 max),
-#   the seed's ``amax * (1/6)`` in the scale chain;
+#   vLLM's ``amax * (1/6)`` in the scale chain;
 # * FP8_*: per-tensor FP8's element (e4m3fn), for the static-scale QDQ.
 
 
@@ -260,7 +260,7 @@ def nvfp4_recip(v):
 
 @triton.jit
 def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
-    """Block scale ``s`` (on the e4m3 grid) and quantize multiplier ``q`` (the seed's arithmetic)."""
+    """Block scale ``s`` (on the e4m3 grid) and quantize multiplier ``q`` (vLLM's arithmetic)."""
     s = gs * (amax * NVFP4_INV_MAX)  # fp32(1/6)
     s = clamp_keep_nan(s, -NVFP4_SCALE_MAX, NVFP4_SCALE_MAX)
     s = round_to_element(s, NVFP4_SCALE_EBITS, NVFP4_SCALE_MBITS, NVFP4_SCALE_MAX)
@@ -272,7 +272,7 @@ def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
 
 
 @triton.jit
-def round_e2m1_signed_like_seed(v):
+def round_e2m1_signed_like_vllm(v):
     """e2m1 rounding with the sign taken from ``v < 0`` (``-0.0`` -> ``+0.0``, as the seed).
 
     NaN is not handled: the callers overwrite blocks that hold NaN.
@@ -372,14 +372,14 @@ def mx_qdq_values(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexp
 
 @triton.jit
 def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """NVFP4 QDQ of an fp32 tile with the seed's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1]."""
+    """NVFP4 QDQ of an fp32 tile with vLLM's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1]."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
     # one integer max over |x|'s bits (see mx_qdq_tile): NaN bits exceed Inf's
     abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
     has_nan = abits > 0x7F800000
     amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
     s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
-    e = round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -FP4_MAX), FP4_MAX))
+    e = round_e2m1_signed_like_vllm(tl.minimum(tl.maximum(xb * q[:, :, None], -FP4_MAX), FP4_MAX))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
     dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))

@@ -1,11 +1,11 @@
 """Fused emulation MoE: packed weights dequantized tile by tile inside the grouped GEMM.
 
-The seed's emulation dequantizes all experts' weights to bf16 on every forward and
+vLLM's emulation dequantizes all experts' weights to bf16 on every forward and
 then runs the bf16 fused-MoE GEMM: at small batches it moves every expert's weights
 in bf16 to use eight of them. Here the GEMM loads the *packed* weights and their
 scales of only the experts that received tokens, decodes them in registers with the
 same arithmetic as ``mxlib.reference`` (so the bf16 operands are bit-identical to the
-seed's dequantized weights), and feeds bf16 tensor-core dots with fp32 accumulation.
+vLLM's dequantized weights), and feeds bf16 tensor-core dots with fp32 accumulation.
 No bf16 copy of the weights exists.
 
 Layout ("swap AB"): a program computes ``acc[BLOCK_N, BLOCK_M] = W[e][n0:n0+BN, :] @ A^T``
@@ -89,7 +89,7 @@ def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits:
 def _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS: tl.constexpr, W_MBITS: tl.constexpr,
                  W_SPECIALS: tl.constexpr, W_BS: tl.constexpr, W_NVFP4: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of the seed's dequant)."""
+    """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of vLLM's dequant)."""
     NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
     codes = nm.load_codes(w_rows, n_mask, k0, K, NBITS, BLOCK_N, BLOCK_K)
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)

@@ -17,9 +17,9 @@ What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
   the eight codes' bits sit where four rotate-and-mask steps (``shf.l.wrap`` + ``and``, one PTX
   block a word, ``tl.inline_asm_elementwise``) leave two codes a register as the bf16 bits of
   ``e2m1 * 2**-126``; one ``mul.rn.bf16x2`` a pair then applies the block scale with the
-  ``2**126`` folded in (``fp4_one_multiply``: every E8M0 byte <= 128; NVFP4 seed ``B < 4``;
+  ``2**126`` folded in (``fp4_one_multiply``: every E8M0 byte <= 128; NVFP4 vLLM ``B < 4``;
   NVFP4 hardware always, as ``ue4m3 * 2**117`` with ``2**9`` back on the accumulator), else two.
-  NVFP4 seed mode multiplies in fp32 and rounds once, as the seed. Under ``TRITON_INTERPRET=1``
+  NVFP4 vLLM mode multiplies in fp32 and rounds once, as vLLM does. Under ``TRITON_INTERPRET=1``
   the same rotations run as Triton integer ops and the values come from ``_numerics`` (the
   interpreter runs no PTX); the reshapes are the same, so the interpreter tests check the layout.
 * **Scales decoded once a row**: a row's scale word (four E8M0 or ue4m3 bytes) is loaded once per
@@ -36,7 +36,7 @@ What differs from ``fused_dequant_moe`` (the generic MX/NVFP4/FP6 kernel):
 
 Numerics modes (``mode``):
 
-* ``"seed"``: the bf16 operands are the seed's, bit for bit (``mxlib.reference``): MX weights
+* ``"vllm"``: the bf16 operands are vLLM's, bit for bit (``mxlib.reference``): MX weights
   ``e2m1 * 2**(s - 127)`` (exact in bf16 for in-range scales), NVFP4 weights
   ``bf16(e2m1 * (fp32(ue4m3) * global_scale))`` (fp32 product, one rounding); activations
   QDQ'd to ``bf16(e2m1 * (s / gs))`` as vLLM's ``ref_nvfp4_quant_dequant``.
@@ -71,10 +71,10 @@ __all__ = ["FP4Weights", "FP4Config", "prepare_fp4_weights", "prepare_packed_wei
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 K_TILE = 128  # the prepared layout's K tile (elements): a byte holds elements p and p + 64 (see FP4Weights)
-MODES = {"seed": 0, "hardware": 1}
+MODES = {"vllm": 0, "hardware": 1}
 # W_KIND: how a weight tile is scaled: E8M0 (exact in bf16), NVFP4 ``bf16(e2m1 * (fp32(ue4m3) * g))``
-# (seed mode), NVFP4 ``e2m1 * ue4m3`` exact with ``g`` on the accumulator (hardware mode)
-W_MX, W_NVFP4_SEED, W_NVFP4_HW = 0, 1, 2
+# (vLLM mode), NVFP4 ``e2m1 * ue4m3`` exact with ``g`` on the accumulator (hardware mode)
+W_MX, W_NVFP4_VLLM, W_NVFP4_HW = 0, 1, 2
 
 
 # ----------------------------------------------------------------------------- weight layout
@@ -163,7 +163,7 @@ def fp4_one_multiply(scales: torch.Tensor, block_size: int, global_scale: torch.
     """Whether every block scale lets the decode fold the codes' ``2**126`` (``_WORD_BITS``) into
     the scale multiplier, one multiply a pair of elements instead of two, with the same bits.
 
-    MXFP4: every E8M0 byte <= 128 (``2**(s - 1)`` is a bf16; 255 is NaN). NVFP4 seed mode: every
+    MXFP4: every E8M0 byte <= 128 (``2**(s - 1)`` is a bf16; 255 is NaN). NVFP4 vLLM mode: every
     ``B = fp32(ue4m3) * global_scale`` < 4 (``B * 2**126`` stays finite in fp32) and every global
     scale in ``[2**-117, 4)``: the kernel then multiplies ue4m3 by ``global_scale * 2**126`` (exact),
     which rounds as ``B * 2**126`` does since no ``B`` is an fp32 subnormal. Reads the tensors (a
@@ -292,7 +292,7 @@ class FP4Config:
 
 
 # (max pairs per expert, GEMM1 config, GEMM2 config): the winners of graph-replay sweeps on the H200
-# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 seed and hardware mode, torch 2.11,
+# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 vLLM and hardware mode, torch 2.11,
 # triton 3.6, 2026-11-30; benchmarks/h200_fp4_sweep_operand_layout.json, and with the rotate decode
 # benchmarks/h200_decode_rotate.json, h200_fp4_sweep.json: NVFP4's heavier
 # decode prefers 64-row tiles at 16 pairs an expert, 0.244 vs 0.281 ms). The a1 QDQ runs as its own pass
@@ -334,7 +334,7 @@ def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int, nvfp4: bool =
 
 # One prepared 32-bit word -> its eight elements, scaled (outputs $0..$7: elements 0..7, i.e. $0..$3
 # the half tile K 0..63, $4..$7 K 64..127). $8 the word; $9 / $10 the scale multiplier of elements
-# 0..3 / 4..7 (bf16x2 bits, the value twice; or, for the seed's NVFP4, fp32 bits).
+# 0..3 / 4..7 (bf16x2 bits, the value twice; or, for vLLM's NVFP4, fp32 bits).
 # Four rotate-and-mask steps (``FP4Weights``' bit layout) give four bf16x2 registers r0..r3, each
 # two codes as the bf16 bits ((c & 7) << 6) | ((c & 8) << 12): the e2m1 exponent and mantissa at
 # the top of bf16's fields (a bf16 subnormal for c & 7 == 1), which is e2m1 * 2**-126 exactly.
@@ -363,7 +363,7 @@ mul.rn.bf16x2 r1, r1, $9;
 mul.rn.bf16x2 r2, r2, $10;
 mul.rn.bf16x2 r3, r3, $10;
 """
-# the seed's NVFP4 product bf16(fp32(e2m1) * B): each bf16 -> fp32 (exact), times B in fp32 ($9, $10), one rounding
+# vLLM's NVFP4 product bf16(fp32(e2m1) * B): each bf16 -> fp32 (exact), times B in fp32 ($9, $10), one rounding
 _TIMES_F32_SCALE = """shl.b32 f0, r0, 16;
 and.b32 f1, r0, 0xFFFF0000;
 shl.b32 f2, r1, 16;
@@ -397,7 +397,7 @@ _REGS = "{\n.reg .b32 c, x, r<4>, f<8>;\n"
 # mode: ue4m3 * 2**117, the 2**9 put back on the accumulator), or two (any E8M0 byte).
 _ASM_WORD_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_SCALE + _WORD_OUT)
 _ASM_WORD_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_SCALE + _WORD_OUT)
-# The seed's NVFP4: B * 2**126 when ``fp4_one_multiply`` holds (the fp32 of a code's bits is e2m1 * 2**-126
+# vLLM's NVFP4: B * 2**126 when ``fp4_one_multiply`` holds (the fp32 of a code's bits is e2m1 * 2**-126
 # exactly, an fp32 subnormal for 0.5: the product is e2m1 * B, rounded once), else the exact e2m1 first.
 _ASM_WORD_SEED_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_F32_SCALE + _WORD_OUT)
 _ASM_WORD_SEED_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_F32_SCALE + _WORD_OUT)
@@ -450,7 +450,7 @@ cvt.f32.f16 f3, x3;
 _ASM_SCALES_E4M3 = tl.constexpr("{" + _E4M3X4_TO_F32 + _each_byte("""mul.rn.f32 f@i, f@i, 0f7A000000;
 cvt.rn.bf16x2.f32 $i, f@i, f@i;
 """) + "}")
-# -> fp32(ue4m3) * g ($5), one fp32 rounding (the seed's per-block multiplier B), fp32 bits
+# -> fp32(ue4m3) * g ($5), one fp32 rounding (vLLM's per-block multiplier B), fp32 bits
 _ASM_SCALES_E4M3_G = tl.constexpr("{" + _E4M3X4_TO_F32 + """mul.rn.f32 $0, f0, $5;
 mul.rn.f32 $1, f1, $5;
 mul.rn.f32 $2, f2, $5;
@@ -593,13 +593,13 @@ def _decode_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.cons
 @triton.jit
 def _nvfp4_qdq_hw(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """NVFP4 QDQ in hardware form: ``e2m1 * s`` (exact in bf16), the ``1 / gs`` left to the caller.
-    Block scale and e2m1 codes are the seed's (``nm.nvfp4_qdq_values``)."""
+    Block scale and e2m1 codes are vLLM's (``nm.nvfp4_qdq_values``)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
     abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
     has_nan = abits > 0x7F800000
     amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
     s, q = nm.nvfp4_scale_and_multiplier(amax, gs, False)
-    e = nm.round_e2m1_signed_like_seed(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
+    e = nm.round_e2m1_signed_like_vllm(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
     dq = e * s[:, :, None]
     dq = tl.where(has_nan[:, :, None], nm.fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
@@ -706,7 +706,7 @@ def fused_fp4_moe_kernel(
     if W_KIND != 0:
         g = tl.load(wg_ptr + expert * wg_stride_e)
         g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
-        if W_KIND == 1 and W_ONE and not nm.INTERPRETING:  # the seed's one-multiply decode: g * 2**126 (exact)
+        if W_KIND == 1 and W_ONE and not nm.INTERPRETING:  # vLLM's one-multiply decode: g * 2**126 (exact)
             # (a g outside [2**-117, 4), a stale ``one_multiply``, gives NaN or Inf weights, never plausible ones)
             g = tl.where(g >= 2.0 ** -117, g * 8.507059173023462e37, float("nan"))
             g_up = tl.where(g_up >= 2.0 ** -117, g_up * 8.507059173023462e37, float("nan"))
@@ -814,7 +814,7 @@ def _launch(a, w: FP4Weights | F6.FP6Weights, c, topk_weights, sorted_ids, exper
     scale_src = a_qdq if a_qdq is not None else a_inv
     a_scale, a_stride = _scale_arg(scale_src, e, unread)
     c_scale, c_stride = _scale_arg(c_qdq, e, unread)
-    w_kind = W_MX if not w.nvfp4 else (W_NVFP4_SEED if mode == MODES["seed"] else W_NVFP4_HW)
+    w_kind = W_MX if not w.nvfp4 else (W_NVFP4_VLLM if mode == MODES["vllm"] else W_NVFP4_HW)
     fp6 = isinstance(w, F6.FP6Weights)
     wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes; FP6: 3K/16 words)
     ws = w.scales.view(torch.int32)  # K/BS bytes a row: a multiple of 4
@@ -876,7 +876,7 @@ def fused_fp4_moe(
     topk_ids: torch.Tensor,
     a1_qdq: ActivationQDQ | None = None,
     a2_qdq: ActivationQDQ | None = None,
-    mode: str = "seed",
+    mode: str = "vllm",
     configs: tuple[FP4Config, FP4Config] | None = None,
 ) -> torch.Tensor:
     """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
@@ -890,7 +890,7 @@ def fused_fp4_moe(
             block scheme; NVFP4 with ``scale`` the encode global scale gs, ``[1]`` or per expert
             ``[E]``; per-tensor FP8 with ``scale`` the decode scale ``[1]``); None (or
             ``ActivationQDQ()``) for weight-only schemes.
-        mode: ``"seed"`` (bf16 operands bit-identical to the seed's dequant and QDQ) or
+        mode: ``"vllm"`` (bf16 operands bit-identical to vLLM's dequant and QDQ) or
             ``"hardware"`` (exact ``element * block_scale`` operands, per-tensor scales on the
             fp32 accumulator); see the module docstring.
         configs: (GEMM1, GEMM2) tiles; None picks from ``FP4_CONFIGS`` by batch size.

@@ -158,7 +158,7 @@ def _nvfp4_qdq_kernel(
     DIVIDE: tl.constexpr, BS: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """NVFP4 QDQ with the seed's arithmetic; encode global scale gs[row // ROWS_PER_GS]."""
+    """NVFP4 QDQ with vLLM's arithmetic; encode global scale gs[row // ROWS_PER_GS]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = rows < R
@@ -291,7 +291,7 @@ def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale=Tru
 
 def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None,
                             check_scale=True):
-    """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (the seed's arithmetic)."""
+    """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (vLLM's arithmetic)."""
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
     if multiplier not in ("reciprocal", "divide"):

@@ -141,7 +141,7 @@ def dummy_qwen3_moe(
     differ, and the warm-up below runs on ``device``).
 
     **Balanced routing** (``balanced_routing=True``, the default). With plain random weights
-    the routing collapses with depth (issue 15): causal attention with random q/k is close to
+    the routing collapses with depth: causal attention with random q/k is close to
     a uniform average over the prefix, so its output is nearly the same vector for every
     token of a sequence, and with 0.02 weights at Qwen3-30B-A3B's widths it is about
     ``1.2 / sqrt(position)`` per element against the token embedding's 0.02. From layer 1 on,
@@ -303,7 +303,7 @@ def _balance_routing(model, seed: int, attn_update_ratio: float, moe_update_rati
             gain = moe_update_ratio * mlp_residual_rms[i] / _rms(y).clamp_min(torch.finfo(torch.float32).tiny)
             w2 = module.experts.down_proj
             # expert by expert: a whole-layer fp32 copy (and its product) added ~1.6 GB at full
-            # size and made this the e2e run's resident peak (issue 11 case 13); same bits
+            # size and made this the e2e run's resident peak; same bits
             for x in range(w2.shape[0]):
                 w2[x].copy_((w2[x].float() * gain).to(w2.dtype))
             y = (y.float() * gain).to(y.dtype)  # the block is linear in w2 (up to w2's bf16 rounding)

@@ -16,7 +16,7 @@ activation dtype), ``quantize_input`` (a1) and ``quantize_intermediate`` (a2); t
 hold packed weights also set ``supports_fused`` and give ``packed_weights`` and ``a2_qdq``.
 The base class never asks which subclass it is.
 
-Backends: ``"triton"`` (Triton kernels, the seed's design: dequantize all experts,
+Backends: ``"triton"`` (Triton kernels, vLLM's emulation design: dequantize all experts,
 then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
 ``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
 epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 run
@@ -120,8 +120,8 @@ class TritonExperts(torch.nn.Module):
     gemm_config = None
     fused_config = None
     fp4_config = None  # (GEMM1, GEMM2) ``FP4Config`` of the FP4 kernel
-    # Numerics of the emulation (``mxlib.moe.emulation``): "seed" or "hardware".
-    numerics = "seed"
+    # Numerics of the emulation (``mxlib.moe.emulation``): "vllm" or "hardware".
+    numerics = "vllm"
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()

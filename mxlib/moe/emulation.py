@@ -9,17 +9,17 @@ QDQ themselves. Build them with ``mxlib.moe.factory.make_emulation_experts``.
 
 Numerics (``numerics=``):
 
-* ``"seed"`` (default): vLLM's emulation bit for bit: weights dequantized to
+* ``"vllm"`` (default): vLLM's emulation bit for bit: weights dequantized to
   ``bf16(e2m1 * (block_scale * global_scale))``, activations QDQ'd to ``bf16(e2m1 * (s / gs))``,
   bf16 GEMMs with fp32 accumulation.
 * ``"hardware"``: what an FP4 tensor-core GEMM computes: operands ``element * block_scale``
   (exact in bf16 for e2m1 x ue4m3 and for every MX element with an in-range E8M0 scale), fp32
   accumulation, and the per-tensor scales (NVFP4 weight ``global_scale``, activation ``1 / gs``)
   multiplying the fp32 GEMM output before its rounding. For OCP MX schemes the operands are the
-  same in both modes (E8M0 scales are exact; static per-tensor FP8 activations keep the seed's
+  same in both modes (E8M0 scales are exact; static per-tensor FP8 activations keep vLLM's
   ``bf16(e4m3 * scale)`` operand in both), so the modes differ for NVFP4 only. Runs on the
   ``torch`` backend (pure PyTorch, ``reference_moe.torch_moe`` with ``output_scales``) and on the
-  ``fused`` backend's FP4 kernel; the seed-style ``triton`` path computes the seed's numerics only.
+  ``fused`` backend's FP4 kernel; the dequantize-then-GEMM ``triton`` path computes vLLM's numerics only.
 
 FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
 the FP4 kernel's layout (``mxlib.kernels.fused_fp4_moe.prepare_fp4_weights``), prepared once
@@ -106,7 +106,7 @@ _PACKED = ("w13_weight", "w2_weight")
 _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
-# seed-style path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
+# dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
 
 
@@ -143,8 +143,8 @@ class QuantizedExperts(TritonExperts):
         return self.hidden_size % tile == 0 and self.intermediate_size % tile == 0
 
     def prefers_fused(self) -> bool:
-        # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the seed-style path at every
-        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; FP8 weights stay seed-style
+        # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
+        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; FP8 weights stay dequantize-then-GEMM
         # (the generic fused kernel is slower there)
         return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
 
@@ -232,17 +232,8 @@ class QuantizedExperts(TritonExperts):
                 PackedWeights(self.w2_weight, self.w2_weight_scale.view(torch.uint8), s,
                               getattr(self, "w2_weight_scale_2", None)))
 
-    # kept for callers of the seed-era private names
-    def _packed(self):
-        return self.packed_weights()
-
-    def _a2_qdq(self):
-        return self.a2_qdq()
 
 
-_NVFP4_LEGACY_ARGS = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
-                      "w2_weight_scale_2", "w13_input_scale", "w2_input_scale", "scale_strategy", "activation_dtype",
-                      "backend", "numerics")
 
 
 class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
@@ -261,14 +252,10 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             used without a reciprocal (``max`` picks the smallest encode scale; the fused backend
             then runs the triton path);
         scale_strategy: how per-expert activation scales become global ones
-            (``unify_input_scales``); ``max`` is the seed's and warns when scales differ;
+            (``unify_input_scales``); ``max`` is vLLM's and warns when scales differ;
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``seed`` (default) or ``hardware`` (module docstring).
-
-    The seed's call with the eight tensors in order (``w13_weight, w13_weight_scale,
-    w13_weight_scale_2, w2_weight, w2_weight_scale, w2_weight_scale_2, w13_input_scale,
-    w2_input_scale``), positional or by keyword, still works.
+        numerics: ``vllm`` (default) or ``hardware`` (module docstring).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -278,15 +265,26 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
     quant_dtype = NVFP4.name
     weight_scheme = NVFP4
 
-    def __init__(self, weights: ExpertWeights | torch.Tensor | None = None, *legacy, **kwargs):
-        args = _nvfp4_args(weights, legacy, kwargs)
-        super().__init__(backend=args.get("backend", "auto"))
-        w: ExpertWeights = args["weights"]
-        w13_input_scale, w2_input_scale = args.get("w13_input_scale"), args.get("w2_input_scale")
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        w13_input_scale: torch.Tensor,
+        w2_input_scale: torch.Tensor,
+        *,
+        scale_strategy: str = "max",
+        activation_dtype: torch.dtype = torch.bfloat16,
+        backend: str = "auto",
+        numerics: str = "vllm",
+    ):
+        super().__init__(backend=backend)
+        if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
+            got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
+            raise TypeError(f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), got {got}")
+        w = weights
         bs = NVFP4.block_size
         e, two_i, h_half = w.w13_weight.shape
         h, i = h_half * 2, two_i // 2
-        self._set_dims(e, h, i, args.get("activation_dtype", torch.bfloat16))
+        self._set_dims(e, h, i, activation_dtype)
         u8, f8, f32 = (torch.uint8,), (torch.float8_e4m3fn,), (torch.float32,)
         g13 = w.w13_weight_scale_2
         _check(w.w13_weight, "w13_weight", (e, 2 * i, h // 2), u8)
@@ -317,11 +315,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             g13 = g13[:, 0].contiguous()
         self._register({**w.tensors(), "w13_weight_scale_2": g13, "w13_input_scale": w13_input_scale,
                         "w2_input_scale": w2_input_scale})
-        self.set_scale_strategy(args.get("scale_strategy", "max"))
-        self._set_numerics(args.get("numerics", "seed"))
+        self.set_scale_strategy(scale_strategy)
+        self._set_numerics(numerics)
         if self._hardware() and self.global_scale_kind == "encode":
             raise ValueError("numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
-                             "weights carry encode scales (compressed-tensors): use numerics='seed'")
+                             "weights carry encode scales (compressed-tensors): use numerics='vllm'")
         self._prepare_if_fused()
 
     def set_scale_strategy(self, strategy: str) -> None:
@@ -429,33 +427,6 @@ def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) 
     return unify_input_scales(decode, strategy, name)
 
 
-def _nvfp4_args(weights, legacy: tuple, kwargs: dict) -> dict:
-    """Normalize the two call forms of the NVFP4 experts into ``{"weights": ExpertWeights, ...}``."""
-    if isinstance(weights, ExpertWeights):
-        if legacy:
-            raise TypeError("Nvfp4QuantizationEmulationTritonExperts: pass w13_input_scale, w2_input_scale, "
-                            "scale_strategy, activation_dtype and backend by keyword after an ExpertWeights")
-        return {"weights": weights, **kwargs}
-    positional = (() if weights is None else (weights,)) + tuple(legacy)
-    if len(positional) > len(_NVFP4_LEGACY_ARGS):
-        raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: at most {len(_NVFP4_LEGACY_ARGS)} positional "
-                        f"arguments, got {len(positional)}")
-    args = dict(zip(_NVFP4_LEGACY_ARGS, positional))
-    for k, v in kwargs.items():
-        if k in args:
-            raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: got multiple values for argument {k!r}")
-        if k not in _NVFP4_LEGACY_ARGS:
-            raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: unexpected keyword argument {k!r}")
-        args[k] = v
-    names = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
-             "w2_weight_scale_2")
-    missing = [n for n in names if n not in args]
-    if missing:
-        raise TypeError(f"Nvfp4QuantizationEmulationTritonExperts: missing {missing} (or pass an ExpertWeights)")
-    args["weights"] = ExpertWeights(NVFP4, args.pop("w13_weight"), args.pop("w13_weight_scale"), args.pop("w2_weight"),
-                                    args.pop("w2_weight_scale"), args.pop("w13_weight_scale_2"),
-                                    args.pop("w2_weight_scale_2"))
-    return args
 
 
 class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
@@ -464,15 +435,15 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
     Args:
         scheme: a ``MoEQuantScheme`` or Quark scheme name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2_a_fp8``,
             ... or ``mxfp4``).
-        w13_weight: an ``ExpertWeights`` in the scheme's weight format, or (the seed's form) uint8
-            packed ``[E, 2I, H * bits / 8]`` (FP4: H/2, FP6: 3H/4) followed by w13_weight_scale
-            uint8 E8M0 ``[E, 2I, H/32]``, w2_weight and w2_weight_scale likewise for ``[E, H, I]``;
+        weights: an ``ExpertWeights`` in the scheme's weight format: ``w13_weight`` uint8 packed
+            ``[E, 2I, H * bits / 8]`` (FP4: H/2, FP6: 3H/4), ``w13_weight_scale`` uint8 E8M0
+            ``[E, 2I, H/32]``, ``w2_weight`` and ``w2_weight_scale`` likewise for ``[E, H, I]``;
         w13_input_scale, w2_input_scale: fp32 ``[E]`` static FP8 scales (``amax / 448``), only
             for ``_a_fp8`` schemes (one scale for all experts, the max, as for NVFP4);
         activation_scale_mode: E8M0 rule for the dynamic MX activation QDQ (Quark: ``even``);
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``seed`` (default) or ``hardware``: the same operands for OCP MX (module docstring).
+        numerics: ``vllm`` (default) or ``hardware``: the same operands for OCP MX (module docstring).
 
     Both activation points are quantized whenever the scheme names an activation format: the
     layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
@@ -483,16 +454,14 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
     def __init__(
         self,
         scheme: str | MoEQuantScheme,
-        w13_weight: ExpertWeights | torch.Tensor,
-        w13_weight_scale: torch.Tensor | None = None,
-        w2_weight: torch.Tensor | None = None,
-        w2_weight_scale: torch.Tensor | None = None,
-        w13_input_scale=None,
-        w2_input_scale=None,
+        weights: ExpertWeights,
+        w13_input_scale: torch.Tensor | None = None,
+        w2_input_scale: torch.Tensor | None = None,
+        *,
         activation_scale_mode: str = "even",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str = "seed",
+        numerics: str = "vllm",
     ):
         super().__init__(backend=backend)
         self._set_numerics(numerics)
@@ -502,13 +471,13 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         self.weight_scheme = self.scheme.weight
         self.activation_format = self.scheme.activation
         self.quant_dtype = None if self.activation_format is None else self.activation_format.name
-        if isinstance(w13_weight, ExpertWeights):
-            w = w13_weight
-            if w.scheme != self.weight_scheme:
-                raise ValueError(f"w13_weight: weights are {w.scheme.name}, the scheme {self.scheme.name} "
-                                 f"stores {self.weight_scheme.name}")
-        else:
-            w = ExpertWeights(self.weight_scheme, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
+        if not isinstance(weights, ExpertWeights):
+            raise TypeError(f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got "
+                            f"{type(weights).__name__}")
+        w = weights
+        if w.scheme != self.weight_scheme:
+            raise ValueError(f"weights: quantized as {w.scheme.name}, the scheme {self.scheme.name} "
+                             f"stores {self.weight_scheme.name}")
         wfmt = self.weight_scheme.element
         bs = self.weight_scheme.block_size
         e, two_i, packed_h = w.w13_weight.shape

@@ -96,7 +96,7 @@ def make_emulation_experts(
     scale_strategy: str = "max",
     activation_scale_mode: str = "even",
     activation_dtype: torch.dtype = torch.bfloat16,
-    numerics: str = "seed",
+    numerics: str = "vllm",
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -110,7 +110,7 @@ def make_emulation_experts(
         scale_strategy: NVFP4 activation-scale unification (``mxlib.moe.scales``).
         activation_scale_mode: E8M0 rule of dynamic MX activations.
         activation_dtype: bf16 (default), fp16 or fp32.
-        numerics: ``seed`` (vLLM's emulation, bit for bit) or ``hardware`` (operands
+        numerics: ``vllm`` (vLLM's emulation, bit for bit) or ``hardware`` (operands
             ``element * block_scale``, per-tensor scales on the fp32 GEMM outputs; ``mxlib.moe.emulation``).
 
     Raises:

@@ -49,7 +49,7 @@ def unify_input_scales(
     Args:
         input_scales: ``[E]`` fp32 decode scales (``amax / (6 * 448)``) from the checkpoint,
             one per expert; 0 marks an expert never calibrated.
-        strategy: ``max`` (the seed and FlashInfer: one scale, the max, so nothing clips),
+        strategy: ``max`` (vLLM and FlashInfer: one scale, the max, so nothing clips),
             ``per_expert`` (each expert its own scale), ``mean`` / ``median`` / ``p90`` /
             ``p75`` / ``p50`` (one scale from that statistic of the calibrated experts'
             scales: finer resolution for most experts, clipping for the largest).

@@ -61,10 +61,6 @@ class MoEQuantScheme:
     def __str__(self) -> str:
         return self.name
 
-    @property
-    def weight_scheme(self) -> BlockScheme:
-        """The weight format (``weight``; kept for callers of the string-valued seed API)."""
-        return self.weight
 
     @property
     def static_activation_scale(self) -> bool:

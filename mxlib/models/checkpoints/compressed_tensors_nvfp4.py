@@ -208,7 +208,7 @@ class CompressedTensorsNvfp4Layout:
         def names(proj, what):
             return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
 
-        # the stored encode scales get the range check of decode ones (issue 11): block scales no
+        # the stored encode scales get the range check of decode ones: block scales no
         # NaN or negative e4m3, weight_global_scale in [2**-126, 2**126], input_global_scale also 0
         blocks, gs = block_scale_check(e4m3=True), global_scale_check(what="weight_global_scale")
         ins_ok = global_scale_check(True, "input_global_scale")

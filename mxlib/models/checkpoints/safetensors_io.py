@@ -52,7 +52,7 @@ from .layout import CheckpointError
 __all__ = ["SHARD_BYTES", "WRITER_VERSION", "CHECKPOINT_MARKER", "WRITE_MARKER", "ShardWriter", "write_shards",
            "atomic_folder", "checkpoint_size_bytes", "TensorReader", "INDEX_NAME", "read_json", "is_mxlib_checkpoint"]
 
-# 256 MiB: the writer holds at most one shard's tensors in memory (case 13 of issue 11: peak
+# 256 MiB: the writer holds at most one shard's tensors in memory (peak
 # resident memory while quantizing stays within 1.25x the bf16 model's bytes).
 SHARD_BYTES = 256 * 1024**2
 INDEX_NAME = "model.safetensors.index.json"
