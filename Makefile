@@ -1,7 +1,9 @@
 # Two entry points for a fresh machine; each creates .venv and installs into it.
 #   make workbook   run every notebook on its defaults (papermill), executed copies + HTML under build/
-#   make test       unit tests, Triton kernels under TRITON_INTERPRET=1; every notebook at the tiny
-#                   model preset (tests/test_notebooks.py); nbval over the notebooks with light defaults
+#   make test       the fast tier (unit and Triton-interpreter tests), then the notebook, rendering and
+#                   slow tests (every notebook at the tiny model preset), then nbval over the light notebooks
+# Also: make test-fast (the fast tier alone, a few minutes), make lint (ruff, notebooks without outputs),
+# make lab (JupyterLab on the notebooks), make bench (GPU benchmarks).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +16,7 @@ PYTEST_WORKERS ?= 2
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 export MALLOC_MMAP_THRESHOLD_ ?= 4000000000
 
-.PHONY: install test test-unit test-notebooks workbook bench clean
+.PHONY: install test test-fast test-rest test-notebooks lint workbook bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,17 +27,28 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: test-unit test-notebooks
+test: test-fast test-rest test-notebooks
 
-# Unit and kernel tests: the Triton kernels run in the interpreter on the CPU. tests/test_render.py
-# draws the executed notebooks in headless Chromium: ensure_chromium.sh installs it when it is missing.
-test-unit: $(STAMP)
+PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q
+
+# Unit and kernel tests: the Triton kernels run in the interpreter on the CPU; no notebook, no Chromium.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not notebook and not slow" tests
+
+# Every notebook through papermill at the tiny preset (tests/test_notebooks.py), their HTML drawn in
+# headless Chromium (tests/test_render.py; ensure_chromium.sh installs it when it is missing), and the
+# slow tests.
+test-rest: $(STAMP)
 	sh tools/ensure_chromium.sh
-	TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q tests
+	$(PYTEST) -m "notebook or slow" tests
 
-# Every notebook through papermill at the tiny preset, results read back (tests/test_notebooks.py,
-# also part of test-unit's run of tests/); nbval executes the notebooks whose defaults are light.
-# The full-size defaults (3 B parameters) run in `make workbook` only.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check mxlib tests tools
+	$(VENV)/bin/ruff format --check mxlib tests tools
+	$(VENV)/bin/nbstripout --keep-id --verify notebooks/*.ipynb
+
+# nbval executes the notebooks whose defaults are light; the full-size defaults (3 B parameters) run in
+# `make workbook` only.
 NBVAL_NOTEBOOKS := notebooks/02_microscaling_formats.ipynb notebooks/05_fused_emulation_benchmark.ipynb
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -p no:xdist --nbval-lax -q $(NBVAL_NOTEBOOKS)

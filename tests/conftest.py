@@ -22,6 +22,17 @@ def device() -> str:
     return DEVICE
 
 
+def pytest_collection_modifyitems(config, items):
+    """Markers that follow from what a test uses: a test of an executed notebook is a ``notebook``
+    test (not in ``make test-fast``); a ``gpu`` test is skipped where there is no CUDA device."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "executed_notebook" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.notebook)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+
+
 # ----------------------------------------------------------------------------- executed notebooks
 # tests/test_notebooks.py reads an executed notebook's results JSON, tests/test_render.py renders the
 # same executed copy in Chromium: each (notebook, parameters) runs once per `pytest` run. Under
