@@ -83,7 +83,13 @@ GLOBAL_SCALE_MAX = 2.0**126
 
 
 def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (value checks are skipped then)."""
+    """Whether value checks are skipped: the current CUDA stream is capturing a graph (reading a
+    device tensor's values would synchronize with the host, which capture forbids), or
+    ``torch.compile`` is tracing (a data-dependent branch would break the graph). Shape and dtype
+    checks always run; a captured or compiled forward must be given valid scales and ids, which
+    the same call in eager mode checks."""
+    if torch.compiler.is_compiling():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

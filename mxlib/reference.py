@@ -193,9 +193,7 @@ def round_to_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Ten
     r = ((bits + ((1 << (shift - 1)) - 1) + lsb) & -(1 << shift)).view(torch.float32)
     big = fmt.min_subnormal * 2.0**23
     r = torch.where(a < fmt.min_normal, (a + big) - big, r)
-    r = torch.clamp(r, max=fmt.max)
-    if torch.isnan(a).any():
-        r = torch.where(torch.isnan(a), a, r)
+    r = torch.where(torch.isnan(a), a, torch.clamp(r, max=fmt.max))
     return torch.copysign(r, x)
 
 
@@ -230,12 +228,11 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     sub_code = (a * (2.0 ** (fmt.bias - 1 + fmt.mbits))).to(torch.int32)
     mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
     nan = torch.isnan(r)
-    if nan.any():
-        if fmt.has_nan_code:
-            mag = torch.where(nan, fmt.nan_code, mag)
-        else:
-            mag = torch.where(nan, 0, mag)
-            sign = torch.where(nan, 0, sign)
+    if fmt.has_nan_code:
+        mag = torch.where(nan, fmt.nan_code, mag)
+    else:
+        mag = torch.where(nan, 0, mag)
+        sign = torch.where(nan, 0, sign)
     code = torch.bitwise_left_shift(sign, fmt.ebits + fmt.mbits) | mag
     return code.to(torch.uint8)
 
