@@ -163,9 +163,10 @@ def predicted_db_lost(ratio: float, activation: BlockScheme | PerTensorScheme) -
 
 
 def config_description(folder: Path) -> CheckpointDescription:
-    """The steps of the package's ``read_quant_config`` (which this module, imported by the package,
-    cannot import): ``config.json``'s ``quantization_config``, else a layout's legacy file, parsed
-    by the layout of its ``quant_method``. Raises ``CheckpointError`` as that does."""
+    """The steps of ``loader.read_quant_config`` without its file checks and message prefixes:
+    ``config.json``'s ``quantization_config``, else a layout's legacy file, parsed by the layout of
+    its ``quant_method``. Raises the layout parser's ``CheckpointError`` unchanged (the inspector
+    reports its message as a problem; the dummy builder raises it)."""
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: config.json not found")
