@@ -1,10 +1,11 @@
 """Quantized Qwen3-MoE checkpoints in the real on-disk layouts: the writer, the loader, the inspector.
 
-One module per layout, each owning its config writing, its config reading (into a typed
-``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA ModelOpt NVFP4),
-``quark_ocp_mx`` (AMD Quark OCP MX) and ``compressed_tensors_nvfp4`` (llm-compressor's
-``nvfp4-pack-quantized``, encode global scales used as stored). Each registers itself when
-imported below; ``LAYOUTS`` lists them in this import order.
+One module per layout, each a ``layout.CheckpointLayout`` owning its config writing, its config
+reading (into a typed ``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA
+ModelOpt NVFP4), ``quark_ocp_mx`` (AMD Quark OCP MX) and ``compressed_tensors_nvfp4``
+(llm-compressor's ``nvfp4-pack-quantized``, encode global scales used as stored). They are
+registered below, in the order ``LAYOUTS`` lists them; ``DEFAULT_LAYOUT`` names the one a scheme
+is written in when the caller names none.
 
 * ``writer``: ``write_quantized_checkpoint`` (a bf16 model's experts, and optionally attention,
   quantized and streamed into shards; an atomic folder write);
@@ -14,18 +15,19 @@ imported below; ``LAYOUTS`` lists them in this import order.
   scalars only;
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
 * ``safetensors_io``: shards, the index, the atomic folder write, tensor reading;
-  ``layout``: the registry and exclude-list matching; ``scalars``: scalar scales.
+  ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
 """
 
-# registers the layouts, in this order
-from . import modelopt_nvfp4, quark_ocp_mx, compressed_tensors_nvfp4  # noqa: I001
+from . import compressed_tensors_nvfp4, modelopt_nvfp4, quark_ocp_mx
 from .dummy import dummy_checkpoint_from_config
 from .inspect import InspectReport, inspect_checkpoint
 from .layout import (
+    DEFAULT_LAYOUT,
     LAYOUTS,
     PROJS,
     CheckpointDescription,
     CheckpointError,
+    CheckpointLayout,
     check_exclude_patterns,
     layout_for_method,
     layout_for_scheme,
@@ -39,6 +41,7 @@ from .writer import ATTENTION_PROJS, write_quantized_checkpoint
 __all__ = [
     "CheckpointError",
     "CheckpointDescription",
+    "CheckpointLayout",
     "write_quantized_checkpoint",
     "load_quantized_qwen3_moe",
     "read_quant_config",
@@ -47,6 +50,7 @@ __all__ = [
     "dummy_checkpoint_from_config",
     "checkpoint_size_bytes",
     "LAYOUTS",
+    "DEFAULT_LAYOUT",
     "register_layout",
     "layout_for_scheme",
     "layout_for_method",
@@ -63,3 +67,8 @@ __all__ = [
     "modelopt_nvfp4",
     "quark_ocp_mx",
 ]
+
+# mxlib's layouts, in the order LAYOUTS lists them (and error messages name them)
+for _layout in (modelopt_nvfp4.LAYOUT, quark_ocp_mx.LAYOUT, compressed_tensors_nvfp4.LAYOUT):
+    register_layout(_layout)
+del _layout

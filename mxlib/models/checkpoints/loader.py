@@ -173,7 +173,7 @@ def load_quantized_qwen3_moe(
             continue
         module = name.rsplit(".", 1)[0]
         if f"{module}.weight_scale" in tensors and not matches(module, exclude):
-            if not isinstance(modules[module], torch.nn.Linear) or not hasattr(layout, "read_linear"):
+            if not isinstance(modules[module], torch.nn.Linear) or not layout.supports_linear:
                 raise CheckpointError(
                     f"{module} is quantized in this checkpoint; mxlib emulates quantized experts and linear layers "
                     f"only, so it must be bf16 and listed in the ignore/exclude list"

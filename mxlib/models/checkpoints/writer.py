@@ -2,8 +2,8 @@
 
 ``write_quantized_checkpoint(model, scheme, path, calibration)`` quantizes the experts (and, with
 ``quantize_attention``, the attention projections) and writes them with the tensor names and
-config files of the layout: the first registered one that stores the scheme, or the one the
-caller names. Everything the emulation does not
+config files of the layout (``layout.CheckpointLayout``): the one ``DEFAULT_LAYOUT`` names for
+the scheme's weight format, or the one the caller names. Everything the emulation does not
 quantize is bf16 under its usual transformers name and listed in the ignore / exclude list.
 Experts are quantized one at a time and streamed into shards (``safetensors_io.ShardWriter``);
 the folder is written under a temporary name and renamed into place at the end
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...moe.factory import quantize_expert_weights, quantize_linear_weight
+from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..calibration import Calibration
 from ..qwen3 import expert_weights
@@ -60,14 +60,14 @@ def write_quantized_checkpoint(
     Args:
         model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
         scheme: ``nvfp4`` (ModelOpt layout) or a Quark OCP MX scheme (Quark layout); the layout is
-            the first registered one that stores the scheme.
+            the one ``layout.DEFAULT_LAYOUT`` names for the scheme's weight format.
         path: the checkpoint folder: absent, empty, or an earlier mxlib checkpoint (replaced
             atomically); anything else needs ``overwrite=True``.
         calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
             needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
         shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
-            takes the first that stores the scheme (``nvfp4`` -> ``modelopt``).
+            takes the scheme's default (``DEFAULT_LAYOUT``: ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``).
         quantize_attention: also quantize ``self_attn.{q,k,v,o}_proj`` (as ModelOpt's default NVFP4
             config and llm-compressor's NVFP4 scheme do) instead of leaving them bf16 and ignored.
         linear_input_amax: ``{module name: amax}`` of those projections' inputs
@@ -102,10 +102,6 @@ def write_quantized_checkpoint(
         if missing:
             raise ValueError(f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
                              f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}")
-    # a layout's own expert quantization (``quantize_experts``, e.g. compressed-tensors' encode
-    # scales) is called once per layer; the default quantizes expert by expert
-    layout_quantize = getattr(layout, "quantize_experts", None)
-    quantize_linear = getattr(layout, "quantize_linear", None) or quantize_linear_weight
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
         shards = ShardWriter(tmp, shard_bytes)
@@ -119,11 +115,13 @@ def write_quantized_checkpoint(
             ins = None
             if scheme.static_activation_scale:
                 ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
-            for n, t in layout.linear_tensors(scheme, quantize_linear(w, scheme), ins, name).items():
+            for n, t in layout.linear_tensors(scheme, layout.quantize_linear(w, scheme), ins, name).items():
                 shards.add(n, t, copy=True)
         for layer in range(num_layers):
             w13, w2 = expert_weights(model, layer)
-            layer_weights = None if layout_quantize is None else layout_quantize(w13, w2, scheme)
+            # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
+            # layer; without one (None) the experts are quantized one at a time below
+            layer_weights = layout.quantize_experts(w13, w2, scheme)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)
