@@ -14,7 +14,7 @@ is written in when the caller names none.
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
   scalars only;
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
-* ``safetensors_io``: shards, the index, the atomic folder write, tensor reading;
+* ``safetensors_io``: shards, the index, the atomic folder write, tensor and header reading;
   ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
 """
 

@@ -9,7 +9,8 @@ What it reads:
 
 * ``config.json`` (and legacy files such as ``hf_quant_config.json``) through the layout registry
   (the steps of the loader's ``read_quant_config``: the same layout parsers);
-* every safetensors header (names, dtypes, shapes: a few kB per shard);
+* every safetensors header (names, dtypes, shapes: a few kB per shard), through
+  ``safetensors_io.SafetensorsHeaders`` (the loader's index checks, then each shard's header);
 * the data of the **scale scalars only**: tensors whose names end in ``input_scale``,
   ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
   ``input_global_scale``). Never ``weight``, ``weight_packed`` or the ``weight_scale`` block scales.
@@ -56,7 +57,7 @@ from ... import reference as R
 from ...formats import BlockScheme, PerTensorScheme, get_element_format
 from ...moe.scales import SCALE_STRATEGIES, unify_input_scales
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_method, matches
-from .safetensors_io import INDEX_NAME, TensorReader
+from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
 
 __all__ = [
     "InspectReport",
@@ -83,19 +84,8 @@ _EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(\w+
 _LAYER_NUM = re.compile(r"\.layers\.\d+\.")
 _EXPERT_NUM = re.compile(r"\.experts\.\d+\.")
 
-# safetensors header dtype -> torch dtype (for the meta tensors of the layout check)
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
-    if hasattr(torch, _attr):
-        _DTYPES[_name] = getattr(torch, _attr)
-
 # own * fp32(1 / unified) is 1 only to fp32 rounding for the expert that sets the unified scale
 _RATIO_TOL = 2.0**-20
-_FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
 _FUSED_EXPERTS = ("gate_up_proj", "down_proj")
 _ROW_GRID_LOG2 = [x / 4 for x in range(-160, 33)]  # log2 r from -40 to 8 in quarter steps
 
@@ -178,118 +168,7 @@ def config_description(folder: Path) -> CheckpointDescription:
     return layout_for_method(qc.get("quant_method")).read_config(qc)
 
 
-class _Headers:
-    """Names, dtypes, shapes and data offsets of every tensor, parsed from the safetensors headers
-    (an 8-byte little-endian length, then a JSON object ``{name: {dtype, shape, data_offsets}}``,
-    then the data); ``read_scales`` reads the data of the scale scalars only, and counts it."""
-
-    def __init__(self, folder: Path):
-        index = folder / INDEX_NAME
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / "model.safetensors").exists():
-            files = ["model.safetensors"]
-        else:
-            raise CheckpointError(f"{folder}: no model.safetensors or {INDEX_NAME}")
-        self.folder = folder
-        self.files = files
-        self.where: dict[str, str] = {}
-        self.dtype: dict[str, str] = {}
-        self.shape: dict[str, tuple[int, ...]] = {}
-        self.span: dict[str, tuple[int, int]] = {}  # absolute byte range of the data in its file
-        self.tensors_read = 0
-        self.bytes_read = 0
-        for fname in files:
-            path = folder / fname
-            if not path.exists():
-                raise CheckpointError(f"{folder}: {INDEX_NAME} lists {fname}, which does not exist")
-            with open(path, "rb") as f:
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                size = path.stat().st_size
-                if not 2 <= n <= size - 8:
-                    raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for name, meta in header.items():
-                begin, end = meta["data_offsets"]
-                self.where[name] = fname
-                self.dtype[name] = meta["dtype"]
-                self.shape[name] = tuple(meta["shape"])
-                self.span[name] = (8 + n + begin, 8 + n + end)
-
-    def read_scales(self) -> dict[str, float]:
-        """Every tensor whose name ends in one of ``SCALE_SUFFIXES``, as Python floats (exact
-        widening of fp32/bf16/fp16/fp64), one per name.
-
-        Raises:
-            CheckpointError: a scale tensor of more than one element, or of a non-float dtype.
-        """
-        names = [n for n in self.where if n.endswith(SCALE_SUFFIXES)]
-        for n in names:
-            if math.prod(self.shape[n]) != 1:
-                raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])}")
-            if self.dtype[n] not in _FLOAT_SCALARS:
-                raise CheckpointError(f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found "
-                                      f"{self.dtype[n]}")
-        raw: dict[str, list[tuple[str, bytes]]] = {}
-        by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.where[n], []).append(n)
-        for fname, group in by_file.items():
-            with open(self.folder / fname, "rb") as f:
-                for n in sorted(group, key=lambda x: self.span[x][0]):
-                    begin, end = self.span[n]
-                    f.seek(begin)
-                    data = f.read(end - begin)
-                    self.tensors_read += 1
-                    self.bytes_read += len(data)
-                    raw.setdefault(self.dtype[n], []).append((n, data))
-        out: dict[str, float] = {}
-        for dtype, items in raw.items():
-            values = torch.frombuffer(bytearray(b"".join(d for _, d in items)), dtype=_DTYPES[dtype]).double().tolist()
-            out.update(zip((n for n, _ in items), values))
-        return out
-
-
-class _MetaHandle:
-    """Stands in for an open safetensors file: ``get_tensor`` gives a ``meta`` tensor of the
-    header's dtype and shape, so a layout's ``read_experts`` checks everything and reads nothing."""
-
-    def __init__(self, headers: _Headers):
-        self._h = headers
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        if name not in self._h.dtype:
-            raise KeyError(name)
-        dtype = _DTYPES.get(self._h.dtype[name])
-        if dtype is None:
-            raise CheckpointError(f"tensor {name!r}: safetensors dtype {self._h.dtype[name]} is not one torch reads")
-        return torch.empty(self._h.shape[name], dtype=dtype, device="meta")
-
-
-class _HeaderReader(TensorReader):
-    """The loader's ``TensorReader`` (same checks and messages) over the headers only."""
-
-    def __init__(self, headers: _Headers):
-        self.weight_map = dict(headers.where)
-        self.folder = headers.folder
-        self._handle = _MetaHandle(headers)
-        self._name = None
-        self._keys = set(headers.dtype)
-
-    def _open(self, fname: str):
-        return self._handle
-
-    def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Dtype and shape checks of every named tensor (``TensorReader.get``); the value checks
-        (``check``) need the data and are left to the loader. ``out`` (never written) or a meta tensor."""
-        for n in names:
-            self.get(n, shape, dtype)
-        return out if out is not None else torch.empty((len(names), *shape), dtype=dtype, device="meta")
-
-
-def _expert_tensors_by_layer(h: _Headers) -> dict[int, dict[str, tuple]]:
+def _expert_tensors_by_layer(h: SafetensorsHeaders) -> dict[int, dict[str, tuple]]:
     """``{layer: {"E.proj.suffix": (dtype, shape)}}`` of the per-expert tensors, from the headers."""
     out: dict[int, dict[str, tuple]] = {}
     for name in h.where:
@@ -427,7 +306,7 @@ def _kind(module: str) -> str:
     return "other"
 
 
-def _modules(h: _Headers) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[str]]]:
+def _modules(h: SafetensorsHeaders) -> tuple[dict[str, list[dict]], list[dict], dict[str, list[str]]]:
     """Quantized modules (those with a ``weight_scale``) and unquantized 2-D float weights, grouped;
     and the quantized modules' names by kind."""
     tensors_of: dict[str, set[str]] = {}
@@ -611,9 +490,9 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     except CheckpointError as err:
         info = None
         problems.append(f"config: {err}")
-    headers = _Headers(folder)
+    headers = SafetensorsHeaders(folder)
     quantized, unquantized, quantized_names = _modules(headers)
-    scales = headers.read_scales()
+    scales = headers.read_scalars([n for n in headers.where if n.endswith(SCALE_SUFFIXES)])
     act, gate_up_differ, weight = _expert_scales(scales)
 
     # transformers 5 writes num_experts as num_local_experts
@@ -628,7 +507,8 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
             if checked:
                 # the layout's own checks on the first quantized layer (meta tensors: nothing read),
                 # then every other layer must hold the same expert tensors (names, dtypes, shapes)
-                layout.read_experts(_HeaderReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i, info)
+                layout.read_experts(HeaderTensorReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i,
+                                    info)
                 by_layer = _expert_tensors_by_layer(headers)
                 first = by_layer.get(checked[0], {})
                 for layer in checked[1:]:
