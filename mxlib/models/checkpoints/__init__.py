@@ -12,7 +12,7 @@ is written in when the caller names none.
 * ``loader``: ``read_quant_config`` and ``load_quantized_qwen3_moe`` (emulation experts, and
   ``mxlib.moe.linear.EmulatedLinear`` for quantized linear layers outside the experts);
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
-  scalars only;
+  scalars only (``inspect_tables``, ``inspect_loss``: its tables and its predicted losses);
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
 * ``safetensors_io``: shards, the index, the atomic folder write, tensor and header reading;
   ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
