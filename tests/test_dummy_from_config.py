@@ -15,8 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib.cli import main as cli_main
-from mxlib.models.checkpoints import (LAYOUTS, CheckpointDescription, CheckpointError, dummy_checkpoint_from_config,
-                                      inspect_checkpoint, load_quantized_qwen3_moe)
+from mxlib.models.checkpoints import (LAYOUTS, CheckpointDescription, CheckpointError, CheckpointLayout,
+                                      dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_qwen3_moe)
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights
@@ -116,7 +116,7 @@ def _default_modelopt_config(tmp_path) -> Path:
     return src
 
 
-WRITES_LINEARS = hasattr(LAYOUTS["modelopt"], "linear_tensors")
+WRITES_LINEARS = LAYOUTS["modelopt"].supports_linear
 
 
 @pytest.mark.skipif(WRITES_LINEARS, reason="the ModelOpt layout writes quantized linear layers")
@@ -184,7 +184,7 @@ def test_cli_dummy_from_config(tmp_path, capsys):
     assert data["logits_finite"] is True and data["layers"] == 1 and data["num_experts"] == E
 
 
-class _EncodeLayout:
+class _EncodeLayout(CheckpointLayout):
     """A layout registered only for this test: other tensor names, encode global scales of shape
     [1] (as compressed-tensors stores them) and its own quantize_experts, so that the builder and
     the inspector are seen to dispatch through the registry, not on the two layouts they know."""
@@ -194,6 +194,9 @@ class _EncodeLayout:
 
     def handles(self, scheme):
         return False
+
+    def config_files(self, scheme, quantize_attention=False):
+        raise NotImplementedError("this test layout is only read, and written from a config")
 
     def read_legacy(self, folder):
         return None

@@ -70,7 +70,7 @@ def _input_scales(state, layer):
 
 
 class _Recorder:
-    """Wraps ``open`` in the inspector's module: records the byte range of every ``read``."""
+    """Wraps ``open`` in the header reader's module (``safetensors_io``): records the byte range of every ``read``."""
 
     reads: list = []
 
@@ -111,7 +111,7 @@ def _spans(path: Path) -> dict:
 def test_reads_only_the_scale_scalars(ckpts, monkeypatch, key):
     path = ckpts[key]
     _Recorder.reads = []
-    monkeypatch.setattr(I, "open", _Recorder, raising=False)
+    monkeypatch.setattr(safetensors_io, "open", _Recorder, raising=False)
 
     def no_open(*a, **k):
         raise AssertionError("the layout check opened a safetensors file")

@@ -44,9 +44,9 @@ from .layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
+    CheckpointLayout,
     block_scale_check,
     global_scale_check,
-    register_layout,
 )
 from .scalars import read_scalar_scales
 
@@ -87,9 +87,10 @@ def quantize_nvfp4_encode(x: torch.Tensor, global_scale: torch.Tensor | None = N
     return packed, s.to(torch.float8_e4m3fn), gs.clone()
 
 
-class CompressedTensorsNvfp4Layout:
+class CompressedTensorsNvfp4Layout(CheckpointLayout):
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
+    supports_linear = True
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme.weight == NVFP4 and scheme.activation == NVFP4
@@ -250,4 +251,4 @@ class CompressedTensorsNvfp4Layout:
         return LinearWeights(NVFP4, w, s, g.reshape(()), global_scale_kind="encode"), ins.reshape(1)
 
 
-LAYOUT = register_layout(CompressedTensorsNvfp4Layout())
+LAYOUT = CompressedTensorsNvfp4Layout()  # registered by the package's __init__

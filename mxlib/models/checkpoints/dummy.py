@@ -8,9 +8,10 @@ it when the scheme has static activation scales, quantizes its experts and write
 tensors of the layout the config names (looked up in the layout registry by ``quant_method``, so
 every registered layout works, the ones added later included). Linear layers the config quantizes
 (attention projections not in its ignore list) are written with the layout's ``linear_tensors``
-where the layout has it, their static input scales from the same calibration forward. The config files are written back
-unchanged except for the sizes you override: the same ``quantization_config``, the same ignore /
-exclude lists, the same producer, the same ``hf_quant_config.json``.
+where the layout has ``supports_linear``, their static input scales from the same calibration
+forward. The config files are written back unchanged except for the sizes you override: the same
+``quantization_config``, the same ignore / exclude lists, the same producer, the same
+``hf_quant_config.json``.
 
 ``num_hidden_layers`` cuts the model as vLLM's ``hf_overrides`` does; ``model_preset`` (a key of
 ``mxlib.models.qwen3.MODEL_PRESETS``: ``small``, ``tiny``) and ``overrides`` shrink hidden size,
@@ -27,7 +28,6 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig
 
-from ...moe import factory as _factory
 from ...moe.factory import quantize_expert_weights
 from ..calibration import calibrate
 from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
@@ -87,7 +87,7 @@ def dummy_checkpoint_from_config(
         CheckpointError: no ``config.json``; a quantization config no registered layout reads or
             the emulation does not support (the message names the field); a config that
             quantizes modules other than the MoE experts when the layout writes no quantized
-            linear layers (no ``linear_tensors``), or quantizes modules that are not ``nn.Linear``
+            linear layers (``supports_linear`` false), or quantizes modules that are not ``nn.Linear``
             (the routers).
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
     """
@@ -115,13 +115,13 @@ def dummy_checkpoint_from_config(
     model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
     modules = dict(model.named_modules())
     quantized_linears = [m for m in _linear_modules(model) if not matches(m, info.exclude)]
-    # a layout that stores quantized linear layers (attention) has linear_tensors; its weights are
-    # quantized by the layout's quantize_linear or by the factory's quantize_linear_weight
-    quantize_linear = getattr(layout, "quantize_linear", None) or getattr(_factory, "quantize_linear_weight", None)
+    # a layout that stores quantized linear layers (attention) has supports_linear; their weights are
+    # quantized by the layout's quantize_linear (default: the factory's quantize_linear_weight)
     not_linear = [m for m in quantized_linears if not isinstance(modules.get(m), torch.nn.Linear)]
-    if quantized_linears and (not_linear or not hasattr(layout, "linear_tensors") or quantize_linear is None):
+    if quantized_linears and (not_linear or not layout.supports_linear):
         what = (f"{', '.join(not_linear[:4])}, which are not nn.Linear layers" if not_linear else
-                f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized experts only")
+                f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized "
+                f"experts only")
         raise CheckpointError(
             f"{cfg_path}: the quantization config quantizes {len(quantized_linears)} modules outside the MoE experts "
             f"(not in its ignore/exclude list: {what})"
@@ -139,14 +139,13 @@ def dummy_checkpoint_from_config(
             for hook in hooks:
                 hook.remove()
 
-    # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
-    quantize = getattr(layout, "quantize_experts", None) or quantize_expert_weights
     with atomic_folder(out_dir) as tmp:
         state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()
                  if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax}
         for m in quantized_linears:
             ins = linear_amax[m] / scheme.activation.scale_divisor if scheme.static_activation_scale else None
-            state.update(layout.linear_tensors(scheme, quantize_linear(modules[m].weight.detach(), scheme), ins, m))
+            state.update(layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme),
+                                               ins, m))
         for layer in range(config.num_hidden_layers):
             w13, w2 = expert_weights(model, layer)
             prefix = f"model.layers.{layer}.mlp.experts"
@@ -156,7 +155,10 @@ def dummy_checkpoint_from_config(
                     for proj, w in (("gate_proj", w13[x, :i]), ("up_proj", w13[x, i:]), ("down_proj", w2[x])):
                         state[f"{prefix}.{x}.{proj}.weight"] = w.to(torch.bfloat16).contiguous()
                 continue
-            weights = quantize(w13, w2, scheme)
+            # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
+            weights = layout.quantize_experts(w13, w2, scheme)
+            if weights is None:
+                weights = quantize_expert_weights(w13, w2, scheme)
             in13 = in2 = None
             if calibration is not None:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)

@@ -1,12 +1,13 @@
 """What every checkpoint layout shares: the error type, the typed description a layout reads
-from a config, the registry the writer and loader dispatch on, and exclude-list matching.
+from a config, the ``CheckpointLayout`` base class, the registry the writer and loader dispatch
+on, the default layout of each weight format, and exclude-list matching.
 
-A layout is a module-level object with:
+A layout is an instance of a ``CheckpointLayout`` subclass. It must have:
 
 * ``name`` (``"modelopt"``, ``"quark"``) and ``quant_method`` (the ``quantization_config.quant_method``
   it reads);
 * ``handles(scheme) -> bool``: whether it can store a ``MoEQuantScheme``;
-* ``config_files(scheme) -> (quantization_config, {extra file name: dict})``;
+* ``config_files(scheme, quantize_attention) -> (quantization_config, {extra file name: dict})``;
 * ``read_config(qc) -> CheckpointDescription`` (raises ``CheckpointError`` naming the field);
 * ``read_legacy(folder) -> dict | None``: a ``quantization_config`` from files other than
   ``config.json`` (ModelOpt's ``hf_quant_config.json``), or None;
@@ -14,21 +15,42 @@ A layout is a module-level object with:
 * ``read_experts(tensors, prefix, num_experts, hidden_size, intermediate_size, description)
   -> (ExpertWeights, w13_input_scale | None, w2_input_scale | None)``.
 
-``register_layout(layout)`` adds one; adding a layout is adding one module that calls it.
+It may have (the base class's defaults in brackets):
+
+* ``quantize_experts(w13, w2, scheme) -> ExpertWeights | None``: its own quantization of one
+  layer's experts (compressed-tensors' encode scales) [None: the writers quantize with
+  ``mxlib.moe.factory.quantize_expert_weights``];
+* ``quantize_linear(weight, scheme) -> LinearWeights`` [``quantize_linear_weight``];
+* ``supports_linear`` [False]: True when it stores quantized ``nn.Linear`` layers outside the
+  experts, with ``linear_tensors(scheme, weights, input_scale, name) -> {name: tensor}`` and
+  ``read_linear(tensors, name, out_features, in_features, description) -> (LinearWeights,
+  input_scale | None)`` [both raise ``NotImplementedError``].
+
+``register_layout(layout)`` adds one to ``LAYOUTS``: the package's ``__init__`` registers mxlib's
+layouts in a fixed order; adding a layout is adding one module with its ``CheckpointLayout``
+subclass and registering its instance there. ``DEFAULT_LAYOUT`` names the layout a scheme is
+written in when the caller names none, by the scheme's weight format.
 """
 
 from __future__ import annotations
 
+import abc
 import fnmatch
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import regex
 import torch
 
 from ..._checks import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, bad_block_scale_mask
+from ...formats import BLOCK_SCHEMES, NVFP4, BlockScheme
+from ...moe.emulation import ExpertWeights
+from ...moe.factory import quantize_linear_weight
+from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme
 
-__all__ = ["CheckpointError", "CheckpointDescription", "LAYOUTS", "register_layout", "layout_for_scheme",
+__all__ = ["CheckpointError", "CheckpointDescription", "CheckpointLayout", "LAYOUTS", "DEFAULT_LAYOUT",
+           "register_layout", "layout_for_scheme",
            "layout_for_method", "matches", "check_exclude_patterns", "PROJS", "global_scale_check",
            "block_scale_check", "REGEX_TIMEOUT_S"]
 
@@ -64,24 +86,111 @@ class CheckpointDescription:
         return ("format", "scheme", "exclude", "activation_scale_mode")
 
 
-LAYOUTS: dict[str, object] = {}
+class CheckpointLayout(abc.ABC):
+    """One on-disk layout of quantized Qwen3-MoE checkpoints: its config files, its config parser
+    and its tensor names (module docstring: what a layout must and may have).
+
+    Subclasses set ``name`` and ``quant_method`` as class attributes and implement the abstract
+    methods; ``register_layout(instance)`` makes the writer, the loader, the inspector and the
+    dummy-from-config builder use it.
+    """
+
+    # True when the layout stores quantized nn.Linear layers outside the experts (attention
+    # projections): it then implements linear_tensors and read_linear
+    supports_linear: bool = False
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The registry key and ``CheckpointDescription.format`` (``"modelopt"``)."""
+
+    @property
+    @abc.abstractmethod
+    def quant_method(self) -> str:
+        """The ``quantization_config.quant_method`` the layout reads (``"modelopt"``)."""
+
+    @abc.abstractmethod
+    def handles(self, scheme: MoEQuantScheme) -> bool:
+        """Whether the layout can store ``scheme``."""
+
+    @abc.abstractmethod
+    def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
+        """``(quantization_config, {extra file name: JSON object})`` of a checkpoint of ``scheme``."""
+
+    @abc.abstractmethod
+    def read_config(self, qc: dict) -> CheckpointDescription:
+        """The typed description of a ``quantization_config``; ``CheckpointError`` naming the field."""
+
+    @abc.abstractmethod
+    def read_legacy(self, folder: Path) -> dict | None:
+        """A ``quantization_config`` from files other than ``config.json``, or None."""
+
+    @abc.abstractmethod
+    def expert_tensors(self, scheme: MoEQuantScheme, weights: ExpertWeights, w13_input_scale, w2_input_scale,
+                       prefix: str) -> dict:
+        """``{tensor name: tensor}`` of one layer's experts (``prefix``: ``model.layers.L.mlp.experts``)."""
+
+    @abc.abstractmethod
+    def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
+        """``(ExpertWeights, w13_input_scale | None, w2_input_scale | None)`` of one layer's ``e``
+        experts, read and checked through a ``TensorReader``."""
+
+    def quantize_experts(self, w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme) -> ExpertWeights | None:
+        """The layout's own quantization of one layer's experts (``w13 [E, 2I, H]``, ``w2 [E, H, I]``),
+        called once per layer; None (this default): the writers quantize with
+        ``mxlib.moe.factory.quantize_expert_weights`` (the checkpoint writer expert by expert)."""
+        return None
+
+    def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
+        """One quantized ``[out, in]`` linear weight; default ``mxlib.moe.factory.quantize_linear_weight``."""
+        return quantize_linear_weight(weight, scheme)
+
+    def linear_tensors(self, scheme: MoEQuantScheme, weights: LinearWeights, input_scale, name: str) -> dict:
+        """``{tensor name: tensor}`` of one quantized linear layer ``name`` (``supports_linear`` layouts)."""
+        raise NotImplementedError(f"layout {self.name} stores no quantized linear layers (supports_linear is False)")
+
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
+                    description: CheckpointDescription):
+        """``(LinearWeights, input_scale | None)`` of one quantized linear layer (``supports_linear`` layouts)."""
+        raise NotImplementedError(f"layout {self.name} stores no quantized linear layers (supports_linear is False)")
 
 
-def register_layout(layout) -> object:
-    """Add a layout to the registry (keyed by ``layout.name``); returns it."""
+LAYOUTS: dict[str, CheckpointLayout] = {}
+
+# The layout a scheme is written in when the caller names none, by the scheme's weight format.
+DEFAULT_LAYOUT: dict[BlockScheme, str] = {
+    NVFP4: "modelopt",
+    BLOCK_SCHEMES["mxfp4"]: "quark",
+    BLOCK_SCHEMES["mxfp6_e2m3"]: "quark",
+    BLOCK_SCHEMES["mxfp6_e3m2"]: "quark",
+}
+
+
+def register_layout(layout: CheckpointLayout) -> CheckpointLayout:
+    """Add a layout to the registry (keyed by ``layout.name``); returns it.
+
+    Raises:
+        TypeError: ``layout`` is not a ``CheckpointLayout``.
+    """
+    if not isinstance(layout, CheckpointLayout):
+        raise TypeError(f"layout: expected a CheckpointLayout instance, got {type(layout).__name__}")
     LAYOUTS[layout.name] = layout
     return layout
 
 
-def layout_for_scheme(scheme: MoEQuantScheme):
-    """The first registered layout that can store ``scheme``."""
-    for layout in LAYOUTS.values():
-        if layout.handles(scheme):
-            return layout
-    raise ValueError(f"no checkpoint layout stores scheme {scheme.name}; layouts: {list(LAYOUTS)}")
+def layout_for_scheme(scheme: MoEQuantScheme) -> CheckpointLayout:
+    """The layout ``DEFAULT_LAYOUT`` names for ``scheme``'s weight format.
+
+    Raises:
+        ValueError: no default layout for the weight format, or one that does not store ``scheme``.
+    """
+    layout = LAYOUTS.get(DEFAULT_LAYOUT.get(scheme.weight))
+    if layout is None or not layout.handles(scheme):
+        raise ValueError(f"no checkpoint layout stores scheme {scheme.name}; layouts: {list(LAYOUTS)}")
+    return layout
 
 
-def layout_for_method(method):
+def layout_for_method(method) -> CheckpointLayout:
     """The registered layout that reads ``quantization_config.quant_method == method``."""
     for layout in LAYOUTS.values():
         if layout.quant_method == method:

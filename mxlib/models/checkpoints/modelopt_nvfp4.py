@@ -31,9 +31,9 @@ from .layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
+    CheckpointLayout,
     block_scale_check,
     global_scale_check,
-    register_layout,
 )
 from .safetensors_io import read_json
 from .scalars import read_scalar_scales
@@ -46,9 +46,10 @@ _EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "model.embed_tokens", "model.layers.*
 _LEGACY_FILE = "hf_quant_config.json"
 
 
-class ModelOptNvfp4Layout:
+class ModelOptNvfp4Layout(CheckpointLayout):
     name = "modelopt"
     quant_method = "modelopt"
+    supports_linear = True
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme.weight == NVFP4 and scheme.activation == NVFP4
@@ -104,7 +105,8 @@ class ModelOptNvfp4Layout:
                         )
                 if g.get("num_bits") not in (None, bits):
                     raise CheckpointError(
-                        f"quantization_config.config_groups.{gname}.{part}.num_bits: expected {bits}, found {g['num_bits']}")
+                        f"quantization_config.config_groups.{gname}.{part}.num_bits: expected {bits}, "
+                        f"found {g['num_bits']}")
         if group_size not in (None, bs):
             raise CheckpointError(f"quantization_config.group_size: NVFP4 uses {bs}, found {group_size}")
         exclude = list(qc.get("ignore") or qc.get("exclude_modules") or [])
@@ -177,4 +179,4 @@ class ModelOptNvfp4Layout:
         return LinearWeights(NVFP4, w, s, g.reshape(())), ins
 
 
-LAYOUT = register_layout(ModelOptNvfp4Layout())
+LAYOUT = ModelOptNvfp4Layout()  # registered by the package's __init__

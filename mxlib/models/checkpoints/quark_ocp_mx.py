@@ -27,16 +27,17 @@ from .layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
+    CheckpointLayout,
     block_scale_check,
     global_scale_check,
-    register_layout,
 )
 from .scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
 
 # Quark's dtype names of the block schemes it stores (and of the per-tensor FP8 activation)
-_DTYPE = {BLOCK_SCHEMES["mxfp4"]: "fp4", BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3", BLOCK_SCHEMES["mxfp6_e3m2"]: "fp6_e3m2"}
+_DTYPE = {BLOCK_SCHEMES["mxfp4"]: "fp4", BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3",
+          BLOCK_SCHEMES["mxfp6_e3m2"]: "fp6_e3m2"}
 _FROM_DTYPE = {v: k for k, v in _DTYPE.items()}
 _FP8_DTYPE = "fp8_e4m3"
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
@@ -58,9 +59,10 @@ def _tensor_config(fmt, scale_mode: str) -> dict | None:
             "observer_cls": "PerBlockMXObserver", "is_scale_quant": False, "block_size": None}
 
 
-class QuarkOcpMxLayout:
+class QuarkOcpMxLayout(CheckpointLayout):
     name = "quark"
     quant_method = "quark"
+    supports_linear = True
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme.weight in _DTYPE
@@ -107,7 +109,8 @@ class QuarkOcpMxLayout:
         wdtype = w.get("dtype")
         if wdtype not in _FROM_DTYPE:
             raise CheckpointError(
-                f"quantization_config.global_quant_config.weight.dtype: supported {sorted(_FROM_DTYPE)}, found {wdtype!r}"
+                f"quantization_config.global_quant_config.weight.dtype: supported {sorted(_FROM_DTYPE)}, "
+                f"found {wdtype!r}"
             )
         weight = _FROM_DTYPE[wdtype]
         self._check_group(w, "weight", weight)
@@ -164,7 +167,8 @@ class QuarkOcpMxLayout:
         exp = qc.get("export") or {}
         if exp.get("weight_format", "real_quantized") != "real_quantized":
             raise CheckpointError(
-                f"quantization_config.export.weight_format: expected 'real_quantized', found {exp.get('weight_format')!r}")
+                f"quantization_config.export.weight_format: expected 'real_quantized', "
+                f"found {exp.get('weight_format')!r}")
         return CheckpointDescription(self.name, scheme, list(qc.get("exclude") or []), mode)
 
     # ----------------------------------------------------------------------------- tensors
@@ -236,4 +240,4 @@ class QuarkOcpMxLayout:
         return LinearWeights(fmt, w, s), ins
 
 
-LAYOUT = register_layout(QuarkOcpMxLayout())
+LAYOUT = QuarkOcpMxLayout()  # registered by the package's __init__

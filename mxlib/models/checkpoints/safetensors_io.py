@@ -20,12 +20,19 @@ Writing (``atomic_folder`` + ``ShardWriter``):
   its tensors are dropped, so a writer holds at most one shard's tensors (copied into one
   buffer per shard, which keeps the heap from fragmenting).
 
-Reading (``TensorReader``): the index (or a single ``model.safetensors``) is validated, every
-shard name must be a plain file name in the folder (no ``..``, no absolute path, no separator),
-and every error (unreadable JSON, a missing or truncated shard, a missing tensor, a wrong dtype
-or shape, an invalid value) is a ``CheckpointError`` naming the file and the tensor. A shard is
-opened at most one at a time (the previous one is closed), so memory-mapped pages of the whole
-checkpoint are never all resident at once.
+Reading (``TensorReader``): the index (or a single ``model.safetensors``) is validated
+(``read_weight_map``), every shard name must be a plain file name in the folder (no ``..``, no
+absolute path, no separator), and every error (unreadable JSON, a missing or truncated shard, a
+missing tensor, a wrong dtype or shape, an invalid value) is a ``CheckpointError`` naming the
+file and the tensor. A shard is opened at most one at a time (the previous one is closed), so
+memory-mapped pages of the whole checkpoint are never all resident at once.
+
+Reading headers only (``SafetensorsHeaders``, for the inspector): the same validated index, then
+each shard's header (an 8-byte little-endian length, then a JSON object ``{name: {dtype, shape,
+data_offsets}}``, then the data) parsed here; ``read_scalars`` reads the data of named
+one-element tensors only. ``HeaderTensorReader`` is a ``TensorReader`` over those headers: its
+tensors are ``meta`` tensors of the header's dtype and shape, so a layout's ``read_experts`` runs
+the loader's dtype and shape checks, with the loader's messages, and reads no data.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import ctypes
 import ctypes.util
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -50,7 +58,8 @@ from safetensors.torch import save_file
 from .layout import CheckpointError
 
 __all__ = ["SHARD_BYTES", "WRITER_VERSION", "CHECKPOINT_MARKER", "WRITE_MARKER", "ShardWriter", "write_shards",
-           "atomic_folder", "checkpoint_size_bytes", "TensorReader", "INDEX_NAME", "read_json", "is_mxlib_checkpoint"]
+           "atomic_folder", "checkpoint_size_bytes", "TensorReader", "INDEX_NAME", "read_json", "is_mxlib_checkpoint",
+           "read_weight_map", "SafetensorsHeaders", "HeaderTensorReader", "SAFETENSORS_DTYPES"]
 
 # 256 MiB: the writer holds at most one shard's tensors in memory (peak
 # resident memory while quantizing stays within 1.25x the bf16 model's bytes).
@@ -344,30 +353,49 @@ def check_shard_name(fname, source: str) -> str:
     return fname
 
 
+SINGLE_FILE = "model.safetensors"
+
+
+def read_weight_map(folder: Path) -> dict[str, str] | None:
+    """The checked ``{tensor name: shard file name}`` of ``folder``'s index, or None when the
+    folder holds a single ``model.safetensors`` and no index.
+
+    Raises:
+        CheckpointError: neither an index nor ``model.safetensors``; an index that is not a JSON
+            object, whose ``weight_map`` is not an object of names, that names a shard which is not
+            a plain file name in the folder, or a shard that is not there (each naming the file).
+    """
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.exists():
+        data = read_json(index, "the safetensors index")
+        wm = data.get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
+            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name, "
+                                  f"found {type(wm).__name__}")
+        weight_map = {k: check_shard_name(v, str(index)) for k, v in wm.items()}
+        for fname in sorted(set(weight_map.values())):
+            if not (folder / fname).is_file():
+                raise CheckpointError(f"{folder / fname}: shard listed in {INDEX_NAME} not found")
+        return weight_map
+    if (folder / SINGLE_FILE).exists():
+        return None
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_NAME}")
+
+
 class TensorReader:
     """Name -> tensor access over a single ``model.safetensors`` or an index of shards, with
     dtype, shape and value checks that name the file and the tensor (module docstring)."""
 
     def __init__(self, folder: Path):
         folder = Path(folder)
-        index = folder / INDEX_NAME
         self.folder = folder
         self._name: str | None = None
         self._handle = None
-        if index.exists():
-            data = read_json(index, "the safetensors index")
-            wm = data.get("weight_map")
-            if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
-                raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name, "
-                                      f"found {type(wm).__name__}")
-            self.weight_map = {k: check_shard_name(v, str(index)) for k, v in wm.items()}
-            for fname in sorted(set(self.weight_map.values())):
-                if not (folder / fname).is_file():
-                    raise CheckpointError(f"{folder / fname}: shard listed in {INDEX_NAME} not found")
-        elif (folder / "model.safetensors").exists():
-            self.weight_map = {k: "model.safetensors" for k in self._open("model.safetensors").keys()}
-        else:
-            raise CheckpointError(f"{folder}: no model.safetensors or {INDEX_NAME}")
+        weight_map = read_weight_map(folder)
+        if weight_map is None:  # a single model.safetensors: its tensor names from safetensors
+            weight_map = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
+        self.weight_map = weight_map
 
     def _open(self, fname: str):
         if self._name != fname:
@@ -421,3 +449,133 @@ class TensorReader:
                     raise CheckpointError(f"tensor {n!r}: {what} (in {self.weight_map[n]})")
             out[x].copy_(t)
         return out
+
+
+# ----------------------------------------------------------------------------- reading headers only
+
+# safetensors header dtype -> torch dtype (F8_E8M0 and F4 where this torch has them)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
+
+_FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
+
+
+class SafetensorsHeaders:
+    """Names, dtypes, shapes and data offsets of every tensor of a checkpoint folder, parsed from
+    the safetensors headers of the shards ``read_weight_map`` lists (module docstring);
+    ``read_scalars`` reads the data of named one-element tensors only, and counts it
+    (``tensors_read``, ``bytes_read``).
+
+    Attributes: ``where`` ``{name: shard file name}``, ``dtype`` ``{name: safetensors dtype
+    string}`` (``"F32"``), ``shape`` ``{name: tuple}``, ``span`` ``{name: (begin, end)}`` absolute
+    byte range of the data in its file; all from the headers (not from the index).
+
+    Raises:
+        CheckpointError: as ``read_weight_map``; a file whose header length does not fit the file.
+    """
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        weight_map = read_weight_map(folder)
+        files = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
+        self.folder = folder
+        self.files = files
+        self.where: dict[str, str] = {}
+        self.dtype: dict[str, str] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.span: dict[str, tuple[int, int]] = {}
+        self.tensors_read = 0
+        self.bytes_read = 0
+        for fname in files:
+            path = folder / fname
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                size = path.stat().st_size
+                if not 2 <= n <= size - 8:
+                    raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name, meta in header.items():
+                begin, end = meta["data_offsets"]
+                self.where[name] = fname
+                self.dtype[name] = meta["dtype"]
+                self.shape[name] = tuple(meta["shape"])
+                self.span[name] = (8 + n + begin, 8 + n + end)
+
+    def read_scalars(self, names: list[str]) -> dict[str, float]:
+        """The named one-element float tensors as Python floats (exact widening of
+        fp32/bf16/fp16/fp64), one per name; each shard is opened once and read in data order.
+
+        Raises:
+            CheckpointError: a named tensor of more than one element, or of a non-float dtype.
+        """
+        for n in names:
+            if math.prod(self.shape[n]) != 1:
+                raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])}")
+            if self.dtype[n] not in _FLOAT_SCALARS:
+                raise CheckpointError(f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found "
+                                      f"{self.dtype[n]}")
+        raw: dict[str, list[tuple[str, bytes]]] = {}
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.where[n], []).append(n)
+        for fname, group in by_file.items():
+            with open(self.folder / fname, "rb") as f:
+                for n in sorted(group, key=lambda x: self.span[x][0]):
+                    begin, end = self.span[n]
+                    f.seek(begin)
+                    data = f.read(end - begin)
+                    self.tensors_read += 1
+                    self.bytes_read += len(data)
+                    raw.setdefault(self.dtype[n], []).append((n, data))
+        out: dict[str, float] = {}
+        for dtype, items in raw.items():
+            values = torch.frombuffer(bytearray(b"".join(d for _, d in items)),
+                                      dtype=SAFETENSORS_DTYPES[dtype]).double().tolist()
+            out.update(zip((n for n, _ in items), values))
+        return out
+
+
+class _MetaHandle:
+    """Stands in for an open safetensors file: ``get_tensor`` gives a ``meta`` tensor of the
+    header's dtype and shape, so a layout's ``read_experts`` checks everything and reads nothing."""
+
+    def __init__(self, headers: SafetensorsHeaders):
+        self._h = headers
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        if name not in self._h.dtype:
+            raise KeyError(name)
+        dtype = SAFETENSORS_DTYPES.get(self._h.dtype[name])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r}: safetensors dtype {self._h.dtype[name]} is not one torch reads")
+        return torch.empty(self._h.shape[name], dtype=dtype, device="meta")
+
+
+class HeaderTensorReader(TensorReader):
+    """The loader's ``TensorReader`` (same checks and messages) over ``SafetensorsHeaders`` only:
+    ``get`` gives ``meta`` tensors, ``stack`` checks dtypes and shapes and reads nothing."""
+
+    def __init__(self, headers: SafetensorsHeaders):
+        self.weight_map = dict(headers.where)
+        self.folder = headers.folder
+        self._handle = _MetaHandle(headers)
+        self._name = None
+        self._keys = set(headers.dtype)
+
+    def _open(self, fname: str):
+        return self._handle
+
+    def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dtype and shape checks of every named tensor (``TensorReader.get``); the value checks
+        (``check``) need the data and are left to the loader. ``out`` (never written) or a meta tensor."""
+        for n in names:
+            self.get(n, shape, dtype)
+        return out if out is not None else torch.empty((len(names), *shape), dtype=dtype, device="meta")

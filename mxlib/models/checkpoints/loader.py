@@ -1,0 +1,238 @@
+"""Reading a quantized Qwen3-MoE checkpoint of any registered layout: its config, then the model.
+
+``read_quant_config(folder)`` parses and validates the quantization config through the layout of
+its ``quant_method`` (``layout.layout_for_method``); ``load_quantized_qwen3_moe(path)`` builds
+transformers' ``Qwen3MoeForCausalLM``, loads every bf16 tensor (``safetensors_io.TensorReader``:
+every tensor checked, every error a ``CheckpointError`` naming the file and the tensor) and
+gives each layer the scheme's emulation experts built from the tensors the layout reads.
+Quantized ``nn.Linear`` modules outside the experts (attention projections not in the ignore
+list) become ``mxlib.moe.linear.EmulatedLinear``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig
+
+from ...moe.base import BACKENDS, TritonExperts
+from ...moe.factory import make_emulated_linear, make_emulation_experts
+from ...moe.linear import LinearWeights
+from ..qwen3 import empty_qwen3_moe, swap_experts
+from .layout import (
+    LAYOUTS,
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    check_exclude_patterns,
+    layout_for_method,
+    matches,
+)
+from .safetensors_io import TensorReader, read_json
+
+__all__ = ["read_quant_config", "load_quantized_qwen3_moe"]
+
+
+def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
+    """Parse and validate a checkpoint's quantization config.
+
+    Reads ``config.json``'s ``quantization_config`` (or, without one, a layout's legacy file such
+    as ModelOpt's ``hf_quant_config.json``) and hands it to the layout of its ``quant_method``.
+
+    Returns:
+        ``CheckpointDescription`` (``format``, ``scheme``, ``exclude``, ``activation_scale_mode``;
+        also readable as ``info["scheme"]``).
+
+    Raises:
+        CheckpointError: a missing or unreadable config file (named), unknown method, or a config
+            the emulation cannot honour; the message names the file, the field, the value found
+            and what is supported.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{folder}: config.json not found")
+    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
+    source = cfg_path
+    if qc is None:
+        for lay in LAYOUTS.values():
+            try:
+                qc = lay.read_legacy(folder)
+            except CheckpointError:
+                raise
+            except (ValueError, OSError, AttributeError, TypeError) as err:
+                raise CheckpointError(f"{folder}: legacy quantization config of layout {lay.name} cannot be read "
+                                      f"({type(err).__name__}: {err})") from None
+            if qc is not None:
+                source = folder
+                break
+    if qc is None:
+        raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, found {type(qc).__name__} "
+                              f"{str(qc)[:80]!r}")
+    try:
+        info = layout_for_method(qc.get("quant_method")).read_config(qc)
+    except CheckpointError as err:
+        raise CheckpointError(f"{source}: {err}") from None
+    except (AttributeError, TypeError, KeyError, ValueError) as err:  # a field of the wrong JSON type
+        raise CheckpointError(f"{source}: quantization_config is malformed ({type(err).__name__}: {err})") from None
+    check_exclude_patterns(info.exclude, f"{source}: quantization_config exclude/ignore list")
+    return info
+
+
+# config.json fields the loader needs, all positive ints
+# (transformers 5 writes num_experts as num_local_experts)
+_CONFIG_INTS = ("hidden_size", "num_hidden_layers", ("num_experts", "num_local_experts"), "num_experts_per_tok",
+                "moe_intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+
+
+def _read_model_config(cfg_path: Path) -> dict:
+    cfg = read_json(cfg_path, "a transformers model config")
+    for keys in _CONFIG_INTS:
+        keys = (keys,) if isinstance(keys, str) else keys
+        key = next((k for k in keys if k in cfg), keys[0])
+        v = cfg.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"{cfg_path}: {key}: expected a positive integer, found {v!r}")
+    return cfg
+
+
+def _experts_excluded(exclude: list[str], layer: int) -> bool:
+    names = [f"model.layers.{layer}.mlp.experts.0.{p}" for p in PROJS]
+    return all(matches(n, exclude) for n in names)
+
+
+@torch.no_grad()
+def load_quantized_qwen3_moe(
+    path: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    scale_strategy: str = "max",
+    activation_dtype: torch.dtype = torch.bfloat16,
+):
+    """Load a quantized Qwen3-MoE checkpoint (any registered layout) with emulation experts.
+
+    Reads ``config.json`` (and legacy config files), validates the quantization config,
+    builds transformers' ``Qwen3MoeForCausalLM`` (``num_hidden_layers`` overrides the
+    checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
+    layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
+    from the per-expert tensors the layout reads.
+
+    Returns:
+        ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
+
+    Quantized ``nn.Linear`` modules outside the experts (attention projections carrying the
+    layout's quantized tensors and not in the ignore list) become ``EmulatedLinear``
+    (``mxlib.moe.factory.make_emulated_linear``): dequantized weight, QDQ'd input with the
+    checkpoint's activation scale.
+
+    Raises:
+        CheckpointError: missing tensors, wrong shapes or dtypes, invalid scale values, unreadable
+            files, unsupported configs, quantized modules that are not linear layers, fused
+            unquantized experts (a Quark export made without ``preprocess_for_quantization``); the
+            message names the file and the tensor or field.
+        ValueError: an unknown ``backend`` or a ``num_hidden_layers`` that is not a positive
+            integer (checked before anything is read).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    if num_hidden_layers is not None and (not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool)
+                                          or num_hidden_layers < 1):
+        raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
+    folder = Path(path)
+    info = read_quant_config(folder)
+    layout = LAYOUTS[info.format]
+    cfg_path = folder / "config.json"
+    cfg_dict = _read_model_config(cfg_path)
+    cfg_dict.pop("quantization_config", None)
+    ckpt_layers = cfg_dict["num_hidden_layers"]
+    if num_hidden_layers is not None:
+        if num_hidden_layers > ckpt_layers:
+            raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
+        cfg_dict["num_hidden_layers"] = num_hidden_layers
+    try:
+        config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items()
+                                   if k not in ("architectures", "transformers_version")})
+    except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
+        raise CheckpointError(f"{cfg_path}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
+    device = torch.device(device)
+    # Parameters are allocated but never written (no pages touched) until loaded below;
+    # the experts' fused bf16 parameters are replaced without ever being paged in.
+    model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
+    tensors = TensorReader(folder)
+    exclude = info.exclude
+
+    modules = dict(model.named_modules())
+    quantized_linears = []
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            continue
+        module = name.rsplit(".", 1)[0]
+        if f"{module}.weight_scale" in tensors and not matches(module, exclude):
+            if not isinstance(modules[module], torch.nn.Linear) or not layout.supports_linear:
+                raise CheckpointError(
+                    f"{module} is quantized in this checkpoint; mxlib emulates quantized experts and linear layers "
+                    f"only, so it must be bf16 and listed in the ignore/exclude list"
+                )
+            if name.endswith(".weight"):
+                quantized_linears.append(module)
+                continue
+        p.data = tensors.get(name, tuple(p.shape), torch.bfloat16).to(device)
+
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+
+    def make(layer: int):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        _refuse_fused_unquantized(tensors, prefix)
+        if _experts_excluded(exclude, layer):
+            return _bf16_experts(tensors, prefix, e, h, i, device, backend)
+        weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
+        to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+        return make_emulation_experts(info.scheme, weights.to(device), to(in13), to(in2), backend=backend,
+                                      scale_strategy=scale_strategy,
+                                      activation_scale_mode=info.activation_scale_mode or "even",
+                                      activation_dtype=activation_dtype)
+
+    swap_experts(model, make)
+    for module in quantized_linears:
+        lin = modules[module]
+        weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)
+        bias = None
+        if lin.bias is not None:
+            bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(activation_dtype).to(device)
+        em = make_emulated_linear(
+            info.scheme, LinearWeights(weights.scheme, weights.weight.to(device), weights.weight_scale.to(device),
+                                       None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
+                                       weights.global_scale_kind),
+            None if ins is None else ins.to(device), bias=bias, backend=backend,
+            activation_scale_mode=info.activation_scale_mode or "even", activation_dtype=activation_dtype)
+        parent, _, child = module.rpartition(".")
+        setattr(modules[parent], child, em)
+    tensors.close()
+    return model.to(device).eval(), info
+
+
+def _refuse_fused_unquantized(tensors: TensorReader, prefix: str) -> None:
+    """A checkpoint with transformers' fused bf16 expert parameters under a quantization config."""
+    for fused in ("gate_up_proj", "down_proj"):
+        for name in (f"{prefix}.{fused}", f"{prefix}.{fused}.weight"):
+            if name in tensors:
+                raise CheckpointError(
+                    f"tensor {name!r}: the experts of this checkpoint are fused and unquantized (transformers' "
+                    f"{fused} parameter in bf16, no per-expert quantized tensors) although its config says they are "
+                    f"quantized. amd-quark writes this when run without "
+                    f"quark.torch.utils.llm.preprocess_for_quantization(model) before quantizing (it quantizes "
+                    f"nothing and still reports success); re-export with that preprocessing step"
+                )
+
+
+def _bf16_experts(tensors: TensorReader, prefix, e, h, i, device, backend):
+    def stack(proj, shape):
+        return tensors.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
+
+    gate, up, down = stack("gate_proj", (i, h)), stack("up_proj", (i, h)), stack("down_proj", (h, i))
+    return TritonExperts(torch.cat([gate, up], 1).to(device), down.to(device), backend=backend)

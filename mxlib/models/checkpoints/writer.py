@@ -1,0 +1,147 @@
+"""Writing a quantized Qwen3-MoE checkpoint from a bf16 model, in any registered layout.
+
+``write_quantized_checkpoint(model, scheme, path, calibration)`` quantizes the experts (and, with
+``quantize_attention``, the attention projections) and writes them with the tensor names and
+config files of the layout (``layout.CheckpointLayout``): the one ``DEFAULT_LAYOUT`` names for
+the scheme's weight format, or the one the caller names. Everything the emulation does not
+quantize is bf16 under its usual transformers name and listed in the ignore / exclude list.
+Experts are quantized one at a time and streamed into shards (``safetensors_io.ShardWriter``);
+the folder is written under a temporary name and renamed into place at the end
+(``safetensors_io.atomic_folder``), so a failed write leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ...moe.factory import quantize_expert_weights
+from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..calibration import Calibration
+from ..qwen3 import expert_weights
+from .layout import LAYOUTS, layout_for_scheme
+from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
+
+__all__ = ["write_quantized_checkpoint", "ATTENTION_PROJS"]
+
+
+def _config_dict(model, num_hidden_layers: int) -> dict:
+    cfg = model.config.to_dict()
+    cfg["num_hidden_layers"] = num_hidden_layers
+    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.pop("quantization_config", None)
+    return cfg
+
+
+ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def write_quantized_checkpoint(
+    model,
+    scheme: str | MoEQuantScheme,
+    path: str | os.PathLike,
+    calibration: Calibration | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    layout: str | None = None,
+    quantize_attention: bool = False,
+    linear_input_amax: dict[str, torch.Tensor] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Quantize a bf16 Qwen3-MoE model's experts (and optionally attention) and write the checkpoint.
+
+    Experts are quantized one at a time and streamed into shards (``ShardWriter``), so the
+    writer holds at most one shard of quantized tensors besides the model.
+
+    Args:
+        model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
+        scheme: ``nvfp4`` (ModelOpt layout) or a Quark OCP MX scheme (Quark layout); the layout is
+            the one ``layout.DEFAULT_LAYOUT`` names for the scheme's weight format.
+        path: the checkpoint folder: absent, empty, or an earlier mxlib checkpoint (replaced
+            atomically); anything else needs ``overwrite=True``.
+        calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
+            needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
+        shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
+        layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
+            takes the scheme's default (``DEFAULT_LAYOUT``: ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``).
+        quantize_attention: also quantize ``self_attn.{q,k,v,o}_proj`` (as ModelOpt's default NVFP4
+            config and llm-compressor's NVFP4 scheme do) instead of leaving them bf16 and ignored.
+        linear_input_amax: ``{module name: amax}`` of those projections' inputs
+            (``mxlib.moe.linear.linear_input_amax``), needed with ``quantize_attention`` by schemes
+            with static activation scales.
+        overwrite: replace whatever is at ``path`` (a file, a user's folder).
+
+    Returns:
+        The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
+
+    Raises:
+        ValueError: a static-activation-scale scheme without ``calibration`` (or without
+            ``linear_input_amax`` for quantized attention); a layout that does not store the scheme.
+        FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
+        PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
+    """
+    scheme = get_moe_scheme(scheme)
+    if layout is None:
+        layout = layout_for_scheme(scheme)
+    else:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
+        layout = LAYOUTS[layout]
+        if not layout.handles(scheme):
+            raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
+    if scheme.static_activation_scale and calibration is None:
+        raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
+    attn = [f"model.layers.{layer}.self_attn.{p}" for layer in range(len(model.model.layers))
+            for p in ATTENTION_PROJS] if quantize_attention else []
+    if attn and scheme.static_activation_scale:
+        missing = [n for n in attn if linear_input_amax is None or n not in linear_input_amax]
+        if missing:
+            raise ValueError(f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
+                             f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}")
+    with atomic_folder(path, overwrite=overwrite) as tmp:
+        num_layers = len(model.model.layers)
+        shards = ShardWriter(tmp, shard_bytes)
+        for name, t in model.state_dict().items():
+            if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn:
+                continue
+            shards.add(name, t.detach().to(torch.bfloat16))
+        modules = dict(model.named_modules())
+        for name in attn:  # quantized attention projections, one at a time
+            w = modules[name].weight.detach()
+            ins = None
+            if scheme.static_activation_scale:
+                ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
+            for n, t in layout.linear_tensors(scheme, layout.quantize_linear(w, scheme), ins, name).items():
+                shards.add(n, t, copy=True)
+        for layer in range(num_layers):
+            w13, w2 = expert_weights(model, layer)
+            # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
+            # layer; without one (None) the experts are quantized one at a time below
+            layer_weights = layout.quantize_experts(w13, w2, scheme)
+            in13 = in2 = None
+            if scheme.static_activation_scale:
+                in13, in2 = calibration.input_scales(layer, scheme.activation)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
+                if layer_weights is None:
+                    weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
+                else:  # expert x of the layout's whole-layer quantization
+                    weights = replace(layer_weights, **{k: v[x : x + 1] for k, v in layer_weights.tensors().items()})
+                one = layout.expert_tensors(scheme, weights, None if in13 is None else in13[x : x + 1],
+                                            None if in2 is None else in2[x : x + 1], prefix)
+                for name, t in one.items():  # the layout names the single expert 0
+                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3:], t, copy=True)
+                del weights, one
+            del layer_weights
+        shards.close()
+        cfg = _config_dict(model, num_layers)
+        qc, extra = layout.config_files(scheme, quantize_attention)
+        cfg["quantization_config"] = qc
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        for fname, content in extra.items():
+            (tmp / fname).write_text(json.dumps(content, indent=2))
+    return Path(path)
