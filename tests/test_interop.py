@@ -93,8 +93,8 @@ LOGITS_FLOOR_DB = {
 }
 # With quantized attention, 4-bit activation QDQ in every projection turns small rounding-order
 # differences into code flips, so bf16 emulation sits further from the tool (16.5 and 18.2 dB);
-# the Quark MX fixtures run in fp32 reproduce Quark's fp32 logits exactly, attention included
-# (test_quark_fp32_emulation_equals_tool_logits): the whole gap is bf16 rounding order. llm-compressor's
+# the Quark MX fixtures run in fp32 reproduce Quark's fp32 logits up to fp32 summation order, attention
+# included (test_quark_fp32_emulation_matches_tool_logits): the whole gap is bf16 rounding order. llm-compressor's
 # activation QDQ rounds the block amax / 6 to bf16 (compressed_tensors_nvfp4_quant_dequant); mxlib
 # emulates vLLM's fp32 rule, which is what vLLM serves these checkpoints with.
 # Measured on the CPU, mxlib torch experts backend: (mxlib vs the tool's logits, mxlib vs bf16,
@@ -315,14 +315,18 @@ def test_logits_agree(name):
         assert floor_tool is None, f"{name}: expected the tool's logits in the fixture"
 
 
-# Quark MX fixtures whose fake-quantized fp32 forward mxlib reproduces exactly (the _a_fp8 one differs:
+# Quark MX fixtures whose fake-quantized fp32 forward mxlib reproduces to fp32 rounding (the _a_fp8 one differs:
 # Quark's fp8 fake quantization uses each expert's own input_scale where vLLM and mxlib take the max).
 FP32_EXACT = _present(["quark_w_mxfp4_a_mxfp4", "quark_w_mxfp4_a_mxfp4_attn", "quark_w_mxfp6_e2m3_a_mxfp6_e2m3"])
 
 
 @pytest.mark.parametrize("name", FP32_EXACT)
-def test_quark_fp32_emulation_equals_tool_logits(name):
-    """Run in fp32 (as Quark's reference forward was), mxlib's emulation gives Quark's logits bit for bit."""
+def test_quark_fp32_emulation_matches_tool_logits(name):
+    """Run in fp32 (as Quark's reference forward was), mxlib's emulation gives Quark's logits up to the
+    order of fp32 sums: the quantized operands are bit-equal (the dequant and QDQ tests above), and an
+    fp32 matmul's reduction order depends on the CPU's BLAS kernel (on the machine that made the fixture
+    the logits were equal bit for bit; on an AMD EPYC they differ by 2e-7 relative, 132 dB). The bound,
+    1e-5 relative, is far below any quantization effect (an MX QDQ changes the logits by about 1e-1)."""
     _, meta, results = _fixture(name)
     model, _ = load_quantized_qwen3_moe(FIXTURES / name / "checkpoint", backend="torch",
                                         activation_dtype=torch.float32)
@@ -330,7 +334,11 @@ def test_quark_fp32_emulation_equals_tool_logits(name):
         p.data = p.data.float()
     with torch.no_grad():
         logits = model(input_ids=results["tokens.eval"]).logits.float()
-    _assert_bits(logits, results["logits.tool"], f"{name} fp32 logits")
+    ref = results["logits.tool"]
+    assert logits.shape == ref.shape and logits.dtype == ref.dtype
+    rel = float((logits.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-5, f"{name} fp32 logits: relative error {rel:.3g} against Quark's"
+    assert torch.equal(logits.argmax(-1), ref.argmax(-1)), f"{name}: top-1 tokens differ from Quark's"
 
 
 # ----------------------------------------------------------------------------- Quark without preprocessing
