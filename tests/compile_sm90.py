@@ -1,7 +1,10 @@
 """Compile every Triton kernel for Hopper (sm_90) on a machine without a GPU.
 
 Run as a script (``python tests/compile_sm90.py``) with ``TRITON_INTERPRET`` unset;
-``tests/test_kernels_compile.py`` does that in a subprocess.
+``tests/test_kernels_compile.py`` does that in a subprocess. ``--dump DIR`` also writes each
+compiled kernel's TTGIR (source locations removed) and SASS to ``DIR`` and prints their sizes
+(``COUNT job kernel ttgir_lines sass_instructions sha``): two runs whose dumps are identical
+generated the same code, whatever the modules and helpers were named.
 
 
 Triton's compiler (front end, LLVM, ptxas) runs on the CPU; compiling for
@@ -11,9 +14,14 @@ compiled kernels' run-time behaviour is tested on the H200 (the same test files 
 a CUDA device).
 """
 
+import hashlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compile, do not interpret (see mxlib.kernels)
 
@@ -41,8 +49,40 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divis
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
-                                                       "enable_fp_fusion": False})
+    k = triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                    "enable_fp_fusion": False})
+    COMPILED.append((fn.__name__, k))
+    return k
+
+
+COMPILED: list = []  # (kernel name, compiled kernel) of the job that is running (``--dump``)
+
+
+def ttgir_text(k) -> str:
+    """The TTGIR without source locations (``loc(...)`` references and the ``#loc`` table)."""
+    lines = [re.sub(r"\s*loc\([^()]*(\([^()]*\))*[^()]*\)", "", ln) for ln in k.asm["ttgir"].splitlines()
+             if not ln.startswith("#loc")]
+    return "\n".join(ln for ln in lines if ln.strip()) + "\n"
+
+
+def sass_text(k) -> str:
+    """The SASS instructions of the cubin (``cuobjdump -sass``, addresses and encodings kept)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    return "\n".join(ln.strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)) + "\n"
+
+
+def dump(job: int, where: Path) -> None:
+    for i, (name, k) in enumerate(COMPILED):
+        ttgir, sass = ttgir_text(k), sass_text(k)
+        stem = f"{job:02d}_{i}_{name}"
+        (where / f"{stem}.ttgir").write_text(ttgir)
+        (where / f"{stem}.sass").write_text(sass)
+        sha = hashlib.sha256((ttgir + sass).encode()).hexdigest()[:12]
+        print(f"COUNT {job:02d} {i} {name} {ttgir.count(chr(10))} {sass.count(chr(10))} {sha}", flush=True)
 
 
 def mx_kernels(el, mode, dtype):
@@ -176,12 +216,18 @@ JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, 
                                       ("mxfp6_e3m2", True, "mxfp6_e3m2", True), ("mxfp6_e2m3", False, None, True)]]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    where = Path(argv[argv.index("--dump") + 1]) if "--dump" in argv else None
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for fn, args in JOBS:
+    for job, (fn, args) in enumerate(JOBS):
         try:
+            COMPILED.clear()
             fn(*args)
             print(f"OK   {fn.__name__}{args}", flush=True)
+            if where is not None:
+                dump(job, where)
         except Exception:
             failed += 1
             e = sys.exc_info()[1]
@@ -193,4 +239,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
