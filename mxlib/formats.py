@@ -33,6 +33,10 @@ Per-tensor formats: ``fp8_e4m3`` (one static fp32 decode scale ``amax / 448`` pe
 tensor, vLLM's ``scaled_fp8_quant``), the activation format of Quark's ``_a_fp8``
 schemes.
 
+Numerics (``Numerics``, ``numerics=`` of the emulation experts and the FP4 kernel): ``vllm``
+(vLLM's emulation arithmetic) or ``hardware`` (what an FP4 tensor-core GEMM computes); resolved
+once where a name enters (``get_numerics``).
+
 Derived constants, computed here once from the table: ``NVFP4_SCALE_DIVISOR``
 (``e2m1.max * e4m3.max = 6 * 448 = 2688``: ModelOpt's ``weight_scale_2`` and
 ``input_scale`` are ``amax / 2688``) and ``FP8_SCALE_DIVISOR`` (``e4m3.max = 448``).
@@ -40,6 +44,7 @@ Derived constants, computed here once from the table: ``NVFP4_SCALE_DIVISOR``
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -68,6 +73,8 @@ __all__ = [
     "get_block_scheme",
     "get_scale_mode",
     "scale_mode_id",
+    "Numerics",
+    "get_numerics",
 ]
 
 E8M0_BIAS = 127
@@ -374,3 +381,41 @@ def get_activation_format(fmt: str | BlockScheme | PerTensorScheme | None) -> Bl
 def scale_mode_id(scale_mode: str) -> int:
     """The E8M0 rule's index in ``SCALE_MODES`` (the integer the kernels take as ``SCALE_MODE``)."""
     return list(SCALE_MODES).index(get_scale_mode(scale_mode))
+
+
+class Numerics(str, enum.Enum):
+    """The arithmetic of an emulation (``numerics=``).
+
+    * ``VLLM`` (``"vllm"``): vLLM's emulation, bit for bit: weights dequantized to bf16
+      (NVFP4: ``bf16(e2m1 * (fp32(ue4m3) * global_scale))``), activations QDQ'd to
+      ``bf16(e2m1 * (s / gs))``, bf16 GEMMs with fp32 accumulation.
+    * ``HARDWARE`` (``"hardware"``): what an FP4 tensor-core GEMM computes: operands
+      ``element * block_scale`` (exact in bf16), fp32 accumulation, the per-tensor scales (NVFP4
+      weight ``global_scale``, activation ``1 / gs``) applied to the fp32 accumulator.
+
+    A ``str`` enum: a member equals its name string (``Numerics.VLLM == "vllm"``) and prints as it.
+    ``kernel_id`` is the integer the Triton kernels take as their ``MODE`` constexpr (the member's
+    position here: vLLM 0, hardware 1).
+    """
+
+    VLLM = "vllm"
+    HARDWARE = "hardware"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def kernel_id(self) -> int:
+        return list(Numerics).index(self)
+
+
+def get_numerics(numerics: str | Numerics) -> Numerics:
+    """The ``Numerics`` of a name (``"vllm"``, ``"hardware"``) or of a member (returned as is).
+
+    Raises:
+        ValueError: naming ``numerics``, the allowed values and the value given.
+    """
+    try:
+        return Numerics(numerics)
+    except (ValueError, TypeError):
+        raise ValueError(f"numerics: expected one of {[n.value for n in Numerics]}, got {numerics!r}") from None

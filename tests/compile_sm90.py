@@ -1,7 +1,10 @@
 """Compile every Triton kernel for Hopper (sm_90) on a machine without a GPU.
 
 Run as a script (``python tests/compile_sm90.py``) with ``TRITON_INTERPRET`` unset;
-``tests/test_kernels_compile.py`` does that in a subprocess.
+``tests/test_kernels_compile.py`` does that in a subprocess. ``--dump DIR`` also writes each
+compiled kernel's TTGIR (source locations removed) and SASS to ``DIR`` and prints their sizes
+(``COUNT job kernel ttgir_lines sass_instructions sha``): two runs whose dumps are identical
+generated the same code, whatever the modules and helpers were named.
 
 
 Triton's compiler (front end, LLVM, ptxas) runs on the CPU; compiling for
@@ -11,9 +14,14 @@ compiled kernels' run-time behaviour is tested on the H200 (the same test files 
 a CUDA device).
 """
 
+import hashlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "0")  # compile, do not interpret (see mxlib.kernels)
 
@@ -22,11 +30,13 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, NVFP4, get_activation_format  # noqa: E402
+from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, NVFP4, Numerics, get_activation_format  # noqa: E402
+from mxlib.kernels import align as A  # noqa: E402
+from mxlib.kernels import fp4_layout as F4  # noqa: E402
 from mxlib.kernels import fused_dequant_moe as D  # noqa: E402
 from mxlib.kernels import fused_fp4_moe as P  # noqa: E402
-from mxlib.kernels import moe_align_triton as A  # noqa: E402
 from mxlib.kernels import fused_moe as F  # noqa: E402
+from mxlib.kernels.tiles import TileConfig  # noqa: E402
 from mxlib.kernels import quant as Q  # noqa: E402
 from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
 
@@ -41,8 +51,40 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divis
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
-                                                       "enable_fp_fusion": False})
+    k = triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                    "enable_fp_fusion": False})
+    COMPILED.append((fn.__name__, k))
+    return k
+
+
+COMPILED: list = []  # (kernel name, compiled kernel) of the job that is running (``--dump``)
+
+
+def ttgir_text(k) -> str:
+    """The TTGIR without source locations (``loc(...)`` references and the ``#loc`` table)."""
+    lines = [re.sub(r"\s*loc\([^()]*(\([^()]*\))*[^()]*\)", "", ln) for ln in k.asm["ttgir"].splitlines()
+             if not ln.startswith("#loc")]
+    return "\n".join(ln for ln in lines if ln.strip()) + "\n"
+
+
+def sass_text(k) -> str:
+    """The SASS instructions of the cubin (``cuobjdump -sass``, addresses and encodings kept)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    return "\n".join(ln.strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)) + "\n"
+
+
+def dump(job: int, where: Path) -> None:
+    for i, (name, k) in enumerate(COMPILED):
+        ttgir, sass = ttgir_text(k), sass_text(k)
+        stem = f"{job:02d}_{i}_{name}"
+        (where / f"{stem}.ttgir").write_text(ttgir)
+        (where / f"{stem}.sass").write_text(sass)
+        sha = hashlib.sha256((ttgir + sass).encode()).hexdigest()[:12]
+        print(f"COUNT {job:02d} {i} {name} {ttgir.count(chr(10))} {sass.count(chr(10))} {sha}", flush=True)
 
 
 def mx_kernels(el, mode, dtype):
@@ -52,7 +94,8 @@ def mx_kernels(el, mode, dtype):
                    dict(select(Q._mx_qdq_kernel, fmt), OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
     compile_kernel(Q._mx_quantize_kernel, {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
                    dict(select(Q._mx_quantize_kernel, fmt), BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
+    compile_kernel(Q._dequantize_kernel,
+                   {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
                    dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512,
                         G_ENCODE=False))
 
@@ -62,9 +105,11 @@ def nvfp4_kernels(divide):
     compile_kernel(Q._nvfp4_qdq_kernel, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(DIVIDE=divide, BS=bs, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
     fmt = {**kernel_format_args(NVFP4), **kernel_format_args(NVFP4.scale.element, "S_")}
-    compile_kernel(Q._nvfp4_quantize_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
+    compile_kernel(Q._nvfp4_quantize_kernel,
+                   {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
                    dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._dequantize_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
+    compile_kernel(Q._dequantize_kernel,
+                   {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
                    dict(select(Q._dequantize_kernel, kernel_format_args(NVFP4)), OUT_DTYPE=tl.bfloat16, BLOCK_R=8,
                         BLOCK_K=512, G_ENCODE=divide))  # encode global scales (compressed-tensors) with divide
     compile_kernel(Q._fp8_qdq_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
@@ -89,7 +134,8 @@ def fused_dequant(weight, gated, a2, split=False):
             "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
             "num_tokens_post_padded_ptr": "*i32", "act_scale_ptr": "*fp32"}
     kernel = D.fused_moe_dequant_kernel
-    fmt = {**kernel_format_args(BLOCK_SCHEMES[weight], "W_"), **D.ActivationQDQ(get_activation_format(a2)).kernel_args()}
+    fmt = {**kernel_format_args(BLOCK_SCHEMES[weight], "W_"),
+           **D.ActivationQDQ(get_activation_format(a2)).kernel_args()}
     k = compile_kernel(kernel, ptrs, dict(
         select(kernel, fmt), GATED=gated, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
         GROUP_SIZE_M=1, SPLIT_NIBBLES=split, OUT_DTYPE=tl.bfloat16, UPCAST=False))
@@ -99,30 +145,31 @@ def fused_dequant(weight, gated, a2, split=False):
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 
 
-def fused_fp4(weight, mode, gated, a, naive=False, one=False, cfg=None):
-    """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``mode`` vllm /
-    hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ (GEMM1) or
-    None; PTX decode (the compiled path); ``one``: the one-multiply decode (``fp4_one_multiply``).
-    ``cfg``: an ``FP4Config`` (default 16 x 64, 4 warps, 3 stages)."""
-    cfg = cfg or P.FP4Config(16, 64, 1, 4, 3)
-    nw = max(1, min(cfg.num_warps, cfg.BLOCK_N // 16))  # as ``_launch``
+def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
+    """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``numerics``
+    vllm / hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ
+    (GEMM1) or None; PTX decode (the compiled path); ``one``: the one-multiply decode
+    (``fp4_one_multiply``). ``cfg``: a ``TileConfig`` (default 16 x 64, 4 warps, 3 stages)."""
+    cfg = cfg or TileConfig(16, 64, None, 1, 4, 3)
+    nw = max(1, min(cfg.num_warps, cfg.block_n // 16))  # as ``_launch``
     w = BLOCK_SCHEMES[weight]
     fp6 = w.element.nbits == 6
     q = D.ActivationQDQ(get_activation_format(a))
-    md = P.MODES[mode]
-    w_kind = P.W_MX if not w.has_global_scale else (P.W_NVFP4_VLLM if mode == "vllm" else P.W_NVFP4_HW)
+    numerics = Numerics(numerics)
+    w_kind = F4.W_MX if not w.has_global_scale else (F4.W_NVFP4_VLLM if numerics is Numerics.VLLM else F4.W_NVFP4_HW)
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*i32",
             "wg_ptr": "*fp32", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
             "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "a_scale_ptr": "*fp32",
             "c_scale_ptr": "*fp32"}
     kernel = P.fused_fp4_moe_kernel
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
-    nv_hw = md == P.MODES["hardware"] and q.kind == D.A2_NVFP4
+    nv_hw = numerics is Numerics.HARDWARE and q.kind == D.A2_NVFP4
     k = compile_kernel(kernel, ptrs, dict(
-        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=md, W_ONE=one, W_BITS=w.element.nbits,
-        W_EBITS=w.element.ebits, GATED=gated,
-        W_GLOBAL_OUT=w_kind == P.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
-        NAIVE=naive, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16, NUM_WARPS=nw),
+        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=numerics.kernel_id, W_ONE=one,
+        W_BITS=w.element.nbits, W_EBITS=w.element.ebits, GATED=gated,
+        W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
+        NAIVE=naive, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16,
+        NUM_WARPS=nw),
         num_warps=nw, num_stages=cfg.num_stages,
         # as launched on the Qwen3-30B-A3B layer: torch's pointers 16-byte aligned, H, I and the row strides
         # multiples of 16 (the scale rows of w2 are not: I / 32 / 4 = 6 words)
@@ -136,7 +183,7 @@ def fused_fp4(weight, mode, gated, a, naive=False, one=False, cfg=None):
         assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only {weight} kernel"
     compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
                                                                                    OUT_DTYPE=tl.bfloat16))
-    if w.has_global_scale and mode == "hardware" and gated:  # its standalone a1 QDQ
+    if w.has_global_scale and numerics is Numerics.HARDWARE and gated:  # its standalone a1 QDQ
         compile_kernel(P._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"},
                        dict(BLOCK_K=512))
 
@@ -160,7 +207,8 @@ JOBS += [(fused_fp4, a) for a in [("nvfp4", "vllm", True, "nvfp4"), ("nvfp4", "h
                                   ("nvfp4", "vllm", False, None), ("nvfp4", "hardware", False, None),
                                   ("mxfp4", "vllm", True, None), ("mxfp4", "vllm", True, "mxfp4"),
                                   ("mxfp4", "vllm", True, "fp8_e4m3"), ("mxfp4", "vllm", False, None, True),
-                                  ("mxfp4", "vllm", True, None, False, True), ("mxfp4", "vllm", False, None, False, True),
+                                  ("mxfp4", "vllm", True, None, False, True),
+                                  ("mxfp4", "vllm", False, None, False, True),
                                   ("nvfp4", "vllm", True, "nvfp4", False, True),
                                   ("mxfp6_e2m3", "vllm", True, None), ("mxfp6_e2m3", "vllm", False, None),
                                   ("mxfp6_e3m2", "vllm", True, None), ("mxfp6_e3m2", "vllm", False, None, True),
@@ -176,12 +224,18 @@ JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, 
                                       ("mxfp6_e3m2", True, "mxfp6_e3m2", True), ("mxfp6_e2m3", False, None, True)]]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    where = Path(argv[argv.index("--dump") + 1]) if "--dump" in argv else None
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for fn, args in JOBS:
+    for job, (fn, args) in enumerate(JOBS):
         try:
+            COMPILED.clear()
             fn(*args)
             print(f"OK   {fn.__name__}{args}", flush=True)
+            if where is not None:
+                dump(job, where)
         except Exception:
             failed += 1
             e = sys.exc_info()[1]
@@ -193,4 +247,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""The fused FP4-weight MoE (``mxlib.kernels.fused_fp4_moe``) and the Triton alignment.
+"""The fused FP4-weight MoE (``mxlib.kernels.fused_fp4_moe``), its weight layout (``fp4_layout``) and the
+Triton alignment.
 
 Oracle: a float64 MoE assembled here from ``mxlib.reference`` (dequantized weights, QDQ'd
 activations) for each numerics mode:
@@ -18,8 +19,10 @@ import torch
 from mxlib import reference as R
 from mxlib.formats import BLOCK_SCHEMES, NVFP4
 from mxlib.kernels.fused_dequant_moe import ActivationQDQ
-from mxlib.kernels.fused_fp4_moe import FP4Config, fused_fp4_moe, prepare_fp4_weights, unprepare_fp4_weights
-from mxlib.kernels.moe_align_triton import moe_align_block_size_triton
+from mxlib.kernels.align import moe_align_block_size_triton
+from mxlib.kernels.fp4_layout import prepare_fp4_weights, unprepare_fp4_weights
+from mxlib.kernels.fused_fp4_moe import fused_fp4_moe
+from mxlib.kernels.tiles import TileConfig
 from mxlib.moe import fused_topk, moe_align_block_size
 
 from _util import assert_bits_equal
@@ -97,7 +100,7 @@ def oracle_fp64(L, mode):
 def run(L, device, mode, configs=None, m=None):
     sl = slice(None) if m is None else slice(0, m)
     return fused_fp4_moe(L["x"][sl].to(device), L["pw13"], L["pw2"], L["tw"][sl].to(device), L["ti"][sl].to(device),
-                         L["q1"], L["q2"], mode=mode, configs=configs).cpu()
+                         L["q1"], L["q2"], numerics=mode, configs=configs).cpu()
 
 
 # ----------------------------------------------------------------------------- layout and alignment
@@ -138,7 +141,7 @@ def test_prepare_round_trip_and_layout():
 
 def test_one_multiply_rule():
     """The one-multiply decode needs E8M0 bytes <= 128 (MX) and fp32(ue4m3) * global_scale < 4 (NVFP4)."""
-    from mxlib.kernels.fused_fp4_moe import fp4_one_multiply
+    from mxlib.kernels.fp4_layout import fp4_one_multiply
 
     s = torch.full((2, 4, 8), 128, dtype=torch.uint8)
     assert fp4_one_multiply(s, 32, None)
@@ -176,6 +179,36 @@ def test_triton_align_matches_torch(m, k, e, bm, device):
         assert_bits_equal(a.cpu(), b, name)
 
 
+def test_routing_plan():
+    """One plan a forward: naive for tiny batches where the kernels allow it (vLLM's M * k * 4 <= E),
+    else ``moe_align_block_size`` once for each distinct block_m; an unplanned block_m is refused."""
+    from mxlib.kernels.align import plan_routing
+
+    ids = torch.tensor([[3, 1]], dtype=torch.int32)
+    naive = plan_routing(ids, 8, (16, 32))
+    assert naive.naive and naive.aligned == {}
+    sorted_ids, eid, post = naive.blocks(64)
+    assert sorted_ids is None and post is None and eid.tolist() == [3, 1]
+    aligned = plan_routing(ids, 8, (16, 16), naive_ok=False)
+    assert not aligned.naive and list(aligned.aligned) == [16]
+    for a, b in zip(aligned.blocks(16), moe_align_block_size(ids, 16, 8)):
+        assert_bits_equal(a, b)
+    with pytest.raises(ValueError, match=r"block_m: the routing plan is aligned for block_m \[16\], got 32"):
+        aligned.blocks(32)
+    with pytest.raises(ValueError, match=r"topk_ids: expected \[M, k\]"):
+        plan_routing(ids.reshape(-1), 8, (16,))
+
+
+def test_numerics_names_resolve_once():
+    from mxlib.formats import Numerics, get_numerics
+
+    assert get_numerics("vllm") is Numerics.VLLM and get_numerics(Numerics.HARDWARE) is Numerics.HARDWARE
+    assert Numerics.HARDWARE == "hardware" and str(Numerics.VLLM) == "vllm"
+    assert [n.kernel_id for n in Numerics] == [0, 1]  # the FP4 kernel's MODE constexpr
+    with pytest.raises(ValueError, match=r"numerics: expected one of \['vllm', 'hardware'\], got 'seed'"):
+        get_numerics("seed")
+
+
 # ----------------------------------------------------------------------------- the MoE
 
 
@@ -198,10 +231,10 @@ def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
     # M = 1: M * k * 4 <= E, so each pair is its own block (no alignment)
     one = run(L, device, "vllm", m=1)
     assert rel_err(one, want[:1]) < 5e-3
-    cfg = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), FP4Config(16, 64, 1, 4, 1))
+    cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
     assert rel_err(run(L, device, "vllm", configs=cfg), want) < 5e-3
     # a1 QDQ in its own pass or in the A-tile load: the same bits, in both numerics modes
-    fused = (FP4Config(32, 32, 2, 4, 1, A1_FUSED=True), cfg[1])
+    fused = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=True), cfg[1])
     for mode in ("vllm", "hardware"):
         assert_bits_equal(run(L, device, mode, configs=cfg), run(L, device, mode, configs=fused))
 
@@ -243,16 +276,19 @@ def _every_code(i: int, h: int) -> torch.Tensor:
 def _weight_columns(pw, i: int, h: int, mode: str = "vllm") -> torch.Tensor:
     """The ``[2I, H]`` weights the kernel computes with, read through it: a GEMM2-style launch (no
     gating) over all 2I rows with a one-hot activation per token, so ``out[t, n] = W[n, t]``."""
-    from mxlib.kernels.fused_fp4_moe import MODES, _launch, FP4Config as C
+    from mxlib.formats import Numerics
+    from mxlib.kernels.align import RoutingPlan
+    from mxlib.kernels.fused_fp4_moe import _launch
 
     x = torch.zeros(h, h, dtype=torch.bfloat16)
     x[torch.arange(h), torch.arange(h)] = 1
     out = torch.empty(h, 2 * i, dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
-    sorted_ids, eid, post = moe_align_block_size_triton(ids, 64, 1)
+    plan = RoutingPlan(1, False, aligned={64: moe_align_block_size_triton(ids, 64, 1)})
     one = torch.ones(h, device="cuda")
-    _launch(x.cuda(), pw, out, one, sorted_ids, eid, post, 2 * i, False, None, None, None, MODES[mode], False, 1,
-            False, C(64, 64, 1, 4, 3))
+    _launch(a=x.cuda(), w=pw, c=out, topk_weights=one, plan=plan, n=2 * i, gated=False, a_qdq=None, a_inv=None,
+            c_qdq=None, numerics=Numerics(mode), mul_routed_weight=False, top_k=1,
+            tiles=TileConfig(64, 64, None, 1, 4, 3))
     return out.T.cpu()
 
 
@@ -302,8 +338,8 @@ def test_fused_fp4_rejects_bad_input():
     L = make_layer("w_mxfp4", "cpu")
     with pytest.raises(TypeError, match="hidden_states: expected dtype torch.bfloat16"):
         fused_fp4_moe(L["x"].half(), L["pw13"], L["pw2"], L["tw"], L["ti"])
-    with pytest.raises(ValueError, match="mode: expected one of"):
-        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], mode="fast")
+    with pytest.raises(ValueError, match=r"numerics: expected one of \['vllm', 'hardware'\], got 'fast'"):
+        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], numerics="fast")
     with pytest.raises(ValueError, match=r"hidden_states: expected \[M, 256\]"):
         fused_fp4_moe(L["x"][:, :128], L["pw13"], L["pw2"], L["tw"], L["ti"])
 
@@ -353,7 +389,7 @@ def test_fused_fp4_bad_input_and_layouts(device):
         fused_fp4_moe(L["x"], L["pw13"], few, L["tw"], L["ti"])
     with pytest.raises(ValueError, match=r"scales: expected the scale bytes as torch.uint8"):
         prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 4), 32)
-    from mxlib.kernels.fused_fp4_moe import fp4_one_multiply, unprepare_fp4_packed
+    from mxlib.kernels.fp4_layout import fp4_one_multiply, unprepare_fp4_packed
     with pytest.raises(ValueError, match="global_scale: required for NVFP4"):
         fp4_one_multiply(torch.zeros(1, 2, 8, dtype=torch.uint8), 16, None)
     with pytest.raises(ValueError, match="packed: expected prepared uint8"):

@@ -16,9 +16,11 @@ import triton.language as tl
 
 from mxlib import reference as R
 from mxlib.formats import BLOCK_SCHEMES
+from mxlib.kernels import fp4_layout as F4
 from mxlib.kernels import fp6_layout as F6
 from mxlib.kernels import fused_fp4_moe as P
 from mxlib.kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from mxlib.kernels.tiles import TileConfig
 
 from _util import assert_bits_equal
 from test_fused_fp4 import oracle_fp64, rel_err
@@ -32,7 +34,7 @@ def _decode_kernel(w_ptr, s_ptr, out_ptr, K, stride_wn, stride_sn, stride_on, EB
                    BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr):
     """Every weight of rows ``pid * BLOCK_N ..`` as the kernel decodes them, stored in row order."""
     n0 = tl.program_id(0) * BLOCK_N
-    load_n = n0 + P._load_rows(BLOCK_N, NUM_WARPS)
+    load_n = n0 + F4.load_rows(BLOCK_N, NUM_WARPS)
     n_mask = load_n >= 0
     w_rows = w_ptr + load_n * stride_wn
     s_rows = s_ptr + load_n * stride_sn
@@ -300,7 +302,7 @@ def test_fused_fp6_naive_blocks_and_tiles(device):
     want = oracle_fp64(L, "vllm")
     one = P.fused_fp4_moe(L["x"][:1], L["pw13"], L["pw2"], L["tw"][:1], L["ti"][:1], L["q1"], L["q2"]).cpu()
     assert rel_err(one, want[:1]) < 5e-3
-    cfg = (P.FP4Config(32, 32, 2, 4, 1, A1_FUSED=False), P.FP4Config(16, 64, 1, 4, 1))
+    cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
     out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"], configs=cfg).cpu()
     assert rel_err(out, want) < 5e-3
 

@@ -413,11 +413,11 @@ def test_fused_per_expert_scales(device):
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3_a_mxfp6_e2m3"])
 def test_fused_split_nibbles_variant(scheme, device):
-    from mxlib.kernels.fused_dequant_moe import FusedConfig
+    from mxlib.kernels.tiles import TileConfig
 
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=9)
     ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
-    ex.fused_config = FusedConfig(16, 32, 64, 1, 4, 2, SPLIT_NIBBLES=True)
+    ex.fused_config = TileConfig(16, 32, 64, 1, 4, 2, split_nibbles=True)
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     oracle = fused_reference_fp64(build_experts(scheme, x, w13, w2, backend="torch"), x, tw, ti)
     assert rel_err(out, oracle) < 5e-3
@@ -577,7 +577,7 @@ def test_bf16_kernel_naive_blocks_same_bits(mul_routed_weight, device):
     outs = []
     for naive in (False, True):
         c = torch.zeros(2 * TOPK, 2 * I, dtype=x.dtype, device=device)
-        s, e, p = moe_align_block_size(ti, cfg.BLOCK_SIZE_M, 16)
+        s, e, p = moe_align_block_size(ti, cfg.block_m, 16)
         if naive:
             s, e, p = None, ti.reshape(-1), None
         invoke_fused_moe_kernel(x, w13, c, tw, s, e, p, mul_routed_weight, TOPK, cfg, naive)

@@ -33,8 +33,7 @@ import warnings
 import torch
 
 from .. import report
-from ..kernels.fused_dequant_moe import FusedConfig
-from ..kernels.fused_moe import MoEGemmConfig
+from ..kernels.tiles import TileConfig
 from ..models.calibration import calibrate
 from ..models.qwen3 import dummy_qwen3_moe, expert_weights, moe_layers, qwen3_30b_a3b_config
 from ..moe import base as X
@@ -48,19 +47,19 @@ DEVICE = "cuda"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 
 FUSED_CANDIDATES = [
-    FusedConfig(16, 64, 128, 1, 4, 3), FusedConfig(16, 64, 256, 1, 4, 3), FusedConfig(16, 128, 128, 1, 4, 3),
-    FusedConfig(16, 64, 128, 1, 4, 4), FusedConfig(32, 64, 128, 1, 4, 3), FusedConfig(32, 128, 128, 4, 8, 3),
-    FusedConfig(64, 64, 128, 4, 4, 3), FusedConfig(64, 128, 64, 4, 8, 3), FusedConfig(64, 128, 128, 8, 8, 3),
-    FusedConfig(128, 128, 64, 8, 8, 3), FusedConfig(128, 64, 64, 8, 4, 3), FusedConfig(128, 128, 128, 8, 8, 3),
-    FusedConfig(16, 64, 128, 1, 4, 4, True), FusedConfig(16, 128, 128, 1, 4, 3, True), FusedConfig(32, 64, 128, 1, 4, 3, True),
-    FusedConfig(64, 128, 64, 4, 8, 3, True), FusedConfig(128, 64, 64, 8, 4, 3, True), FusedConfig(128, 128, 64, 8, 8, 3, True),
-    FusedConfig(256, 128, 64, 8, 8, 3), FusedConfig(256, 64, 64, 8, 8, 3, True),
+    TileConfig(16, 64, 128, 1, 4, 3), TileConfig(16, 64, 256, 1, 4, 3), TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 64, 128, 1, 4, 4), TileConfig(32, 64, 128, 1, 4, 3), TileConfig(32, 128, 128, 4, 8, 3),
+    TileConfig(64, 64, 128, 4, 4, 3), TileConfig(64, 128, 64, 4, 8, 3), TileConfig(64, 128, 128, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 64, 64, 8, 4, 3), TileConfig(128, 128, 128, 8, 8, 3),
+    TileConfig(16, 64, 128, 1, 4, 4, True), TileConfig(16, 128, 128, 1, 4, 3, True), TileConfig(32, 64, 128, 1, 4, 3, True),
+    TileConfig(64, 128, 64, 4, 8, 3, True), TileConfig(128, 64, 64, 8, 4, 3, True), TileConfig(128, 128, 64, 8, 8, 3, True),
+    TileConfig(256, 128, 64, 8, 8, 3), TileConfig(256, 64, 64, 8, 8, 3, True),
 ]
 BF16_CANDIDATES = [
-    MoEGemmConfig(16, 64, 128, 1, 4, 4), MoEGemmConfig(16, 128, 128, 1, 4, 3), MoEGemmConfig(16, 64, 256, 1, 4, 3),
-    MoEGemmConfig(32, 64, 128, 8, 4, 4), MoEGemmConfig(32, 128, 64, 8, 4, 4), MoEGemmConfig(64, 64, 64, 8, 4, 4),
-    MoEGemmConfig(64, 128, 64, 8, 4, 4), MoEGemmConfig(64, 128, 64, 8, 8, 3), MoEGemmConfig(128, 128, 64, 8, 8, 3),
-    MoEGemmConfig(128, 256, 64, 8, 8, 3),
+    TileConfig(16, 64, 128, 1, 4, 4), TileConfig(16, 128, 128, 1, 4, 3), TileConfig(16, 64, 256, 1, 4, 3),
+    TileConfig(32, 64, 128, 8, 4, 4), TileConfig(32, 128, 64, 8, 4, 4), TileConfig(64, 64, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 128, 64, 8, 8, 3), TileConfig(128, 128, 64, 8, 8, 3),
+    TileConfig(128, 256, 64, 8, 8, 3),
 ]
 
 
@@ -128,14 +127,14 @@ def _inputs(m: int, seed: int):
 
 
 def sweep(em, bf16, tokens) -> tuple[dict, dict]:
-    """Fastest FusedConfig and MoEGemmConfig per M (nvfp4 layer)."""
+    """Fastest dequantize-GEMM and bf16 TileConfig per M (nvfp4 layer)."""
     best_f, best_b = {}, {}
     for m in tokens:
         x, tw, ti = _inputs(m, 1)
         per_expert = m * TOPK / E
         res = []
         for cfg in FUSED_CANDIDATES:
-            if cfg.BLOCK_M > max(16, 4 * per_expert):
+            if cfg.block_m > max(16, 4 * per_expert):
                 continue
             em.fused_config = cfg
             em.backend = "fused"
@@ -143,7 +142,7 @@ def sweep(em, bf16, tokens) -> tuple[dict, dict]:
         best_f[m] = min(res, key=lambda r: r[0])
         res = []
         for cfg in BF16_CANDIDATES:
-            if cfg.BLOCK_SIZE_M > max(16, 4 * per_expert):
+            if cfg.block_m > max(16, 4 * per_expert):
                 continue
             bf16.gemm_config = cfg
             res.append((_ms(lambda: bf16(x, tw, ti), rep=25), cfg))
@@ -274,7 +273,7 @@ def main(argv=None, json_path=None) -> int:
     ceilings = machine_ceilings()
     print(f"# {env()} copy {ceilings['copy_gbs']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True)
     result = {"env": env(), "ceilings": ceilings, "rows": [], "best_fused": {}, "best_bf16": {}}
-    best_f: dict[int, dict] = {}  # weight bits -> {M: FusedConfig}
+    best_f: dict[int, dict] = {}  # weight bits -> {M: TileConfig}
     best_b = None
     schemes = [] if args.model_only else args.schemes.split(",")
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",")] if args.sweep_tokens else tokens

@@ -1,9 +1,11 @@
 """Triton kernels: quantize / dequantize / QDQ twins of ``mxlib.reference`` and the fused MoE GEMMs.
 
 Modules: ``quant`` (the twins), ``fused_moe`` (the bf16 grouped GEMM), ``fused_dequant_moe``
-(the fused dequantize-GEMM), ``align`` (``moe_align_block_size``), ``_numerics`` (the rounding
-code every kernel shares) and ``_bridge`` (formats -> launch constexprs, tiles, the interpreter
-choice).
+(the fused dequantize-GEMM), ``fused_fp4_moe`` (the fused FP4-weight MoE) with its weight layouts
+``fp4_layout`` and ``fp6_layout``, ``tiles`` (``TileConfig``, the GEMMs' tile type), ``align``
+(``moe_align_block_size`` in PyTorch and Triton, the routing plan of a forward), ``_numerics``
+(the rounding code every kernel shares) and ``_bridge`` (formats -> launch constexprs, the
+elementwise kernels' tiles, the interpreter choice).
 
 Interpreter or compiler: one choice per process. What a caller can rely on:
 

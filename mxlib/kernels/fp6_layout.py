@@ -1,7 +1,7 @@
 """MXFP6 weights (e2m3 / e3m2 + E8M0 per 32) in the register layout of the fused FP4 kernel.
 
-``fused_fp4_moe`` decodes 4-bit weights whose prepared bytes are, thread by thread, the elements
-of Hopper's warpgroup-MMA register operand (``FP4Weights``). This module gives 6-bit weights the
+``fused_fp4_moe`` decodes 4-bit weights whose prepared bytes (``fp4_layout.FP4Weights``) are, thread
+by thread, the elements of Hopper's warpgroup-MMA register operand. This module gives 6-bit weights the
 same property, so that the FP4 kernel's K loop runs them (``W_BITS=6``) with the decoded tile
 reaching ``tl.dot`` without a shared-memory round trip and no extra device memory.
 
@@ -20,7 +20,7 @@ Inside a word the bits sit where one select, one rotate and one mask put them (b
 is ``layout_table`` and the tests check it against ``mxlib.reference``.
 
 Decode of a word pair (plane ``t`` word ``n``, plane 2 word ``p``) into four bf16x2 registers,
-output ``o`` (0..3) holding the elements ``2o``, ``2o + 1`` of ``_mma_order``'s eight:
+output ``o`` (0..3) holding the elements ``2o``, ``2o + 1`` of ``fp4_layout.mma_order``'s eight:
 ``r = rotl((n & C) | (p & ~C), k) & M``, ``k = 4o + t * D`` (``D`` = 2 for e2m3, 1 for e3m2, so
 that the plane-2 bits of the two tiles interleave), ``C = rotr(M_N, k)``, ``M = M_N | M_P`` (``M_N``:
 where code bits 1..4 go in the two bf16 halves, ``M_P``: bits 0 and 5). ``r`` holds each code
@@ -41,7 +41,7 @@ Under ``TRITON_INTERPRET=1`` (no PTX) the same select/rotate/mask runs as Triton
 the element value comes from the code bits read back out of ``r`` by ``_numerics``; the reshapes
 are the same, so the interpreter tests check the layout. ``decode_fp6_words`` returns the eight
 elements of every word pair; ``fused_fp4_moe._fp6_tile`` puts them in the dot operand's order
-with the FP4 path's ``_mma_order`` (this module does not import the kernel module).
+with ``fp4_layout.mma_order`` (this module imports neither ``fp4_layout`` nor the kernel module).
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def unprepare_fp6_weights(w: FP6Weights) -> torch.Tensor:
 
 def _decode_asm(ebits: int, t: int) -> str:
     """PTX: plane-t word ``$8`` and plane-2 word ``$9`` -> the eight elements (bf16 ``$0..$7``, the
-    order of ``_mma_order``'s t0..t3 then the +64 half), scaled by ``$10`` (elements 0..3) and
+    order of ``fp4_layout.mma_order``'s t0..t3 then the +64 half), scaled by ``$10`` (elements 0..3) and
     ``$11`` (4..7), E8M0 block scales as bf16x2."""
     m_n, m_p = _masks(ebits)
     lines = ["{", ".reg .b32 c, r<4>;"]
@@ -361,7 +361,7 @@ def _ptx_decode(n, p, s_lo, s_hi, ASM: tl.constexpr):
 @triton.jit
 def decode_fp6_words(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The eight elements of every word pair of K tile ``T`` (0, 1) of super tile ``st``: eight
-    [BLOCK_N, 16] tiles in the order of ``fused_fp4_moe._mma_order``'s t0..t3 (K 0..63 of the
+    [BLOCK_N, 16] tiles in the order of ``fp4_layout.mma_order``'s t0..t3 (K 0..63 of the
     tile), then the same for K 64..127; bf16 (fp32 holding the bf16 values under the interpreter).
     ``n`` the plane-T words, ``p`` the plane-2 words (``load_fp6_planes``); ``s_rows`` int32 rows of
     E8M0 bytes (the rows' load order)."""

@@ -33,10 +33,10 @@ from ..formats import BLOCK_SCHEMES, BlockScheme, PerTensorScheme
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting, kernel_format_args, select
-from .fused_moe import pick_tiles
-from .moe_align_triton import align_blocks
+from .align import RoutingPlan, plan_routing
+from .tiles import TileConfig, pick_tiles
 
-__all__ = ["FusedConfig", "get_fused_config", "invoke_fused_dequant_moe", "PackedWeights", "ActivationQDQ"]
+__all__ = ["FUSED_CONFIGS", "get_fused_config", "invoke_fused_dequant_moe", "PackedWeights", "ActivationQDQ"]
 
 # What GEMM1's epilogue does to a2 (the kernel's A2_KIND constexpr); ActivationQDQ.kind picks one.
 A2_NONE = tl.constexpr(0)
@@ -45,43 +45,29 @@ A2_NVFP4 = tl.constexpr(2)
 A2_FP8 = tl.constexpr(3)
 
 
-@dataclass(frozen=True)
-class FusedConfig:
-    """Tiles of the fused kernel: BLOCK_M pairs x BLOCK_N weight rows x BLOCK_K reduction."""
-
-    BLOCK_M: int = 16
-    BLOCK_N: int = 64
-    BLOCK_K: int = 128
-    GROUP_SIZE_M: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    # FP4 / FP6: the elements of each packed byte (word) used as separate dots over K/2 (K/4),
-    # with the matching strided activations, instead of interleaving the codes back into order
-    SPLIT_NIBBLES: bool = False
-
-
 # Chosen by the tile sweep of ``python -m mxlib.bench moe --sweep`` on the H200 (Qwen3-30B-A3B
 # layer shapes), keyed by packed weight bits, then by the average number of pairs per expert.
-FUSED_CONFIGS: dict[int, list[tuple[float, FusedConfig]]] = {
+# TileConfig(block_m, block_n, block_k, group_m, num_warps, num_stages, split_nibbles)
+FUSED_CONFIGS: dict[int, list[tuple[float, TileConfig]]] = {
     4: [
-        (0.25, FusedConfig(16, 128, 128, 1, 4, 3)),
-        (4.0, FusedConfig(16, 64, 128, 1, 4, 4)),
-        (64.0, FusedConfig(32, 64, 128, 1, 4, 3)),
-        (float("inf"), FusedConfig(128, 64, 64, 8, 4, 3)),
+        (0.25, TileConfig(16, 128, 128, 1, 4, 3)),
+        (4.0, TileConfig(16, 64, 128, 1, 4, 4)),
+        (64.0, TileConfig(32, 64, 128, 1, 4, 3)),
+        (float("inf"), TileConfig(128, 64, 64, 8, 4, 3)),
     ],
     6: [
-        (0.25, FusedConfig(16, 128, 128, 1, 4, 3, True)),
-        (4.0, FusedConfig(16, 64, 128, 1, 4, 3)),
-        (64.0, FusedConfig(32, 128, 128, 4, 8, 3)),
-        (float("inf"), FusedConfig(128, 64, 64, 8, 4, 3)),
+        (0.25, TileConfig(16, 128, 128, 1, 4, 3, True)),
+        (4.0, TileConfig(16, 64, 128, 1, 4, 3)),
+        (64.0, TileConfig(32, 128, 128, 4, 8, 3)),
+        (float("inf"), TileConfig(128, 64, 64, 8, 4, 3)),
     ],
 }
 
 
-def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits: int = 4) -> FusedConfig:
+def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits: int = 4) -> TileConfig:
     """Tiles by packed weight bits and the average number of pairs per expert."""
     if interpreting():
-        return FusedConfig(16, 32, 32, 1, 4, 1)
+        return TileConfig(16, 32, 32, 1, 4, 1)
     return pick_tiles(FUSED_CONFIGS.get(weight_bits, FUSED_CONFIGS[4]), num_tokens, num_experts, top_k)
 
 
@@ -109,7 +95,8 @@ def _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS: tl.constexpr, W_N
     high nibbles of the packed bytes, used as they are (no interleaving shuffle)."""
     HALF: tl.constexpr = BLOCK_K // 2
     pcols = k0 // 2 + tl.arange(0, HALF)
-    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :], other=0).to(tl.int32)
+    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :],
+                other=0).to(tl.int32)
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
     sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
                  other=0).to(tl.int32)
@@ -226,10 +213,14 @@ def fused_moe_dequant_kernel(
             a2 = _a_part(a_rows, token_mask, k0, K, 2, 4, BLOCK_K, UPCAST)
             a3 = _a_part(a_rows, token_mask, k0, K, 3, 4, BLOCK_K, UPCAST)
             word, block = _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS, BLOCK_N, BLOCK_K)
-            acc = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a0, acc)
-            acc = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a1, acc)
-            acc = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a2, acc)
-            acc = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a3, acc)
+            acc = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                         a0, acc)
+            acc = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                         a1, acc)
+            acc = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                         a2, acc)
+            acc = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
+                         a3, acc)
             if GATED:
                 word, block = _fp6_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, k0, K, W_BS,
                                          BLOCK_N, BLOCK_K)
@@ -345,8 +336,11 @@ class ActivationQDQ:
 SPLIT_NIBBLES_BITS = (4, 6)
 
 
-def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_post, n, k, gated, qdq: ActivationQDQ,
-            mul_routed_weight, top_k, cfg: FusedConfig):
+def _launch(*, a: torch.Tensor, w: PackedWeights, c: torch.Tensor, topk_weights: torch.Tensor, plan: RoutingPlan,
+            n: int, k: int, gated: bool, qdq: ActivationQDQ, mul_routed_weight: bool, top_k: int, cfg: TileConfig):
+    """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``cfg.block_m`` pairs (``gated``: the
+    SiLU-and-mul of the gate and up halves, then ``qdq``), ``n`` output columns, ``k`` reduction."""
+    sorted_ids, expert_ids, num_post = plan.blocks(cfg.block_m)
     e = w.packed.shape[0]
     if w.global_scale is not None:
         gsc = w.global_scale
@@ -356,7 +350,7 @@ def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_po
     act_scale = qdq.scale if qdq.scale is not None else w.packed
     act_stride = 1 if (qdq.kind == A2_NVFP4 and qdq.scale.numel() == e) else 0
     em = sorted_ids.shape[0]
-    grid = (triton.cdiv(em, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
+    grid = (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     weights = topk_weights if mul_routed_weight else c
     kernel = fused_moe_dequant_kernel
     fmt_args = select(kernel, {**kernel_format_args(w.scheme, "W_"), **qdq.kernel_args()})
@@ -366,8 +360,8 @@ def _launch(a, w: PackedWeights, c, topk_weights, sorted_ids, expert_ids, num_po
         a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
         wg_stride_e, wg_stride_half, act_stride,
         **fmt_args, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_SIZE_M=cfg.GROUP_SIZE_M,
-        SPLIT_NIBBLES=cfg.SPLIT_NIBBLES and w.nbits in SPLIT_NIBBLES_BITS, OUT_DTYPE=_TL_DTYPE[c.dtype],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_SIZE_M=cfg.group_m,
+        SPLIT_NIBBLES=cfg.split_nibbles and w.nbits in SPLIT_NIBBLES_BITS, OUT_DTYPE=_TL_DTYPE[c.dtype],
         UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
@@ -381,7 +375,8 @@ def invoke_fused_dequant_moe(
     topk_ids: torch.Tensor,
     a2_qdq: ActivationQDQ,
     a1_per_pair: bool = False,
-    config: FusedConfig | None = None,
+    config: TileConfig | None = None,
+    plan: RoutingPlan | None = None,
 ) -> torch.Tensor:
     """The whole expert computation with the fused kernel (a1 already QDQ'd).
 
@@ -390,6 +385,10 @@ def invoke_fused_dequant_moe(
         w13: packed ``[E, 2I, ...]`` (gate rows, then up rows); w2: packed ``[E, H, ...]``.
         topk_weights, topk_ids: ``[M, k]``.
         a2_qdq: the intermediate activation's QDQ (done in GEMM1's epilogue).
+        a1_per_pair: ``a1`` holds one row per (token, k) pair (per-expert a1 scales).
+        config: the tiles of both GEMMs; None picks from ``FUSED_CONFIGS`` by batch size.
+        plan: the forward's ``RoutingPlan`` (``align.plan_routing``, aligned for ``config.block_m``;
+            this kernel has no naive mode); None plans here.
 
     Returns:
         ``[M, H]`` in ``a1.dtype``. No host synchronization: capturable in a CUDA graph.
@@ -399,11 +398,14 @@ def invoke_fused_dequant_moe(
     h = w2.packed.shape[1]
     i = two_i // 2
     cfg = config or get_fused_config(m, e, k, w13.nbits)
-    sorted_ids, expert_ids, num_post = align_blocks(topk_ids, cfg.BLOCK_M, e)
+    plan = plan or plan_routing(topk_ids, e, (cfg.block_m,), naive_ok=False)
+    if plan.naive:
+        raise ValueError("plan: the dequantize-GEMM kernel has no naive mode (plan_routing(..., naive_ok=False))")
     weights = topk_weights.reshape(-1).float().contiguous()
     cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)
-    _launch(a1, w13, cache2, weights, sorted_ids, expert_ids, num_post, i, h, True, a2_qdq, False,
-            1 if a1_per_pair else k, cfg)
+    _launch(a=a1, w=w13, c=cache2, topk_weights=weights, plan=plan, n=i, k=h, gated=True, qdq=a2_qdq,
+            mul_routed_weight=False, top_k=1 if a1_per_pair else k, cfg=cfg)
     cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
-    _launch(cache2, w2, cache3, weights, sorted_ids, expert_ids, num_post, h, i, False, ActivationQDQ(), True, 1, cfg)
+    _launch(a=cache2, w=w2, c=cache3, topk_weights=weights, plan=plan, n=h, k=i, gated=False, qdq=ActivationQDQ(),
+            mul_routed_weight=True, top_k=1, cfg=cfg)
     return torch.sum(cache3.view(m, k, h), dim=1, dtype=torch.float32).to(a1.dtype)

@@ -13,8 +13,6 @@ cores with fp32 accumulation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -22,51 +20,31 @@ import triton.language as tl
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting
+from .tiles import TileConfig, pick_tiles
 
-__all__ = ["MoEGemmConfig", "BF16_CONFIGS", "get_moe_config", "pick_tiles", "invoke_fused_moe_kernel", "interpreting"]
-
-
-@dataclass(frozen=True)
-class MoEGemmConfig:
-    """Tile configuration of the grouped GEMM."""
-
-    BLOCK_SIZE_M: int = 64
-    BLOCK_SIZE_N: int = 64
-    BLOCK_SIZE_K: int = 64
-    GROUP_SIZE_M: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def pick_tiles(table, num_tokens: int, num_experts: int, top_k: int):
-    """The entry of a tile table ``[(max pairs per expert, tiles), ...]`` (ascending limits) for a
-    batch: the first whose limit holds ``num_tokens * top_k / num_experts`` (else the last).
-    Every grouped-GEMM path (bf16, fused dequant, FP4) picks its tiles with this helper."""
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    for limit, tiles in table:
-        if per_expert <= limit:
-            return tiles
-    return table[-1][1]
+__all__ = ["BF16_CONFIGS", "get_moe_config", "invoke_fused_moe_kernel", "interpreting"]
 
 
 # (max pairs per expert, tiles): the winners of CUDA-graph replay timings on the H200 at the
 # Qwen3-30B-A3B layer (E 128, top-8; M = 1, 4, 16, 64, 256, 1024, 4096 are 1/16 .. 256 pairs per
-# expert; limits halfway on a log scale), Triton alignment (2026-11-30, benchmarks/h200_fused_fp4.md)
-BF16_CONFIGS: list[tuple[float, MoEGemmConfig]] = [
-    (0.125, MoEGemmConfig(16, 64, 64, 1, 4, 5)),  # M = 1
-    (0.5, MoEGemmConfig(16, 128, 128, 1, 4, 3)),  # M = 4
-    (2.0, MoEGemmConfig(16, 128, 128, 1, 4, 4)),  # M = 16
-    (8.0, MoEGemmConfig(16, 64, 128, 1, 4, 3)),  # M = 64
-    (32.0, MoEGemmConfig(32, 256, 128, 16, 4, 2)),  # M = 256
-    (float("inf"), MoEGemmConfig(128, 256, 64, 16, 8, 4)),  # M = 1024, 4096
+# expert; limits halfway on a log scale), Triton alignment (2026-11-30, benchmarks/h200_fused_fp4.md).
+# TileConfig(block_m, block_n, block_k, group_m, num_warps, num_stages)
+BF16_CONFIGS: list[tuple[float, TileConfig]] = [
+    (0.125, TileConfig(16, 64, 64, 1, 4, 5)),  # M = 1
+    (0.5, TileConfig(16, 128, 128, 1, 4, 3)),  # M = 4
+    (2.0, TileConfig(16, 128, 128, 1, 4, 4)),  # M = 16
+    (8.0, TileConfig(16, 64, 128, 1, 4, 3)),  # M = 64
+    (32.0, TileConfig(32, 256, 128, 16, 4, 2)),  # M = 256
+    (float("inf"), TileConfig(128, 256, 64, 16, 8, 4)),  # M = 1024, 4096
 ]
 
 
-def get_moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int) -> MoEGemmConfig:
+def get_moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int) -> TileConfig:
     """Tiles by the average number of pairs per expert (``BF16_CONFIGS``; small batches want small
-    BLOCK_M); one small tile under the interpreter."""
+    ``block_m``); one small tile under the interpreter. ``n``, ``k``: the GEMM's, not read (one
+    table serves both GEMMs)."""
     if interpreting():
-        return MoEGemmConfig(16, 32, 32, 1, 4, 1)
+        return TileConfig(16, 32, 32, 1, 4, 1)
     return pick_tiles(BF16_CONFIGS, num_tokens, num_experts, top_k)
 
 
@@ -141,7 +119,7 @@ def invoke_fused_moe_kernel(
     num_tokens_post_padded: torch.Tensor,
     mul_routed_weight: bool,
     top_k: int,
-    config: MoEGemmConfig,
+    config: TileConfig,
     naive: bool = False,
 ) -> None:
     """Launch ``fused_moe_kernel``: ``C[M*k, N] = A @ B[e]^T`` for every (token, k) pair.
@@ -152,7 +130,7 @@ def invoke_fused_moe_kernel(
         C: ``[M, k, N]`` or ``[M * k, N]`` output, contiguous.
         topk_weights: ``[M, k]`` router weights (cast to fp32) when ``mul_routed_weight``.
         sorted_token_ids, expert_ids, num_tokens_post_padded: from ``moe_align_block_size``
-            with ``block_m == config.BLOCK_SIZE_M``.
+            with ``block_m == config.block_m``.
         top_k: ``k`` when ``A`` has one row per token, 1 when it has one row per pair.
         naive: no alignment (``naive_block_assignment``): ``expert_ids`` is the flat ``[M * k]``
             topk_ids, ``sorted_token_ids`` and ``num_tokens_post_padded`` are not read (the grid
@@ -165,17 +143,17 @@ def invoke_fused_moe_kernel(
     c2 = C.view(-1, C.shape[-1])
     if naive:  # not read by the kernel
         sorted_token_ids = num_tokens_post_padded = expert_ids
-    em = expert_ids.numel() * config.BLOCK_SIZE_M if naive else sorted_token_ids.shape[0]
+    em = expert_ids.numel() * config.block_m if naive else sorted_token_ids.shape[0]
     num_valid = topk_weights.numel() if topk_weights is not None else c2.shape[0]
     weights = topk_weights.reshape(-1).float().contiguous() if mul_routed_weight else c2
     n, k = B.shape[1], B.shape[2]
-    grid = (triton.cdiv(em, config.BLOCK_SIZE_M) * triton.cdiv(n, config.BLOCK_SIZE_N),)
+    grid = (triton.cdiv(em, config.block_m) * triton.cdiv(n, config.block_n),)
     fused_moe_kernel[grid](
         A, B, c2, weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
         n, k, em, num_valid,
         A.stride(0), A.stride(1), B.stride(0), B.stride(1), B.stride(2), c2.stride(0), c2.stride(1),
-        BLOCK_SIZE_M=config.BLOCK_SIZE_M, BLOCK_SIZE_N=config.BLOCK_SIZE_N, BLOCK_SIZE_K=config.BLOCK_SIZE_K,
-        GROUP_SIZE_M=config.GROUP_SIZE_M, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
+        BLOCK_SIZE_M=config.block_m, BLOCK_SIZE_N=config.block_n, BLOCK_SIZE_K=config.block_k,
+        GROUP_SIZE_M=config.group_m, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
         UPCAST=interpreting(), OUT_DTYPE=_TL_DTYPE[C.dtype], NAIVE=naive,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -28,11 +28,14 @@ tokens: it serves full-size CPU runs), ``"auto"`` (on CUDA: ``fused`` for expert
 H200; ``triton`` otherwise; ``torch`` on the CPU). All give the same QDQ bits; the GEMMs agree
 within fp32-accumulation tolerance.
 
-Alignment (``moe_align_block_size``): on CUDA the Triton version
-(``mxlib.kernels.moe_align_triton``, one or two launches), and none at all for tiny batches
-(``M * k * 4 <= E``, vLLM's rule: each pair its own block); the PyTorch version elsewhere.
-Tiles: ``get_moe_config`` (bf16 GEMMs) and ``get_fp4_configs`` (FP4 kernel), both chosen from
-CUDA-graph replay timings on the H200.
+Routing plan: each forward picks the tiles of the GEMM path that runs (``TileConfig`` from
+``get_moe_config`` (bf16 GEMMs), ``get_fused_config`` (dequantize-GEMM) or ``get_fp4_configs`` (FP4
+kernel), all chosen from CUDA-graph replay timings on the H200, or the ``gemm_config`` /
+``fused_config`` / ``fp4_config`` overrides), then makes one ``RoutingPlan``
+(``mxlib.kernels.align.plan_routing``) and hands it to that path: no alignment at all for tiny
+batches (``M * k * 4 <= E``, vLLM's rule: each pair its own block) where the path's kernels have a
+naive mode (bf16, FP4), else ``moe_align_block_size`` for each ``block_m`` the GEMMs use (the
+Triton version on CUDA, one or two launches; the PyTorch version elsewhere).
 """
 
 from __future__ import annotations
@@ -42,10 +45,13 @@ import torch
 from .. import kernels as _kernels
 from .. import reference as _ref
 from .._checks import capturing
-from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, invoke_fused_dequant_moe
-from ..kernels.fused_fp4_moe import FP4Weights, fused_fp4_moe
+from ..formats import Numerics
+from ..kernels.align import plan_routing
+from ..kernels.fp4_layout import FP4Weights
+from ..kernels.fp6_layout import FP6Weights
+from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, get_fused_config, invoke_fused_dequant_moe
+from ..kernels.fused_fp4_moe import fused_fp4_moe, get_fp4_configs
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
-from ..kernels.moe_align_triton import align_pairs
 from .reference_moe import silu_and_mul, torch_moe
 
 __all__ = ["BACKENDS", "TritonExperts", "check_topk_ids", "TransformersExperts", "resolve_backend", "ops_for_backend",
@@ -116,12 +122,13 @@ class TritonExperts(torch.nn.Module):
     # Whether the ``fused`` backend applies (subclasses holding packed weights set it and
     # implement ``packed_weights`` and ``a2_qdq``); otherwise ``fused`` runs the triton path.
     supports_fused = False
-    # Tile configuration overrides (``MoEGemmConfig`` / ``FusedConfig``); None picks by batch size.
+    # Tile overrides (``mxlib.kernels.tiles.TileConfig``) of the bf16 GEMMs, the dequantize-GEMM and
+    # (a (GEMM1, GEMM2) pair) the FP4 kernel; None picks by batch size.
     gemm_config = None
     fused_config = None
-    fp4_config = None  # (GEMM1, GEMM2) ``FP4Config`` of the FP4 kernel
-    # Numerics of the emulation (``mxlib.moe.emulation``): "vllm" or "hardware".
-    numerics = "vllm"
+    fp4_config = None
+    # Numerics of the emulation (``mxlib.moe.emulation``): ``Numerics.VLLM`` or ``Numerics.HARDWARE``.
+    numerics = Numerics.VLLM
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
@@ -130,10 +137,12 @@ class TritonExperts(torch.nn.Module):
         self.backend = backend
         if w13 is not None:
             if w13.ndim != 3 or w2.ndim != 3:
-                raise ValueError(f"w13/w2: expected [E, 2I, H] and [E, H, I], got {list(w13.shape)} and {list(w2.shape)}")
+                raise ValueError(f"w13/w2: expected [E, 2I, H] and [E, H, I], got {list(w13.shape)} and "
+                                 f"{list(w2.shape)}")
             e, two_i, h = w13.shape
             if tuple(w2.shape) != (e, h, two_i // 2):
-                raise ValueError(f"w2: expected shape {[e, h, two_i // 2]} for w13 {list(w13.shape)}, got {list(w2.shape)}")
+                raise ValueError(f"w2: expected shape {[e, h, two_i // 2]} for w13 {list(w13.shape)}, got "
+                                 f"{list(w2.shape)}")
             self.register_buffer("w13", w13, persistent=False)
             self.register_buffer("w2", w2, persistent=False)
             self._dims = (e, h, two_i // 2)
@@ -184,7 +193,7 @@ class TritonExperts(torch.nn.Module):
         """The a1 QDQ the FP4 kernel applies as it loads the activation tile."""
         return ActivationQDQ()
 
-    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | None:
+    def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | tuple[FP6Weights, FP6Weights] | None:
         """``(w13, w2)`` in the FP4 kernel's layout, or None where that kernel does not apply."""
         return None
 
@@ -222,8 +231,11 @@ class TritonExperts(torch.nn.Module):
         fp4 = self.fp4_weights() if (backend == "fused" and self.supports_fused) else None
         self.check_backend(backend, fp4 is not None)
         if fp4 is not None:  # a1 QDQ fused in the A-tile load, a2 QDQ in GEMM1's epilogue
+            m, k = topk_ids.shape
+            tiles = self.fp4_config or get_fp4_configs(m, self.num_experts, k, fp4[0].nvfp4, fp4[0].nbits)
+            plan = plan_routing(topk_ids, self.num_experts, (tiles[0].block_m, tiles[1].block_m))
             return fused_fp4_moe(hidden_states, fp4[0], fp4[1], topk_weights, topk_ids, a1_qdq=self.a1_qdq(),
-                                 a2_qdq=self.a2_qdq(), mode=self.numerics, configs=self.fp4_config)
+                                 a2_qdq=self.a2_qdq(), numerics=self.numerics, configs=tiles, plan=plan)
         a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
         return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
 
@@ -231,10 +243,13 @@ class TritonExperts(torch.nn.Module):
         def qi(x, row_experts):
             return self.quantize_intermediate(x, row_experts, backend)
 
+        m, k = topk_ids.shape
         if backend == "fused" and self.supports_fused:
             w13p, w2p = self.packed_weights()
+            tiles = self.fused_config or get_fused_config(m, self.num_experts, k, w13p.nbits)
+            plan = plan_routing(topk_ids, self.num_experts, (tiles.block_m,), naive_ok=False)
             return invoke_fused_dequant_moe(a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair,
-                                            self.fused_config)
+                                            tiles, plan)
         if backend == "torch":
             return torch_moe(
                 a1,
@@ -243,20 +258,17 @@ class TritonExperts(torch.nn.Module):
                 topk_weights, topk_ids, qi, a1_per_pair, output_scales=self.output_scales,
             )
         w13, w2 = self.dequantized_weights()
-        m, k = topk_ids.shape
         num_experts, two_i, h = w13.shape
         config = self.gemm_config or get_moe_config(m, num_experts, k, two_i, h)
-        sorted_ids, expert_ids, num_post, naive = align_pairs(topk_ids, config.BLOCK_SIZE_M, num_experts)
+        config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
+        plan = plan_routing(topk_ids, num_experts, (config.block_m, config2.block_m))
         cache1 = torch.empty(m * k, two_i, dtype=a1.dtype, device=a1.device)
-        invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, sorted_ids, expert_ids, num_post,
-                                False, 1 if a1_per_pair else k, config, naive)
+        invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, *plan.blocks(config.block_m),
+                                False, 1 if a1_per_pair else k, config, plan.naive)
         cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
         cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
-        config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
-        if config2.BLOCK_SIZE_M != config.BLOCK_SIZE_M and not naive:
-            sorted_ids, expert_ids, num_post, naive = align_pairs(topk_ids, config2.BLOCK_SIZE_M, num_experts)
-        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, sorted_ids, expert_ids, num_post, True, 1, config2,
-                                naive)
+        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, *plan.blocks(config2.block_m), True, 1, config2,
+                                plan.naive)
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
 
 

@@ -22,7 +22,7 @@ Numerics (``numerics=``):
   ``fused`` backend's FP4 kernel; the dequantize-then-GEMM ``triton`` path computes vLLM's numerics only.
 
 FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
-the FP4 kernel's layout (``mxlib.kernels.fused_fp4_moe.prepare_fp4_weights``), prepared once
+the FP4 kernel's layout (``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once
 (at construction when the backend resolves to ``fused``, else at the first fused forward); only
 that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and the other backends) then get
 the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy. MXFP6 weights (H and I
@@ -39,11 +39,11 @@ import torch
 
 from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
-from ..formats import NVFP4, BlockScheme, PerTensorScheme, get_scale_mode
-from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from ..formats import NVFP4, BlockScheme, Numerics, PerTensorScheme, get_numerics, get_scale_mode
+from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare_fp4_packed
 from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
-from ..kernels.fused_fp4_moe import (K_TILE, MODES, FP4Weights, fp4_one_multiply, prepare_packed_weights,
-                                     unprepare_fp4_packed)
+from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
+from ..kernels.fused_fp4_moe import prepare_packed_weights
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .scales import _warn_once, max_input_scale, unify_input_scales
 from .schemes import MoEQuantScheme, get_moe_scheme
@@ -122,10 +122,10 @@ class QuantizedExperts(TritonExperts):
     supports_fused = True
     weight_scheme: BlockScheme
 
-    def _set_numerics(self, numerics: str) -> None:
-        if numerics not in MODES:
-            raise ValueError(f"numerics: expected one of {sorted(MODES)}, got {numerics!r}")
-        self.numerics = numerics
+    def _set_numerics(self, numerics: str | Numerics) -> None:
+        """``numerics``: a ``Numerics`` or its name (``"vllm"``, ``"hardware"``); a ValueError names
+        the allowed values otherwise (``formats.get_numerics``)."""
+        self.numerics = get_numerics(numerics)
 
     def fp4_kernel_applies(self) -> bool:
         """Whether the FP4 kernel can run these experts: bf16 activations and either 4-bit weight
@@ -171,7 +171,8 @@ class QuantizedExperts(TritonExperts):
         s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
         return (FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13,
                            self._one_multiply("w13", s13, g13)),
-                FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, self._one_multiply("w2", s2, g2)))
+                FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2,
+                           self._one_multiply("w2", s2, g2)))
 
     def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
         """``fp4_one_multiply`` of weight ``name``'s scales, read once (a host synchronization) and
@@ -255,7 +256,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             (``unify_input_scales``); ``max`` is vLLM's and warns when scales differ;
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``vllm`` (default) or ``hardware`` (module docstring).
+        numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -274,12 +275,13 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         scale_strategy: str = "max",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str = "vllm",
+        numerics: str | Numerics = Numerics.VLLM,
     ):
         super().__init__(backend=backend)
         if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
             got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
-            raise TypeError(f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), got {got}")
+            raise TypeError(f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), "
+                            f"got {got}")
         w = weights
         bs = NVFP4.block_size
         e, two_i, h_half = w.w13_weight.shape
@@ -339,7 +341,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
     def _hardware(self) -> bool:
-        return self.numerics == "hardware"
+        return self.numerics is Numerics.HARDWARE
 
     def check_backend(self, backend: str, fp4: bool) -> None:
         if self._hardware() and backend != "torch" and not fp4:
@@ -389,7 +391,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     def quantize_input(self, a1, topk_ids, backend):
         ops = ops_for_backend(backend)
-        qdq = self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        qdq = self._hw_qdq if self._hardware() else (
+            lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         if self._a13_uniform:
             return qdq(a1, self.a13_gscale[:1]), False
         k = topk_ids.shape[1]
@@ -398,7 +401,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     def quantize_intermediate(self, a2, row_experts, backend):
         ops = ops_for_backend(backend)
-        qdq = self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        qdq = self._hw_qdq if self._hardware() else (
+            lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         if self._a2_uniform:
             return qdq(a2, self.a2_gscale[:1])
         return qdq(a2, self.a2_gscale[row_experts.long()])
@@ -443,7 +447,8 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         activation_scale_mode: E8M0 rule for the dynamic MX activation QDQ (Quark: ``even``);
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``vllm`` (default) or ``hardware``: the same operands for OCP MX (module docstring).
+        numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics``: the same operands
+            for OCP MX (module docstring).
 
     Both activation points are quantized whenever the scheme names an activation format: the
     layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
@@ -461,13 +466,14 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         activation_scale_mode: str = "even",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str = "vllm",
+        numerics: str | Numerics = Numerics.VLLM,
     ):
         super().__init__(backend=backend)
         self._set_numerics(numerics)
         self.scheme = get_moe_scheme(scheme)
         if not self.scheme.is_ocp_mx:
-            raise ValueError(f"scheme: {self.scheme.name} is not an OCP MX scheme; use Nvfp4QuantizationEmulationTritonExperts")
+            raise ValueError(f"scheme: {self.scheme.name} is not an OCP MX scheme; use "
+                             f"Nvfp4QuantizationEmulationTritonExperts")
         self.weight_scheme = self.scheme.weight
         self.activation_format = self.scheme.activation
         self.quant_dtype = None if self.activation_format is None else self.activation_format.name

@@ -1,5 +1,6 @@
-"""Routing (Qwen3 top-k); the block alignment the fused-MoE GEMM needs lives beside the
-kernels (``mxlib.kernels.align``) and is re-exported here.
+"""Routing (Qwen3 top-k). The block alignment the grouped GEMMs need, and the routing plan a
+forward hands them, live beside the kernels (``mxlib.kernels.align``); vLLM's
+``moe_align_block_size`` is re-exported here.
 
 Shapes: ``M`` tokens, ``E`` experts, ``k`` = top_k experts per token.
 """
