@@ -32,7 +32,7 @@ blocks flush earlier). ``r > 1`` (a strategy below the expert's own scale) clips
 values. For static FP8 activations the same two ratios bound the expert's largest *element*.
 The dB figures come from a small model, not from the checkpoint's activations:
 ``predicted_db_lost(r, activation)`` is the SQNR lost by one synthetic Gaussian expert
-(``[64, 256]``, amax 1, seed 0, as ``mxlib.explore.expert_scale_ratio`` builds them) quantized with
+(``[64, 256]``, amax 1, seed 0, as ``mxlib.workbook.explorers.expert_scale_ratio`` builds them) quantized with
 scale ``own / r`` instead of its own scale. Real activations have heavier tails (more of their
 blocks far below the amax), so they cross the thresholds earlier; read the dB as indicative and
 the threshold counts as exact statements about each expert's largest block.
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ... import reference as R
-from ...formats import BlockScheme, PerTensorScheme, get_element_format
+from ...formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, BlockScheme, PerTensorScheme
 from ...moe.scales import SCALE_STRATEGIES, unify_input_scales
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_method, matches
 from .safetensors_io import INDEX_NAME, TensorReader
@@ -67,11 +67,6 @@ __all__ = [
     "SCALE_SUFFIXES",
 ]
 
-_E4M3 = get_element_format("e4m3")
-# notebook 04's thresholds (the same numbers as mxlib.explore's constants, which sit above this
-# layer): e4m3's smallest normal, and half its smallest subnormal, over its max
-NVFP4_SUBNORMAL_RATIO = _E4M3.min_normal / _E4M3.max
-NVFP4_FLUSH_RATIO = _E4M3.min_subnormal / 2 / _E4M3.max
 
 # tensor-name endings whose data is read; everything else is known from the headers only
 SCALE_SUFFIXES = ("input_scale", "weight_scale_2", "global_scale")
