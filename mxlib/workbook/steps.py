@@ -286,13 +286,13 @@ def build_model(p: E2EParameters):
 
 
 def default_cache_dir() -> Path:
-    """``$MXLIB_CACHE``, else ``build/checkpoints`` of the source checkout mxlib runs from,
-    else ``~/.cache/mxlib/checkpoints`` (so notebooks find the cache whatever their cwd)."""
+    """The checkpoint cache: ``$MXLIB_CACHE``, else ``$XDG_CACHE_HOME/mxlib/checkpoints``, else
+    ``~/.cache/mxlib/checkpoints``. Read at each call (``make workbook`` sets ``MXLIB_CACHE`` to the
+    checkout's ``build/checkpoints``); the same folder whatever the working directory."""
     if os.environ.get("MXLIB_CACHE"):
         return Path(os.environ["MXLIB_CACHE"])
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").exists():
-        return root / "build" / "checkpoints"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "mxlib" / "checkpoints"
     return Path.home() / ".cache" / "mxlib" / "checkpoints"
 
 
