@@ -53,8 +53,9 @@ NBVAL_NOTEBOOKS := notebooks/02_microscaling_formats.ipynb notebooks/05_fused_em
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -p no:xdist --nbval-lax -q $(NBVAL_NOTEBOOKS)
 
+# a checkout keeps its checkpoint cache in build/checkpoints (an installed mxlib: $MXLIB_CACHE or ~/.cache/mxlib)
 workbook: $(STAMP)
-	$(PY) -m mxlib.workbook --out build/workbook
+	MXLIB_CACHE=$(CURDIR)/build/checkpoints $(PY) -m mxlib.workbook --notebooks notebooks --out build/workbook
 
 bench: $(STAMP)
 	$(PY) -m mxlib.bench
@@ -65,4 +66,4 @@ clean:
 # JupyterLab on the notebooks (plotly figures and the explorer widgets render in it).
 .PHONY: lab
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	MXLIB_CACHE=$(CURDIR)/build/checkpoints $(VENV)/bin/jupyter lab --notebook-dir=notebooks

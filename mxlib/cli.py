@@ -7,8 +7,9 @@
 ``python -m mxlib.cli dummy-from-config CONFIG_DIR OUT_DIR --layers 2 --preset tiny``
 ``python -m mxlib.cli routing --layers 4 --preset small --json out.json``
 
-Each calls the same ``mxlib.workflow`` / ``mxlib.studies`` functions as its notebook
-(01, 03 and 04) and prints a summary.
+Each calls the same ``mxlib.workbook.steps`` / ``mxlib.workbook.studies`` functions as its notebook
+(01, 03 and 04) and prints a summary. Every option is checked, and a scheme name resolved to its
+``MoEQuantScheme``, before anything is built (``_check_args``).
 """
 
 from __future__ import annotations
@@ -22,30 +23,31 @@ import warnings
 
 import torch
 
-from . import report
-from . import studies as S
-from . import workflow as W
-from .formats import FP8_E4M3_PER_TENSOR
-from .models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint
+from .formats import NVFP4_SUBNORMAL_RATIO
+from .models.checkpoints import (
+    checkpoint_size_bytes,
+    dummy_checkpoint_from_config,
+    inspect_checkpoint,
+    load_quantized_qwen3_moe,
+)
 from .models.qwen3 import moe_layers
 from .moe import SCALE_STRATEGIES
-from .moe.schemes import MOE_SCHEMES, get_moe_scheme
-
-# An expert whose input scale is below this fraction of the largest one has even its largest
-# e4m3 block scale in the subnormal range under the max strategy: e4m3 min normal / e4m3 max.
-_DEEP_RATIO = FP8_E4M3_PER_TENSOR.element.min_normal / FP8_E4M3_PER_TENSOR.element.max
+from .workbook import steps as W
+from .workbook import studies as S
+from .workbook.checks import strategy_summary
 
 
 def e2e(args) -> dict:
-    dev = W.resolve_device(args.device)
+    """Notebook 01's steps (``mxlib.workbook.steps``) on ``args.params``, the checked options."""
+    p = args.params
+    dev, scheme = p.device, p.scheme
     t0 = time.perf_counter()
-    model = W.dummy_model(args.layers, seed=args.seed, device=dev)
+    model = W.build_model(p)
     t_model = time.perf_counter() - t0
     t0 = time.perf_counter()
-    scheme = get_moe_scheme(args.scheme)  # the name enters here; the object travels below
-    ckpt = W.prepare_checkpoint(scheme, model, seed=args.seed, calib_tokens=args.calib_tokens)
+    ckpt = W.write_checkpoint(p, model)
     t_ckpt = time.perf_counter() - t0
-    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    ids = W.evaluation_token_ids(p, model.config.vocab_size)
     # the bf16 reference runs first and is freed before the quantized model is loaded, so that
     # the two never share memory (peak resident memory ~ the bf16 model's bytes)
     W.run_model(model, ids)
@@ -54,7 +56,7 @@ def e2e(args) -> dict:
     W.release_freed_memory()  # with MALLOC_MMAP_THRESHOLD_ set (the Makefile) the freed model stays resident otherwise
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model_q, info = W.load_quantized_qwen3_moe(ckpt, args.layers, device=dev, backend=args.backend)
+        model_q, info = W.load_checkpoint(p, ckpt)
     W.run_model(model_q, ids)
     out = W.run_model(model_q, ids)
     res = W.compare_runs(out, ref)
@@ -69,31 +71,31 @@ def e2e(args) -> dict:
                   logits=res["logits"], layers_metrics=res["layers"], seconds_bf16=ref.seconds,
                   seconds_emulated=out.seconds, seconds_emulated_fused=fused.seconds if fused else None,
                   fused_logits=res.get("fused_logits"), seconds_build=t_model, seconds_checkpoint=t_ckpt,
-                  checkpoint_bytes=W.checkpoint_size_bytes(ckpt))
+                  checkpoint_bytes=checkpoint_size_bytes(ckpt))
     print(f"[e2e] {scheme.name} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
           f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"]))
     return result
 
 
 def compare(args) -> dict:
-    dev = W.resolve_device(args.device)
+    """Notebook 03's study on ``args.moe_schemes`` (resolved from ``--schemes`` by ``_check_args``)."""
+    dev = args.params.device
     model = W.dummy_model(args.layers, seed=args.seed, device=dev)
     cal = W.calibrate_model(model, args.calib_tokens, args.seed)
-    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
-    names = list(MOE_SCHEMES) if args.schemes == "all" else args.schemes.split(",")
-    schemes = [get_moe_scheme(n) for n in names]
-    rows = S.compare_schemes(model, schemes, ids, cal, backend=args.backend)
+    ids = W.evaluation_token_ids(args.params, model.config.vocab_size)
+    rows = S.compare_schemes(model, args.moe_schemes, ids, cal, backend=args.backend)
     return dict(layers=args.layers, tokens=args.tokens, device=str(dev), rows=rows)
 
 
 def unify(args) -> dict:
-    dev = W.resolve_device(args.device)
+    """Notebook 04's studies: unification, expert outputs, end to end and the spread sweep."""
+    dev = args.params.device
     strategies = args.strategies.split(",")
     model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=dev)
     cal = W.calibrate_model(model, args.calib_tokens, args.seed, keep_activations=True)
     st = S.unification_study(cal, strategies)
     eo = S.expert_output_study(model, cal, strategies, layers=range(min(args.output_layers, args.layers)))
-    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    ids = W.evaluation_token_ids(args.params, model.config.vocab_size)
     e2e_rows = S.end_to_end_strategies(model, cal, strategies, ids, backend=args.backend)
     del model
     spreads = [float(s) for s in args.spreads.split(",")]
@@ -103,12 +105,13 @@ def unify(args) -> dict:
               f"KL {r['kl_divergence']:.2e}")
     for r in sp:
         print(f"[unify] spread {r['spread']}: {r['point']} mean dB lost by max {r['mean_db_lost']:.3f}")
-    summary = report.strategy_summary(st["experts"], strategies)  # notebook 04's table
+    summary = strategy_summary(st["experts"], strategies)  # notebook 04's table
     for r in summary:
         lost = (f", dB lost mean {r['mean_db_lost']:.3f} worst {r['worst_db_lost']:.3f}, subnormal blocks "
                 f"{r['subnormal_blocks']:.4f}" if "mean_db_lost" in r else "")
         print(f"[unify] {r['point']} {r['strategy']}: mean SQNR {r['mean_sqnr_db']:.2f} dB{lost}")
-    deep = [r for r in st["experts"] if r["scale_ratio"] < _DEEP_RATIO]
+    # experts whose largest e4m3 block scale is subnormal under the max strategy
+    deep = [r for r in st["experts"] if r["scale_ratio"] < NVFP4_SUBNORMAL_RATIO]
     return dict(layers=args.layers, spread=args.spread, strategies=strategies, summary=summary,
                 deep_experts=deep, histograms=st["histograms"], expert_outputs=eo, end_to_end=e2e_rows,
                 spread_study=sp, device=str(dev))
@@ -130,7 +133,7 @@ def dummy_from_config(args) -> dict:
     dev = W.resolve_device(args.device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, info = W.load_quantized_qwen3_moe(path, device=dev, backend=args.backend)
+        model, info = load_quantized_qwen3_moe(path, device=dev, backend=args.backend)
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())
@@ -148,7 +151,8 @@ def routing(args) -> dict:
     from .models.routing_stats import routing_rows, summarize_counts
 
     if args.layers < 1 or args.calib_tokens < 1:
-        raise SystemExit(f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and {args.calib_tokens}")
+        raise SystemExit(f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and "
+                         f"{args.calib_tokens}")
     model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=W.resolve_device(args.device),
                           model_preset=args.preset)
     cal = W.calibrate_model(model, args.calib_tokens, args.seed)
@@ -156,27 +160,26 @@ def routing(args) -> dict:
     for r in rows:
         print(f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
               f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}")
-    return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows)
+    return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens,
+                routing=rows)
 
 
 def _check_args(args) -> None:
     """Check every option of ``args`` (ValueError naming the option) and create the ``--json``
-    folder, before anything is built (``mxlib.workflow.check_e2e_parameters`` for the shared ones)."""
+    folder, before anything is built. For ``e2e``, ``compare`` and ``unify``, ``args.params`` is set to
+    the checked shared options (``mxlib.workbook.steps.check_e2e_parameters``: ``--scheme`` resolved
+    to its ``MoEQuantScheme`` there), and for ``compare`` ``args.moe_schemes`` to ``--schemes``'s."""
     if args.cmd in ("inspect", "dummy-from-config", "routing"):
         _check_new_args(args)
         return
     names = dict(scheme="--scheme", num_hidden_layers="--layers", num_tokens="--tokens", seed="--seed",
                  calib_tokens="--calib-tokens", device="--device", experts_backend="--backend", results_path="--json")
-    W.check_e2e_parameters(scheme=getattr(args, "scheme", "nvfp4"), num_hidden_layers=args.layers,
-                           num_tokens=args.tokens, seed=args.seed, calib_tokens=args.calib_tokens, device=args.device,
-                           experts_backend=args.backend, results_path=args.json, names=names)
-    if args.cmd == "compare" and args.schemes != "all":
-        for n in args.schemes.split(","):
-            try:
-                get_moe_scheme(n)
-            except (ValueError, KeyError) as err:
-                raise ValueError(f"--schemes: {n!r} is not a scheme ({err}); expected 'all' or a comma-separated "
-                                 f"list of {list(MOE_SCHEMES)}") from None
+    args.params = W.check_e2e_parameters(scheme=getattr(args, "scheme", "nvfp4"), num_hidden_layers=args.layers,
+                                         num_tokens=args.tokens, seed=args.seed, calib_tokens=args.calib_tokens,
+                                         device=args.device, experts_backend=args.backend, results_path=args.json,
+                                         names=names)
+    if args.cmd == "compare":
+        args.moe_schemes = W.check_schemes(args.schemes, "--schemes")
     if args.cmd == "unify":
         bad = [s for s in args.strategies.split(",") if s not in SCALE_STRATEGIES]
         if bad:
@@ -210,7 +213,8 @@ def _check_new_args(args) -> None:
             raise ValueError(f"--strategies: expected a comma-separated list of {list(SCALE_STRATEGIES)}, got {bad}")
     if args.cmd == "dummy-from-config":
         if not Path(args.config_dir).is_dir():
-            raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder")
+            raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config "
+                             "folder")
         if args.layers is not None:
             W.check_positive_int(args.layers, "--layers")
         if args.preset is not None and args.preset not in MODEL_PRESETS:

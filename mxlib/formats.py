@@ -39,7 +39,12 @@ once where a name enters (``get_numerics``).
 
 Derived constants, computed here once from the table: ``NVFP4_SCALE_DIVISOR``
 (``e2m1.max * e4m3.max = 6 * 448 = 2688``: ModelOpt's ``weight_scale_2`` and
-``input_scale`` are ``amax / 2688``) and ``FP8_SCALE_DIVISOR`` (``e4m3.max = 448``).
+``input_scale`` are ``amax / 2688``), ``FP8_SCALE_DIVISOR`` (``e4m3.max = 448``), and the two
+thresholds of NVFP4 block scales under a global scale shared by tensors of different amax
+(``r`` = a tensor's own decode scale over the shared one): ``NVFP4_SUBNORMAL_RATIO``
+(``e4m3.min_normal / e4m3.max = 2**-6 / 448``; below it even the largest block scale is an e4m3
+subnormal) and ``NVFP4_FLUSH_RATIO`` (``e4m3.min_subnormal / 2 / e4m3.max = 2**-10 / 448``;
+below it every block scale rounds to zero and the whole tensor is flushed).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ __all__ = [
     "FP8_E4M3_PER_TENSOR",
     "NVFP4",
     "NVFP4_SCALE_DIVISOR",
+    "NVFP4_SUBNORMAL_RATIO",
+    "NVFP4_FLUSH_RATIO",
     "FP8_SCALE_DIVISOR",
     "SPECIALS",
     "get_activation_format",
@@ -285,6 +292,18 @@ BLOCK_SCHEMES: dict[str, BlockScheme] = {
 NVFP4: BlockScheme = BLOCK_SCHEMES["nvfp4"]
 # amax -> NVFP4 decode global scale (ModelOpt weight_scale_2 / input_scale): amax / (6 * 448)
 NVFP4_SCALE_DIVISOR: float = NVFP4.scale_divisor
+
+# NVFP4 block scales under one global scale shared by tensors of different amax (vLLM's single
+# activation global scale for all experts, the max of their input scales). A tensor whose own
+# decode scale is ``r`` times the shared one (r = own input_scale / shared input_scale, in (0, 1])
+# gets block scales of at most ``e4m3.max * r`` (448 * r). They are e4m3 subnormals (fewer
+# significant bits) once that is below e4m3's smallest normal, and round to zero (the block is
+# flushed: its QDQ output is all zero) once it is at most half of e4m3's smallest subnormal (the
+# tie rounds to the even code 0). Smaller blocks of the tensor cross both thresholds earlier.
+NVFP4_SUBNORMAL_RATIO: float = NVFP4.scale.element.min_normal / NVFP4.scale.element.max
+"""``2**-6 / 448``: below this ratio ``r`` even a tensor's largest NVFP4 block scale is an e4m3 subnormal."""
+NVFP4_FLUSH_RATIO: float = NVFP4.scale.element.min_subnormal / 2 / NVFP4.scale.element.max
+"""``2**-10 / 448``: below this ratio ``r`` even a tensor's largest NVFP4 block scale rounds to zero (all flushed)."""
 
 
 @dataclass(frozen=True)

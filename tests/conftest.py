@@ -48,7 +48,7 @@ def _execute_notebook(name: str, params: dict, out_dir) -> None:
     checkout on ``PYTHONPATH`` and checkpoints in ``out_dir/checkpoints``."""
     import papermill as pm
 
-    from mxlib.workbook import poll_kernel_channels_in_slices
+    from mxlib.workbook.runner import poll_kernel_channels_in_slices
 
     poll_kernel_channels_in_slices()  # a lost wake-up in a widget cell would otherwise stall the run (nbclient#312)
     with pytest.MonkeyPatch.context() as mp:

@@ -2,7 +2,7 @@
 ``test_edge_cases.py``). Each case's expected behaviour is a test.
 
 Only public entry points are used (``write_quantized_checkpoint``, ``load_quantized_qwen3_moe``,
-``read_quant_config``, ``CheckpointError``, ``mxlib.workflow``, the experts classes, ``mxlib.cli.main``),
+``read_quant_config``, ``CheckpointError``, ``mxlib.workbook.steps``, the experts classes, ``mxlib.cli.main``),
 so the tests survive the move of the checkpoint code into a package. Models are tiny (2 layers,
 hidden 64, 4 experts); CLI tests never build a model: building one raises ``_ModelBuilt``.
 """
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import cli
-from mxlib import workflow as W
+from mxlib.workbook import steps as W
 from mxlib.models.checkpoints import (
     CheckpointError,
     load_quantized_qwen3_moe,
@@ -641,7 +641,7 @@ _KILLED_WRITER = textwrap.dedent("""
         time.sleep(600)
 
     st.save_file = save_then_wait
-    from mxlib import workflow as W
+    from mxlib.workbook import steps as W
     from mxlib.models.checkpoints import write_quantized_checkpoint
 
     model = W.dummy_model(num_hidden_layers=2, seed=1, **{tiny!r})
@@ -724,7 +724,7 @@ def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp
 _PEAK_E2E = textwrap.dedent("""
     import json, os, resource, sys
     from mxlib import cli
-    from mxlib import workflow as W
+    from mxlib.workbook import steps as W
 
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -778,7 +778,7 @@ def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
 
 _PEAK_BUILD = textwrap.dedent("""
     import json, os, resource
-    from mxlib import workflow as W
+    from mxlib.workbook import steps as W
 
     base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     m = W.dummy_model(1, **{over!r})

@@ -60,18 +60,18 @@ def test_graph_is_skipped_on_the_cpu_with_a_reason(result):
 
 
 def test_figure_reads_the_json(result, tmp_path):
-    from mxlib import plots
+    from mxlib.workbook import figures
 
     _, res, _ = result
     path = tmp_path / "r.json"
     path.write_text(json.dumps(res))
-    fig = plots.model_forward_figure(str(path))
+    fig = figures.model_forward_figure(str(path))
     assert [t.name for t in fig.data] == ["bf16"] + [f"{s}@torch" for s in SCHEMES]
     assert list(fig.data[1].x) == list(TOKENS)
     assert list(fig.data[1].y) == [r["ms"] for r in res["rows"] if r["path"] == "nvfp4@torch"]
     assert fig.layout.yaxis.type == "log"
     with pytest.raises(ValueError, match="rows"):
-        plots.model_forward_figure({"rows": []})
+        figures.model_forward_figure({"rows": []})
 
 
 def test_check_fails_a_path_far_from_bf16():

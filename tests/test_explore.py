@@ -1,4 +1,5 @@
-"""mxlib.explore: the plain functions behind the widgets, against ml_dtypes, hand grids and oracles."""
+"""mxlib.workbook.explorers (the plain functions behind the widgets) and mxlib.workbook.probes, against ml_dtypes,
+hand grids and oracles."""
 
 import math
 
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mxlib import explore as X
+from mxlib.formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
+from mxlib.workbook import checks, probes
+from mxlib.workbook import explorers as X
 from oracles import FORMATS, mx_qdq, mx_scale_exponent, vllm_nvfp4_qdq
 
 # Hand-written positive grids (OCP MX v1.0 section 5.3, tables 1 and 2).
@@ -125,7 +128,7 @@ def test_block_info_errors():
 
 
 def test_expert_scale_ratio_thresholds():
-    assert X.NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448 and X.NVFP4_FLUSH_RATIO == 2.0**-10 / 448
+    assert NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448 and NVFP4_FLUSH_RATIO == 2.0**-10 / 448
     base = X.expert_scale_ratio(1.0)
     assert all(r["sqnr_unified_db"] == r["sqnr_per_expert_db"] for r in base)  # equal amax: one scale
     # A power-of-two ratio scales the data exactly: per-expert scales give exactly the same SQNR.
@@ -134,14 +137,14 @@ def test_expert_scale_ratio_thresholds():
         assert rows[1]["amax"] == 2.0**-k
         assert rows[1]["sqnr_per_expert_db"] == base[1]["sqnr_per_expert_db"]
     # Above the subnormal threshold the largest unified block scale is normal (>= 2^-6).
-    above = X.expert_scale_ratio(4 * X.NVFP4_SUBNORMAL_RATIO)[1]
+    above = X.expert_scale_ratio(4 * NVFP4_SUBNORMAL_RATIO)[1]
     assert above["max_block_scale"] >= 2.0**-6
     # Below it every block scale is subnormal or zero, and the unified SQNR is lower.
-    below = X.expert_scale_ratio(X.NVFP4_SUBNORMAL_RATIO / 2)[1]
+    below = X.expert_scale_ratio(NVFP4_SUBNORMAL_RATIO / 2)[1]
     assert below["max_block_scale"] < 2.0**-6 and below["subnormal_blocks"] + below["flushed_blocks"] == 1.0
     assert below["sqnr_unified_db"] < base[1]["sqnr_unified_db"] - 1  # 18.5 vs 20.4 dB at seed 0
     # Below the flush threshold every block of the small expert becomes zero: SQNR exactly 0 dB.
-    flushed = X.expert_scale_ratio(X.NVFP4_FLUSH_RATIO / 2)[1]
+    flushed = X.expert_scale_ratio(NVFP4_FLUSH_RATIO / 2)[1]
     assert flushed["flushed_blocks"] == 1.0 and flushed["sqnr_unified_db"] == 0.0
     sweep = X.expert_scale_ratio_sweep([1.0, 2.0**-10])
     assert [r["ratio"] for r in sweep] == [1.0, 2.0**-10]
@@ -169,8 +172,8 @@ def test_scale_bytes_and_exercise_checker():
     # amax 7 = 1.75 * 2^2 with e2m1 (emax 2): floor 2^0 (7 clips to 6), even and rceil 2^1
     assert X.scale_bytes(7.0, "e2m1") == {"floor": 127, "even": 128, "rceil": 128}
     assert X.scale_bytes(6.0, "e2m1") == {"floor": 127, "even": 127, "rceil": 127}
-    assert X.floor_clips_rceil_does_not([7.0] + [0.0] * 31)
-    assert not X.floor_clips_rceil_does_not([6.0] + [0.0] * 31)
+    assert checks.floor_clips_rceil_does_not([7.0] + [0.0] * 31)
+    assert not checks.floor_clips_rceil_does_not([6.0] + [0.0] * 31)
 
 
 def test_rows_table_shows_every_row():
@@ -188,22 +191,24 @@ def test_widgets_construct():
 
 
 def test_stored_shapes():
-    assert X.stored_shapes("nvfp4", 768, 2048) == {"weight": ((768, 1024), "U8"), "weight_scale": ((768, 128), "F8_E4M3")}
-    assert X.stored_shapes("w_mxfp4_a_mxfp4", 768, 2048) == {"weight": ((768, 1024), "U8"), "weight_scale": ((768, 64), "U8")}
-    assert X.stored_shapes("mxfp6_e3m2", 2048, 768)["weight"][0] == (2048, 576)
+    assert probes.stored_shapes("nvfp4", 768, 2048) == {"weight": ((768, 1024), "U8"),
+                                                         "weight_scale": ((768, 128), "F8_E4M3")}
+    assert probes.stored_shapes("w_mxfp4_a_mxfp4", 768, 2048) == {"weight": ((768, 1024), "U8"),
+                                                                   "weight_scale": ((768, 64), "U8")}
+    assert probes.stored_shapes("mxfp6_e3m2", 2048, 768)["weight"][0] == (2048, 576)
     with pytest.raises(ValueError, match="block_size=32"):
-        X.stored_shapes("mxfp4", 8, 48)
+        probes.stored_shapes("mxfp4", 8, 48)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
 def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
     from mxlib import reference as R
-    from mxlib import workflow as W
+    from mxlib.workbook import steps as W
     from safetensors import safe_open
 
     model = W.dummy_model(1, seed=0, model_preset="tiny")
     ckpt = W.prepare_checkpoint(scheme, model, seed=0, calib_tokens=16, cache_dir=tmp_path)
-    info = X.stored_block(ckpt, layer=0, expert=3, proj="down_proj", row=5, block=1 if scheme == "nvfp4" else 0)
+    info = probes.stored_block(ckpt, layer=0, expert=3, proj="down_proj", row=5, block=1 if scheme == "nvfp4" else 0)
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
     files = list(ckpt.glob("*.safetensors"))
     t = {}
@@ -211,7 +216,8 @@ def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
         with safe_open(str(f), "pt") as h:
             t.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(name)})
     if scheme == "nvfp4":
-        row = R.dequantize_to_dtype(t[name][5:6], t[name + "_scale"][5:6], t[name + "_scale_2"].float(), torch.float32)[0]
+        row = R.dequantize_to_dtype(t[name][5:6], t[name + "_scale"][5:6], t[name + "_scale_2"].float(),
+                                    torch.float32)[0]
         want = row[16:32]
     else:
         row = R.dequantize_mx(t[name][5:6], t[name + "_scale"][5:6], "e2m1", 32, torch.float32)[0]
@@ -219,24 +225,24 @@ def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
     assert torch.equal(torch.tensor(info["values"]), want)
     assert len(info["codes"]) == len(want) and info["tensor"] == name
     with pytest.raises(ValueError, match="row"):
-        X.stored_block(ckpt, row=10**6)
+        probes.stored_block(ckpt, row=10**6)
 
 
 def test_swapped_nibbles_scrambles_and_restores():
     m = torch.nn.Module()
     m.register_buffer("w13_weight", torch.tensor([[0x12, 0xAB]], dtype=torch.uint8))
     m.register_buffer("w2_weight", torch.tensor([[0xF0]], dtype=torch.uint8))
-    with X.swapped_nibbles(torch.nn.Sequential(m)) as n:
+    with probes.swapped_nibbles(torch.nn.Sequential(m)) as n:
         assert n == 1 and m.w13_weight.tolist() == [[0x21, 0xBA]] and m.w2_weight.tolist() == [[0x0F]]
     assert m.w13_weight.tolist() == [[0x12, 0xAB]] and m.w2_weight.tolist() == [[0xF0]]
     with pytest.raises(ValueError, match="no module"):
-        X.swapped_nibbles(torch.nn.Linear(2, 2))
+        probes.swapped_nibbles(torch.nn.Linear(2, 2))
 
 
 def test_captured_output_records_and_unhooks():
     lin = torch.nn.Linear(3, 2)
     x = torch.randn(4, 3)
-    with X.captured_output(lin) as outs:
+    with probes.captured_output(lin) as outs:
         y = lin(x)
         lin(x)
     lin(x)  # after the block: not recorded

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mxlib import reference as R
-from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, silu_and_mul
-from mxlib.studies import emulation_experts, quantize_layer_weights
+from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, quantize_expert_weights, silu_and_mul
+from mxlib.workbook.studies import emulation_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -46,13 +46,13 @@ def oracle(ex, x, tw, ti):
 def test_full_shape_against_fp64(layer, scheme, m):
     w13, w2 = layer
     s = get_moe_scheme(scheme)
-    q = quantize_layer_weights(w13, w2, s.weight)
+    q = quantize_expert_weights(w13, w2, s.weight)
     g = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, H, device="cuda", generator=g).to(torch.bfloat16)
     tw, ti = fused_topk(torch.randn(m, E, device="cuda", generator=g), TOPK)
     in13 = torch.full((E,), float(x.float().abs().amax()), device="cuda") / (2688.0 if s.name == "nvfp4" else 448.0)
     in2 = torch.full((E,), 0.02, device="cuda") / (2688.0 if s.name == "nvfp4" else 448.0)
-    ex = emulation_experts(scheme, q, in13, in2, backend="triton")
+    ex = emulation_experts(s, q, in13, in2, backend="triton")
     ref = oracle(ex, x, tw, ti)
     for backend in ("triton", "fused"):
         ex.backend = backend

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mxlib import explore
+from mxlib import formats
+from mxlib.workbook import explorers as explore
 from mxlib.cli import main as cli_main
 from mxlib.formats import FP8_E4M3_PER_TENSOR, NVFP4
 from mxlib.models.calibration import calibrate
@@ -310,8 +311,8 @@ def test_mx_and_fp8_checkpoints(ckpts):
 
 
 def test_thresholds_are_notebook_04s():
-    assert I.NVFP4_SUBNORMAL_RATIO == explore.NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448
-    assert I.NVFP4_FLUSH_RATIO == explore.NVFP4_FLUSH_RATIO == 2.0**-10 / 448
+    assert I.NVFP4_SUBNORMAL_RATIO == formats.NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448
+    assert I.NVFP4_FLUSH_RATIO == formats.NVFP4_FLUSH_RATIO == 2.0**-10 / 448
 
 
 def test_predicted_loss_follows_the_synthetic_experts():

@@ -1,4 +1,4 @@
-"""``mxlib.workbook.poll_kernel_channels_in_slices``: waits on a kernel channel cut into slices.
+"""``mxlib.workbook.runner.poll_kernel_channels_in_slices``: waits on a kernel channel cut into slices.
 
 A stand-in for jupyter_client's asyncio ``get_msg`` records the timeouts it is given: every wait
 is at most one slice, a message that arrives late is still returned, an overall timeout still ends
@@ -30,11 +30,11 @@ class _Channel:
 def sliced(monkeypatch):
     from jupyter_client import channels
 
-    from mxlib import workbook
+    from mxlib.workbook import runner
 
     monkeypatch.setattr(channels.AsyncZMQSocketChannel, "get_msg", _Channel.get_msg)
-    workbook.poll_kernel_channels_in_slices(0.01)
-    workbook.poll_kernel_channels_in_slices(0.01)  # idempotent
+    runner.poll_kernel_channels_in_slices(0.01)
+    runner.poll_kernel_channels_in_slices(0.01)  # idempotent
     return channels.AsyncZMQSocketChannel.get_msg
 
 

@@ -1,11 +1,11 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches.
 
-Layers, lowest first: formats -> _checks -> reference / analysis -> kernels -> moe -> models ->
-workflow / studies / plots / cases / report / explore -> cli / bench
-(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import of every mxlib module (top level or nested) is
-read with ``ast``; a module may import its own layer or lower ones, and the import graph has no
-cycle. A module the table does not name (a new top-level file) counts as the top layer, so it
-may import anything and nothing below may import it.
+Layers, lowest first: formats -> _checks -> reference / analysis -> kernels -> moe -> cases -> models ->
+workbook (the notebooks' wing: steps, studies, explorers, probes, checks, figures, setup, runner) -> cli / bench
+(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import
+of every mxlib module (top level or nested) is read with ``ast``; a module may import its own layer or lower
+ones, and the import graph has no cycle. A module the table does not name (a new top-level file) counts as the
+top layer, so it may import anything and nothing below may import it.
 """
 
 import ast
@@ -21,9 +21,10 @@ LAYERS = [
     ("mxlib.reference", "mxlib.analysis"),
     ("mxlib.kernels",),
     ("mxlib.moe",),
+    ("mxlib.cases",),
     ("mxlib.models",),
-    ("mxlib.workflow", "mxlib.studies", "mxlib.plots", "mxlib.cases", "mxlib.report", "mxlib.explore"),
-    ("mxlib.cli", "mxlib.bench", "mxlib.workbook"),
+    ("mxlib.workbook",),
+    ("mxlib.cli", "mxlib.bench"),
 ]
 TOP = len(LAYERS)
 
@@ -77,7 +78,8 @@ GRAPH = {m: imports(m) for m in MODULES}
 
 def test_the_table_knows_the_core_modules():
     for mod in ("mxlib.formats", "mxlib.reference", "mxlib.kernels.quant", "mxlib.moe.base",
-                "mxlib.models.checkpoints", "mxlib.workflow", "mxlib.cli", "mxlib.bench"):
+                "mxlib.models.checkpoints", "mxlib.workbook.steps", "mxlib.workbook.runner", "mxlib.cli",
+                "mxlib.bench"):
         assert mod in MODULES and layer(mod) < TOP, mod
 
 

@@ -1,16 +1,16 @@
-"""mxlib.plots: the notebooks' figures hold the data they are given."""
+"""mxlib.workbook.figures: the notebooks' figures hold the data they are given."""
 
 import math
 
-from mxlib import plots
+from mxlib.workbook import figures
 
 
 def test_grouped_bar_and_heatmap():
     rows = [dict(distribution="gaussian", a=1.0, b=2.0), dict(distribution="laplace", a=3.0, b=4.0)]
-    fig = plots.grouped_bar_figure(rows, "distribution", ["a", "b"], "t", "dB")
+    fig = figures.grouped_bar_figure(rows, "distribution", ["a", "b"], "t", "dB")
     assert [t.name for t in fig.data] == ["gaussian", "laplace"] and list(fig.data[1].y) == [3.0, 4.0]
     experts = [dict(point="a2", layer=1, expert=2, db_lost_max=5.0), dict(point="a1", layer=0, expert=0, db_lost_max=9.0)]
-    z = plots.expert_loss_heatmap(experts, 2, 3).data[0].z
+    z = figures.expert_loss_heatmap(experts, 2, 3).data[0].z
     assert z[1][2] == 5.0 and math.isnan(z[0][0])
 
 
@@ -18,25 +18,25 @@ def test_benchmark_and_spread_figures():
     rows = [dict(scheme="nvfp4", M=m, floor_ms=0.1, **{f"{p}{g}_ms": 1.0 for p in ("bf16", "dequant", "fused")
                                                        for g in ("", "_graph")}) for m in (1, 16, 256, 4096)]
     rows.append(dict(rows[0], scheme="w_mxfp4"))  # one point: no figure
-    figs = plots.moe_layer_time_figures(rows)
+    figs = figures.moe_layer_time_figures(rows)
     assert len(figs) == 1 and len(figs[0].data) == 7 and list(figs[0].data[0].x) == [1, 16, 256, 4096]
     model = [dict(layers=4, tokens=1, bf16_ms=1.0, dequant_ms=2.0, fused_ms=1.5)]
-    assert [list(t.y) for t in plots.model_time_figure(model).data] == [[1.0], [2.0], [1.5]]
+    assert [list(t.y) for t in figures.model_time_figure(model).data] == [[1.0], [2.0], [1.5]]
     spread = [dict(spread=s, point=p, mean_db_lost=s, max_db_lost=2 * s) for s in (0.0, 1.0) for p in ("a1", "a2")]
-    assert len(plots.spread_figure(spread).data) == 4
-    hist = plots.scale_code_histogram_figure({"max": [1] * 127, "per_expert": [2] * 127})
+    assert len(figures.spread_figure(spread).data) == 4
+    hist = figures.scale_code_histogram_figure({"max": [1] * 127, "per_expert": [2] * 127})
     assert [t.name for t in hist.data] == ["max", "per_expert"] and len(hist.data[0].y) == 127
 
 
 def test_format_pow2():
-    assert plots.format_pow2(2.0**-6) == "2^-6" and plots.format_pow2(-(2.0**-9)) == "-2^-9"
-    assert plots.format_pow2(2.0**15) == "2^15" and plots.format_pow2(1.0) == "1" and plots.format_pow2(8.0) == "8"
-    assert plots.format_pow2(448.0) == "448" and plots.format_pow2(57344.0) == "57344"
-    assert plots.format_pow2(3) == "3" and plots.format_pow2(0.0) == "0" and plots.format_pow2(-0.0) == "-0"
+    assert figures.format_pow2(2.0**-6) == "2^-6" and figures.format_pow2(-(2.0**-9)) == "-2^-9"
+    assert figures.format_pow2(2.0**15) == "2^15" and figures.format_pow2(1.0) == "1" and figures.format_pow2(8.0) == "8"
+    assert figures.format_pow2(448.0) == "448" and figures.format_pow2(57344.0) == "57344"
+    assert figures.format_pow2(3) == "3" and figures.format_pow2(0.0) == "0" and figures.format_pow2(-0.0) == "-0"
 
 
 def test_e4m3_code_map_shows_magnitudes():
-    fig = plots.e4m3_code_map_figure()
+    fig = figures.e4m3_code_map_figure()
     special, mag = fig.data
     z, text = mag.z, mag.text
     # 0x01 (2^-9) and 0x7E (448) sit at the two ends of the colour scale, no longer the same colour
@@ -50,17 +50,17 @@ def test_e4m3_code_map_shows_magnitudes():
 
 def test_table_is_tall_enough_for_wrapped_rows():
     rows = [dict(case=f"c{i}", why="a long explanation " * 8) for i in range(20)]
-    fig = plots.table(rows, title="t")
-    short = plots.table([dict(case=f"c{i}", why="x") for i in range(20)], title="t")
+    fig = figures.table(rows, title="t")
+    short = figures.table([dict(case=f"c{i}", why="x") for i in range(20)], title="t")
     assert fig.layout.height > short.layout.height >= 20 * 20  # no cap: every row fits
     assert len(fig.data[0].cells.values[0]) == 20
-    assert plots.table([dict(v=2.0**-6)], pow2=True).data[0].cells.values[0] == ["2^-6"]
+    assert figures.table([dict(v=2.0**-6)], pow2=True).data[0].cells.values[0] == ["2^-6"]
 
 
 def test_storage_accuracy_figure_labels_and_separates_points():
     rows = [dict(scheme=f"s{i}", bits_per_weight=4.25, sqnr_db=20.0 + i) for i in range(5)]
     rows += [dict(scheme="nvfp4", bits_per_weight=4.5, sqnr_db=21.0), dict(scheme="w6", bits_per_weight=6.25, sqnr_db=30.0)]
-    fig = plots.storage_accuracy_figure(rows)
+    fig = figures.storage_accuracy_figure(rows)
     assert [t.name for t in fig.data] == [f"{i + 1}. {n}" for i, n in enumerate([f"s{i}" for i in range(5)] + ["nvfp4", "w6"])]
     assert [t.text[0] for t in fig.data] == [str(i + 1) for i in range(7)]  # each marker numbered
     xs = [t.x[0] for t in fig.data]
@@ -71,6 +71,6 @@ def test_storage_accuracy_figure_labels_and_separates_points():
 
 def test_sweep_figure():
     rows = [dict(outlier_scale=s, a=1.0 * s, b=2.0) for s in (1, 10, 100)]
-    fig = plots.sweep_figure(rows, "outlier_scale", ["a", "b"], "t", "x", "y", log_x=True)
+    fig = figures.sweep_figure(rows, "outlier_scale", ["a", "b"], "t", "x", "y", log_x=True)
     assert [t.name for t in fig.data] == ["a", "b"] and list(fig.data[0].y) == [1.0, 10.0, 100.0]
     assert fig.data[0].line.color != fig.data[1].line.color and fig.layout.xaxis.type == "log"

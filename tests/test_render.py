@@ -8,7 +8,7 @@ loads it in headless Chromium with a probe script appended, and checks in the DO
 * every plotly figure was drawn (``Plotly.newPlot`` ran: the div has class ``js-plotly-plot``), each of
   its traces holds data, and its SVG holds drawn traces;
 * every plotly table shows all its rows inside its visible area (no scrolling needed);
-* every HTML table (pandas or ``mxlib.explore.rows_table``) shows all its rows: no ``...`` row and no
+* every HTML table (pandas or ``mxlib.workbook.explorers.rows_table``) shows all its rows: no ``...`` row and no
   pandas "N rows x M columns" truncation note;
 * the papermill-injected parameters cell holds no absolute path.
 
@@ -198,7 +198,7 @@ def test_notebook_renderer_emits_mime_bundle_and_offline_html():
     import plotly.graph_objects as go
     import plotly.io as pio
 
-    from mxlib.notebook_setup import NOTEBOOK_RENDERER, use_notebook_renderer
+    from mxlib.workbook.setup import NOTEBOOK_RENDERER, use_notebook_renderer
 
     before = pio.renderers.default
     try:

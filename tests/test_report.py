@@ -1,8 +1,8 @@
-"""mxlib.report: the notebooks' tables and counted checks, on hand-made rows."""
+"""mxlib.workbook.checks: the notebooks' tables, counted checks and exercise checkers, on hand-made rows."""
 
 import pytest
 
-from mxlib.report import FLOOR_TARGETS, Checks, floors_table, strategy_summary
+from mxlib.workbook.checks import FLOOR_TARGETS, Checks, floors_table, strategy_summary
 
 
 def test_checks_count_and_raise():
@@ -54,7 +54,7 @@ def test_strategy_summary():
 
 
 def test_exercises_accept_right_and_reject_wrong_answers(capsys):
-    from mxlib import report
+    from mxlib.workbook import checks
 
     right = {
         "01.fp6_shapes": ((768, 1536), (768, 64)),
@@ -75,20 +75,20 @@ def test_exercises_accept_right_and_reject_wrong_answers(capsys):
         "05.packed_bytes": 128 * 3 * 768 * 2048 * 2,  # bf16
     }
     wrong["02.floor_clips"] = [1.0] * 32  # nothing clips
-    assert set(right) | {"03.best_4bit", "05.dequant_wins_at"} == set(report.EXERCISES)
+    assert set(right) | {"03.best_4bit", "05.dequant_wins_at"} == set(checks.EXERCISES)
     for name, answer in right.items():
-        assert report.check_exercise(name, answer), name
-        assert not report.check_exercise(name, wrong[name]), name
+        assert checks.check_exercise(name, answer), name
+        assert not checks.check_exercise(name, wrong[name]), name
     rows = [dict(scheme="a", bits_per_weight=4.25, sqnr_db=20.0), dict(scheme="b", bits_per_weight=4.25, sqnr_db=21.0),
             dict(scheme="c", bits_per_weight=6.25, sqnr_db=30.0)]
-    assert report.check_exercise("03.best_4bit", "b", rows=rows) and not report.check_exercise("03.best_4bit", "c", rows=rows)
+    assert checks.check_exercise("03.best_4bit", "b", rows=rows) and not checks.check_exercise("03.best_4bit", "c", rows=rows)
     bench = [dict(scheme="nvfp4", M=m, dequant_graph_ms=s, fused_graph_ms=f) for m, s, f in ((1, 2, 1), (16, 2, 1), (256, 1, 2))]
-    assert report.check_exercise("05.dequant_wins_at", 256, rows=bench)
-    assert not report.check_exercise("05.dequant_wins_at", 16, rows=bench)
-    assert not report.check_exercise("02.floor_clips", [1.0] * 5)  # wrong length: a message, not a crash
+    assert checks.check_exercise("05.dequant_wins_at", 256, rows=bench)
+    assert not checks.check_exercise("05.dequant_wins_at", 16, rows=bench)
+    assert not checks.check_exercise("02.floor_clips", [1.0] * 5)  # wrong length: a message, not a crash
     assert "not a valid block" in capsys.readouterr().out
     with pytest.raises(KeyError, match="name"):
-        report.check_exercise("99.nothing", 0)
+        checks.check_exercise("99.nothing", 0)
 
 
 def test_anchor_tables_recompute_from_json():
@@ -96,7 +96,7 @@ def test_anchor_tables_recompute_from_json():
     import json
     from pathlib import Path
 
-    from mxlib.report import ANCHOR_RATIOS, anchor_tables
+    from mxlib.workbook.checks import ANCHOR_RATIOS, anchor_tables
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors.json"
     data = json.loads(path.read_text())
@@ -129,7 +129,7 @@ def test_anchor_tables_unknown_ratio(tmp_path):
     import json
     from pathlib import Path
 
-    from mxlib.report import anchor_tables
+    from mxlib.workbook.checks import anchor_tables
 
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors_smem_decode.json"
     data = json.loads(src.read_text())

@@ -1,4 +1,4 @@
-"""``mxlib.studies.vllm_vs_hardware_study`` and its float64 MoE, on the ``tiny`` preset.
+"""``mxlib.workbook.studies.vllm_vs_hardware_study`` and its float64 MoE, on the ``tiny`` preset.
 
 Oracles built here, sharing no arithmetic with mxlib: weights decoded from the packed bytes with
 ml_dtypes (e2m1 codes, ue4m3 / E8M0 scales) and multiplied in float64; NVFP4 activation codes from
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import oracles
-from mxlib import plots
-from mxlib import studies as S
-from mxlib import workflow as W
+from mxlib.workbook import figures
+from mxlib.workbook import steps as W
+from mxlib.workbook import studies as S
 from mxlib.analysis import sqnr_db
 from mxlib.moe import fused_topk
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
@@ -204,7 +204,7 @@ def test_study_rejects_bad_input(tiny):
 
 
 def test_vllm_vs_hardware_figure(tiny):
-    fig = plots.vllm_vs_hardware_figure(list(tiny[0].values()))
+    fig = figures.vllm_vs_hardware_figure(list(tiny[0].values()))
     names = [t.name for t in fig.data]
     assert any("(equal: +inf)" in n for n in names)  # MX vLLM vs hardware: no point, said in the legend
     for t in fig.data:

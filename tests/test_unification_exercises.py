@@ -1,4 +1,5 @@
-"""Notebook 04's exercise checkers and threshold lines (``mxlib.explore``), against hand-computed answers.
+"""Notebook 04's exercise checkers (``mxlib.workbook.checks``), thresholds (``mxlib.formats``) and threshold lines
+(``mxlib.workbook.figures``), against hand-computed answers.
 
 The synthetic experts of ``expert_scale_ratio`` put the smallest expert's amax at ``ratio`` and the
 largest at 1, so its largest ue4m3 block scale under the unified scale is ``e4m3(448 * ratio)``:
@@ -9,30 +10,31 @@ import math
 
 import pytest
 
-from mxlib import explore as E
+from mxlib.formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
+from mxlib.workbook import checks, figures
 
 
 def test_thresholds_by_hand():
-    assert E.NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448 and E.NVFP4_FLUSH_RATIO == 2.0**-10 / 448
+    assert NVFP4_SUBNORMAL_RATIO == 2.0**-6 / 448 and NVFP4_FLUSH_RATIO == 2.0**-10 / 448
 
 
 def test_largest_flushing_power_of_two_is_2_to_the_minus_19():
     # 448 * 2**-19 = 0.875 * 2**-10 rounds to 0; 448 * 2**-18 = 1.75 * 2**-10 rounds to 2**-9
-    answers = [n for n in range(0, 26) if E.is_largest_flushing_power_of_two(2.0**-n)]
+    answers = [n for n in range(0, 26) if checks.is_largest_flushing_power_of_two(2.0**-n)]
     assert answers == [19]
-    assert not E.is_largest_flushing_power_of_two(3 * 2.0**-21)  # flushes, but not a power of two
+    assert not checks.is_largest_flushing_power_of_two(3 * 2.0**-21)  # flushes, but not a power of two
     with pytest.raises(ValueError, match="ratio"):
-        E.is_largest_flushing_power_of_two(0.0)
+        checks.is_largest_flushing_power_of_two(0.0)
 
 
 def test_loses_without_flushing_window():
     # above the subnormal threshold nothing is lost; at and below the flush threshold everything is
-    assert not E.loses_without_flushing(2.0**-12)
-    assert not E.loses_without_flushing(E.NVFP4_FLUSH_RATIO)
-    hits = [x / 4 for x in range(4 * 12, 4 * 20) if E.loses_without_flushing(2.0 ** -(x / 4))]
+    assert not checks.loses_without_flushing(2.0**-12)
+    assert not checks.loses_without_flushing(NVFP4_FLUSH_RATIO)
+    hits = [x / 4 for x in range(4 * 12, 4 * 20) if checks.loses_without_flushing(2.0 ** -(x / 4))]
     assert hits, "some ratio between the two thresholds must lose > 2 dB without flushing"
-    assert all(E.NVFP4_FLUSH_RATIO < 2.0**-h < E.NVFP4_SUBNORMAL_RATIO for h in hits), hits
-    assert E.loses_without_flushing(2.0**-16.5)
+    assert all(NVFP4_FLUSH_RATIO < 2.0**-h < NVFP4_SUBNORMAL_RATIO for h in hits), hits
+    assert checks.loses_without_flushing(2.0**-16.5)
 
 
 def test_threshold_lines_on_a_log_axis():
@@ -40,7 +42,7 @@ def test_threshold_lines_on_a_log_axis():
 
     fig = go.Figure(go.Scatter(x=[1e-6, 1e-2], y=[-1.0, 20.0]))
     fig.update_xaxes(type="log")
-    E.add_scale_ratio_thresholds(fig)
+    figures.add_scale_ratio_thresholds(fig)
     lines = fig.data[1:]
-    assert [tr.x[0] for tr in lines] == [E.NVFP4_SUBNORMAL_RATIO, E.NVFP4_FLUSH_RATIO]
+    assert [tr.x[0] for tr in lines] == [NVFP4_SUBNORMAL_RATIO, NVFP4_FLUSH_RATIO]
     assert all(tuple(tr.y) == (-1.0, 20.0) and math.isclose(tr.x[0], tr.x[1]) for tr in lines)

@@ -19,8 +19,8 @@ memory floor (packed weights and scales of the experts hit + activations in and 
 at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
 (measured in the same run). ``--sweep`` first tries tile configurations per M and uses
 the fastest. ``--model`` adds whole-model forward times (4 and 48 layers). Last, it prints
-notebook 05's floors table (``mxlib.report.floors_table``: fused against the dequantize-then-GEMM path and bf16, per
-target) and stores it in the JSON as ``floors``.
+notebook 05's floors table (``mxlib.workbook.checks.floors_table``: fused against the
+dequantize-then-GEMM path and bf16, per target) and stores it in the JSON as ``floors``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import warnings
 
 import torch
 
-from .. import report
 from ..kernels.tiles import TileConfig
 from ..models.calibration import calibrate
 from ..models.qwen3 import dummy_qwen3_moe, expert_weights, moe_layers, qwen3_30b_a3b_config
@@ -40,6 +39,7 @@ from ..moe import base as X
 from ..moe.factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.routing import fused_topk
 from ..moe.schemes import OCP_MX_SCHEMES, get_moe_scheme
+from ..workbook.checks import floors_table
 from ._common import copy_bandwidth, env, graph_ms, median_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -246,8 +246,8 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
 
 
 def print_floors(rows: list[dict]) -> list[dict]:
-    """Print and return notebook 05's floors table (``mxlib.report.floors_table``) of bench rows."""
-    floors = report.floors_table(rows)
+    """Print and return notebook 05's floors table (``mxlib.workbook.checks.floors_table``) of bench rows."""
+    floors = floors_table(rows)
     for r in floors:
         want = f"{r['target_vs_dequant']}x" if r["target_vs_dequant"] != "" else "-"
         print(f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than dequantize-then-GEMM (wanted {want}), "

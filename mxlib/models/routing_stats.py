@@ -141,7 +141,7 @@ def summarize_counts(tokens_per_expert: list[torch.Tensor], top_k: int) -> list[
 
 def routing_rows(stats: list[dict]) -> list[dict]:
     """``routing_statistics`` output as flat table rows (no ``tokens_per_expert``; shares
-    rounded to 4 significant digits), for ``mxlib.plots.table`` or a DataFrame."""
+    rounded to 4 significant digits), for ``mxlib.workbook.figures.table`` or a DataFrame."""
     keys = ("layer", "experts_hit", "max_share", "min_share", "max_over_uniform", "normalized_entropy")
     return [{k: (float(f"{s[k]:.4g}") if isinstance(s[k], float) else s[k]) for k in keys} for s in stats]
 

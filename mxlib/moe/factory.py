@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import BlockScheme, PerTensorScheme, get_block_scheme
+from ..formats import BlockScheme, PerTensorScheme
 from .base import ops_for_device
 from .emulation import (
     ExpertWeights,
@@ -26,7 +26,7 @@ from .emulation import (
     QuantizedExperts,
 )
 from .linear import EmulatedLinear, LinearWeights
-from .schemes import MoEQuantScheme, get_moe_scheme
+from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
 
 __all__ = ["ExpertWeights", "quantize_expert_weights", "make_emulation_experts", "input_scales_from_amax",
            "LinearWeights", "quantize_linear_weight", "make_emulated_linear"]
@@ -50,27 +50,15 @@ def quantize_expert_weights(
         ``ExpertWeights`` on ``w13``'s device. NVFP4: one ``weight_scale_2`` per expert for gate
         and up together (ModelOpt), one for down.
     """
-    fmt = _weight_format(scheme)
+    fmt = get_weight_format(scheme)
     ops = ops or ops_for_device(w13.device)
     if fmt.has_global_scale:
         p13, s13, g13 = ops.quantize_nvfp4(w13, block_size=fmt.block_size)
         p2, s2, g2 = ops.quantize_nvfp4(w2, block_size=fmt.block_size)
         return ExpertWeights(fmt, p13, s13, p2, s2, g13, g2)
-    el = fmt.element.name
-    p13, s13 = ops.quantize_mx(w13, el, fmt.block_size, WEIGHT_SCALE_MODE)
-    p2, s2 = ops.quantize_mx(w2, el, fmt.block_size, WEIGHT_SCALE_MODE)
+    p13, s13 = ops.quantize_mx(w13, fmt.element, fmt.block_size, WEIGHT_SCALE_MODE)
+    p2, s2 = ops.quantize_mx(w2, fmt.element, fmt.block_size, WEIGHT_SCALE_MODE)
     return ExpertWeights(fmt, p13, s13, p2, s2)
-
-
-def _weight_format(scheme) -> BlockScheme:
-    if isinstance(scheme, MoEQuantScheme):
-        return scheme.weight
-    if isinstance(scheme, BlockScheme):
-        return scheme
-    try:
-        return get_moe_scheme(scheme).weight
-    except ValueError:
-        return get_block_scheme(scheme)
 
 
 def input_scales_from_amax(
@@ -139,14 +127,14 @@ def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockS
     """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
     ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
     ``weight_scale_2``; OCP MX: E8M0 ``even``)."""
-    fmt = _weight_format(scheme)
+    fmt = get_weight_format(scheme)
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
     ops = ops or ops_for_device(weight.device)
     if fmt.has_global_scale:
         p, s, g = ops.quantize_nvfp4(weight, block_size=fmt.block_size)
         return LinearWeights(fmt, p, s, g.reshape(()).float())
-    p, s = ops.quantize_mx(weight, fmt.element.name, fmt.block_size, WEIGHT_SCALE_MODE)
+    p, s = ops.quantize_mx(weight, fmt.element, fmt.block_size, WEIGHT_SCALE_MODE)
     return LinearWeights(fmt, p, s)
 
 

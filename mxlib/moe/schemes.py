@@ -34,7 +34,8 @@ from ..formats import (
     get_block_scheme,
 )
 
-__all__ = ["MoEQuantScheme", "MOE_SCHEMES", "OCP_MX_SCHEMES", "get_moe_scheme", "FP8_PER_TENSOR"]
+__all__ = ["MoEQuantScheme", "MOE_SCHEMES", "OCP_MX_SCHEMES", "NVFP4_MOE", "get_moe_scheme", "get_weight_format",
+           "FP8_PER_TENSOR"]
 
 # The per-tensor FP8 activation format (an object of the format table; its name is "fp8_e4m3").
 FP8_PER_TENSOR: PerTensorScheme = FP8_E4M3_PER_TENSOR
@@ -95,6 +96,8 @@ OCP_MX_SCHEMES: tuple[str, ...] = (
 
 MOE_SCHEMES: dict[str, MoEQuantScheme] = {n: _ocp(n) for n in OCP_MX_SCHEMES}
 MOE_SCHEMES[NVFP4.name] = MoEQuantScheme(NVFP4.name, NVFP4, NVFP4)
+# NVFP4 weights and activations (ModelOpt's MoE scheme): the studies' and the loaders' object for it
+NVFP4_MOE: MoEQuantScheme = MOE_SCHEMES[NVFP4.name]
 _ALIASES = {"mxfp4": "w_mxfp4_a_mxfp4"}
 
 
@@ -113,3 +116,21 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     if key not in MOE_SCHEMES:
         raise ValueError(f"unknown MoE scheme {name!r}; supported: {list(MOE_SCHEMES)} (alias: mxfp4)")
     return MOE_SCHEMES[key]
+
+
+def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme:
+    """The block format weights are stored in: a ``MoEQuantScheme``'s ``weight``, a ``BlockScheme``
+    itself, or either looked up by name (a MoE scheme name first, then a block scheme name:
+    ``nvfp4``, ``w_mxfp6_e2m3``, ``mxfp6_e3m2``, ...).
+
+    Raises:
+        ValueError: a name that is neither; the message lists the block schemes.
+    """
+    if isinstance(scheme, MoEQuantScheme):
+        return scheme.weight
+    if isinstance(scheme, BlockScheme):
+        return scheme
+    try:
+        return get_moe_scheme(scheme).weight
+    except (ValueError, TypeError):
+        return get_block_scheme(scheme)

@@ -27,16 +27,11 @@ import warnings
 import torch
 
 from ... import reference as R
-from ...formats import BlockScheme, PerTensorScheme, get_element_format
+from ...formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, BlockScheme, PerTensorScheme
 from ...moe.scales import unify_input_scales
 
 __all__ = ["predicted_db_lost", "strategy_rows", "NVFP4_SUBNORMAL_RATIO", "NVFP4_FLUSH_RATIO"]
 
-_E4M3 = get_element_format("e4m3")
-# notebook 04's thresholds (the same numbers as mxlib.explore's constants, which sit above this
-# layer): e4m3's smallest normal, and half its smallest subnormal, over its max
-NVFP4_SUBNORMAL_RATIO = _E4M3.min_normal / _E4M3.max
-NVFP4_FLUSH_RATIO = _E4M3.min_subnormal / 2 / _E4M3.max
 
 # own * fp32(1 / unified) is 1 only to fp32 rounding for the expert that sets the unified scale
 _RATIO_TOL = 2.0**-20

@@ -1,26 +1,30 @@
-"""Tables and checks the notebooks show, as plain functions (the CLI can print the same ones).
+"""Checks and tables the notebooks show, as plain functions (the CLI and the benchmarks print the same ones).
 
 * ``Checks``: an assert cell's checks, counted, so the cell can say how many passed.
 * ``strategy_summary``: notebook 04's per-expert QDQ table, averaged over experts.
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
-* ``anchor_tables`` and ``ANCHOR_RATIOS``: notebook 05's tables of the fused FP4 kernel beside the anchor harness (H200).
-* ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers.
+* ``anchor_tables`` and ``ANCHOR_RATIOS``: notebook 05's tables of the fused FP4 kernel beside the anchor harness
+  (H200).
+* ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers;
+  ``floor_clips_rceil_does_not`` (notebooks 00 and 02), ``loses_without_flushing`` and
+  ``is_largest_flushing_power_of_two`` (notebook 04) check an answer on the explorers' numbers.
 """
 
 from __future__ import annotations
 
-import statistics
-
+import json
 import math
+import statistics
+from pathlib import Path
 
 import torch
 
-from . import explore
-from . import reference as R
-from . import studies
+from .. import reference as R
+from . import explorers, probes
 
-__all__ = ["Checks", "strategy_summary", "FLOOR_TARGETS", "floors_table", "EXERCISES",
-           "check_exercise", "ANCHOR_RATIOS", "anchor_tables"]
+__all__ = ["Checks", "strategy_summary", "FLOOR_TARGETS", "floors_table", "EXERCISES", "check_exercise",
+           "floor_clips_rceil_does_not", "loses_without_flushing", "is_largest_flushing_power_of_two",
+           "ANCHOR_RATIOS", "anchor_tables"]
 
 
 class Checks:
@@ -46,7 +50,7 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
     """Mean over experts of each strategy's QDQ metrics at a1 and a2, plus OCP MX for comparison.
 
     Args:
-        experts: ``studies.unification_study(...)["experts"]`` rows (one per layer, expert and
+        experts: ``mxlib.workbook.studies.unification_study(...)["experts"]`` rows (one per layer, expert and
             activation point ``a1`` / ``a2``).
         strategies: the strategies the study ran (``max``, ``per_expert``, ``median``, ...).
 
@@ -75,13 +79,13 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
     return summary
 
 
-
 # (scheme, tokens M, fused speed-up wanted over vLLM's emulation design (None: no target),
 #  fused time allowed as a multiple of bf16's); CUDA-graph replay times.
 FLOOR_TARGETS: tuple[tuple[str, int, float | None, float], ...] = tuple(
     (scheme, m, want_dequant, want_bf16)
     for scheme in ("nvfp4", "w_mxfp4_a_mxfp4")
-    for m, want_dequant, want_bf16 in ((1, 10, 1.5), (16, 10, 1.5), (256, 3, 1.5), (1024, None, 1.25), (4096, None, 1.25))
+    for m, want_dequant, want_bf16 in ((1, 10, 1.5), (16, 10, 1.5), (256, 3, 1.5), (1024, None, 1.25),
+                                       (4096, None, 1.25))
 )
 
 
@@ -130,7 +134,7 @@ EXERCISES: dict[str, str] = {
     "02.floor_clips": "Find a 32-value MXFP8 (e4m3) block in which the OCP floor rule clips an element and "
                       "rceil does not.",
     "02.e4m3_code": "Which e4m3 code (an int, e.g. 0x79) does 300.0 round to?",
-    "02.outlier_gap": "With explore.outlier_scale_sqnr, find the smallest outlier_scale among 1, 10, 100, 1000 "
+    "02.outlier_gap": "With explorers.outlier_scale_sqnr, find the smallest outlier_scale among 1, 10, 100, 1000 "
                       "and 10000 at which NVFP4 beats MXFP4 by more than 3 dB.",
     "03.best_4bit": "Which 4.25-bit scheme has the highest logits SQNR in this run?",
     "03.nvfp4_bits_32": "NVFP4 with blocks of 32 instead of 16 (still one e4m3 scale a block): how many bits "
@@ -145,16 +149,16 @@ EXERCISES: dict[str, str] = {
 def _exercise_answer(name: str, **context):
     """The right answer of exercise ``name`` (``rows`` in ``context`` where the exercise reads a run)."""
     if name == "01.fp6_shapes":
-        sh = explore.stored_shapes("w_mxfp6_e2m3", 768, 2048)
+        sh = probes.stored_shapes("w_mxfp6_e2m3", 768, 2048)
         return (sh["weight"][0], sh["weight_scale"][0])
     if name == "01.decode_byte":
         codes = R.unpack_codes(torch.tensor([[0x2B]], dtype=torch.uint8), "e2m1")[0]
         return tuple(float(v) * 2.0**-10 for v in R.decode_element(codes, "e2m1"))
     if name == "02.e4m3_code":
-        return explore.value_info(300.0, "e4m3")["code"]
+        return explorers.value_info(300.0, "e4m3")["code"]
     if name == "02.outlier_gap":
         for scale in (1, 10, 100, 1000, 10000):
-            r = explore.outlier_scale_sqnr(scale, schemes=("mxfp4", "nvfp4"))
+            r = explorers.outlier_scale_sqnr(scale, schemes=("mxfp4", "nvfp4"))
             if r["nvfp4"] - r["mxfp4"] > 3.0:
                 return scale
         return None
@@ -164,7 +168,7 @@ def _exercise_answer(name: str, **context):
     if name == "03.nvfp4_bits_32":
         return 4 + 8 / 32
     if name == "05.packed_bytes":
-        sh = [explore.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
+        sh = [probes.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
         return 128 * sum(math.prod(s["weight"][0]) + math.prod(s["weight_scale"][0]) for s in sh)
     if name == "05.dequant_wins_at":
         scheme = context.get("scheme", "nvfp4")  # a benchmark row's label (data), not a format lookup
@@ -191,7 +195,7 @@ def check_exercise(name: str, answer, **context) -> bool:
         raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
     if name == "02.floor_clips":
         try:
-            ok = explore.floor_clips_rceil_does_not(answer, "mxfp8_e4m3")
+            ok = floor_clips_rceil_does_not(answer, "mxfp8_e4m3")
         except ValueError as err:
             print(f"not a valid block: {err}")
             return False
@@ -207,6 +211,46 @@ def check_exercise(name: str, answer, **context) -> bool:
         ok = answer == want
     print("right" if ok else f"not yet (the checker computes {want!r})")
     return ok
+
+
+def floor_clips_rceil_does_not(block, scheme: str = "mxfp4") -> bool:
+    """Exercise checker: True when the OCP floor rule saturates an element of ``block`` and rceil does not."""
+    floor = explorers.block_info(block, scheme, "floor")
+    rceil = explorers.block_info(block, scheme, "rceil")
+    return any(floor["clipped"]) and not any(rceil["clipped"])
+
+
+def loses_without_flushing(ratio: float, min_db: float = 2.0, **kwargs) -> bool:
+    """Exercise checker (notebook 04): True when, at this ``ratio``, the smallest synthetic expert of
+    ``expert_scale_ratio`` loses more than ``min_db`` dB under the unified scale against its own scale
+    while none of its blocks is flushed (its block scales are subnormal, not zero). Answers lie
+    between ``mxlib.formats.NVFP4_FLUSH_RATIO`` and ``NVFP4_SUBNORMAL_RATIO``. ``kwargs`` go to
+    ``explorers.expert_scale_ratio``."""
+    row = explorers.expert_scale_ratio(float(ratio), **kwargs)[-1]
+    return row["sqnr_per_expert_db"] - row["sqnr_unified_db"] > min_db and row["flushed_blocks"] == 0.0
+
+
+def is_largest_flushing_power_of_two(ratio: float, **kwargs) -> bool:
+    """Exercise checker (notebook 04): True when ``ratio`` is a power of two at which every block of
+    the smallest synthetic expert is flushed under the unified scale (its QDQ output is all zero)
+    while at ``2 * ratio`` at least one block survives.
+
+    By hand: the expert's largest block scale is ``e4m3(448 * ratio)`` and rounds to zero when it is
+    at most ``2**-10`` (half the smallest subnormal ``2**-9``; the tie goes to the even code 0), so
+    the answer is ``2**-19`` (``448 * 2**-19 = 0.875 * 2**-10``; ``448 * 2**-18 = 1.75 * 2**-10``
+    rounds up to ``2**-9``).
+
+    Raises:
+        ValueError: ``ratio`` not in (0, 1].
+    """
+    ratio = float(ratio)
+    if not (0.0 < ratio <= 1.0):
+        raise ValueError(f"ratio: expected a number in (0, 1], got {ratio}")
+    if math.frexp(ratio)[0] != 0.5:
+        return False
+    here = explorers.expert_scale_ratio(ratio, **kwargs)[-1]["flushed_blocks"]
+    above = explorers.expert_scale_ratio(min(2.0 * ratio, 1.0), **kwargs)[-1]["flushed_blocks"] if ratio < 1.0 else 0.0
+    return here == 1.0 and above < 1.0
 
 
 # ----------------------------------------------------------------------------- the FP4 kernel beside the anchors (H200)
@@ -232,7 +276,8 @@ ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_s
 
 
 def anchor_tables(path) -> dict:
-    """The H200 tables of the fused FP4 kernel beside the anchor harness, from ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
+    """The H200 tables of the fused FP4 kernel beside the anchor harness, from
+    ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
 
     Args:
         path: the JSON file (``benchmarks/h200_fp4_anchors.json``): ``env``, ``rows`` (mxlib,
@@ -257,9 +302,6 @@ def anchor_tables(path) -> dict:
     Raises:
         ValueError: a ratio name the JSON records that ``ANCHOR_RATIOS`` does not know.
     """
-    import json
-    from pathlib import Path
-
     data = json.loads(Path(path).read_text())
     anchor = data["anchor"]
     ms = sorted({r["M"] for r in data["rows"]})
@@ -277,7 +319,7 @@ def anchor_tables(path) -> dict:
     ratio_rows = []
     for name in data["ratios"][str(ms[0])]:
         if name not in ANCHOR_RATIOS:
-            raise ValueError(f"path: ratio {name!r} not in report.ANCHOR_RATIOS ({sorted(ANCHOR_RATIOS)})")
+            raise ValueError(f"path: ratio {name!r} not in checks.ANCHOR_RATIOS ({sorted(ANCHOR_RATIOS)})")
         num, den = ANCHOR_RATIOS[name]
         if all(data["ratios"][str(m)][name] is None for m in ms):  # rows not timed in this call (``--no-extra``)
             continue

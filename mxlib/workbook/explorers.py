@@ -1,8 +1,8 @@
-"""Plain functions behind the workbook's interactive widgets, and the thin widgets themselves.
+"""Plain functions behind the workbook's interactive explorers, and the thin widgets themselves.
 
 Each explorer is a plain function that returns a dict (or a list of dict rows) of numbers, tested
 in ``tests/test_explore.py`` against ml_dtypes and hand-computed grids; the ``*_widget()``
-functions only wire ipywidgets sliders and text boxes to them.
+functions only wire ipywidgets sliders and text boxes to them, and show rows with ``rows_table``.
 
 * ``value_info(value, element)``: one value on one element grid: its code and bit fields, the
   grid neighbours below and above, the rounded value (nearest, ties to even, saturating) and
@@ -12,16 +12,17 @@ functions only wire ipywidgets sliders and text boxes to them.
   packed bytes, the QDQ result and its error.
 * ``expert_scale_ratio(ratio)``: synthetic MoE experts whose activation amax differ by ``ratio``,
   NVFP4 QDQ error of each under one unified (max) global scale and under per-expert scales, as
-  vLLM's emulation (unified) and an ideal per-expert kernel would see them.
+  vLLM's emulation (unified) and an ideal per-expert kernel would see them; the thresholds where
+  block scales turn subnormal and flush are ``mxlib.formats.NVFP4_SUBNORMAL_RATIO`` and
+  ``NVFP4_FLUSH_RATIO``.
 * ``outlier_scale_sqnr(outlier_scale)``: SQNR of each block scheme on Gaussian data with a few
   outliers of a given magnitude.
-* ``stored_shapes`` and ``stored_block``: what a checkpoint stores for one expert projection (the
-  shapes its packing implies; one block of it read back and decoded), for notebook 01.
-* ``swapped_nibbles(model)``: notebook 01's negative control, every stored FP4 byte of every
-  emulation experts module with its two codes swapped, for the length of a ``with`` block;
-  ``captured_output(module)`` records a module's outputs meanwhile (the MoE block's, for its SQNR).
+* ``rows_table(rows)``: an HTML table of dict rows, every row shown (what the widgets and the
+  notebooks display).
 
 All arithmetic goes through ``mxlib.reference``; these functions add no rounding of their own.
+What a checkpoint stores, and notebook 01's negative control, are in ``mxlib.workbook.probes``;
+the exercise checkers built on these explorers in ``mxlib.workbook.checks``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ import math
 
 import torch
 
-from . import reference as R
-from .analysis import sqnr_db
-from .formats import (
+from .. import reference as R
+from ..analysis import sqnr_db
+from ..formats import (
     BLOCK_SCHEMES,
     ELEMENT_FORMATS,
     E8M0_BIAS,
     NVFP4_BLOCK_SIZE,
+    NVFP4_FLUSH_RATIO,
+    NVFP4_SCALE_DIVISOR,
+    NVFP4_SUBNORMAL_RATIO,
     ElementFormat,
     get_block_scheme,
     get_element_format,
@@ -44,25 +48,15 @@ from .formats import (
 )
 
 __all__ = [
-    "NVFP4_SUBNORMAL_RATIO",
-    "NVFP4_FLUSH_RATIO",
     "bit_fields",
     "value_info",
     "block_info",
+    "scale_bytes",
     "expert_scale_ratio",
     "expert_scale_ratio_sweep",
-    "add_scale_ratio_thresholds",
-    "loses_without_flushing",
-    "is_largest_flushing_power_of_two",
     "outlier_data",
     "outlier_scale_sqnr",
     "outlier_scale_sweep",
-    "scale_bytes",
-    "stored_shapes",
-    "stored_block",
-    "swapped_nibbles",
-    "captured_output",
-    "floor_clips_rceil_does_not",
     "rows_table",
     "value_explorer_widget",
     "block_explorer_widget",
@@ -71,18 +65,6 @@ __all__ = [
 ]
 
 _E4M3 = get_element_format("e4m3")
-_E2M1 = get_element_format("e2m1")
-_FP4_TIMES_FP8_MAX = _E2M1.max * _E4M3.max  # 6 * 448 = 2688
-
-# NVFP4 with one global scale for experts of different activation amax: an expert whose amax is
-# `ratio` times the largest gets block scales of at most 448 * ratio. Below 2**-6 (e4m3's smallest
-# normal) they are subnormal and lose mantissa bits; below 2**-10 (half of e4m3's smallest
-# subnormal 2**-9) they round to zero and the whole block is flushed to zero.
-NVFP4_SUBNORMAL_RATIO = 2.0**-6 / _E4M3.max
-NVFP4_FLUSH_RATIO = 2.0**-10 / _E4M3.max
-
-
-_sqnr_db = sqnr_db  # ``mxlib.analysis.sqnr_db``: float64, +inf for an exact match
 
 
 # ----------------------------------------------------------------------------- one value
@@ -213,7 +195,8 @@ def block_info(
     info: dict = {"scheme": s.name, "element": fmt.name, "x": x.tolist(), "amax": amax}
     if s.has_global_scale:
         if global_scale is None:
-            gs = torch.tensor(_FP4_TIMES_FP8_MAX, dtype=torch.float32) / x.abs().max() if amax > 0 else torch.tensor(1.0)
+            gs = (torch.tensor(NVFP4_SCALE_DIVISOR, dtype=torch.float32) / x.abs().max() if amax > 0
+                  else torch.tensor(1.0))
         else:
             gs = torch.tensor(float(global_scale), dtype=torch.float32)
         elements, bscale = R.ref_nvfp4_quant(row, gs, s.block_size)
@@ -234,8 +217,8 @@ def block_info(
         )
     else:
         get_scale_mode(scale_mode)
-        packed, byte = R.quantize_mx(row, fmt.name, s.block_size, scale_mode)
-        dequant = R.dequantize_mx(packed, byte, fmt.name, s.block_size, torch.float32)[0]
+        packed, byte = R.quantize_mx(row, fmt, s.block_size, scale_mode)
+        dequant = R.dequantize_mx(packed, byte, fmt, s.block_size, torch.float32)[0]
         b = int(byte.reshape(()))
         scale = float(R.decode_e8m0(byte).reshape(()))
         codes = R.unpack_codes(packed, fmt)[0]
@@ -258,7 +241,7 @@ def block_info(
         clipped=(scaled.abs() > fmt.max).tolist(),
         dequant=dequant.tolist(),
         error=(dequant - x).tolist(),
-        sqnr_db=_sqnr_db(dequant, x),
+        sqnr_db=sqnr_db(dequant, x),
     )
     return info
 
@@ -267,13 +250,6 @@ def scale_bytes(amax: float, element: str | ElementFormat = "e2m1") -> dict:
     """The E8M0 byte of a block with this amax under each rule: ``{"floor": b, "even": b, "rceil": b}``."""
     a = torch.tensor([float(amax)], dtype=torch.float32)
     return {mode: int(R.e8m0_scale(a, element, mode)[0]) for mode in ("floor", "even", "rceil")}
-
-
-def floor_clips_rceil_does_not(block, scheme: str = "mxfp4") -> bool:
-    """Exercise checker: True when the OCP floor rule saturates an element of ``block`` and rceil does not."""
-    floor = block_info(block, scheme, "floor")
-    rceil = block_info(block, scheme, "rceil")
-    return any(floor["clipped"]) and not any(rceil["clipped"])
 
 
 # ----------------------------------------------------------------------------- synthetic experts
@@ -323,7 +299,7 @@ def expert_scale_ratio(
         raise ValueError(f"hidden={hidden} is not a multiple of block_size={NVFP4_BLOCK_SIZE}")
     x = _expert_activations(num_experts, ratio, tokens, hidden, seed)
     amax = x.reshape(num_experts, -1).abs().amax(dim=1)
-    two688 = torch.tensor(_FP4_TIMES_FP8_MAX, dtype=torch.float32)
+    two688 = torch.tensor(NVFP4_SCALE_DIVISOR, dtype=torch.float32)
     gs_unified = two688 / amax.max()
     gs_per_expert = two688 / amax
     rows = []
@@ -336,8 +312,8 @@ def expert_scale_ratio(
         rows.append({
             "expert": e,
             "amax": float(amax[e]),
-            "sqnr_unified_db": _sqnr_db(unified, xe),
-            "sqnr_per_expert_db": _sqnr_db(own, xe),
+            "sqnr_unified_db": sqnr_db(unified, xe),
+            "sqnr_per_expert_db": sqnr_db(own, xe),
             "subnormal_blocks": float(((s > 0) & (s < _E4M3.min_normal)).float().mean()),
             "flushed_blocks": float(((s == 0) & (bamax > 0)).float().mean()),
             "max_block_scale": float(s.max()),
@@ -348,59 +324,6 @@ def expert_scale_ratio(
 def expert_scale_ratio_sweep(ratios, **kwargs) -> list[dict]:
     """``expert_scale_ratio`` of the smallest expert for each ratio: rows with ``ratio`` added."""
     return [{"ratio": float(r), **expert_scale_ratio(float(r), **kwargs)[-1]} for r in ratios]
-
-
-def add_scale_ratio_thresholds(fig, y_range=None):
-    """Draw ``NVFP4_SUBNORMAL_RATIO`` and ``NVFP4_FLUSH_RATIO`` on a figure whose x axis is an expert
-    scale ratio (log or linear), as two dashed line traces from the lowest to the highest y of the
-    figure's traces (or ``y_range = (y0, y1)``). Returns ``fig``.
-
-    Traces rather than ``add_vline`` shapes: plotly places shapes and their annotations
-    inconsistently on log axes (plotly.py issue #4012).
-    """
-    import plotly.graph_objects as go
-
-    if y_range is None:
-        ys = [float(y) for tr in fig.data if getattr(tr, "y", None) is not None for y in tr.y
-              if y is not None and math.isfinite(float(y))]
-        y_range = (min(ys, default=0.0), max(ys, default=1.0))
-    for ratio, name in ((NVFP4_SUBNORMAL_RATIO, "r = 2^-6/448: largest block scale subnormal"),
-                        (NVFP4_FLUSH_RATIO, "r = 2^-10/448: every block flushed")):
-        fig.add_trace(go.Scatter(x=[ratio, ratio], y=list(y_range), mode="lines", name=name,
-                                 line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black")))
-    return fig
-
-
-def loses_without_flushing(ratio: float, min_db: float = 2.0, **kwargs) -> bool:
-    """Exercise checker (notebook 04): True when, at this ``ratio``, the smallest synthetic expert of
-    ``expert_scale_ratio`` loses more than ``min_db`` dB under the unified scale against its own scale
-    while none of its blocks is flushed (its block scales are subnormal, not zero). Answers lie
-    between ``NVFP4_FLUSH_RATIO`` and ``NVFP4_SUBNORMAL_RATIO``. ``kwargs`` go to ``expert_scale_ratio``."""
-    row = expert_scale_ratio(float(ratio), **kwargs)[-1]
-    return row["sqnr_per_expert_db"] - row["sqnr_unified_db"] > min_db and row["flushed_blocks"] == 0.0
-
-
-def is_largest_flushing_power_of_two(ratio: float, **kwargs) -> bool:
-    """Exercise checker (notebook 04): True when ``ratio`` is a power of two at which every block of
-    the smallest synthetic expert is flushed under the unified scale (its QDQ output is all zero)
-    while at ``2 * ratio`` at least one block survives.
-
-    By hand: the expert's largest block scale is ``e4m3(448 * ratio)`` and rounds to zero when it is
-    at most ``2**-10`` (half the smallest subnormal ``2**-9``; the tie goes to the even code 0), so
-    the answer is ``2**-19`` (``448 * 2**-19 = 0.875 * 2**-10``; ``448 * 2**-18 = 1.75 * 2**-10``
-    rounds up to ``2**-9``).
-
-    Raises:
-        ValueError: ``ratio`` not in (0, 1].
-    """
-    ratio = float(ratio)
-    if not (0.0 < ratio <= 1.0):
-        raise ValueError(f"ratio: expected a number in (0, 1], got {ratio}")
-    if math.frexp(ratio)[0] != 0.5:
-        return False
-    here = expert_scale_ratio(ratio, **kwargs)[-1]["flushed_blocks"]
-    above = expert_scale_ratio(min(2.0 * ratio, 1.0), **kwargs)[-1]["flushed_blocks"] if ratio < 1.0 else 0.0
-    return here == 1.0 and above < 1.0
 
 
 # ----------------------------------------------------------------------------- outliers
@@ -422,7 +345,8 @@ def outlier_data(
     return x
 
 
-def outlier_scale_sqnr(outlier_scale: float, schemes=tuple(BLOCK_SCHEMES), scale_mode: str = "even", **data_kwargs) -> dict:
+def outlier_scale_sqnr(outlier_scale: float, schemes=tuple(BLOCK_SCHEMES), scale_mode: str = "even",
+                       **data_kwargs) -> dict:
     """SQNR (dB) of QDQ in each scheme on ``outlier_data(outlier_scale, **data_kwargs)``.
 
     OCP MX schemes use the E8M0 rule ``scale_mode``; NVFP4 uses the global scale ``6 * 448 / amax``
@@ -432,163 +356,13 @@ def outlier_scale_sqnr(outlier_scale: float, schemes=tuple(BLOCK_SCHEMES), scale
     out = {}
     for name in schemes:
         kw = {} if get_block_scheme(name).has_global_scale else {"scale_mode": scale_mode}
-        out[name] = _sqnr_db(R.quant_dequant(x, name, **kw), x)
+        out[name] = sqnr_db(R.quant_dequant(x, name, **kw), x)
     return out
 
 
 def outlier_scale_sweep(outlier_scales, **kwargs) -> list[dict]:
     """``outlier_scale_sqnr`` for each scale: rows ``{"outlier_scale", scheme: sqnr_db, ...}``."""
     return [{"outlier_scale": float(s), **outlier_scale_sqnr(float(s), **kwargs)} for s in outlier_scales]
-
-
-# ----------------------------------------------------------------------------- a stored checkpoint
-
-
-def stored_shapes(scheme: str, out_features: int, in_features: int) -> dict:
-    """Shapes and dtypes a ModelOpt / Quark checkpoint stores for one ``[out_features, in_features]``
-    expert weight in ``scheme``'s weight format (a block scheme name or a MoE scheme name).
-
-    ``weight``: uint8 ``[out, in * bits / 8]`` (FP4: two codes a byte, FP6: four codes in three
-    bytes, FP8: one a byte); ``weight_scale``: one scale per ``block_size`` inputs, ``[out, in /
-    block_size]``, float8_e4m3fn (NVFP4, block 16) or uint8 E8M0 (OCP MX, block 32). Returns
-    ``{"weight": (shape, dtype), "weight_scale": (shape, dtype)}`` with shapes as tuples, dtypes as
-    the safetensors names (``U8``, ``F8_E4M3``).
-
-    Raises:
-        ValueError: unknown scheme; ``in_features`` not a multiple of the block size.
-    """
-    from .moe import get_moe_scheme
-
-    bs = get_block_scheme(scheme) if scheme in BLOCK_SCHEMES else get_moe_scheme(scheme).weight
-    if in_features % bs.block_size:
-        raise ValueError(f"in_features={in_features} is not a multiple of block_size={bs.block_size}")
-    scale_dtype = "F8_E4M3" if bs.has_global_scale else "U8"
-    return {"weight": ((out_features, bs.element.packed_size(in_features)), "U8"),
-            "weight_scale": ((out_features, in_features // bs.block_size), scale_dtype)}
-
-
-def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj", row: int = 0, block: int = 0) -> dict:
-    """One block of one stored expert weight, read from the checkpoint's safetensors and decoded.
-
-    Args:
-        path: a checkpoint folder written by ``write_quantized_checkpoint`` (ModelOpt NVFP4 or Quark
-            OCP MX layout; its ``config.json`` names the scheme).
-        layer, expert: which expert; ``proj``: ``gate_proj``, ``up_proj`` or ``down_proj``.
-        row: the output row; ``block``: the block index along the input dimension.
-
-    Returns:
-        dict: ``scheme``, ``tensor`` (the weight's name), ``bytes_hex`` (the packed bytes of the
-        block as stored), ``codes`` (element codes), ``elements`` (their values), ``scale_byte``
-        (E8M0 byte, or the e4m3 byte of the NVFP4 block scale), ``block_scale`` (decoded),
-        ``weight_scale_2`` (NVFP4's per-tensor decode scale, else None) and ``values``: the
-        dequantized weights, ``elements * block_scale (* weight_scale_2)`` in fp32 (bit-equal to
-        ``mxlib.reference``'s dequantization of that row).
-
-    Raises:
-        ValueError: ``proj`` unknown or ``row`` / ``block`` outside the stored tensor.
-    """
-    import json as _json
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    from .models.checkpoints import read_quant_config
-
-    if proj not in ("gate_proj", "up_proj", "down_proj"):
-        raise ValueError(f"proj: expected gate_proj, up_proj or down_proj, got {proj!r}")
-    path = Path(path)
-    bs = read_quant_config(path).scheme.weight
-    index = _json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-    if name not in index:
-        raise ValueError(f"layer={layer}, expert={expert}: {name} is not in the checkpoint")
-
-    def read(tensor):
-        with safe_open(str(path / index[tensor]), "pt") as f:
-            return f.get_tensor(tensor)
-
-    w, sc = read(name), read(name + "_scale")
-    if not 0 <= row < w.shape[0]:
-        raise ValueError(f"row: expected an integer in [0, {w.shape[0]}), got {row}")
-    if not 0 <= block < sc.shape[1]:
-        raise ValueError(f"block: expected an integer in [0, {sc.shape[1]}), got {block}")
-    fmt = bs.element
-    nbytes = fmt.packed_size(bs.block_size)
-    raw = w[row, block * nbytes:(block + 1) * nbytes].reshape(1, -1)
-    codes = R.unpack_codes(raw, fmt)[0]
-    elements = R.decode_element(codes, fmt)
-    if bs.has_global_scale:
-        s = sc[row, block].reshape(1)
-        scale_byte = int(s.view(torch.uint8)[0])
-        block_scale = float(s.float()[0])
-        ws2 = float(read(name + "_scale_2").float().reshape(()))
-        # vLLM's dequantize_to_dtype: e2m1 * (fp32(block_scale) * weight_scale_2), in fp32
-        values = elements * (torch.tensor(block_scale, dtype=torch.float32) * torch.tensor(ws2, dtype=torch.float32))
-    else:
-        scale_byte = int(sc[row, block].view(torch.uint8))
-        block_scale = float(R.decode_e8m0(torch.tensor([scale_byte], dtype=torch.uint8))[0])
-        ws2 = None
-        values = elements * block_scale
-    return {"scheme": bs.name, "tensor": name, "row": row, "block": block,
-            "bytes_hex": " ".join(f"{int(b):02X}" for b in raw[0]), "codes": [int(c) for c in codes],
-            "elements": elements.tolist(), "scale_byte": scale_byte, "block_scale": block_scale,
-            "weight_scale_2": ws2, "values": values.tolist()}
-
-
-class swapped_nibbles:
-    """``with swapped_nibbles(model): ...`` runs ``model`` with every packed expert weight byte's two
-    FP4 codes swapped (``b -> (b << 4 | b >> 4) & 0xFF``), then swaps them back (an involution).
-
-    Notebook 01's negative control: a packing bug of the kind the loader cannot see (the shapes,
-    dtypes and scales are all right) scrambles every expert's weights, and the metrics must say so.
-    Acts on the ``w13_weight`` and ``w2_weight`` uint8 buffers of every module that has both (the
-    emulation experts); for FP6 and FP8 weights the swap scrambles their bytes likewise. Yields the
-    number of modules changed.
-
-    Raises:
-        ValueError: ``model`` has no such module (nothing to corrupt: the control would prove nothing).
-    """
-
-    def __init__(self, model) -> None:
-        self.buffers = [t for m in model.modules() for t in (getattr(m, "w13_weight", None), getattr(m, "w2_weight", None))
-                        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8]
-        if not self.buffers:
-            raise ValueError("model: no module with uint8 w13_weight / w2_weight buffers (no quantized experts)")
-
-    @staticmethod
-    def _swap(t: torch.Tensor) -> None:
-        t.copy_(((t << 4) | (t >> 4)) & 0xFF)
-
-    def __enter__(self) -> int:
-        for t in self.buffers:
-            self._swap(t)
-        return len(self.buffers) // 2
-
-    def __exit__(self, *exc) -> None:
-        for t in self.buffers:
-            self._swap(t)
-
-
-class captured_output:
-    """``with captured_output(module) as outs: ...`` appends each output of ``module`` (its first
-    element when it returns a tuple) to the list ``outs``, detached, as fp32 on the CPU; the hook is
-    removed on exit."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.outputs: list[torch.Tensor] = []
-        self.handle = None
-
-    def _hook(self, module, args, output) -> None:
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        self.outputs.append(out.detach().float().cpu().clone())
-
-    def __enter__(self) -> list[torch.Tensor]:
-        self.handle = self.module.register_forward_hook(self._hook)
-        return self.outputs
-
-    def __exit__(self, *exc) -> None:
-        self.handle.remove()
 
 
 # ----------------------------------------------------------------------------- widgets (thin)
@@ -616,7 +390,8 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
     head = "".join(f'<th style="{st}">{escape(str(c))}</th>' for c, st in zip(cols, style))
     body = "".join("<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>"
                    for row in text)
-    return HTML(f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>')
+    return HTML(f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead>'
+                f'<tbody>{body}</tbody></table>')
 
 
 def _show_rows(rows: list[dict]) -> None:

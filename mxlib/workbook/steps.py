@@ -1,11 +1,17 @@
-"""The workbook's steps as plain functions, so that notebooks stay thin.
+"""The pipeline steps notebook 01 and ``mxlib.cli e2e`` run, as plain functions, so that notebooks stay thin.
 
-1. ``dummy_model``: the seeded bf16 Qwen3-30B-A3B (``num_hidden_layers`` of them).
-2. ``prepare_checkpoint``: calibrate it, quantize the experts, write the checkpoint in the
-   real layout (ModelOpt or Quark), cached under ``build/checkpoints`` by its parameters.
-3. ``load_quantized_qwen3_moe`` (re-exported): load it back with emulation experts.
-4. ``run_model`` / ``compare_runs``: the same token ids through both models, per-layer
-   and logits metrics.
+0. ``check_e2e_parameters``: every parameter checked before anything is built; the scheme name
+   resolved to a ``MoEQuantScheme`` here, once (``check_schemes`` does the same for a list of names).
+1. ``build_model`` / ``dummy_model``: the seeded bf16 Qwen3-30B-A3B (``num_hidden_layers`` of them).
+2. ``write_checkpoint`` / ``prepare_checkpoint``: calibrate it (``calibrate_model``), quantize the
+   experts, write the checkpoint in the real layout (ModelOpt or Quark), cached under
+   ``default_cache_dir()`` by everything that determines it (``checkpoint_cache_key``).
+3. ``load_checkpoint``: load it back with emulation experts (``mxlib.models.checkpoints``).
+4. ``evaluation_token_ids``, ``run_model`` / ``compare_runs``: the same token ids through both
+   models, per-layer and logits metrics; ``save_results`` writes a notebook's results JSON.
+
+The functions that take ``E2EParameters`` bind its values (the seeds, the sizes, the device), so
+that notebook 01 and the CLI run the same steps on the same values.
 """
 
 from __future__ import annotations
@@ -22,30 +28,38 @@ from pathlib import Path
 
 import torch
 
-from .analysis import compare_logits, compare_tensors
-from .models.calibration import Calibration, calibrate
-from .models.checkpoints import checkpoint_size_bytes, load_quantized_qwen3_moe, write_quantized_checkpoint
-from .models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
-from .models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
-from .moe.base import BACKENDS
-from .moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..analysis import compare_logits, compare_tensors
+from ..models.calibration import Calibration, calibrate
+from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
+from ..moe.base import BACKENDS
+from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 
 __all__ = [
+    "E2EParameters",
+    "check_e2e_parameters",
+    "check_schemes",
+    "check_positive_int",
+    "check_device",
+    "check_backend",
+    "prepare_results_path",
     "resolve_device",
     "random_token_ids",
+    "evaluation_token_ids",
     "dummy_model",
+    "build_model",
+    "calibrate_model",
     "prepare_checkpoint",
-    "load_quantized_qwen3_moe",
+    "write_checkpoint",
+    "load_checkpoint",
     "RunOutput",
     "run_model",
     "compare_runs",
-    "checkpoint_size_bytes",
     "checkpoint_summary",
-    "calibrate_model",
     "default_cache_dir",
     "save_results",
     "CACHE_VERSION",
-    "check_e2e_parameters",
     "checkpoint_cache_key",
     "model_fingerprint",
     "release_freed_memory",
@@ -108,8 +122,27 @@ def prepare_results_path(path, param: str = "results_path", names: dict | None =
     return p
 
 
+@dataclass(frozen=True)
+class E2EParameters:
+    """The end-to-end run's parameters, checked (``check_e2e_parameters``): notebook 01's
+    ``parameters`` cell and ``mxlib.cli e2e``'s options, with ``scheme`` resolved to a
+    ``MoEQuantScheme``, ``device`` to a ``torch.device`` and ``results_path`` to a ``Path`` (None:
+    no results file). The steps that take it (``build_model``, ``write_checkpoint``,
+    ``evaluation_token_ids``, ``load_checkpoint``) read their values from it."""
+
+    scheme: MoEQuantScheme
+    model_preset: str
+    num_hidden_layers: int
+    num_tokens: int
+    seed: int
+    calib_tokens: int
+    device: torch.device
+    experts_backend: str
+    results_path: Path | None
+
+
 def check_e2e_parameters(
-    scheme="nvfp4",
+    scheme: str | MoEQuantScheme = "nvfp4",
     model_preset: str = "qwen3-30b-a3b",
     num_hidden_layers: int = 4,
     num_tokens: int = 32,
@@ -119,13 +152,16 @@ def check_e2e_parameters(
     experts_backend: str = "auto",
     results_path: str | os.PathLike | None = "",
     names: dict[str, str] | None = None,
-) -> dict:
+) -> E2EParameters:
     """Check the end-to-end run's parameters (notebook 01's ``parameters`` cell, ``mxlib.cli e2e``)
     before anything is built: each must be valid, and the results path's folder is created.
 
+    The scheme name enters here and is resolved once; the ``MoEQuantScheme`` travels below.
     ``names`` maps a parameter to the name the caller shows (the CLI passes ``--layers`` for
-    ``num_hidden_layers``, ...). Returns the checked values (``scheme`` as a ``MoEQuantScheme``,
-    ``device`` as a ``torch.device``, ``results_path`` as a ``Path`` or None).
+    ``num_hidden_layers``, ...).
+
+    Returns:
+        ``E2EParameters``: the checked values.
 
     Raises:
         ValueError: naming the parameter, what is expected and what was given.
@@ -141,10 +177,43 @@ def check_e2e_parameters(
         check_positive_int(value, param, names)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
-    return dict(scheme=s, model_preset=model_preset, num_hidden_layers=num_hidden_layers, num_tokens=num_tokens,
-                seed=seed, calib_tokens=calib_tokens, device=check_device(device, "device", names),
-                experts_backend=check_backend(experts_backend, "experts_backend", names),
-                results_path=prepare_results_path(results_path, "results_path", names))
+    return E2EParameters(scheme=s, model_preset=model_preset, num_hidden_layers=num_hidden_layers,
+                         num_tokens=num_tokens, seed=seed, calib_tokens=calib_tokens,
+                         device=check_device(device, "device", names),
+                         experts_backend=check_backend(experts_backend, "experts_backend", names),
+                         results_path=prepare_results_path(results_path, "results_path", names))
+
+
+def check_schemes(schemes="all", param: str = "schemes", names: dict | None = None) -> list[MoEQuantScheme]:
+    """A list of MoE schemes where names enter (notebook 03's ``schemes``, ``mxlib.cli compare --schemes``).
+
+    Args:
+        schemes: ``"all"`` (every scheme of ``mxlib.moe.MOE_SCHEMES``, in its order), a
+            comma-separated string of scheme names, or a list of names or ``MoEQuantScheme``.
+        param: the parameter's name in messages (``names`` may map it to the caller's).
+
+    Returns:
+        The schemes as ``MoEQuantScheme`` objects, in the order given.
+
+    Raises:
+        ValueError: an unknown name, or no scheme at all; the message names the parameter and
+            lists the schemes.
+    """
+    if isinstance(schemes, str):
+        items = list(MOE_SCHEMES.values()) if schemes == "all" else schemes.split(",")
+    else:
+        items = list(schemes)
+    out = []
+    for item in items:
+        try:
+            out.append(get_moe_scheme(item))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{_name(names, param)}: {item!r} is not a scheme ({err}); expected 'all' or a "
+                             f"comma-separated list of {list(MOE_SCHEMES)}") from None
+    if not out:
+        raise ValueError(f"{_name(names, param)}: expected 'all' or at least one of {list(MOE_SCHEMES)}, "
+                         f"got {schemes!r}")
+    return out
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -158,6 +227,12 @@ def random_token_ids(num_tokens: int, seed: int, vocab_size: int = 151936, batch
     """Seeded token ids ``[batch, num_tokens]`` (the dummy model has no tokenizer to speak of)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, num_tokens), generator=g)
+
+
+def evaluation_token_ids(p: E2EParameters, vocab_size: int) -> torch.Tensor:
+    """The evaluation sequence of an end-to-end run: ``p.num_tokens`` token ids ``[1, T]`` (int64)
+    drawn with seed ``p.seed + 1`` (the weights take ``p.seed``, calibration ``p.seed + 1000``)."""
+    return random_token_ids(p.num_tokens, p.seed + 1, vocab_size)
 
 
 def release_freed_memory() -> None:
@@ -198,20 +273,26 @@ def dummy_model(num_hidden_layers: int = 4, seed: int = 0, expert_spread: float 
     check_positive_int(num_hidden_layers, "num_hidden_layers")
     if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
         raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers,
+                               **{**model_preset_overrides(model_preset), **overrides})
     model = dummy_qwen3_moe(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
     release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
     return model
 
 
+def build_model(p: E2EParameters):
+    """Step 1 of the end-to-end run: ``dummy_model`` with ``p``'s layers, seed, device and model preset."""
+    return dummy_model(p.num_hidden_layers, seed=p.seed, device=p.device, model_preset=p.model_preset)
+
+
 def default_cache_dir() -> Path:
-    """``$MXLIB_CACHE``, else ``build/checkpoints`` of the source checkout mxlib runs from,
-    else ``~/.cache/mxlib/checkpoints`` (so notebooks find the cache whatever their cwd)."""
+    """The checkpoint cache: ``$MXLIB_CACHE``, else ``$XDG_CACHE_HOME/mxlib/checkpoints``, else
+    ``~/.cache/mxlib/checkpoints``. Read at each call (``make workbook`` sets ``MXLIB_CACHE`` to the
+    checkout's ``build/checkpoints``); the same folder whatever the working directory."""
     if os.environ.get("MXLIB_CACHE"):
         return Path(os.environ["MXLIB_CACHE"])
-    root = Path(__file__).resolve().parents[1]
-    if (root / "pyproject.toml").exists():
-        return root / "build" / "checkpoints"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "mxlib" / "checkpoints"
     return Path.home() / ".cache" / "mxlib" / "checkpoints"
 
 
@@ -242,18 +323,18 @@ def _calibration_fingerprint(cal: Calibration) -> str:
     return h.hexdigest()
 
 
-def checkpoint_cache_key(scheme, model, seed: int = 0, calib_tokens: int = 512,
+def checkpoint_cache_key(scheme: MoEQuantScheme, model, seed: int = 0, calib_tokens: int = 512,
                          calibration: Calibration | None = None) -> dict:
     """Everything that determines a written checkpoint: the scheme, the writer's format version,
-    the model (config and weights, ``model_fingerprint``) and, for schemes with static activation
-    scales, the calibration (the ``calibration`` given, else how one is made: ``calib_tokens``
-    and ``seed``)."""
-    s = get_moe_scheme(scheme)
+    the model (config and weights, ``model_fingerprint``: a per-expert weight spread is in the
+    weights) and, for schemes with static activation scales, the calibration (the ``calibration``
+    given, else how one is made: ``calib_tokens`` and ``seed``). The scheme's name is the key's
+    text (the cache folder's name)."""
     cal = None
-    if s.static_activation_scale:
+    if scheme.static_activation_scale:
         cal = ({"fingerprint": _calibration_fingerprint(calibration)} if calibration is not None
                else {"calib_tokens": calib_tokens, "seed": seed})
-    return {"scheme": s.name, "writer_version": WRITER_VERSION, "cache_version": CACHE_VERSION,
+    return {"scheme": scheme.name, "writer_version": WRITER_VERSION, "cache_version": CACHE_VERSION,
             "model": model_fingerprint(model), "calibration": cal}
 
 
@@ -261,7 +342,6 @@ def prepare_checkpoint(
     scheme: str | MoEQuantScheme,
     model,
     seed: int = 0,
-    expert_spread: float = 0.0,
     calib_tokens: int = 512,
     cache_dir: str | os.PathLike | None = None,
     calibration: Calibration | None = None,
@@ -272,8 +352,8 @@ def prepare_checkpoint(
     ``default_cache_dir()``), the hash covering ``checkpoint_cache_key``: scheme, writer version,
     the model's config and weights, and the calibration (``calibration`` if given, else
     ``calib_tokens`` and ``seed``). A complete mxlib checkpoint there is reused. Fingerprinting
-    reads every weight once (seconds at full size). ``expert_spread`` is accepted for
-    compatibility; the weights' fingerprint covers it.
+    reads every weight once (seconds at full size). ``scheme``: a ``MoEQuantScheme`` (or a name,
+    resolved here once).
 
     Raises:
         ValueError: ``calib_tokens`` not a positive integer, or an unknown scheme.
@@ -290,6 +370,20 @@ def prepare_checkpoint(
         calibration = calibrate_model(model, calib_tokens, seed)
         release_freed_memory()  # the calibration pass's freed temporaries (~0.14 GB at full size)
     return write_quantized_checkpoint(model, s, path, calibration)
+
+
+def write_checkpoint(p: E2EParameters, model) -> Path:
+    """Step 2 of the end-to-end run: ``prepare_checkpoint`` of ``model`` in ``p.scheme``, calibrated
+    on ``p.calib_tokens`` tokens drawn from ``p.seed``, in ``default_cache_dir()``. Returns the folder."""
+    return prepare_checkpoint(p.scheme, model, seed=p.seed, calib_tokens=p.calib_tokens)
+
+
+def load_checkpoint(p: E2EParameters, path: str | os.PathLike):
+    """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
+    (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
+    backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
+    return load_quantized_qwen3_moe(path, num_hidden_layers=p.num_hidden_layers, device=p.device,
+                                    backend=p.experts_backend)
 
 
 def calibrate_model(model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False) -> Calibration:
@@ -337,7 +431,8 @@ def run_model(model, token_ids: torch.Tensor) -> RunOutput:
 
 def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
     """Per-layer ``rel_error``/``sqnr_db`` and logits metrics of ``test`` against ``ref``."""
-    layers = [dict(layer=i, **compare_tensors(a, b)) for i, (a, b) in enumerate(zip(test.layer_outputs, ref.layer_outputs))]
+    layers = [dict(layer=i, **compare_tensors(a, b))
+              for i, (a, b) in enumerate(zip(test.layer_outputs, ref.layer_outputs))]
     return {"layers": layers, "logits": compare_logits(test.logits, ref.logits)}
 
 

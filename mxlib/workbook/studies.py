@@ -26,21 +26,20 @@ import warnings
 
 import torch
 
-from . import reference as R
-from .analysis import compare_tensors, rel_error, sqnr_db, top1_agreement
-from .formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
-from .models.calibration import Calibration
-from .models.qwen3 import expert_weights, moe_layers
-from .moe.base import TransformersExperts, ops_for_device
-from .moe.emulation import ExpertWeights
-from .moe.factory import make_emulation_experts, quantize_expert_weights
-from .moe.reference_moe import silu_and_mul
-from .moe.scales import unify_input_scales
-from .moe.schemes import MoEQuantScheme, get_moe_scheme
-from .workflow import calibrate_model, compare_runs, dummy_model, run_model
+from .. import reference as R
+from ..analysis import compare_tensors, rel_error, sqnr_db, top1_agreement
+from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
+from ..models.calibration import Calibration
+from ..models.qwen3 import expert_weights, moe_layers
+from ..moe.base import TransformersExperts, ops_for_device
+from ..moe.emulation import ExpertWeights
+from ..moe.factory import make_emulation_experts, quantize_expert_weights
+from ..moe.reference_moe import silu_and_mul
+from ..moe.scales import unify_input_scales
+from ..moe.schemes import NVFP4_MOE, MoEQuantScheme, get_moe_scheme
+from .steps import calibrate_model, compare_runs, dummy_model, run_model
 
 __all__ = [
-    "quantize_layer_weights",
     "emulation_experts",
     "experts_swapped",
     "checkpoint_tensor_bytes",
@@ -54,14 +53,11 @@ __all__ = [
 ]
 
 
-# the factory's functions under the names the studies (and the GPU tests) have used
-quantize_layer_weights = quantize_expert_weights
-
 # the OCP MX schemes unification_study measures beside NVFP4 (names resolved here, once)
 _MX_BASELINES = (BLOCK_SCHEMES["mxfp4"], BLOCK_SCHEMES["mxfp8_e4m3"])
 
 
-def emulation_experts(scheme: str | MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto",
+def emulation_experts(scheme: MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto",
                       scale_strategy="max"):
     """``make_emulation_experts`` with the unification warning silenced (the studies measure it)."""
     with warnings.catch_warnings():
@@ -83,10 +79,10 @@ def experts_swapped(model, experts: list):
             mlp.experts = orig
 
 
-def checkpoint_tensor_bytes(model, scheme: str) -> int:
-    """Bytes of tensor data a checkpoint of ``scheme`` holds (bf16 non-expert tensors plus the
-    per-expert packed weights, scales and scalars), the same tensors ``write_quantized_checkpoint``
-    writes; file headers excluded."""
+def checkpoint_tensor_bytes(model, scheme: str | MoEQuantScheme) -> int:
+    """Bytes of tensor data a checkpoint of ``scheme`` (a ``MoEQuantScheme``, or a name resolved
+    here) holds: bf16 non-expert tensors plus the per-expert packed weights, scales and scalars,
+    the same tensors ``write_quantized_checkpoint`` writes; file headers excluded."""
     s = get_moe_scheme(scheme)
     cfg = model.config
     e, h, i, layers = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, len(model.model.layers)
@@ -100,18 +96,24 @@ def checkpoint_tensor_bytes(model, scheme: str) -> int:
     return dense + layers * e * (packed + scales + scalars)
 
 
-def compare_schemes(model, schemes, token_ids, calibration: Calibration | None, backend="auto", log=print) -> list[dict]:
+def compare_schemes(model, schemes: list[MoEQuantScheme], token_ids, calibration: Calibration | None, backend="auto",
+                    log=print) -> list[dict]:
     """Every scheme on the same model and token ids; metrics against the bf16 model.
 
-    Weights are quantized once per weight format and shared by the schemes that use it.
-    ``calibration`` provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes.
+    ``schemes``: ``MoEQuantScheme`` objects (``steps.check_schemes`` resolves names). Weights are
+    quantized once per weight format and shared by the schemes that use it. ``calibration``
+    provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes.
+
+    Raises:
+        TypeError: an entry of ``schemes`` that is not a ``MoEQuantScheme``.
     """
+    by_weight: dict = {}
+    for s in schemes:
+        if not isinstance(s, MoEQuantScheme):
+            raise TypeError(f"schemes: expected MoEQuantScheme objects (steps.check_schemes resolves names), got {s!r}")
+        by_weight.setdefault(s.weight, []).append(s)
     ref = run_model(model, token_ids)
     rows = []
-    by_weight: dict = {}
-    for sc in schemes:
-        s = get_moe_scheme(sc)
-        by_weight.setdefault(s.weight, []).append(s)
     nlayers = len(model.model.layers)
     for weight, group in by_weight.items():
         t0 = time.perf_counter()
@@ -257,7 +259,7 @@ def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids
     """Logits and per-layer errors of the NVFP4-emulated model under each strategy."""
     ref = run_model(model, token_ids)
     nl = len(model.model.layers)
-    scheme = get_moe_scheme(NVFP4.name)
+    scheme = NVFP4_MOE
     quantized = [quantize_expert_weights(*expert_weights(model, li), scheme) for li in range(nl)]
     rows = []
     for s in strategies:
@@ -277,7 +279,7 @@ def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device=
     """dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows.
 
     For each ``expert_spread`` in ``spreads``: a dummy model of ``model_preset`` (a key of
-    ``mxlib.models.qwen3.MODEL_PRESETS``, passed to ``workflow.dummy_model``) with
+    ``mxlib.models.qwen3.MODEL_PRESETS``, passed to ``steps.dummy_model``) with
     ``num_hidden_layers`` layers, calibrated on ``calib_tokens`` tokens, through
     ``unification_study``. Rows: ``spread, point ("a1" | "a2"), mean_db_lost, max_db_lost``
     (dB) and ``median_scale_ratio`` (expert input scale / max).
@@ -479,10 +481,11 @@ def vllm_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
     rounded bf16 operands is a negative control: vLLM's must be the closer mode there.
 
     Args:
-        model: the bf16 dummy Qwen3-MoE (``workflow.dummy_model``), its bf16 experts in place.
-        scheme: NVFP4 or an OCP MX scheme with MX or no activation QDQ (not ``_a_fp8``).
+        model: the bf16 dummy Qwen3-MoE (``steps.dummy_model``), its bf16 experts in place.
+        scheme: NVFP4 or an OCP MX scheme with MX or no activation QDQ (not ``_a_fp8``): a
+            ``MoEQuantScheme``, or its name (resolved here, once).
         token_ids: ``[1, T]``.
-        calibration: static input scales (``workflow.calibrate_model``), required for NVFP4.
+        calibration: static input scales (``steps.calibrate_model``), required for NVFP4.
         bf16_logits: the bf16 model's logits on ``token_ids`` (``run_model(model, token_ids).logits``)
             when the caller has them (one run serves several schemes); None runs the model.
 
@@ -505,7 +508,7 @@ def vllm_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
         raise ValueError(f"scheme: {s.name} has per-tensor FP8 activations, the same operand in both numerics "
                          f"modes; expected nvfp4 or an OCP MX scheme with MX or no activation QDQ")
     if s.static_activation_scale and calibration is None:
-        raise ValueError(f"calibration: {s.name} needs static input scales (workflow.calibrate_model), got None")
+        raise ValueError(f"calibration: {s.name} needs static input scales (steps.calibrate_model), got None")
     nl = len(model.model.layers)
     quantized = [quantize_expert_weights(*expert_weights(model, li), s) for li in range(nl)]
     modes = {}

@@ -1,6 +1,6 @@
 """Plotly figures for the workbook notebooks.
 
-Notebooks call ``mxlib.notebook_setup.use_notebook_renderer()``: figures carry the plotly mime
+Notebooks call ``mxlib.workbook.setup.use_notebook_renderer()``: figures carry the plotly mime
 bundle (drawn by JupyterLab, also untrusted) and HTML with plotly.js embedded (offline export).
 Tables size themselves to show every row (``tests/test_render.py`` checks it in Chromium); traces
 of many series take distinct colours from a 24-colour palette.
@@ -12,10 +12,9 @@ import math
 
 import plotly.colors
 import plotly.graph_objects as go
-import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from .formats import ELEMENT_FORMATS
+from ..formats import ELEMENT_FORMATS, NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
 
 __all__ = [
     "PALETTE",
@@ -29,6 +28,7 @@ __all__ = [
     "storage_accuracy_figure",
     "sweep_figure",
     "e4m3_code_map_figure",
+    "add_scale_ratio_thresholds",
     "grouped_bar_figure",
     "expert_loss_heatmap",
     "scale_code_histogram_figure",
@@ -97,7 +97,7 @@ def table(rows: list[dict], title: str = "", columns: list[str] | None = None, p
     """A plotly table of dict rows (floats with 4 significant digits), tall enough to show every row.
 
     ``pow2=True`` prints powers of two as ``2^k`` (``format_pow2``). For very wide tables (many
-    columns, long names) prefer ``mxlib.explore.rows_table`` (HTML), which never wraps a name.
+    columns, long names) prefer ``mxlib.workbook.explorers.rows_table`` (HTML), which never wraps a name.
     """
     columns = columns or list(rows[0])
     fmt = format_pow2 if pow2 else _fmt
@@ -108,7 +108,8 @@ def table(rows: list[dict], title: str = "", columns: list[str] | None = None, p
     return fig
 
 
-def layer_sqnr_figure(per_layer: dict[str, list[dict]], title: str = "SQNR of each decoder layer's output") -> go.Figure:
+def layer_sqnr_figure(per_layer: dict[str, list[dict]],
+                      title: str = "SQNR of each decoder layer's output") -> go.Figure:
     """One line per run: SQNR (dB) of each decoder layer's output against the bf16 model."""
     fig = go.Figure()
     for k, (name, layers) in enumerate(per_layer.items()):
@@ -180,7 +181,7 @@ def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str
 
 def sweep_figure(rows: list[dict], x: str, ys: list[str], title: str, xtitle: str, ytitle: str,
                  log_x: bool = False) -> go.Figure:
-    """One line per key in ``ys`` against ``row[x]`` (e.g. ``explore.outlier_scale_sweep`` rows), distinct colours."""
+    """One line per key in ``ys`` against ``row[x]`` (e.g. ``explorers.outlier_scale_sweep`` rows), distinct colours."""
     fig = go.Figure()
     for k, y in enumerate(ys):
         fig.add_trace(go.Scatter(x=[r[x] for r in rows], y=[r[y] for r in rows], name=y, mode="lines+markers",
@@ -228,6 +229,25 @@ def _value_text(v: float) -> str:
     return t if t.startswith(("2^", "-2^")) else f"{v:.3g}"
 
 
+def add_scale_ratio_thresholds(fig, y_range=None):
+    """Draw ``mxlib.formats.NVFP4_SUBNORMAL_RATIO`` and ``NVFP4_FLUSH_RATIO`` on a figure whose x axis is an expert
+    scale ratio (log or linear), as two dashed line traces from the lowest to the highest y of the
+    figure's traces (or ``y_range = (y0, y1)``). Returns ``fig``.
+
+    Traces rather than ``add_vline`` shapes: plotly places shapes and their annotations
+    inconsistently on log axes (plotly.py issue #4012).
+    """
+    if y_range is None:
+        ys = [float(y) for tr in fig.data if getattr(tr, "y", None) is not None for y in tr.y
+              if y is not None and math.isfinite(float(y))]
+        y_range = (min(ys, default=0.0), max(ys, default=1.0))
+    for ratio, name in ((NVFP4_SUBNORMAL_RATIO, "r = 2^-6/448: largest block scale subnormal"),
+                        (NVFP4_FLUSH_RATIO, "r = 2^-10/448: every block flushed")):
+        fig.add_trace(go.Scatter(x=[ratio, ratio], y=list(y_range), mode="lines", name=name,
+                                 line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black")))
+    return fig
+
+
 def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, ytitle: str) -> go.Figure:
     """One bar group per key in ``xs``, one bar (trace) per row, named by ``row[group]``."""
     fig = go.Figure()
@@ -240,7 +260,7 @@ def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, 
 def expert_loss_heatmap(experts: list[dict], num_layers: int, num_experts: int, point: str = "a2",
                         strategy: str = "max") -> go.Figure:
     """dB lost by ``strategy`` against ``per_expert`` for every (layer, expert) at ``point``, from
-    ``mxlib.studies.unification_study``'s ``experts`` rows; experts without a row stay blank."""
+    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank."""
     z = [[float("nan")] * num_experts for _ in range(num_layers)]
     for r in experts:
         if r["point"] == point:
@@ -288,7 +308,8 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
         m = [r["M"] for r in rr]
         fig = go.Figure()
         for path in ("bf16", "dequant", "fused"):
-            fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_graph_ms"] for r in rr], name=f"{path} (graph)", mode="lines+markers"))
+            fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_graph_ms"] for r in rr], name=f"{path} (graph)",
+                                     mode="lines+markers"))
             fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_ms"] for r in rr], name=f"{path} (eager)", mode="lines+markers",
                                      line=dict(dash="dot")))
         fig.add_trace(go.Scatter(x=m, y=[r["floor_ms"] for r in rr], name="memory floor", line=dict(dash="dash")))
@@ -313,7 +334,7 @@ def _finite_or_none(v):
 
 
 def vllm_vs_hardware_figure(studies: list[dict]) -> go.Figure:
-    """``mxlib.studies.vllm_vs_hardware_study`` results, one or more schemes.
+    """``mxlib.workbook.studies.vllm_vs_hardware_study`` results, one or more schemes.
 
     Left: per MoE layer, SQNR (dB) of vLLM's and the hardware numerics against the float64 MoE on
     the same quantized operands, of vLLM's against the hardware mode (same layer input), and of

@@ -1,0 +1,179 @@
+"""Run the workbook: every notebook through papermill on its defaults, then HTML.
+
+``python -m mxlib.workbook --out build/workbook`` (what ``make workbook`` runs) executes each
+entry of ``WORKBOOK`` and every other notebook of the notebooks folder once, and writes
+``<out>/<name>.ipynb`` (the executed copy) and ``<out>/<name>.html`` (self-contained: plotly.js is
+embedded). The notebooks run with ``<out>`` as their working directory and write their results
+JSON to ``<out>/results/<name>.json``; nothing else is written (the checkpoint cache is
+``mxlib.workbook.steps.default_cache_dir()``: ``$MXLIB_CACHE``, else the user's cache folder).
+
+Options: ``--notebooks DIR`` (default: the ``notebooks/`` folder of the source checkout mxlib runs
+from; an installed mxlib has none, so it must be given), ``--out DIR`` (default ``build/workbook``
+under the current directory), ``--only NAME`` (the entries whose name contains NAME),
+``--model-preset NAME`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``, passed to every notebook
+that takes one). A bad option is refused with one line naming it and the valid values, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from queue import Empty
+
+import nbformat
+import papermill as pm
+from jupyter_client.channels import AsyncZMQSocketChannel
+from nbconvert import HTMLExporter
+
+from ..models.qwen3 import MODEL_PRESETS
+
+__all__ = ["WORKBOOK", "CELL_TIMEOUT_S", "CHANNEL_POLL_S", "poll_kernel_channels_in_slices", "source_notebooks",
+           "workbook_entries", "run", "main"]
+
+CELL_TIMEOUT_S = 1800  # seconds one cell may run (the slowest full-size cell takes a few minutes on 2 cores)
+
+# (output name, notebook, parameters beyond the defaults)
+WORKBOOK: list[tuple[str, str, dict]] = [
+    ("01_end_to_end-nvfp4", "01_end_to_end.ipynb", {}),
+    ("01_end_to_end-mxfp4", "01_end_to_end.ipynb", {"scheme": "mxfp4"}),
+]
+
+
+CHANNEL_POLL_S = 0.5  # the longest one wait on a kernel channel lasts before it looks again (see below)
+
+
+def poll_kernel_channels_in_slices(seconds: float = CHANNEL_POLL_S) -> None:
+    """Make every wait on a Jupyter kernel channel, in this process, look again every ``seconds``.
+
+    A papermill run sometimes stops forever on a cell that shows an ipywidgets ``interactive``
+    (jupyter/nbclient#312; here in notebooks 00 and 04, once in roughly ten runs): the kernel has
+    sent the cell's reply and is idle, but nbclient's wait on the channel (jupyter_client's asyncio
+    ``get_msg`` with no timeout) is never woken. A wait with a timeout finds the message when the
+    timeout expires (measured: 25 widget cells, 8 papermill runs, stalls of exactly the cell timeout
+    that then went on). So waits are cut into slices of ``seconds``: a lost wake-up costs at most one
+    slice. The overall timeout a caller passes is kept. Idempotent; patches
+    ``jupyter_client.channels.AsyncZMQSocketChannel.get_msg``.
+    """
+    if getattr(AsyncZMQSocketChannel.get_msg, "_mxlib_sliced", False):
+        return
+    whole = AsyncZMQSocketChannel.get_msg
+
+    async def get_msg(self, timeout=None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = seconds if end is None else max(0.0, min(seconds, end - time.monotonic()))
+            try:
+                return await whole(self, timeout=step)
+            except Empty:
+                if end is not None and time.monotonic() >= end:
+                    raise
+
+    get_msg._mxlib_sliced = True
+    AsyncZMQSocketChannel.get_msg = get_msg
+
+
+def source_notebooks() -> Path | None:
+    """The ``notebooks/`` folder of the source checkout this mxlib runs from (the folder above the
+    ``mxlib`` package holds ``pyproject.toml`` and ``notebooks/``), or None for an installed mxlib."""
+    root = Path(__file__).resolve().parents[2]
+    notebooks = root / "notebooks"
+    if (root / "pyproject.toml").is_file() and notebooks.is_dir():
+        return notebooks
+    return None
+
+
+def workbook_entries(notebooks: Path) -> list[tuple[str, str, dict]]:
+    """``(output name, notebook file, parameters)`` for every run of the workbook: the ``WORKBOOK``
+    entries whose notebook is in ``notebooks``, then every other notebook there once, on its defaults."""
+    present = {p.name for p in notebooks.glob("*.ipynb")}
+    listed = [e for e in WORKBOOK if e[1] in present]
+    named = {nb for _, nb, _ in WORKBOOK}
+    return listed + [(Path(nb).stem, nb, {}) for nb in sorted(present - named)]
+
+
+def _parameter_names(notebook: Path) -> set[str]:
+    """Names assigned in a notebook's ``parameters`` cell."""
+    return set(pm.inspect_notebook(str(notebook)))
+
+
+def run(notebooks: Path, out: Path, only: str | None = None,
+        model_preset: str | None = None) -> list[tuple[str, float]]:
+    """Execute the workbook's notebooks from ``notebooks`` into ``out`` (their working directory);
+    ``model_preset`` (e.g. ``small``) goes to every notebook that takes one. Returns
+    ``(name, seconds)`` per notebook run. Writes only under ``out`` (and the checkpoint cache)."""
+    poll_kernel_channels_in_slices()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results").mkdir(exist_ok=True)
+    done = []
+    for name, nb, params in workbook_entries(notebooks):
+        if only and only not in name:
+            continue
+        params = dict(params)
+        # relative to the notebook's working directory (out): the injected parameters hold no absolute path
+        params.setdefault("results_path", os.path.join("results", f"{name}.json"))
+        if model_preset and "model_preset" in _parameter_names(notebooks / nb):
+            params["model_preset"] = model_preset
+        t0 = time.perf_counter()
+        print(f"[workbook] {name}: {nb} {params}", flush=True)
+        executed = out / f"{name}.ipynb"
+        # a cell that outlives CELL_TIMEOUT_S fails the run instead of hanging it (a kernel once stopped
+        # answering in a widget cell of notebook 00 and the run waited with no end; its rerun took 20 s)
+        pm.execute_notebook(str(notebooks / nb), str(executed), parameters=params, kernel_name="python3",
+                            cwd=str(out), progress_bar=False, execution_timeout=CELL_TIMEOUT_S)
+        body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
+        (out / f"{name}.html").write_text(body, encoding="utf-8")
+        seconds = time.perf_counter() - t0
+        done.append((name, seconds))
+        print(f"[workbook] {name}: done in {seconds:.0f} s -> {executed} and {name}.html", flush=True)
+    return done
+
+
+class _OptionError(ValueError):
+    """A bad option: one line naming it and the valid values, exit code 2."""
+
+
+def _check_options(args) -> Path:
+    """The notebooks folder, once every option is checked (``_OptionError`` naming the option)."""
+    if args.notebooks is None:
+        notebooks = source_notebooks()
+        if notebooks is None:
+            raise _OptionError("--notebooks: mxlib does not run from a source checkout, so there is no default "
+                               "notebooks folder; pass --notebooks DIR (a folder holding the workbook's .ipynb files)")
+    else:
+        notebooks = Path(args.notebooks)
+        if not notebooks.is_dir():
+            raise _OptionError(f"--notebooks: expected a folder holding .ipynb files, got {args.notebooks!r} "
+                               f"(not a folder)")
+    names = [name for name, _, _ in workbook_entries(notebooks)]
+    if not names:
+        raise _OptionError(f"--notebooks: expected a folder holding .ipynb files, got {str(notebooks)!r} (none there)")
+    if args.only is not None and not any(args.only in n for n in names):
+        raise _OptionError(f"--only: expected a part of one of {names}, got {args.only!r}")
+    if args.model_preset is not None and args.model_preset not in MODEL_PRESETS:
+        raise _OptionError(f"--model-preset: expected one of {list(MODEL_PRESETS)}, got {args.model_preset!r}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise _OptionError(f"--out: expected a folder (created if absent), got {args.out!r} (a file)")
+    return notebooks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mxlib.workbook", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--notebooks", default=None, help="the folder of the notebooks (default: the source checkout's)")
+    ap.add_argument("--out", default=os.path.join("build", "workbook"),
+                    help="the output folder, relative to the current directory (default: build/workbook)")
+    ap.add_argument("--only", default=None, help="run the entries whose name contains this")
+    ap.add_argument("--model-preset", default=None, help="model size for the notebooks that take one (small, tiny)")
+    args = ap.parse_args(argv)
+    try:
+        notebooks = _check_options(args)
+    except _OptionError as err:
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 2
+    done = run(notebooks, Path(args.out), args.only, args.model_preset)
+    for name, s in done:
+        print(f"{name:40s} {s:7.0f} s")
+    return 0
