@@ -12,7 +12,7 @@ NVFP4 experts check theirs in the constructor). Shape and dtype checks always ru
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -26,9 +26,7 @@ def check_float(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name}: expected a floating tensor of dtype float32, bfloat16 or float16, got {x.dtype}"
-        )
+        raise TypeError(f"{name}: expected a floating tensor of dtype float32, bfloat16 or float16, got {x.dtype}")
     if x.ndim < 1:
         raise ValueError(f"{name}: expected at least 1 dimension, got a scalar")
 
@@ -277,7 +275,12 @@ def check_block_scales(scale: torch.Tensor, name: str, e4m3: bool) -> None:
         return
     where = bad.nonzero()[0].tolist()
     byte = int(scale.view(torch.uint8)[tuple(where)])
-    kind = "e4m3 (ue4m3) block scale: 0x7F/0xFF are NaN, the sign bit must be clear" if e4m3 else \
-        "E8M0 block scale: 0xFF is NaN"
-    raise ValueError(f"{name}: invalid {kind}; got byte 0x{byte:02X} at index {where} "
-                     f"({int(bad.sum())} of {scale.numel()} scales invalid)")
+    kind = (
+        "e4m3 (ue4m3) block scale: 0x7F/0xFF are NaN, the sign bit must be clear"
+        if e4m3
+        else "E8M0 block scale: 0xFF is NaN"
+    )
+    raise ValueError(
+        f"{name}: invalid {kind}; got byte 0x{byte:02X} at index {where} "
+        f"({int(bad.sum())} of {scale.numel()} scales invalid)"
+    )

@@ -20,7 +20,13 @@ from . import reference as R
 from .formats import get_block_scheme
 
 __all__ = [
-    "rel_error", "sqnr_db", "top1_agreement", "kl_divergence", "compare_tensors", "compare_logits", "sample",
+    "rel_error",
+    "sqnr_db",
+    "top1_agreement",
+    "kl_divergence",
+    "compare_tensors",
+    "compare_logits",
+    "sample",
     "scheme_sqnr",
 ]
 
@@ -90,8 +96,11 @@ def sample(distribution: str, shape, seed: int = 0, outlier_fraction: float = 1e
     raise ValueError(f"distribution: expected 'gaussian', 'laplace' or 'outliers', got {distribution!r}")
 
 
-def scheme_sqnr(x: torch.Tensor, schemes=("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"),
-                scale_mode: str = "even") -> dict:
+def scheme_sqnr(
+    x: torch.Tensor,
+    schemes=("mxfp4", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3", "mxfp8_e5m2", "nvfp4"),
+    scale_mode: str = "even",
+) -> dict:
     """SQNR (dB) of QDQ of ``x`` in each block scheme (NVFP4 with its global scale from amax(x))."""
     out = {}
     for s in schemes:

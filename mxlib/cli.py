@@ -67,13 +67,26 @@ def e2e(args) -> dict:
         W.run_model(model_q, ids)
         fused = W.run_model(model_q, ids)
         res["fused_logits"] = W.compare_runs(fused, ref)["logits"]
-    result = dict(scheme=scheme.name, layers=args.layers, tokens=args.tokens, device=str(dev), backend=args.backend,
-                  logits=res["logits"], layers_metrics=res["layers"], seconds_bf16=ref.seconds,
-                  seconds_emulated=out.seconds, seconds_emulated_fused=fused.seconds if fused else None,
-                  fused_logits=res.get("fused_logits"), seconds_build=t_model, seconds_checkpoint=t_ckpt,
-                  checkpoint_bytes=checkpoint_size_bytes(ckpt))
-    print(f"[e2e] {scheme.name} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
-          f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"]))
+    result = dict(
+        scheme=scheme.name,
+        layers=args.layers,
+        tokens=args.tokens,
+        device=str(dev),
+        backend=args.backend,
+        logits=res["logits"],
+        layers_metrics=res["layers"],
+        seconds_bf16=ref.seconds,
+        seconds_emulated=out.seconds,
+        seconds_emulated_fused=fused.seconds if fused else None,
+        fused_logits=res.get("fused_logits"),
+        seconds_build=t_model,
+        seconds_checkpoint=t_ckpt,
+        checkpoint_bytes=checkpoint_size_bytes(ckpt),
+    )
+    print(
+        f"[e2e] {scheme.name} L{args.layers} {dev}: logits {res['logits']}, forward bf16 {ref.seconds:.3f} s, "
+        f"emulated {out.seconds:.3f} s; layers " + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"])
+    )
     return result
 
 
@@ -101,20 +114,35 @@ def unify(args) -> dict:
     spreads = [float(s) for s in args.spreads.split(",")]
     sp = S.spread_study(spreads, num_hidden_layers=1, seed=args.seed, calib_tokens=args.calib_tokens, device=dev)
     for r in e2e_rows:
-        print(f"[unify] {r['strategy']:>10s}: logits SQNR {r['sqnr_db']:.2f} dB top-1 {r['top1_agreement']:.3f} "
-              f"KL {r['kl_divergence']:.2e}")
+        print(
+            f"[unify] {r['strategy']:>10s}: logits SQNR {r['sqnr_db']:.2f} dB top-1 {r['top1_agreement']:.3f} "
+            f"KL {r['kl_divergence']:.2e}"
+        )
     for r in sp:
         print(f"[unify] spread {r['spread']}: {r['point']} mean dB lost by max {r['mean_db_lost']:.3f}")
     summary = strategy_summary(st["experts"], strategies)  # notebook 04's table
     for r in summary:
-        lost = (f", dB lost mean {r['mean_db_lost']:.3f} worst {r['worst_db_lost']:.3f}, subnormal blocks "
-                f"{r['subnormal_blocks']:.4f}" if "mean_db_lost" in r else "")
+        lost = (
+            f", dB lost mean {r['mean_db_lost']:.3f} worst {r['worst_db_lost']:.3f}, subnormal blocks "
+            f"{r['subnormal_blocks']:.4f}"
+            if "mean_db_lost" in r
+            else ""
+        )
         print(f"[unify] {r['point']} {r['strategy']}: mean SQNR {r['mean_sqnr_db']:.2f} dB{lost}")
     # experts whose largest e4m3 block scale is subnormal under the max strategy
     deep = [r for r in st["experts"] if r["scale_ratio"] < NVFP4_SUBNORMAL_RATIO]
-    return dict(layers=args.layers, spread=args.spread, strategies=strategies, summary=summary,
-                deep_experts=deep, histograms=st["histograms"], expert_outputs=eo, end_to_end=e2e_rows,
-                spread_study=sp, device=str(dev))
+    return dict(
+        layers=args.layers,
+        spread=args.spread,
+        strategies=strategies,
+        summary=summary,
+        deep_experts=deep,
+        histograms=st["histograms"],
+        expert_outputs=eo,
+        end_to_end=e2e_rows,
+        spread_study=sp,
+        device=str(dev),
+    )
 
 
 def inspect_cmd(args) -> dict:
@@ -127,8 +155,9 @@ def inspect_cmd(args) -> dict:
 def dummy_from_config(args) -> dict:
     """``dummy-from-config CONFIG_DIR OUT_DIR``: dummy weights in the configs' layout, loaded and run."""
     t0 = time.perf_counter()
-    path = dummy_checkpoint_from_config(args.config_dir, args.out_dir, num_hidden_layers=args.layers, seed=args.seed,
-                                        model_preset=args.preset)
+    path = dummy_checkpoint_from_config(
+        args.config_dir, args.out_dir, num_hidden_layers=args.layers, seed=args.seed, model_preset=args.preset
+    )
     t_write = time.perf_counter() - t0
     dev = W.resolve_device(args.device)
     with warnings.catch_warnings():
@@ -137,13 +166,24 @@ def dummy_from_config(args) -> dict:
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())
-    print(f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, "
-          f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
-          f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
-          f"logits {'finite' if finite else 'NOT finite'}")
-    return dict(path=str(path), format=info.format, scheme=info.scheme.name, layers=model.config.num_hidden_layers,
-                num_experts=model.config.num_experts, hidden_size=model.config.hidden_size, logits_finite=finite,
-                seconds_write=t_write, seconds_forward=out.seconds, device=str(dev))
+    print(
+        f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, "
+        f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
+        f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
+        f"logits {'finite' if finite else 'NOT finite'}"
+    )
+    return dict(
+        path=str(path),
+        format=info.format,
+        scheme=info.scheme.name,
+        layers=model.config.num_hidden_layers,
+        num_experts=model.config.num_experts,
+        hidden_size=model.config.hidden_size,
+        logits_finite=finite,
+        seconds_write=t_write,
+        seconds_forward=out.seconds,
+        device=str(dev),
+    )
 
 
 def routing(args) -> dict:
@@ -151,17 +191,26 @@ def routing(args) -> dict:
     from .models.routing_stats import routing_rows, summarize_counts
 
     if args.layers < 1 or args.calib_tokens < 1:
-        raise SystemExit(f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and "
-                         f"{args.calib_tokens}")
-    model = W.dummy_model(args.layers, seed=args.seed, expert_spread=args.spread, device=W.resolve_device(args.device),
-                          model_preset=args.preset)
+        raise SystemExit(
+            f"routing: --layers and --calib-tokens must be >= 1, got {args.layers} and {args.calib_tokens}"
+        )
+    model = W.dummy_model(
+        args.layers,
+        seed=args.seed,
+        expert_spread=args.spread,
+        device=W.resolve_device(args.device),
+        model_preset=args.preset,
+    )
     cal = W.calibrate_model(model, args.calib_tokens, args.seed)
     rows = routing_rows(summarize_counts([lc.tokens for lc in cal.layers], model.config.num_experts_per_tok))
     for r in rows:
-        print(f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
-              f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}")
-    return dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens,
-                routing=rows)
+        print(
+            f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
+            f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}"
+        )
+    return dict(
+        layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows
+    )
 
 
 def _check_args(args) -> None:
@@ -172,12 +221,27 @@ def _check_args(args) -> None:
     if args.cmd in ("inspect", "dummy-from-config", "routing"):
         _check_new_args(args)
         return
-    names = dict(scheme="--scheme", num_hidden_layers="--layers", num_tokens="--tokens", seed="--seed",
-                 calib_tokens="--calib-tokens", device="--device", experts_backend="--backend", results_path="--json")
-    args.params = W.check_e2e_parameters(scheme=getattr(args, "scheme", "nvfp4"), num_hidden_layers=args.layers,
-                                         num_tokens=args.tokens, seed=args.seed, calib_tokens=args.calib_tokens,
-                                         device=args.device, experts_backend=args.backend, results_path=args.json,
-                                         names=names)
+    names = dict(
+        scheme="--scheme",
+        num_hidden_layers="--layers",
+        num_tokens="--tokens",
+        seed="--seed",
+        calib_tokens="--calib-tokens",
+        device="--device",
+        experts_backend="--backend",
+        results_path="--json",
+    )
+    args.params = W.check_e2e_parameters(
+        scheme=getattr(args, "scheme", "nvfp4"),
+        num_hidden_layers=args.layers,
+        num_tokens=args.tokens,
+        seed=args.seed,
+        calib_tokens=args.calib_tokens,
+        device=args.device,
+        experts_backend=args.backend,
+        results_path=args.json,
+        names=names,
+    )
     if args.cmd == "compare":
         args.moe_schemes = W.check_schemes(args.schemes, "--schemes")
     if args.cmd == "unify":
@@ -191,10 +255,10 @@ def _check_args(args) -> None:
                 except ValueError:
                     ok = False
                 if not ok:
-                    raise ValueError(f"{option}: expected finite numbers >= 0 (comma-separated for --spreads), "
-                                     f"got {v!r}")
+                    raise ValueError(
+                        f"{option}: expected finite numbers >= 0 (comma-separated for --spreads), got {v!r}"
+                    )
         W.check_positive_int(args.output_layers, "--output-layers")
-
 
 
 def _check_new_args(args) -> None:
@@ -213,8 +277,9 @@ def _check_new_args(args) -> None:
             raise ValueError(f"--strategies: expected a comma-separated list of {list(SCALE_STRATEGIES)}, got {bad}")
     if args.cmd == "dummy-from-config":
         if not Path(args.config_dir).is_dir():
-            raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config "
-                             "folder")
+            raise ValueError(
+                f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder"
+            )
         if args.layers is not None:
             W.check_positive_int(args.layers, "--layers")
         if args.preset is not None and args.preset not in MODEL_PRESETS:
@@ -265,21 +330,34 @@ def main(argv=None) -> int:
     from .models.qwen3 import MODEL_PRESETS
 
     rt = sub.add_parser("routing", help="experts hit, largest/smallest share and entropy per layer")
-    for flag, kw in (("--layers", dict(type=int, default=4)), ("--seed", dict(type=int, default=0)),
-                     ("--calib-tokens", dict(type=int, default=512)), ("--spread", dict(type=float, default=1.0)),
-                     ("--preset", dict(default="qwen3-30b-a3b", choices=list(MODEL_PRESETS))),
-                     ("--device", dict(default="auto")),
-                     ("--json", dict(default=None))):
+    for flag, kw in (
+        ("--layers", dict(type=int, default=4)),
+        ("--seed", dict(type=int, default=0)),
+        ("--calib-tokens", dict(type=int, default=512)),
+        ("--spread", dict(type=float, default=1.0)),
+        ("--preset", dict(default="qwen3-30b-a3b", choices=list(MODEL_PRESETS))),
+        ("--device", dict(default="auto")),
+        ("--json", dict(default=None)),
+    ):
         rt.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     try:
         _check_args(args)
     except ValueError as err:  # every option is checked before any model is built
         sub.choices[args.cmd].error(str(err))
-    result = {"e2e": e2e, "compare": compare, "unify": unify, "inspect": inspect_cmd,
-              "dummy-from-config": dummy_from_config, "routing": routing}[args.cmd](args)
-    result["env"] = dict(torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    result = {
+        "e2e": e2e,
+        "compare": compare,
+        "unify": unify,
+        "inspect": inspect_cmd,
+        "dummy-from-config": dummy_from_config,
+        "routing": routing,
+    }[args.cmd](args)
+    result["env"] = dict(
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    )
     if args.json:
         with open(args.json, "w") as f:  # its folder was made ready by _check_args
             json.dump(result, f, indent=1, default=str)

@@ -71,14 +71,30 @@ import torch
 from ._checks import (
     GLOBAL_SCALE_MAX,
     GLOBAL_SCALE_MIN,
-    as_uint8 as _as_uint8,
-    check_block as _check_block,
-    check_float as _check_float,
-    check_out_dtype as _check_out_dtype,
-    fp8_args as _fp8_args,
-    global_scale_view as _global_scale_view,
-    mx_dequant_args as _mx_dequant_args,
     nvfp4_dequant_args,
+)
+from ._checks import (
+    as_uint8 as _as_uint8,
+)
+from ._checks import (
+    check_block as _check_block,
+)
+from ._checks import (
+    check_float as _check_float,
+)
+from ._checks import (
+    check_out_dtype as _check_out_dtype,
+)
+from ._checks import (
+    fp8_args as _fp8_args,
+)
+from ._checks import (
+    global_scale_view as _global_scale_view,
+)
+from ._checks import (
+    mx_dequant_args as _mx_dequant_args,
+)
+from ._checks import (
     nvfp4_weight_args as _nvfp4_weight_args,
 )
 from .formats import (
@@ -758,8 +774,9 @@ def dequantize_to_dtype(
         TypeError / ValueError: wrong dtypes or shapes, a ``global_scale`` value outside
             ``[2**-126, 2**126]``, a bad ``block_size``, naming the argument.
     """
-    fp4, sf, gs, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
-                                        nvfp4_unswizzle_scales, check_scale)
+    fp4, sf, gs, k = nvfp4_dequant_args(
+        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, nvfp4_unswizzle_scales, check_scale
+    )
     encode = check_global_scale_kind(global_scale_kind)
     num = gs.numel()
     f3 = fp4 if fp4.ndim == 3 else fp4.unsqueeze(0)
@@ -845,5 +862,3 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     if global_scale is not None:
         raise ValueError(f"global_scale applies to nvfp4 only, not {s.name}")
     return quant_dequant_mx(x, s.element.name, s.block_size, **kwargs)
-
-

@@ -51,14 +51,24 @@ class OnKernelDevice:
         return call
 
 
-def nvfp4_experts(w13_weight, w13_weight_scale, w13_weight_scale_2, w2_weight, w2_weight_scale, w2_weight_scale_2,
-                  w13_input_scale, w2_input_scale, **kwargs):
+def nvfp4_experts(
+    w13_weight,
+    w13_weight_scale,
+    w13_weight_scale_2,
+    w2_weight,
+    w2_weight_scale,
+    w2_weight_scale_2,
+    w13_input_scale,
+    w2_input_scale,
+    **kwargs,
+):
     """NVFP4 emulation experts from the eight ModelOpt tensors in vLLM's order (stacked over experts)."""
     from mxlib.formats import NVFP4
     from mxlib.moe import ExpertWeights, Nvfp4QuantizationEmulationTritonExperts
 
-    weights = ExpertWeights(NVFP4, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale, w13_weight_scale_2,
-                            w2_weight_scale_2)
+    weights = ExpertWeights(
+        NVFP4, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale, w13_weight_scale_2, w2_weight_scale_2
+    )
     return Nvfp4QuantizationEmulationTritonExperts(weights, w13_input_scale, w2_input_scale, **kwargs)
 
 

@@ -36,9 +36,9 @@ from mxlib.kernels import fp4_layout as F4  # noqa: E402
 from mxlib.kernels import fused_dequant_moe as D  # noqa: E402
 from mxlib.kernels import fused_fp4_moe as P  # noqa: E402
 from mxlib.kernels import fused_moe as F  # noqa: E402
-from mxlib.kernels.tiles import TileConfig  # noqa: E402
 from mxlib.kernels import quant as Q  # noqa: E402
 from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
+from mxlib.kernels.tiles import TileConfig  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -49,10 +49,12 @@ def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divis
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    k = triton.compile(src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages,
-                                                    "enable_fp_fusion": False})
+    src = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs
+    )
+    k = triton.compile(
+        src, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": False}
+    )
     COMPILED.append((fn.__name__, k))
     return k
 
@@ -62,8 +64,11 @@ COMPILED: list = []  # (kernel name, compiled kernel) of the job that is running
 
 def ttgir_text(k) -> str:
     """The TTGIR without source locations (``loc(...)`` references and the ``#loc`` table)."""
-    lines = [re.sub(r"\s*loc\([^()]*(\([^()]*\))*[^()]*\)", "", ln) for ln in k.asm["ttgir"].splitlines()
-             if not ln.startswith("#loc")]
+    lines = [
+        re.sub(r"\s*loc\([^()]*(\([^()]*\))*[^()]*\)", "", ln)
+        for ln in k.asm["ttgir"].splitlines()
+        if not ln.startswith("#loc")
+    ]
     return "\n".join(ln for ln in lines if ln.strip()) + "\n"
 
 
@@ -72,8 +77,9 @@ def sass_text(k) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        out = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run(
+            [triton.knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
     return "\n".join(ln.strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)) + "\n"
 
 
@@ -90,39 +96,77 @@ def dump(job: int, where: Path) -> None:
 def mx_kernels(el, mode, dtype):
     out = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     fmt = kernel_format_args(ELEMENT_FORMATS[el], block_size=BLOCK_SCHEMES["mxfp4"].block_size, scale_mode=mode)
-    compile_kernel(Q._mx_qdq_kernel, {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
-                   dict(select(Q._mx_qdq_kernel, fmt), OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._mx_quantize_kernel, {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
-                   dict(select(Q._mx_quantize_kernel, fmt), BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._dequantize_kernel,
-                   {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
-                   dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512,
-                        G_ENCODE=False))
+    compile_kernel(
+        Q._mx_qdq_kernel,
+        {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"},
+        dict(select(Q._mx_qdq_kernel, fmt), OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512),
+    )
+    compile_kernel(
+        Q._mx_quantize_kernel,
+        {"x_ptr": f"*{dtype}", "packed_ptr": "*u8", "scale_ptr": "*u8"},
+        dict(select(Q._mx_quantize_kernel, fmt), BLOCK_R=8, BLOCK_K=512),
+    )
+    compile_kernel(
+        Q._dequantize_kernel,
+        {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": f"*{dtype}"},
+        dict(select(Q._dequantize_kernel, fmt), NVFP4=False, OUT_DTYPE=out, BLOCK_R=8, BLOCK_K=512, G_ENCODE=False),
+    )
 
 
 def nvfp4_kernels(divide):
     bs = NVFP4.block_size
-    compile_kernel(Q._nvfp4_qdq_kernel, {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*bf16"},
-                   dict(DIVIDE=divide, BS=bs, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512))
+    compile_kernel(
+        Q._nvfp4_qdq_kernel,
+        {"x_ptr": "*bf16", "gs_ptr": "*fp32", "out_ptr": "*bf16"},
+        dict(DIVIDE=divide, BS=bs, OUT_DTYPE=tl.bfloat16, BLOCK_R=8, BLOCK_K=512),
+    )
     fmt = {**kernel_format_args(NVFP4), **kernel_format_args(NVFP4.scale.element, "S_")}
-    compile_kernel(Q._nvfp4_quantize_kernel,
-                   {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
-                   dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512))
-    compile_kernel(Q._dequantize_kernel,
-                   {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
-                   dict(select(Q._dequantize_kernel, kernel_format_args(NVFP4)), OUT_DTYPE=tl.bfloat16, BLOCK_R=8,
-                        BLOCK_K=512, G_ENCODE=divide))  # encode global scales (compressed-tensors) with divide
-    compile_kernel(Q._fp8_qdq_kernel, {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
-                   dict(OUT_DTYPE=tl.float16, BLOCK=1024))
+    compile_kernel(
+        Q._nvfp4_quantize_kernel,
+        {"x_ptr": "*bf16", "g_ptr": "*fp32", "packed_ptr": "*u8", "scale_ptr": "*u8"},
+        dict(select(Q._nvfp4_quantize_kernel, fmt), ZERO_BLOCK_ONE=not divide, BLOCK_R=8, BLOCK_K=512),
+    )
+    compile_kernel(
+        Q._dequantize_kernel,
+        {"packed_ptr": "*u8", "scale_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"},
+        dict(
+            select(Q._dequantize_kernel, kernel_format_args(NVFP4)),
+            OUT_DTYPE=tl.bfloat16,
+            BLOCK_R=8,
+            BLOCK_K=512,
+            G_ENCODE=divide,
+        ),
+    )  # encode global scales (compressed-tensors) with divide
+    compile_kernel(
+        Q._fp8_qdq_kernel,
+        {"x_ptr": "*bf16", "scale_ptr": "*fp32", "out_ptr": "*fp16"},
+        dict(OUT_DTYPE=tl.float16, BLOCK=1024),
+    )
 
 
 def fused_moe(mul_routed_weight, naive=False):
     k = compile_kernel(
         F.fused_moe_kernel,
-        {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32",
-         "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32"},
-        dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, MUL_ROUTED_WEIGHT=mul_routed_weight,
-             top_k=8, UPCAST=False, OUT_DTYPE=tl.bfloat16, NAIVE=naive),
+        {
+            "a_ptr": "*bf16",
+            "b_ptr": "*bf16",
+            "c_ptr": "*bf16",
+            "topk_weights_ptr": "*fp32",
+            "sorted_token_ids_ptr": "*i32",
+            "expert_ids_ptr": "*i32",
+            "num_tokens_post_padded_ptr": "*i32",
+        },
+        dict(
+            BLOCK_SIZE_M=64,
+            BLOCK_SIZE_N=64,
+            BLOCK_SIZE_K=64,
+            GROUP_SIZE_M=8,
+            MUL_ROUTED_WEIGHT=mul_routed_weight,
+            top_k=8,
+            UPCAST=False,
+            OUT_DTYPE=tl.bfloat16,
+            NAIVE=naive,
+        ),
     )
     # bf16 tensor-core MMA on Hopper: warpgroup MMA (wgmma) in the PTX
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
@@ -130,15 +174,40 @@ def fused_moe(mul_routed_weight, naive=False):
 
 def fused_dequant(weight, gated, a2, split=False):
     """``weight``: a block scheme name; ``a2``: the activation format of GEMM1's epilogue (or None)."""
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "c_ptr": "*bf16",
-            "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-            "num_tokens_post_padded_ptr": "*i32", "act_scale_ptr": "*fp32"}
+    ptrs = {
+        "a_ptr": "*bf16",
+        "w_ptr": "*u8",
+        "ws_ptr": "*u8",
+        "wg_ptr": "*fp32",
+        "c_ptr": "*bf16",
+        "topk_weights_ptr": "*fp32",
+        "sorted_token_ids_ptr": "*i32",
+        "expert_ids_ptr": "*i32",
+        "num_tokens_post_padded_ptr": "*i32",
+        "act_scale_ptr": "*fp32",
+    }
     kernel = D.fused_moe_dequant_kernel
-    fmt = {**kernel_format_args(BLOCK_SCHEMES[weight], "W_"),
-           **D.ActivationQDQ(get_activation_format(a2)).kernel_args()}
-    k = compile_kernel(kernel, ptrs, dict(
-        select(kernel, fmt), GATED=gated, MUL_ROUTED_WEIGHT=not gated, top_k=8, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
-        GROUP_SIZE_M=1, SPLIT_NIBBLES=split, OUT_DTYPE=tl.bfloat16, UPCAST=False))
+    fmt = {
+        **kernel_format_args(BLOCK_SCHEMES[weight], "W_"),
+        **D.ActivationQDQ(get_activation_format(a2)).kernel_args(),
+    }
+    k = compile_kernel(
+        kernel,
+        ptrs,
+        dict(
+            select(kernel, fmt),
+            GATED=gated,
+            MUL_ROUTED_WEIGHT=not gated,
+            top_k=8,
+            BLOCK_M=16,
+            BLOCK_N=64,
+            BLOCK_K=128,
+            GROUP_SIZE_M=1,
+            SPLIT_NIBBLES=split,
+            OUT_DTYPE=tl.bfloat16,
+            UPCAST=False,
+        ),
+    )
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused dequant kernel's PTX"
 
 
@@ -157,23 +226,51 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
     q = D.ActivationQDQ(get_activation_format(a))
     numerics = Numerics(numerics)
     w_kind = F4.W_MX if not w.has_global_scale else (F4.W_NVFP4_VLLM if numerics is Numerics.VLLM else F4.W_NVFP4_HW)
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*i32",
-            "wg_ptr": "*fp32", "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_token_ids_ptr": "*i32",
-            "expert_ids_ptr": "*i32", "num_tokens_post_padded_ptr": "*i32", "a_scale_ptr": "*fp32",
-            "c_scale_ptr": "*fp32"}
+    ptrs = {
+        "a_ptr": "*bf16",
+        "w_ptr": "*i32",
+        "ws_ptr": "*i32",
+        "wg_ptr": "*fp32",
+        "c_ptr": "*bf16",
+        "topk_weights_ptr": "*fp32",
+        "sorted_token_ids_ptr": "*i32",
+        "expert_ids_ptr": "*i32",
+        "num_tokens_post_padded_ptr": "*i32",
+        "a_scale_ptr": "*fp32",
+        "c_scale_ptr": "*fp32",
+    }
     kernel = P.fused_fp4_moe_kernel
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
     nv_hw = numerics is Numerics.HARDWARE and q.kind == D.A2_NVFP4
-    k = compile_kernel(kernel, ptrs, dict(
-        select(kernel, qdq), W_KIND=w_kind, W_BS=w.block_size, MODE=numerics.kernel_id, W_ONE=one,
-        W_BITS=w.element.nbits, W_EBITS=w.element.ebits, GATED=gated,
-        W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW, A_INV_OUT=nv_hw, MUL_ROUTED_WEIGHT=not gated, top_k=8 if gated else 1,
-        NAIVE=naive, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_SIZE_M=1, OUT_DTYPE=tl.bfloat16,
-        NUM_WARPS=nw),
-        num_warps=nw, num_stages=cfg.num_stages,
+    k = compile_kernel(
+        kernel,
+        ptrs,
+        dict(
+            select(kernel, qdq),
+            W_KIND=w_kind,
+            W_BS=w.block_size,
+            MODE=numerics.kernel_id,
+            W_ONE=one,
+            W_BITS=w.element.nbits,
+            W_EBITS=w.element.ebits,
+            GATED=gated,
+            W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW,
+            A_INV_OUT=nv_hw,
+            MUL_ROUTED_WEIGHT=not gated,
+            top_k=8 if gated else 1,
+            NAIVE=naive,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            GROUP_SIZE_M=1,
+            OUT_DTYPE=tl.bfloat16,
+            NUM_WARPS=nw,
+        ),
+        num_warps=nw,
+        num_stages=cfg.num_stages,
         # as launched on the Qwen3-30B-A3B layer: torch's pointers 16-byte aligned, H, I and the row strides
         # multiples of 16 (the scale rows of w2 are not: I / 32 / 4 = 6 words)
-        divisible=[*ptrs, "N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_cm"])
+        divisible=[*ptrs, "N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_cm"],
+    )
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the FP4 kernel's PTX"
     assert k.metadata.shared <= SM90_SHARED, f"{k.metadata.shared} bytes of shared memory (sm_90: {SM90_SHARED})"
     if fp6:  # the FP6 decode ran (its PTX block: rotate and bf16x2 multiply), not the FP4 loop
@@ -181,47 +278,101 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
     if a is None:  # weight-only: the decoded tile reaches the MMA in registers (no register -> shared store)
         stores = k.asm["ttgir"].count("ttg.local_alloc %")
         assert stores == 0, f"{stores} register -> shared-memory tile stores in the weight-only {weight} kernel"
-    compile_kernel(P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024,
-                                                                                   OUT_DTYPE=tl.bfloat16))
+    compile_kernel(
+        P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024, OUT_DTYPE=tl.bfloat16)
+    )
     if w.has_global_scale and numerics is Numerics.HARDWARE and gated:  # its standalone a1 QDQ
-        compile_kernel(P._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"},
-                       dict(BLOCK_K=512))
+        compile_kernel(
+            P._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"}, dict(BLOCK_K=512)
+        )
 
 
 def align(single):
     """The Triton moe_align_block_size: one launch (one chunk) or histogram + scatter."""
-    ptrs = {"topk_ids_ptr": "*i32", "hist_ptr": "*i32", "base_ptr": "*i32", "sorted_ptr": "*i32",
-            "expert_ids_ptr": "*i32", "num_post_ptr": "*i32"}
+    ptrs = {
+        "topk_ids_ptr": "*i32",
+        "hist_ptr": "*i32",
+        "base_ptr": "*i32",
+        "sorted_ptr": "*i32",
+        "expert_ids_ptr": "*i32",
+        "num_post_ptr": "*i32",
+    }
     if not single:
         compile_kernel(A._chunk_hist_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024))
-    compile_kernel(A._align_scatter_kernel, ptrs, dict(E=128, E_PAD=256, CHUNK=1024, LOG_CHUNK=10,
-                                                       NCHUNK_PAD=1 if single else 32, SINGLE=single, BLOCK_M=64,
-                                                       BM_PAD=64, FILL=1024, JB=16), num_warps=8)
+    compile_kernel(
+        A._align_scatter_kernel,
+        ptrs,
+        dict(
+            E=128,
+            E_PAD=256,
+            CHUNK=1024,
+            LOG_CHUNK=10,
+            NCHUNK_PAD=1 if single else 32,
+            SINGLE=single,
+            BLOCK_M=64,
+            BM_PAD=64,
+            FILL=1024,
+            JB=16,
+        ),
+        num_warps=8,
+    )
 
 
-JOBS = [(mx_kernels, a) for a in [("e2m1", "even", "bf16"), ("e2m3", "floor", "bf16"), ("e3m2", "rceil", "fp16"),
-                                  ("e4m3", "floor", "fp32"), ("e5m2", "even", "bf16")]]
+JOBS = [
+    (mx_kernels, a)
+    for a in [
+        ("e2m1", "even", "bf16"),
+        ("e2m3", "floor", "bf16"),
+        ("e3m2", "rceil", "fp16"),
+        ("e4m3", "floor", "fp32"),
+        ("e5m2", "even", "bf16"),
+    ]
+]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
 JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
-JOBS += [(fused_fp4, a) for a in [("nvfp4", "vllm", True, "nvfp4"), ("nvfp4", "hardware", True, "nvfp4"),
-                                  ("nvfp4", "vllm", False, None), ("nvfp4", "hardware", False, None),
-                                  ("mxfp4", "vllm", True, None), ("mxfp4", "vllm", True, "mxfp4"),
-                                  ("mxfp4", "vllm", True, "fp8_e4m3"), ("mxfp4", "vllm", False, None, True),
-                                  ("mxfp4", "vllm", True, None, False, True),
-                                  ("mxfp4", "vllm", False, None, False, True),
-                                  ("nvfp4", "vllm", True, "nvfp4", False, True),
-                                  ("mxfp6_e2m3", "vllm", True, None), ("mxfp6_e2m3", "vllm", False, None),
-                                  ("mxfp6_e3m2", "vllm", True, None), ("mxfp6_e3m2", "vllm", False, None, True),
-                                  ("mxfp6_e3m2", "vllm", True, "mxfp6_e3m2"),
-                                  ("mxfp6_e2m3", "hardware", True, "fp8_e4m3")]]
+JOBS += [
+    (fused_fp4, a)
+    for a in [
+        ("nvfp4", "vllm", True, "nvfp4"),
+        ("nvfp4", "hardware", True, "nvfp4"),
+        ("nvfp4", "vllm", False, None),
+        ("nvfp4", "hardware", False, None),
+        ("mxfp4", "vllm", True, None),
+        ("mxfp4", "vllm", True, "mxfp4"),
+        ("mxfp4", "vllm", True, "fp8_e4m3"),
+        ("mxfp4", "vllm", False, None, True),
+        ("mxfp4", "vllm", True, None, False, True),
+        ("mxfp4", "vllm", False, None, False, True),
+        ("nvfp4", "vllm", True, "nvfp4", False, True),
+        ("mxfp6_e2m3", "vllm", True, None),
+        ("mxfp6_e2m3", "vllm", False, None),
+        ("mxfp6_e3m2", "vllm", True, None),
+        ("mxfp6_e3m2", "vllm", False, None, True),
+        ("mxfp6_e3m2", "vllm", True, "mxfp6_e3m2"),
+        ("mxfp6_e2m3", "hardware", True, "fp8_e4m3"),
+    ]
+]
 # every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory
-JOBS += [(fused_fp4, ("mxfp6_e3m2", "vllm", gated, None, False, False, cfgs[1 - gated]))
-         for _, cfgs in P.FP6_CONFIGS for gated in (True, False)]
-JOBS += [(fused_dequant, a) for a in [("nvfp4", True, "nvfp4"), ("mxfp4", True, "mxfp6_e3m2"),
-                                      ("mxfp6_e3m2", True, "fp8_e4m3"), ("mxfp6_e2m3", True, None),
-                                      ("nvfp4", False, None), ("mxfp8_e4m3", False, None),
-                                      ("nvfp4", True, "nvfp4", True), ("mxfp4", False, None, True),
-                                      ("mxfp6_e3m2", True, "mxfp6_e3m2", True), ("mxfp6_e2m3", False, None, True)]]
+JOBS += [
+    (fused_fp4, ("mxfp6_e3m2", "vllm", gated, None, False, False, cfgs[1 - gated]))
+    for _, cfgs in P.FP6_CONFIGS
+    for gated in (True, False)
+]
+JOBS += [
+    (fused_dequant, a)
+    for a in [
+        ("nvfp4", True, "nvfp4"),
+        ("mxfp4", True, "mxfp6_e3m2"),
+        ("mxfp6_e3m2", True, "fp8_e4m3"),
+        ("mxfp6_e2m3", True, None),
+        ("nvfp4", False, None),
+        ("mxfp8_e4m3", False, None),
+        ("nvfp4", True, "nvfp4", True),
+        ("mxfp4", False, None, True),
+        ("mxfp6_e3m2", True, "mxfp6_e3m2", True),
+        ("mxfp6_e2m3", False, None, True),
+    ]
+]
 
 
 def main(argv: list[str]) -> int:
@@ -236,7 +387,7 @@ def main(argv: list[str]) -> int:
             print(f"OK   {fn.__name__}{args}", flush=True)
             if where is not None:
                 dump(job, where)
-        except Exception:
+        except Exception:  # noqa: BLE001  every job is reported, a failing one does not stop the others
             failed += 1
             e = sys.exc_info()[1]
             while e.__cause__ is not None:

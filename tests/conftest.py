@@ -56,9 +56,16 @@ def _execute_notebook(name: str, params: dict, out_dir) -> None:
         mp.setenv("PYTHONPATH", os.pathsep.join([ROOT] + [p for p in path.split(os.pathsep) if p]))
         mp.setenv("MXLIB_CACHE", str(out_dir / "checkpoints"))
         # timeouts turn a stalled kernel into a failure instead of a hung test
-        pm.execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(out_dir / f"{name}.ipynb"),
-                            parameters=dict(params, results_path="results.json"), kernel_name="python3",
-                            cwd=str(out_dir), progress_bar=False, start_timeout=180, execution_timeout=900)
+        pm.execute_notebook(
+            os.path.join(ROOT, "notebooks", f"{name}.ipynb"),
+            str(out_dir / f"{name}.ipynb"),
+            parameters=dict(params, results_path="results.json"),
+            kernel_name="python3",
+            cwd=str(out_dir),
+            progress_bar=False,
+            start_timeout=180,
+            execution_timeout=900,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import cli
-from mxlib.workbook import steps as W
 from mxlib.models.checkpoints import (
     CheckpointError,
     load_quantized_qwen3_moe,
@@ -35,15 +34,25 @@ from mxlib.models.checkpoints import (
     write_quantized_checkpoint,
 )
 from mxlib.moe import (
-    Nvfp4QuantizationEmulationTritonExperts,
-    OCP_MXQuantizationEmulationTritonExperts,
     TritonExperts,
 )
+from mxlib.workbook import steps as W
+
 from _util import mx_experts, nvfp4_experts
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=32, bos_token_id=0, eos_token_id=1)
+TINY = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 E, H, I = TINY["num_experts"], TINY["hidden_size"], TINY["moe_intermediate_size"]
 SHARD_BYTES = 20_000  # several shards even for the tiny model
 BAD = "model.layers.1.mlp.experts.2.down_proj"  # the module whose tensors the scale tests spoil
@@ -65,15 +74,17 @@ def calibration(model):
 @pytest.fixture(scope="module")
 def nvfp4_ckpt(model, calibration, tmp_path_factory):
     """A good NVFP4 (ModelOpt layout) checkpoint, written once; tests copy it before spoiling it."""
-    return write_quantized_checkpoint(model, "nvfp4", tmp_path_factory.mktemp("nvfp4") / "ckpt", calibration,
-                                      shard_bytes=SHARD_BYTES)
+    return write_quantized_checkpoint(
+        model, "nvfp4", tmp_path_factory.mktemp("nvfp4") / "ckpt", calibration, shard_bytes=SHARD_BYTES
+    )
 
 
 @pytest.fixture(scope="module")
 def quark_fp8_ckpt(model, calibration, tmp_path_factory):
     """A good Quark checkpoint with static FP8 activations (so it has per-expert input_scale tensors)."""
-    return write_quantized_checkpoint(model, "w_mxfp6_e3m2_a_fp8", tmp_path_factory.mktemp("quark") / "ckpt",
-                                      calibration, shard_bytes=SHARD_BYTES)
+    return write_quantized_checkpoint(
+        model, "w_mxfp6_e3m2_a_fp8", tmp_path_factory.mktemp("quark") / "ckpt", calibration, shard_bytes=SHARD_BYTES
+    )
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -95,8 +106,11 @@ def _set_tensor(folder: Path, name: str, edit) -> None:
 
 def _snapshot(folder: Path) -> dict[str, str]:
     """Relative path -> sha256 of every file under ``folder``."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _names_tensor(msg: str, layer: int, expert: int, proj: str, field: str) -> bool:
@@ -104,8 +118,15 @@ def _names_tensor(msg: str, layer: int, expert: int, proj: str, field: str) -> b
     full = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{field}"
     if re.search(re.escape(full) + r"(?![\w])", msg):
         return True
-    return all(re.search(p, msg) for p in (rf"layers?[ .]?{layer}\b", rf"experts?[ .]?{expert}\b", re.escape(proj),
-                                           re.escape(field) + r"(?![\w])"))
+    return all(
+        re.search(p, msg)
+        for p in (
+            rf"layers?[ .]?{layer}\b",
+            rf"experts?[ .]?{expert}\b",
+            re.escape(proj),
+            re.escape(field) + r"(?![\w])",
+        )
+    )
 
 
 # ============================================================================= case 1: the writer's destination
@@ -188,6 +209,7 @@ def _make_read_only(folder: Path):
             for p in parent.rglob("*"):
                 if p.is_file():
                     p.chmod(0o644)
+
         return undo
     if shutil.which("chattr") is None:
         pytest.skip("running as root without chattr: cannot make a folder read-only")
@@ -251,10 +273,15 @@ def test_cache_distinguishes_calibration(model, tmp_path):
     p = W.prepare_checkpoint("nvfp4", model, calib_tokens=32, cache_dir=tmp_path / "cache", calibration=cal_b)
     direct = write_quantized_checkpoint(model, "nvfp4", tmp_path / "direct", cal_b)
     direct_a = write_quantized_checkpoint(model, "nvfp4", tmp_path / "direct_a", cal_a)
-    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"
-             for layer in range(2) for e in range(E) for proj in ("gate_proj", "down_proj")]
-    assert any(not torch.equal(_stored(direct, n), _stored(direct_a, n)) for n in names), \
+    names = [
+        f"model.layers.{layer}.mlp.experts.{e}.{proj}.input_scale"
+        for layer in range(2)
+        for e in range(E)
+        for proj in ("gate_proj", "down_proj")
+    ]
+    assert any(not torch.equal(_stored(direct, n), _stored(direct_a, n)) for n in names), (
         "the two calibrations must differ for this test to mean anything"
+    )
     for n in names:
         assert torch.equal(_stored(p, n), _stored(direct, n)), n
 
@@ -317,11 +344,20 @@ def test_experts_reject_nan_block_scale(kind):
     with pytest.raises(ValueError, match=r"w2_weight_scale(?!_2).*\[2, 3, 0\]"):
         if kind == "nvfp4":
             nvfp4_experts(
-                good.w13_weight, good.w13_weight_scale, good.w13_weight_scale_2, good.w2_weight, scale,
-                good.w2_weight_scale_2, good.w13_input_scale, good.w2_input_scale, backend="torch")
+                good.w13_weight,
+                good.w13_weight_scale,
+                good.w13_weight_scale_2,
+                good.w2_weight,
+                scale,
+                good.w2_weight_scale_2,
+                good.w13_input_scale,
+                good.w2_input_scale,
+                backend="torch",
+            )
         else:
             mx_experts(
-                "w_mxfp4_a_mxfp4", good.w13_weight, good.w13_weight_scale, good.w2_weight, scale, backend="torch")
+                "w_mxfp4_a_mxfp4", good.w13_weight, good.w13_weight_scale, good.w2_weight, scale, backend="torch"
+            )
 
 
 # ============================================================================= case 7: routing ids
@@ -339,14 +375,26 @@ def _experts(kind: str, backend: str):
         f8 = lambda *s: torch.full(s, 0.5).to(torch.float8_e4m3fn)  # noqa: E731
         f32 = lambda v: torch.full((E,), v)  # noqa: E731
         return nvfp4_experts(
-            u8(E, 2 * I, H // 2), f8(E, 2 * I, H // 16), f32(0.01),
-            u8(E, H, I // 2), f8(E, H, I // 16), f32(0.01),
-            f32(0.002), f32(0.002), backend=backend)
+            u8(E, 2 * I, H // 2),
+            f8(E, 2 * I, H // 16),
+            f32(0.01),
+            u8(E, H, I // 2),
+            f8(E, H, I // 16),
+            f32(0.01),
+            f32(0.002),
+            f32(0.002),
+            backend=backend,
+        )
     u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
-    sc = lambda *s: torch.full(s, 120, dtype=torch.uint8)  # noqa: E731  E8M0 2**-7
+    sc = lambda *s: torch.full(s, 120, dtype=torch.uint8)  # noqa: E731 (E8M0 2**-7)
     return mx_experts(
-        "w_mxfp4_a_mxfp4", u8(E, 2 * I, H // 2), sc(E, 2 * I, H // 32), u8(E, H, I // 2), sc(E, H, I // 32),
-        backend=backend)
+        "w_mxfp4_a_mxfp4",
+        u8(E, 2 * I, H // 2),
+        sc(E, 2 * I, H // 32),
+        u8(E, H, I // 2),
+        sc(E, H, I // 32),
+        backend=backend,
+    )
 
 
 def _routing(bad_id: int | None = None):
@@ -405,6 +453,7 @@ def _drop(key):
     def edit(cfg):
         del cfg[key]
         return json.dumps(cfg)
+
     return edit
 
 
@@ -412,16 +461,21 @@ def _set(key, value):
     def edit(cfg):
         cfg[key] = value
         return json.dumps(cfg)
+
     return edit
 
 
-@pytest.mark.parametrize("edit,field", [
-    (lambda cfg: "{not json", None),
-    (lambda cfg: "[]", None),
-    (_set("quantization_config", "nvfp4"), "quantization_config"),
-    (_drop("hidden_size"), "hidden_size"),
-    (_set("num_hidden_layers", "2"), "num_hidden_layers"),
-], ids=["not_json", "list", "qc_string", "no_hidden_size", "layers_string"])
+@pytest.mark.parametrize(
+    "edit,field",
+    [
+        (lambda cfg: "{not json", None),
+        (lambda cfg: "[]", None),
+        (_set("quantization_config", "nvfp4"), "quantization_config"),
+        (_drop("hidden_size"), "hidden_size"),
+        (_set("num_hidden_layers", "2"), "num_hidden_layers"),
+    ],
+    ids=["not_json", "list", "qc_string", "no_hidden_size", "layers_string"],
+)
 def test_loader_corrupt_config_names_file(nvfp4_ckpt, tmp_path, edit, field):
     p = _copy(nvfp4_ckpt, tmp_path / "ckpt")
     cfg = json.loads((p / "config.json").read_text())
@@ -499,22 +553,26 @@ def _cli_error(argv: list[str], capsys) -> tuple[str, float]:
     return msg, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("argv,option", [
-    (["e2e", "--layers", "0"], "--layers"),
-    (["e2e", "--layers", "-2"], "--layers"),
-    (["e2e", "--backend", "nope"], "--backend"),
-    (["e2e", "--calib-tokens", "0"], "--calib-tokens"),
-    (["e2e", "--tokens", "-5"], "--tokens"),
-    (["e2e", "--tokens", "0"], "--tokens"),
-    (["e2e", "--scheme", "nope"], "--scheme"),
-    (["e2e", "--device", "nope"], "--device"),
-    (["compare", "--layers", "0"], "--layers"),
-    (["compare", "--backend", "nope"], "--backend"),
-    (["compare", "--schemes", "nvfp4,nope"], "--schemes"),
-    (["unify", "--layers", "0"], "--layers"),
-    (["unify", "--strategies", "max,nope"], "--strategies"),
-    (["unify", "--spreads", "0,x"], "--spreads"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["e2e", "--layers", "0"], "--layers"),
+        (["e2e", "--layers", "-2"], "--layers"),
+        (["e2e", "--backend", "nope"], "--backend"),
+        (["e2e", "--calib-tokens", "0"], "--calib-tokens"),
+        (["e2e", "--tokens", "-5"], "--tokens"),
+        (["e2e", "--tokens", "0"], "--tokens"),
+        (["e2e", "--scheme", "nope"], "--scheme"),
+        (["e2e", "--device", "nope"], "--device"),
+        (["compare", "--layers", "0"], "--layers"),
+        (["compare", "--backend", "nope"], "--backend"),
+        (["compare", "--schemes", "nvfp4,nope"], "--schemes"),
+        (["unify", "--layers", "0"], "--layers"),
+        (["unify", "--strategies", "max,nope"], "--strategies"),
+        (["unify", "--spreads", "0,x"], "--spreads"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
 def test_cli_refuses_bad_option_before_building(no_model, capsys, argv, option):
     msg, seconds = _cli_error(argv, capsys)
     assert option in msg, msg
@@ -655,8 +713,14 @@ _child: dict = {}
 
 def _start_writer_child() -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, "-c", _KILLED_WRITER.format(tiny=TINY)], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER.format(tiny=TINY)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -692,10 +756,17 @@ def killed_write(model, calibration, tmp_path_factory):
         proc.kill()  # SIGKILL
         proc.wait(timeout=30)
     if lines != ["READY", "SHARD"] or not shards:
-        pytest.fail(f"could not catch the write after its first shard (child said {lines}, shards {shards}); "
-                    f"stderr: {proc.stderr.read()[-2000:]}")
-    return dict(parent=parent, dest=dest, before=before, after=_snapshot(dest),
-                debris=sorted(p.name for p in parent.iterdir() if p.name != "ckpt"))
+        pytest.fail(
+            f"could not catch the write after its first shard (child said {lines}, shards {shards}); "
+            f"stderr: {proc.stderr.read()[-2000:]}"
+        )
+    return dict(
+        parent=parent,
+        dest=dest,
+        before=before,
+        after=_snapshot(dest),
+        debris=sorted(p.name for p in parent.iterdir() if p.name != "ckpt"),
+    )
 
 
 def test_killed_write_leaves_destination_intact(killed_write):
@@ -744,8 +815,16 @@ _PEAK_E2E = textwrap.dedent("""
     print("RESULT", json.dumps(dict(base=base, peak=peak, **sizes)))
 """)
 # 1 layer, hidden 1024, 16 experts of intermediate 384, vocabulary 40960: 225 MB of bf16 weights
-_PEAK_MODEL = dict(hidden_size=1024, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
-                   intermediate_size=3072, vocab_size=40960, bos_token_id=1, eos_token_id=2)
+_PEAK_MODEL = dict(
+    hidden_size=1024,
+    moe_intermediate_size=384,
+    num_experts=16,
+    num_experts_per_tok=4,
+    intermediate_size=3072,
+    vocab_size=40960,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # What the run adds beyond the model that does not grow with it (transformers' and the
 # allocator's working memory, forward-pass buffers): measured ~70 MB.
 _PEAK_FIXED_BYTES = 100e6
@@ -765,15 +844,17 @@ def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
     env.pop("MALLOC_TRIM_THRESHOLD_", None)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     env["MXLIB_CACHE"] = str(tmp_path)  # the checkpoint cache of this run
-    r = subprocess.run([sys.executable, "-c", _PEAK_E2E.format(over=_PEAK_MODEL)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK_E2E.format(over=_PEAK_MODEL)], env=env, capture_output=True, text=True, timeout=600
+    )
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, r.stderr[-3000:]
-    m = json.loads(line[len("RESULT "):])
+    m = json.loads(line[len("RESULT ") :])
     added, model_bytes = m["peak"] - m["base"], m["model_bytes"]
     assert model_bytes >= 200e6, model_bytes
-    assert added <= 1.25 * model_bytes + _PEAK_FIXED_BYTES, \
+    assert added <= 1.25 * model_bytes + _PEAK_FIXED_BYTES, (
         f"the run added {added / 1e6:.0f} MB to {m['base'] / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
+    )
 
 
 _PEAK_BUILD = textwrap.dedent("""
@@ -787,8 +868,16 @@ _PEAK_BUILD = textwrap.dedent("""
 """)
 # 1 layer, hidden 1024, 128 experts of intermediate 384, vocabulary 8192: 354 MB of bf16 weights, 85% in
 # experts, so that a whole-layer fp32 temporary of w2 (403 MB, what the routing warm-up once made) shows
-_PEAK_BUILD_MODEL = dict(hidden_size=1024, moe_intermediate_size=384, num_experts=128, num_experts_per_tok=8,
-                         intermediate_size=3072, vocab_size=8192, bos_token_id=1, eos_token_id=2)
+_PEAK_BUILD_MODEL = dict(
+    hidden_size=1024,
+    moe_intermediate_size=384,
+    num_experts=128,
+    num_experts_per_tok=8,
+    intermediate_size=3072,
+    vocab_size=8192,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
@@ -801,15 +890,21 @@ def test_dummy_build_peak_memory_stays_near_the_model_bytes():
     env.pop("TRITON_INTERPRET", None)
     env.pop("MALLOC_TRIM_THRESHOLD_", None)
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    r = subprocess.run([sys.executable, "-c", _PEAK_BUILD.format(over=_PEAK_BUILD_MODEL)], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _PEAK_BUILD.format(over=_PEAK_BUILD_MODEL)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert r.returncode == 0 and line, r.stderr[-3000:]
-    m = json.loads(line[len("RESULT "):])
+    m = json.loads(line[len("RESULT ") :])
     added, model_bytes = m["peak"] - m["base"], m["model_bytes"]
     assert model_bytes >= 300e6, model_bytes
-    assert added <= model_bytes + 150e6, \
+    assert added <= model_bytes + 150e6, (
         f"building added {added / 1e6:.0f} MB to {m['base'] / 1e6:.0f} MB for a {model_bytes / 1e6:.0f} MB model"
+    )
 
 
 # ============================================================================= the inspector
@@ -818,11 +913,21 @@ def test_dummy_build_peak_memory_stays_near_the_model_bytes():
 @pytest.fixture(scope="module")
 def ct_ckpt(model, calibration, tmp_path_factory):
     """A good compressed-tensors NVFP4 checkpoint (encode global scales as stored), attention quantized too."""
-    amax = {f"model.layers.{layer}.self_attn.{p}": torch.tensor(1.0) for layer in range(2)
-            for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    return write_quantized_checkpoint(model, "nvfp4", tmp_path_factory.mktemp("ct") / "ckpt", calibration,
-                                      shard_bytes=SHARD_BYTES, layout="compressed-tensors", quantize_attention=True,
-                                      linear_input_amax=amax)
+    amax = {
+        f"model.layers.{layer}.self_attn.{p}": torch.tensor(1.0)
+        for layer in range(2)
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    }
+    return write_quantized_checkpoint(
+        model,
+        "nvfp4",
+        tmp_path_factory.mktemp("ct") / "ckpt",
+        calibration,
+        shard_bytes=SHARD_BYTES,
+        layout="compressed-tensors",
+        quantize_attention=True,
+        linear_input_amax=amax,
+    )
 
 
 def test_compressed_tensors_checkpoint_loads(ct_ckpt):
@@ -830,10 +935,19 @@ def test_compressed_tensors_checkpoint_loads(ct_ckpt):
     assert info.format == "compressed-tensors"
 
 
-@pytest.mark.parametrize("field,bad", [("weight_global_scale", 0.0), ("weight_global_scale", -1.0),
-                                       ("weight_global_scale", math.nan), ("weight_global_scale", math.inf),
-                                       ("input_global_scale", math.nan), ("input_global_scale", -1.0),
-                                       ("input_global_scale", math.inf)], ids=repr)
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("weight_global_scale", 0.0),
+        ("weight_global_scale", -1.0),
+        ("weight_global_scale", math.nan),
+        ("weight_global_scale", math.inf),
+        ("input_global_scale", math.nan),
+        ("input_global_scale", -1.0),
+        ("input_global_scale", math.inf),
+    ],
+    ids=repr,
+)
 def test_loader_rejects_bad_encode_scale(ct_ckpt, tmp_path, field, bad):
     """compressed-tensors' stored encode scales get the range check of decode ones (0 input scale: uncalibrated)."""
     p = _copy(ct_ckpt, tmp_path / "ckpt")
@@ -858,14 +972,18 @@ def test_loader_rejects_nan_bf16_input_scale(quark_fp8_ckpt, tmp_path):
     assert _names_tensor(msg, 1, 2, "down_proj", "input_scale"), msg
 
 
-@pytest.mark.parametrize("argv,option", [
-    (["inspect", "/no/such/checkpoint"], "path"),
-    (["inspect", ".", "--strategies", "max,nope"], "--strategies"),
-    (["dummy-from-config", ".", "/tmp/unused", "--layers", "0"], "--layers"),
-    (["dummy-from-config", ".", "/tmp/unused", "--preset", "nope"], "--preset"),
-    (["dummy-from-config", "/no/such/configs", "/tmp/unused"], "config_dir"),
-    (["routing", "--device", "nope"], "--device"),
-], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+@pytest.mark.parametrize(
+    "argv,option",
+    [
+        (["inspect", "/no/such/checkpoint"], "path"),
+        (["inspect", ".", "--strategies", "max,nope"], "--strategies"),
+        (["dummy-from-config", ".", "/tmp/unused", "--layers", "0"], "--layers"),
+        (["dummy-from-config", ".", "/tmp/unused", "--preset", "nope"], "--preset"),
+        (["dummy-from-config", "/no/such/configs", "/tmp/unused"], "config_dir"),
+        (["routing", "--device", "nope"], "--device"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
 def test_cli_new_subcommands_refuse_bad_option_first(no_model, capsys, argv, option):
     msg, seconds = _cli_error(argv, capsys)
     assert option in msg, msg

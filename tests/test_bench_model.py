@@ -18,9 +18,29 @@ TOKENS = (1, 8)
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_model")
     js, md = out / "model.json", out / "model.md"
-    rc = bench.main(["model", "--device", "cpu", "--preset", "tiny", "--layers", "2", "--tokens", "1,8",
-                     "--schemes", ",".join(SCHEMES), "--calib-tokens", "256", "--rep-ms", "1",
-                     "--json", str(js), "--markdown", str(md)])
+    rc = bench.main(
+        [
+            "model",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--layers",
+            "2",
+            "--tokens",
+            "1,8",
+            "--schemes",
+            ",".join(SCHEMES),
+            "--calib-tokens",
+            "256",
+            "--rep-ms",
+            "1",
+            "--json",
+            str(js),
+            "--markdown",
+            str(md),
+        ]
+    )
     return rc, json.loads(js.read_text()), md.read_text()
 
 
@@ -81,8 +101,9 @@ def test_check_fails_a_path_far_from_bf16():
     bm._check_row(row, bm.PathSpec("nvfp4"), 1.0, 60.0, failures)
     assert len(failures) == 2 and "eager" in failures[0] and "from bf16" in failures[1]
     failures = []
-    bm._check_row(dict(row, sqnr_db_vs_bf16=math.nan, graph_sqnr_db=None, ms=0.0), bm.PathSpec("nvfp4"), 1.0, 60.0,
-                  failures)
+    bm._check_row(
+        dict(row, sqnr_db_vs_bf16=math.nan, graph_sqnr_db=None, ms=0.0), bm.PathSpec("nvfp4"), 1.0, 60.0, failures
+    )
     assert len(failures) == 2 and "ms = 0.0" in failures[0]
 
 
@@ -143,8 +164,9 @@ def test_graph_modes_flow_on_the_cpu(monkeypatch, whole_fails):
 def test_a_path_named_twice_runs_once():
     # on the CPU "nvfp4" (auto) and "nvfp4@torch" are the same path
     logs = []
-    res = bm.bench_model("tiny", 1, (1,), "nvfp4,nvfp4@torch", "cpu", calib_tokens=64, rep_ms=1.0,
-                         log=lambda *a, **k: logs.append(a[0]))
+    res = bm.bench_model(
+        "tiny", 1, (1,), "nvfp4,nvfp4@torch", "cpu", calib_tokens=64, rep_ms=1.0, log=lambda *a, **k: logs.append(a[0])
+    )
     assert [r["path"] for r in res["rows"]] == ["bf16", "nvfp4@torch"] and res["failures"] == []
     assert any("already measured" in line for line in logs)
 

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mxlib import reference as R
@@ -17,8 +16,19 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts
 
-TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, bos_token_id=0, eos_token_id=1)
+TINY = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +76,24 @@ def test_roundtrip_every_tensor(tiny, tmp_path, scheme):
                     p, s, g2 = R.quantize_nvfp4(w, g)
                     assert torch.equal(stored[f"{pre}.{proj}.weight"], p)
                     assert torch.equal(stored[f"{pre}.{proj}.weight_scale"].view(torch.uint8), s.view(torch.uint8))
-                    assert stored[f"{pre}.{proj}.weight_scale_2"].shape == () and stored[f"{pre}.{proj}.weight_scale_2"] == g2
+                    assert (
+                        stored[f"{pre}.{proj}.weight_scale_2"].shape == ()
+                        and stored[f"{pre}.{proj}.weight_scale_2"] == g2
+                    )
                 in13, in2 = cal.input_scales(layer, "nvfp4")
-                assert stored[f"{pre}.gate_proj.input_scale"] == in13[e] and stored[f"{pre}.down_proj.input_scale"] == in2[e]
+                assert (
+                    stored[f"{pre}.gate_proj.input_scale"] == in13[e]
+                    and stored[f"{pre}.down_proj.input_scale"] == in2[e]
+                )
             else:
                 assert qc["quant_method"] == "quark"
                 el = {"w_mxfp4_a_mxfp4": "e2m1", "w_mxfp6_e3m2_a_fp8": "e3m2", "w_mxfp6_e2m3": "e2m3"}[scheme]
                 for proj, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", w2[e])):
                     p, s = R.quantize_mx(w, el)
-                    assert torch.equal(stored[f"{pre}.{proj}.weight"], p) and stored[f"{pre}.{proj}.weight"].dtype == torch.uint8
+                    assert (
+                        torch.equal(stored[f"{pre}.{proj}.weight"], p)
+                        and stored[f"{pre}.{proj}.weight"].dtype == torch.uint8
+                    )
                     assert torch.equal(stored[f"{pre}.{proj}.weight_scale"], s)
                 assert (f"{pre}.gate_proj.input_scale" in stored) == scheme.endswith("_a_fp8")
     # load back: the experts hold exactly the stored tensors, and the model runs
@@ -140,20 +159,38 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
         C.load_quantized_qwen3_moe(wrong_dtype)
     bf16_name = "model.layers.0.self_attn.q_proj.weight"
     wrong_bf16 = variant("bf16", lambda k, v: v.float() if k == bf16_name else v)
-    with pytest.raises(C.CheckpointError, match=f"tensor '{bf16_name}': expected dtype torch.bfloat16, found torch.float32"):
+    with pytest.raises(
+        C.CheckpointError, match=f"tensor '{bf16_name}': expected dtype torch.bfloat16, found torch.float32"
+    ):
         C.load_quantized_qwen3_moe(wrong_bf16)
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda q: q["global_quant_config"]["weight"].update(group_size=64), "weight.group_size: the emulation supports 32, found 64"),
-    (lambda q: q["global_quant_config"]["weight"].update(scale_format="e4m3"), "weight.scale_format: the emulation supports 'e8m0'"),
-    (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
-    (lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
-     r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported"),
-    (lambda q: q.update(quant_method="awq"),
-     "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'"),
-    (lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False), "MX activations must be dynamic"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda q: q["global_quant_config"]["weight"].update(group_size=64),
+            "weight.group_size: the emulation supports 32, found 64",
+        ),
+        (
+            lambda q: q["global_quant_config"]["weight"].update(scale_format="e4m3"),
+            "weight.scale_format: the emulation supports 'e8m0'",
+        ),
+        (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
+        (
+            lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
+            r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported",
+        ),
+        (
+            lambda q: q.update(quant_method="awq"),
+            "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'",
+        ),
+        (
+            lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False),
+            "MX activations must be dynamic",
+        ),
+    ],
+)
 def test_unsupported_quark_configs_are_rejected(tiny, tmp_path, edit, message):
     model, cal, _ = tiny
     path = C.write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", cal)
@@ -173,8 +210,11 @@ def test_quantized_non_linear_is_rejected(tiny, tmp_path):
     idx = json.loads((path / "model.safetensors.index.json").read_text())
     idx["weight_map"].update({k: "extra.safetensors" for k in extra})
     (path / "model.safetensors.index.json").write_text(json.dumps(idx))
-    with pytest.raises(C.CheckpointError, match="input_layernorm is quantized in this checkpoint; mxlib emulates "
-                                                "quantized experts and linear layers only"):
+    with pytest.raises(
+        C.CheckpointError,
+        match="input_layernorm is quantized in this checkpoint; mxlib emulates "
+        "quantized experts and linear layers only",
+    ):
         C.load_quantized_qwen3_moe(path)
 
 

@@ -11,8 +11,9 @@ whose generated code must give the same bits too.
 import pytest
 import torch
 
-from _util import assert_bits_equal
 from mxlib import reference as R
+
+from _util import assert_bits_equal
 
 
 def _x():

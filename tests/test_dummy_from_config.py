@@ -15,8 +15,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib.cli import main as cli_main
-from mxlib.models.checkpoints import (LAYOUTS, CheckpointDescription, CheckpointError, CheckpointLayout,
-                                      dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_qwen3_moe)
+from mxlib.models.checkpoints import (
+    LAYOUTS,
+    CheckpointDescription,
+    CheckpointError,
+    CheckpointLayout,
+    dummy_checkpoint_from_config,
+    inspect_checkpoint,
+    load_quantized_qwen3_moe,
+)
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights
@@ -26,16 +33,27 @@ CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 TINY = MODEL_PRESETS["tiny"]
 H, I, E = TINY["hidden_size"], TINY["moe_intermediate_size"], TINY["num_experts"]
 
+
 # per fixture: layout, scheme, and the per-expert tensors as (suffix, safetensors dtype, shape of [out, in])
 # written from the documented layouts (REFERENCE section 4), not from mxlib's writers
-NVFP4_TENSORS = lambda o, i: {"weight": ("U8", [o, i // 2]), "weight_scale": ("F8_E4M3", [o, i // 16]),  # noqa: E731
-                               "weight_scale_2": ("F32", []), "input_scale": ("F32", [])}
+def NVFP4_TENSORS(o, i):
+    return {
+        "weight": ("U8", [o, i // 2]),
+        "weight_scale": ("F8_E4M3", [o, i // 16]),
+        "weight_scale_2": ("F32", []),
+        "input_scale": ("F32", []),
+    }
+
+
 MXFP4_TENSORS = lambda o, i: {"weight": ("U8", [o, i // 2]), "weight_scale": ("U8", [o, i // 32])}  # noqa: E731
 CASES = {
     "modelopt-nvfp4-qwen3-30b-a3b": ("modelopt", "nvfp4", NVFP4_TENSORS),
     "quark-w_mxfp4_a_mxfp4-qwen3-30b-a3b": ("quark", "w_mxfp4_a_mxfp4", MXFP4_TENSORS),
     "quark-w_mxfp4_a_fp8-qwen3-30b-a3b": (
-        "quark", "w_mxfp4_a_fp8", lambda o, i: {**MXFP4_TENSORS(o, i), "input_scale": ("F32", [])}),
+        "quark",
+        "w_mxfp4_a_fp8",
+        lambda o, i: {**MXFP4_TENSORS(o, i), "input_scale": ("F32", [])},
+    ),
 }
 
 
@@ -71,7 +89,7 @@ def test_layout_of_the_config_loaded_and_run(tmp_path, name):
         for e in range(E):
             for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 base = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
-                got = {k[len(base) + 1:]: v for k, v in stored.items() if k.startswith(base + ".")}
+                got = {k[len(base) + 1 :]: v for k, v in stored.items() if k.startswith(base + ".")}
                 assert got == {k: (d, s) for k, (d, s) in tensors(o, i).items()}, base
     others = {k: v for k, v in stored.items() if ".mlp.experts." not in k}
     assert all(d == "BF16" for d, _ in others.values()) and "model.layers.0.self_attn.q_proj.weight" in others
@@ -108,8 +126,10 @@ def _default_modelopt_config(tmp_path) -> Path:
     lm_head and the embeddings)."""
     src = tmp_path / "src"
     shutil.copytree(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b", src)
-    for fname, key in (("config.json", ("quantization_config", "ignore")),
-                       ("hf_quant_config.json", ("quantization", "exclude_modules"))):
+    for fname, key in (
+        ("config.json", ("quantization_config", "ignore")),
+        ("hf_quant_config.json", ("quantization", "exclude_modules")),
+    ):
         cfg = json.loads((src / fname).read_text())
         cfg[key[0]][key[1]] = [p for p in cfg[key[0]][key[1]] if "self_attn" not in p]
         (src / fname).write_text(json.dumps(cfg))
@@ -133,10 +153,14 @@ def test_config_quantizing_attention(tmp_path):
     path = dummy_checkpoint_from_config(src, tmp_path / "ckpt", num_hidden_layers=2, model_preset="tiny")
     stored = _headers(path)
     h, heads, kv, d = TINY["hidden_size"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["head_dim"]
-    for proj, (o, i) in (("q_proj", (heads * d, h)), ("k_proj", (kv * d, h)), ("v_proj", (kv * d, h)),
-                         ("o_proj", (h, heads * d))):
+    for proj, (o, i) in (
+        ("q_proj", (heads * d, h)),
+        ("k_proj", (kv * d, h)),
+        ("v_proj", (kv * d, h)),
+        ("o_proj", (h, heads * d)),
+    ):
         base = f"model.layers.1.self_attn.{proj}"
-        got = {k[len(base) + 1:]: v for k, v in stored.items() if k.startswith(base + ".")}
+        got = {k[len(base) + 1 :]: v for k, v in stored.items() if k.startswith(base + ".")}
         assert got == NVFP4_TENSORS(o, i), base
         assert stored[f"{base}.input_scale"][0] == "F32"
     model, info = load_quantized_qwen3_moe(path, backend="torch")
@@ -144,7 +168,8 @@ def test_config_quantizing_attention(tmp_path):
         assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
     report = inspect_checkpoint(path)
     assert report.layout_ok and [r["pattern"] for r in report.quantized["attention"]] == [
-        "model.layers.*.self_attn.{k_proj,o_proj,q_proj,v_proj}"]
+        "model.layers.*.self_attn.{k_proj,o_proj,q_proj,v_proj}"
+    ]
 
 
 def test_bad_inputs(tmp_path):
@@ -167,8 +192,13 @@ def test_bad_inputs(tmp_path):
 
 
 def test_overrides_win_over_the_preset(tmp_path):
-    path = dummy_checkpoint_from_config(CONFIGS / "quark-w_mxfp4_a_mxfp4-qwen3-30b-a3b", tmp_path / "ckpt",
-                                        num_hidden_layers=1, model_preset="tiny", overrides={"num_experts": 4})
+    path = dummy_checkpoint_from_config(
+        CONFIGS / "quark-w_mxfp4_a_mxfp4-qwen3-30b-a3b",
+        tmp_path / "ckpt",
+        num_hidden_layers=1,
+        model_preset="tiny",
+        overrides={"num_experts": 4},
+    )
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["num_experts"] == 4 and cfg["hidden_size"] == H
     assert not any(".experts.4." in k for k in _headers(path))
@@ -176,8 +206,23 @@ def test_overrides_win_over_the_preset(tmp_path):
 
 def test_cli_dummy_from_config(tmp_path, capsys):
     out = tmp_path / "result.json"
-    rc = cli_main(["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), str(tmp_path / "ckpt"),
-                   "--layers", "1", "--preset", "tiny", "--device", "cpu", "--backend", "torch", "--json", str(out)])
+    rc = cli_main(
+        [
+            "dummy-from-config",
+            str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"),
+            str(tmp_path / "ckpt"),
+            "--layers",
+            "1",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "layout modelopt, scheme nvfp4" in capsys.readouterr().out
     data = json.loads(out.read_text())
@@ -212,12 +257,11 @@ class _EncodeLayout(CheckpointLayout):
         out = {}
         i = w.w13_weight.shape[1] // 2
         for x in range(w.w13_weight.shape[0]):
-            for proj, rows, p, s, g, ins in (("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale,
-                                              w.w13_weight_scale_2, in13),
-                                             ("up_proj", slice(i, None), w.w13_weight, w.w13_weight_scale,
-                                              w.w13_weight_scale_2, in13),
-                                             ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale,
-                                              w.w2_weight_scale_2, in2)):
+            for proj, rows, p, s, g, ins in (
+                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, w.w13_weight_scale_2, in13),
+                ("up_proj", slice(i, None), w.w13_weight, w.w13_weight_scale, w.w13_weight_scale_2, in13),
+                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w.w2_weight_scale_2, in2),
+            ):
                 base = f"{prefix}.{x}.{proj}"
                 out[f"{base}.weight_packed"] = p[x, rows].contiguous()
                 out[f"{base}.weight_scale"] = s[x, rows].contiguous()
@@ -234,9 +278,15 @@ class _EncodeLayout(CheckpointLayout):
         s = {p: stack(p, "weight_scale", (rows[p][0], rows[p][1] // 16), torch.float8_e4m3fn) for p in rows}
         g = {p: 1.0 / stack(p, "weight_global_scale", (1,), torch.float32).reshape(e) for p in rows}
         ins = {p: 1.0 / stack(p, "input_global_scale", (1,), torch.float32).reshape(e) for p in rows}
-        weights = ExpertWeights(get_moe_scheme("nvfp4").weight, torch.cat([w["gate_proj"], w["up_proj"]], 1),
-                                torch.cat([s["gate_proj"], s["up_proj"]], 1), w["down_proj"], s["down_proj"],
-                                torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
+        weights = ExpertWeights(
+            get_moe_scheme("nvfp4").weight,
+            torch.cat([w["gate_proj"], w["up_proj"]], 1),
+            torch.cat([s["gate_proj"], s["up_proj"]], 1),
+            w["down_proj"],
+            s["down_proj"],
+            torch.stack([g["gate_proj"], g["up_proj"]], 1),
+            g["down_proj"],
+        )
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
 
@@ -262,7 +312,13 @@ def test_any_registered_layout(tmp_path, monkeypatch):
     report = inspect_checkpoint(path)
     assert report.layout_ok and report.format == layout.name and report.problems == []
     a2 = next(r for r in report.activation_scales if (r["layer"], r["point"]) == (0, "a2"))
-    enc = [float(load_file(str(path / "model-00001-of-00001.safetensors"))[
-        f"model.layers.0.mlp.experts.{x}.down_proj.input_global_scale"]) for x in range(E)]
+    enc = [
+        float(
+            load_file(str(path / "model-00001-of-00001.safetensors"))[
+                f"model.layers.0.mlp.experts.{x}.down_proj.input_global_scale"
+            ]
+        )
+        for x in range(E)
+    ]
     dec = [1.0 / v for v in enc if v > 0 and v != float("inf")]
     assert a2["max"] == max(dec) and a2["min"] == min(dec)

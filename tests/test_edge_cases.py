@@ -20,9 +20,9 @@ from mxlib import kernels as _kernels
 from mxlib import reference as R
 
 from _util import OnKernelDevice, assert_bits_equal, nvfp4_experts
+from oracles import vllm_nvfp4_qdq
 
 K = OnKernelDevice(_kernels)  # the twins on cuda when there is one, results back on the CPU
-from oracles import vllm_nvfp4_qdq
 
 TWINS = [R, K]
 TWIN_IDS = ["reference", "triton"]
@@ -106,7 +106,6 @@ def test_nvfp4_weights_reject_bad_weight_scale_2(bad, device):
 @pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf, 1e-40])
 def test_nvfp4_experts_reject_bad_scales(which, bad):
     from test_moe import make_inputs, nvfp4_experts_inputs
-
 
     x, w13, w2, _, _ = make_inputs()
     t = list(nvfp4_experts_inputs(x, w13, w2))
@@ -266,8 +265,10 @@ EMPTY_CASES = {
     "dequantize_mx": [
         (lambda m: m.dequantize_mx(_z(0, 16, dtype=U8), _z(0, 1, dtype=U8), "e2m1"), [((0, 32), torch.bfloat16)]),
         (lambda m: m.dequantize_mx(_z(3, 0, dtype=U8), _z(3, 0, dtype=U8), "e4m3", dtype=F32), [((3, 0), F32)]),
-        (lambda m: m.dequantize_mx(_z(2, 0, 24, dtype=U8), _z(2, 0, 1, dtype=E8), "e3m2", dtype=torch.float16),
-         [((2, 0, 32), torch.float16)]),
+        (
+            lambda m: m.dequantize_mx(_z(2, 0, 24, dtype=U8), _z(2, 0, 1, dtype=E8), "e3m2", dtype=torch.float16),
+            [((2, 0, 32), torch.float16)],
+        ),
     ],
     "quant_dequant_mx": [
         (lambda m: m.quant_dequant_mx(_z(0, 32, dtype=torch.bfloat16)), [((0, 32), torch.bfloat16)]),
@@ -279,8 +280,10 @@ EMPTY_CASES = {
         (lambda m: m.ref_nvfp4_quant(_z(3, 0), 1.0), [((3, 0), F32), ((3, 0), F32)]),
     ],
     "compressed_tensors_nvfp4_quant_dequant": [
-        (lambda m: m.compressed_tensors_nvfp4_quant_dequant(_z(0, 32, dtype=torch.bfloat16), 1.0),
-         [((0, 32), torch.bfloat16)]),
+        (
+            lambda m: m.compressed_tensors_nvfp4_quant_dequant(_z(0, 32, dtype=torch.bfloat16), 1.0),
+            [((0, 32), torch.bfloat16)],
+        ),
         (lambda m: m.compressed_tensors_nvfp4_quant_dequant(_z(3, 0), 1.0), [((3, 0), F32)]),
     ],
     "ref_nvfp4_quant_dequant": [
@@ -301,15 +304,21 @@ EMPTY_CASES = {
         (lambda m: m.nvfp4_weight_scale_2(_z(0, 4, 32)), [((0,), F32)]),
     ],
     "nvfp4_block_stats": [
-        (lambda m: tuple(m.nvfp4_block_stats(_z(0, 32), 1.0).values()),
-         [((0, 2), U8), ((0, 2), torch.bool), ((0, 2), torch.bool), ((0, 32), torch.bool)]),
+        (
+            lambda m: tuple(m.nvfp4_block_stats(_z(0, 32), 1.0).values()),
+            [((0, 2), U8), ((0, 2), torch.bool), ((0, 2), torch.bool), ((0, 32), torch.bool)],
+        ),
     ],
     "dequantize_to_dtype": [
-        (lambda m: m.dequantize_to_dtype(_z(0, 16, dtype=U8), _z(0, 2, dtype=E4M3), 1.0, torch.bfloat16),
-         [((0, 32), torch.bfloat16)]),
+        (
+            lambda m: m.dequantize_to_dtype(_z(0, 16, dtype=U8), _z(0, 2, dtype=E4M3), 1.0, torch.bfloat16),
+            [((0, 32), torch.bfloat16)],
+        ),
         (lambda m: m.dequantize_to_dtype(_z(3, 0, dtype=U8), _z(3, 0, dtype=E4M3), 1.0, F32), [((3, 0), F32)]),
-        (lambda m: m.dequantize_to_dtype(_z(2, 0, 8, dtype=U8), _z(2, 0, 1, dtype=U8), torch.ones(2), F32),
-         [((2, 0, 16), F32)]),
+        (
+            lambda m: m.dequantize_to_dtype(_z(2, 0, 8, dtype=U8), _z(2, 0, 1, dtype=U8), torch.ones(2), F32),
+            [((2, 0, 16), F32)],
+        ),
     ],
     "nvfp4_swizzle_scales": [(lambda m: m.nvfp4_swizzle_scales(_z(0, 2, dtype=E4M3)), [((0, 4), E4M3)])],
     "nvfp4_unswizzle_scales": [(lambda m: m.nvfp4_unswizzle_scales(_z(0, 4, dtype=E4M3), 0, 32), [((0, 2), E4M3)])],
@@ -354,8 +363,12 @@ def test_every_twin_has_empty_cases():
 #   e2m1: 2**14, 3.998 -> 4, 65536.   e4m3: 2**8, 255.875 -> 256, 65536.
 # rceil: 2**ceil(log2(65504 / max)): e2m1 2**14 -> 65536; e4m3 2**8 -> 65536.
 FP16_TOP = [
-    ("e2m1", "floor", 49152.0), ("e2m1", "even", 65536.0), ("e2m1", "rceil", 65536.0),
-    ("e4m3", "floor", 57344.0), ("e4m3", "even", 65536.0), ("e4m3", "rceil", 65536.0),
+    ("e2m1", "floor", 49152.0),
+    ("e2m1", "even", 65536.0),
+    ("e2m1", "rceil", 65536.0),
+    ("e4m3", "floor", 57344.0),
+    ("e4m3", "even", 65536.0),
+    ("e4m3", "rceil", 65536.0),
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 from mxlib.formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
 from mxlib.workbook import checks, probes
 from mxlib.workbook import explorers as X
+
 from oracles import FORMATS, mx_qdq, mx_scale_exponent, vllm_nvfp4_qdq
 
 # Hand-written positive grids (OCP MX v1.0 section 5.3, tables 1 and 2).
@@ -41,8 +42,9 @@ def test_value_info_e2m1_hand(value, below, above, rounded, code, bits, tie, sat
 def test_value_info_matches_ml_dtypes(element):
     mld, fmax, _, mbits = FORMATS[element]
     rng = np.random.default_rng(0)
-    values = np.concatenate([rng.standard_normal(200) * fmax / 3, rng.standard_normal(50) * fmax * 2,
-                             rng.standard_normal(50) * 2.0**-8]).astype(np.float32)
+    values = np.concatenate(
+        [rng.standard_normal(200) * fmax / 3, rng.standard_normal(50) * fmax * 2, rng.standard_normal(50) * 2.0**-8]
+    ).astype(np.float32)
     nbits = {"e2m1": 4, "e2m3": 6, "e3m2": 6}.get(element, 8)
     all_codes = np.arange(2**nbits, dtype=np.uint8).view(mld).astype(np.float32)
     grid = np.array(sorted({float(v) for v in all_codes if np.isfinite(v)}))
@@ -72,8 +74,10 @@ def test_bit_fields_decode_formulas():
         X.value_info(math.inf, "e2m1")
 
 
-@pytest.mark.parametrize("scheme, element", [("mxfp4", "e2m1"), ("mxfp6_e2m3", "e2m3"), ("mxfp6_e3m2", "e3m2"),
-                                             ("mxfp8_e4m3", "e4m3"), ("mxfp8_e5m2", "e5m2")])
+@pytest.mark.parametrize(
+    "scheme, element",
+    [("mxfp4", "e2m1"), ("mxfp6_e2m3", "e2m3"), ("mxfp6_e3m2", "e3m2"), ("mxfp8_e4m3", "e4m3"), ("mxfp8_e5m2", "e5m2")],
+)
 @pytest.mark.parametrize("scale_mode", ["floor", "even", "rceil"])
 def test_block_info_mx_against_oracle(scheme, element, scale_mode):
     g = torch.Generator().manual_seed(1)
@@ -191,10 +195,14 @@ def test_widgets_construct():
 
 
 def test_stored_shapes():
-    assert probes.stored_shapes("nvfp4", 768, 2048) == {"weight": ((768, 1024), "U8"),
-                                                         "weight_scale": ((768, 128), "F8_E4M3")}
-    assert probes.stored_shapes("w_mxfp4_a_mxfp4", 768, 2048) == {"weight": ((768, 1024), "U8"),
-                                                                   "weight_scale": ((768, 64), "U8")}
+    assert probes.stored_shapes("nvfp4", 768, 2048) == {
+        "weight": ((768, 1024), "U8"),
+        "weight_scale": ((768, 128), "F8_E4M3"),
+    }
+    assert probes.stored_shapes("w_mxfp4_a_mxfp4", 768, 2048) == {
+        "weight": ((768, 1024), "U8"),
+        "weight_scale": ((768, 64), "U8"),
+    }
     assert probes.stored_shapes("mxfp6_e3m2", 2048, 768)["weight"][0] == (2048, 576)
     with pytest.raises(ValueError, match="block_size=32"):
         probes.stored_shapes("mxfp4", 8, 48)
@@ -202,9 +210,10 @@ def test_stored_shapes():
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
 def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
+    from safetensors import safe_open
+
     from mxlib import reference as R
     from mxlib.workbook import steps as W
-    from safetensors import safe_open
 
     model = W.dummy_model(1, seed=0, model_preset="tiny")
     ckpt = W.prepare_checkpoint(scheme, model, seed=0, calib_tokens=16, cache_dir=tmp_path)
@@ -216,8 +225,9 @@ def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
         with safe_open(str(f), "pt") as h:
             t.update({k: h.get_tensor(k) for k in h.keys() if k.startswith(name)})
     if scheme == "nvfp4":
-        row = R.dequantize_to_dtype(t[name][5:6], t[name + "_scale"][5:6], t[name + "_scale_2"].float(),
-                                    torch.float32)[0]
+        row = R.dequantize_to_dtype(t[name][5:6], t[name + "_scale"][5:6], t[name + "_scale_2"].float(), torch.float32)[
+            0
+        ]
         want = row[16:32]
     else:
         row = R.dequantize_mx(t[name][5:6], t[name + "_scale"][5:6], "e2m1", 32, torch.float32)[0]

@@ -109,7 +109,8 @@ def test_derived_constants_and_kernel_ids():
     assert FP8_SCALE_DIVISOR == 448.0 == FP8_E4M3_PER_TENSOR.scale_divisor
     assert BLOCK_SCHEMES["mxfp4"].scale_divisor is None and not BLOCK_SCHEMES["mxfp4"].static_scale
     assert NVFP4.static_scale and FP8_E4M3_PER_TENSOR.static_scale
-    # the integers the kernels decode (mxlib.kernels._numerics): specials none 0, fn 1, ieee 2; rules floor 0, even 1, rceil 2
+    # the integers the kernels decode (mxlib.kernels._numerics): specials none 0, fn 1, ieee 2;
+    # rules floor 0, even 1, rceil 2
     assert [ELEMENT_FORMATS[n].specials_id for n in ("e2m1", "e4m3", "e5m2")] == [0, 1, 2]
     assert [scale_mode_id(m) for m in ("floor", "even", "rceil")] == [0, 1, 2] and len(SCALE_MODES) == 3
     assert get_activation_format("fp8") is FP8_E4M3_PER_TENSOR and get_activation_format(None) is None

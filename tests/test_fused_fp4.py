@@ -18,9 +18,9 @@ import torch
 
 from mxlib import reference as R
 from mxlib.formats import BLOCK_SCHEMES, NVFP4
-from mxlib.kernels.fused_dequant_moe import ActivationQDQ
 from mxlib.kernels.align import moe_align_block_size_triton
 from mxlib.kernels.fp4_layout import prepare_fp4_weights, unprepare_fp4_weights
+from mxlib.kernels.fused_dequant_moe import ActivationQDQ
 from mxlib.kernels.fused_fp4_moe import fused_fp4_moe
 from mxlib.kernels.tiles import TileConfig
 from mxlib.moe import fused_topk, moe_align_block_size
@@ -40,8 +40,11 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
     """Quantized layer + prepared weights + activation QDQs, and the operands for the oracle."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(m, h, generator=g, device=device).to(torch.bfloat16)
-    w13 = torch.randn(e, 2 * i, h, generator=g, device=device) * 0.05 * torch.exp(
-        torch.randn(e, 1, 1, generator=g, device=device))
+    w13 = (
+        torch.randn(e, 2 * i, h, generator=g, device=device)
+        * 0.05
+        * torch.exp(torch.randn(e, 1, 1, generator=g, device=device))
+    )
     w2 = torch.randn(e, h, i, generator=g, device=device) * 0.05
     tw, ti = fused_topk(torch.randn(m, e, generator=g, device=device), k)
     if scheme == "nvfp4":
@@ -51,10 +54,14 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         gs2 = torch.tensor([2688.0 / 0.05], device=device)
         q1 = ActivationQDQ(NVFP4, scale=gs1.to(device))
         q2 = ActivationQDQ(NVFP4, scale=gs2.to(device))
-        dq13 = {"vllm": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
-                "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32)}
-        dq2 = {"vllm": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
-               "hardware": R.dequantize_to_dtype(p2, s2, g2, torch.float32)}
+        dq13 = {
+            "vllm": R.dequantize_to_dtype(p13, s13, g13, torch.bfloat16),
+            "hardware": R.dequantize_to_dtype(p13, s13, g13, torch.float32),
+        }
+        dq2 = {
+            "vllm": R.dequantize_to_dtype(p2, s2, g2, torch.bfloat16),
+            "hardware": R.dequantize_to_dtype(p2, s2, g2, torch.float32),
+        }
         pw13 = prepare_fp4_weights(p13.to(device), s13.to(device), 16, g13.to(device))
         pw2 = prepare_fp4_weights(p2.to(device), s2.to(device), 16, g2.to(device))
 
@@ -76,8 +83,7 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
         else:
             q1 = q2 = None
             a1 = a2 = lambda v, mode: v  # noqa: E731
-    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q1, q2=q2, dq13=dq13, dq2=dq2, a1=a1, a2=a2,
-                raw13=p13)
+    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q1, q2=q2, dq13=dq13, dq2=dq2, a1=a1, a2=a2, raw13=p13)
 
 
 def oracle_fp64(L, mode):
@@ -99,8 +105,17 @@ def oracle_fp64(L, mode):
 
 def run(L, device, mode, configs=None, m=None):
     sl = slice(None) if m is None else slice(0, m)
-    return fused_fp4_moe(L["x"][sl].to(device), L["pw13"], L["pw2"], L["tw"][sl].to(device), L["ti"][sl].to(device),
-                         L["q1"], L["q2"], numerics=mode, configs=configs).cpu()
+    return fused_fp4_moe(
+        L["x"][sl].to(device),
+        L["pw13"],
+        L["pw2"],
+        L["tw"][sl].to(device),
+        L["ti"][sl].to(device),
+        L["q1"],
+        L["q2"],
+        numerics=mode,
+        configs=configs,
+    ).cpu()
 
 
 # ----------------------------------------------------------------------------- layout and alignment
@@ -122,8 +137,12 @@ def test_prepare_round_trip_and_layout():
     # decode's output i (rotations 0, 20, 26; output 3: bits 6 / 22 rotated by 6, the rest by 14),
     # masked to bits 6..8 | 15 (+16), holds element 2i in its low bf16 and 2i + 1 in its high one
     words = w.packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [3, 5, 32]
-    outs = [words & 0x81C081C0, _rotl(words, 20) & 0x81C081C0, _rotl(words, 26) & 0x81C081C0,
-            (_rotl(words, 6) & 0x00400040) | (_rotl(words, 14) & 0x81808180)]
+    outs = [
+        words & 0x81C081C0,
+        _rotl(words, 20) & 0x81C081C0,
+        _rotl(words, 26) & 0x81C081C0,
+        (_rotl(words, 6) & 0x00400040) | (_rotl(words, 14) & 0x81808180),
+    ]
     assert all(((o & ~0x81C081C0) == 0).all() for o in outs)
     elements = []
     for o in outs:
@@ -150,13 +169,13 @@ def test_one_multiply_rule():
     s[1, 3, 7] = 255  # NaN scale: the two-multiply form keeps it NaN
     assert not fp4_one_multiply(s, 32, None)
     e4m3 = torch.full((2, 4, 8), 448.0).to(torch.float8_e4m3fn)
-    assert fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -7, 2.0 ** -8]))  # 448 / 128 = 3.5
-    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0 ** -8, 2.0 ** -6]))  # 7 in expert 1
-    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([[2.0 ** -8, 2.0 ** -6]] * 2))  # up half
-    tiny = torch.full((2, 4, 8), 2.0 ** -9).to(torch.float8_e4m3fn).view(torch.uint8)  # subnormal ue4m3
-    assert fp4_one_multiply(tiny, 16, torch.tensor([4 - 2.0 ** -20, 2.0 ** -117]))
+    assert fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0**-7, 2.0**-8]))  # 448 / 128 = 3.5
+    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([2.0**-8, 2.0**-6]))  # 7 in expert 1
+    assert not fp4_one_multiply(e4m3.view(torch.uint8), 16, torch.tensor([[2.0**-8, 2.0**-6]] * 2))  # up half
+    tiny = torch.full((2, 4, 8), 2.0**-9).to(torch.float8_e4m3fn).view(torch.uint8)  # subnormal ue4m3
+    assert fp4_one_multiply(tiny, 16, torch.tensor([4 - 2.0**-20, 2.0**-117]))
     assert not fp4_one_multiply(tiny, 16, torch.tensor([4.0, 1.0]))  # g * 2**126 overflows
-    assert not fp4_one_multiply(tiny, 16, torch.tensor([1.0, 2.0 ** -118]))  # B could be an fp32 subnormal
+    assert not fp4_one_multiply(tiny, 16, torch.tensor([1.0, 2.0**-118]))  # B could be an fp32 subnormal
 
 
 def test_prepare_rejects_bad_input():
@@ -168,8 +187,9 @@ def test_prepare_rejects_bad_input():
         prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 8, dtype=torch.uint8), 32)
 
 
-@pytest.mark.parametrize("m,k,e,bm", [(1, 8, 128, 16), (5, 8, 16, 16), (64, 8, 128, 16), (200, 6, 8, 32),
-                                      (300, 8, 128, 64), (33, 2, 7, 4)])
+@pytest.mark.parametrize(
+    "m,k,e,bm", [(1, 8, 128, 16), (5, 8, 16, 16), (64, 8, 128, 16), (200, 6, 8, 32), (300, 8, 128, 64), (33, 2, 7, 4)]
+)
 def test_triton_align_matches_torch(m, k, e, bm, device):
     g = torch.Generator().manual_seed(m * 1000 + e)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
@@ -251,7 +271,7 @@ def test_gpu_full_shape_against_fp64(scheme, mode, m):
     L = make_layer(scheme, "cuda", e=128, h=2048, i=768, m=m, k=8, seed=m)
     out = run(L, "cuda", mode)
     # oracle on the GPU in float64, per expert
-    x, tw, ti = L["x"].cuda(), L["tw"].cuda(), L["ti"].cuda()
+    tw, ti = L["tw"].cuda(), L["ti"].cuda()
     w13, w2 = L["dq13"][mode].cuda().double(), L["dq2"][mode].cuda().double()
     a1 = L["a1"](L["x"], mode).cuda().double()
     flat = ti.reshape(-1).long()
@@ -286,9 +306,22 @@ def _weight_columns(pw, i: int, h: int, mode: str = "vllm") -> torch.Tensor:
     ids = torch.zeros(h, 1, dtype=torch.int32, device="cuda")
     plan = RoutingPlan(1, False, aligned={64: moe_align_block_size_triton(ids, 64, 1)})
     one = torch.ones(h, device="cuda")
-    _launch(a=x.cuda(), w=pw, c=out, topk_weights=one, plan=plan, n=2 * i, gated=False, a_qdq=None, a_inv=None,
-            c_qdq=None, numerics=Numerics(mode), mul_routed_weight=False, top_k=1,
-            tiles=TileConfig(64, 64, None, 1, 4, 3))
+    _launch(
+        a=x.cuda(),
+        w=pw,
+        c=out,
+        topk_weights=one,
+        plan=plan,
+        n=2 * i,
+        gated=False,
+        a_qdq=None,
+        a_inv=None,
+        c_qdq=None,
+        numerics=Numerics(mode),
+        mul_routed_weight=False,
+        top_k=1,
+        tiles=TileConfig(64, 64, None, 1, 4, 3),
+    )
     return out.T.cpu()
 
 
@@ -327,8 +360,9 @@ def test_gpu_nvfp4_decode_bits_match_reference(mode, g):
     g = torch.tensor([g])  # vllm: products that round; hardware: exact
     ref = R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), g, torch.bfloat16, 16)[0]
     if mode == "hardware":  # e2m1 * ue4m3 is exact in bf16; times 1/4 exact too
-        ref = (R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), torch.ones(1), torch.float32, 16)[0]
-               * 0.25).to(torch.bfloat16)
+        ref = (
+            R.dequantize_to_dtype(packed, scales.view(torch.float8_e4m3fn), torch.ones(1), torch.float32, 16)[0] * 0.25
+        ).to(torch.bfloat16)
     pw = prepare_fp4_weights(packed.cuda(), scales.cuda(), 16, g.cuda())
     assert pw.one_multiply == (float(g) < 4 / 448)
     assert_bits_equal(_weight_columns(pw, i, h, mode), ref + 0.0)
@@ -351,7 +385,8 @@ def test_fused_fp4_rejects_bad_input():
 def test_gpu_experts_fused_matches_torch_reference(numerics, m):
     """The experts' ``fused`` backend (FP4 kernel, auto's pick on CUDA) against the pure-PyTorch
     reference of the same numerics, full Qwen3-30B-A3B layer, NVFP4."""
-    from mxlib.moe import fused_topk as topk, make_emulation_experts, quantize_expert_weights
+    from mxlib.moe import fused_topk as topk
+    from mxlib.moe import make_emulation_experts, quantize_expert_weights
 
     e, h, i, k = 128, 2048, 768, 8
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -377,19 +412,23 @@ def test_fused_fp4_bad_input_and_layouts(device):
     wide[:, ::2] = L["x"]
     view = wide[:, ::2]  # stride (2H, 2)
     assert not view.is_contiguous()
-    assert_bits_equal(fused_fp4_moe(view, L["pw13"], L["pw2"], L["tw"], L["ti"]),
-                      fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"]))
+    assert_bits_equal(
+        fused_fp4_moe(view, L["pw13"], L["pw2"], L["tw"], L["ti"]),
+        fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"]),
+    )
     with pytest.raises(TypeError, match="w13: expected FP4Weights or FP6Weights"):
         fused_fp4_moe(L["x"], L["pw13"].packed, L["pw2"], L["tw"], L["ti"])
     with pytest.raises(TypeError, match="topk_ids: expected an integer tensor"):
         fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"].float())
     from dataclasses import replace as dc_replace
+
     few = dc_replace(L["pw2"], packed=L["pw2"].packed[:4], scales=L["pw2"].scales[:4])
     with pytest.raises(ValueError, match=r"w2: expected \[E=8, H=256"):
         fused_fp4_moe(L["x"], L["pw13"], few, L["tw"], L["ti"])
     with pytest.raises(ValueError, match=r"scales: expected the scale bytes as torch.uint8"):
         prepare_fp4_weights(torch.zeros(1, 2, 64, dtype=torch.uint8), torch.zeros(1, 2, 4), 32)
     from mxlib.kernels.fp4_layout import fp4_one_multiply, unprepare_fp4_packed
+
     with pytest.raises(ValueError, match="global_scale: required for NVFP4"):
         fp4_one_multiply(torch.zeros(1, 2, 8, dtype=torch.uint8), 16, None)
     with pytest.raises(ValueError, match="packed: expected prepared uint8"):
@@ -399,7 +438,8 @@ def test_fused_fp4_bad_input_and_layouts(device):
 def test_experts_reread_one_multiply_after_a_scale_write():
     """The experts cache ``fp4_one_multiply`` (a host read) and read it again when a scale tensor is
     written in place (autograd's version counter) or replaced."""
-    from mxlib.moe import fused_topk as topk, make_emulation_experts, quantize_expert_weights
+    from mxlib.moe import fused_topk as topk
+    from mxlib.moe import make_emulation_experts, quantize_expert_weights
 
     g = torch.Generator().manual_seed(4)
     w13 = (torch.randn(4, 256, 128, generator=g) * 0.02).to(torch.bfloat16)

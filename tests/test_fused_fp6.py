@@ -30,8 +30,18 @@ E, H, I, TOPK = 4, 256, 256, 2
 
 
 @triton.jit
-def _decode_kernel(w_ptr, s_ptr, out_ptr, K, stride_wn, stride_sn, stride_on, EBITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr):
+def _decode_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_on,
+    EBITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_WARPS: tl.constexpr,
+):
     """Every weight of rows ``pid * BLOCK_N ..`` as the kernel decodes them, stored in row order."""
     n0 = tl.program_id(0) * BLOCK_N
     load_n = n0 + F4.load_rows(BLOCK_N, NUM_WARPS)
@@ -52,8 +62,18 @@ def decoded_weights(w: F6.FP6Weights, block_n: int = 32, num_warps: int = 2) -> 
     rows, k = w.packed.shape[1], w.k
     out = torch.empty(rows, k, dtype=torch.float32, device=w.packed.device)
     wp, ws = w.packed[0].view(torch.int32), w.scales[0].view(torch.int32)
-    _decode_kernel[(rows // block_n,)](wp, ws, out, k, wp.stride(0), ws.stride(0), out.stride(0),
-                                       EBITS=w.element.ebits, BLOCK_N=block_n, NUM_WARPS=num_warps)
+    _decode_kernel[(rows // block_n,)](
+        wp,
+        ws,
+        out,
+        k,
+        wp.stride(0),
+        ws.stride(0),
+        out.stride(0),
+        EBITS=w.element.ebits,
+        BLOCK_N=block_n,
+        NUM_WARPS=num_warps,
+    )
     return out
 
 
@@ -64,9 +84,11 @@ def every_code_layer(element, rows=64, k=512):
     codes = (torch.arange(k).view(1, k) + 7 * torch.arange(rows).view(rows, 1)).remainder(64).to(torch.uint8)
     packed = R.pack_codes(codes, element).view(1, rows, 3 * k // 4)
     special = torch.tensor([0, 127, 254, 255, 1, 126, 128, 200], dtype=torch.uint8)
-    scales = torch.where(torch.rand(rows, k // 32, generator=g) < 0.5,
-                         special[torch.randint(0, 8, (rows, k // 32), generator=g)],
-                         torch.randint(0, 256, (rows, k // 32), generator=g, dtype=torch.uint8))
+    scales = torch.where(
+        torch.rand(rows, k // 32, generator=g) < 0.5,
+        special[torch.randint(0, 8, (rows, k // 32), generator=g)],
+        torch.randint(0, 256, (rows, k // 32), generator=g, dtype=torch.uint8),
+    )
     return packed, scales.view(1, rows, k // 32)
 
 
@@ -144,6 +166,7 @@ def _run_ptx(asm: str, inputs: list) -> list:
         def halves(x):
             x = np.broadcast_to(np.asarray(x, dtype=u32), np.broadcast_shapes(np.shape(a), np.shape(b)))
             return [(x >> u32(16 * h) & u32(0xFFFF)).astype(np.uint16).view(ml_dtypes.bfloat16) for h in (0, 1)]
+
         (a0, a1), (b0, b1) = halves(a), halves(b)
         with np.errstate(over="ignore"):  # Inf where the product overflows, as the hardware
             lo, hi = [(x * y).view(np.uint16).astype(u32) for x, y in ((a0, b0), (a1, b1))]
@@ -189,8 +212,9 @@ def _run_ptx(asm: str, inputs: list) -> list:
                 byte = ((pair >> (np.uint64(8) * nib)) & np.uint64(0xFF)).astype(u32)
                 r = r | (byte << u32(8 * i))
         elif op == "max.u16x2":
-            r = np.maximum(x[0] & u32(0xFFFF), x[1] & u32(0xFFFF)) | np.maximum(x[0] >> u32(16) << u32(16),
-                                                                                 x[1] >> u32(16) << u32(16))
+            r = np.maximum(x[0] & u32(0xFFFF), x[1] & u32(0xFFFF)) | np.maximum(
+                x[0] >> u32(16) << u32(16), x[1] >> u32(16) << u32(16)
+            )
         elif op == "add.u32":
             r = x[0] + x[1]
         elif op == "shr.u32":
@@ -282,8 +306,20 @@ def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0, device="cpu
         q = ActivationQDQ(BLOCK_SCHEMES[act])
         el = BLOCK_SCHEMES[act].element.name
         a = lambda v, mode: R.quant_dequant_mx(v, el, 32, "even")  # noqa: E731
-    return dict(x=x, tw=tw, ti=ti, pw13=pw13, pw2=pw2, q1=q, q2=q, dq13={"vllm": d13, "hardware": d13},
-                dq2={"vllm": d2, "hardware": d2}, a1=a, a2=a, raw13=p13)
+    return dict(
+        x=x,
+        tw=tw,
+        ti=ti,
+        pw13=pw13,
+        pw2=pw2,
+        q1=q,
+        q2=q,
+        dq13={"vllm": d13, "hardware": d13},
+        dq2={"vllm": d2, "hardware": d2},
+        a1=a,
+        a2=a,
+        raw13=p13,
+    )
 
 
 @pytest.mark.parametrize("element", ELEMENTS)
@@ -333,8 +369,10 @@ def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme, device):
     q = quantize_expert_weights(w13, w2, scheme)
     scales = {}
     if scheme.endswith("_a_fp8"):  # static per-tensor FP8 activations
-        scales = dict(w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448),
-                      w2_input_scale=torch.full((e,), 0.05 / 448))
+        scales = dict(
+            w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448),
+            w2_input_scale=torch.full((e,), 0.05 / 448),
+        )
     fused = make_emulation_experts(scheme, q, backend="fused", **scales)
     assert "w13_weight" not in fused._buffers and "w13_weight_fp4" in fused._buffers
     w13p, w2p = fused.fp4_weights()
@@ -365,8 +403,10 @@ def test_gpu_experts_fp6_fused_matches_dequant_gemm(scheme, m):
     q = quantize_expert_weights(w13, w2, scheme)
     scales = {}
     if scheme.endswith("_a_fp8"):
-        scales = dict(w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448, device="cuda"),
-                      w2_input_scale=torch.full((e,), 0.02 / 448, device="cuda"))
+        scales = dict(
+            w13_input_scale=torch.full((e,), float(x.float().abs().amax()) / 448, device="cuda"),
+            w2_input_scale=torch.full((e,), 0.02 / 448, device="cuda"),
+        )
     fused = make_emulation_experts(scheme, q, backend="fused", **scales)
     assert isinstance(fused.fp4_weights()[0], F6.FP6Weights)
     ref = make_emulation_experts(scheme, q, backend="triton", **scales)

@@ -9,7 +9,6 @@ oracle differs from them only by their bf16 GEMM roundings.
 import pytest
 import torch
 
-from mxlib import reference as R
 from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, quantize_expert_weights, silu_and_mul
 from mxlib.workbook.studies import emulation_experts
 

@@ -16,16 +16,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import formats
-from mxlib.workbook import explorers as explore
 from mxlib.cli import main as cli_main
 from mxlib.formats import FP8_E4M3_PER_TENSOR, NVFP4
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import (dummy_checkpoint_from_config, inspect_checkpoint, read_quant_config,
-                                      write_quantized_checkpoint)
+from mxlib.models.checkpoints import (
+    dummy_checkpoint_from_config,
+    inspect_checkpoint,
+    read_quant_config,
+    safetensors_io,
+    write_quantized_checkpoint,
+)
 from mxlib.models.checkpoints import inspect as I
-from mxlib.models.checkpoints import safetensors_io
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe import SCALE_STRATEGIES
+from mxlib.workbook import explorers as explore
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 E = 16  # experts of the tiny preset
@@ -36,10 +40,14 @@ SHARD = "model-00001-of-00001.safetensors"
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("inspect")
     out = {}
-    for key, name in (("nvfp4", "modelopt-nvfp4-qwen3-30b-a3b"), ("mxfp4", "quark-w_mxfp4_a_mxfp4-qwen3-30b-a3b"),
-                      ("fp8", "quark-w_mxfp4_a_fp8-qwen3-30b-a3b")):
-        out[key] = dummy_checkpoint_from_config(CONFIGS / name, root / key, num_hidden_layers=2, seed=3,
-                                                model_preset="tiny", expert_spread=1.0)
+    for key, name in (
+        ("nvfp4", "modelopt-nvfp4-qwen3-30b-a3b"),
+        ("mxfp4", "quark-w_mxfp4_a_mxfp4-qwen3-30b-a3b"),
+        ("fp8", "quark-w_mxfp4_a_fp8-qwen3-30b-a3b"),
+    ):
+        out[key] = dummy_checkpoint_from_config(
+            CONFIGS / name, root / key, num_hidden_layers=2, seed=3, model_preset="tiny", expert_spread=1.0
+        )
     return out
 
 
@@ -61,8 +69,10 @@ def _edit_tensors(path: Path, edit) -> None:
 def _input_scales(state, layer):
     """(a1 [E], a2 [E]) decode scales straight from the stored tensors: a1 = max(gate, up)."""
     pre = f"model.layers.{layer}.mlp.experts"
-    a1 = [max(float(state[f"{pre}.{e}.gate_proj.input_scale"]), float(state[f"{pre}.{e}.up_proj.input_scale"]))
-          for e in range(E)]
+    a1 = [
+        max(float(state[f"{pre}.{e}.gate_proj.input_scale"]), float(state[f"{pre}.{e}.up_proj.input_scale"]))
+        for e in range(E)
+    ]
     a2 = [float(state[f"{pre}.{e}.down_proj.input_scale"]) for e in range(E)]
     return a1, a2
 
@@ -102,7 +112,7 @@ def _spans(path: Path) -> dict:
     for f in path.glob("*.safetensors"):
         raw = f.read_bytes()
         n = struct.unpack("<Q", raw[:8])[0]
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         header.pop("__metadata__", None)
         out.update({k: (f.name, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()})
     return out
@@ -149,12 +159,17 @@ def test_nvfp4_report_matches_the_stored_tensors(ckpts):
     assert r.producer == "modelopt 0.47.0" and r.exclude == info.exclude
     assert (r.num_hidden_layers, r.num_experts, r.hidden_size, r.moe_intermediate_size) == (2, E, 64, 32)
     assert [(q["pattern"], q["modules"]) for q in r.quantized["experts"]] == [
-        ("model.layers.*.mlp.experts.*.{down_proj,gate_proj,up_proj}", 2 * E * 3)]
+        ("model.layers.*.mlp.experts.*.{down_proj,gate_proj,up_proj}", 2 * E * 3)
+    ]
     assert r.quantized["experts"][0]["tensors"] == ["input_scale", "weight", "weight_scale", "weight_scale_2"]
     assert r.quantized["attention"] == [] and r.quantized["other"] == []
     plain = {q["pattern"]: q["modules"] for q in r.unquantized}
-    assert plain == {"lm_head": 1, "model.embed_tokens": 1, "model.layers.*.mlp.gate": 2,
-                     "model.layers.*.self_attn.{k_proj,o_proj,q_proj,v_proj}": 8}
+    assert plain == {
+        "lm_head": 1,
+        "model.embed_tokens": 1,
+        "model.layers.*.mlp.gate": 2,
+        "model.layers.*.self_attn.{k_proj,o_proj,q_proj,v_proj}": 8,
+    }
     rows = {(x["layer"], x["point"]): x for x in r.activation_scales}
     assert sorted(rows) == [(0, "a1"), (0, "a2"), (1, "a1"), (1, "a2")]
     for layer in range(2):
@@ -283,8 +298,11 @@ def test_fused_unquantized_experts_are_named(ckpts, tmp_path):
     _edit_tensors(path, edit)
     r = inspect_checkpoint(path)
     assert r.quantized["experts"] == [] and not r.layout_ok
-    assert {"pattern": "model.layers.*.mlp.experts.{down_proj,gate_up_proj}", "modules": 4,
-            "weight_dtype": "BF16"} in r.unquantized
+    assert {
+        "pattern": "model.layers.*.mlp.experts.{down_proj,gate_up_proj}",
+        "modules": 4,
+        "weight_dtype": "BF16",
+    } in r.unquantized
     assert any("fused and unquantized" in n for n in r.notes)
     assert any("missing tensor 'model.layers.0.mlp.experts.0.gate_proj.weight'" in p for p in r.problems)
 
@@ -302,8 +320,12 @@ def test_mx_and_fp8_checkpoints(ckpts):
     assert (row["min"], row["max"]) == (min(v for v in a2 if v > 0), max(a2))
     worst = next(x for x in fp8.strategies if (x["point"], x["strategy"]) == ("a2", "max"))
     r_min = min(v for v in a2 if v > 0) / max(a2)
-    expected = max(I.predicted_db_lost(v / max(vals), FP8_E4M3_PER_TENSOR)
-                   for vals in (_input_scales(state, 0)[1], _input_scales(state, 1)[1]) for v in vals if v > 0)
+    expected = max(
+        I.predicted_db_lost(v / max(vals), FP8_E4M3_PER_TENSOR)
+        for vals in (_input_scales(state, 0)[1], _input_scales(state, 1)[1])
+        for v in vals
+        if v > 0
+    )
     assert worst["worst_db_lost"] == pytest.approx(expected, abs=1e-6) and r_min < 1
 
 
@@ -321,8 +343,9 @@ def test_predicted_loss_follows_the_synthetic_experts():
     # the same kind of synthetic expert as notebook 04's explorer (different samples): close
     for r in (0.5, 1e-3, sub / 2, flush / 2):
         row = explore.expert_scale_ratio(r, num_experts=2, tokens=64, hidden=256)[-1]
-        assert I.predicted_db_lost(r, NVFP4) == pytest.approx(row["sqnr_per_expert_db"] - row["sqnr_unified_db"],
-                                                              abs=0.5), r
+        assert I.predicted_db_lost(r, NVFP4) == pytest.approx(
+            row["sqnr_per_expert_db"] - row["sqnr_unified_db"], abs=0.5
+        ), r
     # nothing systematic above 1e-3; several dB below the subnormal threshold; everything once flushed
     assert I.predicted_db_lost(1e-3, NVFP4) < 0.3
     assert I.predicted_db_lost(sub / 4, NVFP4) > 1.5

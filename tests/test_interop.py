@@ -45,7 +45,7 @@ fp32 reproduce Quark's fp32 logits bit for bit.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -128,7 +128,7 @@ def _xfail_unless_loads(name):
     return pytest.param(name, marks=marks, id=name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fixture(name):
     folder = FIXTURES / name
     meta = json.loads((folder / "meta.json").read_text())
@@ -136,7 +136,7 @@ def _fixture(name):
     return folder, meta, results
 
 
-@lru_cache(maxsize=None)
+@cache
 def _checkpoint(name):
     folder = FIXTURES / name / "checkpoint"
     cfg = json.loads((folder / "config.json").read_text())
@@ -145,7 +145,7 @@ def _checkpoint(name):
     return cfg, tensors
 
 
-@lru_cache(maxsize=None)
+@cache
 def _loaded(name):
     model, info = load_quantized_qwen3_moe(FIXTURES / name / "checkpoint", backend="torch")
     return model, info
@@ -157,7 +157,7 @@ def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _dequant_names(results, prefix="dequant."):
-    return sorted(k[len(prefix):] for k in results if k.startswith(prefix))
+    return sorted(k[len(prefix) :] for k in results if k.startswith(prefix))
 
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -168,12 +168,15 @@ def _assert_bits(actual, expected, what, zero_sign_free=False):
     ModelOpt's ``NVFP4QTensor.dequantize`` decodes e2m1 code 8 (-0) as +0.0 where mxlib gives
     -0.0, and the tools' activation QDQ turns a negative value that rounds to zero into +0.0."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
-        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}")
+        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}"
+    )
     iv = _INT_VIEW[actual.dtype]
     bad = actual.view(iv) != expected.view(iv)
     if zero_sign_free:
         bad &= ~((actual == 0) & (expected == 0))
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
+    )
 
 
 def _mxlib_dequant(fmt_cfg, tensors, module, dtype):
@@ -181,16 +184,22 @@ def _mxlib_dequant(fmt_cfg, tensors, module, dtype):
     qc = fmt_cfg["quantization_config"]
     method = qc["quant_method"]
     if method == "modelopt":
-        return R.dequantize_to_dtype(tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"],
-                                     tensors[f"{module}.weight_scale_2"], dtype)
+        return R.dequantize_to_dtype(
+            tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"], tensors[f"{module}.weight_scale_2"], dtype
+        )
     if method == "quark":
         element = MX_ELEMENT[qc["global_quant_config"]["weight"]["dtype"]]
         return R.dequantize_mx(tensors[f"{module}.weight"], tensors[f"{module}.weight_scale"], element, 32, dtype)
     if method == "compressed-tensors":
         # compressed-tensors stores the *encode* global scale and divides by it: used as stored
         encode = tensors[f"{module}.weight_global_scale"].float().reshape(())
-        return R.dequantize_to_dtype(tensors[f"{module}.weight_packed"], tensors[f"{module}.weight_scale"], encode, dtype,
-                                     global_scale_kind="encode")
+        return R.dequantize_to_dtype(
+            tensors[f"{module}.weight_packed"],
+            tensors[f"{module}.weight_scale"],
+            encode,
+            dtype,
+            global_scale_kind="encode",
+        )
     raise AssertionError(method)
 
 
@@ -231,8 +240,9 @@ def test_dequant_reference_equals_tool(name):
         _assert_bits(_mxlib_dequant(cfg, tensors, module, tool.dtype), tool, f"{name} {module} (import)")
     for module in _dequant_names(results, "dequant_fp32."):
         tool = results[f"dequant_fp32.{module}"]
-        _assert_bits(_mxlib_dequant(cfg, tensors, module, torch.float32), tool, f"{name} {module} (fp32)",
-                     zero_sign_free=zsf)
+        _assert_bits(
+            _mxlib_dequant(cfg, tensors, module, torch.float32), tool, f"{name} {module} (fp32)", zero_sign_free=zsf
+        )
 
 
 @pytest.mark.parametrize("name", [_xfail_unless_loads(n) for n in ALL])
@@ -246,8 +256,9 @@ def test_loader_experts_equal_tool_dequant(name):
         if isinstance(modules.get(module), EmulatedLinear):  # a quantized attention projection
             mine = modules[module].dequantized_weight()
             tool = results[f"dequant.{module}"]
-            _assert_bits(mine, tool.to(mine.dtype), f"{name} {module}",
-                         zero_sign_free=meta["tool"] == "nvidia-modelopt")
+            _assert_bits(
+                mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt"
+            )
             continue
         parts = module.split(".")
         layer, expert, proj = int(parts[2]), int(parts[5]), parts[6]
@@ -276,8 +287,9 @@ def _mxlib_qdq(name, meta, results, cfg, tensors):
     a = qc["global_quant_config"]["input_tensors"]
     if a["dtype"] == "fp8_e4m3":
         return R.quant_dequant_fp8_per_tensor(x.to(y.dtype), results["qdq.scale"].float(), dtype=y.dtype)
-    return R.quant_dequant_mx(x.to(y.dtype), MX_ELEMENT[a["dtype"]], 32, a.get("scale_calculation_mode") or "even",
-                              dtype=y.dtype)
+    return R.quant_dequant_mx(
+        x.to(y.dtype), MX_ELEMENT[a["dtype"]], 32, a.get("scale_calculation_mode") or "even", dtype=y.dtype
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -328,8 +340,7 @@ def test_quark_fp32_emulation_matches_tool_logits(name):
     the logits were equal bit for bit; on an AMD EPYC they differ by 2e-7 relative, 132 dB). The bound,
     1e-5 relative, is far below any quantization effect (an MX QDQ changes the logits by about 1e-1)."""
     _, meta, results = _fixture(name)
-    model, _ = load_quantized_qwen3_moe(FIXTURES / name / "checkpoint", backend="torch",
-                                        activation_dtype=torch.float32)
+    model, _ = load_quantized_qwen3_moe(FIXTURES / name / "checkpoint", backend="torch", activation_dtype=torch.float32)
     for p in model.parameters():
         p.data = p.data.float()
     with torch.no_grad():

@@ -143,9 +143,17 @@ def test_kernels_raise_the_reference_errors(device):
         (lambda m: m.quant_dequant_mx(torch.zeros(2, 32, dtype=torch.int32)), TypeError),
         (lambda m: m.quantize_mx(torch.zeros(2, 48)), ValueError),
         (lambda m: m.quant_dequant_mx(torch.zeros(2, 32), "e9m9"), ValueError),
-        (lambda m: m.dequantize_mx(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)), ValueError),
+        (
+            lambda m: m.dequantize_mx(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)),
+            ValueError,
+        ),
         (lambda m: m.ref_nvfp4_quant_dequant(torch.zeros(4, 2, 16), torch.ones(3)), ValueError),
-        (lambda m: m.dequantize_to_dtype(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8), 1.0, torch.bfloat16), ValueError),
+        (
+            lambda m: m.dequantize_to_dtype(
+                torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8), 1.0, torch.bfloat16
+            ),
+            ValueError,
+        ),
         (lambda m: m.quant_dequant_fp8_per_tensor(torch.zeros(4), 0.0), ValueError),
         (lambda m: m.quantize_nvfp4(torch.tensor([[math.nan] * 16])), ValueError),
     ]

@@ -77,9 +77,17 @@ GRAPH = {m: imports(m) for m in MODULES}
 
 
 def test_the_table_knows_the_core_modules():
-    for mod in ("mxlib.formats", "mxlib.reference", "mxlib.kernels.quant", "mxlib.moe.base",
-                "mxlib.models.checkpoints", "mxlib.workbook.steps", "mxlib.workbook.runner", "mxlib.cli",
-                "mxlib.bench"):
+    for mod in (
+        "mxlib.formats",
+        "mxlib.reference",
+        "mxlib.kernels.quant",
+        "mxlib.moe.base",
+        "mxlib.models.checkpoints",
+        "mxlib.workbook.steps",
+        "mxlib.workbook.runner",
+        "mxlib.cli",
+        "mxlib.bench",
+    ):
         assert mod in MODULES and layer(mod) < TOP, mod
 
 
@@ -99,7 +107,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(GRAPH[m]):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
+                cycle = stack[stack.index(d) :] + [d]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if d not in state:
                 visit(d)
@@ -128,8 +136,12 @@ def test_no_import_cycles():
 #
 # Where format and scheme names may be spelled: the tables, and the checkpoint layouts (whose
 # configs name formats by their producers' strings).
-TABLES = {"mxlib.formats", "mxlib.moe.schemes", "mxlib.models.checkpoints.modelopt_nvfp4",
-          "mxlib.models.checkpoints.quark_ocp_mx"}
+TABLES = {
+    "mxlib.formats",
+    "mxlib.moe.schemes",
+    "mxlib.models.checkpoints.modelopt_nvfp4",
+    "mxlib.models.checkpoints.quark_ocp_mx",
+}
 
 
 def _format_names() -> set[str]:
@@ -172,10 +184,15 @@ def _string_comparisons(tree, names):
 def test_the_string_check_catches_what_it_is_meant_to():
     # the check itself must be able to fail: each snippet is one pattern it exists to catch
     names = _format_names()
-    for src in ('if scheme == "nvfp4": pass', 'x = a if kind in ("fp8", "e4m3") else b',
-                'if fmt.specials == "fn": pass', 'if fmt.specials != "none": pass', 'if s == "ieee": pass'):
+    for src in (
+        'if scheme == "nvfp4": pass',
+        'x = a if kind in ("fp8", "e4m3") else b',
+        'if fmt.specials == "fn": pass',
+        'if fmt.specials != "none": pass',
+        'if s == "ieee": pass',
+    ):
         assert list(_string_comparisons(ast.parse(src), names)), src
-    for src in ('if scale_mode == "floor": pass', 'if fmt.has_nan_code: pass', 'if c.name == name: pass'):
+    for src in ('if scale_mode == "floor": pass', "if fmt.has_nan_code: pass", "if c.name == name: pass"):
         assert not list(_string_comparisons(ast.parse(src), names)), src
 
 
@@ -190,8 +207,11 @@ def test_no_branch_on_a_format_name(mod):
 @pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in ("mxlib.formats", "mxlib.cases")))
 def test_nvfp4_divisor_written_once(mod):
     tree = ast.parse(MODULES[mod].read_text())
-    hits = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in (2688, 2688.0)
-            and not isinstance(n.value, bool)]
+    hits = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and n.value in (2688, 2688.0) and not isinstance(n.value, bool)
+    ]
     assert not hits, f"{mod} writes 2688 (use mxlib.formats.NVFP4_SCALE_DIVISOR) at lines {hits}"
 
 

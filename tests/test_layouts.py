@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from _util import KERNEL_DEVICE, OnKernelDevice
 from mxlib import kernels as K
 from mxlib import reference as R
 from mxlib.models import checkpoints as C
@@ -35,9 +34,21 @@ from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts
 from mxlib.moe.factory import make_emulated_linear, quantize_linear_weight
 from mxlib.moe.linear import EmulatedLinear, LinearWeights, linear_input_amax
 
-TINY = dict(hidden_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, vocab_size=128,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128, bos_token_id=0,
-            eos_token_id=1)
+from _util import KERNEL_DEVICE, OnKernelDevice
+
+TINY = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS]
 
 
@@ -51,8 +62,9 @@ def tiny():
 
 def _write(tiny, tmp_path, scheme, layout=None, attention=False, name="ckpt"):
     model, cal, amax, _ = tiny
-    return C.write_quantized_checkpoint(model, scheme, tmp_path / name, cal, layout=layout,
-                                        quantize_attention=attention, linear_input_amax=amax)
+    return C.write_quantized_checkpoint(
+        model, scheme, tmp_path / name, cal, layout=layout, quantize_attention=attention, linear_input_amax=amax
+    )
 
 
 def _tensors(path):
@@ -89,8 +101,9 @@ def ct_decompress(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch
     s = scale.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     s = (s / np.float32(global_scale.reshape(()).item())).astype(np.float32)
     out = vals.reshape(p.shape[0], -1, 16) * s[:, :, None]
-    return torch.from_numpy(out.astype(np.float32).reshape(p.shape[0], -1).astype(ml_dtypes.bfloat16).view(np.int16)
-                            ).view(torch.bfloat16)
+    return torch.from_numpy(
+        out.astype(np.float32).reshape(p.shape[0], -1).astype(ml_dtypes.bfloat16).view(np.int16)
+    ).view(torch.bfloat16)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor, what: str):
@@ -148,12 +161,16 @@ def test_compressed_tensors_experts_equal_decompress(tiny, tmp_path):
             i = w2.shape[1]
             for proj, mine in (("gate_proj", w13[:i]), ("up_proj", w13[i:]), ("down_proj", w2)):
                 base = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
-                want = ct_decompress(tensors[f"{base}.weight_packed"], tensors[f"{base}.weight_scale"],
-                                     tensors[f"{base}.weight_global_scale"])
+                want = ct_decompress(
+                    tensors[f"{base}.weight_packed"],
+                    tensors[f"{base}.weight_scale"],
+                    tensors[f"{base}.weight_global_scale"],
+                )
                 _bits_equal(mine, want, base)
         # activation global scale: the smallest encode scale (the largest decode one), as stored
-        stored = torch.stack([tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.input_global_scale"]
-                              for e in range(4)]).reshape(-1)
+        stored = torch.stack(
+            [tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.input_global_scale"] for e in range(4)]
+        ).reshape(-1)
         assert experts.a2_gscale[0].item() == stored.min().item()
 
 
@@ -236,11 +253,14 @@ def test_scalar_input_scale_widened_exactly(tiny, tmp_path, dtype):
         assert experts.a2_scale.dtype == torch.float32 and torch.equal(experts.a2_scale, want)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (torch.tensor(0.1, dtype=torch.float64), "float64 scale 0.1 is not an fp32 value"),
-    (torch.tensor(3, dtype=torch.int32), "found torch.int32"),
-    (torch.tensor(0.5).to(torch.float8_e4m3fn), "found torch.float8_e4m3fn"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.tensor(0.1, dtype=torch.float64), "float64 scale 0.1 is not an fp32 value"),
+        (torch.tensor(3, dtype=torch.int32), "found torch.int32"),
+        (torch.tensor(0.5).to(torch.float8_e4m3fn), "found torch.float8_e4m3fn"),
+    ],
+)
 def test_scalar_scale_refused(tiny, tmp_path, bad, match):
     path = _write(tiny, tmp_path, "w_mxfp4_a_fp8")
     name = "model.layers.1.mlp.experts.2.up_proj.input_scale"
@@ -276,16 +296,23 @@ def test_fused_unquantized_experts_refused(tiny, tmp_path):
         return t
 
     _rewrite(path, fuse)
-    with pytest.raises(C.CheckpointError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*fused and "
-                                                r"unquantized.*amd-quark.*preprocess_for_quantization"):
+    with pytest.raises(
+        C.CheckpointError,
+        match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj.*fused and "
+        r"unquantized.*amd-quark.*preprocess_for_quantization",
+    ):
         C.load_quantized_qwen3_moe(path, backend="torch")
 
 
 # ----------------------------------------------------------------------------- quantized attention
 
 
-ATTN_CASES = [("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors"), ("w_mxfp4_a_mxfp4", "quark"),
-              ("w_mxfp6_e2m3_a_fp8", "quark")]
+ATTN_CASES = [
+    ("nvfp4", "modelopt"),
+    ("nvfp4", "compressed-tensors"),
+    ("w_mxfp4_a_mxfp4", "quark"),
+    ("w_mxfp6_e2m3_a_fp8", "quark"),
+]
 
 
 def _qdq_oracle(lin: EmulatedLinear, tensors, name, x):
@@ -302,14 +329,20 @@ def _qdq_oracle(lin: EmulatedLinear, tensors, name, x):
 
 def _weight_oracle(lin: EmulatedLinear, tensors, name):
     if f"{name}.weight_packed" in tensors:
-        return ct_decompress(tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"],
-                             tensors[f"{name}.weight_global_scale"])
+        return ct_decompress(
+            tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"], tensors[f"{name}.weight_global_scale"]
+        )
     if lin.scheme.weight.has_global_scale:
-        return R.dequantize_to_dtype(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"],
-                                     tensors[f"{name}.weight_scale_2"], torch.bfloat16)
+        return R.dequantize_to_dtype(
+            tensors[f"{name}.weight"],
+            tensors[f"{name}.weight_scale"],
+            tensors[f"{name}.weight_scale_2"],
+            torch.bfloat16,
+        )
     fmt = lin.scheme.weight
-    return R.dequantize_mx(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"], fmt.element.name,
-                           fmt.block_size, torch.bfloat16)
+    return R.dequantize_mx(
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"], fmt.element.name, fmt.block_size, torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("scheme, layout", ATTN_CASES)
@@ -359,8 +392,12 @@ def test_emulated_linear_triton_twin(scheme):
     x = (torch.randn(3, 7, 64, generator=gen)).to(torch.bfloat16)
     a = make_emulated_linear(scheme, weights, scale, backend="torch")(x)
     on = lambda t: None if t is None else t.to(KERNEL_DEVICE)  # noqa: E731  (compiled kernels need cuda)
-    wd = dataclasses.replace(weights, weight=on(weights.weight), weight_scale=on(weights.weight_scale),
-                             weight_scale_2=on(weights.weight_scale_2))
+    wd = dataclasses.replace(
+        weights,
+        weight=on(weights.weight),
+        weight_scale=on(weights.weight_scale),
+        weight_scale_2=on(weights.weight_scale_2),
+    )
     b = make_emulated_linear(scheme, wd, on(scale), backend="triton")(on(x)).cpu()
     assert a.shape == (3, 7, 48)
     _bits_equal(b, a, f"{scheme} triton vs torch")
@@ -374,8 +411,13 @@ def test_emulated_linear_bad_input():
     with pytest.raises(ValueError, match="weights: quantized as nvfp4, scheme w_mxfp4_a_mxfp4 stores mxfp4"):
         make_emulated_linear("w_mxfp4_a_mxfp4", weights)
     with pytest.raises(ValueError, match="weight_scale: expected torch.float8_e4m3fn"):
-        EmulatedLinear("nvfp4", LinearWeights(weights.scheme, weights.weight, weights.weight_scale.view(torch.uint8),
-                                              weights.weight_scale_2), torch.tensor([0.01]))
+        EmulatedLinear(
+            "nvfp4",
+            LinearWeights(
+                weights.scheme, weights.weight, weights.weight_scale.view(torch.uint8), weights.weight_scale_2
+            ),
+            torch.tensor([0.01]),
+        )
     lin = make_emulated_linear("nvfp4", weights, torch.tensor([0.01]))
     with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 64\]"):
         lin(torch.zeros(2, 32, dtype=torch.bfloat16))

@@ -14,15 +14,13 @@ import torch
 
 from mxlib import reference as R
 from mxlib.moe import (
-    Nvfp4QuantizationEmulationTritonExperts,
-    OCP_MXQuantizationEmulationTritonExperts,
+    OCP_MX_SCHEMES,
     TritonExperts,
     fused_topk,
     get_moe_scheme,
     make_emulation_experts,
     moe_align_block_size,
     quantize_expert_weights,
-    OCP_MX_SCHEMES,
     torch_moe,
     unify_input_scales,
 )
@@ -116,7 +114,9 @@ def test_moe_align_block_size(block_m):
 def test_triton_experts_against_fp64_and_reference(dtype, device):
     x, w13, w2, tw, ti = make_inputs(dtype)
     oracle = dense_moe_fp64(x, w13, w2, tw, ti)
-    out_triton = TritonExperts(w13.to(device), w2.to(device), backend="triton")(x.to(device), tw.to(device), ti.to(device))
+    out_triton = TritonExperts(w13.to(device), w2.to(device), backend="triton")(
+        x.to(device), tw.to(device), ti.to(device)
+    )
     out_torch = TritonExperts(w13, w2, backend="torch")(x, tw, ti)
     assert out_triton.dtype == dtype and out_triton.shape == (M, H)
     # bf16 rounding of the two GEMM outputs: a few 1e-3 relative (fp16: smaller)
@@ -140,6 +140,7 @@ def test_triton_experts_edge_cases(device):
 def test_torch_moe_matches_transformers_experts_loop():
     # transformers' own eager experts computes the same function (independent code)
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
     from mxlib.models.qwen3 import qwen3_30b_a3b_config
 
     cfg = qwen3_30b_a3b_config(num_hidden_layers=1, hidden_size=H, moe_intermediate_size=I, num_experts=E)
@@ -245,9 +246,11 @@ class _CountingOps:
     def __getattr__(self, name):
         fn = getattr(self.ops, name)
         if name in ("quant_dequant_mx", "ref_nvfp4_quant_dequant", "quant_dequant_fp8_per_tensor"):
+
             def wrapped(x, *a, **kw):
                 self.calls.append(tuple(x.shape))
                 return fn(x, *a, **kw)
+
             return wrapped
         return fn
 
@@ -279,8 +282,7 @@ def build_experts(scheme, x, w13, w2, backend, device="cpu"):
     elif s.static_activation_scale:  # static per-tensor FP8
         in13 = torch.full((E,), float(x.float().abs().amax()) / 448.0)
         in2 = torch.linspace(0.01, 0.05, E) / 448.0
-    return make_emulation_experts(s, weights, *(t if t is None else t.to(device) for t in (in13, in2)),
-                                  backend=backend)
+    return make_emulation_experts(s, weights, *(t if t is None else t.to(device) for t in (in13, in2)), backend=backend)
 
 
 def ocp_design_reference(scheme, x, w13, w2, tw, ti):
@@ -370,7 +372,9 @@ def fused_reference_fp64(ex, x, tw, ti):
     return out
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3", "w_mxfp4_a_mxfp6_e2m3"])
+@pytest.mark.parametrize(
+    "scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3", "w_mxfp4_a_mxfp6_e2m3"]
+)
 def test_fused_matches_dequant_gemm_and_fp64(scheme, device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=6)
     ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
@@ -404,8 +408,7 @@ def test_fused_per_expert_scales(device):
     t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ex = nvfp4_experts(*[v.to(device) for v in t], scale_strategy="per_expert",
-                                                     backend="fused")
+        ex = nvfp4_experts(*[v.to(device) for v in t], scale_strategy="per_expert", backend="fused")
         ex_ref = nvfp4_experts(*t, scale_strategy="per_expert", backend="torch")
     out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
     assert rel_err(out, fused_reference_fp64(ex_ref, x, tw, ti)) < 5e-3
@@ -443,8 +446,16 @@ def test_nvfp4_experts_typed_and_vllm_call_forms_agree():
     t = nvfp4_experts_inputs(x, w13, w2)
     vllm_form = nvfp4_experts(*t, backend="torch")
     by_keyword = nvfp4_experts(
-        w13_weight=t[0], w13_weight_scale=t[1], w13_weight_scale_2=t[2], w2_weight=t[3], w2_weight_scale=t[4],
-        w2_weight_scale_2=t[5], w13_input_scale=t[6], w2_input_scale=t[7], backend="torch")
+        w13_weight=t[0],
+        w13_weight_scale=t[1],
+        w13_weight_scale_2=t[2],
+        w2_weight=t[3],
+        w2_weight_scale=t[4],
+        w2_weight_scale_2=t[5],
+        w13_input_scale=t[6],
+        w2_input_scale=t[7],
+        backend="torch",
+    )
     weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
     assert isinstance(weights, ExpertWeights)
     typed = make_emulation_experts("nvfp4", weights, t[6], t[7], backend="torch")
@@ -473,7 +484,7 @@ H4, I4 = 256, 128  # the FP4 kernel needs H and I multiples of its 128-element K
 def fp4_layer(scheme, numerics, backend, device, seed=3):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, H4, generator=g).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * I4, H4, generator=g) * 0.05 * torch.exp(torch.randn(E, 1, 1, generator=g)))
+    w13 = torch.randn(E, 2 * I4, H4, generator=g) * 0.05 * torch.exp(torch.randn(E, 1, 1, generator=g))
     w2 = torch.randn(E, H4, I4, generator=g) * 0.05
     tw, ti = fused_topk(torch.randn(M, E, generator=g), TOPK, True)
     s = get_moe_scheme(scheme)
@@ -482,8 +493,9 @@ def fp4_layer(scheme, numerics, backend, device, seed=3):
     if s.static_activation_scale:
         in13 = torch.full((E,), float(x.float().abs().amax()) / 2688.0)
         in2 = torch.linspace(0.2, 0.5, E) / 2688.0
-    ex = make_emulation_experts(s, q.to(device), *(t if t is None else t.to(device) for t in (in13, in2)),
-                                backend=backend, numerics=numerics)
+    ex = make_emulation_experts(
+        s, q.to(device), *(t if t is None else t.to(device) for t in (in13, in2)), backend=backend, numerics=numerics
+    )
     return ex, q, x, tw, ti
 
 

@@ -33,8 +33,9 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     "03_scheme_comparison": dict(model_preset="tiny", calib_tokens=64),
     # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
     # run uses a wider spread, so that the subnormal-scale claims are exercised.
-    "04_scale_unification": dict(model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512,
-                                 num_tokens=16),
+    "04_scale_unification": dict(
+        model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512, num_tokens=16
+    ),
     "05_fused_emulation_benchmark": dict(run_live="no", hw_model_preset="tiny", hw_tokens=16),
 }
 
@@ -104,8 +105,10 @@ def test_04_scale_unification(executed_notebook):
         per, mx = summary[(point, "per_expert")], summary[(point, "max")]
         assert per["mean_db_lost"] == 0.0 and per["flushed_blocks"] == 0.0  # against itself
         assert mx["worst_db_lost"] >= mx["mean_db_lost"]
-        assert summary[(point, "OCP MXFP8 e4m3 (no global scale)")]["mean_sqnr_db"] > \
-            summary[(point, "OCP MXFP4 (no global scale)")]["mean_sqnr_db"]
+        assert (
+            summary[(point, "OCP MXFP8 e4m3 (no global scale)")]["mean_sqnr_db"]
+            > summary[(point, "OCP MXFP4 (no global scale)")]["mean_sqnr_db"]
+        )
     assert summary[("a2", "max")]["worst_db_lost"] > 1.0  # some expert sits below r = 2**-6 / 448
     a2 = [r for r in res["spread"] if r["point"] == "a2"]
     assert [r["spread"] for r in a2] == [0.0, 1.0, 2.0]

@@ -9,14 +9,24 @@ def test_grouped_bar_and_heatmap():
     rows = [dict(distribution="gaussian", a=1.0, b=2.0), dict(distribution="laplace", a=3.0, b=4.0)]
     fig = figures.grouped_bar_figure(rows, "distribution", ["a", "b"], "t", "dB")
     assert [t.name for t in fig.data] == ["gaussian", "laplace"] and list(fig.data[1].y) == [3.0, 4.0]
-    experts = [dict(point="a2", layer=1, expert=2, db_lost_max=5.0), dict(point="a1", layer=0, expert=0, db_lost_max=9.0)]
+    experts = [
+        dict(point="a2", layer=1, expert=2, db_lost_max=5.0),
+        dict(point="a1", layer=0, expert=0, db_lost_max=9.0),
+    ]
     z = figures.expert_loss_heatmap(experts, 2, 3).data[0].z
     assert z[1][2] == 5.0 and math.isnan(z[0][0])
 
 
 def test_benchmark_and_spread_figures():
-    rows = [dict(scheme="nvfp4", M=m, floor_ms=0.1, **{f"{p}{g}_ms": 1.0 for p in ("bf16", "dequant", "fused")
-                                                       for g in ("", "_graph")}) for m in (1, 16, 256, 4096)]
+    rows = [
+        dict(
+            scheme="nvfp4",
+            M=m,
+            floor_ms=0.1,
+            **{f"{p}{g}_ms": 1.0 for p in ("bf16", "dequant", "fused") for g in ("", "_graph")},
+        )
+        for m in (1, 16, 256, 4096)
+    ]
     rows.append(dict(rows[0], scheme="w_mxfp4"))  # one point: no figure
     figs = figures.moe_layer_time_figures(rows)
     assert len(figs) == 1 and len(figs[0].data) == 7 and list(figs[0].data[0].x) == [1, 16, 256, 4096]
@@ -30,7 +40,9 @@ def test_benchmark_and_spread_figures():
 
 def test_format_pow2():
     assert figures.format_pow2(2.0**-6) == "2^-6" and figures.format_pow2(-(2.0**-9)) == "-2^-9"
-    assert figures.format_pow2(2.0**15) == "2^15" and figures.format_pow2(1.0) == "1" and figures.format_pow2(8.0) == "8"
+    assert (
+        figures.format_pow2(2.0**15) == "2^15" and figures.format_pow2(1.0) == "1" and figures.format_pow2(8.0) == "8"
+    )
     assert figures.format_pow2(448.0) == "448" and figures.format_pow2(57344.0) == "57344"
     assert figures.format_pow2(3) == "3" and figures.format_pow2(0.0) == "0" and figures.format_pow2(-0.0) == "-0"
 
@@ -59,9 +71,14 @@ def test_table_is_tall_enough_for_wrapped_rows():
 
 def test_storage_accuracy_figure_labels_and_separates_points():
     rows = [dict(scheme=f"s{i}", bits_per_weight=4.25, sqnr_db=20.0 + i) for i in range(5)]
-    rows += [dict(scheme="nvfp4", bits_per_weight=4.5, sqnr_db=21.0), dict(scheme="w6", bits_per_weight=6.25, sqnr_db=30.0)]
+    rows += [
+        dict(scheme="nvfp4", bits_per_weight=4.5, sqnr_db=21.0),
+        dict(scheme="w6", bits_per_weight=6.25, sqnr_db=30.0),
+    ]
     fig = figures.storage_accuracy_figure(rows)
-    assert [t.name for t in fig.data] == [f"{i + 1}. {n}" for i, n in enumerate([f"s{i}" for i in range(5)] + ["nvfp4", "w6"])]
+    assert [t.name for t in fig.data] == [
+        f"{i + 1}. {n}" for i, n in enumerate([f"s{i}" for i in range(5)] + ["nvfp4", "w6"])
+    ]
     assert [t.text[0] for t in fig.data] == [str(i + 1) for i in range(7)]  # each marker numbered
     xs = [t.x[0] for t in fig.data]
     assert len(set(xs)) == 7  # the five 4.25-bit schemes no longer overlap

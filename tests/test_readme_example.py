@@ -26,7 +26,7 @@ def readme_example(text: str) -> str:
     except ValueError:
         raise AssertionError(f"README.md has no {HEADING!r} heading") from None
     section = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("## "):
             break
         section.append(line)
@@ -37,8 +37,10 @@ def readme_example(text: str) -> str:
 
 
 def test_extraction_takes_the_first_python_block_of_the_section():
-    text = "# t\n```python\nx = 0\n```\n## Example\ntext\n```bash\nls\n```\n```python\ny = 1\n```\n" \
-           "```python\nz = 2\n```\n## Next\n"
+    text = (
+        "# t\n```python\nx = 0\n```\n## Example\ntext\n```bash\nls\n```\n```python\ny = 1\n```\n"
+        "```python\nz = 2\n```\n## Next\n"
+    )
     assert readme_example(text) == "y = 1\n"
     with pytest.raises(AssertionError, match="no ```python block"):
         readme_example("## Example\ntext\n## Next\n```python\nx = 1\n```\n")

@@ -2,7 +2,6 @@
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -291,7 +290,9 @@ def test_dequantize_to_dtype_against_vllm_transcription(dtype):
     packed = torch.randint(0, 256, (3, 16, 32), dtype=torch.uint8, generator=g)
     scale = R.round_to_element(torch.rand(3, 16, 4, generator=g) * 448, "e4m3").to(torch.float8_e4m3fn)
     gs = torch.tensor([1e-3, 0.37, 5.0])
-    assert_bits_equal(R.dequantize_to_dtype(packed, scale, gs, dtype), vllm_dequantize_to_dtype(packed, scale, gs, dtype))
+    assert_bits_equal(
+        R.dequantize_to_dtype(packed, scale, gs, dtype), vllm_dequantize_to_dtype(packed, scale, gs, dtype)
+    )
     assert_bits_equal(
         R.dequantize_to_dtype(packed[1], scale[1], gs[1], dtype),
         vllm_dequantize_to_dtype(packed[1], scale[1], gs[1], dtype),
@@ -319,7 +320,9 @@ def test_quantize_nvfp4_against_modelopt_transcription():
     for e in range(3):
         p, s, g = modelopt_nvfp4_quantize(w3[e])
         ok = (s.float() != 0).repeat_interleave(8, dim=-1)
-        assert torch.equal(p3[e][ok], p[ok]) and torch.equal(s3[e].view(torch.uint8), s.view(torch.uint8)) and g3[e] == g
+        assert (
+            torch.equal(p3[e][ok], p[ok]) and torch.equal(s3[e].view(torch.uint8), s.view(torch.uint8)) and g3[e] == g
+        )
 
 
 def test_quantize_nvfp4_zero_expert_and_zero_block_option():
@@ -371,7 +374,9 @@ def test_fp8_per_tensor_against_torch_cast(dtype):
 
 
 def test_errors_name_the_argument():
-    with pytest.raises(TypeError, match="x: expected a floating tensor of dtype float32, bfloat16 or float16, got torch.int32"):
+    with pytest.raises(
+        TypeError, match="x: expected a floating tensor of dtype float32, bfloat16 or float16, got torch.int32"
+    ):
         R.quant_dequant_mx(torch.zeros(2, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="x: K=48 is not a multiple of block_size=32"):
         R.quantize_mx(torch.zeros(2, 48))
@@ -390,7 +395,9 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match="global_scale: expected a float32 tensor, got torch.float64"):
         R.ref_nvfp4_quant_dequant(torch.zeros(4, 16), torch.ones(1, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"tensor_sf: expected shape \[4, 2\], got \[4, 3\]"):
-        R.dequantize_to_dtype(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8), 1.0, torch.bfloat16)
+        R.dequantize_to_dtype(
+            torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 3, dtype=torch.uint8), 1.0, torch.bfloat16
+        )
     with pytest.raises(ValueError, match="x: NVFP4 weight quantization needs finite values"):
         R.quantize_nvfp4(torch.tensor([[math.nan] * 16]))
     with pytest.raises(ValueError, match="scale: expected a positive finite input_scale, got 0.0"):

@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from test_notebooks import NOTEBOOK_PARAMS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,20 +108,31 @@ def export_html(executed: Path, out_dir: Path) -> Path:
 def injected_parameters(executed: Path) -> str:
     """The source of the papermill-injected parameters cell ("" if there is none)."""
     nb = json.loads(executed.read_text(encoding="utf-8"))
-    return next(("".join(c["source"]) for c in nb["cells"]
-                 if "injected-parameters" in c.get("metadata", {}).get("tags", [])), "")
+    return next(
+        ("".join(c["source"]) for c in nb["cells"] if "injected-parameters" in c.get("metadata", {}).get("tags", [])),
+        "",
+    )
 
 
 def dump_dom(html: Path, budget_ms: int = 30000) -> str:
     """The DOM of ``html`` after its scripts ran in headless Chromium, probe report included."""
     probed = html.with_name(html.stem + ".probe.html")
     text = html.read_text(encoding="utf-8")
-    probed.write_text(text.replace("</body>", _PROBE + "</body>") if "</body>" in text else text + _PROBE,
-                      encoding="utf-8")
-    cmd = [chromium_binary(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-           "--window-size=1280,2000", f"--virtual-time-budget={budget_ms}",
-           "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: the HTML must not need the network
-           "--dump-dom", probed.as_uri()]
+    probed.write_text(
+        text.replace("</body>", _PROBE + "</body>") if "</body>" in text else text + _PROBE, encoding="utf-8"
+    )
+    cmd = [
+        chromium_binary(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,2000",
+        f"--virtual-time-budget={budget_ms}",
+        "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: the HTML must not need the network
+        "--dump-dom",
+        probed.as_uri(),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"chromium failed ({proc.returncode}): {proc.stderr[-2000:]}"
     return proc.stdout
@@ -145,7 +157,8 @@ def check_dom(dom: str) -> dict:
         rows = [t["points"] for t in fig["traces"] if t["type"] == "table"]
         for want, tbl in zip(rows, fig["tables"]):
             assert tbl["visible_rows"] == want, (
-                f"figure {fig['id']}: table shows {tbl['visible_rows']} of {want} rows without scrolling")
+                f"figure {fig['id']}: table shows {tbl['visible_rows']} of {want} rows without scrolling"
+            )
     tables = [t for t in soup.find_all("table") if not t.find_parent(class_="plotly-graph-div")]
     for i, t in enumerate(tables):
         for tr in t.find_all("tr"):
@@ -162,7 +175,9 @@ def test_notebook_renders(notebook, params, executed_notebook, tmp_path):
     executed = folder / f"{stem}.ipynb"
     injected = injected_parameters(executed)
     assert "results_path" in injected, "papermill injected no parameters"
-    assert not re.search(r"""['"](/|[A-Za-z]:\\)""", injected), f"an absolute path in the injected parameters: {injected}"
+    assert not re.search(r"""['"](/|[A-Za-z]:\\)""", injected), (
+        f"an absolute path in the injected parameters: {injected}"
+    )
     counts = check_dom(dump_dom(export_html(executed, tmp_path)))
     assert counts["figures"] >= 1, f"{notebook}: no plotly figure in the rendered HTML"
     assert (folder / "results.json").exists(), "results_path was not written"

@@ -16,8 +16,16 @@ def test_checks_count_and_raise():
 
 
 def _bench_row(scheme, m, seed, fused, bf16):
-    return dict(scheme=scheme, M=m, dequant_graph_ms=seed, fused_graph_ms=fused, bf16_graph_ms=bf16,
-                fused_floor_frac_graph=0.5, fused_mem_mb=10.0, packed_weight_mb=40.0)
+    return dict(
+        scheme=scheme,
+        M=m,
+        dequant_graph_ms=seed,
+        fused_graph_ms=fused,
+        bf16_graph_ms=bf16,
+        fused_floor_frac_graph=0.5,
+        fused_mem_mb=10.0,
+        packed_weight_mb=40.0,
+    )
 
 
 def test_floors_table():
@@ -30,7 +38,10 @@ def test_floors_table():
     ]
     floors = floors_table(rows)
     assert [(r["scheme"], r["M"], r["meets"]) for r in floors] == [
-        ("nvfp4", 1, "yes"), ("nvfp4", 16, "no"), ("w_mxfp4_a_mxfp4", 4096, "yes")]
+        ("nvfp4", 1, "yes"),
+        ("nvfp4", 16, "no"),
+        ("w_mxfp4_a_mxfp4", 4096, "yes"),
+    ]
     assert floors[0]["fused_vs_dequant"] == 20.0 and floors[0]["fused_over_bf16"] == 0.1 / 0.08
     assert floors[0]["target_vs_dequant"] == 10 and floors[2]["target_vs_dequant"] == ""
     assert floors[0]["mem_frac_of_packed"] == 0.25
@@ -39,9 +50,21 @@ def test_floors_table():
 
 def test_strategy_summary():
     def row(point, lost_max, sqnr):
-        return dict(point=point, sqnr_max=sqnr - lost_max, sqnr_per_expert=sqnr, db_lost_max=lost_max, db_lost_per_expert=0.0,
-                    subnormal_max=0.5, subnormal_per_expert=0.0, flushed_max=0.25, flushed_per_expert=0.0,
-                    clipped_max=0.0, clipped_per_expert=0.0, sqnr_mxfp4=18.0, sqnr_mxfp8_e4m3=30.0)
+        return dict(
+            point=point,
+            sqnr_max=sqnr - lost_max,
+            sqnr_per_expert=sqnr,
+            db_lost_max=lost_max,
+            db_lost_per_expert=0.0,
+            subnormal_max=0.5,
+            subnormal_per_expert=0.0,
+            flushed_max=0.25,
+            flushed_per_expert=0.0,
+            clipped_max=0.0,
+            clipped_per_expert=0.0,
+            sqnr_mxfp4=18.0,
+            sqnr_mxfp8_e4m3=30.0,
+        )
 
     experts = [row("a1", 0.0, 20.0), row("a2", 1.0, 20.0), row("a2", 3.0, 22.0)]
     summary = strategy_summary(experts, ["max", "per_expert"])
@@ -68,7 +91,8 @@ def test_exercises_accept_right_and_reject_wrong_answers(capsys):
     wrong = {
         "01.fp6_shapes": ((768, 1024), (768, 64)),
         "01.decode_byte": (2**-10, -1.5 * 2**-10),  # high nibble first
-        "02.floor_clips": [900.0] + [0.0] * 31,  # 900 / 2 = 450 > 448 clips under floor, but rceil gives 4: no clip; see below
+        "02.floor_clips": [900.0]
+        + [0.0] * 31,  # 900 / 2 = 450 > 448 clips under floor, but rceil gives 4: no clip; see below
         "02.e4m3_code": 0x7A,
         "02.outlier_gap": 10,
         "03.nvfp4_bits_32": 4.5,
@@ -79,10 +103,18 @@ def test_exercises_accept_right_and_reject_wrong_answers(capsys):
     for name, answer in right.items():
         assert checks.check_exercise(name, answer), name
         assert not checks.check_exercise(name, wrong[name]), name
-    rows = [dict(scheme="a", bits_per_weight=4.25, sqnr_db=20.0), dict(scheme="b", bits_per_weight=4.25, sqnr_db=21.0),
-            dict(scheme="c", bits_per_weight=6.25, sqnr_db=30.0)]
-    assert checks.check_exercise("03.best_4bit", "b", rows=rows) and not checks.check_exercise("03.best_4bit", "c", rows=rows)
-    bench = [dict(scheme="nvfp4", M=m, dequant_graph_ms=s, fused_graph_ms=f) for m, s, f in ((1, 2, 1), (16, 2, 1), (256, 1, 2))]
+    rows = [
+        dict(scheme="a", bits_per_weight=4.25, sqnr_db=20.0),
+        dict(scheme="b", bits_per_weight=4.25, sqnr_db=21.0),
+        dict(scheme="c", bits_per_weight=6.25, sqnr_db=30.0),
+    ]
+    assert checks.check_exercise("03.best_4bit", "b", rows=rows) and not checks.check_exercise(
+        "03.best_4bit", "c", rows=rows
+    )
+    bench = [
+        dict(scheme="nvfp4", M=m, dequant_graph_ms=s, fused_graph_ms=f)
+        for m, s, f in ((1, 2, 1), (16, 2, 1), (256, 1, 2))
+    ]
     assert checks.check_exercise("05.dequant_wins_at", 256, rows=bench)
     assert not checks.check_exercise("05.dequant_wins_at", 16, rows=bench)
     assert not checks.check_exercise("02.floor_clips", [1.0] * 5)  # wrong length: a message, not a crash

@@ -13,13 +13,21 @@ import math
 import pytest
 import torch
 
-from mxlib.models.qwen3 import dummy_qwen3_moe, moe_layers, qwen3_30b_a3b_config
 from mxlib.models.calibration import calibrate
+from mxlib.models.qwen3 import dummy_qwen3_moe, moe_layers, qwen3_30b_a3b_config
 from mxlib.models.routing_stats import routing_figure, routing_rows, routing_statistics, summarize_counts
 from mxlib.workbook.steps import random_token_ids
 
-SMALL = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
-             num_attention_heads=4, num_key_value_heads=1, head_dim=128, intermediate_size=512)
+SMALL = dict(
+    hidden_size=256,
+    moe_intermediate_size=128,
+    num_experts=64,
+    num_experts_per_tok=8,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=128,
+    intermediate_size=512,
+)
 SEED = 0
 
 
@@ -82,11 +90,11 @@ def test_expert_spread_still_scales_experts(models):
         w13, w2 = plain.model.layers[layer].mlp.experts.gate_up_proj, plain.model.layers[layer].mlp.experts.down_proj
         s13 = spread.model.layers[layer].mlp.experts.gate_up_proj
         s2 = spread.model.layers[layer].mlp.experts.down_proj
-        f = (s13.float().norm(dim=(1, 2)) / w13.float().norm(dim=(1, 2)))
-        g = (s2.float().norm(dim=(1, 2)) / w2.float().norm(dim=(1, 2)))
+        f = s13.float().norm(dim=(1, 2)) / w13.float().norm(dim=(1, 2))
+        g = s2.float().norm(dim=(1, 2)) / w2.float().norm(dim=(1, 2))
         assert f.max() / f.min() > 2.0
         # w2 by f**-2 per expert, times one per-layer factor (step 3 scales every expert's w2 alike)
-        ratio = g * f ** 2
+        ratio = g * f**2
         assert float(ratio.max() / ratio.min()) < 1.02, ratio
 
 
@@ -95,6 +103,7 @@ def test_routing_statistics_against_independent_count(models):
     ids = _calibration_ids(balanced.config.vocab_size)
     # oracle: the top-k ids the experts modules themselves receive in the same forward
     seen = {}
+
     def record(i):
         def hook(module, args):
             seen[i] = args[1].reshape(-1).long()
@@ -189,8 +198,9 @@ def test_cli_routing_reports_the_calibration_routing(tmp_path, capsys):
     assert printed.count("[routing] layer") == 2 and f"{want[0]['experts_hit']}/16 experts hit" in printed
 
 
-@pytest.mark.parametrize("argv", [["routing", "--layers", "0"], ["routing", "--calib-tokens", "0"],
-                                  ["routing", "--preset", "huge"]])
+@pytest.mark.parametrize(
+    "argv", [["routing", "--layers", "0"], ["routing", "--calib-tokens", "0"], ["routing", "--preset", "huge"]]
+)
 def test_cli_routing_refuses_bad_options(argv, capsys):
     from mxlib import cli
 

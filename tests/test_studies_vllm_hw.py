@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import oracles
-from mxlib.workbook import figures
-from mxlib.workbook import steps as W
-from mxlib.workbook import studies as S
 from mxlib.analysis import sqnr_db
 from mxlib.moe import fused_topk
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
+from mxlib.workbook import figures
+from mxlib.workbook import steps as W
+from mxlib.workbook import studies as S
 
+import oracles
 from _util import assert_bits_equal
 
 E, H, I, K = 4, 64, 32, 2
@@ -132,14 +132,23 @@ def test_fp64_moe_matches_pairwise_oracle(scheme):
     want = oracle_moe(x, w13, w2, tw, ti, a1, a2)
     a1q, a2q = ex["vllm"].a1_qdq(), ex["vllm"].a2_qdq()
     w13x, w2x = S.exact_block_weights(ex["vllm"], "w13"), S.exact_block_weights(ex["vllm"], "w2")
-    got, a2_in = S.fp64_moe(x, w13x, w2x, tw, ti, lambda v: S.exact_activation_qdq(v, a1q),
-                            lambda v, e: S.exact_activation_qdq(v, a2q))
+    got, a2_in = S.fp64_moe(
+        x, w13x, w2x, tw, ti, lambda v: S.exact_activation_qdq(v, a1q), lambda v, e: S.exact_activation_qdq(v, a2q)
+    )
     assert got.dtype == torch.float64 and a2_in.shape == (x.shape[0] * K, I)
     # the same bf16 roundings and codes; only the float64 summation order differs
     assert ((got - want).norm() / want.norm()).item() < 1e-12
     # without the two bf16 roundings: the same function up to them and the a2 decisions they move
-    unrounded, a2_64 = S.fp64_moe(x, w13x, w2x, tw, ti, lambda v: S.exact_activation_qdq(v, a1q),
-                                  lambda v, e: S.exact_activation_qdq(v, a2q), round_dtype=None)
+    unrounded, a2_64 = S.fp64_moe(
+        x,
+        w13x,
+        w2x,
+        tw,
+        ti,
+        lambda v: S.exact_activation_qdq(v, a1q),
+        lambda v, e: S.exact_activation_qdq(v, a2q),
+        round_dtype=None,
+    )
     assert a2_64.dtype == torch.float64 and 20.0 < sqnr_db(unrounded, got) < math.inf
 
     seed, hw = (ex[n](x, tw, ti) for n in ("vllm", "hardware"))

@@ -43,11 +43,15 @@ def _error(argv, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("argv,option,valid", [
-    (["--only", "nope"], "--only", "01_end_to_end-nvfp4"),
-    (["--model-preset", "huge"], "--model-preset", "tiny"),
-    (["--notebooks", "/no/such/folder"], "--notebooks", "folder"),
-], ids=["only", "model-preset", "notebooks"])
+@pytest.mark.parametrize(
+    "argv,option,valid",
+    [
+        (["--only", "nope"], "--only", "01_end_to_end-nvfp4"),
+        (["--model-preset", "huge"], "--model-preset", "tiny"),
+        (["--notebooks", "/no/such/folder"], "--notebooks", "folder"),
+    ],
+    ids=["only", "model-preset", "notebooks"],
+)
 def test_bad_options_are_one_line_and_exit_2(argv, option, valid, notebooks, tmp_path, capsys):
     if option != "--notebooks":
         argv = argv + ["--notebooks", str(notebooks)]
@@ -90,8 +94,11 @@ def test_a_run_writes_under_out_only(notebooks, tmp_path, monkeypatch):
     assert [name for name, _ in done] == ["01_end_to_end-nvfp4", "01_end_to_end-mxfp4", "02_other"]
     assert all(c["cwd"] == str(out) for c in calls)
     params = {Path(c["dst"]).stem: c["parameters"] for c in calls}
-    assert params["01_end_to_end-mxfp4"] == {"scheme": "mxfp4", "results_path": "results/01_end_to_end-mxfp4.json",
-                                             "model_preset": "tiny"}
+    assert params["01_end_to_end-mxfp4"] == {
+        "scheme": "mxfp4",
+        "results_path": "results/01_end_to_end-mxfp4.json",
+        "model_preset": "tiny",
+    }
     assert params["02_other"] == {"results_path": "results/02_other.json"}  # it takes no model_preset
     assert sorted(p.name for p in notebooks.iterdir()) == before
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())

@@ -47,8 +47,16 @@ def main(argv: list[str]) -> int:
         nb = nbformat.read(executed, as_version=4)
         cells = cells_between(nb, start, stop)
         # The figures need the output that embeds plotly.js, which sits in the first figure's cell.
-        bundle = next((o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-                       if len(str(o.get("data", {}).get("text/html", ""))) > 1_000_000), None)
+        bundle = next(
+            (
+                o
+                for c in nb.cells
+                if c.cell_type == "code"
+                for o in c.get("outputs", [])
+                if len(str(o.get("data", {}).get("text/html", ""))) > 1_000_000
+            ),
+            None,
+        )
         if bundle is not None:
             loader = nbformat.v4.new_code_cell("", outputs=[bundle])
             loader.metadata["tags"] = ["remove_input"]
@@ -60,9 +68,22 @@ def main(argv: list[str]) -> int:
         html = out / f".{name}.html"
         html.write_text(body, encoding="utf-8")
         png = out / f"{name}.png"
-        subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        "--window-size=1100,1100", "--virtual-time-budget=20000", f"--screenshot={png}",
-                        html.as_uri()], check=True, capture_output=True, timeout=180)
+        subprocess.run(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--window-size=1100,1100",
+                "--virtual-time-budget=20000",
+                f"--screenshot={png}",
+                html.as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
         html.unlink()
         print(f"{png}: {png.stat().st_size // 1024} KiB")
     return 0

@@ -51,8 +51,15 @@ TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 FP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4")
 FP6_SCHEME = "w_mxfp6_e3m2"
 # anchor rows read for ratios and for the table
-ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu", "vllm_later_fused_nvfp4",
-               "floor_mxfp4", "floor_nvfp4")
+ANCHOR_ROWS = (
+    "vllm_bf16",
+    "vllm_bf16_noalign",
+    "tk_mxfp4",
+    "tk_mxfp4_unfused_silu",
+    "vllm_later_fused_nvfp4",
+    "floor_mxfp4",
+    "floor_nvfp4",
+)
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
 
 
@@ -82,11 +89,11 @@ def packed_bytes_per_expert(scheme: str) -> int:
 
 
 def build(w13, w2, x_cal, extra: bool) -> dict:
-    in13 = torch.full((E,), float(x_cal.abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor,
-                      device=DEVICE)
+    in13 = torch.full((E,), float(x_cal.abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE)
     h_cal = (x_cal[:512].float() @ w13[0].float().T).to(torch.bfloat16)
-    in2 = torch.full((E,), float(silu_and_mul(h_cal).abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor,
-                     device=DEVICE)
+    in2 = torch.full(
+        (E,), float(silu_and_mul(h_cal).abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE
+    )
     paths = {"mxlib_bf16": TritonExperts(w13, w2, backend="triton")}
     for name in FP4_SCHEMES + ((FP6_SCHEME,) if extra else ()):
         s = get_moe_scheme(name)
@@ -94,8 +101,9 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
         scales = (in13, in2) if s.static_activation_scale else (None, None)
         paths[f"mxlib_fused_{name}"] = make_emulation_experts(s, q, *scales, backend="fused")
         if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
-            paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(s, q, *scales, backend="fused",
-                                                                     numerics="hardware")
+            paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(
+                s, q, *scales, backend="fused", numerics="hardware"
+            )
         if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # dequantize-then-GEMM NVFP4 and FP6
             paths[f"mxlib_triton_{name}"] = make_emulation_experts(s, q, *scales, backend="triton")
     return paths
@@ -140,10 +148,17 @@ def run(tokens, extra: bool = True, log=print) -> dict:
                 fused_vllm = out
         if ref_vllm is not None and fused_vllm is not None:
             a, b = fused_vllm.double(), ref_vllm.double()
-            result["checks"].append(dict(M=m, what="fused nvfp4 vLLM vs dequantize-then-GEMM, relative L2",
-                                         rel=((a - b).norm() / b.norm()).item()))
-        log(f"M={m} ({time.time() - t0:.0f}s): " + ", ".join(
-            f"{r['path']} {r['graph_ms']:.3f}" for r in result["rows"] if r["M"] == m))
+            result["checks"].append(
+                dict(
+                    M=m,
+                    what="fused nvfp4 vLLM vs dequantize-then-GEMM, relative L2",
+                    rel=((a - b).norm() / b.norm()).item(),
+                )
+            )
+        log(
+            f"M={m} ({time.time() - t0:.0f}s): "
+            + ", ".join(f"{r['path']} {r['graph_ms']:.3f}" for r in result["rows"] if r["M"] == m)
+        )
     return result
 
 
@@ -173,8 +188,9 @@ def ratios(result: dict, anchor: dict) -> dict:
             d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))
         d[f"fused nvfp4 hardware / {TK}"] = ratio(t(mine, "mxlib_fused_nvfp4_hw", m), tk)
         d["mxlib_bf16 / fused nvfp4 hardware"] = ratio(bf16, t(mine, "mxlib_fused_nvfp4_hw", m))
-        d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m),
-                                                     t(mine, f"mxlib_triton_{FP6_SCHEME}", m))
+        d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] = ratio(
+            t(mine, f"mxlib_fused_{FP6_SCHEME}", m), t(mine, f"mxlib_triton_{FP6_SCHEME}", m)
+        )
         d["fused w_mxfp6_e3m2 / mxlib_bf16"] = ratio(t(mine, f"mxlib_fused_{FP6_SCHEME}", m), bf16)
         out[m] = d
     return out
@@ -190,26 +206,48 @@ def floors(rat: dict, result: dict) -> list[dict]:
         if not vals:
             return
         worst = max(vals.values()) if le else min(vals.values())
-        checks.append(dict(floor=what, limit=limit, worst=worst, holds=(worst <= limit) if le else (worst >= limit),
-                           values=vals))
+        checks.append(
+            dict(floor=what, limit=limit, worst=worst, holds=(worst <= limit) if le else (worst >= limit), values=vals)
+        )
 
     add(f"w_mxfp4 fused / {TK} <= 1.0 at every M", {m: d[f"fused w_mxfp4 / {TK}"] for m, d in rat.items()}, 1.0)
     for name in ("w_mxfp4_a_mxfp4", "nvfp4"):
         add(f"{name} fused / {TK} <= 1.15 at every M", {m: d[f"fused {name} / {TK}"] for m, d in rat.items()}, 1.15)
-        add(f"mxlib_bf16 / {name} fused >= 1.5 at M = 16, 64",
-            {m: d[f"mxlib_bf16 / fused {name}"] for m, d in rat.items() if m in (16, 64)}, 1.5, le=False)
+        add(
+            f"mxlib_bf16 / {name} fused >= 1.5 at M = 16, 64",
+            {m: d[f"mxlib_bf16 / fused {name}"] for m, d in rat.items() if m in (16, 64)},
+            1.5,
+            le=False,
+        )
     # NVFP4 in hardware numerics (the same floors, for the operands an FP4 tensor core would use)
-    add(f"nvfp4 hardware fused / {TK} <= 1.15 at every M", {m: d[f"fused nvfp4 hardware / {TK}"] for m, d in rat.items()},
-        1.15)
-    add("mxlib_bf16 / nvfp4 hardware fused >= 1.5 at M = 16, 64",
-        {m: d["mxlib_bf16 / fused nvfp4 hardware"] for m, d in rat.items() if m in (16, 64)}, 1.5, le=False)
+    add(
+        f"nvfp4 hardware fused / {TK} <= 1.15 at every M",
+        {m: d[f"fused nvfp4 hardware / {TK}"] for m, d in rat.items()},
+        1.15,
+    )
+    add(
+        "mxlib_bf16 / nvfp4 hardware fused >= 1.5 at M = 16, 64",
+        {m: d["mxlib_bf16 / fused nvfp4 hardware"] for m, d in rat.items() if m in (16, 64)},
+        1.5,
+        le=False,
+    )
     for name in ("w_mxfp4", "nvfp4", "nvfp4_hw"):
-        add(f"{name} fused >= 45% of the memory floor at M = 16, 64",
-            {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)}, 0.45, le=False)
-    add("FP6 fused / dequantize-then-GEMM <= 1.0 at every M",
-        {m: d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] for m, d in rat.items()}, 1.0)
-    add("FP6 fused / mxlib_bf16 <= 1.0 at M = 16, 64",
-        {m: d["fused w_mxfp6_e3m2 / mxlib_bf16"] for m, d in rat.items() if m in (16, 64)}, 1.0)
+        add(
+            f"{name} fused >= 45% of the memory floor at M = 16, 64",
+            {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)},
+            0.45,
+            le=False,
+        )
+    add(
+        "FP6 fused / dequantize-then-GEMM <= 1.0 at every M",
+        {m: d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] for m, d in rat.items()},
+        1.0,
+    )
+    add(
+        "FP6 fused / mxlib_bf16 <= 1.0 at M = 16, 64",
+        {m: d["fused w_mxfp6_e3m2 / mxlib_bf16"] for m, d in rat.items() if m in (16, 64)},
+        1.0,
+    )
     add("mxlib_bf16 / vllm_bf16 <= 1.05 at every M", {m: d["mxlib_bf16 / vllm_bf16"] for m, d in rat.items()}, 1.05)
     return checks
 
@@ -227,8 +265,10 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
     mine = _by(result["rows"])
     lines = []
     e = result["env"]
-    lines.append(f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
-                 f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), anchor input recipe.\n")
+    lines.append(
+        f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
+        f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), anchor input recipe.\n"
+    )
     t = head.format("row (ms)")
     if anchor:
         anc = _by(anchor.get("rows", []))
@@ -266,12 +306,15 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
 
 
 def main(argv=None, json_path=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mxlib.bench fused", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mxlib.bench fused", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--anchor", default=None, help="the anchor harness's JSON from the same device call")
     ap.add_argument("--markdown", default=None, help="write the markdown tables here")
-    ap.add_argument("--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no dequantize-then-GEMM, no FP6)")
+    ap.add_argument(
+        "--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no dequantize-then-GEMM, no FP6)"
+    )
     ap.add_argument("--json", default=json_path)
     args = ap.parse_args(argv)
     result = run([int(t) for t in args.tokens.split(",")], extra=not args.no_extra)

@@ -31,7 +31,8 @@ every path), ``use_cache=False``, and the output the logits ``[1, M, vocab]``. T
 Reported per row: ``ms`` (graph time where there is one, else eager), ``tokens_per_s`` (``M / ms``),
 ``ratio_to_bf16`` (``ms`` over the bf16 path's at the same ``M``; also ``eager_ratio_to_bf16``),
 ``moe_share`` (``(ms - no_moe_ms) / ms``: ``no_moe_ms`` is the same forward with every MoE block
-(router and experts) replaced by zeros, in the same graph mode, else eager), ``sqnr_db_vs_bf16`` (eager logits against the bf16
+(router and experts) replaced by zeros, in the same graph mode, else eager), ``sqnr_db_vs_bf16`` (eager logits
+against the bf16
 path's, dB; None for bf16; a scheme run on two backends also gets ``sqnr_db_vs_path`` against its first,
 ``vs_path``) and the graph check: ``graph_bit_exact`` (the replay's logits equal to the
 eager forward's) and, when they differ, ``graph_sqnr_db``.
@@ -75,8 +76,17 @@ from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
 from ._common import capture
 
-__all__ = ["TOKENS", "CUDA_SCHEMES", "CPU_SCHEMES", "PathSpec", "parse_paths", "build_model", "bench_model",
-           "markdown", "main"]
+__all__ = [
+    "TOKENS",
+    "CUDA_SCHEMES",
+    "CPU_SCHEMES",
+    "PathSpec",
+    "parse_paths",
+    "build_model",
+    "bench_model",
+    "markdown",
+    "main",
+]
 
 TOKENS = (1, 8, 64, 1024)
 # Emulation paths by default: the FP4 schemes on the CUDA default backend (fused) and NVFP4 dequantize-then-GEMM.
@@ -110,8 +120,10 @@ def parse_paths(text: str | None, device: torch.device) -> list[PathSpec]:
         if backend not in BACKENDS:
             raise ValueError(f"--schemes: {entry!r}: backend expected one of {list(BACKENDS)}, got {backend!r}")
         if device.type != "cuda" and backend not in ("auto", "torch"):
-            raise ValueError(f"--schemes: {entry!r}: backend {backend!r} needs CUDA; on {device.type} every path "
-                             "runs the torch backend (give the scheme alone)")
+            raise ValueError(
+                f"--schemes: {entry!r}: backend {backend!r} needs CUDA; on {device.type} every path "
+                "runs the torch backend (give the scheme alone)"
+            )
         try:
             name = get_moe_scheme(name).name
         except ValueError as e:
@@ -278,14 +290,31 @@ def _env(device: torch.device) -> dict:
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 @torch.no_grad()
-def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, schemes: str | None = None,
-                device=None, seed: int = 0, calib_tokens: int = 1024, rep_ms: float = 200.0, graphs: bool = True,
-                min_sqnr_db: float = 1.0, min_graph_sqnr_db: float = 40.0, log=print, on_path=None) -> dict:
+def bench_model(
+    preset: str = "qwen3-30b-a3b",
+    layers: int = 48,
+    tokens=TOKENS,
+    schemes: str | None = None,
+    device=None,
+    seed: int = 0,
+    calib_tokens: int = 1024,
+    rep_ms: float = 200.0,
+    graphs: bool = True,
+    min_sqnr_db: float = 1.0,
+    min_graph_sqnr_db: float = 40.0,
+    log=print,
+    on_path=None,
+) -> dict:
     """Time the whole-model forward per path and token count (module docstring); returns the JSON dict.
 
     ``on_path(result)``, if given, is called after each path with the result so far (the CLI writes its
@@ -312,19 +341,32 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
         calib_ids = torch.randint(0, cfg.vocab_size, (max(1, calib_tokens // seq), seq), generator=gen)
         calib = calibrate(model, calib_ids)
         never = sum(int((lc.a1_amax == 0).sum()) for lc in calib.layers)
-        log(f"[model] calibrated on {calib_ids.numel()} tokens in {time.perf_counter() - t0:.1f} s "
-            f"({never} (layer, expert) pairs never routed to)", flush=True)
+        log(
+            f"[model] calibrated on {calib_ids.numel()} tokens in {time.perf_counter() - t0:.1f} s "
+            f"({never} (layer, expert) pairs never routed to)",
+            flush=True,
+        )
     weights = [tuple(w.detach() for w in expert_weights(model, i)) for i in range(layers)]
     swap_experts(model, _bf16_experts(weights))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result = {
         "env": _env(device),
-        "config": dict(preset=preset, layers=layers, hidden_size=cfg.hidden_size,
-                       moe_intermediate_size=cfg.moe_intermediate_size, num_experts=cfg.num_experts,
-                       top_k=cfg.num_experts_per_tok, vocab_size=cfg.vocab_size, tokens=tokens, seed=seed,
-                       calib_tokens=calib.num_tokens if calib else 0, rep_ms=rep_ms, graphs=graphs,
-                       device=str(device)),
+        "config": dict(
+            preset=preset,
+            layers=layers,
+            hidden_size=cfg.hidden_size,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            vocab_size=cfg.vocab_size,
+            tokens=tokens,
+            seed=seed,
+            calib_tokens=calib.num_tokens if calib else 0,
+            rep_ms=rep_ms,
+            graphs=graphs,
+            device=str(device),
+        ),
         "model_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
         + sum(w.numel() * w.element_size() for pair in weights for w in pair) / 1e9,
         "no_moe": {},
@@ -347,9 +389,14 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
     finally:
         for layer, block in zip(model.model.layers, blocks):
             layer.mlp = block
-    log("[model] without MoE blocks: " + ", ".join(
-        f"M={m} eager {v['eager_ms']:.2f} ms" + (f" graph {v['graph_ms']:.2f} ms" if v["graph_ms"] else "")
-        for m, v in result["no_moe"].items()), flush=True)
+    log(
+        "[model] without MoE blocks: "
+        + ", ".join(
+            f"M={m} eager {v['eager_ms']:.2f} ms" + (f" graph {v['graph_ms']:.2f} ms" if v["graph_ms"] else "")
+            for m, v in result["no_moe"].items()
+        ),
+        flush=True,
+    )
 
     ref_logits: dict[int, torch.Tensor] = {}
     bf16_rows: dict[int, dict] = {}
@@ -379,8 +426,11 @@ def bench_model(preset: str = "qwen3-30b-a3b", layers: int = 48, tokens=TOKENS, 
             row["ms"] = row["graph_ms"] if row.get("graph_ms") is not None else row["eager_ms"]
             row["tokens_per_s"] = m / (row["ms"] * 1e-3)
             nm = result["no_moe"][m]
-            base = nm["graph_ms"] if row.get("graph_ms") is not None and row.get("graph_mode") == nm["graph_mode"] \
+            base = (
+                nm["graph_ms"]
+                if row.get("graph_ms") is not None and row.get("graph_mode") == nm["graph_mode"]
                 else nm["eager_ms"]
+            )
             row["no_moe_ms"] = base
             row["moe_share"] = (row["ms"] - base) / row["ms"]
             if spec.scheme is None:
@@ -421,9 +471,11 @@ def _graph_check(row: dict) -> str:
 def _row_summary(row: dict) -> str:
     g = f", graph {row['graph_ms']:.3f} ms ({row['graph_mode']})" if row.get("graph_ms") is not None else ""
     v = f", {row['sqnr_db_vs_path']:.1f} dB vs {row['vs_path']}" if "vs_path" in row else ""
-    return (f"eager {row['eager_ms']:.3f} ms{g}, {row['tokens_per_s']:.0f} tok/s, {row['ratio_to_bf16']:.2f}x bf16, "
-            f"MoE share {row['moe_share']:.0%}, SQNR vs bf16 {_fmt(row['sqnr_db_vs_bf16'], '.1f')} dB{v}, "
-            f"graph vs eager {_graph_check(row)}")
+    return (
+        f"eager {row['eager_ms']:.3f} ms{g}, {row['tokens_per_s']:.0f} tok/s, {row['ratio_to_bf16']:.2f}x bf16, "
+        f"MoE share {row['moe_share']:.0%}, SQNR vs bf16 {_fmt(row['sqnr_db_vs_bf16'], '.1f')} dB{v}, "
+        f"graph vs eager {_graph_check(row)}"
+    )
 
 
 def _check_row(row: dict, spec: PathSpec, min_sqnr_db: float, min_graph_sqnr_db: float, failures: list) -> None:
@@ -433,8 +485,10 @@ def _check_row(row: dict, spec: PathSpec, min_sqnr_db: float, min_graph_sqnr_db:
         if v is not None and not (math.isfinite(v) and v > 0):
             failures.append(f"{where}: {key} = {v} (expected a positive finite time)")
     if row.get("graph_sqnr_db") is not None and not row["graph_sqnr_db"] >= min_graph_sqnr_db:
-        failures.append(f"{where}: graph replay's logits {row['graph_sqnr_db']:.1f} dB from the eager logits "
-                        f"(expected >= {min_graph_sqnr_db} dB)")
+        failures.append(
+            f"{where}: graph replay's logits {row['graph_sqnr_db']:.1f} dB from the eager logits "
+            f"(expected >= {min_graph_sqnr_db} dB)"
+        )
     if spec.scheme is not None and not row["sqnr_db_vs_bf16"] >= min_sqnr_db:
         failures.append(f"{where}: logits {row['sqnr_db_vs_bf16']:.2f} dB from bf16 (expected >= {min_sqnr_db} dB)")
 
@@ -462,24 +516,33 @@ def markdown(result: dict) -> str:
     ]
 
     def table(title, cell):
-        out = [f"**{title}**", "", "| path | " + " | ".join(f"M = {m}" for m in tokens) + " |",
-               "|---|" + "---|" * len(tokens)]
+        out = [
+            f"**{title}**",
+            "",
+            "| path | " + " | ".join(f"M = {m}" for m in tokens) + " |",
+            "|---|" + "---|" * len(tokens),
+        ]
         for p in paths:
             out.append(f"| {p} | " + " | ".join(cell(at[(p, m)]) if (p, m) in at else "-" for m in tokens) + " |")
         return out + [""]
 
     timed = "CUDA-graph replay" if any(r.get("graph_ms") is not None for r in rows) else "eager (no graph)"
-    lines += table(f"ms per forward ({timed}), ratio to bf16",
-                   lambda r: f"{r['ms']:.3f} ({r['ratio_to_bf16']:.2f}x)")
+    lines += table(f"ms per forward ({timed}), ratio to bf16", lambda r: f"{r['ms']:.3f} ({r['ratio_to_bf16']:.2f}x)")
     lines += table("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}")
-    lines += table("eager ms per forward, ratio to bf16",
-                   lambda r: f"{r['eager_ms']:.2f} ({r['eager_ratio_to_bf16']:.2f}x)")
-    lines += table("MoE share of the forward (blocks replaced by zeros for the rest)",
-                   lambda r: f"{r['moe_share']:.0%}")
-    lines += table("logits SQNR vs bf16 (dB); graph replay vs eager",
-                   lambda r: f"{_fmt(r['sqnr_db_vs_bf16'], '.1f')}"
-                             + (f" ({r['sqnr_db_vs_path']:.1f} vs {r['vs_path']})" if "vs_path" in r else "")
-                             + f"; {_graph_check(r)}")
+    lines += table(
+        "eager ms per forward, ratio to bf16", lambda r: f"{r['eager_ms']:.2f} ({r['eager_ratio_to_bf16']:.2f}x)"
+    )
+    lines += table(
+        "MoE share of the forward (blocks replaced by zeros for the rest)", lambda r: f"{r['moe_share']:.0%}"
+    )
+    lines += table(
+        "logits SQNR vs bf16 (dB); graph replay vs eager",
+        lambda r: (
+            f"{_fmt(r['sqnr_db_vs_bf16'], '.1f')}"
+            + (f" ({r['sqnr_db_vs_path']:.1f} vs {r['vs_path']})" if "vs_path" in r else "")
+            + f"; {_graph_check(r)}"
+        ),
+    )
     skipped = {r.get("graph_skipped") for r in rows} - {None}
     errors = {r.get("graph_error") for r in rows} - {None}
     lines += [f"Graphs skipped: {s}" for s in skipped] + [f"Whole-forward capture failed: {e}" for e in errors]
@@ -489,13 +552,17 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None, json_path=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mxlib.bench model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mxlib.bench model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--schemes", default=None,
-                    help=f"scheme[@backend],... (default on CUDA {','.join(CUDA_SCHEMES)}; on the CPU "
-                         f"{','.join(CPU_SCHEMES)}); bf16 always runs first")
+    ap.add_argument(
+        "--schemes",
+        default=None,
+        help=f"scheme[@backend],... (default on CUDA {','.join(CUDA_SCHEMES)}; on the CPU "
+        f"{','.join(CPU_SCHEMES)}); bf16 always runs first",
+    )
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="mxlib.models.qwen3.MODEL_PRESETS name")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -518,6 +585,7 @@ def main(argv=None, json_path=None) -> int:
             raise ValueError(f"--layers: expected a positive integer, got {args.layers}")
     except ValueError as e:
         ap.error(str(e))
+
     def write(result):
         if args.json:
             with open(args.json, "w") as f:
@@ -526,8 +594,20 @@ def main(argv=None, json_path=None) -> int:
             with open(args.markdown, "w") as f:
                 f.write(markdown(result))
 
-    result = bench_model(args.preset, args.layers, tokens, args.schemes, device, args.seed, args.calib_tokens,
-                         args.rep_ms, not args.no_graph, args.min_sqnr_db, args.min_graph_sqnr_db, on_path=write)
+    result = bench_model(
+        args.preset,
+        args.layers,
+        tokens,
+        args.schemes,
+        device,
+        args.seed,
+        args.calib_tokens,
+        args.rep_ms,
+        not args.no_graph,
+        args.min_sqnr_db,
+        args.min_graph_sqnr_db,
+        on_path=write,
+    )
     write(result)
     print(markdown(result))
     return 1 if result["failures"] else 0

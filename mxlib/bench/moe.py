@@ -47,18 +47,37 @@ DEVICE = "cuda"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 
 FUSED_CANDIDATES = [
-    TileConfig(16, 64, 128, 1, 4, 3), TileConfig(16, 64, 256, 1, 4, 3), TileConfig(16, 128, 128, 1, 4, 3),
-    TileConfig(16, 64, 128, 1, 4, 4), TileConfig(32, 64, 128, 1, 4, 3), TileConfig(32, 128, 128, 4, 8, 3),
-    TileConfig(64, 64, 128, 4, 4, 3), TileConfig(64, 128, 64, 4, 8, 3), TileConfig(64, 128, 128, 8, 8, 3),
-    TileConfig(128, 128, 64, 8, 8, 3), TileConfig(128, 64, 64, 8, 4, 3), TileConfig(128, 128, 128, 8, 8, 3),
-    TileConfig(16, 64, 128, 1, 4, 4, True), TileConfig(16, 128, 128, 1, 4, 3, True), TileConfig(32, 64, 128, 1, 4, 3, True),
-    TileConfig(64, 128, 64, 4, 8, 3, True), TileConfig(128, 64, 64, 8, 4, 3, True), TileConfig(128, 128, 64, 8, 8, 3, True),
-    TileConfig(256, 128, 64, 8, 8, 3), TileConfig(256, 64, 64, 8, 8, 3, True),
+    TileConfig(16, 64, 128, 1, 4, 3),
+    TileConfig(16, 64, 256, 1, 4, 3),
+    TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 64, 128, 1, 4, 4),
+    TileConfig(32, 64, 128, 1, 4, 3),
+    TileConfig(32, 128, 128, 4, 8, 3),
+    TileConfig(64, 64, 128, 4, 4, 3),
+    TileConfig(64, 128, 64, 4, 8, 3),
+    TileConfig(64, 128, 128, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 3),
+    TileConfig(128, 64, 64, 8, 4, 3),
+    TileConfig(128, 128, 128, 8, 8, 3),
+    TileConfig(16, 64, 128, 1, 4, 4, True),
+    TileConfig(16, 128, 128, 1, 4, 3, True),
+    TileConfig(32, 64, 128, 1, 4, 3, True),
+    TileConfig(64, 128, 64, 4, 8, 3, True),
+    TileConfig(128, 64, 64, 8, 4, 3, True),
+    TileConfig(128, 128, 64, 8, 8, 3, True),
+    TileConfig(256, 128, 64, 8, 8, 3),
+    TileConfig(256, 64, 64, 8, 8, 3, True),
 ]
 BF16_CANDIDATES = [
-    TileConfig(16, 64, 128, 1, 4, 4), TileConfig(16, 128, 128, 1, 4, 3), TileConfig(16, 64, 256, 1, 4, 3),
-    TileConfig(32, 64, 128, 8, 4, 4), TileConfig(32, 128, 64, 8, 4, 4), TileConfig(64, 64, 64, 8, 4, 4),
-    TileConfig(64, 128, 64, 8, 4, 4), TileConfig(64, 128, 64, 8, 8, 3), TileConfig(128, 128, 64, 8, 8, 3),
+    TileConfig(16, 64, 128, 1, 4, 4),
+    TileConfig(16, 128, 128, 1, 4, 3),
+    TileConfig(16, 64, 256, 1, 4, 3),
+    TileConfig(32, 64, 128, 8, 4, 4),
+    TileConfig(32, 128, 64, 8, 4, 4),
+    TileConfig(64, 64, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 4, 4),
+    TileConfig(64, 128, 64, 8, 8, 3),
+    TileConfig(128, 128, 64, 8, 8, 3),
     TileConfig(128, 256, 64, 8, 8, 3),
 ]
 
@@ -115,7 +134,9 @@ def build_layer(scheme: str, seed: int = 0):
 
 
 def _packed_bytes_per_expert(em) -> float:
-    n = sum(t.numel() * t.element_size() for t in (em.w13_weight, em.w13_weight_scale, em.w2_weight, em.w2_weight_scale))
+    n = sum(
+        t.numel() * t.element_size() for t in (em.w13_weight, em.w13_weight_scale, em.w2_weight, em.w2_weight_scale)
+    )
     return n / E
 
 
@@ -147,8 +168,10 @@ def sweep(em, bf16, tokens) -> tuple[dict, dict]:
             bf16.gemm_config = cfg
             res.append((_ms(lambda: bf16(x, tw, ti), rep=25), cfg))
         best_b[m] = min(res, key=lambda r: r[0])
-        print(f"[sweep] M={m}: fused {best_f[m][0]:.3f} ms {best_f[m][1]} | bf16 {best_b[m][0]:.3f} ms {best_b[m][1]}",
-              flush=True)
+        print(
+            f"[sweep] M={m}: fused {best_f[m][0]:.3f} ms {best_f[m][1]} | bf16 {best_b[m][0]:.3f} ms {best_b[m][1]}",
+            flush=True,
+        )
     em.fused_config = None
     bf16.gemm_config = None
     return {m: c for m, (_, c) in best_f.items()}, {m: c for m, (_, c) in best_b.items()}
@@ -198,11 +221,14 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         row["bf16_tflops_frac"] = flops / (row["bf16_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
         row["packed_weight_mb"] = per_expert_bytes * E / 1e6
         rows.append(row)
-        print(f"[{scheme}] M={m:5d} bf16 {row['bf16_ms']:.3f} dequant {row['dequant_ms']:.3f} fused {row['fused_ms']:.3f} ms "
-              f"(graph {row['bf16_graph_ms']:.3f}/{row['dequant_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
-              f"x{row['fused_speedup_vs_dequant']:.1f} vs seed, {row['fused_over_bf16']:.2f} of bf16, "
-              f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_dequant_rel_err']:.1e}", flush=True)
-    del bf16
+        print(
+            f"[{scheme}] M={m:5d} bf16 {row['bf16_ms']:.3f} dequant {row['dequant_ms']:.3f} "
+            f"fused {row['fused_ms']:.3f} ms "
+            f"(graph {row['bf16_graph_ms']:.3f}/{row['dequant_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
+            f"x{row['fused_speedup_vs_dequant']:.1f} vs dequant, {row['fused_over_bf16']:.2f} of bf16, "
+            f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_dequant_rel_err']:.1e}",
+            flush=True,
+        )
     return rows
 
 
@@ -224,8 +250,9 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
                 in13 = in2 = None
                 if s.static_activation_scale:
                     in13, in2 = (t.to(DEVICE) for t in calib.input_scales(li, s.activation))
-                emu_experts.append(make_emulation_experts(s, quantize_expert_weights(w13, w2, s), in13, in2,
-                                                          backend="fused"))
+                emu_experts.append(
+                    make_emulation_experts(s, quantize_expert_weights(w13, w2, s), in13, in2, backend="fused")
+                )
         for m in tokens:
             x = torch.randint(0, cfg.vocab_size, (1, m), device=DEVICE)
             row = dict(layers=layers, tokens=m)
@@ -236,10 +263,14 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
                         ex.backend = "triton" if name == "dequant" else "fused"
                     mlp.experts = X.TransformersExperts(ex)
                 with torch.no_grad():
-                    row[f"{name}_ms"] = _ms(lambda: model(input_ids=x, use_cache=False), rep=200)
+                    row[f"{name}_ms"] = _ms(lambda model=model, x=x: model(input_ids=x, use_cache=False), rep=200)
             rows.append(row)
-            print(f"[model] {layers} layers, {m} tokens: bf16 {row['bf16_ms']:.1f} ms, dequant {row['dequant_ms']:.1f} ms, "
-                  f"fused {row['fused_ms']:.1f} ms", flush=True)
+            print(
+                f"[model] {layers} layers, {m} tokens: bf16 {row['bf16_ms']:.1f} ms, "
+                f"dequant {row['dequant_ms']:.1f} ms, "
+                f"fused {row['fused_ms']:.1f} ms",
+                flush=True,
+            )
         del model, bf16_experts, emu_experts
         torch.cuda.empty_cache()
     return rows
@@ -250,10 +281,13 @@ def print_floors(rows: list[dict]) -> list[dict]:
     floors = floors_table(rows)
     for r in floors:
         want = f"{r['target_vs_dequant']}x" if r["target_vs_dequant"] != "" else "-"
-        print(f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than dequantize-then-GEMM (wanted {want}), "
-              f"{r['fused_over_bf16']:.2f}x bf16's time (allowed {r['target_over_bf16']}x), meets {r['meets']}, "
-              f"floor fraction {r['floor_frac']:.2f}, peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
-              flush=True)
+        print(
+            f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than "
+            f"dequantize-then-GEMM (wanted {want}), "
+            f"{r['fused_over_bf16']:.2f}x bf16's time (allowed {r['target_over_bf16']}x), meets {r['meets']}, "
+            f"floor fraction {r['floor_frac']:.2f}, peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
+            flush=True,
+        )
     return floors
 
 
@@ -271,7 +305,9 @@ def main(argv=None, json_path=None) -> int:
     args.short_tokens = [int(t) for t in args.short_tokens.split(",")]
     tokens = [int(t) for t in args.tokens.split(",")]
     ceilings = machine_ceilings()
-    print(f"# {env()} copy {ceilings['copy_gbs']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True)
+    print(
+        f"# {env()} copy {ceilings['copy_gbs']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s", flush=True
+    )
     result = {"env": env(), "ceilings": ceilings, "rows": [], "best_fused": {}, "best_bf16": {}}
     best_f: dict[int, dict] = {}  # weight bits -> {M: TileConfig}
     best_b = None
@@ -286,8 +322,14 @@ def main(argv=None, json_path=None) -> int:
             best_b = best_b or bb
             result["best_fused"][bits] = {m: c.__dict__ for m, c in bf.items()}
             result["best_bf16"] = {m: c.__dict__ for m, c in best_b.items()}
-        result["rows"] += bench_scheme(scheme, tokens if scheme in schemes[: args.full] else args.short_tokens,
-                                       ceilings, best_f.get(bits), best_b, layer)
+        result["rows"] += bench_scheme(
+            scheme,
+            tokens if scheme in schemes[: args.full] else args.short_tokens,
+            ceilings,
+            best_f.get(bits),
+            best_b,
+            layer,
+        )
         del layer
         torch.cuda.empty_cache()
         if json_path:

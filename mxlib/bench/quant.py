@@ -31,8 +31,17 @@ def bench_quant(rows: int = 65536, k: int = 2048) -> dict:
         fn()
         ms = _median_ms(fn)
         gbs = (read + written) / (ms * 1e-3) / 1e9
-        results.append(dict(kernel=name, format=fmt, elements=n, mbytes=(read + written) / 1e6, ms=ms,
-                            gbs=gbs, frac_copy=gbs / copy_gbs))
+        results.append(
+            dict(
+                kernel=name,
+                format=fmt,
+                elements=n,
+                mbytes=(read + written) / 1e6,
+                ms=ms,
+                gbs=gbs,
+                frac_copy=gbs / copy_gbs,
+            )
+        )
 
     for el, f in ELEMENT_FORMATS.items():
         packed_bytes = n * f.nbits // 8
@@ -40,7 +49,13 @@ def bench_quant(rows: int = 65536, k: int = 2048) -> dict:
         add("quant_dequant_mx", el, lambda: K.quant_dequant_mx(x, el), 2 * n, 2 * n)
         add("quantize_mx", el, lambda: K.quantize_mx(x, el), 2 * n, packed_bytes + scale_bytes)
         p, s = K.quantize_mx(x, el)
-        add("dequantize_mx", el, lambda: K.dequantize_mx(p, s, el, MX_BLOCK_SIZE, torch.bfloat16), packed_bytes + scale_bytes, 2 * n)
+        add(
+            "dequantize_mx",
+            el,
+            lambda: K.dequantize_mx(p, s, el, MX_BLOCK_SIZE, torch.bfloat16),
+            packed_bytes + scale_bytes,
+            2 * n,
+        )
     # the scales are checked once here; the timed calls skip the check (a host sync each call)
     gs = torch.tensor([NVFP4_SCALE_DIVISOR / float(x.float().abs().amax())], device="cuda")
     check_global_scale(gs, "gs")
@@ -48,12 +63,22 @@ def bench_quant(rows: int = 65536, k: int = 2048) -> dict:
     w = x.reshape(128, -1, k)
     p, s, g = K.quantize_nvfp4(w)
     add("quantize_nvfp4", "nvfp4", lambda: K.quantize_nvfp4(w, g), 2 * n, n // 2 + n // NVFP4.block_size)
-    add("dequantize_to_dtype", "nvfp4", lambda: K.dequantize_to_dtype(p, s, g, torch.bfloat16, check_scale=False),
-        n // 2 + n // NVFP4.block_size, 2 * n)
+    add(
+        "dequantize_to_dtype",
+        "nvfp4",
+        lambda: K.dequantize_to_dtype(p, s, g, torch.bfloat16, check_scale=False),
+        n // 2 + n // NVFP4.block_size,
+        2 * n,
+    )
     sc = torch.tensor(0.01, device="cuda")
     check_global_scale(sc, "sc", what="input_scale")
-    add("quant_dequant_fp8_per_tensor", "e4m3", lambda: K.quant_dequant_fp8_per_tensor(x, sc, check_scale=False),
-        2 * n, 2 * n)
+    add(
+        "quant_dequant_fp8_per_tensor",
+        "e4m3",
+        lambda: K.quant_dequant_fp8_per_tensor(x, sc, check_scale=False),
+        2 * n,
+        2 * n,
+    )
     return {"env": env(), "copy_gbs": copy_gbs, "shape": [rows, k], "results": results}
 
 
@@ -72,15 +97,21 @@ def sweep_quant(rows: int = 65536, k: int = 2048) -> list[dict]:
                 if max_bk > tile:
                     continue
                 _bridge.TILE_ELEMENTS, _bridge.NUM_WARPS, _bridge.MAX_BLOCK_K = tile, warps, max_bk
-                r = dict(tile=tile, warps=warps, max_block_k=max_bk,
-                         qdq_mx=_median_ms(lambda: K.quant_dequant_mx(x, "e2m1")),
-                         qdq_nvfp4=_median_ms(lambda: K.ref_nvfp4_quant_dequant(x, gs, check_scale=False)),
-                         deq_mx=_median_ms(lambda: K.dequantize_mx(p, s, "e2m1")),
-                         deq_nvfp4=_median_ms(lambda: K.dequantize_to_dtype(pn, sn, gn, torch.bfloat16,
-                                                                              check_scale=False)))
+                r = dict(
+                    tile=tile,
+                    warps=warps,
+                    max_block_k=max_bk,
+                    qdq_mx=_median_ms(lambda: K.quant_dequant_mx(x, "e2m1")),
+                    qdq_nvfp4=_median_ms(lambda: K.ref_nvfp4_quant_dequant(x, gs, check_scale=False)),
+                    deq_mx=_median_ms(lambda: K.dequantize_mx(p, s, "e2m1")),
+                    deq_nvfp4=_median_ms(lambda: K.dequantize_to_dtype(pn, sn, gn, torch.bfloat16, check_scale=False)),
+                )
                 out.append(r)
-                print("[sweep] " + " ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in r.items()),
-                      flush=True)
+                print(
+                    "[sweep] "
+                    + " ".join(f"{k_}={v:.4g}" if isinstance(v, float) else f"{k_}={v}" for k_, v in r.items()),
+                    flush=True,
+                )
     _bridge.TILE_ELEMENTS, _bridge.NUM_WARPS, _bridge.MAX_BLOCK_K = saved
     return out
 
@@ -91,4 +122,7 @@ def print_quant(res: dict) -> None:
     print(f"# copy bandwidth (read + write): {res['copy_gbs']:.0f} GB/s; input bf16 {res['shape']}")
     print(f"{'kernel':30s} {'format':6s} {'MB moved':>9s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s}")
     for r in res["results"]:
-        print(f"{r['kernel']:30s} {r['format']:6s} {r['mbytes']:9.0f} {r['ms']:8.3f} {r['gbs']:7.0f} {r['frac_copy']:8.1%}")
+        print(
+            f"{r['kernel']:30s} {r['format']:6s} {r['mbytes']:9.0f} {r['ms']:8.3f} {r['gbs']:7.0f} "
+            f"{r['frac_copy']:8.1%}"
+        )

@@ -214,8 +214,7 @@ def decode_element(code, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.
 
 
 @triton.jit
-def e8m0_scale_byte(amax, finite, EMAX: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr,
-                    SCALE_MODE: tl.constexpr):
+def e8m0_scale_byte(amax, finite, EMAX: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, SCALE_MODE: tl.constexpr):
     """E8M0 byte (int32) from a finite block amax; ``finite`` False gives 0xFF.
 
     SCALE_MODE 0 = floor, 1 = even, 2 = rceil (``mxlib.reference.e8m0_scale``);
@@ -293,6 +292,8 @@ def grouped_pid(pid, EM, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     first_pid_m = group_id * GROUP_SIZE_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
     return first_pid_m + ((pid % num_pid_in_group) % group_size_m), (pid % num_pid_in_group) // group_size_m
+
+
 # Helpers on whole tiles, shared by the standalone kernels (quant.py) and the fused
 # MoE kernels (fused_dequant_moe.py). Scale blocks always run along the last axis.
 
@@ -329,9 +330,19 @@ def load_codes(row_ptrs, rmask, k0, K, NBITS: tl.constexpr, BLOCK_R: tl.constexp
 
 
 @triton.jit
-def dequant_tile(codes, scale_bytes, g, EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr,
-                 BS: tl.constexpr, NVFP4: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 G_ENCODE: tl.constexpr = False):
+def dequant_tile(
+    codes,
+    scale_bytes,
+    g,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    SPECIALS: tl.constexpr,
+    BS: tl.constexpr,
+    NVFP4: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    G_ENCODE: tl.constexpr = False,
+):
     """fp32 values of a code tile: ``value * 2**(s - 127)`` (MX, E8M0 bytes), or vLLM's
     ``e2m1 * (fp32(e4m3 scale) * g)`` (NVFP4, ``g [BLOCK_R, 1]`` the decode global scale); with
     ``G_ENCODE`` ``g`` is an encode scale and the block scale is ``fp32(e4m3 scale) / g``
@@ -348,8 +359,17 @@ def dequant_tile(codes, scale_bytes, g, EBITS: tl.constexpr, MBITS: tl.constexpr
 
 
 @triton.jit
-def mx_qdq_tile(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
-                SCALE_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def mx_qdq_tile(
+    x,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """OCP MX QDQ of an fp32 tile (blocks of BS along the last axis); returns (values, E8M0 bytes)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
     # one integer max over |x|'s bits: non-negative floats order like their bits, and Inf/NaN
@@ -363,8 +383,17 @@ def mx_qdq_tile(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr,
 
 
 @triton.jit
-def mx_qdq_values(x, EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
-                  SCALE_MODE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def mx_qdq_values(
+    x,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """OCP MX quantize-then-dequantize of an fp32 tile, fp32 out (exact)."""
     v, byte = mx_qdq_tile(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
     return tl.reshape(v * decode_e8m0(byte)[:, :, None], (BLOCK_R, BLOCK_K))

@@ -42,8 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_align_block_size", "moe_align_block_size_triton", "naive_block_assignment", "align_blocks",
-           "RoutingPlan", "plan_routing"]
+__all__ = [
+    "moe_align_block_size",
+    "moe_align_block_size_triton",
+    "naive_block_assignment",
+    "align_blocks",
+    "RoutingPlan",
+    "plan_routing",
+]
 
 
 def moe_align_block_size(
@@ -104,11 +110,27 @@ def _chunk_hist_kernel(topk_ids_ptr, hist_ptr, numel, E: tl.constexpr, E_PAD: tl
 
 
 @triton.jit
-def _align_scatter_kernel(topk_ids_ptr, hist_ptr, base_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel,
-                          max_padded, num_blocks,
-                          E: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr,
-                          NCHUNK_PAD: tl.constexpr, SINGLE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BM_PAD: tl.constexpr, FILL: tl.constexpr, JB: tl.constexpr):
+def _align_scatter_kernel(
+    topk_ids_ptr,
+    hist_ptr,
+    base_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    num_post_ptr,
+    numel,
+    max_padded,
+    num_blocks,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    LOG_CHUNK: tl.constexpr,
+    NCHUNK_PAD: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BM_PAD: tl.constexpr,
+    FILL: tl.constexpr,
+    JB: tl.constexpr,
+):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     local = tl.arange(0, CHUNK)
@@ -147,8 +169,11 @@ def _align_scatter_kernel(topk_ids_ptr, hist_ptr, base_ptr, sorted_ptr, expert_i
         # sentinels: each expert's padding, then the tail
         j = tl.arange(0, BM_PAD)
         slot = (padded_start + counts)[:, None] + j[None, :]
-        tl.store(sorted_ptr + slot, tl.full((E_PAD, BM_PAD), 0, tl.int32) + numel,
-                 mask=(slot < padded_end[:, None]) & (experts < E)[:, None])
+        tl.store(
+            sorted_ptr + slot,
+            tl.full((E_PAD, BM_PAD), 0, tl.int32) + numel,
+            mask=(slot < padded_end[:, None]) & (experts < E)[:, None],
+        )
         for t0 in range(total, max_padded, FILL):
             t = t0 + tl.arange(0, FILL)
             tl.store(sorted_ptr + t, tl.full((FILL,), 0, tl.int32) + numel, mask=(t >= total) & (t < max_padded))
@@ -159,8 +184,11 @@ def _align_scatter_kernel(topk_ids_ptr, hist_ptr, base_ptr, sorted_ptr, expert_i
         nb = tl.where(experts < E, padded // BLOCK_M, 0)
         for j0 in range(0, tl.max(nb, 0), JB):
             jb = j0 + tl.arange(0, JB)
-            tl.store(expert_ids_ptr + first[:, None] + jb[None, :], experts[:, None] + 0 * jb[None, :],
-                     mask=jb[None, :] < nb[:, None])
+            tl.store(
+                expert_ids_ptr + first[:, None] + jb[None, :],
+                experts[:, None] + 0 * jb[None, :],
+                mask=jb[None, :] < nb[:, None],
+            )
         for b0 in range(total // BLOCK_M, num_blocks, FILL):
             b = b0 + tl.arange(0, FILL)
             tl.store(expert_ids_ptr + b, tl.full((FILL,), E - 1, tl.int32), mask=b < num_blocks)
@@ -207,10 +235,26 @@ def moe_align_block_size_triton(topk_ids: torch.Tensor, block_m: int, num_expert
         hist = torch.empty(nchunks, e_pad, dtype=torch.int32, device=device)
         _chunk_hist_kernel[(nchunks,)](flat, hist, numel, E=num_experts, E_PAD=e_pad, CHUNK=chunk)
     _align_scatter_kernel[(nchunks,)](
-        flat, hist, base, sorted_ids, expert_ids, num_post, numel, max_padded, num_blocks,
-        E=num_experts, E_PAD=e_pad, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1,
-        NCHUNK_PAD=triton.next_power_of_2(nchunks), SINGLE=single, BLOCK_M=block_m,
-        BM_PAD=triton.next_power_of_2(block_m), FILL=1024, JB=16, num_warps=8,
+        flat,
+        hist,
+        base,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        numel,
+        max_padded,
+        num_blocks,
+        E=num_experts,
+        E_PAD=e_pad,
+        CHUNK=chunk,
+        LOG_CHUNK=chunk.bit_length() - 1,
+        NCHUNK_PAD=triton.next_power_of_2(nchunks),
+        SINGLE=single,
+        BLOCK_M=block_m,
+        BM_PAD=triton.next_power_of_2(block_m),
+        FILL=1024,
+        JB=16,
+        num_warps=8,
     )
     return sorted_ids, expert_ids, num_post
 
@@ -259,8 +303,9 @@ class RoutingPlan:
         return self.aligned[block_m]
 
 
-def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_ms: Iterable[int],
-                 naive_ok: bool = True) -> RoutingPlan:
+def plan_routing(
+    topk_ids: torch.Tensor, num_experts: int, block_ms: Iterable[int], naive_ok: bool = True
+) -> RoutingPlan:
     """The routing plan of one forward: the one place where the alignment is decided.
 
     Args:
@@ -282,5 +327,6 @@ def plan_routing(topk_ids: torch.Tensor, num_experts: int, block_ms: Iterable[in
     m, k = topk_ids.shape
     if naive_ok and naive_block_assignment(m, k, num_experts):
         return RoutingPlan(num_experts, True, expert_ids=topk_ids.reshape(-1))
-    return RoutingPlan(num_experts, False,
-                       aligned={bm: align_blocks(topk_ids, bm, num_experts) for bm in dict.fromkeys(block_ms)})
+    return RoutingPlan(
+        num_experts, False, aligned={bm: align_blocks(topk_ids, bm, num_experts) for bm in dict.fromkeys(block_ms)}
+    )

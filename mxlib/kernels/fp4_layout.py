@@ -45,9 +45,22 @@ import triton.language as tl
 
 from . import _numerics as nm
 
-__all__ = ["FP4Weights", "K_TILE", "WORD_BIT_SOURCE", "W_MX", "W_NVFP4_VLLM", "W_NVFP4_HW", "fp4_one_multiply",
-           "prepare_fp4_weights", "unprepare_fp4_weights", "unprepare_fp4_packed", "decode_fp4_words", "load_rows",
-           "mma_order", "to_logical_rows"]
+__all__ = [
+    "FP4Weights",
+    "K_TILE",
+    "WORD_BIT_SOURCE",
+    "W_MX",
+    "W_NVFP4_VLLM",
+    "W_NVFP4_HW",
+    "fp4_one_multiply",
+    "prepare_fp4_weights",
+    "unprepare_fp4_weights",
+    "unprepare_fp4_packed",
+    "decode_fp4_words",
+    "load_rows",
+    "mma_order",
+    "to_logical_rows",
+]
 
 K_TILE = 128  # the prepared layout's K tile (elements): a byte holds elements p and p + 64 (see FP4Weights)
 # the decode's KIND (module docstring)
@@ -159,11 +172,12 @@ def fp4_one_multiply(scales: torch.Tensor, block_size: int, global_scale: torch.
     v = scales.view(torch.uint8).view(torch.float8_e4m3fn).float().abs().reshape(scales.shape[0], -1).amax(dim=1)
     g = global_scale.float().abs().reshape(scales.shape[0], -1)
     gmax = g.amax(dim=1)
-    return bool(((v * gmax) < 4).all() and (gmax < 4).all() and (g.amin() >= 2.0 ** -117))
+    return bool(((v * gmax) < 4).all() and (gmax < 4).all() and (g.amin() >= 2.0**-117))
 
 
-def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: int,
-                        global_scale: torch.Tensor | None = None) -> FP4Weights:
+def prepare_fp4_weights(
+    packed: torch.Tensor, scales: torch.Tensor, block_size: int, global_scale: torch.Tensor | None = None
+) -> FP4Weights:
     """Checkpoint-layout FP4 expert weights -> the kernel's layout (once, at load time).
 
     Args:
@@ -191,11 +205,15 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
     nvfp4 = block_size == 16
     if nvfp4 != (global_scale is not None):
         raise ValueError("global_scale: required for NVFP4 (block_size 16), not allowed for MXFP4")
-    byte_dtypes = (torch.uint8, torch.float8_e4m3fn) if nvfp4 else (torch.uint8,) + (
-        (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    byte_dtypes = (
+        (torch.uint8, torch.float8_e4m3fn)
+        if nvfp4
+        else (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
+    )
     if scales.dtype not in byte_dtypes:
-        raise ValueError(f"scales: expected the scale bytes as {' or '.join(map(str, byte_dtypes))}, got "
-                         f"{scales.dtype}")
+        raise ValueError(
+            f"scales: expected the scale bytes as {' or '.join(map(str, byte_dtypes))}, got {scales.dtype}"
+        )
     scales = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
     if tuple(scales.shape) != (e, rows, k // block_size):
         raise ValueError(f"scales: expected shape {[e, rows, k // block_size]}, got {list(scales.shape)}")
@@ -208,7 +226,6 @@ def prepare_fp4_weights(packed: torch.Tensor, scales: torch.Tensor, block_size: 
             raise ValueError(f"global_scale: expected [E] or [E, 2] with E={e}, got {list(global_scale.shape)}")
     scales = scales.contiguous()
     return FP4Weights(out, scales, block_size, nvfp4, global_scale, fp4_one_multiply(scales, block_size, global_scale))
-
 
 
 def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
@@ -224,8 +241,10 @@ def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:
         ValueError: not uint8 ``[E, rows, K / 2]`` with K a multiple of the K tile (128).
     """
     if packed.dtype != torch.uint8 or packed.ndim != 3 or packed.shape[2] % (K_TILE // 2):
-        raise ValueError(f"packed: expected prepared uint8 [E, rows, K/2] with K a multiple of {K_TILE}, got "
-                         f"{packed.dtype} {list(packed.shape)}")
+        raise ValueError(
+            f"packed: expected prepared uint8 [E, rows, K/2] with K a multiple of {K_TILE}, got "
+            f"{packed.dtype} {list(packed.shape)}"
+        )
     e, rows, half = packed.shape
     b = _permute_words(packed, to_new=False).view(e, rows, half // 64, 4, 4, 2, 2)  # [.., tile, c, j, h, e]
     lo = (b & 0xF).permute(0, 1, 2, 4, 5, 3, 6).reshape(e, rows, half // 64, 64)  # K order: [j, h, c, e]
@@ -242,7 +261,6 @@ def _to_mma_bytes(packed: torch.Tensor) -> torch.Tensor:
     # K = 16j + 8h + 2c + e -> byte c * 16 + j * 4 + h * 2 + e (low nibble: half tile 0, high: 1)
     codes = codes.view(rows, half // 64, 2, 4, 2, 4, 2).permute(0, 1, 2, 5, 3, 4, 6).reshape(rows, half // 64, 2, 64)
     return _permute_words((codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(rows, half), to_new=True)
-
 
 
 # ----------------------------------------------------------------------------- decode
@@ -318,6 +336,7 @@ _ASM_WORD_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_SCALE + 
 _ASM_WORD_VLLM_ONE = tl.constexpr(_REGS + _WORD_BITS + _TIMES_F32_SCALE + _WORD_OUT)
 _ASM_WORD_VLLM_TWO = tl.constexpr(_REGS + _WORD_BITS + _TIMES_2_126 + _TIMES_F32_SCALE + _WORD_OUT)
 
+
 # A row's scale word (four scale bytes, $4) -> the four multipliers ($0..$3, byte 0..3), decoded once a
 # row and then spread over the words they scale (``_tile_scales``). In PTX rather than Triton
 # arithmetic so that the compiler keeps the whole decode in the dot operand's register layout (with
@@ -329,21 +348,29 @@ def _each_byte(body: str) -> str:
 
 
 # E8M0 -> bf16x2 2**(b - 127) (the value twice): bits b << 7; b = 0 is 2**-127 (bf16 subnormal 0x0040), 255 NaN.
-_ASM_SCALES_E8M0 = tl.constexpr("{\n.reg .b32 b, v;\n.reg .pred p0, p1;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
+_ASM_SCALES_E8M0 = tl.constexpr(
+    "{\n.reg .b32 b, v;\n.reg .pred p0, p1;\n"
+    + _each_byte("""bfe.u32 b, $4, @8i, 8;
 shl.b32 v, b, 7;
 setp.eq.u32 p0, b, 0;
 setp.eq.u32 p1, b, 255;
 selp.b32 v, 0x40, v, p0;
 selp.b32 v, 0x7FC0, v, p1;
 prmt.b32 $i, v, v, 0x1010;
-""") + "}")
+""")
+    + "}"
+)
 # E8M0 -> bf16x2 2**(b - 127) * 2**126 = 2**(b - 1) (one-multiply form: every b <= 128): bits (b + 126) << 7.
 # (No guard for a byte above 128: two more instructions a byte cost the MXFP4 loop 7% of its instructions
 # (435 -> 467 SASS a step); ``fp4_one_multiply`` keeps such scales on the two-multiply form.)
-_ASM_SCALES_E8M0_ONE = tl.constexpr("{\n.reg .b32 b, v;\n" + _each_byte("""bfe.u32 b, $4, @8i, 8;
+_ASM_SCALES_E8M0_ONE = tl.constexpr(
+    "{\n.reg .b32 b, v;\n"
+    + _each_byte("""bfe.u32 b, $4, @8i, 8;
 mad.lo.u32 v, b, 128, 16128;
 prmt.b32 $i, v, v, 0x1010;
-""") + "}")
+""")
+    + "}"
+)
 # ue4m3 (e4m3fn bits) -> fp32 f0..f3, exactly: the hardware's e4m3 -> f16 conversion (two bytes an
 # instruction) is exact and keeps NaN; f16 -> f32 is exact.
 _E4M3X4_TO_F32 = """
@@ -363,15 +390,26 @@ cvt.f32.f16 f3, x3;
 # -> bf16x2 ue4m3 * 2**117 (hardware mode, exact: 2**108 .. 448 * 2**117 are normal bf16 values; the
 # code's 2**-126 makes the operand e2m1 * ue4m3 * 2**-9, exact too; the kernel multiplies the fp32
 # accumulator by 2**9)
-_ASM_SCALES_E4M3 = tl.constexpr("{" + _E4M3X4_TO_F32 + _each_byte("""mul.rn.f32 f@i, f@i, 0f7A000000;
+_ASM_SCALES_E4M3 = tl.constexpr(
+    "{"
+    + _E4M3X4_TO_F32
+    + _each_byte("""mul.rn.f32 f@i, f@i, 0f7A000000;
 cvt.rn.bf16x2.f32 $i, f@i, f@i;
-""") + "}")
+""")
+    + "}"
+)
 # -> fp32(ue4m3) * g ($5), one fp32 rounding (vLLM's per-block multiplier B), fp32 bits
-_ASM_SCALES_E4M3_G = tl.constexpr("{" + _E4M3X4_TO_F32 + """mul.rn.f32 $0, f0, $5;
+_ASM_SCALES_E4M3_G = tl.constexpr(
+    "{"
+    + _E4M3X4_TO_F32
+    + """mul.rn.f32 $0, f0, $5;
 mul.rn.f32 $1, f1, $5;
 mul.rn.f32 $2, f2, $5;
 mul.rn.f32 $3, f3, $5;
-}""")
+}"""
+)
+
+
 @triton.jit
 def _row_scales(s_rows, n_mask, g, word, KIND: tl.constexpr, ONE: tl.constexpr):
     """The four multipliers of scale word ``word`` of every row ([BLOCK_N] each, byte 0..3).
@@ -391,15 +429,23 @@ def _row_scales(s_rows, n_mask, g, word, KIND: tl.constexpr, ONE: tl.constexpr):
             return nm.decode_e4m3(b0) * q, nm.decode_e4m3(b1) * q, nm.decode_e4m3(b2) * q, nm.decode_e4m3(b3) * q
     else:
         if KIND == 0:
-            return tl.inline_asm_elementwise(_ASM_SCALES_E8M0_ONE if ONE else _ASM_SCALES_E8M0, "=r,=r,=r,=r,r",
-                                             [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                _ASM_SCALES_E8M0_ONE if ONE else _ASM_SCALES_E8M0,
+                "=r,=r,=r,=r,r",
+                [sw],
+                dtype=(tl.int32,) * 4,
+                is_pure=True,
+                pack=1,
+            )
         elif KIND == 1:
             # ONE: g arrives as g * 2**126 (exact), so the products are B * 2**126 (``fp4_one_multiply``)
-            return tl.inline_asm_elementwise(_ASM_SCALES_E4M3_G, "=r,=r,=r,=r,r,f", [sw, g], dtype=(tl.int32,) * 4,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                _ASM_SCALES_E4M3_G, "=r,=r,=r,=r,r,f", [sw, g], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+            )
         else:
-            return tl.inline_asm_elementwise(_ASM_SCALES_E4M3, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4,
-                                             is_pure=True, pack=1)
+            return tl.inline_asm_elementwise(
+                _ASM_SCALES_E4M3, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+            )
 
 
 @triton.jit
@@ -476,8 +522,18 @@ def _pair(o, s):
 
 
 @triton.jit
-def decode_fp4_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NUM_WARPS: tl.constexpr, ONE: tl.constexpr):
+def decode_fp4_words(
+    w_rows,
+    s_rows,
+    n_mask,
+    g,
+    kt,
+    KIND: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_WARPS: tl.constexpr,
+    ONE: tl.constexpr,
+):
     """Weight K tile ``kt`` [BLOCK_N, 128], bf16 (fp32 holding the bf16 values under the interpreter);
     ``w_rows`` point at int32 rows (16 words per K tile) in load order (``load_rows``): a word's
     elements 0..3 are in the half tile K 0..63, 4..7 in K 64..127 (``FP4Weights``)."""
@@ -492,13 +548,22 @@ def decode_fp4_words(w_rows, s_rows, n_mask, g, kt, KIND: tl.constexpr, BS: tl.c
     else:
         if KIND == 1:
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                _ASM_WORD_VLLM_ONE if ONE else _ASM_WORD_VLLM_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+                _ASM_WORD_VLLM_ONE if ONE else _ASM_WORD_VLLM_TWO,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [wd, s_lo, s_hi],
+                dtype=(tl.bfloat16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
         else:  # NVFP4 hardware mode: always one multiply (ue4m3 * 2**117)
             o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-                _ASM_WORD_ONE if (ONE or KIND == 2) else _ASM_WORD_TWO, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-                [wd, s_lo, s_hi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+                _ASM_WORD_ONE if (ONE or KIND == 2) else _ASM_WORD_TWO,
+                "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+                [wd, s_lo, s_hi],
+                dtype=(tl.bfloat16,) * 8,
+                is_pure=True,
+                pack=1,
+            )
     lo = mma_order(o0, o1, o2, o3, BLOCK_N)
     hi = mma_order(o4, o5, o6, o7, BLOCK_N)
     return to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
-

@@ -47,7 +47,7 @@ with ``fp4_layout.mma_order`` (this module imports neither ``fp4_layout`` nor th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -57,8 +57,15 @@ from .. import reference as _ref
 from ..formats import ELEMENT_FORMATS, ElementFormat
 from . import _numerics as nm
 
-__all__ = ["FP6Weights", "prepare_fp6_weights", "unprepare_fp6_packed", "unprepare_fp6_weights", "layout_table",
-           "SUPER_TILE", "DECODE_INSTRUCTIONS"]
+__all__ = [
+    "FP6Weights",
+    "prepare_fp6_weights",
+    "unprepare_fp6_packed",
+    "unprepare_fp6_weights",
+    "layout_table",
+    "SUPER_TILE",
+    "DECODE_INSTRUCTIONS",
+]
 
 SUPER_TILE = 256  # elements of K per prepared super tile (two 128-element K tiles)
 _WORDS = 48  # int32 words per row and super tile: planes 0, 1 (4 bits of K tile 0, 1) and 2 (2 bits of both)
@@ -91,7 +98,7 @@ def _rotr(x: int, k: int) -> int:
     return ((x >> k) | (x << (32 - k))) & 0xFFFFFFFF if k else x
 
 
-@lru_cache(maxsize=None)
+@cache
 def layout_table(ebits: int) -> torch.Tensor:
     """int64 ``[256, 6]``: for element ``K`` of a super tile and code bit ``b`` (0 = lowest
     mantissa bit, 5 = sign), its bit index in the super tile's 48 words (``word * 32 + bit``).
@@ -159,8 +166,9 @@ def _check_element(element: str | ElementFormat) -> ElementFormat:
     return el
 
 
-def prepare_fp6_weights(packed: torch.Tensor, scales: torch.Tensor, element: str | ElementFormat,
-                        block_size: int = _BLOCK_SIZE) -> FP6Weights:
+def prepare_fp6_weights(
+    packed: torch.Tensor, scales: torch.Tensor, element: str | ElementFormat, block_size: int = _BLOCK_SIZE
+) -> FP6Weights:
     """Checkpoint-layout MXFP6 expert weights -> the FP4 kernel's FP6 layout (once, at load time).
 
     Args:
@@ -231,8 +239,10 @@ def unprepare_fp6_packed(packed: torch.Tensor, element: str | ElementFormat) -> 
     """
     el = _check_element(element)
     if packed.dtype != torch.uint8 or packed.ndim != 3 or packed.shape[2] % (SUPER_TILE * 3 // 4):
-        raise ValueError(f"packed: expected prepared uint8 [E, rows, 3K/4] with K a multiple of {SUPER_TILE}, got "
-                         f"{packed.dtype} {list(packed.shape)}")
+        raise ValueError(
+            f"packed: expected prepared uint8 [E, rows, 3K/4] with K a multiple of {SUPER_TILE}, got "
+            f"{packed.dtype} {list(packed.shape)}"
+        )
     e, rows, nbytes = packed.shape
     s = nbytes * 4 // 3 // SUPER_TILE
     dest = layout_table(el.ebits).to(packed.device)  # [256, 6]: code bit -> bit of the super tile's words
@@ -289,8 +299,9 @@ _ASM_E3M2_T0 = tl.constexpr(_decode_asm(3, 0))
 _ASM_E3M2_T1 = tl.constexpr(_decode_asm(3, 1))
 # PTX instructions per eight elements, by (element, K tile): the word decode (the E8M0 scale decode
 # is once per scale block and row, shared by the words of a thread)
-DECODE_INSTRUCTIONS = {(el, t): _count_instructions(_decode_asm(eb, t))
-                       for eb, el in ((2, "e2m3"), (3, "e3m2")) for t in (0, 1)}
+DECODE_INSTRUCTIONS = {
+    (el, t): _count_instructions(_decode_asm(eb, t)) for eb, el in ((2, "e2m3"), (3, "e3m2")) for t in (0, 1)
+}
 
 # E8M0 scales of a word pair: of the scale word $2 (a K tile's four blocks), bytes $3 selects (prmt
 # selector 0x4240: bytes 0 and 2, 0x4341: bytes 1 and 3) -> $0, $1 the bf16x2 ``2**(b - 127)`` (the value
@@ -354,8 +365,9 @@ def _half_value(r, HALF: tl.constexpr, s, EBITS: tl.constexpr):
 @triton.jit
 def _ptx_decode(n, p, s_lo, s_hi, ASM: tl.constexpr):
     """The eight bf16 elements of every word pair (``_decode_asm``)."""
-    return tl.inline_asm_elementwise(ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [n, p, s_lo, s_hi],
-                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r", [n, p, s_lo, s_hi], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+    )
 
 
 @triton.jit
@@ -377,13 +389,21 @@ def decode_fp6_words(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.conste
         r1 = _pair_bits(n, p, 1, T, EBITS)
         r2 = _pair_bits(n, p, 2, T, EBITS)
         r3 = _pair_bits(n, p, 3, T, EBITS)
-        return (_half_value(r0, 0, s_lo, EBITS), _half_value(r0, 1, s_lo, EBITS), _half_value(r1, 0, s_lo, EBITS),
-                _half_value(r1, 1, s_lo, EBITS), _half_value(r2, 0, s_hi, EBITS), _half_value(r2, 1, s_hi, EBITS),
-                _half_value(r3, 0, s_hi, EBITS), _half_value(r3, 1, s_hi, EBITS))
+        return (
+            _half_value(r0, 0, s_lo, EBITS),
+            _half_value(r0, 1, s_lo, EBITS),
+            _half_value(r1, 0, s_lo, EBITS),
+            _half_value(r1, 1, s_lo, EBITS),
+            _half_value(r2, 0, s_hi, EBITS),
+            _half_value(r2, 1, s_hi, EBITS),
+            _half_value(r3, 0, s_hi, EBITS),
+            _half_value(r3, 1, s_hi, EBITS),
+        )
     else:
         sel = tl.broadcast_to((0x4240 + (j // 2) * 0x0101)[None, :], (BLOCK_N, 16))
-        s_lo, s_hi = tl.inline_asm_elementwise(_ASM_E8M0_PAIR, "=r,=r,r,r", [sw, sel], dtype=(tl.int32, tl.int32),
-                                               is_pure=True, pack=1)
+        s_lo, s_hi = tl.inline_asm_elementwise(
+            _ASM_E8M0_PAIR, "=r,=r,r,r", [sw, sel], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
+        )
         if EBITS == 2:
             if T == 0:
                 return _ptx_decode(n, p, s_lo, s_hi, _ASM_E2M3_T0)

@@ -72,15 +72,30 @@ def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits:
 
 
 @triton.jit
-def _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS: tl.constexpr, W_MBITS: tl.constexpr,
-                 W_SPECIALS: tl.constexpr, W_BS: tl.constexpr, W_NVFP4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+def _weight_tile(
+    w_rows,
+    s_rows,
+    n_mask,
+    g,
+    k0,
+    K,
+    W_EBITS: tl.constexpr,
+    W_MBITS: tl.constexpr,
+    W_SPECIALS: tl.constexpr,
+    W_BS: tl.constexpr,
+    W_NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of vLLM's dequant)."""
     NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
     codes = nm.load_codes(w_rows, n_mask, k0, K, NBITS, BLOCK_N, BLOCK_K)
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
-                 other=0).to(tl.int32)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
+        tl.int32
+    )
     w = nm.dequant_tile(codes, sb, g, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K)
     w = nm.cast_out(w, DOT_DTYPE)
     if UPCAST:
@@ -89,17 +104,31 @@ def _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS: tl.constexpr, W_MBIT
 
 
 @triton.jit
-def _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS: tl.constexpr, W_NVFP4: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+def _weight_tile_split(
+    w_rows,
+    s_rows,
+    n_mask,
+    g,
+    k0,
+    K,
+    W_BS: tl.constexpr,
+    W_NVFP4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """FP4 weight tile as its even and odd elements, each [BLOCK_N, BLOCK_K // 2]: the low and
     high nibbles of the packed bytes, used as they are (no interleaving shuffle)."""
     HALF: tl.constexpr = BLOCK_K // 2
     pcols = k0 // 2 + tl.arange(0, HALF)
-    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :],
-                other=0).to(tl.int32)
+    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :], other=0).to(
+        tl.int32
+    )
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
-                 other=0).to(tl.int32)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
+        tl.int32
+    )
     if W_NVFP4:
         block = nm.decode_e4m3(sb) * g
     else:
@@ -123,17 +152,31 @@ def _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS: tl.constexpr, BLOCK_N: tl.co
     groups = k0 // 4 + tl.arange(0, Q)
     m = n_mask[:, None] & (groups < K // 4)[None, :]
     base = w_rows[:, None] + 3 * groups[None, :]
-    word = (tl.load(base, mask=m, other=0).to(tl.int32) | (tl.load(base + 1, mask=m, other=0).to(tl.int32) << 8)
-            | (tl.load(base + 2, mask=m, other=0).to(tl.int32) << 16))
+    word = (
+        tl.load(base, mask=m, other=0).to(tl.int32)
+        | (tl.load(base + 1, mask=m, other=0).to(tl.int32) << 8)
+        | (tl.load(base + 2, mask=m, other=0).to(tl.int32) << 16)
+    )
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :],
-                 other=0).to(tl.int32)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
+        tl.int32
+    )
     return word, nm.decode_e8m0(sb)
 
 
 @triton.jit
-def _fp6_part(word, block, t: tl.constexpr, W_EBITS: tl.constexpr, W_MBITS: tl.constexpr, W_BS: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+def _fp6_part(
+    word,
+    block,
+    t: tl.constexpr,
+    W_EBITS: tl.constexpr,
+    W_MBITS: tl.constexpr,
+    W_BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Dequantized elements 4j + t of an FP6 word tile, [BLOCK_N, BLOCK_K // 4]."""
     v = nm.decode_element((word >> (6 * t)) & 0x3F, W_EBITS, W_MBITS, 0)
     v = tl.reshape(v, (BLOCK_N, BLOCK_K // W_BS, W_BS // 4)) * block[:, :, None]
@@ -144,8 +187,9 @@ def _fp6_part(word, block, t: tl.constexpr, W_EBITS: tl.constexpr, W_MBITS: tl.c
 
 
 @triton.jit
-def _a_part(a_rows, token_mask, k0, K, t: tl.constexpr, STRIDE: tl.constexpr, BLOCK_K: tl.constexpr,
-            UPCAST: tl.constexpr):
+def _a_part(
+    a_rows, token_mask, k0, K, t: tl.constexpr, STRIDE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr
+):
     """Activation elements STRIDE * j + t of columns k0 ..., transposed: [BLOCK_K // STRIDE, BLOCK_M]."""
     offs_k = k0 + STRIDE * tl.arange(0, BLOCK_K // STRIDE) + t
     a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
@@ -157,23 +201,56 @@ def _a_part(a_rows, token_mask, k0, K, t: tl.constexpr, STRIDE: tl.constexpr, BL
 @triton.jit
 def fused_moe_dequant_kernel(
     # pointers
-    a_ptr, w_ptr, ws_ptr, wg_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-    num_tokens_post_padded_ptr, act_scale_ptr,
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    wg_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    act_scale_ptr,
     # dimensions
-    N, K, EM, num_valid_tokens,
+    N,
+    K,
+    EM,
+    num_valid_tokens,
     # strides (elements; packed weights and scales in bytes)
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
-    wg_stride_e, wg_stride_half, act_scale_stride_e,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_cm,
+    wg_stride_e,
+    wg_stride_half,
+    act_scale_stride_e,
     # weight format
-    W_EBITS: tl.constexpr, W_MBITS: tl.constexpr, W_SPECIALS: tl.constexpr, W_BS: tl.constexpr,
+    W_EBITS: tl.constexpr,
+    W_MBITS: tl.constexpr,
+    W_SPECIALS: tl.constexpr,
+    W_BS: tl.constexpr,
     W_NVFP4: tl.constexpr,
     # epilogue
-    GATED: tl.constexpr, A2_KIND: tl.constexpr, A2_EBITS: tl.constexpr, A2_MBITS: tl.constexpr,
-    A2_EMAX: tl.constexpr, A2_MAX: tl.constexpr, A2_SCALE_MODE: tl.constexpr, A2_BS: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
+    GATED: tl.constexpr,
+    A2_KIND: tl.constexpr,
+    A2_EBITS: tl.constexpr,
+    A2_MBITS: tl.constexpr,
+    A2_EMAX: tl.constexpr,
+    A2_MAX: tl.constexpr,
+    A2_SCALE_MODE: tl.constexpr,
+    A2_BS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    top_k: tl.constexpr,
     # tiles
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-    SPLIT_NIBBLES: tl.constexpr, OUT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    SPLIT_NIBBLES: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """C[pair, n] for the pairs of one expert block and BLOCK_N output columns.
 
@@ -213,25 +290,34 @@ def fused_moe_dequant_kernel(
             a2 = _a_part(a_rows, token_mask, k0, K, 2, 4, BLOCK_K, UPCAST)
             a3 = _a_part(a_rows, token_mask, k0, K, 3, 4, BLOCK_K, UPCAST)
             word, block = _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS, BLOCK_N, BLOCK_K)
-            acc = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                         a0, acc)
-            acc = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                         a1, acc)
-            acc = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                         a2, acc)
-            acc = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                         a3, acc)
+            acc = tl.dot(
+                _fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a0, acc
+            )
+            acc = tl.dot(
+                _fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a1, acc
+            )
+            acc = tl.dot(
+                _fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a2, acc
+            )
+            acc = tl.dot(
+                _fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a3, acc
+            )
             if GATED:
-                word, block = _fp6_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, k0, K, W_BS,
-                                         BLOCK_N, BLOCK_K)
-                acc_up = tl.dot(_fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                                a0, acc_up)
-                acc_up = tl.dot(_fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                                a1, acc_up)
-                acc_up = tl.dot(_fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                                a2, acc_up)
-                acc_up = tl.dot(_fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST),
-                                a3, acc_up)
+                word, block = _fp6_words(
+                    w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, k0, K, W_BS, BLOCK_N, BLOCK_K
+                )
+                acc_up = tl.dot(
+                    _fp6_part(word, block, 0, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a0, acc_up
+                )
+                acc_up = tl.dot(
+                    _fp6_part(word, block, 1, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a1, acc_up
+                )
+                acc_up = tl.dot(
+                    _fp6_part(word, block, 2, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a2, acc_up
+                )
+                acc_up = tl.dot(
+                    _fp6_part(word, block, 3, W_EBITS, W_MBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST), a3, acc_up
+                )
         elif SPLIT_NIBBLES and NBITS == 4:
             offs_k = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             amask = token_mask[None, :] & (offs_k < K)[:, None]
@@ -240,13 +326,26 @@ def fused_moe_dequant_kernel(
             if UPCAST:
                 a_lo = nm.to_fp32(a_lo)
                 a_hi = nm.to_fp32(a_hi)
-            w_lo, w_hi = _weight_tile_split(w_rows, s_rows, n_mask, g, k0, K, W_BS, W_NVFP4, BLOCK_N, BLOCK_K,
-                                            DOT_DTYPE, UPCAST)
+            w_lo, w_hi = _weight_tile_split(
+                w_rows, s_rows, n_mask, g, k0, K, W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST
+            )
             acc = tl.dot(w_lo, a_lo, acc)
             acc = tl.dot(w_hi, a_hi, acc)
             if GATED:
-                u_lo, u_hi = _weight_tile_split(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K,
-                                                W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+                u_lo, u_hi = _weight_tile_split(
+                    w_rows + N * stride_wn,
+                    s_rows + N * stride_sn,
+                    n_mask,
+                    g_up,
+                    k0,
+                    K,
+                    W_BS,
+                    W_NVFP4,
+                    BLOCK_N,
+                    BLOCK_K,
+                    DOT_DTYPE,
+                    UPCAST,
+                )
                 acc_up = tl.dot(u_lo, a_lo, acc_up)
                 acc_up = tl.dot(u_hi, a_hi, acc_up)
         else:
@@ -254,12 +353,42 @@ def fused_moe_dequant_kernel(
             a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
             if UPCAST:
                 a = nm.to_fp32(a)
-            w = _weight_tile(w_rows, s_rows, n_mask, g, k0, K, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4,
-                             BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+            w = _weight_tile(
+                w_rows,
+                s_rows,
+                n_mask,
+                g,
+                k0,
+                K,
+                W_EBITS,
+                W_MBITS,
+                W_SPECIALS,
+                W_BS,
+                W_NVFP4,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_DTYPE,
+                UPCAST,
+            )
             acc = tl.dot(w, a, acc)
             if GATED:
-                w_up = _weight_tile(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, k0, K, W_EBITS,
-                                    W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K, DOT_DTYPE, UPCAST)
+                w_up = _weight_tile(
+                    w_rows + N * stride_wn,
+                    s_rows + N * stride_sn,
+                    n_mask,
+                    g_up,
+                    k0,
+                    K,
+                    W_EBITS,
+                    W_MBITS,
+                    W_SPECIALS,
+                    W_BS,
+                    W_NVFP4,
+                    BLOCK_N,
+                    BLOCK_K,
+                    DOT_DTYPE,
+                    UPCAST,
+                )
                 acc_up = tl.dot(w_up, a, acc_up)
 
     if GATED:
@@ -336,8 +465,21 @@ class ActivationQDQ:
 SPLIT_NIBBLES_BITS = (4, 6)
 
 
-def _launch(*, a: torch.Tensor, w: PackedWeights, c: torch.Tensor, topk_weights: torch.Tensor, plan: RoutingPlan,
-            n: int, k: int, gated: bool, qdq: ActivationQDQ, mul_routed_weight: bool, top_k: int, cfg: TileConfig):
+def _launch(
+    *,
+    a: torch.Tensor,
+    w: PackedWeights,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: RoutingPlan,
+    n: int,
+    k: int,
+    gated: bool,
+    qdq: ActivationQDQ,
+    mul_routed_weight: bool,
+    top_k: int,
+    cfg: TileConfig,
+):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``cfg.block_m`` pairs (``gated``: the
     SiLU-and-mul of the gate and up halves, then ``qdq``), ``n`` output columns, ``k`` reduction."""
     sorted_ids, expert_ids, num_post = plan.blocks(cfg.block_m)
@@ -355,15 +497,43 @@ def _launch(*, a: torch.Tensor, w: PackedWeights, c: torch.Tensor, topk_weights:
     kernel = fused_moe_dequant_kernel
     fmt_args = select(kernel, {**kernel_format_args(w.scheme, "W_"), **qdq.kernel_args()})
     kernel[grid](
-        a, w.packed, w.scales, gsc, c, weights, sorted_ids, expert_ids, num_post, act_scale,
-        n, k, em, c.shape[0],
-        a.stride(0), w.packed.stride(0), w.packed.stride(1), w.scales.stride(0), w.scales.stride(1), c.stride(0),
-        wg_stride_e, wg_stride_half, act_stride,
-        **fmt_args, GATED=gated, MUL_ROUTED_WEIGHT=mul_routed_weight, top_k=top_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_SIZE_M=cfg.group_m,
-        SPLIT_NIBBLES=cfg.split_nibbles and w.nbits in SPLIT_NIBBLES_BITS, OUT_DTYPE=_TL_DTYPE[c.dtype],
+        a,
+        w.packed,
+        w.scales,
+        gsc,
+        c,
+        weights,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        act_scale,
+        n,
+        k,
+        em,
+        c.shape[0],
+        a.stride(0),
+        w.packed.stride(0),
+        w.packed.stride(1),
+        w.scales.stride(0),
+        w.scales.stride(1),
+        c.stride(0),
+        wg_stride_e,
+        wg_stride_half,
+        act_stride,
+        **fmt_args,
+        GATED=gated,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
+        top_k=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_SIZE_M=cfg.group_m,
+        SPLIT_NIBBLES=cfg.split_nibbles and w.nbits in SPLIT_NIBBLES_BITS,
+        OUT_DTYPE=_TL_DTYPE[c.dtype],
         UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
     )
 
 
@@ -403,9 +573,33 @@ def invoke_fused_dequant_moe(
         raise ValueError("plan: the dequantize-GEMM kernel has no naive mode (plan_routing(..., naive_ok=False))")
     weights = topk_weights.reshape(-1).float().contiguous()
     cache2 = torch.empty(m * k, i, dtype=a1.dtype, device=a1.device)
-    _launch(a=a1, w=w13, c=cache2, topk_weights=weights, plan=plan, n=i, k=h, gated=True, qdq=a2_qdq,
-            mul_routed_weight=False, top_k=1 if a1_per_pair else k, cfg=cfg)
+    _launch(
+        a=a1,
+        w=w13,
+        c=cache2,
+        topk_weights=weights,
+        plan=plan,
+        n=i,
+        k=h,
+        gated=True,
+        qdq=a2_qdq,
+        mul_routed_weight=False,
+        top_k=1 if a1_per_pair else k,
+        cfg=cfg,
+    )
     cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
-    _launch(a=cache2, w=w2, c=cache3, topk_weights=weights, plan=plan, n=h, k=i, gated=False, qdq=ActivationQDQ(),
-            mul_routed_weight=True, top_k=1, cfg=cfg)
+    _launch(
+        a=cache2,
+        w=w2,
+        c=cache3,
+        topk_weights=weights,
+        plan=plan,
+        n=h,
+        k=i,
+        gated=False,
+        qdq=ActivationQDQ(),
+        mul_routed_weight=True,
+        top_k=1,
+        cfg=cfg,
+    )
     return torch.sum(cache3.view(m, k, h), dim=1, dtype=torch.float32).to(a1.dtype)

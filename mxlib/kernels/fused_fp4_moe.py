@@ -92,7 +92,10 @@ FP4_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
     (float("inf"), (TileConfig(128, 128, None, 4, 8, 3), TileConfig(128, 128, None, 4, 8, 3))),
 ]
 NVFP4_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
-    FP4_CONFIGS[0], (16.0, (TileConfig(32, 64, None, 1, 4, 3), TileConfig(32, 64, None, 1, 4, 3))), *FP4_CONFIGS[2:]]
+    FP4_CONFIGS[0],
+    (16.0, (TileConfig(32, 64, None, 1, 4, 3), TileConfig(32, 64, None, 1, 4, 3))),
+    *FP4_CONFIGS[2:],
+]
 
 
 # MXFP6 weights (``fp6_layout``, a K step of 256, so twice the A tile per stage): FP4_CONFIGS' tiles,
@@ -106,8 +109,9 @@ FP6_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
 ]
 
 
-def get_fp4_configs(num_tokens: int, num_experts: int, top_k: int, nvfp4: bool = False,
-                    weight_bits: int = 4) -> tuple[TileConfig, TileConfig]:
+def get_fp4_configs(
+    num_tokens: int, num_experts: int, top_k: int, nvfp4: bool = False, weight_bits: int = 4
+) -> tuple[TileConfig, TileConfig]:
     """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``nvfp4``: NVFP4 weights,
     ``NVFP4_CONFIGS``; ``weight_bits`` 6: ``FP6_CONFIGS``); under the interpreter one small tile,
     GEMM1 with the a1 QDQ in the A-tile load."""
@@ -136,9 +140,20 @@ def _nvfp4_qdq_hw(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.co
 
 
 @triton.jit
-def _act_qdq(x, scale, KIND: tl.constexpr, MODE: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr,
-             EMAX: tl.constexpr, MAX: tl.constexpr, SCALE_MODE: tl.constexpr, BS: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _act_qdq(
+    x,
+    scale,
+    KIND: tl.constexpr,
+    MODE: tl.constexpr,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """QDQ of an fp32 tile [BLOCK_R, BLOCK_K] (blocks along the last axis): KIND 0 none, 1 MX,
     2 NVFP4 (``scale`` the encode scale gs; MODE 1 leaves out the ``1 / gs``), 3 FP8 per tensor."""
     if KIND == 1:
@@ -154,23 +169,41 @@ def _act_qdq(x, scale, KIND: tl.constexpr, MODE: tl.constexpr, EBITS: tl.constex
 
 
 @triton.jit
-def _a_tile(a_rows, token_mask, col0, a_scale, A_KIND: tl.constexpr, MODE: tl.constexpr, A_EBITS: tl.constexpr,
-            A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr, A_SCALE_MODE: tl.constexpr,
-            A_BS: tl.constexpr, BLOCK_M: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _a_tile(
+    a_rows,
+    token_mask,
+    col0,
+    a_scale,
+    A_KIND: tl.constexpr,
+    MODE: tl.constexpr,
+    A_EBITS: tl.constexpr,
+    A_MBITS: tl.constexpr,
+    A_EMAX: tl.constexpr,
+    A_MAX: tl.constexpr,
+    A_SCALE_MODE: tl.constexpr,
+    A_BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
     """Activation K tile, columns ``col0 .. col0+127``, QDQ'd, transposed: [128, BLOCK_M]."""
     cols = col0 + tl.arange(0, 128)
     a = tl.load(a_rows[:, None] + cols[None, :], mask=token_mask[:, None], other=0.0)
     if A_KIND != 0:
-        a = nm.cast_out(_act_qdq(nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                                 A_SCALE_MODE, A_BS, BLOCK_M, 128), DOT_DTYPE)
+        a = nm.cast_out(
+            _act_qdq(
+                nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, 128
+            ),
+            DOT_DTYPE,
+        )
     if nm.INTERPRETING:
         a = nm.to_fp32(a)
     return tl.trans(a)
 
 
 @triton.jit
-def _fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr,
-              NUM_WARPS: tl.constexpr):
+def _fp6_tile(
+    n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr
+):
     """MXFP6 weights: K tile ``T`` (0, 1) of super tile ``st`` [BLOCK_N, 128] in weight-row order, as
     ``F4.decode_fp4_words`` gives an FP4 tile (``fp6_layout``: plane-T words ``n``, plane-2 words ``p``)."""
     o0, o1, o2, o3, o4, o5, o6, o7 = F6.decode_fp6_words(n, p, s_rows, n_mask, st, T, EBITS, BLOCK_N)
@@ -185,28 +218,69 @@ def _fp6_tile(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BL
 @triton.jit
 def fused_fp4_moe_kernel(
     # pointers
-    a_ptr, w_ptr, ws_ptr, wg_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-    num_tokens_post_padded_ptr, a_scale_ptr, c_scale_ptr,
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    wg_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_tokens_post_padded_ptr,
+    a_scale_ptr,
+    c_scale_ptr,
     # dimensions
-    N, K, EM, num_valid_tokens,
+    N,
+    K,
+    EM,
+    num_valid_tokens,
     # strides (elements; packed weights and scales in bytes)
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm, wg_stride_e, wg_stride_half,
-    a_scale_stride_e, c_scale_stride_e,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_cm,
+    wg_stride_e,
+    wg_stride_half,
+    a_scale_stride_e,
+    c_scale_stride_e,
     # weight format: KIND 0 MX, 1 NVFP4 vLLM, 2 NVFP4 hardware (``fp4_layout.W_*``); BS 32 or 16; ONE the
     # one-multiply decode (``fp4_one_multiply``); BITS 4 (``fp4_layout``) or 6 (MXFP6 in ``fp6_layout``'s
     # layout, element exponent bits EBITS); MODE the numerics (``Numerics.kernel_id``: 0 vLLM, 1 hardware)
-    W_KIND: tl.constexpr, W_BS: tl.constexpr, MODE: tl.constexpr, W_ONE: tl.constexpr, W_BITS: tl.constexpr,
+    W_KIND: tl.constexpr,
+    W_BS: tl.constexpr,
+    MODE: tl.constexpr,
+    W_ONE: tl.constexpr,
+    W_BITS: tl.constexpr,
     W_EBITS: tl.constexpr,
     # A-load QDQ (a1 in GEMM1, none in GEMM2)
-    A_KIND: tl.constexpr, A_EBITS: tl.constexpr, A_MBITS: tl.constexpr, A_EMAX: tl.constexpr, A_MAX: tl.constexpr,
-    A_SCALE_MODE: tl.constexpr, A_BS: tl.constexpr,
+    A_KIND: tl.constexpr,
+    A_EBITS: tl.constexpr,
+    A_MBITS: tl.constexpr,
+    A_EMAX: tl.constexpr,
+    A_MAX: tl.constexpr,
+    A_SCALE_MODE: tl.constexpr,
+    A_BS: tl.constexpr,
     # epilogue (a2 in GEMM1)
-    GATED: tl.constexpr, C_KIND: tl.constexpr, C_EBITS: tl.constexpr, C_MBITS: tl.constexpr,
-    C_EMAX: tl.constexpr, C_MAX: tl.constexpr, C_SCALE_MODE: tl.constexpr, C_BS: tl.constexpr,
-    W_GLOBAL_OUT: tl.constexpr, A_INV_OUT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, top_k: tl.constexpr,
+    GATED: tl.constexpr,
+    C_KIND: tl.constexpr,
+    C_EBITS: tl.constexpr,
+    C_MBITS: tl.constexpr,
+    C_EMAX: tl.constexpr,
+    C_MAX: tl.constexpr,
+    C_SCALE_MODE: tl.constexpr,
+    C_BS: tl.constexpr,
+    W_GLOBAL_OUT: tl.constexpr,
+    A_INV_OUT: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    top_k: tl.constexpr,
     NAIVE: tl.constexpr,
     # tiles
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
     NUM_WARPS: tl.constexpr,
 ):
     """C[pair, n] for one block of pairs and BLOCK_N output columns.
@@ -240,8 +314,8 @@ def fused_fp4_moe_kernel(
         g_up = tl.load(wg_ptr + expert * wg_stride_e + wg_stride_half)
         if W_KIND == 1 and W_ONE and not nm.INTERPRETING:  # vLLM's one-multiply decode: g * 2**126 (exact)
             # (a g outside [2**-117, 4), a stale ``one_multiply``, gives NaN or Inf weights, never plausible ones)
-            g = tl.where(g >= 2.0 ** -117, g * 8.507059173023462e37, float("nan"))
-            g_up = tl.where(g_up >= 2.0 ** -117, g_up * 8.507059173023462e37, float("nan"))
+            g = tl.where(g >= 2.0**-117, g * 8.507059173023462e37, float("nan"))
+            g_up = tl.where(g_up >= 2.0**-117, g_up * 8.507059173023462e37, float("nan"))
     else:
         g = 1.0
         g_up = 1.0
@@ -256,10 +330,38 @@ def fused_fp4_moe_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if W_BITS == 6:  # MXFP6: 256-element super tiles, two K tiles (two dots per matrix) a step
         for st in range(0, K // 256):
-            a0 = _a_tile(a_rows, token_mask, st * 256, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                         A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-            a1 = _a_tile(a_rows, token_mask, st * 256 + 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX,
-                         A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
+            a0 = _a_tile(
+                a_rows,
+                token_mask,
+                st * 256,
+                a_scale,
+                A_KIND,
+                MODE,
+                A_EBITS,
+                A_MBITS,
+                A_EMAX,
+                A_MAX,
+                A_SCALE_MODE,
+                A_BS,
+                BLOCK_M,
+                DOT_DTYPE,
+            )
+            a1 = _a_tile(
+                a_rows,
+                token_mask,
+                st * 256 + 128,
+                a_scale,
+                A_KIND,
+                MODE,
+                A_EBITS,
+                A_MBITS,
+                A_EMAX,
+                A_MAX,
+                A_SCALE_MODE,
+                A_BS,
+                BLOCK_M,
+                DOT_DTYPE,
+            )
             n0, n1, p = F6.load_fp6_planes(w_rows, n_mask, st)
             acc = tl.dot(_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
             acc = tl.dot(_fp6_tile(n1, p, s_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc)
@@ -269,13 +371,42 @@ def fused_fp4_moe_kernel(
                 acc_up = tl.dot(_fp6_tile(u0, pu, su_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc_up)
                 acc_up = tl.dot(_fp6_tile(u1, pu, su_rows, n_mask, st, 1, W_EBITS, BLOCK_N, NUM_WARPS), a1, acc_up)
     for kt in range(0, K // 128 if W_BITS == 4 else 0):  # FP4: 128-element K tiles (FP6 ran above)
-        a = _a_tile(a_rows, token_mask, kt * 128, a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX,
-                    A_SCALE_MODE, A_BS, BLOCK_M, DOT_DTYPE)
-        acc = tl.dot(F4.decode_fp4_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE),
-                     a, acc)
+        a = _a_tile(
+            a_rows,
+            token_mask,
+            kt * 128,
+            a_scale,
+            A_KIND,
+            MODE,
+            A_EBITS,
+            A_MBITS,
+            A_EMAX,
+            A_MAX,
+            A_SCALE_MODE,
+            A_BS,
+            BLOCK_M,
+            DOT_DTYPE,
+        )
+        acc = tl.dot(
+            F4.decode_fp4_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc
+        )
         if GATED:
-            acc_up = tl.dot(F4.decode_fp4_words(w_rows + N * stride_wn, s_rows + N * stride_sn, n_mask, g_up, kt,
-                                                W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc_up)
+            acc_up = tl.dot(
+                F4.decode_fp4_words(
+                    w_rows + N * stride_wn,
+                    s_rows + N * stride_sn,
+                    n_mask,
+                    g_up,
+                    kt,
+                    W_KIND,
+                    W_BS,
+                    BLOCK_N,
+                    NUM_WARPS,
+                    W_ONE,
+                ),
+                a,
+                acc_up,
+            )
 
     if A_INV_OUT:
         inv_a = tl.math.div_rn(a_scale * 0.0 + 1.0, a_scale)
@@ -292,8 +423,9 @@ def fused_fp4_moe_kernel(
             c_scale = tl.load(c_scale_ptr + expert * c_scale_stride_e)
         else:
             c_scale = 1.0
-        act = _act_qdq(act, c_scale, C_KIND, MODE, C_EBITS, C_MBITS, C_EMAX, C_MAX, C_SCALE_MODE, C_BS,
-                       BLOCK_M, BLOCK_N)
+        act = _act_qdq(
+            act, c_scale, C_KIND, MODE, C_EBITS, C_MBITS, C_EMAX, C_MAX, C_SCALE_MODE, C_BS, BLOCK_M, BLOCK_N
+        )
         out = nm.cast_out(act, OUT_DTYPE)
     else:
         res = tl.trans(acc)
@@ -331,9 +463,23 @@ def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[to
     return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
-def _launch(*, a: torch.Tensor, w: FP4Weights | F6.FP6Weights, c: torch.Tensor, topk_weights: torch.Tensor,
-            plan: RoutingPlan, n: int, gated: bool, a_qdq: ActivationQDQ | None, a_inv: ActivationQDQ | None,
-            c_qdq: ActivationQDQ | None, numerics: Numerics, mul_routed_weight: bool, top_k: int, tiles: TileConfig):
+def _launch(
+    *,
+    a: torch.Tensor,
+    w: FP4Weights | F6.FP6Weights,
+    c: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: RoutingPlan,
+    n: int,
+    gated: bool,
+    a_qdq: ActivationQDQ | None,
+    a_inv: ActivationQDQ | None,
+    c_qdq: ActivationQDQ | None,
+    numerics: Numerics,
+    mul_routed_weight: bool,
+    top_k: int,
+    tiles: TileConfig,
+):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``tiles.block_m`` pairs, ``n`` output
     columns (``gated``: the SiLU-and-mul of the gate and up halves, then the ``c_qdq`` QDQ; else times
     the router weight with ``mul_routed_weight``). ``top_k``: rows of ``a`` are pairs // top_k.
@@ -366,18 +512,52 @@ def _launch(*, a: torch.Tensor, w: FP4Weights | F6.FP6Weights, c: torch.Tensor, 
     num_warps = max(1, min(tiles.num_warps, tiles.block_n // 16))
     grid = (triton.cdiv(em, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
     fused_fp4_moe_kernel[grid](
-        a, wp, ws, gsc, c, topk_weights, sorted_ids, expert_ids, num_post, a_scale, c_scale,
-        n, w.k, em, c.shape[0],
-        a.stride(0), wp.stride(0), wp.stride(1), ws.stride(0), ws.stride(1), c.stride(0),
-        wg_stride_e, wg_stride_half, a_stride, c_stride,
-        W_KIND=w_kind, W_BS=w.block_size, MODE=numerics.kernel_id, W_ONE=getattr(w, "one_multiply", False),
-        W_BITS=6 if fp6 else 4, W_EBITS=w.element.ebits if fp6 else 2,
-        **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}), GATED=gated,
-        W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW, A_INV_OUT=a_inv is not None, MUL_ROUTED_WEIGHT=mul_routed_weight,
+        a,
+        wp,
+        ws,
+        gsc,
+        c,
+        topk_weights,
+        sorted_ids,
+        expert_ids,
+        num_post,
+        a_scale,
+        c_scale,
+        n,
+        w.k,
+        em,
+        c.shape[0],
+        a.stride(0),
+        wp.stride(0),
+        wp.stride(1),
+        ws.stride(0),
+        ws.stride(1),
+        c.stride(0),
+        wg_stride_e,
+        wg_stride_half,
+        a_stride,
+        c_stride,
+        W_KIND=w_kind,
+        W_BS=w.block_size,
+        MODE=numerics.kernel_id,
+        W_ONE=getattr(w, "one_multiply", False),
+        W_BITS=6 if fp6 else 4,
+        W_EBITS=w.element.ebits if fp6 else 2,
+        **select(fused_fp4_moe_kernel, {**_qdq_consts(a_qdq, "A"), **_qdq_consts(c_qdq, "C")}),
+        GATED=gated,
+        W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW,
+        A_INV_OUT=a_inv is not None,
+        MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
-        NAIVE=plan.naive, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, GROUP_SIZE_M=tiles.group_m,
-        OUT_DTYPE=_TL_DTYPE[c.dtype], NUM_WARPS=num_warps,
-        num_warps=num_warps, num_stages=tiles.num_stages, enable_fp_fusion=False,
+        NAIVE=plan.naive,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        GROUP_SIZE_M=tiles.group_m,
+        OUT_DTYPE=_TL_DTYPE[c.dtype],
+        NUM_WARPS=num_warps,
+        num_warps=num_warps,
+        num_stages=tiles.num_stages,
+        enable_fp_fusion=False,
     )
 
 
@@ -455,15 +635,17 @@ def fused_fp4_moe(
     numerics = get_numerics(numerics)
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, (FP4Weights, F6.FP6Weights)):
-            raise TypeError(f"{name}: expected FP4Weights or FP6Weights (prepare_packed_weights), got "
-                            f"{type(w).__name__}")
+            raise TypeError(
+                f"{name}: expected FP4Weights or FP6Weights (prepare_packed_weights), got {type(w).__name__}"
+            )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"topk_ids: expected an integer tensor (int32 or int64), got {topk_ids.dtype}")
     if hidden_states.ndim != 2 or hidden_states.shape[1] != w13.k:
         raise ValueError(f"hidden_states: expected [M, {w13.k}], got {list(hidden_states.shape)}")
     if hidden_states.dtype != torch.bfloat16:
-        raise TypeError(f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got "
-                        f"{hidden_states.dtype}")
+        raise TypeError(
+            f"hidden_states: expected dtype torch.bfloat16 (the decode emits bf16), got {hidden_states.dtype}"
+        )
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
     el13, el2 = getattr(w13, "element", None), getattr(w2, "element", None)  # FP6Weights: e2m3 or e3m2
@@ -478,8 +660,10 @@ def fused_fp4_moe(
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
     if w2.packed.shape[0] != e or h != hidden_states.shape[1]:
-        raise ValueError(f"w2: expected [E={e}, H={hidden_states.shape[1]}, ...] as w13 and hidden_states, got "
-                         f"{list(w2.packed.shape)}")
+        raise ValueError(
+            f"w2: expected [E={e}, H={hidden_states.shape[1]}, ...] as w13 and hidden_states, got "
+            f"{list(w2.packed.shape)}"
+        )
     hidden_states = hidden_states.contiguous()  # the kernels read rows with a unit column stride
     c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4, w13.nbits)
     plan = plan or plan_routing(topk_ids, e, (c1.block_m, c2.block_m))
@@ -498,15 +682,44 @@ def fused_fp4_moe(
         a1 = _standalone_a1_qdq(hidden_states, a1q, numerics)
         a1q = None
     a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
-    _launch(a=a1, w=w13, c=a2, topk_weights=weights, plan=plan, n=i, gated=True, a_qdq=a1q, a_inv=a1_inv,
-            c_qdq=a2_qdq, numerics=numerics, mul_routed_weight=False, top_k=k, tiles=c1)
+    _launch(
+        a=a1,
+        w=w13,
+        c=a2,
+        topk_weights=weights,
+        plan=plan,
+        n=i,
+        gated=True,
+        a_qdq=a1q,
+        a_inv=a1_inv,
+        c_qdq=a2_qdq,
+        numerics=numerics,
+        mul_routed_weight=False,
+        top_k=k,
+        tiles=c1,
+    )
     out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
     # hardware numerics: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
     a2_inv = a2_qdq if (hardware and a2_qdq is not None and a2_qdq.kind == A2_NVFP4) else None
-    _launch(a=a2, w=w2, c=out_pairs, topk_weights=weights, plan=plan, n=h, gated=False, a_qdq=None, a_inv=a2_inv,
-            c_qdq=None, numerics=numerics, mul_routed_weight=True, top_k=1, tiles=c2)
+    _launch(
+        a=a2,
+        w=w2,
+        c=out_pairs,
+        topk_weights=weights,
+        plan=plan,
+        n=h,
+        gated=False,
+        a_qdq=None,
+        a_inv=a2_inv,
+        c_qdq=None,
+        numerics=numerics,
+        mul_routed_weight=True,
+        top_k=1,
+        tiles=c2,
+    )
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
     block = 1024
-    _sum_k_kernel[(m, triton.cdiv(h, block))](out_pairs, out, h, top_k=k, BLOCK=block,
-                                              OUT_DTYPE=_TL_DTYPE[hidden_states.dtype])
+    _sum_k_kernel[(m, triton.cdiv(h, block))](
+        out_pairs, out, h, top_k=k, BLOCK=block, OUT_DTYPE=_TL_DTYPE[hidden_states.dtype]
+    )
     return out

@@ -55,10 +55,19 @@ __all__ = [
 
 @triton.jit
 def _mx_qdq_kernel(
-    x_ptr, out_ptr, R, K,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
-    SCALE_MODE: tl.constexpr, BS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    R,
+    K,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[R, K] = QDQ(x[R, K]) in an OCP MX format, blocks of BS along K."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -72,10 +81,20 @@ def _mx_qdq_kernel(
 
 @triton.jit
 def _mx_quantize_kernel(
-    x_ptr, packed_ptr, scale_ptr, R, K,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr,
-    SPECIALS: tl.constexpr, SCALE_MODE: tl.constexpr, BS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    R,
+    K,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    SPECIALS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """x[R, K] -> packed codes [R, K * bits / 8] and E8M0 bytes [R, K / BS]."""
     NBITS: tl.constexpr = 1 + EBITS + MBITS
@@ -96,13 +115,17 @@ def _mx_quantize_kernel(
 
 
 @triton.jit
-def _store_codes(packed_ptr, codes, rows, rmask, pid_k, K, NBITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _store_codes(
+    packed_ptr, codes, rows, rmask, pid_k, K, NBITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """Pack int32 codes [BLOCK_R, BLOCK_K] (columns pid_k * BLOCK_K ...) into rows of K * NBITS / 8 bytes."""
     if NBITS == 8:
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(packed_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.uint8),
-                 mask=rmask[:, None] & (cols < K)[None, :])
+        tl.store(
+            packed_ptr + rows[:, None] * K + cols[None, :],
+            codes.to(tl.uint8),
+            mask=rmask[:, None] & (cols < K)[None, :],
+        )
     elif NBITS == 4:
         lo, hi = tl.split(tl.reshape(codes, (BLOCK_R, BLOCK_K // 2, 2)))
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -123,9 +146,22 @@ def _store_codes(packed_ptr, codes, rows, rmask, pid_k, K, NBITS: tl.constexpr, 
 
 @triton.jit
 def _dequantize_kernel(
-    packed_ptr, scale_ptr, g_ptr, out_ptr, R, K, ROWS_PER_GS,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, SPECIALS: tl.constexpr, BS: tl.constexpr, NVFP4: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, G_ENCODE: tl.constexpr = False,
+    packed_ptr,
+    scale_ptr,
+    g_ptr,
+    out_ptr,
+    R,
+    K,
+    ROWS_PER_GS,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    SPECIALS: tl.constexpr,
+    BS: tl.constexpr,
+    NVFP4: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    G_ENCODE: tl.constexpr = False,
 ):
     """out[R, K] from packed codes [R, K*bits/8] and scale bytes [R, K/BS]: MX (E8M0) or NVFP4
     (e4m3 block scale times the decode global scale g[row // ROWS_PER_GS], or divided by it when
@@ -154,9 +190,17 @@ def _dequantize_kernel(
 
 @triton.jit
 def _nvfp4_qdq_kernel(
-    x_ptr, gs_ptr, out_ptr, R, K, ROWS_PER_GS,
-    DIVIDE: tl.constexpr, BS: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    gs_ptr,
+    out_ptr,
+    R,
+    K,
+    ROWS_PER_GS,
+    DIVIDE: tl.constexpr,
+    BS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """NVFP4 QDQ with vLLM's arithmetic; encode global scale gs[row // ROWS_PER_GS]."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -172,10 +216,25 @@ def _nvfp4_qdq_kernel(
 
 @triton.jit
 def _nvfp4_quantize_kernel(
-    x_ptr, g_ptr, packed_ptr, scale_ptr, R, K, ROWS_PER_GS,
-    EBITS: tl.constexpr, MBITS: tl.constexpr, MAX: tl.constexpr, SPECIALS: tl.constexpr,
-    S_EBITS: tl.constexpr, S_MBITS: tl.constexpr, S_MAX: tl.constexpr, S_SPECIALS: tl.constexpr,
-    ZERO_BLOCK_ONE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    g_ptr,
+    packed_ptr,
+    scale_ptr,
+    R,
+    K,
+    ROWS_PER_GS,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    MAX: tl.constexpr,
+    SPECIALS: tl.constexpr,
+    S_EBITS: tl.constexpr,
+    S_MBITS: tl.constexpr,
+    S_MAX: tl.constexpr,
+    S_SPECIALS: tl.constexpr,
+    ZERO_BLOCK_ONE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """ModelOpt NVFP4 weight quantization with decode global scale g[row // ROWS_PER_GS]; element
     format EBITS/MBITS/MAX (e2m1), block-scale format S_* (e4m3)."""
@@ -202,8 +261,11 @@ def _nvfp4_quantize_kernel(
     _store_codes(packed_ptr, tl.reshape(codes, (BLOCK_R, BLOCK_K)), rows, rmask, pid_k, K, NBITS, BLOCK_R, BLOCK_K)
     scols = pid_k * NB + tl.arange(0, NB)
     smask = rmask[:, None] & (scols < K // BS)[None, :]
-    tl.store(scale_ptr + rows[:, None] * (K // BS) + scols[None, :],
-             nm.encode_element(bs, S_EBITS, S_MBITS, S_SPECIALS).to(tl.uint8), mask=smask)
+    tl.store(
+        scale_ptr + rows[:, None] * (K // BS) + scols[None, :],
+        nm.encode_element(bs, S_EBITS, S_MBITS, S_SPECIALS).to(tl.uint8),
+        mask=smask,
+    )
 
 
 @triton.jit
@@ -237,8 +299,16 @@ def quant_dequant_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="ev
         br, bk = tiles(r, k, block_size)
         fa = kernel_format_args(fmt, block_size=block_size, scale_mode=scale_mode)
         _mx_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, out, r, k, **select(_mx_qdq_kernel, fa), OUT_DTYPE=_TL_DTYPE[dtype], BLOCK_R=br, BLOCK_K=bk,
-            **launch_opts())
+            x2,
+            out,
+            r,
+            k,
+            **select(_mx_qdq_kernel, fa),
+            OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            **launch_opts(),
+        )
     return out.reshape(x.shape)
 
 
@@ -257,7 +327,8 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
         br, bk = tiles(r, k, block_size)
         fa = kernel_format_args(fmt, block_size=block_size, scale_mode=scale_mode)
         _mx_quantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, packed, scale, r, k, **select(_mx_quantize_kernel, fa), BLOCK_R=br, BLOCK_K=bk, **launch_opts())
+            x2, packed, scale, r, k, **select(_mx_quantize_kernel, fa), BLOCK_R=br, BLOCK_K=bk, **launch_opts()
+        )
     lead = x.shape[:-1]
     return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
 
@@ -275,8 +346,20 @@ def dequantize_mx(packed, scale, element="e2m1", block_size=MX_BLOCK_SIZE, dtype
         br, bk = tiles(r, k, block_size)
         fa = kernel_format_args(fmt, block_size=block_size)
         _dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            p2, s2, s2, out, r, k, 1, **select(_dequantize_kernel, fa), NVFP4=False, OUT_DTYPE=_TL_DTYPE[dtype],
-            BLOCK_R=br, BLOCK_K=bk, **launch_opts())
+            p2,
+            s2,
+            s2,
+            out,
+            r,
+            k,
+            1,
+            **select(_dequantize_kernel, fa),
+            NVFP4=False,
+            OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            **launch_opts(),
+        )
     return out.reshape(*packed.shape[:-1], k)
 
 
@@ -289,8 +372,9 @@ def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale=Tru
     return flat, max(1, rows // flat.numel())
 
 
-def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None,
-                            check_scale=True):
+def ref_nvfp4_quant_dequant(
+    x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None, check_scale=True
+):
     """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (vLLM's arithmetic)."""
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
@@ -305,8 +389,19 @@ def ref_nvfp4_quant_dequant(x, global_scale, block_size=NVFP4_BLOCK_SIZE, multip
     if x2.numel():
         br, bk = tiles(r, k, block_size)
         _nvfp4_qdq_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            x2, gs, out, r, k, rows_per_gs, DIVIDE=multiplier == "divide", BS=block_size, OUT_DTYPE=_TL_DTYPE[dtype],
-            BLOCK_R=br, BLOCK_K=bk, **launch_opts())
+            x2,
+            gs,
+            out,
+            r,
+            k,
+            rows_per_gs,
+            DIVIDE=multiplier == "divide",
+            BS=block_size,
+            OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            **launch_opts(),
+        )
     return out.reshape(x.shape)
 
 
@@ -326,8 +421,19 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
         br, bk = tiles(num * n, k, block_size)
         fa = {**kernel_format_args(NVFP4, block_size=block_size), **kernel_format_args(NVFP4.scale.element, "S_")}
         _nvfp4_quantize_kernel[(triton.cdiv(num * n, br), triton.cdiv(k, bk))](
-            x2, ws2, packed, scale, num * n, k, n, **select(_nvfp4_quantize_kernel, fa),
-            ZERO_BLOCK_ONE=zero_block_scale == "one", BLOCK_R=br, BLOCK_K=bk, **launch_opts())
+            x2,
+            ws2,
+            packed,
+            scale,
+            num * n,
+            k,
+            n,
+            **select(_nvfp4_quantize_kernel, fa),
+            ZERO_BLOCK_ONE=zero_block_scale == "one",
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            **launch_opts(),
+        )
     packed = packed.reshape(num, n, k // 2)
     scale = scale.view(torch.float8_e4m3fn).reshape(num, n, k // block_size)
     if x.ndim == 2:
@@ -335,11 +441,20 @@ def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_blo
     return packed, scale, ws2.clone()
 
 
-def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=NVFP4_BLOCK_SIZE, swizzle=False,
-                        check_scale=True, global_scale_kind="decode"):
+def dequantize_to_dtype(
+    tensor_fp4,
+    tensor_sf,
+    global_scale,
+    dtype,
+    block_size=NVFP4_BLOCK_SIZE,
+    swizzle=False,
+    check_scale=True,
+    global_scale_kind="decode",
+):
     """Triton twin of ``mxlib.reference.dequantize_to_dtype`` (vLLM's)."""
-    fp4, sf, g, k = nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle,
-                                       _ref.nvfp4_unswizzle_scales, check_scale)
+    fp4, sf, g, k = nvfp4_dequant_args(
+        tensor_fp4, tensor_sf, global_scale, dtype, block_size, swizzle, _ref.nvfp4_unswizzle_scales, check_scale
+    )
     g_encode = _ref.check_global_scale_kind(global_scale_kind)
     g = g.contiguous()
     m = fp4.shape[-2]
@@ -352,8 +467,20 @@ def dequantize_to_dtype(tensor_fp4, tensor_sf, global_scale, dtype, block_size=N
         br, bk = tiles(r, k, block_size)
         fa = kernel_format_args(NVFP4, block_size=block_size)
         _dequantize_kernel[(triton.cdiv(r, br), triton.cdiv(k, bk))](
-            p2, s2, g, out, r, k, m, **select(_dequantize_kernel, fa), OUT_DTYPE=_TL_DTYPE[dtype], BLOCK_R=br,
-            BLOCK_K=bk, G_ENCODE=g_encode, **launch_opts())
+            p2,
+            s2,
+            g,
+            out,
+            r,
+            k,
+            m,
+            **select(_dequantize_kernel, fa),
+            OUT_DTYPE=_TL_DTYPE[dtype],
+            BLOCK_R=br,
+            BLOCK_K=bk,
+            G_ENCODE=g_encode,
+            **launch_opts(),
+        )
     return out.reshape(*fp4.shape[:-1], k)
 
 
@@ -366,6 +493,7 @@ def quant_dequant_fp8_per_tensor(x, scale, dtype=None, check_scale=True):
     n = xf.numel()
     if n:
         block = _bridge.TILE_ELEMENTS
-        _fp8_qdq_kernel[(triton.cdiv(n, block),)](xf, scale, out, n, OUT_DTYPE=_TL_DTYPE[dtype], BLOCK=block,
-                                                  **launch_opts())
+        _fp8_qdq_kernel[(triton.cdiv(n, block),)](
+            xf, scale, out, n, OUT_DTYPE=_TL_DTYPE[dtype], BLOCK=block, **launch_opts()
+        )
     return out.reshape(x.shape)

@@ -74,12 +74,32 @@ def qwen3_30b_a3b_config(num_hidden_layers: int = 4, **overrides) -> Qwen3MoeCon
 # Hidden and expert intermediate sizes stay multiples of 32 (the OCP MX block).
 MODEL_PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": {},
-    "small": dict(hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_experts=16,
-                  num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                  vocab_size=8192, bos_token_id=1, eos_token_id=2),
-    "tiny": dict(hidden_size=64, intermediate_size=192, moe_intermediate_size=32, num_experts=16,
-                 num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                 vocab_size=1024, bos_token_id=1, eos_token_id=2),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=128,
+        num_experts=16,
+        num_experts_per_tok=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=192,
+        moe_intermediate_size=32,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

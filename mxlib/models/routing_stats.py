@@ -155,12 +155,19 @@ def routing_figure(stats: list[dict], title: str = "Routing per layer"):
 
     layers = [s["layer"] for s in stats]
     fig = make_subplots(
-        rows=1, cols=2, column_widths=[0.6, 0.4],
+        rows=1,
+        cols=2,
+        column_widths=[0.6, 0.4],
         subplot_titles=("tokens per expert", "balance per layer"),
     )
     z = torch.stack([s["tokens_per_expert"] for s in stats]).numpy()
-    fig.add_trace(go.Heatmap(z=z, x=list(range(z.shape[1])), y=layers, colorscale="Viridis",
-                             colorbar=dict(x=0.55, title="tokens")), row=1, col=1)
+    fig.add_trace(
+        go.Heatmap(
+            z=z, x=list(range(z.shape[1])), y=layers, colorscale="Viridis", colorbar=dict(x=0.55, title="tokens")
+        ),
+        row=1,
+        col=1,
+    )
     series = {
         "experts hit / E": [s["experts_hit"] / s["num_experts"] for s in stats],
         "normalized entropy": [s["normalized_entropy"] for s in stats],

@@ -54,8 +54,15 @@ from ..kernels.fused_fp4_moe import fused_fp4_moe, get_fp4_configs
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
 from .reference_moe import silu_and_mul, torch_moe
 
-__all__ = ["BACKENDS", "TritonExperts", "check_topk_ids", "TransformersExperts", "resolve_backend", "ops_for_backend",
-           "ops_for_device"]
+__all__ = [
+    "BACKENDS",
+    "TritonExperts",
+    "check_topk_ids",
+    "TransformersExperts",
+    "resolve_backend",
+    "ops_for_backend",
+    "ops_for_device",
+]
 
 BACKENDS = ("auto", "triton", "fused", "torch")
 
@@ -137,12 +144,14 @@ class TritonExperts(torch.nn.Module):
         self.backend = backend
         if w13 is not None:
             if w13.ndim != 3 or w2.ndim != 3:
-                raise ValueError(f"w13/w2: expected [E, 2I, H] and [E, H, I], got {list(w13.shape)} and "
-                                 f"{list(w2.shape)}")
+                raise ValueError(
+                    f"w13/w2: expected [E, 2I, H] and [E, H, I], got {list(w13.shape)} and {list(w2.shape)}"
+                )
             e, two_i, h = w13.shape
             if tuple(w2.shape) != (e, h, two_i // 2):
-                raise ValueError(f"w2: expected shape {[e, h, two_i // 2]} for w13 {list(w13.shape)}, got "
-                                 f"{list(w2.shape)}")
+                raise ValueError(
+                    f"w2: expected shape {[e, h, two_i // 2]} for w13 {list(w13.shape)}, got {list(w2.shape)}"
+                )
             self.register_buffer("w13", w13, persistent=False)
             self.register_buffer("w2", w2, persistent=False)
             self._dims = (e, h, two_i // 2)
@@ -234,8 +243,18 @@ class TritonExperts(torch.nn.Module):
             m, k = topk_ids.shape
             tiles = self.fp4_config or get_fp4_configs(m, self.num_experts, k, fp4[0].nvfp4, fp4[0].nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles[0].block_m, tiles[1].block_m))
-            return fused_fp4_moe(hidden_states, fp4[0], fp4[1], topk_weights, topk_ids, a1_qdq=self.a1_qdq(),
-                                 a2_qdq=self.a2_qdq(), numerics=self.numerics, configs=tiles, plan=plan)
+            return fused_fp4_moe(
+                hidden_states,
+                fp4[0],
+                fp4[1],
+                topk_weights,
+                topk_ids,
+                a1_qdq=self.a1_qdq(),
+                a2_qdq=self.a2_qdq(),
+                numerics=self.numerics,
+                configs=tiles,
+                plan=plan,
+            )
         a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
         return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
 
@@ -248,14 +267,19 @@ class TritonExperts(torch.nn.Module):
             w13p, w2p = self.packed_weights()
             tiles = self.fused_config or get_fused_config(m, self.num_experts, k, w13p.nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles.block_m,), naive_ok=False)
-            return invoke_fused_dequant_moe(a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair,
-                                            tiles, plan)
+            return invoke_fused_dequant_moe(
+                a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair, tiles, plan
+            )
         if backend == "torch":
             return torch_moe(
                 a1,
                 lambda e: self.dequantized_expert(e)[0],
                 lambda e: self.dequantized_expert(e)[1],
-                topk_weights, topk_ids, qi, a1_per_pair, output_scales=self.output_scales,
+                topk_weights,
+                topk_ids,
+                qi,
+                a1_per_pair,
+                output_scales=self.output_scales,
             )
         w13, w2 = self.dequantized_weights()
         num_experts, two_i, h = w13.shape
@@ -263,12 +287,22 @@ class TritonExperts(torch.nn.Module):
         config2 = self.gemm_config or get_moe_config(m, num_experts, k, h, two_i // 2)
         plan = plan_routing(topk_ids, num_experts, (config.block_m, config2.block_m))
         cache1 = torch.empty(m * k, two_i, dtype=a1.dtype, device=a1.device)
-        invoke_fused_moe_kernel(a1, w13, cache1, topk_weights, *plan.blocks(config.block_m),
-                                False, 1 if a1_per_pair else k, config, plan.naive)
+        invoke_fused_moe_kernel(
+            a1,
+            w13,
+            cache1,
+            topk_weights,
+            *plan.blocks(config.block_m),
+            False,
+            1 if a1_per_pair else k,
+            config,
+            plan.naive,
+        )
         cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
         cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
-        invoke_fused_moe_kernel(cache2, w2, cache3, topk_weights, *plan.blocks(config2.block_m), True, 1, config2,
-                                plan.naive)
+        invoke_fused_moe_kernel(
+            cache2, w2, cache3, topk_weights, *plan.blocks(config2.block_m), True, 1, config2, plan.naive
+        )
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
 
 

@@ -80,10 +80,9 @@ class ExpertWeights:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors by name (the scheme and absent global scales left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
 
-    def to(self, device) -> "ExpertWeights":
+    def to(self, device) -> ExpertWeights:
         moved = {k: v.to(device) for k, v in self.tensors().items()}
         return ExpertWeights(self.scheme, **moved, global_scale_kind=self.global_scale_kind)
 
@@ -151,8 +150,11 @@ class QuantizedExperts(TritonExperts):
     def _prepare_if_fused(self) -> None:
         """Prepare the FP4 layout now when the forward will use it (construction time)."""
         # (an unknown backend name is left for the forward to refuse, as before)
-        if self.backend in ("fused", "auto") and self.fp4_kernel_applies() and \
-                self.resolved_backend(self._device()) == "fused":
+        if (
+            self.backend in ("fused", "auto")
+            and self.fp4_kernel_applies()
+            and self.resolved_backend(self._device()) == "fused"
+        ):
             self.fp4_weights()
 
     def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | tuple[FP6Weights, FP6Weights] | None:
@@ -165,14 +167,18 @@ class QuantizedExperts(TritonExperts):
                 self.register_buffer(name + _PREPARED, prepared, persistent=False)
         s = self.weight_scheme
         if s.element.nbits == 6:
-            return (FP6Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.element, s.block_size),
-                    FP6Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.element, s.block_size))
+            return (
+                FP6Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.element, s.block_size),
+                FP6Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.element, s.block_size),
+            )
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
         s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
-        return (FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13,
-                           self._one_multiply("w13", s13, g13)),
-                FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2,
-                           self._one_multiply("w2", s2, g2)))
+        return (
+            FP4Weights(
+                self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, self._one_multiply("w13", s13, g13)
+            ),
+            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, self._one_multiply("w2", s2, g2)),
+        )
 
     def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
         """``fp4_one_multiply`` of weight ``name``'s scales, read once (a host synchronization) and
@@ -228,13 +234,14 @@ class QuantizedExperts(TritonExperts):
     def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
         """(w13, w2) as ``PackedWeights`` (checkpoint layout) for the generic fused kernel."""
         s = self.weight_scheme
-        return (PackedWeights(self.w13_weight, self.w13_weight_scale.view(torch.uint8), s,
-                              getattr(self, "w13_weight_scale_2", None)),
-                PackedWeights(self.w2_weight, self.w2_weight_scale.view(torch.uint8), s,
-                              getattr(self, "w2_weight_scale_2", None)))
-
-
-
+        return (
+            PackedWeights(
+                self.w13_weight, self.w13_weight_scale.view(torch.uint8), s, getattr(self, "w13_weight_scale_2", None)
+            ),
+            PackedWeights(
+                self.w2_weight, self.w2_weight_scale.view(torch.uint8), s, getattr(self, "w2_weight_scale_2", None)
+            ),
+        )
 
 
 class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
@@ -280,8 +287,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         super().__init__(backend=backend)
         if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
             got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
-            raise TypeError(f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), "
-                            f"got {got}")
+            raise TypeError(
+                f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), got {got}"
+            )
         w = weights
         bs = NVFP4.block_size
         e, two_i, h_half = w.w13_weight.shape
@@ -302,8 +310,12 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         _check(w2_input_scale, "w2_input_scale", (e,), f32)
         # global scales in [2**-126, 2**126]; input scales may be 0 (uncalibrated). Checked once
         # here, so that the forward's QDQ and dequantize calls skip it (check_scale=False).
-        for name, t, zero_ok in [("w13_weight_scale_2", g13, False), ("w2_weight_scale_2", w.w2_weight_scale_2, False),
-                                 ("w13_input_scale", w13_input_scale, True), ("w2_input_scale", w2_input_scale, True)]:
+        for name, t, zero_ok in [
+            ("w13_weight_scale_2", g13, False),
+            ("w2_weight_scale_2", w.w2_weight_scale_2, False),
+            ("w13_input_scale", w13_input_scale, True),
+            ("w2_input_scale", w2_input_scale, True),
+        ]:
             check_global_scale(t, name, allow_zero=zero_ok)
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=True)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=True)
@@ -311,17 +323,28 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         if self.global_scale_kind == "encode":
             self.supports_fused = False  # the fused kernel multiplies by decode global scales
         if g13.ndim == 2 and not torch.equal(g13[:, 0], g13[:, 1]):
-            _warn_once("w13_weight_scale_2", "w13_weight_scale_2: gate and up scales differ; each half is "
-                       "dequantized with its own (vLLM would use the gate's for both)")
+            _warn_once(
+                "w13_weight_scale_2",
+                "w13_weight_scale_2: gate and up scales differ; each half is "
+                "dequantized with its own (vLLM would use the gate's for both)",
+            )
         elif g13.ndim == 2:
             g13 = g13[:, 0].contiguous()
-        self._register({**w.tensors(), "w13_weight_scale_2": g13, "w13_input_scale": w13_input_scale,
-                        "w2_input_scale": w2_input_scale})
+        self._register(
+            {
+                **w.tensors(),
+                "w13_weight_scale_2": g13,
+                "w13_input_scale": w13_input_scale,
+                "w2_input_scale": w2_input_scale,
+            }
+        )
         self.set_scale_strategy(scale_strategy)
         self._set_numerics(numerics)
         if self._hardware() and self.global_scale_kind == "encode":
-            raise ValueError("numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
-                             "weights carry encode scales (compressed-tensors): use numerics='vllm'")
+            raise ValueError(
+                "numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
+                "weights carry encode scales (compressed-tensors): use numerics='vllm'"
+            )
         self._prepare_if_fused()
 
     def set_scale_strategy(self, strategy: str) -> None:
@@ -348,7 +371,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             raise ValueError(
                 f"numerics='hardware' runs on the 'torch' backend or on the 'fused' backend's FP4 kernel (bf16 "
                 f"activations, H and I multiples of {K_TILE}); got backend {backend!r} with H={self.hidden_size}, "
-                f"I={self.intermediate_size}, activation dtype {self.activation_dtype}")
+                f"I={self.intermediate_size}, activation dtype {self.activation_dtype}"
+            )
 
     def output_scales(self, e: int):
         if not self._hardware():
@@ -375,24 +399,41 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         if g13.ndim == 2:  # gate and up halves with their own scales
             i = self.intermediate_size
             halves = [
-                ops.dequantize_to_dtype(w13_packed[:, j * i:(j + 1) * i].contiguous(),
-                                        self.w13_weight_scale[sel][:, j * i:(j + 1) * i].contiguous(),
-                                        g13[:, j].contiguous(), dt, check_scale=False,
-                                        global_scale_kind=self.global_scale_kind)
+                ops.dequantize_to_dtype(
+                    w13_packed[:, j * i : (j + 1) * i].contiguous(),
+                    self.w13_weight_scale[sel][:, j * i : (j + 1) * i].contiguous(),
+                    g13[:, j].contiguous(),
+                    dt,
+                    check_scale=False,
+                    global_scale_kind=self.global_scale_kind,
+                )
                 for j in range(2)
             ]
             w13 = torch.cat(halves, dim=1)
         else:
-            w13 = ops.dequantize_to_dtype(w13_packed, self.w13_weight_scale[sel], g13, dt, check_scale=False,
-                                          global_scale_kind=self.global_scale_kind)
-        w2 = ops.dequantize_to_dtype(self.checkpoint_packed("w2_weight", sel), self.w2_weight_scale[sel], g2, dt,
-                                     check_scale=False, global_scale_kind=self.global_scale_kind)
+            w13 = ops.dequantize_to_dtype(
+                w13_packed,
+                self.w13_weight_scale[sel],
+                g13,
+                dt,
+                check_scale=False,
+                global_scale_kind=self.global_scale_kind,
+            )
+        w2 = ops.dequantize_to_dtype(
+            self.checkpoint_packed("w2_weight", sel),
+            self.w2_weight_scale[sel],
+            g2,
+            dt,
+            check_scale=False,
+            global_scale_kind=self.global_scale_kind,
+        )
         return w13, w2
 
     def quantize_input(self, a1, topk_ids, backend):
         ops = ops_for_backend(backend)
-        qdq = self._hw_qdq if self._hardware() else (
-            lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        qdq = (
+            self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        )
         if self._a13_uniform:
             return qdq(a1, self.a13_gscale[:1]), False
         k = topk_ids.shape[1]
@@ -401,8 +442,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     def quantize_intermediate(self, a2, row_experts, backend):
         ops = ops_for_backend(backend)
-        qdq = self._hw_qdq if self._hardware() else (
-            lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        qdq = (
+            self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
+        )
         if self._a2_uniform:
             return qdq(a2, self.a2_gscale[:1])
         return qdq(a2, self.a2_gscale[row_experts.long()])
@@ -421,16 +463,17 @@ def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) 
         vals = e[calibrated]
         gs = vals.min()
         if bool((vals != gs).any()):
-            _warn_once(name, f"{name}: the activation global scales differ across experts; using the smallest "
-                       f"encode scale (the max decode scale) for all experts, as vLLM does")
+            _warn_once(
+                name,
+                f"{name}: the activation global scales differ across experts; using the smallest "
+                f"encode scale (the max decode scale) for all experts, as vLLM does",
+            )
         return gs.expand(e.numel()).contiguous(), True
     if strategy == "per_expert":
         per = torch.where(calibrated, e, e[calibrated].min())
         return per.contiguous(), bool((per == per[0]).all())
     decode = torch.where(calibrated, 1.0 / torch.where(calibrated, e, 1.0), 0.0)
     return unify_input_scales(decode, strategy, name)
-
-
 
 
 class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
@@ -472,18 +515,21 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         self._set_numerics(numerics)
         self.scheme = get_moe_scheme(scheme)
         if not self.scheme.is_ocp_mx:
-            raise ValueError(f"scheme: {self.scheme.name} is not an OCP MX scheme; use "
-                             f"Nvfp4QuantizationEmulationTritonExperts")
+            raise ValueError(
+                f"scheme: {self.scheme.name} is not an OCP MX scheme; use Nvfp4QuantizationEmulationTritonExperts"
+            )
         self.weight_scheme = self.scheme.weight
         self.activation_format = self.scheme.activation
         self.quant_dtype = None if self.activation_format is None else self.activation_format.name
         if not isinstance(weights, ExpertWeights):
-            raise TypeError(f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got "
-                            f"{type(weights).__name__}")
+            raise TypeError(
+                f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got {type(weights).__name__}"
+            )
         w = weights
         if w.scheme != self.weight_scheme:
-            raise ValueError(f"weights: quantized as {w.scheme.name}, the scheme {self.scheme.name} "
-                             f"stores {self.weight_scheme.name}")
+            raise ValueError(
+                f"weights: quantized as {w.scheme.name}, the scheme {self.scheme.name} stores {self.weight_scheme.name}"
+            )
         wfmt = self.weight_scheme.element
         bs = self.weight_scheme.block_size
         e, two_i, packed_h = w.w13_weight.shape

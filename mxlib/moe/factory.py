@@ -28,8 +28,15 @@ from .emulation import (
 from .linear import EmulatedLinear, LinearWeights
 from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
 
-__all__ = ["ExpertWeights", "quantize_expert_weights", "make_emulation_experts", "input_scales_from_amax",
-           "LinearWeights", "quantize_linear_weight", "make_emulated_linear"]
+__all__ = [
+    "ExpertWeights",
+    "quantize_expert_weights",
+    "make_emulation_experts",
+    "input_scales_from_amax",
+    "LinearWeights",
+    "quantize_linear_weight",
+    "make_emulated_linear",
+]
 
 # The E8M0 rule OCP MX weights are exported with (Quark's ``scale_calculation_mode``).
 WEIGHT_SCALE_MODE = "even"
@@ -113,14 +120,26 @@ def make_emulation_experts(
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
     if s.weight.has_global_scale:
         return Nvfp4QuantizationEmulationTritonExperts(
-            weights, w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale, scale_strategy=scale_strategy,
-            activation_dtype=activation_dtype, backend=backend, numerics=numerics)
+            weights,
+            w13_input_scale=w13_input_scale,
+            w2_input_scale=w2_input_scale,
+            scale_strategy=scale_strategy,
+            activation_dtype=activation_dtype,
+            backend=backend,
+            numerics=numerics,
+        )
     kw = {}
     if isinstance(s.activation, PerTensorScheme):
         kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
     return OCP_MXQuantizationEmulationTritonExperts(
-        s, weights, activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype, backend=backend,
-        numerics=numerics, **kw)
+        s,
+        weights,
+        activation_scale_mode=activation_scale_mode,
+        activation_dtype=activation_dtype,
+        backend=backend,
+        numerics=numerics,
+        **kw,
+    )
 
 
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:
@@ -158,5 +177,12 @@ def make_emulated_linear(
     s = get_moe_scheme(scheme)
     if s.static_activation_scale and input_scale is None:
         raise ValueError(f"{s.name}: activations with a static scale need input_scale")
-    return EmulatedLinear(s, weights, input_scale, bias=bias, backend=backend,
-                          activation_scale_mode=activation_scale_mode, activation_dtype=activation_dtype)
+    return EmulatedLinear(
+        s,
+        weights,
+        input_scale,
+        bias=bias,
+        backend=backend,
+        activation_scale_mode=activation_scale_mode,
+        activation_dtype=activation_dtype,
+    )

@@ -16,7 +16,8 @@ The QDQ and dequantize functions are ``mxlib.reference`` or their Triton twins
 (``ops_for_backend``), same bits. The NVFP4 input QDQ is vLLM's fp32 rule for every layout, as vLLM
 serves them; compressed-tensors' own fake quantization rounds the block amax / 6 to bf16 first
 (``mxlib.reference.compressed_tensors_nvfp4_quant_dequant``), which on llm-compressor's tiny
-all-Linear fixture moves the logits from 18.2 to 22.0 dB of the tool's own forward. Build one with ``mxlib.moe.factory.make_emulated_linear``.
+all-Linear fixture moves the logits from 18.2 to 22.0 dB of the tool's own forward. Build one with
+``mxlib.moe.factory.make_emulated_linear``.
 
 Shapes: ``x [..., in_features] -> [..., out_features]``; ``weight`` packed ``[out, in * bits / 8]``.
 """
@@ -81,21 +82,32 @@ class EmulatedLinear(torch.nn.Module):
             invalid static input scale; the message names the argument.
     """
 
-    def __init__(self, scheme: MoEQuantScheme | str, weights: LinearWeights, input_scale: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, backend: str = "auto", activation_scale_mode: str = "even",
-                 activation_dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        scheme: MoEQuantScheme | str,
+        weights: LinearWeights,
+        input_scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        backend: str = "auto",
+        activation_scale_mode: str = "even",
+        activation_dtype: torch.dtype = torch.bfloat16,
+    ):
         super().__init__()
         self.scheme = get_moe_scheme(scheme)
         if weights.scheme != self.scheme.weight:
-            raise ValueError(f"weights: quantized as {weights.scheme.name}, scheme {self.scheme.name} stores "
-                             f"{self.scheme.weight.name}")
+            raise ValueError(
+                f"weights: quantized as {weights.scheme.name}, scheme {self.scheme.name} stores "
+                f"{self.scheme.weight.name}"
+            )
         if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"activation_dtype: expected bfloat16, float16 or float32, got {activation_dtype}")
         fmt = self.scheme.weight
         out, k = weights.out_features, weights.in_features
         scale_dtype = torch.float8_e4m3fn if fmt.has_global_scale else torch.uint8
-        for name, t, shape, dtype in (("weight", weights.weight, (out, fmt.element.packed_size(k)), torch.uint8),
-                                      ("weight_scale", weights.weight_scale, (out, k // fmt.block_size), scale_dtype)):
+        for name, t, shape, dtype in (
+            ("weight", weights.weight, (out, fmt.element.packed_size(k)), torch.uint8),
+            ("weight_scale", weights.weight_scale, (out, k // fmt.block_size), scale_dtype),
+        ):
             if t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
         self.in_features, self.out_features = k, out
@@ -115,10 +127,14 @@ class EmulatedLinear(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         act = self.activation_format
         if act is not None and act.static_scale:
-            if not isinstance(input_scale, torch.Tensor) or input_scale.dtype != torch.float32 \
-                    or input_scale.numel() != 1:
-                raise ValueError(f"input_scale: {self.scheme.name} needs one fp32 static input scale, got "
-                                 f"{input_scale!r}")
+            if (
+                not isinstance(input_scale, torch.Tensor)
+                or input_scale.dtype != torch.float32
+                or input_scale.numel() != 1
+            ):
+                raise ValueError(
+                    f"input_scale: {self.scheme.name} needs one fp32 static input scale, got {input_scale!r}"
+                )
             check_global_scale(input_scale, "input_scale")
             s = input_scale.reshape(1)
             # NVFP4's QDQ takes the encode scale; FP8's the decode scale
@@ -138,11 +154,18 @@ class EmulatedLinear(torch.nn.Module):
         ops = ops or self._ops(self.weight.device)
         fmt = self.scheme.weight
         if fmt.has_global_scale:
-            return ops.dequantize_to_dtype(self.weight, self.weight_scale, self.weight_scale_2, self.activation_dtype,
-                                           block_size=fmt.block_size, check_scale=False,
-                                           global_scale_kind=self.global_scale_kind)
-        return ops.dequantize_mx(self.weight, self.weight_scale, fmt.element.name, fmt.block_size,
-                                 self.activation_dtype)
+            return ops.dequantize_to_dtype(
+                self.weight,
+                self.weight_scale,
+                self.weight_scale_2,
+                self.activation_dtype,
+                block_size=fmt.block_size,
+                check_scale=False,
+                global_scale_kind=self.global_scale_kind,
+            )
+        return ops.dequantize_mx(
+            self.weight, self.weight_scale, fmt.element.name, fmt.block_size, self.activation_dtype
+        )
 
     def quantize_input(self, x2: torch.Tensor, ops=None) -> torch.Tensor:
         """QDQ of the input rows ``[n, in]`` in the activation format (identity for weight-only)."""
@@ -185,13 +208,14 @@ def linear_input_amax(model, token_ids: torch.Tensor, names: list[str], batch_si
     def hook(name):
         def record(module, args):
             amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float().cpu())
+
         return record
 
     handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
     try:
         dev = next(model.parameters()).device
         for b in range(0, token_ids.shape[0], batch_size):
-            model(input_ids=token_ids[b: b + batch_size].to(dev), use_cache=False)
+            model(input_ids=token_ids[b : b + batch_size].to(dev), use_cache=False)
     finally:
         for h in handles:
             h.remove()

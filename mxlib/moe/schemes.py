@@ -34,8 +34,15 @@ from ..formats import (
     get_block_scheme,
 )
 
-__all__ = ["MoEQuantScheme", "MOE_SCHEMES", "OCP_MX_SCHEMES", "NVFP4_MOE", "get_moe_scheme", "get_weight_format",
-           "FP8_PER_TENSOR"]
+__all__ = [
+    "MoEQuantScheme",
+    "MOE_SCHEMES",
+    "OCP_MX_SCHEMES",
+    "NVFP4_MOE",
+    "get_moe_scheme",
+    "get_weight_format",
+    "FP8_PER_TENSOR",
+]
 
 # The per-tensor FP8 activation format (an object of the format table; its name is "fp8_e4m3").
 FP8_PER_TENSOR: PerTensorScheme = FP8_E4M3_PER_TENSOR
@@ -62,7 +69,6 @@ class MoEQuantScheme:
     def __str__(self) -> str:
         return self.name
 
-
     @property
     def static_activation_scale(self) -> bool:
         """Whether the checkpoint carries an activation ``input_scale`` the experts need."""
@@ -75,7 +81,7 @@ class MoEQuantScheme:
 
 
 def _ocp(name: str) -> MoEQuantScheme:
-    body = name[len("w_"):]
+    body = name[len("w_") :]
     weight, _, act = body.partition("_a_")
     return MoEQuantScheme(name, BLOCK_SCHEMES[weight], get_activation_format(act) if act else None)
 

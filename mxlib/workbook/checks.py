@@ -22,9 +22,19 @@ import torch
 from .. import reference as R
 from . import explorers, probes
 
-__all__ = ["Checks", "strategy_summary", "FLOOR_TARGETS", "floors_table", "EXERCISES", "check_exercise",
-           "floor_clips_rceil_does_not", "loses_without_flushing", "is_largest_flushing_power_of_two",
-           "ANCHOR_RATIOS", "anchor_tables"]
+__all__ = [
+    "Checks",
+    "strategy_summary",
+    "FLOOR_TARGETS",
+    "floors_table",
+    "EXERCISES",
+    "check_exercise",
+    "floor_clips_rceil_does_not",
+    "loses_without_flushing",
+    "is_largest_flushing_power_of_two",
+    "ANCHOR_RATIOS",
+    "anchor_tables",
+]
 
 
 class Checks:
@@ -66,16 +76,32 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
         if not rows:
             continue
         for s in strategies:
-            summary.append(dict(point=point, strategy=s, mean_sqnr_db=statistics.mean(r[f"sqnr_{s}"] for r in rows),
-                                mean_db_lost=statistics.mean(r[f"db_lost_{s}"] for r in rows),
-                                worst_db_lost=max(r[f"db_lost_{s}"] for r in rows),
-                                subnormal_blocks=statistics.mean(r[f"subnormal_{s}"] for r in rows),
-                                flushed_blocks=statistics.mean(r[f"flushed_{s}"] for r in rows),
-                                clipped_elements=statistics.mean(r[f"clipped_{s}"] for r in rows)))
-        summary.append(dict(point=point, strategy="OCP MXFP4 (no global scale)",
-                            mean_sqnr_db=statistics.mean(r["sqnr_mxfp4"] for r in rows)))
-        summary.append(dict(point=point, strategy="OCP MXFP8 e4m3 (no global scale)",
-                            mean_sqnr_db=statistics.mean(r["sqnr_mxfp8_e4m3"] for r in rows)))
+            summary.append(
+                dict(
+                    point=point,
+                    strategy=s,
+                    mean_sqnr_db=statistics.mean(r[f"sqnr_{s}"] for r in rows),
+                    mean_db_lost=statistics.mean(r[f"db_lost_{s}"] for r in rows),
+                    worst_db_lost=max(r[f"db_lost_{s}"] for r in rows),
+                    subnormal_blocks=statistics.mean(r[f"subnormal_{s}"] for r in rows),
+                    flushed_blocks=statistics.mean(r[f"flushed_{s}"] for r in rows),
+                    clipped_elements=statistics.mean(r[f"clipped_{s}"] for r in rows),
+                )
+            )
+        summary.append(
+            dict(
+                point=point,
+                strategy="OCP MXFP4 (no global scale)",
+                mean_sqnr_db=statistics.mean(r["sqnr_mxfp4"] for r in rows),
+            )
+        )
+        summary.append(
+            dict(
+                point=point,
+                strategy="OCP MXFP8 e4m3 (no global scale)",
+                mean_sqnr_db=statistics.mean(r["sqnr_mxfp8_e4m3"] for r in rows),
+            )
+        )
     return summary
 
 
@@ -84,8 +110,13 @@ def strategy_summary(experts: list[dict], strategies) -> list[dict]:
 FLOOR_TARGETS: tuple[tuple[str, int, float | None, float], ...] = tuple(
     (scheme, m, want_dequant, want_bf16)
     for scheme in ("nvfp4", "w_mxfp4_a_mxfp4")
-    for m, want_dequant, want_bf16 in ((1, 10, 1.5), (16, 10, 1.5), (256, 3, 1.5), (1024, None, 1.25),
-                                       (4096, None, 1.25))
+    for m, want_dequant, want_bf16 in (
+        (1, 10, 1.5),
+        (16, 10, 1.5),
+        (256, 3, 1.5),
+        (1024, None, 1.25),
+        (4096, None, 1.25),
+    )
 )
 
 
@@ -115,10 +146,19 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
         dequant_x = r["dequant_graph_ms"] / r["fused_graph_ms"]
         bf16_x = r["fused_graph_ms"] / r["bf16_graph_ms"]
         meets = (want_dequant is None or dequant_x >= want_dequant) and bf16_x <= want_bf16
-        floors.append(dict(scheme=scheme, M=m, fused_vs_dequant=dequant_x, target_vs_dequant=want_dequant or "",
-                           fused_over_bf16=bf16_x, target_over_bf16=want_bf16, meets="yes" if meets else "no",
-                           floor_frac=r["fused_floor_frac_graph"],
-                           mem_frac_of_packed=r["fused_mem_mb"] / r["packed_weight_mb"]))
+        floors.append(
+            dict(
+                scheme=scheme,
+                M=m,
+                fused_vs_dequant=dequant_x,
+                target_vs_dequant=want_dequant or "",
+                fused_over_bf16=bf16_x,
+                target_over_bf16=want_bf16,
+                meets="yes" if meets else "no",
+                floor_frac=r["fused_floor_frac_graph"],
+                mem_frac_of_packed=r["fused_mem_mb"] / r["packed_weight_mb"],
+            )
+        )
     return floors
 
 
@@ -128,21 +168,21 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
 # stay right if the formats or the data change.
 EXERCISES: dict[str, str] = {
     "01.fp6_shapes": "A Quark w_mxfp6_e2m3 checkpoint of Qwen3-30B-A3B stores each expert's gate_proj "
-                     "(out 768, in 2048). Give (weight shape, weight_scale shape) as two tuples.",
+    "(out 768, in 2048). Give (weight shape, weight_scale shape) as two tuples.",
     "01.decode_byte": "An NVFP4 weight byte 0x2B, its block scale byte 0x38 (e4m3 1.0) and weight_scale_2 = "
-                      "2**-10: give the two weights it decodes to, low nibble first.",
+    "2**-10: give the two weights it decodes to, low nibble first.",
     "02.floor_clips": "Find a 32-value MXFP8 (e4m3) block in which the OCP floor rule clips an element and "
-                      "rceil does not.",
+    "rceil does not.",
     "02.e4m3_code": "Which e4m3 code (an int, e.g. 0x79) does 300.0 round to?",
     "02.outlier_gap": "With explorers.outlier_scale_sqnr, find the smallest outlier_scale among 1, 10, 100, 1000 "
-                      "and 10000 at which NVFP4 beats MXFP4 by more than 3 dB.",
+    "and 10000 at which NVFP4 beats MXFP4 by more than 3 dB.",
     "03.best_4bit": "Which 4.25-bit scheme has the highest logits SQNR in this run?",
     "03.nvfp4_bits_32": "NVFP4 with blocks of 32 instead of 16 (still one e4m3 scale a block): how many bits "
-                        "per weight, scales included (the per-tensor fp32 scale is negligible)?",
+    "per weight, scales included (the per-tensor fp32 scale is negligible)?",
     "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
-                       "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
+    "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
     "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on does vLLM's emulation design "
-                       "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
+    "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
 }
 
 
@@ -199,8 +239,11 @@ def check_exercise(name: str, answer, **context) -> bool:
         except ValueError as err:
             print(f"not a valid block: {err}")
             return False
-        print("right: floor clips, rceil does not" if ok else
-              "not yet: floor must saturate an element (|x| / scale > 448) while rceil keeps it")
+        print(
+            "right: floor clips, rceil does not"
+            if ok
+            else "not yet: floor must saturate an element (|x| / scale > 448) while rceil keeps it"
+        )
         return ok
     want = _exercise_answer(name, **context)
     if name == "05.packed_bytes":
@@ -271,8 +314,15 @@ ANCHOR_RATIOS: dict[str, tuple[str, str]] = {
 }
 
 # anchor rows shown in the ms table, in this order (the tk_bf16 / with-routing rows stay in the JSON)
-ANCHOR_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_mxfp4", "tk_mxfp4_unfused_silu", "vllm_later_fused_nvfp4",
-               "floor_mxfp4", "floor_nvfp4")
+ANCHOR_ROWS = (
+    "vllm_bf16",
+    "vllm_bf16_noalign",
+    "tk_mxfp4",
+    "tk_mxfp4_unfused_silu",
+    "vllm_later_fused_nvfp4",
+    "floor_mxfp4",
+    "floor_nvfp4",
+)
 
 
 def anchor_tables(path) -> dict:
@@ -307,7 +357,7 @@ def anchor_tables(path) -> dict:
     ms = sorted({r["M"] for r in data["rows"]})
     key = [f"M={m}" for m in ms]
     times: dict[str, dict[int, float]] = {}
-    for src, rows in (("anchor", anchor["rows"]), ("mxlib", data["rows"])):
+    for rows in (anchor["rows"], data["rows"]):
         for r in rows:
             t = r.get("graph_ms", r.get("floor_ms"))
             if t is not None:
@@ -323,8 +373,11 @@ def anchor_tables(path) -> dict:
         num, den = ANCHOR_RATIOS[name]
         if all(data["ratios"][str(m)][name] is None for m in ms):  # rows not timed in this call (``--no-extra``)
             continue
-        ratio_rows.append(dict(ratio=name, numerator=num, denominator=den,
-                               **{k: data["ratios"][str(m)][name] for k, m in zip(key, ms)}))
+        ratio_rows.append(
+            dict(
+                ratio=name, numerator=num, denominator=den, **{k: data["ratios"][str(m)][name] for k, m in zip(key, ms)}
+            )
+        )
 
     frac_rows = []
     for p in dict.fromkeys(r["path"] for r in data["rows"] if "floor_fraction" in r):
@@ -332,14 +385,29 @@ def anchor_tables(path) -> dict:
         frac_rows.append(dict(row=p, **{k: by.get(m, "") for k, m in zip(key, ms)}))
     for p in ("tk_mxfp4", "tk_mxfp4_unfused_silu"):
         if p in times and "floor_mxfp4" in times:
-            frac_rows.append(dict(row=f"{p} (anchor)", **{k: times["floor_mxfp4"][m] / times[p][m]
-                                                           for k, m in zip(key, ms)}))
+            frac_rows.append(
+                dict(row=f"{p} (anchor)", **{k: times["floor_mxfp4"][m] / times[p][m] for k, m in zip(key, ms)})
+            )
 
     env = data["env"]
     return dict(
-        env=[dict(device=env["device"], date=env["date"], torch=env["torch"], triton=env["triton"],
-                  vllm_source=anchor["env"].get("vllm_source", ""), copy_gbs=data["copy_gbs"])],
-        ms=ms_rows, ratios=ratio_rows,
-        floors=[dict(floor=f["floor"], limit=f["limit"], worst=f["worst"], holds="yes" if f["holds"] else "no")
-                for f in data["floors"]],
-        floor_fraction=frac_rows, checks=list(data["checks"]), Ms=ms)
+        env=[
+            dict(
+                device=env["device"],
+                date=env["date"],
+                torch=env["torch"],
+                triton=env["triton"],
+                vllm_source=anchor["env"].get("vllm_source", ""),
+                copy_gbs=data["copy_gbs"],
+            )
+        ],
+        ms=ms_rows,
+        ratios=ratio_rows,
+        floors=[
+            dict(floor=f["floor"], limit=f["limit"], worst=f["worst"], holds="yes" if f["holds"] else "no")
+            for f in data["floors"]
+        ],
+        floor_fraction=frac_rows,
+        checks=list(data["checks"]),
+        Ms=ms,
+    )

@@ -35,8 +35,8 @@ from .. import reference as R
 from ..analysis import sqnr_db
 from ..formats import (
     BLOCK_SCHEMES,
-    ELEMENT_FORMATS,
     E8M0_BIAS,
+    ELEMENT_FORMATS,
     NVFP4_BLOCK_SIZE,
     NVFP4_FLUSH_RATIO,
     NVFP4_SCALE_DIVISOR,
@@ -195,8 +195,11 @@ def block_info(
     info: dict = {"scheme": s.name, "element": fmt.name, "x": x.tolist(), "amax": amax}
     if s.has_global_scale:
         if global_scale is None:
-            gs = (torch.tensor(NVFP4_SCALE_DIVISOR, dtype=torch.float32) / x.abs().max() if amax > 0
-                  else torch.tensor(1.0))
+            gs = (
+                torch.tensor(NVFP4_SCALE_DIVISOR, dtype=torch.float32) / x.abs().max()
+                if amax > 0
+                else torch.tensor(1.0)
+            )
         else:
             gs = torch.tensor(float(global_scale), dtype=torch.float32)
         elements, bscale = R.ref_nvfp4_quant(row, gs, s.block_size)
@@ -309,15 +312,17 @@ def expert_scale_ratio(
         own = R.ref_nvfp4_quant_dequant(xe, gs_per_expert[e])
         _, s = R.ref_nvfp4_quant(xe, gs_unified)
         bamax = xe.reshape(tokens, -1, NVFP4_BLOCK_SIZE).abs().amax(dim=-1)
-        rows.append({
-            "expert": e,
-            "amax": float(amax[e]),
-            "sqnr_unified_db": sqnr_db(unified, xe),
-            "sqnr_per_expert_db": sqnr_db(own, xe),
-            "subnormal_blocks": float(((s > 0) & (s < _E4M3.min_normal)).float().mean()),
-            "flushed_blocks": float(((s == 0) & (bamax > 0)).float().mean()),
-            "max_block_scale": float(s.max()),
-        })
+        rows.append(
+            {
+                "expert": e,
+                "amax": float(amax[e]),
+                "sqnr_unified_db": sqnr_db(unified, xe),
+                "sqnr_per_expert_db": sqnr_db(own, xe),
+                "subnormal_blocks": float(((s > 0) & (s < _E4M3.min_normal)).float().mean()),
+                "flushed_blocks": float(((s == 0) & (bamax > 0)).float().mean()),
+                "max_block_scale": float(s.max()),
+            }
+        )
     return rows
 
 
@@ -345,8 +350,9 @@ def outlier_data(
     return x
 
 
-def outlier_scale_sqnr(outlier_scale: float, schemes=tuple(BLOCK_SCHEMES), scale_mode: str = "even",
-                       **data_kwargs) -> dict:
+def outlier_scale_sqnr(
+    outlier_scale: float, schemes=tuple(BLOCK_SCHEMES), scale_mode: str = "even", **data_kwargs
+) -> dict:
     """SQNR (dB) of QDQ in each scheme on ``outlier_data(outlier_scale, **data_kwargs)``.
 
     OCP MX schemes use the E8M0 rule ``scale_mode``; NVFP4 uses the global scale ``6 * 448 / amax``
@@ -384,14 +390,19 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
     cols = columns or list(rows[0])
     text = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     long = [max(len(t[j]) for t in text) > 40 for j in range(len(cols))]
-    style = ["text-align:left;vertical-align:top;" + ("white-space:normal;min-width:10em;max-width:40em"
-                                                       if lg else "white-space:nowrap") for lg in long]
+    style = [
+        "text-align:left;vertical-align:top;"
+        + ("white-space:normal;min-width:10em;max-width:40em" if lg else "white-space:nowrap")
+        for lg in long
+    ]
     cap = f"<caption>{escape(caption)}</caption>" if caption else ""
     head = "".join(f'<th style="{st}">{escape(str(c))}</th>' for c, st in zip(cols, style))
-    body = "".join("<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>"
-                   for row in text)
-    return HTML(f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead>'
-                f'<tbody>{body}</tbody></table>')
+    body = "".join(
+        "<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>" for row in text
+    )
+    return HTML(
+        f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    )
 
 
 def _show_rows(rows: list[dict]) -> None:
@@ -410,15 +421,30 @@ def value_explorer_widget(value: float = 2.6, element: str = "e2m1"):
     """A text box for a value and a drop-down for the element format, showing ``value_info``."""
     import ipywidgets as w
 
-    keys = ("value", "below", "above", "rounded", "error", "rel_error", "code_hex", "bits", "kind", "formula",
-            "tie", "saturated")
+    keys = (
+        "value",
+        "below",
+        "above",
+        "rounded",
+        "error",
+        "rel_error",
+        "code_hex",
+        "bits",
+        "kind",
+        "formula",
+        "tie",
+        "saturated",
+    )
 
     def show(value, element):
         info = value_info(value, element)
         _show_rows([{k: info[k] for k in keys}])
 
-    return w.interactive(show, value=w.FloatText(value=value, description="value"),
-                         element=w.Dropdown(options=list(_element_names()), value=element, description="format"))
+    return w.interactive(
+        show,
+        value=w.FloatText(value=value, description="value"),
+        element=w.Dropdown(options=list(_element_names()), value=element, description="format"),
+    )
 
 
 def _element_names():
@@ -439,11 +465,24 @@ def block_explorer_widget(block=None, scheme: str = "mxfp4", scale_mode: str = "
         except ValueError as err:
             print(err)
             return
-        print(f"amax {info['amax']:.6g}  scale byte 0x{info['scale_byte']:02X}  scale {info['scale']:.6g}  "
-              f"SQNR {info['sqnr_db']:.2f} dB  packed {info['packed_hex']}")
-        _show_rows([{"x": a, "scaled": b, "code": c, "element": d, "dequant": e, "error": f, "clipped": g}
-                    for a, b, c, d, e, f, g in zip(info["x"], info["scaled"], info["codes"], info["elements"],
-                                                   info["dequant"], info["error"], info["clipped"])])
+        print(
+            f"amax {info['amax']:.6g}  scale byte 0x{info['scale_byte']:02X}  scale {info['scale']:.6g}  "
+            f"SQNR {info['sqnr_db']:.2f} dB  packed {info['packed_hex']}"
+        )
+        _show_rows(
+            [
+                {"x": a, "scaled": b, "code": c, "element": d, "dequant": e, "error": f, "clipped": g}
+                for a, b, c, d, e, f, g in zip(
+                    info["x"],
+                    info["scaled"],
+                    info["codes"],
+                    info["elements"],
+                    info["dequant"],
+                    info["error"],
+                    info["clipped"],
+                )
+            ]
+        )
 
     return w.interactive(
         show,
@@ -458,8 +497,10 @@ def expert_scale_ratio_widget(num_experts: int = 2, **kwargs):
     import ipywidgets as w
 
     def show(log2_ratio):
-        print(f"ratio 2^{log2_ratio} = {2.0**log2_ratio:.3g}; thresholds 2^-6/448 = {NVFP4_SUBNORMAL_RATIO:.3g}, "
-              f"2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}")
+        print(
+            f"ratio 2^{log2_ratio} = {2.0**log2_ratio:.3g}; thresholds 2^-6/448 = {NVFP4_SUBNORMAL_RATIO:.3g}, "
+            f"2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}"
+        )
         _show_rows(expert_scale_ratio(2.0**log2_ratio, num_experts=num_experts, **kwargs))
 
     return w.interactive(show, log2_ratio=w.IntSlider(value=-12, min=-24, max=0, description="log2 ratio"))
@@ -472,5 +513,6 @@ def outlier_scale_widget(**kwargs):
     def show(log10_scale):
         _show_rows([{"outlier_scale": 10.0**log10_scale, **outlier_scale_sqnr(10.0**log10_scale, **kwargs)}])
 
-    return w.interactive(show, log10_scale=w.FloatSlider(value=2.0, min=0.0, max=4.0, step=0.25,
-                                                         description="log10 outlier"))
+    return w.interactive(
+        show, log10_scale=w.FloatSlider(value=2.0, min=0.0, max=4.0, step=0.25, description="log10 outlier")
+    )

@@ -42,9 +42,9 @@ __all__ = [
 
 # distinct colours for many series (plotly's default cycle repeats after 10): category10, then two
 # more that differ from all of them, then Dark24's
-PALETTE: tuple[str, ...] = tuple(dict.fromkeys([*plotly.colors.qualitative.D3, "#000000", "#FFD700",
-                                                *plotly.colors.qualitative.Dark24]))
-
+PALETTE: tuple[str, ...] = tuple(
+    dict.fromkeys([*plotly.colors.qualitative.D3, "#000000", "#FFD700", *plotly.colors.qualitative.Dark24])
+)
 
 
 def format_pow2(v, min_abs_exp: int = 4) -> str:
@@ -102,19 +102,32 @@ def table(rows: list[dict], title: str = "", columns: list[str] | None = None, p
     columns = columns or list(rows[0])
     fmt = format_pow2 if pow2 else _fmt
     cells = [[fmt(r.get(c, "")) for r in rows] for c in columns]
-    fig = go.Figure(go.Table(columnwidth=_widths(cells, columns), header=dict(values=columns, align="left"),
-                             cells=dict(values=cells, align="left")))
+    fig = go.Figure(
+        go.Table(
+            columnwidth=_widths(cells, columns),
+            header=dict(values=columns, align="left"),
+            cells=dict(values=cells, align="left"),
+        )
+    )
     fig.update_layout(title=title, height=table_height(cells, columns), margin=dict(l=10, r=10, t=50, b=10))
     return fig
 
 
-def layer_sqnr_figure(per_layer: dict[str, list[dict]],
-                      title: str = "SQNR of each decoder layer's output") -> go.Figure:
+def layer_sqnr_figure(
+    per_layer: dict[str, list[dict]], title: str = "SQNR of each decoder layer's output"
+) -> go.Figure:
     """One line per run: SQNR (dB) of each decoder layer's output against the bf16 model."""
     fig = go.Figure()
     for k, (name, layers) in enumerate(per_layer.items()):
-        fig.add_trace(go.Scatter(x=[r["layer"] for r in layers], y=[r["sqnr_db"] for r in layers],
-                                 mode="lines+markers", name=name, line=dict(color=PALETTE[k % len(PALETTE)])))
+        fig.add_trace(
+            go.Scatter(
+                x=[r["layer"] for r in layers],
+                y=[r["sqnr_db"] for r in layers],
+                mode="lines+markers",
+                name=name,
+                line=dict(color=PALETTE[k % len(PALETTE)]),
+            )
+        )
     fig.update_layout(title=title, xaxis_title="decoder layer", yaxis_title="SQNR vs bf16 [dB]")
     fig.update_xaxes(dtick=1)
     return fig
@@ -139,18 +152,23 @@ def scatter_figure(traces: dict[str, tuple], title: str, xtitle: str, ytitle: st
     """``traces``: name -> (x values, y values[, hover texts])."""
     fig = go.Figure()
     for name, tr in traces.items():
-        fig.add_trace(go.Scatter(x=tr[0], y=tr[1], mode="markers", name=name,
-                                 text=tr[2] if len(tr) > 2 else None))
+        fig.add_trace(go.Scatter(x=tr[0], y=tr[1], mode="markers", name=name, text=tr[2] if len(tr) > 2 else None))
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle)
     if log_x:
         fig.update_xaxes(type="log")
     return fig
 
 
-def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str = "sqnr_db",
-                            label: str = "scheme", title: str = "Accuracy against storage",
-                            xtitle: str = "expert weight bits per element (scales included)",
-                            ytitle: str = "logits SQNR vs bf16 [dB]", spread: float = 0.2) -> go.Figure:
+def storage_accuracy_figure(
+    rows: list[dict],
+    x: str = "bits_per_weight",
+    y: str = "sqnr_db",
+    label: str = "scheme",
+    title: str = "Accuracy against storage",
+    xtitle: str = "expert weight bits per element (scales included)",
+    ytitle: str = "logits SQNR vs bf16 [dB]",
+    spread: float = 0.2,
+) -> go.Figure:
     """One numbered marker per row, each in its own colour; the legend names the numbers.
 
     Rows sharing an ``x`` value (five schemes store 4.25 bits) are spread side by side over
@@ -169,23 +187,40 @@ def storage_accuracy_figure(rows: list[dict], x: str = "bits_per_weight", y: str
         n = len(rr)
         for j, r in enumerate(rr):
             dx = 0.0 if n == 1 else spread * (j / (n - 1) - 0.5)
-            fig.add_trace(go.Scatter(x=[xv + dx], y=[r[y]], mode="markers+text", name=f"{k + 1}. {r[label]}",
-                                     text=[str(k + 1)], textposition="top center", textfont=dict(size=11),
-                                     marker=dict(size=11, color=PALETTE[k % len(PALETTE)]),
-                                     hovertemplate=f"{r[label]}<br>{x} {xv}<br>{y} %{{y:.3f}}<extra></extra>"))
+            fig.add_trace(
+                go.Scatter(
+                    x=[xv + dx],
+                    y=[r[y]],
+                    mode="markers+text",
+                    name=f"{k + 1}. {r[label]}",
+                    text=[str(k + 1)],
+                    textposition="top center",
+                    textfont=dict(size=11),
+                    marker=dict(size=11, color=PALETTE[k % len(PALETTE)]),
+                    hovertemplate=f"{r[label]}<br>{x} {xv}<br>{y} %{{y:.3f}}<extra></extra>",
+                )
+            )
             k += 1
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle, height=600)
     fig.update_xaxes(tickvals=sorted(groups), range=[min(groups) - 0.5, max(groups) + 0.5])
     return fig
 
 
-def sweep_figure(rows: list[dict], x: str, ys: list[str], title: str, xtitle: str, ytitle: str,
-                 log_x: bool = False) -> go.Figure:
+def sweep_figure(
+    rows: list[dict], x: str, ys: list[str], title: str, xtitle: str, ytitle: str, log_x: bool = False
+) -> go.Figure:
     """One line per key in ``ys`` against ``row[x]`` (e.g. ``explorers.outlier_scale_sweep`` rows), distinct colours."""
     fig = go.Figure()
     for k, y in enumerate(ys):
-        fig.add_trace(go.Scatter(x=[r[x] for r in rows], y=[r[y] for r in rows], name=y, mode="lines+markers",
-                                 line=dict(color=PALETTE[k % len(PALETTE)])))
+        fig.add_trace(
+            go.Scatter(
+                x=[r[x] for r in rows],
+                y=[r[y] for r in rows],
+                name=y,
+                mode="lines+markers",
+                line=dict(color=PALETTE[k % len(PALETTE)]),
+            )
+        )
     fig.update_layout(title=title, xaxis_title=xtitle, yaxis_title=ytitle)
     if log_x:
         fig.update_xaxes(type="log")
@@ -204,22 +239,58 @@ def e4m3_code_map_figure() -> go.Figure:
     e4m3 = ELEMENT_FORMATS["e4m3"]
     grid = [[e4m3.code_value(16 * r + c) for c in range(16)] for r in range(16)]
     z = [[math.log2(abs(v)) if v and math.isfinite(v) else None for v in row] for row in grid]
-    text = [["NaN" if math.isnan(v) else ("-0" if v == 0 and math.copysign(1, v) < 0 else
-             ("0" if v == 0 else _value_text(v))) for v in row] for row in grid]
+    text = [
+        [
+            "NaN"
+            if math.isnan(v)
+            else ("-0" if v == 0 and math.copysign(1, v) < 0 else ("0" if v == 0 else _value_text(v)))
+            for v in row
+        ]
+        for row in grid
+    ]
     xs, ys = [f"x{c:X}" for c in range(16)], [f"{r:X}x" for r in range(16)]
     fig = go.Figure()
     # zero and NaN cells first, in their own colours, under the magnitude layer (which leaves them blank)
     special = [[0.0 if v == 0 else (1.0 if math.isnan(v) else None) for v in row] for row in grid]
-    fig.add_trace(go.Heatmap(z=special, x=xs, y=ys, colorscale=[[0, "#bbbbbb"], [1, "#000000"]], zmin=0, zmax=1,
-                             text=text, texttemplate="%{text}", textfont=dict(size=9), showscale=False,
-                             hovertemplate="code %{y}%{x}: %{text}<extra></extra>", name="zero / NaN"))
-    fig.add_trace(go.Heatmap(z=z, x=xs, y=ys, text=text, texttemplate="%{text}", textfont=dict(size=9),
-                             colorscale="Viridis", zmin=-9, zmax=math.log2(e4m3.max),
-                             colorbar=dict(title="log2|v|", tickvals=list(range(-9, 9, 3)),
-                                           ticktext=[f"2^{k}" for k in range(-9, 9, 3)]),
-                             hovertemplate="code %{y}%{x}: %{text}<extra></extra>", name="log2|v|"))
-    fig.update_layout(title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, "
-                            "grey zero, black NaN", height=620, yaxis=dict(autorange="reversed"))
+    fig.add_trace(
+        go.Heatmap(
+            z=special,
+            x=xs,
+            y=ys,
+            colorscale=[[0, "#bbbbbb"], [1, "#000000"]],
+            zmin=0,
+            zmax=1,
+            text=text,
+            texttemplate="%{text}",
+            textfont=dict(size=9),
+            showscale=False,
+            hovertemplate="code %{y}%{x}: %{text}<extra></extra>",
+            name="zero / NaN",
+        )
+    )
+    fig.add_trace(
+        go.Heatmap(
+            z=z,
+            x=xs,
+            y=ys,
+            text=text,
+            texttemplate="%{text}",
+            textfont=dict(size=9),
+            colorscale="Viridis",
+            zmin=-9,
+            zmax=math.log2(e4m3.max),
+            colorbar=dict(
+                title="log2|v|", tickvals=list(range(-9, 9, 3)), ticktext=[f"2^{k}" for k in range(-9, 9, 3)]
+            ),
+            hovertemplate="code %{y}%{x}: %{text}<extra></extra>",
+            name="log2|v|",
+        )
+    )
+    fig.update_layout(
+        title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, grey zero, black NaN",
+        height=620,
+        yaxis=dict(autorange="reversed"),
+    )
     return fig
 
 
@@ -238,13 +309,27 @@ def add_scale_ratio_thresholds(fig, y_range=None):
     inconsistently on log axes (plotly.py issue #4012).
     """
     if y_range is None:
-        ys = [float(y) for tr in fig.data if getattr(tr, "y", None) is not None for y in tr.y
-              if y is not None and math.isfinite(float(y))]
+        ys = [
+            float(y)
+            for tr in fig.data
+            if getattr(tr, "y", None) is not None
+            for y in tr.y
+            if y is not None and math.isfinite(float(y))
+        ]
         y_range = (min(ys, default=0.0), max(ys, default=1.0))
-    for ratio, name in ((NVFP4_SUBNORMAL_RATIO, "r = 2^-6/448: largest block scale subnormal"),
-                        (NVFP4_FLUSH_RATIO, "r = 2^-10/448: every block flushed")):
-        fig.add_trace(go.Scatter(x=[ratio, ratio], y=list(y_range), mode="lines", name=name,
-                                 line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black")))
+    for ratio, name in (
+        (NVFP4_SUBNORMAL_RATIO, "r = 2^-6/448: largest block scale subnormal"),
+        (NVFP4_FLUSH_RATIO, "r = 2^-10/448: every block flushed"),
+    ):
+        fig.add_trace(
+            go.Scatter(
+                x=[ratio, ratio],
+                y=list(y_range),
+                mode="lines",
+                name=name,
+                line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black"),
+            )
+        )
     return fig
 
 
@@ -257,20 +342,27 @@ def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, 
     return fig
 
 
-def expert_loss_heatmap(experts: list[dict], num_layers: int, num_experts: int, point: str = "a2",
-                        strategy: str = "max") -> go.Figure:
+def expert_loss_heatmap(
+    experts: list[dict], num_layers: int, num_experts: int, point: str = "a2", strategy: str = "max"
+) -> go.Figure:
     """dB lost by ``strategy`` against ``per_expert`` for every (layer, expert) at ``point``, from
     ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank."""
     z = [[float("nan")] * num_experts for _ in range(num_layers)]
     for r in experts:
         if r["point"] == point:
             z[r["layer"]][r["expert"]] = r[f"db_lost_{strategy}"]
-    return heatmap_figure(z, list(range(num_experts)), [f"layer {i}" for i in range(num_layers)],
-                          f"dB lost by `{strategy}` against `per_expert` ({point})", "dB")
+    return heatmap_figure(
+        z,
+        list(range(num_experts)),
+        [f"layer {i}" for i in range(num_layers)],
+        f"dB lost by `{strategy}` against `per_expert` ({point})",
+        "dB",
+    )
 
 
-def scale_code_histogram_figure(histograms: dict[str, list[int]], strategies=("max", "per_expert"),
-                                point: str = "a2") -> go.Figure:
+def scale_code_histogram_figure(
+    histograms: dict[str, list[int]], strategies=("max", "per_expert"), point: str = "a2"
+) -> go.Figure:
     """Overlaid histograms of e4m3 block-scale codes (0-126) per strategy, log counts; codes 0-7
     (e4m3's subnormals, 0 a flushed block) shaded."""
     fig = go.Figure()
@@ -278,8 +370,13 @@ def scale_code_histogram_figure(histograms: dict[str, list[int]], strategies=("m
         if s in histograms:
             fig.add_trace(go.Bar(x=list(range(len(histograms[s]))), y=histograms[s], name=s))
     fig.add_vrect(x0=-0.5, x1=7.5, fillcolor="red", opacity=0.1, annotation_text="subnormal scales")
-    fig.update_layout(barmode="overlay", title=f"e4m3 block-scale codes of {point} blocks", xaxis_title="e4m3 code",
-                      yaxis_title="blocks", yaxis_type="log")
+    fig.update_layout(
+        barmode="overlay",
+        title=f"e4m3 block-scale codes of {point} blocks",
+        xaxis_title="e4m3 code",
+        yaxis_title="blocks",
+        yaxis_type="log",
+    )
     return fig
 
 
@@ -288,12 +385,27 @@ def spread_figure(spread_rows: list[dict]) -> go.Figure:
     fig = go.Figure()
     for point in ("a1", "a2"):
         rr = [r for r in spread_rows if r["point"] == point]
-        fig.add_trace(go.Scatter(x=[r["spread"] for r in rr], y=[r["mean_db_lost"] for r in rr], name=f"{point} mean",
-                                 mode="lines+markers"))
-        fig.add_trace(go.Scatter(x=[r["spread"] for r in rr], y=[r["max_db_lost"] for r in rr],
-                                 name=f"{point} worst expert", mode="lines+markers"))
-    fig.update_layout(title="Loss of the single global scale vs per-expert weight spread",
-                      xaxis_title="expert_spread (sigma)", yaxis_title="dB lost")
+        fig.add_trace(
+            go.Scatter(
+                x=[r["spread"] for r in rr],
+                y=[r["mean_db_lost"] for r in rr],
+                name=f"{point} mean",
+                mode="lines+markers",
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[r["spread"] for r in rr],
+                y=[r["max_db_lost"] for r in rr],
+                name=f"{point} worst expert",
+                mode="lines+markers",
+            )
+        )
+    fig.update_layout(
+        title="Loss of the single global scale vs per-expert weight spread",
+        xaxis_title="expert_spread (sigma)",
+        yaxis_title="dB lost",
+    )
     return fig
 
 
@@ -308,13 +420,26 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
         m = [r["M"] for r in rr]
         fig = go.Figure()
         for path in ("bf16", "dequant", "fused"):
-            fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_graph_ms"] for r in rr], name=f"{path} (graph)",
-                                     mode="lines+markers"))
-            fig.add_trace(go.Scatter(x=m, y=[r[f"{path}_ms"] for r in rr], name=f"{path} (eager)", mode="lines+markers",
-                                     line=dict(dash="dot")))
+            fig.add_trace(
+                go.Scatter(x=m, y=[r[f"{path}_graph_ms"] for r in rr], name=f"{path} (graph)", mode="lines+markers")
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=m,
+                    y=[r[f"{path}_ms"] for r in rr],
+                    name=f"{path} (eager)",
+                    mode="lines+markers",
+                    line=dict(dash="dot"),
+                )
+            )
         fig.add_trace(go.Scatter(x=m, y=[r["floor_ms"] for r in rr], name="memory floor", line=dict(dash="dash")))
-        fig.update_layout(title=f"{scheme}: MoE layer time", xaxis_title="tokens M", yaxis_title="ms", xaxis_type="log",
-                          yaxis_type="log")
+        fig.update_layout(
+            title=f"{scheme}: MoE layer time",
+            xaxis_title="tokens M",
+            yaxis_title="ms",
+            xaxis_type="log",
+            yaxis_type="log",
+        )
         figs.append(fig)
     return figs
 
@@ -323,8 +448,13 @@ def model_time_figure(model_rows: list[dict]) -> go.Figure:
     """Whole-model forward time per path (bf16, seed, fused), one bar group per (layers, tokens)."""
     fig = go.Figure()
     for path in ("bf16", "dequant", "fused"):
-        fig.add_trace(go.Bar(x=[f"{r['layers']} layers, {r['tokens']} tokens" for r in model_rows],
-                             y=[r[f"{path}_ms"] for r in model_rows], name=path))
+        fig.add_trace(
+            go.Bar(
+                x=[f"{r['layers']} layers, {r['tokens']} tokens" for r in model_rows],
+                y=[r[f"{path}_ms"] for r in model_rows],
+                name=path,
+            )
+        )
     fig.update_layout(barmode="group", title="Whole-model forward time", yaxis_title="ms")
     return fig
 
@@ -342,35 +472,67 @@ def vllm_vs_hardware_figure(studies: list[dict]) -> go.Figure:
     vLLM vs hardware and each against the bf16 model. An SQNR of +inf (equal outputs: OCP MX) has
     no point or bar; its legend entry or bar label says so.
     """
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
-                        subplot_titles=("each MoE layer", "logits, whole model"))
-    lines = (("vllm_vs_ref_sqnr_db", "vLLM vs fp64", 6), ("hw_vs_ref_sqnr_db", "hardware vs fp64", 2),
-             ("vllm_vs_hw_sqnr_db", "vLLM vs hardware", 2),
-             ("e2e_vllm_vs_hw_sqnr_db", "vLLM vs hardware, whole-model runs (earlier layers' drift included)", 2))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.62, 0.38],
+        horizontal_spacing=0.1,
+        subplot_titles=("each MoE layer", "logits, whole model"),
+    )
+    lines = (
+        ("vllm_vs_ref_sqnr_db", "vLLM vs fp64", 6),
+        ("hw_vs_ref_sqnr_db", "hardware vs fp64", 2),
+        ("vllm_vs_hw_sqnr_db", "vLLM vs hardware", 2),
+        ("e2e_vllm_vs_hw_sqnr_db", "vLLM vs hardware, whole-model runs (earlier layers' drift included)", 2),
+    )
     dashes = ("solid", "dot", "dash", "dashdot")
     for si, st in enumerate(studies):
         layers = [r["layer"] for r in st["layers"]]
         for k, (key, label, width) in enumerate(lines):
             ys = [_finite_or_none(r[key]) for r in st["layers"]]
             equal = all(y is None for y in ys)
-            fig.add_trace(go.Scatter(x=layers, y=ys, mode="lines+markers",
-                                     name=f"{st['scheme']}: {label}" + (" (equal: +inf)" if equal else ""),
-                                     line=dict(color=PALETTE[k], dash=dashes[si % len(dashes)], width=width),
-                                     opacity=0.5 if width > 2 else 1.0, marker=dict(symbol=si)), row=1, col=1)
-    bars = (("vllm_vs_hw_sqnr_db", "vLLM vs hardware"), ("vllm_vs_bf16_sqnr_db", "vLLM vs bf16"),
-            ("hw_vs_bf16_sqnr_db", "hardware vs bf16"))  # colours after the four lines
+            fig.add_trace(
+                go.Scatter(
+                    x=layers,
+                    y=ys,
+                    mode="lines+markers",
+                    name=f"{st['scheme']}: {label}" + (" (equal: +inf)" if equal else ""),
+                    line=dict(color=PALETTE[k], dash=dashes[si % len(dashes)], width=width),
+                    opacity=0.5 if width > 2 else 1.0,
+                    marker=dict(symbol=si),
+                ),
+                row=1,
+                col=1,
+            )
+    bars = (
+        ("vllm_vs_hw_sqnr_db", "vLLM vs hardware"),
+        ("vllm_vs_bf16_sqnr_db", "vLLM vs bf16"),
+        ("hw_vs_bf16_sqnr_db", "hardware vs bf16"),
+    )  # colours after the four lines
     names = [st["scheme"] for st in studies]
     for k, (key, label) in enumerate(bars):
         vals = [st["logits"][key] for st in studies]
-        fig.add_trace(go.Bar(x=names, y=[_finite_or_none(v) for v in vals], name=f"logits: {label}",
-                             marker_color=PALETTE[4 + k],
-                             text=["equal" if _finite_or_none(v) is None else f"{v:.1f}" for v in vals],
-                             textposition="outside"), row=1, col=2)
+        fig.add_trace(
+            go.Bar(
+                x=names,
+                y=[_finite_or_none(v) for v in vals],
+                name=f"logits: {label}",
+                marker_color=PALETTE[4 + k],
+                text=["equal" if _finite_or_none(v) is None else f"{v:.1f}" for v in vals],
+                textposition="outside",
+            ),
+            row=1,
+            col=2,
+        )
     fig.update_xaxes(title_text="MoE layer", dtick=1, row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=1)
     fig.update_yaxes(title_text="SQNR [dB]", row=1, col=2)
-    fig.update_layout(title="vLLM vs hardware numerics: MoE layers against float64 on the same operands; logits",
-                      barmode="group", height=520, legend=dict(font=dict(size=10), orientation="h", y=-0.2))
+    fig.update_layout(
+        title="vLLM vs hardware numerics: MoE layers against float64 on the same operands; logits",
+        barmode="group",
+        height=520,
+        legend=dict(font=dict(size=10), orientation="h", y=-0.2),
+    )
     return fig
 
 
@@ -396,14 +558,24 @@ def model_forward_figure(result: dict | str, eager: bool = False) -> go.Figure:
     fig = go.Figure()
     for i, path in enumerate(dict.fromkeys(r["path"] for r in rows)):
         rr = sorted((r for r in rows if r["path"] == path), key=lambda r: r["M"])
-        fig.add_trace(go.Scatter(
-            x=[r["M"] for r in rr], y=[r[key] for r in rr], name=path, mode="lines+markers",
-            line=dict(color=PALETTE[i % len(PALETTE)], dash="dash" if path == "bf16" else None),
-            customdata=[[r[ratio], r["M"] / (r[key] * 1e-3)] for r in rr],
-            hovertemplate="M %{x}: %{y:.3f} ms, %{customdata[0]:.2f}x bf16, %{customdata[1]:.0f} tokens/s"))
+        fig.add_trace(
+            go.Scatter(
+                x=[r["M"] for r in rr],
+                y=[r[key] for r in rr],
+                name=path,
+                mode="lines+markers",
+                line=dict(color=PALETTE[i % len(PALETTE)], dash="dash" if path == "bf16" else None),
+                customdata=[[r[ratio], r["M"] / (r[key] * 1e-3)] for r in rr],
+                hovertemplate="M %{x}: %{y:.3f} ms, %{customdata[0]:.2f}x bf16, %{customdata[1]:.0f} tokens/s",
+            )
+        )
     cfg, env = result.get("config", {}), result.get("env", {})
     timed = "eager" if eager else ("CUDA graph" if any(r.get("graph_ms") is not None for r in rows) else "eager")
     fig.update_layout(
         title=f"Whole-model forward ({cfg.get('layers', '?')} layers, {timed}), {env.get('device', '')}",
-        xaxis_title="tokens M", yaxis_title="ms per forward", xaxis_type="log", yaxis_type="log")
+        xaxis_title="tokens M",
+        yaxis_title="ms per forward",
+        xaxis_type="log",
+        yaxis_type="log",
+    )
     return fig

@@ -45,8 +45,10 @@ def stored_shapes(scheme: str | MoEQuantScheme | BlockScheme, out_features: int,
     if in_features % bs.block_size:
         raise ValueError(f"in_features={in_features} is not a multiple of block_size={bs.block_size}")
     scale_dtype = "F8_E4M3" if bs.has_global_scale else "U8"
-    return {"weight": ((out_features, bs.element.packed_size(in_features)), "U8"),
-            "weight_scale": ((out_features, in_features // bs.block_size), scale_dtype)}
+    return {
+        "weight": ((out_features, bs.element.packed_size(in_features)), "U8"),
+        "weight_scale": ((out_features, in_features // bs.block_size), scale_dtype),
+    }
 
 
 def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj", row: int = 0, block: int = 0) -> dict:
@@ -89,7 +91,7 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
         raise ValueError(f"block: expected an integer in [0, {sc.shape[1]}), got {block}")
     fmt = bs.element
     nbytes = fmt.packed_size(bs.block_size)
-    raw = w[row, block * nbytes:(block + 1) * nbytes].reshape(1, -1)
+    raw = w[row, block * nbytes : (block + 1) * nbytes].reshape(1, -1)
     codes = R.unpack_codes(raw, fmt)[0]
     elements = R.decode_element(codes, fmt)
     if bs.has_global_scale:
@@ -104,10 +106,19 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
         block_scale = float(R.decode_e8m0(torch.tensor([scale_byte], dtype=torch.uint8))[0])
         ws2 = None
         values = elements * block_scale
-    return {"scheme": bs.name, "tensor": name, "row": row, "block": block,
-            "bytes_hex": " ".join(f"{int(b):02X}" for b in raw[0]), "codes": [int(c) for c in codes],
-            "elements": elements.tolist(), "scale_byte": scale_byte, "block_scale": block_scale,
-            "weight_scale_2": ws2, "values": values.tolist()}
+    return {
+        "scheme": bs.name,
+        "tensor": name,
+        "row": row,
+        "block": block,
+        "bytes_hex": " ".join(f"{int(b):02X}" for b in raw[0]),
+        "codes": [int(c) for c in codes],
+        "elements": elements.tolist(),
+        "scale_byte": scale_byte,
+        "block_scale": block_scale,
+        "weight_scale_2": ws2,
+        "values": values.tolist(),
+    }
 
 
 class swapped_nibbles:
@@ -125,9 +136,12 @@ class swapped_nibbles:
     """
 
     def __init__(self, model) -> None:
-        self.buffers = [t for m in model.modules()
-                        for t in (getattr(m, "w13_weight", None), getattr(m, "w2_weight", None))
-                        if isinstance(t, torch.Tensor) and t.dtype == torch.uint8]
+        self.buffers = [
+            t
+            for m in model.modules()
+            for t in (getattr(m, "w13_weight", None), getattr(m, "w2_weight", None))
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+        ]
         if not self.buffers:
             raise ValueError("model: no module with uint8 w13_weight / w2_weight buffers (no quantized experts)")
 

@@ -30,8 +30,16 @@ from nbconvert import HTMLExporter
 
 from ..models.qwen3 import MODEL_PRESETS
 
-__all__ = ["WORKBOOK", "CELL_TIMEOUT_S", "CHANNEL_POLL_S", "poll_kernel_channels_in_slices", "source_notebooks",
-           "workbook_entries", "run", "main"]
+__all__ = [
+    "WORKBOOK",
+    "CELL_TIMEOUT_S",
+    "CHANNEL_POLL_S",
+    "poll_kernel_channels_in_slices",
+    "source_notebooks",
+    "workbook_entries",
+    "run",
+    "main",
+]
 
 CELL_TIMEOUT_S = 1800  # seconds one cell may run (the slowest full-size cell takes a few minutes on 2 cores)
 
@@ -99,8 +107,9 @@ def _parameter_names(notebook: Path) -> set[str]:
     return set(pm.inspect_notebook(str(notebook)))
 
 
-def run(notebooks: Path, out: Path, only: str | None = None,
-        model_preset: str | None = None) -> list[tuple[str, float]]:
+def run(
+    notebooks: Path, out: Path, only: str | None = None, model_preset: str | None = None
+) -> list[tuple[str, float]]:
     """Execute the workbook's notebooks from ``notebooks`` into ``out`` (their working directory);
     ``model_preset`` (e.g. ``small``) goes to every notebook that takes one. Returns
     ``(name, seconds)`` per notebook run. Writes only under ``out`` (and the checkpoint cache)."""
@@ -121,8 +130,15 @@ def run(notebooks: Path, out: Path, only: str | None = None,
         executed = out / f"{name}.ipynb"
         # a cell that outlives CELL_TIMEOUT_S fails the run instead of hanging it (a kernel once stopped
         # answering in a widget cell of notebook 00 and the run waited with no end; its rerun took 20 s)
-        pm.execute_notebook(str(notebooks / nb), str(executed), parameters=params, kernel_name="python3",
-                            cwd=str(out), progress_bar=False, execution_timeout=CELL_TIMEOUT_S)
+        pm.execute_notebook(
+            str(notebooks / nb),
+            str(executed),
+            parameters=params,
+            kernel_name="python3",
+            cwd=str(out),
+            progress_bar=False,
+            execution_timeout=CELL_TIMEOUT_S,
+        )
         body, _ = HTMLExporter().from_notebook_node(nbformat.read(executed, as_version=4))
         (out / f"{name}.html").write_text(body, encoding="utf-8")
         seconds = time.perf_counter() - t0
@@ -140,13 +156,16 @@ def _check_options(args) -> Path:
     if args.notebooks is None:
         notebooks = source_notebooks()
         if notebooks is None:
-            raise _OptionError("--notebooks: mxlib does not run from a source checkout, so there is no default "
-                               "notebooks folder; pass --notebooks DIR (a folder holding the workbook's .ipynb files)")
+            raise _OptionError(
+                "--notebooks: mxlib does not run from a source checkout, so there is no default "
+                "notebooks folder; pass --notebooks DIR (a folder holding the workbook's .ipynb files)"
+            )
     else:
         notebooks = Path(args.notebooks)
         if not notebooks.is_dir():
-            raise _OptionError(f"--notebooks: expected a folder holding .ipynb files, got {args.notebooks!r} "
-                               f"(not a folder)")
+            raise _OptionError(
+                f"--notebooks: expected a folder holding .ipynb files, got {args.notebooks!r} (not a folder)"
+            )
     names = [name for name, _, _ in workbook_entries(notebooks)]
     if not names:
         raise _OptionError(f"--notebooks: expected a folder holding .ipynb files, got {str(notebooks)!r} (none there)")
@@ -160,11 +179,15 @@ def _check_options(args) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mxlib.workbook", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m mxlib.workbook", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--notebooks", default=None, help="the folder of the notebooks (default: the source checkout's)")
-    ap.add_argument("--out", default=os.path.join("build", "workbook"),
-                    help="the output folder, relative to the current directory (default: build/workbook)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join("build", "workbook"),
+        help="the output folder, relative to the current directory (default: build/workbook)",
+    )
     ap.add_argument("--only", default=None, help="run the entries whose name contains this")
     ap.add_argument("--model-preset", default=None, help="model size for the notebooks that take one (small, tiny)")
     args = ap.parse_args(argv)

@@ -92,10 +92,13 @@ def check_device(device, param: str = "device", names: dict | None = None) -> to
         raise ValueError(f"{_name(names, param)}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{_name(names, param)}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if dev.type == "cuda" and (not torch.cuda.is_available()
-                               or (dev.index is not None and dev.index >= torch.cuda.device_count())):
-        raise ValueError(f"{_name(names, param)}: {device!r} asked for, but torch sees "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)")
+    if dev.type == "cuda" and (
+        not torch.cuda.is_available() or (dev.index is not None and dev.index >= torch.cuda.device_count())
+    ):
+        raise ValueError(
+            f"{_name(names, param)}: {device!r} asked for, but torch sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s)"
+        )
     return dev
 
 
@@ -172,16 +175,25 @@ def check_e2e_parameters(
         raise ValueError(f"{_name(names, 'scheme')}: {err}") from None
     if model_preset not in MODEL_PRESETS:
         raise ValueError(f"{_name(names, 'model_preset')}: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
-    for param, value in (("num_hidden_layers", num_hidden_layers), ("num_tokens", num_tokens),
-                         ("calib_tokens", calib_tokens)):
+    for param, value in (
+        ("num_hidden_layers", num_hidden_layers),
+        ("num_tokens", num_tokens),
+        ("calib_tokens", calib_tokens),
+    ):
         check_positive_int(value, param, names)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
-    return E2EParameters(scheme=s, model_preset=model_preset, num_hidden_layers=num_hidden_layers,
-                         num_tokens=num_tokens, seed=seed, calib_tokens=calib_tokens,
-                         device=check_device(device, "device", names),
-                         experts_backend=check_backend(experts_backend, "experts_backend", names),
-                         results_path=prepare_results_path(results_path, "results_path", names))
+    return E2EParameters(
+        scheme=s,
+        model_preset=model_preset,
+        num_hidden_layers=num_hidden_layers,
+        num_tokens=num_tokens,
+        seed=seed,
+        calib_tokens=calib_tokens,
+        device=check_device(device, "device", names),
+        experts_backend=check_backend(experts_backend, "experts_backend", names),
+        results_path=prepare_results_path(results_path, "results_path", names),
+    )
 
 
 def check_schemes(schemes="all", param: str = "schemes", names: dict | None = None) -> list[MoEQuantScheme]:
@@ -208,11 +220,14 @@ def check_schemes(schemes="all", param: str = "schemes", names: dict | None = No
         try:
             out.append(get_moe_scheme(item))
         except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"{_name(names, param)}: {item!r} is not a scheme ({err}); expected 'all' or a "
-                             f"comma-separated list of {list(MOE_SCHEMES)}") from None
+            raise ValueError(
+                f"{_name(names, param)}: {item!r} is not a scheme ({err}); expected 'all' or a "
+                f"comma-separated list of {list(MOE_SCHEMES)}"
+            ) from None
     if not out:
-        raise ValueError(f"{_name(names, param)}: expected 'all' or at least one of {list(MOE_SCHEMES)}, "
-                         f"got {schemes!r}")
+        raise ValueError(
+            f"{_name(names, param)}: expected 'all' or at least one of {list(MOE_SCHEMES)}, got {schemes!r}"
+        )
     return out
 
 
@@ -266,15 +281,22 @@ def _malloc_trim():
     return _MALLOC_TRIM[0]
 
 
-def dummy_model(num_hidden_layers: int = 4, seed: int = 0, expert_spread: float = 0.0, device="cpu",
-                model_preset: str = "qwen3-30b-a3b", **overrides):
+def dummy_model(
+    num_hidden_layers: int = 4,
+    seed: int = 0,
+    expert_spread: float = 0.0,
+    device="cpu",
+    model_preset: str = "qwen3-30b-a3b",
+    **overrides,
+):
     """The seeded bf16 dummy Qwen3-30B-A3B (``mxlib.models.qwen3.dummy_qwen3_moe``), at the size of
     ``model_preset`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``; ``overrides`` win over it)."""
     check_positive_int(num_hidden_layers, "num_hidden_layers")
     if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
         raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=num_hidden_layers,
-                               **{**model_preset_overrides(model_preset), **overrides})
+    cfg = qwen3_30b_a3b_config(
+        num_hidden_layers=num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides}
+    )
     model = dummy_qwen3_moe(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
     release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
     return model
@@ -311,7 +333,7 @@ def model_fingerprint(model) -> str:
         h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), piece):
-            h.update(flat[start:start + piece].cpu().numpy())
+            h.update(flat[start : start + piece].cpu().numpy())
     return h.hexdigest()
 
 
@@ -323,8 +345,9 @@ def _calibration_fingerprint(cal: Calibration) -> str:
     return h.hexdigest()
 
 
-def checkpoint_cache_key(scheme: MoEQuantScheme, model, seed: int = 0, calib_tokens: int = 512,
-                         calibration: Calibration | None = None) -> dict:
+def checkpoint_cache_key(
+    scheme: MoEQuantScheme, model, seed: int = 0, calib_tokens: int = 512, calibration: Calibration | None = None
+) -> dict:
     """Everything that determines a written checkpoint: the scheme, the writer's format version,
     the model (config and weights, ``model_fingerprint``: a per-expert weight spread is in the
     weights) and, for schemes with static activation scales, the calibration (the ``calibration``
@@ -332,10 +355,18 @@ def checkpoint_cache_key(scheme: MoEQuantScheme, model, seed: int = 0, calib_tok
     text (the cache folder's name)."""
     cal = None
     if scheme.static_activation_scale:
-        cal = ({"fingerprint": _calibration_fingerprint(calibration)} if calibration is not None
-               else {"calib_tokens": calib_tokens, "seed": seed})
-    return {"scheme": scheme.name, "writer_version": WRITER_VERSION, "cache_version": CACHE_VERSION,
-            "model": model_fingerprint(model), "calibration": cal}
+        cal = (
+            {"fingerprint": _calibration_fingerprint(calibration)}
+            if calibration is not None
+            else {"calib_tokens": calib_tokens, "seed": seed}
+        )
+    return {
+        "scheme": scheme.name,
+        "writer_version": WRITER_VERSION,
+        "cache_version": CACHE_VERSION,
+        "model": model_fingerprint(model),
+        "calibration": cal,
+    }
 
 
 def prepare_checkpoint(
@@ -382,8 +413,9 @@ def load_checkpoint(p: E2EParameters, path: str | os.PathLike):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
     (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
     backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
-    return load_quantized_qwen3_moe(path, num_hidden_layers=p.num_hidden_layers, device=p.device,
-                                    backend=p.experts_backend)
+    return load_quantized_qwen3_moe(
+        path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend
+    )
 
 
 def calibrate_model(model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False) -> Calibration:
@@ -431,8 +463,9 @@ def run_model(model, token_ids: torch.Tensor) -> RunOutput:
 
 def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
     """Per-layer ``rel_error``/``sqnr_db`` and logits metrics of ``test`` against ``ref``."""
-    layers = [dict(layer=i, **compare_tensors(a, b))
-              for i, (a, b) in enumerate(zip(test.layer_outputs, ref.layer_outputs))]
+    layers = [
+        dict(layer=i, **compare_tensors(a, b)) for i, (a, b) in enumerate(zip(test.layer_outputs, ref.layer_outputs))
+    ]
     return {"layers": layers, "logits": compare_logits(test.logits, ref.logits)}
 
 

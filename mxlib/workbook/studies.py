@@ -57,8 +57,9 @@ __all__ = [
 _MX_BASELINES = (BLOCK_SCHEMES["mxfp4"], BLOCK_SCHEMES["mxfp8_e4m3"])
 
 
-def emulation_experts(scheme: MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto",
-                      scale_strategy="max"):
+def emulation_experts(
+    scheme: MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto", scale_strategy="max"
+):
     """``make_emulation_experts`` with the unification warning silenced (the studies measure it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -96,8 +97,9 @@ def checkpoint_tensor_bytes(model, scheme: str | MoEQuantScheme) -> int:
     return dense + layers * e * (packed + scales + scalars)
 
 
-def compare_schemes(model, schemes: list[MoEQuantScheme], token_ids, calibration: Calibration | None, backend="auto",
-                    log=print) -> list[dict]:
+def compare_schemes(
+    model, schemes: list[MoEQuantScheme], token_ids, calibration: Calibration | None, backend="auto", log=print
+) -> list[dict]:
     """Every scheme on the same model and token ids; metrics against the bf16 model.
 
     ``schemes``: ``MoEQuantScheme`` objects (``steps.check_schemes`` resolves names). Weights are
@@ -130,14 +132,22 @@ def compare_schemes(model, schemes: list[MoEQuantScheme], token_ids, calibration
             with experts_swapped(model, experts):
                 out = run_model(model, token_ids)
             res = compare_runs(out, ref)
-            rows.append(dict(
-                scheme=name, weights=s.weight.name, activations=s.activation.name if s.activation else "bf16",
-                bits_per_weight=s.weight.bits_per_element,
-                checkpoint_gb=checkpoint_tensor_bytes(model, s) / 1e9,
-                **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]], seconds=out.seconds,
-            ))
-            log(f"[compare] {name}: logits SQNR {res['logits']['sqnr_db']:.2f} dB, top-1 "
-                f"{res['logits']['top1_agreement']:.3f}, KL {res['logits']['kl_divergence']:.2e}")
+            rows.append(
+                dict(
+                    scheme=name,
+                    weights=s.weight.name,
+                    activations=s.activation.name if s.activation else "bf16",
+                    bits_per_weight=s.weight.bits_per_element,
+                    checkpoint_gb=checkpoint_tensor_bytes(model, s) / 1e9,
+                    **res["logits"],
+                    layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]],
+                    seconds=out.seconds,
+                )
+            )
+            log(
+                f"[compare] {name}: logits SQNR {res['logits']['sqnr_db']:.2f} dB, top-1 "
+                f"{res['logits']['top1_agreement']:.3f}, KL {res['logits']['kl_divergence']:.2e}"
+            )
         del quantized
     return rows
 
@@ -211,8 +221,9 @@ def unification_study(calibration: Calibration, strategies=("max", "per_expert",
             for e in range(n):
                 if lc.tokens[e] == 0:
                     continue
-                row = dict(layer=li, expert=e, point=point, tokens=int(lc.tokens[e]),
-                           scale_ratio=float(res["scale_ratio"][e]))
+                row = dict(
+                    layer=li, expert=e, point=point, tokens=int(lc.tokens[e]), scale_ratio=float(res["scale_ratio"][e])
+                )
                 for key, v in res.items():
                     if key != "scale_ratio":
                         row[key] = float(v[e])
@@ -244,8 +255,13 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
             pairs = (flat == e).nonzero().squeeze(1)
             x = lc.a1[pairs // k].to(dev)
             ref = silu_and_mul((x.float() @ w13[e].float().T).to(x.dtype)).float() @ w2[e].float().T
-            row = dict(layer=li, expert=e, tokens=int(pairs.numel()), scale_ratio_a1=float(in13[e] / in13.max()),
-                       scale_ratio_a2=float(in2[e] / in2.max()))
+            row = dict(
+                layer=li,
+                expert=e,
+                tokens=int(pairs.numel()),
+                scale_ratio_a1=float(in13[e] / in13.max()),
+                scale_ratio_a2=float(in2[e] / in2.max()),
+            )
             for s, (g13, g2) in gss.items():
                 xa = ops.ref_nvfp4_quant_dequant(x, g13[e].reshape(1))
                 h = silu_and_mul((xa.float() @ d13[e].float().T).to(x.dtype))
@@ -274,8 +290,9 @@ def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids
     return rows
 
 
-def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu",
-                 model_preset: str = "qwen3-30b-a3b") -> list[dict]:
+def spread_study(
+    spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device="cpu", model_preset: str = "qwen3-30b-a3b"
+) -> list[dict]:
     """dB lost by ``max`` against ``per_expert`` (a1 and a2) as the per-expert weight spread grows.
 
     For each ``expert_spread`` in ``spreads``: a dummy model of ``model_preset`` (a key of
@@ -292,8 +309,15 @@ def spread_study(spreads, num_hidden_layers=1, seed=0, calib_tokens=256, device=
         for point in ("a1", "a2"):
             lost = [r["db_lost_max"] for r in st["experts"] if r["point"] == point]
             ratios = [r["scale_ratio"] for r in st["experts"] if r["point"] == point]
-            rows.append(dict(spread=sp, point=point, mean_db_lost=sum(lost) / len(lost), max_db_lost=max(lost),
-                             median_scale_ratio=sorted(ratios)[len(ratios) // 2]))
+            rows.append(
+                dict(
+                    spread=sp,
+                    point=point,
+                    mean_db_lost=sum(lost) / len(lost),
+                    max_db_lost=max(lost),
+                    median_scale_ratio=sorted(ratios)[len(ratios) // 2],
+                )
+            )
         del m, cal
     return rows
 
@@ -316,8 +340,9 @@ def exact_block_weights(experts, which: str) -> torch.Tensor:
     if which not in ("w13", "w2"):
         raise ValueError(f"which: expected 'w13' or 'w2', got {which!r}")
     fmt = experts.weight_scheme
-    values = R.decode_element(R.unpack_codes(experts.checkpoint_packed(f"{which}_weight"), fmt.element),
-                              fmt.element).double()
+    values = R.decode_element(
+        R.unpack_codes(experts.checkpoint_packed(f"{which}_weight"), fmt.element), fmt.element
+    ).double()
     scale = getattr(experts, f"{which}_weight_scale")
     scale = R.decode_e8m0(scale) if scale.dtype == torch.uint8 else scale.float()
     e, n, k = values.shape
@@ -352,12 +377,15 @@ def exact_activation_qdq(x: torch.Tensor, qdq) -> torch.Tensor:
     if x.dtype == torch.float64:
         x = x.float()
     if not isinstance(fmt, BlockScheme):
-        raise ValueError(f"activation format {fmt}: a per-tensor FP8 operand is the same in both numerics "
-                         f"modes; expected NVFP4, an OCP MX block format or none")
+        raise ValueError(
+            f"activation format {fmt}: a per-tensor FP8 operand is the same in both numerics "
+            f"modes; expected NVFP4, an OCP MX block format or none"
+        )
     if fmt.has_global_scale:
         if qdq.scale.numel() != 1:
-            raise ValueError(f"activation global scale: expected one for all experts (scale_strategy 'max'), "
-                             f"got {qdq.scale.numel()}")
+            raise ValueError(
+                f"activation global scale: expected one for all experts (scale_strategy 'max'), got {qdq.scale.numel()}"
+            )
         el, s = R.ref_nvfp4_quant(x, qdq.scale.reshape(1), fmt.block_size)
         return el.double() * s.double().repeat_interleave(fmt.block_size, dim=-1) / qdq.scale.double().reshape(())
     return R.quant_dequant_mx(x, fmt.element, fmt.block_size, qdq.scale_mode, dtype=torch.float32).double()
@@ -448,8 +476,14 @@ def _run_capturing(model, experts: list, token_ids):
     def hook(mod, args, kwargs, out):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs)
         a = bound.arguments
-        captured.append(dict(x=a["hidden_states"].detach(), topk_ids=a["top_k_index"].to(torch.int32),
-                             topk_weights=a["top_k_weights"].float(), out=out.detach()))
+        captured.append(
+            dict(
+                x=a["hidden_states"].detach(),
+                topk_ids=a["top_k_index"].to(torch.int32),
+                topk_weights=a["top_k_weights"].float(),
+                out=out.detach(),
+            )
+        )
 
     with experts_swapped(model, experts):
         hooks = [mlp.experts.register_forward_hook(hook, with_kwargs=True) for mlp in moe_layers(model)]
@@ -465,8 +499,13 @@ def _pair_metrics(prefix: str, x: torch.Tensor, ref: torch.Tensor) -> dict:
     return {f"{prefix}_sqnr_db": sqnr_db(x, ref), f"{prefix}_rel_error": rel_error(x, ref)}
 
 
-def vllm_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch.Tensor,
-                           calibration: Calibration | None = None, bf16_logits: torch.Tensor | None = None) -> dict:
+def vllm_vs_hardware_study(
+    model,
+    scheme: str | MoEQuantScheme,
+    token_ids: torch.Tensor,
+    calibration: Calibration | None = None,
+    bf16_logits: torch.Tensor | None = None,
+) -> dict:
     """How far vLLM's numerics move each MoE layer and the logits against the hardware mode.
 
     The bf16 ``model``'s experts are quantized in ``scheme`` and run twice on the pure-PyTorch
@@ -505,8 +544,10 @@ def vllm_vs_hardware_study(model, scheme: str | MoEQuantScheme, token_ids: torch
     """
     s = get_moe_scheme(scheme)
     if s.activation is not None and not isinstance(s.activation, BlockScheme):
-        raise ValueError(f"scheme: {s.name} has per-tensor FP8 activations, the same operand in both numerics "
-                         f"modes; expected nvfp4 or an OCP MX scheme with MX or no activation QDQ")
+        raise ValueError(
+            f"scheme: {s.name} has per-tensor FP8 activations, the same operand in both numerics "
+            f"modes; expected nvfp4 or an OCP MX scheme with MX or no activation QDQ"
+        )
     if s.static_activation_scale and calibration is None:
         raise ValueError(f"calibration: {s.name} needs static input scales (steps.calibrate_model), got None")
     nl = len(model.model.layers)
@@ -540,29 +581,50 @@ def _vllm_vs_hardware_rows(s, model, modes, token_ids, bf16_logits) -> dict:
         vllm_out, vllm_a2 = _run_recording_a2(vllm_ex, x, tw, ti)
         hw_out, hw_a2 = _run_recording_a2(hw_ex, x, tw, ti)
         a1q, a2q = vllm_ex.a1_qdq(), vllm_ex.a2_qdq()
-        ref, ref_a2 = fp64_moe(x, exact_block_weights(vllm_ex, "w13"), exact_block_weights(vllm_ex, "w2"), tw, ti,
-                               lambda v: exact_activation_qdq(v, a1q), lambda v, e: exact_activation_qdq(v, a2q))
+        ref, ref_a2 = fp64_moe(
+            x,
+            exact_block_weights(vllm_ex, "w13"),
+            exact_block_weights(vllm_ex, "w2"),
+            tw,
+            ti,
+            lambda v: exact_activation_qdq(v, a1q),
+            lambda v, e: exact_activation_qdq(v, a2q),
+        )
         d13, d2 = vllm_ex.dequantized_weights()  # vLLM's bf16 operands
-        ctl, _ = fp64_moe(x, d13.double(), d2.double(), tw, ti,
-                          lambda v: vllm_ex.quantize_input(v, ti, "torch")[0].double(),
-                          lambda v, e: vllm_ex.quantize_intermediate(
-                              v, torch.full((v.shape[0],), e, device=v.device), "torch").double())
+        ctl, _ = fp64_moe(
+            x,
+            d13.double(),
+            d2.double(),
+            tw,
+            ti,
+            lambda v: vllm_ex.quantize_input(v, ti, "torch")[0].double(),
+            lambda v, e: vllm_ex.quantize_intermediate(
+                v, torch.full((v.shape[0],), e, device=v.device), "torch"
+            ).double(),
+        )
         q_vllm, q_hw = exact_activation_qdq(vllm_a2, a2q), exact_activation_qdq(hw_a2, a2q)
-        rows.append(dict(
-            layer=li,
-            **_pair_metrics("vllm_vs_ref", vllm_out, ref), **_pair_metrics("hw_vs_ref", hw_out, ref),
-            **_pair_metrics("vllm_vs_hw", vllm_out, hw_out),
-            a2_input_vllm_vs_ref_sqnr_db=sqnr_db(vllm_a2, ref_a2), a2_input_hw_vs_ref_sqnr_db=sqnr_db(hw_a2, ref_a2),
-            a2_input_changed=(vllm_a2 != hw_a2).double().mean().item(),
-            a2_changed=(q_vllm != q_hw).double().mean().item(),
-            e2e_vllm_vs_hw_sqnr_db=sqnr_db(vllm_cap[li]["out"], hw_cap[li]["out"]),
-            control_vllm_sqnr_db=sqnr_db(vllm_out, ctl), control_hw_sqnr_db=sqnr_db(hw_out, ctl),
-        ))
-    logits = dict(vllm_vs_hw_sqnr_db=sqnr_db(vllm_logits, hw_logits),
-                  top1_agreement=top1_agreement(vllm_logits, hw_logits),
-                  max_abs_diff=(vllm_logits.double() - hw_logits.double()).abs().max().item(),
-                  vllm_vs_bf16_sqnr_db=sqnr_db(vllm_logits, bf16_logits),
-                  hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
-                  vllm_top1_vs_bf16=top1_agreement(vllm_logits, bf16_logits),
-                  hw_top1_vs_bf16=top1_agreement(hw_logits, bf16_logits))
+        rows.append(
+            dict(
+                layer=li,
+                **_pair_metrics("vllm_vs_ref", vllm_out, ref),
+                **_pair_metrics("hw_vs_ref", hw_out, ref),
+                **_pair_metrics("vllm_vs_hw", vllm_out, hw_out),
+                a2_input_vllm_vs_ref_sqnr_db=sqnr_db(vllm_a2, ref_a2),
+                a2_input_hw_vs_ref_sqnr_db=sqnr_db(hw_a2, ref_a2),
+                a2_input_changed=(vllm_a2 != hw_a2).double().mean().item(),
+                a2_changed=(q_vllm != q_hw).double().mean().item(),
+                e2e_vllm_vs_hw_sqnr_db=sqnr_db(vllm_cap[li]["out"], hw_cap[li]["out"]),
+                control_vllm_sqnr_db=sqnr_db(vllm_out, ctl),
+                control_hw_sqnr_db=sqnr_db(hw_out, ctl),
+            )
+        )
+    logits = dict(
+        vllm_vs_hw_sqnr_db=sqnr_db(vllm_logits, hw_logits),
+        top1_agreement=top1_agreement(vllm_logits, hw_logits),
+        max_abs_diff=(vllm_logits.double() - hw_logits.double()).abs().max().item(),
+        vllm_vs_bf16_sqnr_db=sqnr_db(vllm_logits, bf16_logits),
+        hw_vs_bf16_sqnr_db=sqnr_db(hw_logits, bf16_logits),
+        vllm_top1_vs_bf16=top1_agreement(vllm_logits, bf16_logits),
+        hw_top1_vs_bf16=top1_agreement(hw_logits, bf16_logits),
+    )
     return {"scheme": s.name, "num_tokens": int(token_ids.numel()), "layers": rows, "logits": logits}

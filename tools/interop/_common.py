@@ -165,12 +165,22 @@ def write_results(outdir: Path, tensors: dict, meta: dict) -> None:
     if len(argv) >= 2:
         argv[1] = "OUTDIR"  # where it was written is not part of the recipe
     meta.setdefault("command", " ".join([Path(sys.executable).as_posix(), "tools/interop/make_fixtures.py", *argv]))
-    meta["result_tensors"] = {k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())}
+    meta["result_tensors"] = {
+        k: [str(v.dtype).replace("torch.", ""), list(v.shape)] for k, v in sorted(tensors.items())
+    }
     (outdir / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def clean_checkpoint(ckpt: Path, keep=("config.json", "hf_quant_config.json", "model.safetensors",
-                                        "model.safetensors.index.json", "generation_config.json")) -> list[str]:
+def clean_checkpoint(
+    ckpt: Path,
+    keep=(
+        "config.json",
+        "hf_quant_config.json",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "generation_config.json",
+    ),
+) -> list[str]:
     """Drop tokenizer/recipe extras a tool writes; return what was removed."""
     removed = []
     for p in sorted(ckpt.iterdir()):
@@ -190,5 +200,5 @@ def fresh_dir(path: Path) -> Path:
 def git_rev() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout, or no git
         return None

@@ -5,10 +5,9 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+import _common as C
 import torch
 from safetensors import safe_open
-
-import _common as C
 
 # fixture scheme -> the recipe's ignore list. llm-compressor's usual MoE recipe ignores only
 # lm_head and the routers, so attention is quantized too; nvfp4_experts leaves it bf16.
@@ -59,13 +58,20 @@ def make_one(outdir: Path, scheme: str) -> Path:
     model.config.dtype = torch.bfloat16  # llm-compressor's linearized experts read it as a torch.dtype
     ds = Dataset.from_dict({"input_ids": ids_cal.tolist(), "attention_mask": torch.ones_like(ids_cal).tolist()})
     recipe = QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=SCHEMES[scheme])
-    oneshot(model=model, dataset=ds, recipe=recipe, processor=_tiny_tokenizer(), num_calibration_samples=ids_cal.shape[0],
-            max_seq_length=ids_cal.shape[1], shuffle_calibration_samples=False)
+    oneshot(
+        model=model,
+        dataset=ds,
+        recipe=recipe,
+        processor=_tiny_tokenizer(),
+        num_calibration_samples=ids_cal.shape[0],
+        max_seq_length=ids_cal.shape[1],
+        shuffle_calibration_samples=False,
+    )
 
     try:
         results["logits.tool"] = C.logits(model, ids_eval)
         notes.append("logits.tool: the model after oneshot (compressed-tensors fake quantization in forward), CPU")
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001  a tool's own forward may fail on the CPU: recorded
         notes.append(f"logits.tool: not recorded: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         traceback.print_exc()
 
@@ -106,16 +112,30 @@ def make_one(outdir: Path, scheme: str) -> Path:
     if missing:
         notes.append(f"dequant: not found in the export: {missing}")
 
-    C.write_results(fixture, results, dict(
-        tool="llmcompressor", scheme=scheme, format="compressed-tensors",
-        versions=C.versions(["llmcompressor", "compressed-tensors", "datasets"]),
-        recipe=f"QuantizationModifier(targets='Linear', scheme='NVFP4', ignore={SCHEMES[scheme]!r})",
-        dequant=dict(function="compressed_tensors.compressors.nvfp4.base.NVFP4PackedCompressor.decompress("
-                              "{weight_packed, weight_scale, weight_global_scale}, preset NVFP4)", names=dequant_names),
-        qdq=dict(kind="nvfp4", function="compressed_tensors.quantization.lifecycle.forward.forward_quantize(module, x, "
-                 "'input', args) (dynamic local block scales, input_global_scale as stored)", module=qdq_module_name),
-        removed_from_export=removed, notes=notes,
-    ))
+    C.write_results(
+        fixture,
+        results,
+        dict(
+            tool="llmcompressor",
+            scheme=scheme,
+            format="compressed-tensors",
+            versions=C.versions(["llmcompressor", "compressed-tensors", "datasets"]),
+            recipe=f"QuantizationModifier(targets='Linear', scheme='NVFP4', ignore={SCHEMES[scheme]!r})",
+            dequant=dict(
+                function="compressed_tensors.compressors.nvfp4.base.NVFP4PackedCompressor.decompress("
+                "{weight_packed, weight_scale, weight_global_scale}, preset NVFP4)",
+                names=dequant_names,
+            ),
+            qdq=dict(
+                kind="nvfp4",
+                function="compressed_tensors.quantization.lifecycle.forward.forward_quantize(module, x, "
+                "'input', args) (dynamic local block scales, input_global_scale as stored)",
+                module=qdq_module_name,
+            ),
+            removed_from_export=removed,
+            notes=notes,
+        ),
+    )
     return fixture
 
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import traceback
 from pathlib import Path
 
+import _common as C
 import torch
 from safetensors import safe_open
-
-import _common as C
 
 SCHEMES = {
     "nvfp4_experts": "NVFP4_EXPERTS_ONLY_CFG",
@@ -51,9 +49,11 @@ def make_one(outdir: Path, scheme: str) -> Path:
     try:
         results["logits.tool"] = C.logits(model, ids_eval)
         notes.append("logits.tool: ModelOpt's fake-quantized forward on the CPU")
-    except Exception as err:  # ModelOpt's NVFP4 fake quant kernels are CUDA/Triton only
-        notes.append(f"logits.tool: not recorded, ModelOpt's fake-quantized forward failed on the CPU: "
-                     f"{type(err).__name__}: {str(err).splitlines()[0][:300]}")
+    except Exception as err:  # noqa: BLE001  ModelOpt's NVFP4 fake quant kernels are CUDA/Triton only
+        notes.append(
+            f"logits.tool: not recorded, ModelOpt's fake-quantized forward failed on the CPU: "
+            f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        )
         traceback.print_exc()
 
     export_hf_checkpoint(model, export_dir=str(ckpt))
@@ -78,15 +78,30 @@ def make_one(outdir: Path, scheme: str) -> Path:
     results["qdq.y"] = q.dequantize(dtype=torch.bfloat16, scale=s, double_scale=s2, block_sizes={-1: 16})
     results["qdq.scale_2"] = s2.float().reshape(())
 
-    C.write_results(fixture, results, dict(
-        tool="nvidia-modelopt", scheme=scheme, config=SCHEMES[scheme], format="modelopt",
-        versions=C.versions(["nvidia-modelopt"]),
-        dequant=dict(function="modelopt.torch.quantization.qtensor.NVFP4QTensor.dequantize(dtype, scale=weight_scale, "
-                              "double_scale=weight_scale_2, block_sizes={-1: 16})", names=dequant_names),
-        qdq=dict(kind="nvfp4", function="NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=input_scale) then "
-                 ".dequantize(bfloat16)", input_scale_of="model.layers.0.mlp.experts.0.gate_proj.input_scale"),
-        removed_from_export=removed, notes=notes,
-    ))
+    C.write_results(
+        fixture,
+        results,
+        dict(
+            tool="nvidia-modelopt",
+            scheme=scheme,
+            config=SCHEMES[scheme],
+            format="modelopt",
+            versions=C.versions(["nvidia-modelopt"]),
+            dequant=dict(
+                function="modelopt.torch.quantization.qtensor.NVFP4QTensor.dequantize(dtype, scale=weight_scale, "
+                "double_scale=weight_scale_2, block_sizes={-1: 16})",
+                names=dequant_names,
+            ),
+            qdq=dict(
+                kind="nvfp4",
+                function="NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=input_scale) then "
+                ".dequantize(bfloat16)",
+                input_scale_of="model.layers.0.mlp.experts.0.gate_proj.input_scale",
+            ),
+            removed_from_export=removed,
+            notes=notes,
+        ),
+    )
     return fixture
 
 

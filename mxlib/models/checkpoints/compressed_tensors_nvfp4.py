@@ -55,8 +55,13 @@ __all__ = ["LAYOUT", "quantize_nvfp4_encode"]
 _FORMAT = "nvfp4-pack-quantized"
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
 _EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
-_GROUP = {"num_bits": NVFP4.element.nbits, "type": "float", "strategy": "tensor_group",
-          "group_size": NVFP4.block_size, "symmetric": True}
+_GROUP = {
+    "num_bits": NVFP4.element.nbits,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": NVFP4.block_size,
+    "symmetric": True,
+}
 
 
 def _encode_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -98,10 +103,13 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
     # ----------------------------------------------------------------------------- config
 
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
-        group = {"targets": ["Linear"], "format": _FORMAT,
-                 "weights": {**_GROUP, "dynamic": False, "observer": "memoryless_minmax"},
-                 "input_activations": {**_GROUP, "dynamic": "local", "observer": "static_minmax"},
-                 "output_activations": None}
+        group = {
+            "targets": ["Linear"],
+            "format": _FORMAT,
+            "weights": {**_GROUP, "dynamic": False, "observer": "memoryless_minmax"},
+            "input_activations": {**_GROUP, "dynamic": "local", "observer": "static_minmax"},
+            "output_activations": None,
+        }
         qc = {
             "quant_method": self.quant_method,
             "format": _FORMAT,
@@ -122,8 +130,9 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
     def read_config(self, qc: dict) -> CheckpointDescription:
         fmt = qc.get("format")
         if fmt != _FORMAT:
-            raise CheckpointError(f"quantization_config.format: the compressed-tensors layout supports {_FORMAT!r}, "
-                                  f"found {fmt!r}")
+            raise CheckpointError(
+                f"quantization_config.format: the compressed-tensors layout supports {_FORMAT!r}, found {fmt!r}"
+            )
         groups = qc.get("config_groups") or {}
         if not groups:
             raise CheckpointError("quantization_config.config_groups: missing")
@@ -140,8 +149,10 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
                         raise CheckpointError(f"{where}.{part}.{key}: NVFP4 uses {want!r}, found {g.get(key)!r}")
             dyn = group["input_activations"].get("dynamic")
             if dyn != "local":
-                raise CheckpointError(f"{where}.input_activations.dynamic: NVFP4 activations use 'local' (dynamic "
-                                      f"block scales under a static global scale), found {dyn!r}")
+                raise CheckpointError(
+                    f"{where}.input_activations.dynamic: NVFP4 activations use 'local' (dynamic "
+                    f"block scales under a static global scale), found {dyn!r}"
+                )
             if group["weights"].get("dynamic"):
                 raise CheckpointError(f"{where}.weights.dynamic: expected false, found {group['weights']['dynamic']!r}")
         status = qc.get("quantization_status", "compressed")
@@ -165,8 +176,16 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
             p, s, g2[x] = quantize_nvfp4_encode(w2[x])
             p2.append(p)
             s2.append(s)
-        return ExpertWeights(NVFP4, torch.stack(p13), torch.stack(s13), torch.stack(p2), torch.stack(s2), g13, g2,
-                             global_scale_kind="encode")
+        return ExpertWeights(
+            NVFP4,
+            torch.stack(p13),
+            torch.stack(s13),
+            torch.stack(p2),
+            torch.stack(s2),
+            g13,
+            g2,
+            global_scale_kind="encode",
+        )
 
     def quantize_linear(self, weight: torch.Tensor, scheme) -> LinearWeights:
         p, s, g = quantize_nvfp4_encode(weight)
@@ -181,8 +200,9 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
 
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
         if weights.global_scale_kind != "encode":
-            raise ValueError("weights: the compressed-tensors layout stores encode global scales; quantize with "
-                             "quantize_experts")
+            raise ValueError(
+                "weights: the compressed-tensors layout stores encode global scales; quantize with quantize_experts"
+            )
         e, two_i = weights.w13_weight.shape[:2]
         i = two_i // 2
         w = weights
@@ -214,15 +234,21 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         blocks, gs = block_scale_check(e4m3=True), global_scale_check(what="weight_global_scale")
         ins_ok = global_scale_check(True, "input_global_scale")
         w = {p: tensors.stack(names(p, "weight_packed"), (rows[p][0], rows[p][1] // 2), torch.uint8) for p in PROJS}
-        s = {p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), torch.float8_e4m3fn, blocks)
-             for p in PROJS}
+        s = {
+            p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), torch.float8_e4m3fn, blocks)
+            for p in PROJS
+        }
         g = {p: read_scalar_scales(tensors, names(p, "weight_global_scale"), (1,), gs).reshape(e) for p in PROJS}
         ins = {p: read_scalar_scales(tensors, names(p, "input_global_scale"), (1,), ins_ok).reshape(e) for p in PROJS}
         weights = ExpertWeights(
             NVFP4,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1), torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"], s["down_proj"],
-            torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"], global_scale_kind="encode",
+            torch.cat([w["gate_proj"], w["up_proj"]], 1),
+            torch.cat([s["gate_proj"], s["up_proj"]], 1),
+            w["down_proj"],
+            s["down_proj"],
+            torch.stack([g["gate_proj"], g["up_proj"]], 1),
+            g["down_proj"],
+            global_scale_kind="encode",
         )
 
         def calibrated(t):  # an encode scale that is not positive and finite marks an uncalibrated expert
@@ -232,22 +258,29 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         return weights, calibrated(torch.minimum(ins["gate_proj"], ins["up_proj"])), calibrated(ins["down_proj"])
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        return {f"{name}.weight_packed": weights.weight.contiguous().cpu(),
-                f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
-                f"{name}.weight_global_scale": weights.weight_scale_2.reshape(1).float().cpu().clone(),
-                f"{name}.input_global_scale": self.input_global_scale(input_scale).reshape(1).cpu()}
+        return {
+            f"{name}.weight_packed": weights.weight.contiguous().cpu(),
+            f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
+            f"{name}.weight_global_scale": weights.weight_scale_2.reshape(1).float().cpu().clone(),
+            f"{name}.input_global_scale": self.input_global_scale(input_scale).reshape(1).cpu(),
+        }
 
-    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
-                    description: CheckpointDescription):
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
         """``(LinearWeights with encode global scale, input_global_scale fp32 [1])``."""
         bs = NVFP4.block_size
         w = tensors.get(f"{name}.weight_packed", (out_features, in_features // 2), torch.uint8)
-        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // bs), torch.float8_e4m3fn,
-                          block_scale_check(e4m3=True))[0]
-        g = read_scalar_scales(tensors, [f"{name}.weight_global_scale"], (1,),
-                               global_scale_check(what="weight_global_scale"))
-        ins = read_scalar_scales(tensors, [f"{name}.input_global_scale"], (1,),
-                                 global_scale_check(True, "input_global_scale"))
+        s = tensors.stack(
+            [f"{name}.weight_scale"],
+            (out_features, in_features // bs),
+            torch.float8_e4m3fn,
+            block_scale_check(e4m3=True),
+        )[0]
+        g = read_scalar_scales(
+            tensors, [f"{name}.weight_global_scale"], (1,), global_scale_check(what="weight_global_scale")
+        )
+        ins = read_scalar_scales(
+            tensors, [f"{name}.input_global_scale"], (1,), global_scale_check(True, "input_global_scale")
+        )
         return LinearWeights(NVFP4, w, s, g.reshape(()), global_scale_kind="encode"), ins.reshape(1)
 
 

@@ -42,13 +42,17 @@ _NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_confi
 
 def _linear_modules(model) -> list[str]:
     """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head``)."""
-    return [n[: -len(".weight")] for n, p in model.state_dict().items()
-            if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n]
+    return [
+        n[: -len(".weight")]
+        for n, p in model.state_dict().items()
+        if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n
+    ]
 
 
 def _record_amax(amax: dict, name: str):
     def hook(module, args):
         amax[name] = torch.maximum(amax[name], args[0].detach().abs().amax().float().cpu())
+
     return hook
 
 
@@ -104,8 +108,9 @@ def dummy_checkpoint_from_config(
     total = cfg_dict.get("num_hidden_layers")
     if num_hidden_layers is not None:
         if not (isinstance(num_hidden_layers, int) and 1 <= num_hidden_layers <= (total or num_hidden_layers)):
-            raise ValueError(f"num_hidden_layers: expected an integer from 1 to the config's {total}, "
-                             f"got {num_hidden_layers!r}")
+            raise ValueError(
+                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
+            )
         cfg_dict["num_hidden_layers"] = num_hidden_layers
     changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
     changes.update(overrides or {})
@@ -119,15 +124,21 @@ def dummy_checkpoint_from_config(
     # quantized by the layout's quantize_linear (default: the factory's quantize_linear_weight)
     not_linear = [m for m in quantized_linears if not isinstance(modules.get(m), torch.nn.Linear)]
     if quantized_linears and (not_linear or not layout.supports_linear):
-        what = (f"{', '.join(not_linear[:4])}, which are not nn.Linear layers" if not_linear else
-                f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized "
-                f"experts only")
+        what = (
+            f"{', '.join(not_linear[:4])}, which are not nn.Linear layers"
+            if not_linear
+            else f"e.g. {', '.join(quantized_linears[:4])}; this mxlib's {layout.name} layout writes quantized "
+            f"experts only"
+        )
         raise CheckpointError(
             f"{cfg_path}: the quantization config quantizes {len(quantized_linears)} modules outside the MoE experts "
             f"(not in its ignore/exclude list: {what})"
         )
-    excluded_layers = [layer for layer in range(config.num_hidden_layers)
-                       if all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)]
+    excluded_layers = [
+        layer
+        for layer in range(config.num_hidden_layers)
+        if all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
+    ]
     calibration = None
     linear_amax = {m: torch.zeros((), dtype=torch.float32) for m in quantized_linears}
     if scheme.static_activation_scale:
@@ -140,12 +151,16 @@ def dummy_checkpoint_from_config(
                 hook.remove()
 
     with atomic_folder(out_dir) as tmp:
-        state = {n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()
-                 if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax}
+        state = {
+            n: t.detach().to(torch.bfloat16).contiguous()
+            for n, t in model.state_dict().items()
+            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax
+        }
         for m in quantized_linears:
             ins = linear_amax[m] / scheme.activation.scale_divisor if scheme.static_activation_scale else None
-            state.update(layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme),
-                                               ins, m))
+            state.update(
+                layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme), ins, m)
+            )
         for layer in range(config.num_hidden_layers):
             w13, w2 = expert_weights(model, layer)
             prefix = f"model.layers.{layer}.mlp.experts"

@@ -118,57 +118,81 @@ class InspectReport:
 
     def table(self) -> str:
         """A readable multi-line summary (what ``python -m mxlib.cli inspect`` prints)."""
-        out = [f"checkpoint   {self.path}",
-               f"layout       {self.format or '?'}   scheme {self.scheme or '?'}   activations "
-               f"{self.activation or ('bf16 (weight-only)' if self.scheme else '?')}   producer {self.producer or '?'}",
-               f"model        {self.num_hidden_layers} layers, {self.num_experts} experts, hidden "
-               f"{self.hidden_size}, expert intermediate {self.moe_intermediate_size}"]
+        out = [
+            f"checkpoint   {self.path}",
+            f"layout       {self.format or '?'}   scheme {self.scheme or '?'}   activations "
+            f"{self.activation or ('bf16 (weight-only)' if self.scheme else '?')}   producer {self.producer or '?'}",
+            f"model        {self.num_hidden_layers} layers, {self.num_experts} experts, hidden "
+            f"{self.hidden_size}, expert intermediate {self.moe_intermediate_size}",
+        ]
         for kind in ("experts", "attention", "other"):
             rows = self.quantized.get(kind) or []
-            text = "; ".join(f"{r['pattern']} x{r['modules']} ({r['weight_dtype']}: {', '.join(r['tensors'])})"
-                             for r in rows) or "none"
+            text = (
+                "; ".join(
+                    f"{r['pattern']} x{r['modules']} ({r['weight_dtype']}: {', '.join(r['tensors'])})" for r in rows
+                )
+                or "none"
+            )
             out.append(f"quantized    {kind:<9s} {text}")
-        out.append("unquantized  " + ("; ".join(f"{r['pattern']} x{r['modules']} {r['weight_dtype']}"
-                                                for r in self.unquantized) or "none"))
+        out.append(
+            "unquantized  "
+            + ("; ".join(f"{r['pattern']} x{r['modules']} {r['weight_dtype']}" for r in self.unquantized) or "none")
+        )
         ex = self.exclude
-        out.append(f"exclude      {len(ex)} entries" + (f": {', '.join(ex[:6])}{', ...' if len(ex) > 6 else ''}"
-                                                        if ex else ""))
-        out.append("layout check " + ("ok (the loader's tensor checks pass on the headers)" if self.layout_ok
-                                      else "FAILED"))
+        out.append(
+            f"exclude      {len(ex)} entries" + (f": {', '.join(ex[:6])}{', ...' if len(ex) > 6 else ''}" if ex else "")
+        )
+        out.append(
+            "layout check " + ("ok (the loader's tensor checks pass on the headers)" if self.layout_ok else "FAILED")
+        )
         for p in self.problems:
             out.append(f"  problem: {p}")
         if self.weight_global_scales:
             w = self.weight_global_scales
-            out.append(f"weight global scales (decode)  {w['count']} values, min {w['min']:.4g}, max {w['max']:.4g}; "
-                       f"gate != up in {w['gate_up_differ']} experts")
+            out.append(
+                f"weight global scales (decode)  {w['count']} values, min {w['min']:.4g}, max {w['max']:.4g}; "
+                f"gate != up in {w['gate_up_differ']} experts"
+            )
         if self.activation_scales:
             out.append("")
             out.append("activation input scales per expert (decode scales; ratio = max / min of the calibrated)")
-            out.append(f"{'layer':>5s} {'point':>5s} {'experts':>7s} {'uncal':>5s} {'min':>10s} {'max':>10s} "
-                       f"{'ratio':>9s} {'shared':>6s} {'gate!=up':>8s}")
+            out.append(
+                f"{'layer':>5s} {'point':>5s} {'experts':>7s} {'uncal':>5s} {'min':>10s} {'max':>10s} "
+                f"{'ratio':>9s} {'shared':>6s} {'gate!=up':>8s}"
+            )
             for r in self.activation_scales:
                 mn = f"{r['min']:.4g}" if r["min"] is not None else "-"
                 mx = f"{r['max']:.4g}" if r["max"] is not None else "-"
                 ratio = f"{r['ratio']:.4g}" if r["ratio"] is not None else "-"
                 gu = "" if r.get("gate_up_differ") is None else str(r["gate_up_differ"])
-                out.append(f"{r['layer']:>5d} {r['point']:>5s} {r['experts']:>7d} {len(r['uncalibrated']):>5d} "
-                           f"{mn:>10s} {mx:>10s} {ratio:>9s} {'yes' if r['shared'] else 'no':>6s} {gu:>8s}")
+                out.append(
+                    f"{r['layer']:>5d} {r['point']:>5s} {r['experts']:>7d} {len(r['uncalibrated']):>5d} "
+                    f"{mn:>10s} {mx:>10s} {ratio:>9s} {'yes' if r['shared'] else 'no':>6s} {gu:>8s}"
+                )
         if self.strategies:
             out.append("")
-            out.append(f"unification, predicted from r = own / unified scale (subnormal: r < 2^-6/448 = "
-                       f"{NVFP4_SUBNORMAL_RATIO:.3g}; flushed: r < 2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}; "
-                       f"clipped: r > 1; dB from a Gaussian-expert model)")
-            out.append(f"{'point':>5s} {'strategy':>10s} {'experts':>7s} {'clipped':>7s} {'subnorm':>7s} "
-                       f"{'flushed':>7s} {'mean dB':>8s} {'worst dB':>8s}  worst (layer, expert)")
+            out.append(
+                f"unification, predicted from r = own / unified scale (subnormal: r < 2^-6/448 = "
+                f"{NVFP4_SUBNORMAL_RATIO:.3g}; flushed: r < 2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}; "
+                f"clipped: r > 1; dB from a Gaussian-expert model)"
+            )
+            out.append(
+                f"{'point':>5s} {'strategy':>10s} {'experts':>7s} {'clipped':>7s} {'subnorm':>7s} "
+                f"{'flushed':>7s} {'mean dB':>8s} {'worst dB':>8s}  worst (layer, expert)"
+            )
             for r in self.strategies:
                 worst = "-" if r["worst"] is None else f"({r['worst'][0]}, {r['worst'][1]})"
-                out.append(f"{r['point']:>5s} {r['strategy']:>10s} {r['experts']:>7d} {r['clipped']:>7d} "
-                           f"{r['subnormal']:>7d} {r['flushed']:>7d} {r['mean_db_lost']:>8.2f} "
-                           f"{r['worst_db_lost']:>8.2f}  {worst}")
+                out.append(
+                    f"{r['point']:>5s} {r['strategy']:>10s} {r['experts']:>7d} {r['clipped']:>7d} "
+                    f"{r['subnormal']:>7d} {r['flushed']:>7d} {r['mean_db_lost']:>8.2f} "
+                    f"{r['worst_db_lost']:>8.2f}  {worst}"
+                )
         for n in self.notes:
             out.append(f"note: {n}")
-        out.append(f"read {self.tensors_read} scale tensors ({self.bytes_read} bytes) of {self.tensors_total} "
-                   f"in {self.seconds:.2f} s")
+        out.append(
+            f"read {self.tensors_read} scale tensors ({self.bytes_read} bytes) of {self.tensors_total} "
+            f"in {self.seconds:.2f} s"
+        )
         return "\n".join(out)
 
 
@@ -231,21 +255,26 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     layout_ok = False
     if info is not None:
         layout = LAYOUTS[info.format]
-        checked = [layer for layer in range(layers)
-                   if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)]
+        checked = [
+            layer
+            for layer in range(layers)
+            if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
+        ]
         try:
             if checked:
                 # the layout's own checks on the first quantized layer (meta tensors: nothing read),
                 # then every other layer must hold the same expert tensors (names, dtypes, shapes)
-                layout.read_experts(HeaderTensorReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i,
-                                    info)
+                layout.read_experts(
+                    HeaderTensorReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i, info
+                )
                 by_layer = expert_tensors_by_layer(headers)
                 first = by_layer.get(checked[0], {})
                 for layer in checked[1:]:
                     diff = signature_diff(first, by_layer.get(layer, {}), f"model.layers.{layer}.mlp.experts.")
                     if diff:
-                        raise CheckpointError(f"layer {layer}'s expert tensors differ from layer {checked[0]}'s: "
-                                              f"{diff}")
+                        raise CheckpointError(
+                            f"layer {layer}'s expert tensors differ from layer {checked[0]}'s: {diff}"
+                        )
             layout_ok = True
         except (CheckpointError, ValueError, TypeError) as err:
             problems.append(f"layout: {err}")
@@ -253,16 +282,22 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
             names = quantized_names[kind]
             listed = [n for n in names if matches(n, info.exclude)]
             if len(listed) < len(names):
-                notes.append(f"{len(names) - len(listed)} {kind} modules outside the experts are quantized (not in the "
-                             f"exclude list)")
+                notes.append(
+                    f"{len(names) - len(listed)} {kind} modules outside the experts are quantized (not in the "
+                    f"exclude list)"
+                )
             if listed:
-                problems.append(f"{len(listed)} quantized {kind} modules are named by the exclude list, e.g. "
-                                f"{', '.join(listed[:3])}")
+                problems.append(
+                    f"{len(listed)} quantized {kind} modules are named by the exclude list, e.g. "
+                    f"{', '.join(listed[:3])}"
+                )
 
     fused = [r["pattern"] for r in unquantized if ".mlp.experts." in r["pattern"] and ".experts.*." not in r["pattern"]]
     if fused:
-        notes.append(f"the experts are stored fused and unquantized ({', '.join(fused)}): the quantizer saw no "
-                      f"per-expert linear layers (Quark run without preprocess_for_quantization writes this)")
+        notes.append(
+            f"the experts are stored fused and unquantized ({', '.join(fused)}): the quantizer saw no "
+            f"per-expert linear layers (Quark run without preprocess_for_quantization writes this)"
+        )
     activation = info.scheme.activation if info is not None else None
     if activation is not None and not activation.static_scale:
         activation = None  # dynamic MX activations: nothing to unify
@@ -273,34 +308,53 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     per_layer = layer_rows(act, gate_up_differ)
     for r in per_layer:
         if r["calibrated"] == 0:
-            problems.append(f"layer {r['layer']} {r['point']}: no expert calibrated (every input scale 0); the "
-                            f"loader refuses this layer")
+            problems.append(
+                f"layer {r['layer']} {r['point']}: no expert calibrated (every input scale 0); the "
+                f"loader refuses this layer"
+            )
     shared = [f"{r['layer']}/{r['point']}" for r in per_layer if r["shared"]]
     if shared:
-        notes.append(f"{len(shared)} of {len(per_layer)} (layer, point) pairs give every calibrated expert the same "
-                     f"input scale (one quantizer shared by the experts, as ModelOpt 0.47 exports have): every "
-                     f"strategy is the same, and no per-expert range is left to recover")
+        notes.append(
+            f"{len(shared)} of {len(per_layer)} (layer, point) pairs give every calibrated expert the same "
+            f"input scale (one quantizer shared by the experts, as ModelOpt 0.47 exports have): every "
+            f"strategy is the same, and no per-expert range is left to recover"
+        )
     uncal = sum(len(r["uncalibrated"]) for r in per_layer)
     if uncal:
-        notes.append(f"{uncal} (layer, point, expert) input scales are 0 (never calibrated); they get the unified "
-                     f"scale")
+        notes.append(
+            f"{uncal} (layer, point, expert) input scales are 0 (never calibrated); they get the unified scale"
+        )
     wvals = [v for d in weight.values() for v in d.values()]
     wglobal = None
     if wvals:
-        differ = sum(1 for d in weight.values()
-                     if "gate_proj" in d and "up_proj" in d and d["gate_proj"] != d["up_proj"])
+        differ = sum(
+            1 for d in weight.values() if "gate_proj" in d and "up_proj" in d and d["gate_proj"] != d["up_proj"]
+        )
         wglobal = dict(count=len(wvals), min=min(wvals), max=max(wvals), gate_up_differ=differ)
         if differ:
             notes.append(f"{differ} experts have different gate and up weight global scales; vLLM uses gate's for both")
     report = InspectReport(
-        path=str(folder), format=info.format if info else None, scheme=info.scheme.name if info else None,
+        path=str(folder),
+        format=info.format if info else None,
+        scheme=info.scheme.name if info else None,
         activation=str(info.scheme.activation) if info and info.scheme.activation is not None else None,
-        producer=_producer(folder, qc), num_hidden_layers=layers, num_experts=e, hidden_size=h,
-        moe_intermediate_size=i, exclude=list(info.exclude) if info else list((qc or {}).get("ignore") or []),
-        quantized=quantized, unquantized=unquantized, weight_global_scales=wglobal, activation_scales=per_layer,
+        producer=_producer(folder, qc),
+        num_hidden_layers=layers,
+        num_experts=e,
+        hidden_size=h,
+        moe_intermediate_size=i,
+        exclude=list(info.exclude) if info else list((qc or {}).get("ignore") or []),
+        quantized=quantized,
+        unquantized=unquantized,
+        weight_global_scales=wglobal,
+        activation_scales=per_layer,
         strategies=strategy_rows(act, activation, strategies) if activation is not None else [],
-        layout_ok=layout_ok, problems=problems, notes=notes, tensors_total=len(headers.where),
-        tensors_read=headers.tensors_read, bytes_read=headers.bytes_read,
+        layout_ok=layout_ok,
+        problems=problems,
+        notes=notes,
+        tensors_total=len(headers.where),
+        tensors_read=headers.tensors_read,
+        bytes_read=headers.bytes_read,
     )
     report.seconds = time.perf_counter() - t0
     return report

@@ -50,7 +50,7 @@ def _synthetic_expert() -> torch.Tensor:
     return x / x.abs().amax()  # amax exactly 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _loss_curve(activation: BlockScheme | PerTensorScheme) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``(log2 r grid, dB lost)`` of the synthetic expert for one activation format."""
     x = _synthetic_expert()
@@ -132,7 +132,17 @@ def strategy_rows(act: dict[tuple[int, str], dict[int, float]], activation, stra
                     total += lost
                     if lost > worst:
                         worst, worst_at = lost, (layer, e)
-            rows.append(dict(point=point, strategy=strategy, experts=n, clipped=int(clipped), subnormal=int(subnormal),
-                             flushed=int(flushed), mean_db_lost=total / n if n else 0.0, worst_db_lost=worst,
-                             worst=worst_at))
+            rows.append(
+                dict(
+                    point=point,
+                    strategy=strategy,
+                    experts=n,
+                    clipped=int(clipped),
+                    subnormal=int(subnormal),
+                    flushed=int(flushed),
+                    mean_db_lost=total / n if n else 0.0,
+                    worst_db_lost=worst,
+                    worst=worst_at,
+                )
+            )
     return rows

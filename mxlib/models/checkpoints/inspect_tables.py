@@ -51,8 +51,10 @@ def signature_diff(want: dict, got: dict, prefix: str) -> str:
         parts.append(f"{len(extra)} unexpected, e.g. {prefix}{extra[0]}")
     if changed:
         k = changed[0]
-        parts.append(f"{len(changed)} of another dtype or shape, e.g. {prefix}{k}: expected {want[k][0]} "
-                     f"{list(want[k][1])}, found {got[k][0]} {list(got[k][1])}")
+        parts.append(
+            f"{len(changed)} of another dtype or shape, e.g. {prefix}{k}: expected {want[k][0]} "
+            f"{list(want[k][1])}, found {got[k][0]} {list(got[k][1])}"
+        )
     return "; ".join(parts)
 
 
@@ -84,7 +86,8 @@ def module_tables(h: SafetensorsHeaders) -> tuple[dict[str, list[dict]], list[di
         if "weight_scale" in suffixes:
             row = quant[_kind(module)].setdefault(
                 _pattern(module),
-                dict(pattern=_pattern(module), modules=0, tensors=sorted(suffixes), weight_dtype=wdtype))
+                dict(pattern=_pattern(module), modules=0, tensors=sorted(suffixes), weight_dtype=wdtype),
+            )
             row["modules"] += 1
             names[_kind(module)].append(module)
         elif "weight" in suffixes and len(h.shape[wname]) == 2 and wdtype in ("BF16", "F16", "F32"):
@@ -154,15 +157,21 @@ def layer_rows(act, gate_up_differ) -> list[dict]:
     """Per (layer, point): experts, calibrated, uncalibrated ids, min / max / ratio of the
     calibrated decode scales, shared, and (a1) the count of experts whose gate and up differ."""
     rows = []
-    for (layer, point) in sorted(act, key=lambda k: (k[0], k[1])):
+    for layer, point in sorted(act, key=lambda k: (k[0], k[1])):
         d = act[(layer, point)]
         cal = [v for v in d.values() if v > 0]
-        rows.append(dict(
-            layer=layer, point=point, experts=len(d), calibrated=len(cal),
-            uncalibrated=sorted(e for e, v in d.items() if v <= 0),
-            min=min(cal) if cal else None, max=max(cal) if cal else None,
-            ratio=max(cal) / min(cal) if cal else None,
-            shared=len(cal) > 1 and len(set(cal)) == 1,
-            gate_up_differ=gate_up_differ.get(layer, 0) if point == "a1" else None,
-        ))
+        rows.append(
+            dict(
+                layer=layer,
+                point=point,
+                experts=len(d),
+                calibrated=len(cal),
+                uncalibrated=sorted(e for e, v in d.items() if v <= 0),
+                min=min(cal) if cal else None,
+                max=max(cal) if cal else None,
+                ratio=max(cal) / min(cal) if cal else None,
+                shared=len(cal) > 1 and len(set(cal)) == 1,
+                gate_up_differ=gate_up_differ.get(layer, 0) if point == "a1" else None,
+            )
+        )
     return rows

@@ -49,10 +49,22 @@ from ...moe.factory import quantize_linear_weight
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme
 
-__all__ = ["CheckpointError", "CheckpointDescription", "CheckpointLayout", "LAYOUTS", "DEFAULT_LAYOUT",
-           "register_layout", "layout_for_scheme",
-           "layout_for_method", "matches", "check_exclude_patterns", "PROJS", "global_scale_check",
-           "block_scale_check", "REGEX_TIMEOUT_S"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointDescription",
+    "CheckpointLayout",
+    "LAYOUTS",
+    "DEFAULT_LAYOUT",
+    "register_layout",
+    "layout_for_scheme",
+    "layout_for_method",
+    "matches",
+    "check_exclude_patterns",
+    "PROJS",
+    "global_scale_check",
+    "block_scale_check",
+    "REGEX_TIMEOUT_S",
+]
 
 # per-expert projections, in the order w13 (gate rows, then up rows) and w2 stack them
 PROJS = ("gate_proj", "up_proj", "down_proj")
@@ -126,8 +138,9 @@ class CheckpointLayout(abc.ABC):
         """A ``quantization_config`` from files other than ``config.json``, or None."""
 
     @abc.abstractmethod
-    def expert_tensors(self, scheme: MoEQuantScheme, weights: ExpertWeights, w13_input_scale, w2_input_scale,
-                       prefix: str) -> dict:
+    def expert_tensors(
+        self, scheme: MoEQuantScheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str
+    ) -> dict:
         """``{tensor name: tensor}`` of one layer's experts (``prefix``: ``model.layers.L.mlp.experts``)."""
 
     @abc.abstractmethod
@@ -149,8 +162,7 @@ class CheckpointLayout(abc.ABC):
         """``{tensor name: tensor}`` of one quantized linear layer ``name`` (``supports_linear`` layouts)."""
         raise NotImplementedError(f"layout {self.name} stores no quantized linear layers (supports_linear is False)")
 
-    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
-                    description: CheckpointDescription):
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
         """``(LinearWeights, input_scale | None)`` of one quantized linear layer (``supports_linear`` layouts)."""
         raise NotImplementedError(f"layout {self.name} stores no quantized linear layers (supports_linear is False)")
 
@@ -247,7 +259,8 @@ def matches(name: str, patterns: list[str]) -> bool:
             except TimeoutError:
                 raise CheckpointError(
                     f"exclude pattern {p!r}: matching module name {name!r} took more than {REGEX_TIMEOUT_S} s "
-                    f"(catastrophic backtracking?); refusing the checkpoint") from None
+                    f"(catastrophic backtracking?); refusing the checkpoint"
+                ) from None
             if hit:
                 return True
         elif fnmatch.fnmatchcase(name, p) or name == p:
@@ -261,6 +274,7 @@ def matches(name: str, patterns: list[str]) -> bool:
 def global_scale_check(allow_zero: bool = False, what: str = "global scale"):
     """A ``TensorReader.stack`` check: values in ``[2**-126, 2**126]`` (or 0 with ``allow_zero``),
     the rule of ``mxlib._checks.check_global_scale``."""
+
     def check(t: torch.Tensor):
         s = t.float()
         ok = (s >= GLOBAL_SCALE_MIN) & (s <= GLOBAL_SCALE_MAX)
@@ -271,12 +285,14 @@ def global_scale_check(allow_zero: bool = False, what: str = "global scale"):
         zero = " or 0 (uncalibrated)" if allow_zero else ""
         bad = s[~ok].reshape(-1)[0].item()
         return False, f"expected a positive finite {what}{zero} in [2**-126, 2**126], found {bad!r}"
+
     return check
 
 
 def block_scale_check(e4m3: bool):
     """A ``TensorReader.stack`` check: no NaN block scale (E8M0 0xFF; e4m3 0x7F / 0xFF) and, for
     NVFP4's unsigned e4m3 scales, no negative one (``mxlib._checks.bad_block_scale_mask``)."""
+
     def check(t: torch.Tensor):
         bad = bad_block_scale_mask(t, e4m3)
         if not bool(bad.any()):
@@ -285,4 +301,5 @@ def block_scale_check(e4m3: bool):
         byte = int(t.view(torch.uint8)[tuple(where)])
         kind = "e4m3 block scale (0x7F/0xFF NaN, or negative)" if e4m3 else "E8M0 block scale (0xFF is NaN)"
         return False, f"invalid {kind}: byte 0x{byte:02X} at index {where} ({int(bad.sum())} invalid)"
+
     return check

@@ -63,16 +63,19 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
             except CheckpointError:
                 raise
             except (ValueError, OSError, AttributeError, TypeError) as err:
-                raise CheckpointError(f"{folder}: legacy quantization config of layout {lay.name} cannot be read "
-                                      f"({type(err).__name__}: {err})") from None
+                raise CheckpointError(
+                    f"{folder}: legacy quantization config of layout {lay.name} cannot be read "
+                    f"({type(err).__name__}: {err})"
+                ) from None
             if qc is not None:
                 source = folder
                 break
     if qc is None:
         raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
     if not isinstance(qc, dict):
-        raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, found {type(qc).__name__} "
-                              f"{str(qc)[:80]!r}")
+        raise CheckpointError(
+            f"{cfg_path}: quantization_config: expected an object, found {type(qc).__name__} {str(qc)[:80]!r}"
+        )
     try:
         info = layout_for_method(qc.get("quant_method")).read_config(qc)
     except CheckpointError as err:
@@ -85,8 +88,16 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
 
 # config.json fields the loader needs, all positive ints
 # (transformers 5 writes num_experts as num_local_experts)
-_CONFIG_INTS = ("hidden_size", "num_hidden_layers", ("num_experts", "num_local_experts"), "num_experts_per_tok",
-                "moe_intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+_CONFIG_INTS = (
+    "hidden_size",
+    "num_hidden_layers",
+    ("num_experts", "num_local_experts"),
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
 
 def _read_model_config(cfg_path: Path) -> dict:
@@ -140,8 +151,9 @@ def load_quantized_qwen3_moe(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    if num_hidden_layers is not None and (not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool)
-                                          or num_hidden_layers < 1):
+    if num_hidden_layers is not None and (
+        not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool) or num_hidden_layers < 1
+    ):
         raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
     folder = Path(path)
     info = read_quant_config(folder)
@@ -155,8 +167,9 @@ def load_quantized_qwen3_moe(
             raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
         cfg_dict["num_hidden_layers"] = num_hidden_layers
     try:
-        config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items()
-                                   if k not in ("architectures", "transformers_version")})
+        config = Qwen3MoeConfig(
+            **{k: v for k, v in cfg_dict.items() if k not in ("architectures", "transformers_version")}
+        )
     except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
         raise CheckpointError(f"{cfg_path}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
     device = torch.device(device)
@@ -191,11 +204,17 @@ def load_quantized_qwen3_moe(
         if _experts_excluded(exclude, layer):
             return _bf16_experts(tensors, prefix, e, h, i, device, backend)
         weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
-        to = (lambda t: None if t is None else t.to(device))  # noqa: E731
-        return make_emulation_experts(info.scheme, weights.to(device), to(in13), to(in2), backend=backend,
-                                      scale_strategy=scale_strategy,
-                                      activation_scale_mode=info.activation_scale_mode or "even",
-                                      activation_dtype=activation_dtype)
+        to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return make_emulation_experts(
+            info.scheme,
+            weights.to(device),
+            to(in13),
+            to(in2),
+            backend=backend,
+            scale_strategy=scale_strategy,
+            activation_scale_mode=info.activation_scale_mode or "even",
+            activation_dtype=activation_dtype,
+        )
 
     swap_experts(model, make)
     for module in quantized_linears:
@@ -205,11 +224,20 @@ def load_quantized_qwen3_moe(
         if lin.bias is not None:
             bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(activation_dtype).to(device)
         em = make_emulated_linear(
-            info.scheme, LinearWeights(weights.scheme, weights.weight.to(device), weights.weight_scale.to(device),
-                                       None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
-                                       weights.global_scale_kind),
-            None if ins is None else ins.to(device), bias=bias, backend=backend,
-            activation_scale_mode=info.activation_scale_mode or "even", activation_dtype=activation_dtype)
+            info.scheme,
+            LinearWeights(
+                weights.scheme,
+                weights.weight.to(device),
+                weights.weight_scale.to(device),
+                None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
+                weights.global_scale_kind,
+            ),
+            None if ins is None else ins.to(device),
+            bias=bias,
+            backend=backend,
+            activation_scale_mode=info.activation_scale_mode or "even",
+            activation_dtype=activation_dtype,
+        )
         parent, _, child = module.rpartition(".")
         setattr(modules[parent], child, em)
     tensors.close()

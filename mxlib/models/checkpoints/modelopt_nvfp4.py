@@ -66,14 +66,19 @@ class ModelOptNvfp4Layout(CheckpointLayout):
             "quant_algo": _ALGO,
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
             "ignore": list(exclude),
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(group),
-                                          "input_activations": dict(group)}},
+            "config_groups": {
+                "group_0": {"targets": ["Linear"], "weights": dict(group), "input_activations": dict(group)}
+            },
             "kv_cache_scheme": None,
         }
         legacy = {
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
-            "quantization": {"quant_algo": _ALGO, "group_size": bs, "kv_cache_quant_algo": None,
-                             "exclude_modules": list(exclude)},
+            "quantization": {
+                "quant_algo": _ALGO,
+                "group_size": bs,
+                "kv_cache_quant_algo": None,
+                "exclude_modules": list(exclude),
+            },
         }
         return qc, {_LEGACY_FILE: legacy}
 
@@ -84,8 +89,12 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         q = read_json(path).get("quantization") or {}
         if not isinstance(q, dict):
             raise CheckpointError(f"{path}: quantization: expected an object, found {type(q).__name__}")
-        return {"quant_method": self.quant_method, "quant_algo": q.get("quant_algo"), "group_size": q.get("group_size"),
-                "ignore": q.get("exclude_modules", [])}
+        return {
+            "quant_method": self.quant_method,
+            "quant_algo": q.get("quant_algo"),
+            "group_size": q.get("group_size"),
+            "ignore": q.get("exclude_modules", []),
+        }
 
     def read_config(self, qc: dict) -> CheckpointDescription:
         algo = qc.get("quant_algo")
@@ -106,7 +115,8 @@ class ModelOptNvfp4Layout(CheckpointLayout):
                 if g.get("num_bits") not in (None, bits):
                     raise CheckpointError(
                         f"quantization_config.config_groups.{gname}.{part}.num_bits: expected {bits}, "
-                        f"found {g['num_bits']}")
+                        f"found {g['num_bits']}"
+                    )
         if group_size not in (None, bs):
             raise CheckpointError(f"quantization_config.group_size: NVFP4 uses {bs}, found {group_size}")
         exclude = list(qc.get("ignore") or qc.get("exclude_modules") or [])
@@ -148,32 +158,40 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
         s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
         for j, p in enumerate(("gate_proj", "up_proj")):
-            stack(p, "weight", packed[p], u8, out=w13[:, j * i:(j + 1) * i])
-            stack(p, "weight_scale", sshape[p], f8, blocks, out=s13[:, j * i:(j + 1) * i])
+            stack(p, "weight", packed[p], u8, out=w13[:, j * i : (j + 1) * i])
+            stack(p, "weight_scale", sshape[p], f8, blocks, out=s13[:, j * i : (j + 1) * i])
         w2 = stack("down_proj", "weight", packed["down_proj"], u8)
         s2 = stack("down_proj", "weight_scale", sshape["down_proj"], f8, blocks)
         # scalar scales: fp32, bf16 or fp16 as stored, widened to fp32 exactly (scalars.py)
-        g = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)], (), gs)
-             for p in PROJS}
-        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-               for p in PROJS}
-        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1),
-                                g["down_proj"])
+        g = {
+            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)], (), gs)
+            for p in PROJS
+        }
+        ins = {
+            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
+            for p in PROJS
+        }
+        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        return {f"{name}.weight": weights.weight.contiguous().cpu(),
-                f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
-                f"{name}.weight_scale_2": weights.weight_scale_2.reshape(()).float().cpu().clone(),
-                f"{name}.input_scale": input_scale.reshape(()).float().cpu().clone()}
+        return {
+            f"{name}.weight": weights.weight.contiguous().cpu(),
+            f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
+            f"{name}.weight_scale_2": weights.weight_scale_2.reshape(()).float().cpu().clone(),
+            f"{name}.input_scale": input_scale.reshape(()).float().cpu().clone(),
+        }
 
-    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
-                    description: CheckpointDescription):
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
         """``(LinearWeights, input_scale fp32 [1])`` of a quantized linear layer ``name``."""
         bs = NVFP4.block_size
         w = tensors.get(f"{name}.weight", (out_features, NVFP4.element.packed_size(in_features)), torch.uint8)
-        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // bs), torch.float8_e4m3fn,
-                          block_scale_check(e4m3=True))[0]
+        s = tensors.stack(
+            [f"{name}.weight_scale"],
+            (out_features, in_features // bs),
+            torch.float8_e4m3fn,
+            block_scale_check(e4m3=True),
+        )[0]
         g = read_scalar_scales(tensors, [f"{name}.weight_scale_2"], (), global_scale_check())
         ins = read_scalar_scales(tensors, [f"{name}.input_scale"], (), global_scale_check(True, "input_scale"))
         return LinearWeights(NVFP4, w, s, g.reshape(())), ins

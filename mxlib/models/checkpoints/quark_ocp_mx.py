@@ -36,8 +36,11 @@ from .scalars import read_scalar_scales
 __all__ = ["LAYOUT"]
 
 # Quark's dtype names of the block schemes it stores (and of the per-tensor FP8 activation)
-_DTYPE = {BLOCK_SCHEMES["mxfp4"]: "fp4", BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3",
-          BLOCK_SCHEMES["mxfp6_e3m2"]: "fp6_e3m2"}
+_DTYPE = {
+    BLOCK_SCHEMES["mxfp4"]: "fp4",
+    BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3",
+    BLOCK_SCHEMES["mxfp6_e3m2"]: "fp6_e3m2",
+}
 _FROM_DTYPE = {v: k for k, v in _DTYPE.items()}
 _FP8_DTYPE = "fp8_e4m3"
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
@@ -49,14 +52,38 @@ def _tensor_config(fmt, scale_mode: str) -> dict | None:
     if fmt is None:
         return None
     if fmt == FP8_E4M3_PER_TENSOR:
-        return {"dtype": _FP8_DTYPE, "qscheme": "per_tensor", "ch_axis": None, "group_size": None,
-                "is_dynamic": False, "symmetric": True, "round_method": "half_even", "scale_type": "float",
-                "scale_format": None, "scale_calculation_mode": None, "mx_element_dtype": None,
-                "observer_cls": "PerTensorMinMaxObserver", "is_scale_quant": False, "block_size": None}
-    return {"dtype": _DTYPE[fmt], "qscheme": "per_group", "ch_axis": -1, "group_size": fmt.block_size,
-            "is_dynamic": True, "symmetric": None, "round_method": "half_even", "scale_type": "float",
-            "scale_format": fmt.scale.name, "scale_calculation_mode": scale_mode, "mx_element_dtype": None,
-            "observer_cls": "PerBlockMXObserver", "is_scale_quant": False, "block_size": None}
+        return {
+            "dtype": _FP8_DTYPE,
+            "qscheme": "per_tensor",
+            "ch_axis": None,
+            "group_size": None,
+            "is_dynamic": False,
+            "symmetric": True,
+            "round_method": "half_even",
+            "scale_type": "float",
+            "scale_format": None,
+            "scale_calculation_mode": None,
+            "mx_element_dtype": None,
+            "observer_cls": "PerTensorMinMaxObserver",
+            "is_scale_quant": False,
+            "block_size": None,
+        }
+    return {
+        "dtype": _DTYPE[fmt],
+        "qscheme": "per_group",
+        "ch_axis": -1,
+        "group_size": fmt.block_size,
+        "is_dynamic": True,
+        "symmetric": None,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "scale_format": fmt.scale.name,
+        "scale_calculation_mode": scale_mode,
+        "mx_element_dtype": None,
+        "observer_cls": "PerBlockMXObserver",
+        "is_scale_quant": False,
+        "block_size": None,
+    }
 
 
 class QuarkOcpMxLayout(CheckpointLayout):
@@ -74,17 +101,26 @@ class QuarkOcpMxLayout(CheckpointLayout):
         weight["is_dynamic"] = False
         qc = {
             "quant_method": self.quant_method,
-            "global_quant_config": {"weight": weight,
-                                    "input_tensors": _tensor_config(scheme.activation, _WEIGHT_SCALE_MODE),
-                                    "output_tensors": None, "bias": None, "target_device": None},
+            "global_quant_config": {
+                "weight": weight,
+                "input_tensors": _tensor_config(scheme.activation, _WEIGHT_SCALE_MODE),
+                "output_tensors": None,
+                "bias": None,
+                "target_device": None,
+            },
             "exclude": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
             "layer_quant_config": {},
             "layer_type_quant_config": {},
             "kv_cache_quant_config": {},
             "algo_config": None,
             "quant_mode": "eager_mode",
-            "export": {"weight_format": "real_quantized", "pack_method": "reorder", "kv_cache_group": [],
-                       "min_kv_scale": 0.0, "weight_merge_groups": None},
+            "export": {
+                "weight_format": "real_quantized",
+                "pack_method": "reorder",
+                "kv_cache_group": [],
+                "min_kv_scale": 0.0,
+                "weight_merge_groups": None,
+            },
             "version": "mxlib-dummy",
         }
         return qc, {}
@@ -116,7 +152,8 @@ class QuarkOcpMxLayout(CheckpointLayout):
         self._check_group(w, "weight", weight)
         if w.get("ch_axis", -1) not in (-1, 1):
             raise CheckpointError(
-                f"quantization_config.global_quant_config.weight.ch_axis: expected -1, found {w.get('ch_axis')!r}")
+                f"quantization_config.global_quant_config.weight.ch_axis: expected -1, found {w.get('ch_axis')!r}"
+            )
         a = g.get("input_tensors")
         act = None
         mode = _WEIGHT_SCALE_MODE
@@ -133,8 +170,10 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 act = _FROM_DTYPE[adtype]
                 self._check_group(a, "input_tensors", act)
                 if not a.get("is_dynamic", True):
-                    raise CheckpointError("quantization_config.global_quant_config.input_tensors.is_dynamic: MX "
-                                          "activations must be dynamic (true), found false")
+                    raise CheckpointError(
+                        "quantization_config.global_quant_config.input_tensors.is_dynamic: MX "
+                        "activations must be dynamic (true), found false"
+                    )
                 mode = a.get("scale_calculation_mode") or _WEIGHT_SCALE_MODE
                 if mode not in SCALE_MODES:
                     raise CheckpointError(
@@ -168,7 +207,8 @@ class QuarkOcpMxLayout(CheckpointLayout):
         if exp.get("weight_format", "real_quantized") != "real_quantized":
             raise CheckpointError(
                 f"quantization_config.export.weight_format: expected 'real_quantized', "
-                f"found {exp.get('weight_format')!r}")
+                f"found {exp.get('weight_format')!r}"
+            )
         return CheckpointDescription(self.name, scheme, list(qc.get("exclude") or []), mode)
 
     # ----------------------------------------------------------------------------- tensors
@@ -208,32 +248,44 @@ class QuarkOcpMxLayout(CheckpointLayout):
         w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
         s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=u8)
         for j, p in enumerate(("gate_proj", "up_proj")):
-            stack(p, "weight", packed[p], u8, out=w13[:, j * i:(j + 1) * i])
-            stack(p, "weight_scale", sshape[p], u8, blocks, out=s13[:, j * i:(j + 1) * i])
-        weights = ExpertWeights(fmt, w13, s13, stack("down_proj", "weight", packed["down_proj"], u8),
-                                stack("down_proj", "weight_scale", sshape["down_proj"], u8, blocks))
+            stack(p, "weight", packed[p], u8, out=w13[:, j * i : (j + 1) * i])
+            stack(p, "weight_scale", sshape[p], u8, blocks, out=s13[:, j * i : (j + 1) * i])
+        weights = ExpertWeights(
+            fmt,
+            w13,
+            s13,
+            stack("down_proj", "weight", packed["down_proj"], u8),
+            stack("down_proj", "weight_scale", sshape["down_proj"], u8, blocks),
+        )
         if not scheme.static_activation_scale:
             return weights, None, None
         ins_ok = global_scale_check(True, "input_scale")
-        ins = {p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-               for p in PROJS}
+        ins = {
+            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
+            for p in PROJS
+        }
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        out = {f"{name}.weight": weights.weight.contiguous().cpu(),
-               f"{name}.weight_scale": weights.weight_scale.contiguous().cpu()}
+        out = {
+            f"{name}.weight": weights.weight.contiguous().cpu(),
+            f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
+        }
         if scheme.static_activation_scale:
             out[f"{name}.input_scale"] = input_scale.reshape(()).float().cpu().clone()
         return out
 
-    def read_linear(self, tensors, name: str, out_features: int, in_features: int,
-                    description: CheckpointDescription):
+    def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
         """``(LinearWeights, input_scale fp32 [1] or None)`` of a quantized linear layer ``name``."""
         scheme = description.scheme
         fmt = scheme.weight
         w = tensors.get(f"{name}.weight", (out_features, fmt.element.packed_size(in_features)), torch.uint8)
-        s = tensors.stack([f"{name}.weight_scale"], (out_features, in_features // fmt.block_size), torch.uint8,
-                          block_scale_check(e4m3=False))[0]
+        s = tensors.stack(
+            [f"{name}.weight_scale"],
+            (out_features, in_features // fmt.block_size),
+            torch.uint8,
+            block_scale_check(e4m3=False),
+        )[0]
         ins = None
         if scheme.static_activation_scale:
             ins = read_scalar_scales(tensors, [f"{name}.input_scale"], (), global_scale_check(True, "input_scale"))

@@ -57,9 +57,24 @@ from safetensors.torch import save_file
 
 from .layout import CheckpointError
 
-__all__ = ["SHARD_BYTES", "WRITER_VERSION", "CHECKPOINT_MARKER", "WRITE_MARKER", "ShardWriter", "write_shards",
-           "atomic_folder", "checkpoint_size_bytes", "TensorReader", "INDEX_NAME", "read_json", "is_mxlib_checkpoint",
-           "read_weight_map", "SafetensorsHeaders", "HeaderTensorReader", "SAFETENSORS_DTYPES"]
+__all__ = [
+    "SHARD_BYTES",
+    "WRITER_VERSION",
+    "CHECKPOINT_MARKER",
+    "WRITE_MARKER",
+    "ShardWriter",
+    "write_shards",
+    "atomic_folder",
+    "checkpoint_size_bytes",
+    "TensorReader",
+    "INDEX_NAME",
+    "read_json",
+    "is_mxlib_checkpoint",
+    "read_weight_map",
+    "SafetensorsHeaders",
+    "HeaderTensorReader",
+    "SAFETENSORS_DTYPES",
+]
 
 # 256 MiB: the writer holds at most one shard's tensors in memory (peak
 # resident memory while quantizing stays within 1.25x the bf16 model's bytes).
@@ -113,13 +128,14 @@ class ShardWriter:
         t = tensor.detach()
         t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
         nbytes = t.numel() * t.element_size()
-        if self._pending and (self._size + nbytes > self.shard_bytes
-                              or (copy and self._offset + nbytes > self.shard_bytes)):
+        if self._pending and (
+            self._size + nbytes > self.shard_bytes or (copy and self._offset + nbytes > self.shard_bytes)
+        ):
             self.flush()
         if copy and nbytes <= self.shard_bytes:
             if self._buffer is None:
                 self._buffer = torch.empty(self.shard_bytes, dtype=torch.uint8)
-            view = self._buffer[self._offset:self._offset + nbytes]
+            view = self._buffer[self._offset : self._offset + nbytes]
             view.copy_(t.reshape(-1).view(torch.uint8))
             t = view.view(t.dtype).reshape(t.shape)
             self._offset += -(-nbytes // 64) * 64  # 64-byte aligned, so that every dtype view is valid
@@ -212,8 +228,9 @@ def is_mxlib_checkpoint(path: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False
     entries = {p.name for p in path.iterdir()} - {WRITE_MARKER}
-    return entries <= files | {CHECKPOINT_MARKER} and all((path / f).is_file() and not (path / f).is_symlink()
-                                                          for f in entries)
+    return entries <= files | {CHECKPOINT_MARKER} and all(
+        (path / f).is_file() and not (path / f).is_symlink() for f in entries
+    )
 
 
 def _check_destination(path: Path, overwrite: bool) -> None:
@@ -226,7 +243,8 @@ def _check_destination(path: Path, overwrite: bool) -> None:
     what = "a file" if not path.is_dir() or path.is_symlink() else "a folder that is not an mxlib checkpoint"
     raise FileExistsError(
         f"{path}: the destination is {what} (an mxlib checkpoint holds {CHECKPOINT_MARKER} and only the files "
-        f"it lists); refusing to replace it. Choose another path, empty it, or pass overwrite=True to replace it.")
+        f"it lists); refusing to replace it. Choose another path, empty it, or pass overwrite=True to replace it."
+    )
 
 
 def _probe_removable(path: Path) -> None:
@@ -239,8 +257,10 @@ def _probe_removable(path: Path) -> None:
         try:
             os.rename(p, probe)
         except OSError as err:
-            raise PermissionError(f"{path}: cannot replace the existing checkpoint: {p.name} cannot be removed "
-                                  f"({err.strerror}); nothing was changed") from None
+            raise PermissionError(
+                f"{path}: cannot replace the existing checkpoint: {p.name} cannot be removed "
+                f"({err.strerror}); nothing was changed"
+            ) from None
         os.rename(probe, p)
 
 
@@ -267,8 +287,14 @@ def _exchange(a: Path, b: Path) -> bool:
 def _new_temporary(path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
-    marker = {"writer": "mxlib", "pid": os.getpid(), "start": _proc_start(os.getpid()), "host": socket.gethostname(),
-              "time": time.time(), "destination": path.name}
+    marker = {
+        "writer": "mxlib",
+        "pid": os.getpid(),
+        "start": _proc_start(os.getpid()),
+        "host": socket.gethostname(),
+        "time": time.time(),
+        "destination": path.name,
+    }
     (tmp / WRITE_MARKER).write_text(json.dumps(marker))
     return tmp
 
@@ -294,8 +320,9 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     try:
         yield tmp
         files = sorted(p.name for p in tmp.iterdir() if p.name != WRITE_MARKER)
-        (tmp / CHECKPOINT_MARKER).write_text(json.dumps({"writer": "mxlib", "writer_version": WRITER_VERSION,
-                                                         "files": files}, indent=1))
+        (tmp / CHECKPOINT_MARKER).write_text(
+            json.dumps({"writer": "mxlib", "writer_version": WRITER_VERSION, "files": files}, indent=1)
+        )
         _check_destination(path, overwrite)  # again: it may have changed while writing
         if not (path.exists() or path.is_symlink()):
             tmp.rename(path)
@@ -339,17 +366,27 @@ def read_json(path: Path, what: str | None = None) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise CheckpointError(f"{path}: cannot be read as JSON ({err})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found "
-                              f"{type(value).__name__}")
+        raise CheckpointError(
+            f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found {type(value).__name__}"
+        )
     return value
 
 
 def check_shard_name(fname, source: str) -> str:
     """A shard name from an index must be a plain file name inside the checkpoint folder."""
-    if (not isinstance(fname, str) or not fname or fname in (".", "..") or "/" in fname or "\\" in fname
-            or "\0" in fname or os.path.isabs(fname)):
-        raise CheckpointError(f"{source}: shard name {fname!r} is not a plain file name in the checkpoint folder "
-                              f"(absolute paths, '..' and separators are refused)")
+    if (
+        not isinstance(fname, str)
+        or not fname
+        or fname in (".", "..")
+        or "/" in fname
+        or "\\" in fname
+        or "\0" in fname
+        or os.path.isabs(fname)
+    ):
+        raise CheckpointError(
+            f"{source}: shard name {fname!r} is not a plain file name in the checkpoint folder "
+            f"(absolute paths, '..' and separators are refused)"
+        )
     return fname
 
 
@@ -371,8 +408,9 @@ def read_weight_map(folder: Path) -> dict[str, str] | None:
         data = read_json(index, "the safetensors index")
         wm = data.get("weight_map")
         if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
-            raise CheckpointError(f"{index}: 'weight_map' must be an object of tensor name -> shard file name, "
-                                  f"found {type(wm).__name__}")
+            raise CheckpointError(
+                f"{index}: 'weight_map' must be an object of tensor name -> shard file name, found {type(wm).__name__}"
+            )
         weight_map = {k: check_shard_name(v, str(index)) for k, v in wm.items()}
         for fname in sorted(set(weight_map.values())):
             if not (folder / fname).is_file():
@@ -420,8 +458,10 @@ class TensorReader:
         fname = self.weight_map[name]
         f = self._open(fname)
         if name not in self._keys:
-            raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r} (listed in the index for "
-                                  f"{fname}, not found in that file)")
+            raise CheckpointError(
+                f"checkpoint {self.folder} is missing tensor {name!r} (listed in the index for "
+                f"{fname}, not found in that file)"
+            )
         try:
             t = f.get_tensor(name)
         except Exception as err:  # noqa: BLE001  safetensors raises its own error types
@@ -455,9 +495,18 @@ class TensorReader:
 
 # safetensors header dtype -> torch dtype (F8_E8M0 and F4 where this torch has them)
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
     if hasattr(torch, _attr):
@@ -520,8 +569,9 @@ class SafetensorsHeaders:
             if math.prod(self.shape[n]) != 1:
                 raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])}")
             if self.dtype[n] not in _FLOAT_SCALARS:
-                raise CheckpointError(f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found "
-                                      f"{self.dtype[n]}")
+                raise CheckpointError(
+                    f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found {self.dtype[n]}"
+                )
         raw: dict[str, list[tuple[str, bytes]]] = {}
         by_file: dict[str, list[str]] = {}
         for n in names:
@@ -537,8 +587,11 @@ class SafetensorsHeaders:
                     raw.setdefault(self.dtype[n], []).append((n, data))
         out: dict[str, float] = {}
         for dtype, items in raw.items():
-            values = torch.frombuffer(bytearray(b"".join(d for _, d in items)),
-                                      dtype=SAFETENSORS_DTYPES[dtype]).double().tolist()
+            values = (
+                torch.frombuffer(bytearray(b"".join(d for _, d in items)), dtype=SAFETENSORS_DTYPES[dtype])
+                .double()
+                .tolist()
+            )
             out.update(zip((n for n, _ in items), values))
         return out
 

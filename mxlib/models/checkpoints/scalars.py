@@ -33,10 +33,14 @@ def widen_scale(t: torch.Tensor, name: str) -> torch.Tensor:
         if bool(same.all()):
             return w
         bad = t[~same].reshape(-1)[0].item()
-        raise CheckpointError(f"tensor {name!r}: float64 scale {bad!r} is not an fp32 value (it would be rounded); "
-                              f"scales must be fp32, bf16 or fp16 (or float64 holding fp32 values)")
-    raise CheckpointError(f"tensor {name!r}: expected a float scale of dtype float32, bfloat16 or float16 (widened "
-                          f"to fp32 exactly), found {t.dtype}")
+        raise CheckpointError(
+            f"tensor {name!r}: float64 scale {bad!r} is not an fp32 value (it would be rounded); "
+            f"scales must be fp32, bf16 or fp16 (or float64 holding fp32 values)"
+        )
+    raise CheckpointError(
+        f"tensor {name!r}: expected a float scale of dtype float32, bfloat16 or float16 (widened "
+        f"to fp32 exactly), found {t.dtype}"
+    )
 
 
 def read_scalar_scales(tensors, names: list[str], shape=(), check=None) -> torch.Tensor:

@@ -95,13 +95,18 @@ def write_quantized_checkpoint(
             raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
-    attn = [f"model.layers.{layer}.self_attn.{p}" for layer in range(len(model.model.layers))
-            for p in ATTENTION_PROJS] if quantize_attention else []
+    attn = (
+        [f"model.layers.{layer}.self_attn.{p}" for layer in range(len(model.model.layers)) for p in ATTENTION_PROJS]
+        if quantize_attention
+        else []
+    )
     if attn and scheme.static_activation_scale:
         missing = [n for n in attn if linear_input_amax is None or n not in linear_input_amax]
         if missing:
-            raise ValueError(f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
-                             f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}")
+            raise ValueError(
+                f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
+                f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}"
+            )
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
         shards = ShardWriter(tmp, shard_bytes)
@@ -131,10 +136,15 @@ def write_quantized_checkpoint(
                     weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
                 else:  # expert x of the layout's whole-layer quantization
                     weights = replace(layer_weights, **{k: v[x : x + 1] for k, v in layer_weights.tensors().items()})
-                one = layout.expert_tensors(scheme, weights, None if in13 is None else in13[x : x + 1],
-                                            None if in2 is None else in2[x : x + 1], prefix)
+                one = layout.expert_tensors(
+                    scheme,
+                    weights,
+                    None if in13 is None else in13[x : x + 1],
+                    None if in2 is None else in2[x : x + 1],
+                    prefix,
+                )
                 for name, t in one.items():  # the layout names the single expert 0
-                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3:], t, copy=True)
+                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3 :], t, copy=True)
                 del weights, one
             del layer_weights
         shards.close()
