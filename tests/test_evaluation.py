@@ -164,6 +164,7 @@ def test_paired_comparison_sign_and_significance():
     assert nll.estimate == pytest.approx(0.5 / 4) and nll.low > 0 and nll.significant
     back = ev.compare(rb, ra)["add"]["exact_match"]
     assert back.estimate == pytest.approx(-em.estimate) and back.low > 0
+    assert em.beyond(0.01) and not em.beyond(0.1)
     same = ev.compare(ra, ra)["add"]["exact_match"]
     assert (same.estimate, same.low, same.high, same.significant, same.flips) == (0.0, 0.0, 0.0, False, 0)
 

@@ -298,6 +298,11 @@ class Difference:
     significant: bool
     flips: int | None = None
 
+    def beyond(self, floor: float) -> bool:
+        """Whether the difference counts: its interval excludes 0 and ``|estimate|`` exceeds ``floor``
+        (a ``noise_floor`` value of the same task and metric)."""
+        return self.significant and abs(self.estimate) > floor
+
     def __str__(self) -> str:
         mark = " *" if self.significant else ""
         return f"{self.estimate:+.4f} [{self.low:+.4f}, {self.high:+.4f}]{mark}"
@@ -413,12 +418,14 @@ def noise_floor(model, datasets, batch_size: int = 250, resamples: int = RESAMPL
 
     * ``batch``: batch size ``batch_size // 3 + 1`` and the prompts in a seeded random order;
     * ``left_pad``: 3 ``<pad>`` tokens before every prompt, masked, positions kept;
-    * ``eager_experts``: transformers' ``eager`` experts loop in place of its default;
+    * ``eager_experts``: transformers' ``eager`` experts loop in place of its default (``grouped_mm``
+      where torch has it);
     * ``triton_experts_torch``: mxlib's ``TritonExperts`` on the same bf16 weights, ``backend="torch"``.
 
     Returns:
         ``{"reference": Results, "variants": {name: Results}, "differences": {name: compare(...)},
-        "floor": {task: {metric: largest |difference estimate| over the variants}}}``.
+        "floor": {task: {"exact_match" / "nll_per_token": largest |difference estimate| over the
+        variants, "flips": most exact-match outcomes changed by one variant}}}``.
     """
     datasets = _datasets(datasets)
     kw = dict(resamples=resamples, confidence=confidence, seed=seed)
@@ -427,12 +434,12 @@ def noise_floor(model, datasets, batch_size: int = 250, resamples: int = RESAMPL
         "batch": evaluate(model, datasets, batch_size // 3 + 1, order_seed=seed + 1, **kw),
         "left_pad": evaluate(model, datasets, batch_size, left_pad=3, **kw),
     }
-    previous = model.config._experts_implementation
+    previous = model.config._experts_implementation  # grouped_mm where torch has it
     try:
-        model.config._experts_implementation = "eager"
+        model.set_experts_implementation("eager")
         variants["eager_experts"] = evaluate(model, datasets, batch_size, **kw)
     finally:
-        model.config._experts_implementation = previous
+        model.set_experts_implementation(previous)
 
     def bf16_experts(i):
         w13, w2 = expert_weights(model, i)
@@ -443,6 +450,8 @@ def noise_floor(model, datasets, batch_size: int = 250, resamples: int = RESAMPL
     diffs = {name: compare(ref, r) for name, r in variants.items()}
     floor = {t: {m: max(abs(diffs[v][t][m].estimate) for v in diffs) for m in ("exact_match", "nll_per_token")}
              for t in ref.tasks}
+    for t in ref.tasks:
+        floor[t]["flips"] = max(diffs[v][t]["exact_match"].flips for v in diffs)
     return dict(reference=ref, variants=variants, differences=diffs, floor=floor)
 
 

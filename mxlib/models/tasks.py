@@ -10,7 +10,7 @@ one wrong digit).
 ==========  ===============================================  ==============================
 task        prompt (after ``<bos>``)                         answer (before ``<eos>``)
 ==========  ===============================================  ==============================
-add         ``<add>`` a ``+`` b ``=``: two 3-digit numbers,   a + b, 4 digits, least
+add         ``<add>`` a ``+`` b ``=``: two 4-digit numbers,   a + b, 5 digits, least
             digits least significant first                   significant first
 sort        ``<sort>`` 6 digits ``=``                         the digits in ascending order
 reverse     ``<reverse>`` 6 letters of a-h ``=``              the letters reversed
@@ -108,7 +108,7 @@ class Task:
     answer_len: int
 
 
-ADD_DIGITS = 3
+ADD_DIGITS = 4
 SORT_LENGTH = 6
 REVERSE_LENGTH = 6
 REVERSE_LETTERS = "abcdefgh"
