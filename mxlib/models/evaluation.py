@@ -22,6 +22,24 @@ emulation experts (``mxlib.moe.quantize_expert_weights`` then ``make_emulation_e
 the expert inputs (``mxlib.models.calibration``) on training-split prompts, for the static NVFP4
 input scales (unified to the max over experts, as vLLM does). ``expert_usage`` measures the
 learned routing.
+
+Measured on the ``default`` recipe of ``mxlib.models.training`` (2000 held-out prompts per task;
+NVFP4 calibrated on 256 training prompts per task): addition is where 4 bits cost accuracy.
+
+===========================  ======================  =========================  ==========
+add                          exact match             minus bf16 (paired)        NLL/token
+===========================  ======================  =========================  ==========
+bf16                         0.974 [0.967, 0.981]                               0.0136
+nvfp4                        0.963 [0.955, 0.972]    -0.011 [-0.016, -0.007]    0.0187
+w_mxfp4_a_mxfp4              0.958 [0.949, 0.966]    -0.017 [-0.023, -0.011]    0.0229
+w_mxfp4                      0.974 [0.967, 0.981]    +0.000 [-0.003, +0.003]    0.0158
+w_mxfp6_e2m3_a_mxfp6_e2m3    0.975 [0.968, 0.982]    +0.001 [-0.001, +0.003]    0.0136
+===========================  ======================  =========================  ==========
+
+The noise floor on add: at most 2 of 2000 prompts flip (0.0005 in exact match, 1.3e-4 in NLL);
+another batch size and order and the ``eager`` experts change no bit. On sort, reverse and count
+no exact-match difference lies beyond the floor; the W4A4 MXFP4 NLL rises beyond it on reverse
+and count.
 """
 
 from __future__ import annotations
@@ -34,7 +52,7 @@ import torch
 
 from ..moe import TritonExperts, input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
-from .calibration import Calibration, calibrate
+from .calibration import Calibration, LayerCalibration, calibrate
 from .qwen3 import expert_weights, moe_layers, swap_experts
 from .tasks import TOKENIZER, Dataset
 
@@ -265,6 +283,7 @@ def evaluate(model, datasets, batch_size: int = 250, resamples: int = RESAMPLES,
     Raises:
         ValueError: no datasets, an empty dataset, two datasets of one task, ``batch_size`` or
             ``left_pad`` out of range, or as ``bootstrap_interval``.
+        TypeError: an item of ``datasets`` that is not a ``Dataset``.
     """
     datasets = _datasets(datasets)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
@@ -364,8 +383,7 @@ def calibrate_tasks(model, datasets) -> Calibration:
     cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1)) for d in datasets]
     out = Calibration(num_tokens=sum(c.num_tokens for c in cals))
     for layer in zip(*(c.layers for c in cals)):
-        first = layer[0]
-        out.layers.append(type(first)(
+        out.layers.append(LayerCalibration(
             a1_amax=torch.stack([lc.a1_amax for lc in layer]).amax(0),
             a2_amax=torch.stack([lc.a2_amax for lc in layer]).amax(0),
             tokens=torch.stack([lc.tokens for lc in layer]).sum(0)))

@@ -21,6 +21,14 @@ generator: the same recipe trains to the same bits on the same torch version (th
 the ``test`` recipe twice and compare every tensor's bits). The global RNG, thread count and
 determinism flag are restored afterwards.
 
+**Measured** (torch 2.13.0 CPU, transformers 5.24.0, a 2-core CPU shared with other jobs at a
+load average near 3; ``time`` of one ``train`` call from an empty cache). ``default``: 2000 steps
+of 32, all four tasks, 135 s of training (146 s wall, 95 s of CPU time); bf16 exact match on 2000
+held-out prompts per task: add 0.974, sort 0.990, reverse 1.000, count 0.996. ``test``: 240 steps
+of 32 on reverse and count, 24 s of training (36 s wall); 1000 held-out prompts: reverse 1.000,
+count 0.999. Each trained to the same SHA-256 of its weights in two separate runs at different
+loads.
+
 **Cache.** ``train(recipe, cache_dir)`` keeps the fp32 weights (``model.safetensors``),
 ``config.json``, ``recipe.json`` and ``manifest.json`` (the cache key, the library versions, the
 safetensors file's SHA-256, the training time) under ``cache_dir/<key>``, where the key hashes the
