@@ -78,3 +78,20 @@ def mx_experts(scheme, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale,
 
     weights = ExpertWeights(get_moe_scheme(scheme).weight, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
     return OCP_MXQuantizationEmulationTritonExperts(scheme, weights, **kwargs)
+
+
+# The tiny Qwen3-MoE config of the checkpoint and bad-input tests (with mxlib.models.qwen3's
+# qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3)): 4 experts of hidden 64, intermediate 32.
+TINY_QWEN3 = dict(
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    bos_token_id=0,
+    eos_token_id=1,
+)

@@ -7,6 +7,7 @@
   ``cast_to_fp4`` and ``ref_nvfp4_quant_dequant`` (torch ops, torch's own fp8 cast and
   the threshold ladder for FP4).
 * ``vllm_dequantize_to_dtype``: vLLM's ``break_fp4_bytes`` lookup and scale product.
+* ``moe_fp64``: the MoE function in float64 (the GEMM oracle of every MoE test).
 * ``modelopt_nvfp4_quantize``: ModelOpt's ``NVFP4QTensor`` arithmetic with its
   ``searchsorted`` FP4 cast.
 """
@@ -165,3 +166,41 @@ def modelopt_nvfp4_quantize(weight: torch.Tensor, block_size: int = 16):
     q = _modelopt_cast_fp4(scaled.view(weight.shape))
     packed = (q[..., 1::2] << 4) | q[..., 0::2]
     return packed, per_block_scale, wsf2
+
+
+def moe_fp64(a1, w13, w2, topk_weights, topk_ids, *, per_pair=False, store_dtype=None, a2_fn=None) -> torch.Tensor:
+    """The MoE function in float64, the GEMM oracle every MoE test compares with:
+
+        out[t] = sum_j topk_weights[t, j] * w2[e] @ a2(silu(gate) * up),
+        [gate; up] = w13[e] @ a1[t],  e = topk_ids[t, j]
+
+    Args:
+        a1: ``[M, H]`` layer input (already QDQ'd where the scheme quantizes it), or ``[M * k, H]``
+            one row per (token, expert) pair with ``per_pair``; any float dtype (widened exactly).
+        w13: ``[E, 2I, H]`` gate rows then up rows; w2: ``[E, H, I]``; any float dtype.
+        topk_weights, topk_ids: ``[M, k]``.
+        store_dtype: the dtype the GEMM1 output and the SiLU-and-mul output are stored in between
+            the GEMMs (the two roundings every path makes by design), or None for float64 throughout.
+        a2_fn: ``a2_fn(act [n, I], expert) -> [n, I]``, the QDQ of the SiLU-and-mul output (rows of
+            one expert; ``act`` in ``store_dtype``, float32 when it is None), or None.
+
+    Returns:
+        float64 ``[M, H]`` on ``a1``'s device. Plain float64 torch arithmetic: nothing of mxlib.
+    """
+    m, k = topk_ids.shape
+    i = w2.shape[-1]
+    flat = topk_ids.reshape(-1).long()
+    pairs_out = torch.zeros(m * k, w2.shape[1], dtype=torch.float64, device=a1.device)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        rows = a1[pairs] if per_pair else a1[pairs // k]
+        h = rows.double() @ w13[e].double().T
+        if store_dtype is not None:
+            h = h.to(store_dtype).double()
+        act = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        if store_dtype is not None:
+            act = act.to(store_dtype)
+        if a2_fn is not None:
+            act = a2_fn(act if store_dtype is not None else act.float(), e)
+        pairs_out[pairs] = (act.double() @ w2[e].double().T) * topk_weights.reshape(-1)[pairs, None].double()
+    return pairs_out.view(m, k, -1).sum(1)

@@ -38,21 +38,10 @@ from mxlib.moe import (
 )
 from mxlib.workbook import steps as W
 
-from _util import mx_experts, nvfp4_experts
+from _util import TINY_QWEN3, mx_experts, nvfp4_experts
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = dict(
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=128,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=32,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+TINY = TINY_QWEN3
 E, H, I = TINY["num_experts"], TINY["hidden_size"], TINY["moe_intermediate_size"]
 SHARD_BYTES = 20_000  # several shards even for the tiny model
 BAD = "model.layers.1.mlp.experts.2.down_proj"  # the module whose tensors the scale tests spoil

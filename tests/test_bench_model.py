@@ -80,6 +80,7 @@ def test_graph_is_skipped_on_the_cpu_with_a_reason(result):
 
 
 def test_figure_reads_the_json(result, tmp_path):
+    pytest.importorskip("plotly")
     from mxlib.workbook import figures
 
     _, res, _ = result

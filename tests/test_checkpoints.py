@@ -16,19 +16,9 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts
 
-TINY = dict(
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+from _util import TINY_QWEN3
+
+TINY = TINY_QWEN3
 
 
 @pytest.fixture(scope="module")

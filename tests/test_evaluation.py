@@ -145,8 +145,9 @@ def test_bad_bootstrap_arguments():
 
 def _results(correct: torch.Tensor, nll: torch.Tensor, task="add", sha="x") -> ev.Results:
     tokens = torch.full(correct.shape, 4)
-    r = ev.TaskResult(task, correct, nll.double(), tokens, sha, ev.bootstrap_interval(correct),
-                      ev.bootstrap_interval(nll, tokens))
+    r = ev.TaskResult(
+        task, correct, nll.double(), tokens, sha, ev.bootstrap_interval(correct), ev.bootstrap_interval(nll, tokens)
+    )
     return ev.Results(tasks={task: r})
 
 
@@ -214,7 +215,7 @@ def test_greedy_decoding_agrees_with_teacher_forcing(random_model, small_sets):
 def test_evaluate_reports_every_task(random_model, small_sets):
     r = ev.evaluate(random_model, small_sets, batch_size=10, resamples=200)
     assert list(r.tasks) == ["add", "count"]
-    for t, res in r.tasks.items():
+    for res in r.tasks.values():
         assert res.n == 24 and res.correct.dtype == torch.bool
         assert res.exact_match.low <= res.exact_match.estimate <= res.exact_match.high
         assert res.nll_per_token.low <= res.nll_per_token.estimate <= res.nll_per_token.high

@@ -181,6 +181,7 @@ def test_scale_bytes_and_exercise_checker():
 
 
 def test_rows_table_shows_every_row():
+    pytest.importorskip("IPython")
     html = X.rows_table([{"a": i, "b": i / 3} for i in range(100)]).data
     assert html.count("<tr>") == 101 and "..." not in html
     with pytest.raises(ValueError, match="rows"):
@@ -260,6 +261,7 @@ def test_captured_output_records_and_unhooks():
 
 
 def test_rows_table_wraps_only_long_text():
+    pytest.importorskip("IPython")
     html = X.rows_table([{"name": "w_mxfp6_e3m2_a_mxfp6_e3m2", "why": "a long reason " * 10}]).data
     name_cell, why_cell = html.split("<tbody>")[1].split("<td ")[1:3]
     assert "nowrap" in name_cell and "w_mxfp6_e3m2_a_mxfp6_e3m2" in name_cell

@@ -26,6 +26,7 @@ from mxlib.kernels.tiles import TileConfig
 from mxlib.moe import fused_topk, moe_align_block_size
 
 from _util import assert_bits_equal
+from oracles import moe_fp64
 
 E, H, I, TOPK = 8, 256, 128, 2
 SCHEMES = ["w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4"]
@@ -88,19 +89,16 @@ def make_layer(scheme, device, e=E, h=H, i=I, m=7, k=TOPK, seed=0):
 
 def oracle_fp64(L, mode):
     """float64 MoE from the mode's operands (see the module docstring)."""
-    x, tw, ti = L["x"].cpu(), L["tw"].cpu(), L["ti"].cpu()
-    w13, w2 = L["dq13"][mode].double().cpu(), L["dq2"][mode].double().cpu()
-    a1 = L["a1"](L["x"], mode).double().cpu()
-    i = w2.shape[2]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ti.shape[1]):
-            e = int(ti[t, j])
-            h = (w13[e] @ a1[t]).to(torch.bfloat16).double()
-            act = (torch.nn.functional.silu(h[:i]) * h[i:]).to(torch.bfloat16)
-            act = L["a2"](act.unsqueeze(0).to(L["x"].device), mode).double()[0].cpu()
-            out[t] += float(tw[t, j]) * (w2[e] @ act)
-    return out
+    dev = L["x"].device
+    return moe_fp64(
+        L["a1"](L["x"], mode).cpu(),
+        L["dq13"][mode].cpu(),
+        L["dq2"][mode].cpu(),
+        L["tw"].cpu(),
+        L["ti"].cpu(),
+        store_dtype=torch.bfloat16,
+        a2_fn=lambda act, e: L["a2"](act.to(dev), mode).cpu(),
+    )
 
 
 def run(L, device, mode, configs=None, m=None):
@@ -270,19 +268,16 @@ def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
 def test_gpu_full_shape_against_fp64(scheme, mode, m):
     L = make_layer(scheme, "cuda", e=128, h=2048, i=768, m=m, k=8, seed=m)
     out = run(L, "cuda", mode)
-    # oracle on the GPU in float64, per expert
-    tw, ti = L["tw"].cuda(), L["ti"].cuda()
-    w13, w2 = L["dq13"][mode].cuda().double(), L["dq2"][mode].cuda().double()
-    a1 = L["a1"](L["x"], mode).cuda().double()
-    flat = ti.reshape(-1).long()
-    ref = torch.zeros(m * 8, 2048, dtype=torch.float64, device="cuda")
-    for e in torch.unique(flat).tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
-        hmid = (a1[pairs // 8] @ w13[e].T).to(torch.bfloat16).double()
-        act = (torch.nn.functional.silu(hmid[:, :768]) * hmid[:, 768:]).to(torch.bfloat16)
-        act = L["a2"](act, mode).double()
-        ref[pairs] = (act @ w2[e].T) * tw.reshape(-1)[pairs, None].double()
-    ref = ref.view(m, 8, -1).sum(1).cpu()
+    # the float64 oracle on the GPU (full shapes)
+    ref = moe_fp64(
+        L["a1"](L["x"], mode).cuda(),
+        L["dq13"][mode].cuda(),
+        L["dq2"][mode].cuda(),
+        L["tw"].cuda(),
+        L["ti"].cuda(),
+        store_dtype=torch.bfloat16,
+        a2_fn=lambda act, e: L["a2"](act, mode),
+    ).cpu()
     err = rel_err(out, ref)
     assert err < 1e-2, err
 

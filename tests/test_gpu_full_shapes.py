@@ -9,10 +9,12 @@ oracle differs from them only by their bf16 GEMM roundings.
 import pytest
 import torch
 
-from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, quantize_expert_weights, silu_and_mul
+from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, quantize_expert_weights
 from mxlib.workbook.studies import emulation_experts
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from oracles import moe_fp64
+
+pytestmark = pytest.mark.gpu
 
 E, TOPK, H, I = 128, 8, 2048, 768
 
@@ -26,18 +28,19 @@ def layer():
 
 
 def oracle(ex, x, tw, ti):
+    """The float64 MoE (``oracles.moe_fp64``) on the experts' own dequantized weights and QDQ'd inputs."""
     w13, w2 = ex.dequantized_weights()
     a1, per_pair = ex.quantize_input(x, ti, "torch")
-    m, k = ti.shape
-    flat = ti.reshape(-1).long()
-    out = torch.zeros(m * k, w2.shape[1], dtype=torch.float64, device=x.device)
-    for e in torch.unique(flat).tolist():
-        pairs = (flat == e).nonzero().squeeze(1)
-        rows = pairs if per_pair else pairs // k
-        h = (a1[rows].double() @ w13[e].double().T).to(x.dtype)
-        act = ex.quantize_intermediate(silu_and_mul(h), flat[pairs], "torch").double()
-        out[pairs] = (act @ w2[e].double().T) * tw.reshape(-1)[pairs, None].double()
-    return out.view(m, k, -1).sum(1)
+    return moe_fp64(
+        a1,
+        w13,
+        w2,
+        tw,
+        ti,
+        per_pair=per_pair,
+        store_dtype=x.dtype,
+        a2_fn=lambda act, e: ex.quantize_intermediate(act, torch.full((act.shape[0],), e, device=act.device), "torch"),
+    )
 
 
 @pytest.mark.parametrize("scheme", list(MOE_SCHEMES))

@@ -34,21 +34,9 @@ from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts
 from mxlib.moe.factory import make_emulated_linear, quantize_linear_weight
 from mxlib.moe.linear import EmulatedLinear, LinearWeights, linear_input_amax
 
-from _util import KERNEL_DEVICE, OnKernelDevice
+from _util import KERNEL_DEVICE, TINY_QWEN3, OnKernelDevice
 
-TINY = dict(
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    vocab_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+TINY = TINY_QWEN3
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS]
 
 

@@ -26,6 +26,7 @@ from mxlib.moe import (
 )
 
 from _util import nvfp4_experts
+from oracles import moe_fp64
 
 E, H, I, M, TOPK = 8, 96, 64, 7, 2
 
@@ -36,17 +37,8 @@ def rel_err(a, b):
 
 
 def dense_moe_fp64(a1, w13, w2, topk_weights, topk_ids, a2_fn=None):
-    """float64 MoE, one token at a time: the GEMM oracle (independent of mxlib)."""
-    out = torch.zeros(a1.shape[0], w2.shape[1], dtype=torch.float64)
-    for t in range(a1.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, j])
-            h = w13[e].double() @ a1[t].double()
-            act = torch.nn.functional.silu(h[:I]) * h[I:]
-            if a2_fn is not None:
-                act = a2_fn(act.float().unsqueeze(0), e).double().squeeze(0)
-            out[t] += float(topk_weights[t, j]) * (w2[e].double() @ act)
-    return out
+    """float64 MoE, no rounding between the GEMMs: the GEMM oracle (``oracles.moe_fp64``)."""
+    return moe_fp64(a1, w13, w2, topk_weights, topk_ids, a2_fn=a2_fn)
 
 
 def make_inputs(dtype=torch.bfloat16, seed=0, e=E):
@@ -358,18 +350,16 @@ def fused_reference_fp64(ex, x, tw, ti):
     operands the fused kernel must reproduce); a2 is QDQ'd from the bf16-rounded activation."""
     w13, w2 = ex.dequantized_weights()
     a1, per_pair = ex.quantize_input(x, ti, "torch")
-    k = ti.shape[1]
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    i = w2.shape[2]
-    for t in range(x.shape[0]):
-        for j in range(k):
-            e = int(ti[t, j])
-            row = a1[t * k + j] if per_pair else a1[t]
-            h = (w13[e].double() @ row.double()).to(x.dtype).double()
-            act = (torch.nn.functional.silu(h[:i]) * h[i:]).to(x.dtype).unsqueeze(0)
-            act = ex.quantize_intermediate(act, torch.tensor([e]), "torch").double()[0]
-            out[t] += float(tw[t, j]) * (w2[e].double() @ act)
-    return out
+    return moe_fp64(
+        a1,
+        w13,
+        w2,
+        tw,
+        ti,
+        per_pair=per_pair,
+        store_dtype=x.dtype,
+        a2_fn=lambda act, e: ex.quantize_intermediate(act, torch.full((act.shape[0],), e), "torch"),
+    )
 
 
 @pytest.mark.parametrize(
@@ -515,15 +505,7 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
         w2 = R.dequantize_mx(q.w2_weight, q.w2_weight_scale, "e2m1")
         act = ex.activation_format
         qdq1 = qdq2 = (lambda v: v) if act is None else (lambda v: R.quant_dequant_mx(v, "e2m1", 32, "even"))  # noqa: E731
-    a1 = qdq1(x).double()
-    out = torch.zeros(x.shape[0], H4, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ti.shape[1]):
-            e = int(ti[t, j])
-            h = (w13[e].double() @ a1[t]).to(torch.bfloat16).double()
-            a2 = (torch.nn.functional.silu(h[:I4]) * h[I4:]).to(torch.bfloat16)
-            out[t] += float(tw[t, j]) * (w2[e].double() @ qdq2(a2.unsqueeze(0)).double()[0])
-    return out
+    return moe_fp64(qdq1(x), w13, w2, tw, ti, store_dtype=torch.bfloat16, a2_fn=lambda act, e: qdq2(act))
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])

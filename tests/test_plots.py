@@ -2,7 +2,11 @@
 
 import math
 
-from mxlib.workbook import figures
+import pytest
+
+pytest.importorskip("plotly", reason="the workbook extra (plotly) is not installed")
+
+from mxlib.workbook import figures  # noqa: E402
 
 
 def test_grouped_bar_and_heatmap():

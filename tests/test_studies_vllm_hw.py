@@ -13,12 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mxlib.analysis import sqnr_db
 from mxlib.moe import fused_topk
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
-from mxlib.workbook import figures
 from mxlib.workbook import steps as W
 from mxlib.workbook import studies as S
 
@@ -58,19 +56,6 @@ def exact_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
 
 def exact_mxfp4(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(oracles.mx_qdq(x.float().numpy(), "e2m1", 32, "even")).double()
-
-
-def oracle_moe(x, w13, w2, tw, ti, a1, a2) -> torch.Tensor:
-    """float64 MoE, one (token, expert) pair at a time; GEMM1 and SiLU-and-mul outputs in bf16."""
-    xa = a1(x)
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ti.shape[1]):
-            e = int(ti[t, j])
-            h = (w13[e] @ xa[t]).to(torch.bfloat16).float()
-            act = (F.silu(h[:I]) * h[I:]).to(torch.bfloat16)
-            out[t] += float(tw[t, j]) * (w2[e] @ a2(act[None])[0])
-    return out
 
 
 def make_layer(scheme: str, m: int = 32, seed: int = 0):
@@ -129,7 +114,7 @@ def test_fp64_moe_matches_pairwise_oracle(scheme):
         a1, a2 = (lambda v: exact_nvfp4(v, g1)), (lambda v: exact_nvfp4(v, g2))
     else:
         a1 = a2 = exact_mxfp4
-    want = oracle_moe(x, w13, w2, tw, ti, a1, a2)
+    want = oracles.moe_fp64(a1(x), w13, w2, tw, ti, store_dtype=torch.bfloat16, a2_fn=lambda act, e: a2(act))
     a1q, a2q = ex["vllm"].a1_qdq(), ex["vllm"].a2_qdq()
     w13x, w2x = S.exact_block_weights(ex["vllm"], "w13"), S.exact_block_weights(ex["vllm"], "w2")
     got, a2_in = S.fp64_moe(
@@ -213,6 +198,9 @@ def test_study_rejects_bad_input(tiny):
 
 
 def test_vllm_vs_hardware_figure(tiny):
+    pytest.importorskip("plotly")
+    from mxlib.workbook import figures
+
     fig = figures.vllm_vs_hardware_figure(list(tiny[0].values()))
     names = [t.name for t in fig.data]
     assert any("(equal: +inf)" in n for n in names)  # MX vLLM vs hardware: no point, said in the legend

@@ -11,10 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _util import assert_bits_equal
 from mxlib.models import training as tr
 from mxlib.models.evaluation import evaluate, expert_usage, kl_from_uniform
 from mxlib.models.tasks import make_dataset
+
+from _util import assert_bits_equal
 
 RECIPE = tr.get_recipe("test")
 # Exact match the test recipe reaches on 300 held-out prompts per task in bf16 (measured: 1.000 on

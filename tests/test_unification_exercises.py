@@ -11,7 +11,7 @@ import math
 import pytest
 
 from mxlib.formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
-from mxlib.workbook import checks, figures
+from mxlib.workbook import checks
 
 
 def test_thresholds_by_hand():
@@ -38,7 +38,8 @@ def test_loses_without_flushing_window():
 
 
 def test_threshold_lines_on_a_log_axis():
-    import plotly.graph_objects as go
+    go = pytest.importorskip("plotly.graph_objects")
+    from mxlib.workbook import figures
 
     fig = go.Figure(go.Scatter(x=[1e-6, 1e-2], y=[-1.0, 20.0]))
     fig.update_xaxes(type="log")

@@ -116,8 +116,13 @@ def _percentiles(stats: torch.Tensor, confidence: float) -> tuple[float, float]:
     return low, high
 
 
-def bootstrap_interval(values: torch.Tensor, weights: torch.Tensor | None = None, resamples: int = RESAMPLES,
-                       confidence: float = CONFIDENCE, seed: int = 0) -> Interval:
+def bootstrap_interval(
+    values: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    resamples: int = RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> Interval:
     """Percentile bootstrap interval of ``sum(values) / sum(weights)`` (the mean without weights).
 
     Args:
@@ -138,8 +143,14 @@ def bootstrap_interval(values: torch.Tensor, weights: torch.Tensor | None = None
     return Interval(estimate, *_percentiles(stats, confidence))
 
 
-def paired_bootstrap_interval(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor | None = None,
-                              resamples: int = RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0) -> Interval:
+def paired_bootstrap_interval(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    resamples: int = RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> Interval:
     """Paired percentile bootstrap interval of ``mean(b) - mean(a)`` (weighted as in
     ``bootstrap_interval``): each resample draws the same prompts for ``a`` and ``b``.
 
@@ -231,8 +242,13 @@ def _forward(model, ids: torch.Tensor, left_pad: int, logits_to_keep: int = 0) -
         ids = torch.cat([torch.full((b, left_pad), TOKENIZER.pad_id, dtype=ids.dtype), ids], 1)
         mask = torch.cat([torch.zeros(b, left_pad, dtype=torch.long), torch.ones(b, t, dtype=torch.long)], 1)
         pos = (torch.arange(left_pad + t) - left_pad).clamp_min(0).expand(b, -1)
-        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False,
-                    logits_to_keep=logits_to_keep)
+        out = model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=pos.to(dev),
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+        )
         logits = out.logits if logits_to_keep else out.logits[:, left_pad:]
         return logits.float().cpu()
     out = model(input_ids=ids.to(dev), use_cache=False, logits_to_keep=logits_to_keep)
@@ -247,7 +263,7 @@ def greedy_decode(model, prompts: torch.Tensor, num_tokens: int, left_pad: int =
     for _ in range(num_tokens):
         nxt = _forward(model, seq, left_pad, logits_to_keep=1)[:, -1].argmax(-1)
         seq = torch.cat([seq, nxt[:, None]], 1)
-    return seq[:, prompts.shape[1]:]
+    return seq[:, prompts.shape[1] :]
 
 
 @torch.no_grad()
@@ -267,8 +283,16 @@ def _score(model, d: Dataset, batch_size: int, left_pad: int, order: torch.Tenso
     return correct, nll
 
 
-def evaluate(model, datasets, batch_size: int = 250, resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
-             seed: int = 0, left_pad: int = 0, order_seed: int | None = None) -> Results:
+def evaluate(
+    model,
+    datasets,
+    batch_size: int = 250,
+    resamples: int = RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+    left_pad: int = 0,
+    order_seed: int | None = None,
+) -> Results:
     """Exact match and per-token answer NLL of ``model`` on each dataset, with bootstrap intervals.
 
     Args:
@@ -294,14 +318,22 @@ def evaluate(model, datasets, batch_size: int = 250, resamples: int = RESAMPLES,
     out = Results(resamples=resamples, confidence=confidence, seed=seed)
     for d in datasets:
         n = len(d)
-        order = torch.arange(n) if order_seed is None else torch.randperm(n, generator=torch.Generator().manual_seed(
-            order_seed))
+        order = (
+            torch.arange(n)
+            if order_seed is None
+            else torch.randperm(n, generator=torch.Generator().manual_seed(order_seed))
+        )
         correct, nll = _score(model, d, batch_size, left_pad, order)
         tokens = torch.full((n,), d.answers.shape[1], dtype=torch.int64)
         out.tasks[d.task] = TaskResult(
-            d.task, correct, nll, tokens, _fingerprint(d),
+            d.task,
+            correct,
+            nll,
+            tokens,
+            _fingerprint(d),
             bootstrap_interval(correct, None, resamples, confidence, seed),
-            bootstrap_interval(nll, tokens, resamples, confidence, seed))
+            bootstrap_interval(nll, tokens, resamples, confidence, seed),
+        )
     return out
 
 
@@ -327,8 +359,13 @@ class Difference:
         return f"{self.estimate:+.4f} [{self.low:+.4f}, {self.high:+.4f}]{mark}"
 
 
-def compare(results_a: Results, results_b: Results, resamples: int | None = None, confidence: float | None = None,
-            seed: int | None = None) -> dict[str, dict[str, Difference]]:
+def compare(
+    results_a: Results,
+    results_b: Results,
+    resamples: int | None = None,
+    confidence: float | None = None,
+    seed: int | None = None,
+) -> dict[str, dict[str, Difference]]:
     """Per task, ``b - a`` of exact match and of per-token NLL, each with a paired bootstrap interval
     (defaults: ``results_a``'s settings). A negative exact-match difference means ``b`` loses.
 
@@ -340,21 +377,29 @@ def compare(results_a: Results, results_b: Results, resamples: int | None = None
     seed = results_a.seed if seed is None else seed
     shared = [t for t in results_a.tasks if t in results_b.tasks]
     if not shared:
-        raise ValueError(f"results_b: no task in common with results_a ({list(results_a.tasks)} vs "
-                         f"{list(results_b.tasks)})")
+        raise ValueError(
+            f"results_b: no task in common with results_a ({list(results_a.tasks)} vs {list(results_b.tasks)})"
+        )
     out = {}
     for t in shared:
         ra, rb = results_a.tasks[t], results_b.tasks[t]
         if ra.prompts_sha256 != rb.prompts_sha256:
-            raise ValueError(f"results_b: task {t!r} was scored on other prompts than results_a (a paired "
-                             "comparison needs the same prompts)")
+            raise ValueError(
+                f"results_b: task {t!r} was scored on other prompts than results_a (a paired "
+                "comparison needs the same prompts)"
+            )
         em = paired_bootstrap_interval(ra.correct, rb.correct, None, resamples, confidence, seed)
         nll = paired_bootstrap_interval(ra.nll, rb.nll, ra.tokens, resamples, confidence, seed)
         out[t] = {
-            "exact_match": Difference("exact_match", em.estimate, em.low, em.high, not em.low <= 0 <= em.high,
-                                      int((ra.correct != rb.correct).sum())),
-            "nll_per_token": Difference("nll_per_token", nll.estimate, nll.low, nll.high,
-                                        not nll.low <= 0 <= nll.high),
+            "exact_match": Difference(
+                "exact_match",
+                em.estimate,
+                em.low,
+                em.high,
+                not em.low <= 0 <= em.high,
+                int((ra.correct != rb.correct).sum()),
+            ),
+            "nll_per_token": Difference("nll_per_token", nll.estimate, nll.low, nll.high, not nll.low <= 0 <= nll.high),
         }
     return out
 
@@ -383,10 +428,13 @@ def calibrate_tasks(model, datasets) -> Calibration:
     cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1)) for d in datasets]
     out = Calibration(num_tokens=sum(c.num_tokens for c in cals))
     for layer in zip(*(c.layers for c in cals)):
-        out.layers.append(LayerCalibration(
-            a1_amax=torch.stack([lc.a1_amax for lc in layer]).amax(0),
-            a2_amax=torch.stack([lc.a2_amax for lc in layer]).amax(0),
-            tokens=torch.stack([lc.tokens for lc in layer]).sum(0)))
+        out.layers.append(
+            LayerCalibration(
+                a1_amax=torch.stack([lc.a1_amax for lc in layer]).amax(0),
+                a2_amax=torch.stack([lc.a2_amax for lc in layer]).amax(0),
+                tokens=torch.stack([lc.tokens for lc in layer]).sum(0),
+            )
+        )
     return out
 
 
@@ -427,8 +475,9 @@ def emulated_experts(model, scheme, calibration: Calibration | None = None, back
 # ----------------------------------------------------------------------------- noise floor
 
 
-def noise_floor(model, datasets, batch_size: int = 250, resamples: int = RESAMPLES,
-                confidence: float = CONFIDENCE, seed: int = 0) -> dict:
+def noise_floor(
+    model, datasets, batch_size: int = 250, resamples: int = RESAMPLES, confidence: float = CONFIDENCE, seed: int = 0
+) -> dict:
     """How far the same bf16 model's metrics move under changes that should not matter.
 
     Variants, each evaluated and compared (``compare``) with the reference ``evaluate(model,
@@ -466,8 +515,10 @@ def noise_floor(model, datasets, batch_size: int = 250, resamples: int = RESAMPL
     with swapped_experts(model, bf16_experts):
         variants["triton_experts_torch"] = evaluate(model, datasets, batch_size, **kw)
     diffs = {name: compare(ref, r) for name, r in variants.items()}
-    floor = {t: {m: max(abs(diffs[v][t][m].estimate) for v in diffs) for m in ("exact_match", "nll_per_token")}
-             for t in ref.tasks}
+    floor = {
+        t: {m: max(abs(diffs[v][t][m].estimate) for v in diffs) for m in ("exact_match", "nll_per_token")}
+        for t in ref.tasks
+    }
     for t in ref.tasks:
         floor[t]["flips"] = max(diffs[v][t]["exact_match"].flips for v in diffs)
     return dict(reference=ref, variants=variants, differences=diffs, floor=floor)

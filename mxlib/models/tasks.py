@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -141,13 +141,28 @@ def _count(rng: random.Random) -> tuple[str, str]:
 TASKS: dict[str, Task] = {
     t.name: t
     for t in (
-        Task("add", f"{ADD_DIGITS}-digit addition with carries, least significant digit first", _add,
-             2 + 2 * ADD_DIGITS + 2, ADD_DIGITS + 2),
+        Task(
+            "add",
+            f"{ADD_DIGITS}-digit addition with carries, least significant digit first",
+            _add,
+            2 + 2 * ADD_DIGITS + 2,
+            ADD_DIGITS + 2,
+        ),
         Task("sort", f"sort {SORT_LENGTH} digits ascending", _sort, 2 + SORT_LENGTH + 1, SORT_LENGTH + 1),
-        Task("reverse", f"reverse {REVERSE_LENGTH} letters of {REVERSE_LETTERS}", _reverse, 2 + REVERSE_LENGTH + 1,
-             REVERSE_LENGTH + 1),
-        Task("count", f"count the {COUNT_SYMBOL!r} among {COUNT_LENGTH} letters of {COUNT_LETTERS}", _count,
-             2 + COUNT_LENGTH + 1, 2),
+        Task(
+            "reverse",
+            f"reverse {REVERSE_LENGTH} letters of {REVERSE_LETTERS}",
+            _reverse,
+            2 + REVERSE_LENGTH + 1,
+            REVERSE_LENGTH + 1,
+        ),
+        Task(
+            "count",
+            f"count the {COUNT_SYMBOL!r} among {COUNT_LENGTH} letters of {COUNT_LETTERS}",
+            _count,
+            2 + COUNT_LENGTH + 1,
+            2,
+        ),
     )
 }
 
@@ -232,5 +247,7 @@ def make_dataset(task: str, n: int, seed: int, split: str) -> Dataset:
         answers.append(TOKENIZER.encode(answer_text) + eos)
         if len(prompts) == n:
             return Dataset(task, split, seed, torch.tensor(prompts), torch.tensor(answers))
-    raise ValueError(f"n: {n} distinct {split} prompts of {task!r} not found in {_MAX_DRAWS_PER_PROMPT * n} draws "
-                     f"(found {len(prompts)})")
+    raise ValueError(
+        f"n: {n} distinct {split} prompts of {task!r} not found in {_MAX_DRAWS_PER_PROMPT * n} draws "
+        f"(found {len(prompts)})"
+    )

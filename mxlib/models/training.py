@@ -48,9 +48,9 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers
@@ -124,20 +124,31 @@ class TrainRecipe:
         for t in self.tasks:
             get_task(t)
         if len(self.task_weights) != len(self.tasks) or not all(w > 0 for w in self.task_weights):
-            raise ValueError(f"task_weights: expected {len(self.tasks)} positive weights (one per task), "
-                             f"got {self.task_weights}")
+            raise ValueError(
+                f"task_weights: expected {len(self.tasks)} positive weights (one per task), got {self.task_weights}"
+            )
         for name in ("hidden_size", "moe_intermediate_size"):
             v = getattr(self, name)
             if v <= 0 or v % 128:
                 raise ValueError(f"{name}: expected a positive multiple of 128, got {v}")
-        for name in ("num_experts", "num_experts_per_tok", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "steps", "batch_size", "train_examples_per_task"):
+        for name in (
+            "num_experts",
+            "num_experts_per_tok",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "steps",
+            "batch_size",
+            "train_examples_per_task",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {v!r}")
         if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok: expected <= num_experts = {self.num_experts}, "
-                             f"got {self.num_experts_per_tok}")
+            raise ValueError(
+                f"num_experts_per_tok: expected <= num_experts = {self.num_experts}, got {self.num_experts_per_tok}"
+            )
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
 
@@ -148,7 +159,7 @@ class TrainRecipe:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainRecipe":
+    def from_dict(cls, d: dict) -> TrainRecipe:
         """The recipe of ``to_dict``'s output. Raises ``ValueError`` on an unknown field."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
@@ -161,8 +172,15 @@ RECIPES: dict[str, TrainRecipe] = {
     # the workbook's model: all four tasks
     "default": TrainRecipe(),
     # the tests' model: the two tasks a few hundred small steps learn
-    "test": TrainRecipe(tasks=("reverse", "count"), task_weights=(1, 1), steps=240, batch_size=32, warmup_steps=12,
-                        lr=3e-3, train_examples_per_task=4000),
+    "test": TrainRecipe(
+        tasks=("reverse", "count"),
+        task_weights=(1, 1),
+        steps=240,
+        batch_size=32,
+        warmup_steps=12,
+        lr=3e-3,
+        train_examples_per_task=4000,
+    ),
 }
 
 
@@ -203,9 +221,17 @@ def recipe_key(recipe: TrainRecipe) -> str:
     (which name their sizes), the tokenizer's vocabulary, ``TRAINING_VERSION`` and the torch and
     transformers versions."""
     tasks = [[t, TASKS[t].description, TASKS[t].prompt_len, TASKS[t].answer_len] for t in recipe.tasks]
-    blob = json.dumps(dict(recipe=recipe.to_dict(), tasks=tasks, vocab=TOKENIZER.vocab,
-                           training_version=TRAINING_VERSION, torch=torch.__version__,
-                           transformers=transformers.__version__), sort_keys=True)
+    blob = json.dumps(
+        dict(
+            recipe=recipe.to_dict(),
+            tasks=tasks,
+            vocab=TOKENIZER.vocab,
+            training_version=TRAINING_VERSION,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+        ),
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -275,8 +301,11 @@ def train_fp32(recipe: TrainRecipe, log: Callable[[dict], None] | None = None, l
         model.train()
         matrices = [p for n, p in model.named_parameters() if p.ndim >= 2]
         others = [p for n, p in model.named_parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([dict(params=matrices, weight_decay=recipe.weight_decay),
-                                 dict(params=others, weight_decay=0.0)], lr=recipe.lr, betas=recipe.adam_betas)
+        opt = torch.optim.AdamW(
+            [dict(params=matrices, weight_decay=recipe.weight_decay), dict(params=others, weight_decay=0.0)],
+            lr=recipe.lr,
+            betas=recipe.adam_betas,
+        )
         gen = torch.Generator().manual_seed(recipe.seed)
         pad, per_task = TOKENIZER.pad_id, recipe.train_examples_per_task
         counts = batch_counts(recipe)
@@ -284,12 +313,14 @@ def train_fp32(recipe: TrainRecipe, log: Callable[[dict], None] | None = None, l
             lr = _lr_at(recipe, step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            idx = torch.cat([i * per_task + torch.randint(0, per_task, (c,), generator=gen)
-                             for i, c in enumerate(counts) if c])
+            idx = torch.cat(
+                [i * per_task + torch.randint(0, per_task, (c,), generator=gen) for i, c in enumerate(counts) if c]
+            )
             x, m = seqs[idx], mask[idx]
             inputs = x[:, :-1]
-            out = model(input_ids=inputs, attention_mask=(inputs != pad).long(), output_router_logits=True,
-                        use_cache=False)
+            out = model(
+                input_ids=inputs, attention_mask=(inputs != pad).long(), output_router_logits=True, use_cache=False
+            )
             loss = torch.nn.functional.cross_entropy(out.logits[m].float(), x[:, 1:][m])
             total = loss + recipe.router_aux_loss_coef * out.aux_loss
             opt.zero_grad(set_to_none=True)
@@ -297,8 +328,15 @@ def train_fp32(recipe: TrainRecipe, log: Callable[[dict], None] | None = None, l
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
             opt.step()
             if log is not None and (step % log_every == 0 or step == recipe.steps - 1):
-                log(dict(step=step, seconds=time.perf_counter() - start, lr=lr, loss=loss.item(),
-                         aux_loss=out.aux_loss.item()))
+                log(
+                    dict(
+                        step=step,
+                        seconds=time.perf_counter() - start,
+                        lr=lr,
+                        loss=loss.item(),
+                        aux_loss=out.aux_loss.item(),
+                    )
+                )
     model.eval()
     model.train_seconds = time.perf_counter() - start
     return model
@@ -353,9 +391,14 @@ def _write_entry(model, recipe: TrainRecipe, entry: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"))
         model.config.to_json_file(str(tmp / "config.json"))
         (tmp / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1, sort_keys=True))
-        manifest = dict(key=recipe_key(recipe), training_version=TRAINING_VERSION, torch=torch.__version__,
-                        transformers=transformers.__version__, sha256=_sha256(tmp / "model.safetensors"),
-                        train_seconds=round(model.train_seconds, 2))
+        manifest = dict(
+            key=recipe_key(recipe),
+            training_version=TRAINING_VERSION,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            sha256=_sha256(tmp / "model.safetensors"),
+            train_seconds=round(model.train_seconds, 2),
+        )
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))  # written last
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)  # an incomplete or stale entry (load_entry refused it)
@@ -370,8 +413,9 @@ def _write_entry(model, recipe: TrainRecipe, entry: Path) -> None:
         raise
 
 
-def train(recipe: TrainRecipe | str, cache_dir, log: Callable[[dict], None] | None = None,
-          dtype: torch.dtype = torch.bfloat16):
+def train(
+    recipe: TrainRecipe | str, cache_dir, log: Callable[[dict], None] | None = None, dtype: torch.dtype = torch.bfloat16
+):
     """The trained model of ``recipe`` (a ``TrainRecipe`` or a ``RECIPES`` name) in ``dtype`` (bf16:
     cast after training), eval mode, from ``cache_dir/<recipe_key>`` when a complete entry is there,
     else trained (``train_fp32``) and cached first.
