@@ -819,6 +819,7 @@ _PEAK_MODEL = dict(
 _PEAK_FIXED_BYTES = 100e6
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
 def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
     """``mxlib.cli e2e`` (build, calibrate, quantize and write, reference run, load, emulated run)
@@ -869,6 +870,7 @@ _PEAK_BUILD_MODEL = dict(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
 def test_dummy_build_peak_memory_stays_near_the_model_bytes():
     """Building the balanced dummy model (random init, then the routing warm-up that rescales o_proj,

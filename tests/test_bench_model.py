@@ -44,6 +44,7 @@ def result(tmp_path_factory):
     return rc, json.loads(js.read_text()), md.read_text()
 
 
+@pytest.mark.slow
 def test_cli_writes_json_with_every_path_and_token_count(result):
     rc, res, _ = result
     assert rc == 0 and res["failures"] == []

@@ -188,6 +188,7 @@ def test_prepare_rejects_bad_input():
 @pytest.mark.parametrize(
     "m,k,e,bm", [(1, 8, 128, 16), (5, 8, 16, 16), (64, 8, 128, 16), (200, 6, 8, 32), (300, 8, 128, 64), (33, 2, 7, 4)]
 )
+@pytest.mark.slow
 def test_triton_align_matches_torch(m, k, e, bm, device):
     g = torch.Generator().manual_seed(m * 1000 + e)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(m)]).int()
@@ -230,6 +231,7 @@ def test_numerics_names_resolve_once():
 # ----------------------------------------------------------------------------- the MoE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("mode", ["vllm", "hardware"])
 def test_fused_fp4_against_fp64(scheme, mode, device):
@@ -242,6 +244,7 @@ def test_fused_fp4_against_fp64(scheme, mode, device):
         assert rel_err(out, run(L, device, "vllm")) > 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
 def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
     L = make_layer(scheme, device, m=9)
@@ -398,6 +401,7 @@ def test_gpu_experts_fused_matches_torch_reference(numerics, m):
     assert rel_err(fused(x, tw, ti), ref(x, tw, ti)) < 1e-2
 
 
+@pytest.mark.slow
 def test_fused_fp4_bad_input_and_layouts(device):
     """Adversarial calls: a non-contiguous activation view gives the contiguous result; unprepared
     weights, float ids, mismatched experts / H, float scale bytes and unpreparable shapes are refused

@@ -322,6 +322,7 @@ def make_fp6_layer(element, act, m=7, e=E, h=H, i=I, k=TOPK, seed=0, device="cpu
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("element", ELEMENTS)
 @pytest.mark.parametrize("act", [None, "mxfp6_e2m3", "mxfp4"])
 def test_fused_fp6_against_fp64(element, act, device):
@@ -332,6 +333,7 @@ def test_fused_fp6_against_fp64(element, act, device):
     assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3 (test_fused_fp4's tolerance)
 
 
+@pytest.mark.slow
 def test_fused_fp6_naive_blocks_and_tiles(device):
     """M = 1 (each pair its own block, no alignment) and explicit tiles with a standalone a1 QDQ."""
     L = make_fp6_layer("e3m2", "mxfp4", m=9, device=device)
@@ -352,6 +354,7 @@ def test_fused_fp6_rejects_mixed_elements():
 # ----------------------------------------------------------------------------- the experts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["w_mxfp6_e2m3", "w_mxfp6_e3m2_a_mxfp6_e3m2", "w_mxfp6_e2m3_a_fp8"])
 def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme, device):
     """``backend="fused"``: MXFP6 weights held only in the FP6 layout, the FP4 kernel runs them, and

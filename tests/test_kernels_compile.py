@@ -12,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_sm90.py")

@@ -215,6 +215,7 @@ def test_nvfp4_emulation_matches_design(dtype, backend, device):
         assert rel_err(out, nvfp4_design_reference(x, t, tw, ti, a1_mode, a2_mode)) > 1e-2
 
 
+@pytest.mark.slow
 def test_nvfp4_per_expert_strategy(device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=3)
     t = nvfp4_experts_inputs(x, w13, w2, scale_spread=True)
@@ -297,6 +298,7 @@ def ocp_design_reference(scheme, x, w13, w2, tw, ti):
     return torch_moe(a1, w13d, w2d, tw, ti, qdq2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", OCP_MX_SCHEMES)
 def test_ocp_mx_emulation_matches_design(scheme, device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=5)
@@ -365,6 +367,7 @@ def fused_reference_fp64(ex, x, tw, ti):
 @pytest.mark.parametrize(
     "scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp6_e3m2_a_fp8", "w_mxfp6_e2m3", "w_mxfp4_a_mxfp6_e2m3"]
 )
+@pytest.mark.slow
 def test_fused_matches_dequant_gemm_and_fp64(scheme, device):
     x, w13, w2, tw, ti = make_inputs(torch.bfloat16, seed=6)
     ex = build_experts(scheme, x, w13, w2, backend="fused", device=device)
@@ -508,6 +511,7 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
     return moe_fp64(qdq1(x), w13, w2, tw, ti, store_dtype=torch.bfloat16, a2_fn=lambda act, e: qdq2(act))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
 def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
@@ -524,6 +528,7 @@ def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
         assert rel_err(fp4_oracle_fp64(ex, q, x, tw, ti, "vllm"), oracle) > 1e-4
 
 
+@pytest.mark.slow
 def test_fp4_experts_keep_only_the_prepared_copy(device):
     ex, q, x, tw, ti = fp4_layer("nvfp4", "vllm", "fused", device)
     assert "w13_weight" not in ex._buffers and "w2_weight" not in ex._buffers

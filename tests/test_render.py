@@ -27,6 +27,8 @@ import pytest
 
 from test_notebooks import NOTEBOOK_PARAMS
 
+pytestmark = pytest.mark.notebook  # headless Chromium over executed notebooks
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 

@@ -51,6 +51,7 @@ def _balanced(stats, num_experts):
     return all(s["experts_hit"] >= num_experts - num_experts // 32 and s["max_over_uniform"] <= 3.0 for s in stats)
 
 
+@pytest.mark.slow
 def test_balanced_routing_meets_the_bar(models):
     balanced, plain = models
     ids = _calibration_ids(balanced.config.vocab_size)
@@ -66,6 +67,7 @@ def test_balanced_routing_meets_the_bar(models):
     assert min(s["experts_hit"] for s in plain_stats[1:]) < 62
 
 
+@pytest.mark.slow
 def test_construction_is_seeded_and_keeps_the_architecture(models):
     balanced, plain = models
     again = dummy_qwen3_moe(_config(), seed=SEED)
