@@ -184,13 +184,13 @@ class ElementFormat:
 
     def packed_size(self, k: int) -> int:
         """Bytes that ``k`` packed elements take (``k`` must fill whole bytes)."""
-        n = Fraction(k * self.nbits, 8)
-        if n.denominator != 1:
+        bits = k * self.nbits
+        if bits % 8:
             raise ValueError(
                 f"{self.name}: k={k} elements do not fill whole bytes; k must be a multiple of "
                 f"{8 // math.gcd(8, self.nbits)}"
             )
-        return int(n)
+        return bits // 8
 
     def code_value(self, code: int) -> float:
         """The value of one code, straight from the bit fields (``nan``/``inf`` for specials)."""

@@ -434,7 +434,7 @@ def test_fused_fp4_bad_input_and_layouts(device):
         unprepare_fp4_packed(torch.zeros(1, 2, 48, dtype=torch.uint8))
 
 
-def test_experts_reread_one_multiply_after_a_scale_write():
+def test_experts_reread_one_multiply_after_a_scale_write(device):
     """The experts cache ``fp4_one_multiply`` (a host read) and read it again when a scale tensor is
     written in place (autograd's version counter) or replaced."""
     from mxlib.moe import fused_topk as topk
@@ -443,7 +443,8 @@ def test_experts_reread_one_multiply_after_a_scale_write():
     g = torch.Generator().manual_seed(4)
     w13 = (torch.randn(4, 256, 128, generator=g) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(4, 128, 128, generator=g) * 0.02).to(torch.bfloat16)
-    ex = make_emulation_experts("w_mxfp4", quantize_expert_weights(w13, w2, "w_mxfp4"), backend="fused")
+    q = quantize_expert_weights(w13, w2, "w_mxfp4")
+    ex = make_emulation_experts("w_mxfp4", q.to(device), backend="fused")
     assert ex.fp4_weights()[0].one_multiply
     with torch.no_grad():
         ex.w13_weight_scale.view(torch.uint8)[0, 0, 0] = 140  # a block scale of 2**13
@@ -453,4 +454,5 @@ def test_experts_reread_one_multiply_after_a_scale_write():
     ref = make_emulation_experts("w_mxfp4", quantize_expert_weights(w13, w2, "w_mxfp4"), backend="torch")
     with torch.no_grad():
         ref.w13_weight_scale.view(torch.uint8)[0, 0, 0] = 140
-    assert rel_err(ex(x, tw, ti), ref(x, tw, ti)) < 5e-3
+    out = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    assert rel_err(out, ref(x, tw, ti)) < 5e-3
