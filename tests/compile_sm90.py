@@ -32,6 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from mxlib.formats import BLOCK_SCHEMES, ELEMENT_FORMATS, NVFP4, Numerics, get_activation_format  # noqa: E402
 from mxlib.kernels import align as A  # noqa: E402
+from mxlib.kernels import fp4_activations as FA  # noqa: E402
 from mxlib.kernels import fp4_layout as F4  # noqa: E402
 from mxlib.kernels import fused_dequant_moe as D  # noqa: E402
 from mxlib.kernels import fused_fp4_moe as P  # noqa: E402
@@ -283,7 +284,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
     )
     if w.has_global_scale and numerics is Numerics.HARDWARE and gated:  # its standalone a1 QDQ
         compile_kernel(
-            P._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"}, dict(BLOCK_K=512)
+            FA._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"}, dict(BLOCK_K=512)
         )
 
 

@@ -46,12 +46,13 @@ from ..formats import Numerics, get_numerics
 from . import _numerics as nm
 from . import fp4_layout as F4
 from . import fp6_layout as F6
-from . import quant as Q
-from ._bridge import interpreting, select
+from ._bridge import select
 from .align import RoutingPlan, plan_routing
+from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq
 from .fp4_layout import FP4Weights, prepare_fp4_weights
-from .fused_dequant_moe import A2_FP8, A2_MX, A2_NONE, A2_NVFP4, ActivationQDQ, PackedWeights
-from .tiles import TileConfig, pick_tiles
+from .fp4_tiles import FP4_CONFIGS, FP6_CONFIGS, NVFP4_CONFIGS, get_fp4_configs
+from .fused_dequant_moe import A2_NONE, A2_NVFP4, ActivationQDQ, PackedWeights
+from .tiles import TileConfig
 
 __all__ = ["prepare_packed_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "FP6_CONFIGS"]
 
@@ -72,132 +73,6 @@ def prepare_packed_weights(w: PackedWeights) -> FP4Weights | F6.FP6Weights:
     if w.nbits != 4:
         raise ValueError(f"w: the FP4 kernel takes 4- or 6-bit elements, got {w.scheme.name} ({w.nbits} bits)")
     return prepare_fp4_weights(w.packed, w.scales, w.scheme.block_size, w.global_scale)
-
-
-# ----------------------------------------------------------------------------- tiles
-
-
-# (max pairs per expert, (GEMM1 tiles, GEMM2 tiles)): the winners of graph-replay sweeps on the H200
-# (Qwen3-30B-A3B layer, w_mxfp4 / w_mxfp4_a_mxfp4 / nvfp4 in both numerics, torch 2.11, triton 3.6;
-# benchmarks/h200_fp4_sweep_operand_layout.json, and with the rotate decode
-# benchmarks/h200_decode_rotate.json, h200_fp4_sweep.json: NVFP4's heavier
-# decode prefers 64-row tiles at 16 pairs an expert, 0.244 vs 0.281 ms). The a1 QDQ runs as its own pass
-# (``a1_fused=False``): a QDQ'd A tile goes registers -> shared memory inside the K loop, which
-# makes Triton wait for each MMA before the next; loaded by cp.async it stays pipelined.
-# TileConfig(block_m, block_n, block_k (None: the layout's K tile), group_m, num_warps, num_stages)
-FP4_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
-    (4.0, (TileConfig(16, 64, None, 1, 4, 3), TileConfig(16, 64, None, 1, 4, 3))),
-    (16.0, (TileConfig(32, 128, None, 4, 4, 3), TileConfig(32, 128, None, 4, 4, 3))),
-    (64.0, (TileConfig(64, 64, None, 4, 4, 3), TileConfig(64, 64, None, 4, 4, 3))),
-    (float("inf"), (TileConfig(128, 128, None, 4, 8, 3), TileConfig(128, 128, None, 4, 8, 3))),
-]
-NVFP4_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
-    FP4_CONFIGS[0],
-    (16.0, (TileConfig(32, 64, None, 1, 4, 3), TileConfig(32, 64, None, 1, 4, 3))),
-    *FP4_CONFIGS[2:],
-]
-
-
-# MXFP6 weights (``fp6_layout``, a K step of 256, so twice the A tile per stage): FP4_CONFIGS' tiles,
-# not yet swept on the H200; the largest with 2 stages (3 would need 292 KiB for GEMM1 and 242 KiB for
-# GEMM2 of shared memory, sm_90 has 227 KiB; 2 need 178 / 153 KiB: ``tests/compile_sm90.py`` sizes).
-FP6_CONFIGS: list[tuple[float, tuple[TileConfig, TileConfig]]] = [
-    (4.0, (TileConfig(16, 64, None, 1, 4, 3), TileConfig(16, 64, None, 1, 4, 3))),
-    (16.0, (TileConfig(32, 128, None, 4, 4, 3), TileConfig(32, 128, None, 4, 4, 3))),
-    (64.0, (TileConfig(64, 64, None, 4, 4, 3), TileConfig(64, 64, None, 4, 4, 3))),
-    (float("inf"), (TileConfig(128, 128, None, 4, 8, 2), TileConfig(128, 128, None, 4, 8, 2))),
-]
-
-
-def get_fp4_configs(
-    num_tokens: int, num_experts: int, top_k: int, nvfp4: bool = False, weight_bits: int = 4
-) -> tuple[TileConfig, TileConfig]:
-    """(GEMM1, GEMM2) tiles by the average number of pairs per expert (``nvfp4``: NVFP4 weights,
-    ``NVFP4_CONFIGS``; ``weight_bits`` 6: ``FP6_CONFIGS``); under the interpreter one small tile,
-    GEMM1 with the a1 QDQ in the A-tile load."""
-    if interpreting():
-        return TileConfig(16, 32, None, 1, 4, 1, a1_fused=True), TileConfig(16, 32, None, 1, 4, 1)
-    table = FP6_CONFIGS if weight_bits == 6 else (NVFP4_CONFIGS if nvfp4 else FP4_CONFIGS)
-    return pick_tiles(table, num_tokens, num_experts, top_k)
-
-
-# ----------------------------------------------------------------------------- activations
-
-
-@triton.jit
-def _nvfp4_qdq_hw(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """NVFP4 QDQ in hardware form: ``e2m1 * s`` (exact in bf16), the ``1 / gs`` left to the caller.
-    Block scale and e2m1 codes are vLLM's (``nm.nvfp4_qdq_values``)."""
-    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
-    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    has_nan = abits > 0x7F800000
-    amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
-    s, q = nm.nvfp4_scale_and_multiplier(amax, gs, False)
-    e = nm.round_e2m1_signed_like_vllm(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
-    dq = e * s[:, :, None]
-    dq = tl.where(has_nan[:, :, None], nm.fp32_nan_like(dq), dq)
-    return tl.reshape(dq, (BLOCK_R, BLOCK_K))
-
-
-@triton.jit
-def _act_qdq(
-    x,
-    scale,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    EBITS: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMAX: tl.constexpr,
-    MAX: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    BS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """QDQ of an fp32 tile [BLOCK_R, BLOCK_K] (blocks along the last axis): KIND 0 none, 1 MX,
-    2 NVFP4 (``scale`` the encode scale gs; MODE 1 leaves out the ``1 / gs``), 3 FP8 per tensor."""
-    if KIND == 1:
-        return nm.mx_qdq_values(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
-    elif KIND == 2:
-        if MODE == 1:
-            return _nvfp4_qdq_hw(x, scale, BS, BLOCK_R, BLOCK_K)
-        return nm.nvfp4_qdq_values(x, scale, False, BS, BLOCK_R, BLOCK_K)
-    elif KIND == 3:
-        return nm.fp8_qdq_values(x, scale)
-    else:
-        return x
-
-
-@triton.jit
-def _a_tile(
-    a_rows,
-    token_mask,
-    col0,
-    a_scale,
-    A_KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    A_EBITS: tl.constexpr,
-    A_MBITS: tl.constexpr,
-    A_EMAX: tl.constexpr,
-    A_MAX: tl.constexpr,
-    A_SCALE_MODE: tl.constexpr,
-    A_BS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """Activation K tile, columns ``col0 .. col0+127``, QDQ'd, transposed: [128, BLOCK_M]."""
-    cols = col0 + tl.arange(0, 128)
-    a = tl.load(a_rows[:, None] + cols[None, :], mask=token_mask[:, None], other=0.0)
-    if A_KIND != 0:
-        a = nm.cast_out(
-            _act_qdq(
-                nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, 128
-            ),
-            DOT_DTYPE,
-        )
-    if nm.INTERPRETING:
-        a = nm.to_fp32(a)
-    return tl.trans(a)
 
 
 @triton.jit
@@ -559,36 +434,6 @@ def _launch(
         num_stages=tiles.num_stages,
         enable_fp_fusion=False,
     )
-
-
-@triton.jit
-def _nvfp4_hw_qdq_kernel(x_ptr, out_ptr, gs_ptr, H, BLOCK_K: tl.constexpr):
-    """NVFP4 QDQ of ``BLOCK_K`` columns of one row in hardware form: ``e2m1 * s`` (exact in bf16), the
-    ``1 / gs`` left to GEMM1's accumulator; the bits of the A-tile load's QDQ (``_nvfp4_qdq_hw``)."""
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = nm.to_fp32(tl.load(x_ptr + r * H + cols))
-    q = _nvfp4_qdq_hw(tl.reshape(x, (1, BLOCK_K)), tl.load(gs_ptr), 16, 1, BLOCK_K)
-    tl.store(out_ptr + r * H + cols, nm.cast_out(tl.reshape(q, (BLOCK_K,)), tl.bfloat16))
-
-
-def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ, numerics: Numerics) -> torch.Tensor:
-    """a1 QDQ by the standalone kernels (one pass over ``[M, H]``), the same bits as the fused load
-    (NVFP4 in hardware numerics: ``e2m1 * s``, the ``1 / gs`` still to apply)."""
-    if q.kind == A2_NVFP4 and numerics is Numerics.HARDWARE:
-        m, h = x.shape
-        out = torch.empty_like(x)
-        block = 512 if h % 512 == 0 else F4.K_TILE  # H is a multiple of the K tile
-        if m:
-            _nvfp4_hw_qdq_kernel[(m, h // block)](x, out, q.scale.reshape(-1)[:1].float(), h, BLOCK_K=block)
-        return out
-    if q.kind == A2_MX:
-        return Q.quant_dequant_mx(x, q.fmt.element.name, q.fmt.block_size, q.scale_mode)
-    if q.kind == A2_NVFP4:
-        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float(), check_scale=False)
-    if q.kind == A2_FP8:
-        return Q.quant_dequant_fp8_per_tensor(x, q.scale, check_scale=False)
-    return x
 
 
 def fused_fp4_moe(

@@ -306,7 +306,7 @@ def add_scale_ratio_thresholds(fig, y_range=None):
     figure's traces (or ``y_range = (y0, y1)``). Returns ``fig``.
 
     Traces rather than ``add_vline`` shapes: plotly places shapes and their annotations
-    inconsistently on log axes (plotly.py issue #4012).
+    inconsistently on log axes (plotly/plotly.py#4012).
     """
     if y_range is None:
         ys = [
