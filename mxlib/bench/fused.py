@@ -43,6 +43,7 @@ from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import get_moe_scheme
+from ..workbook.checks import ANCHOR_ROWS  # the anchor rows of the tables, in their order
 from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -50,16 +51,6 @@ DEVICE = "cuda"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 FP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4")
 FP6_SCHEME = "w_mxfp6_e3m2"
-# anchor rows read for ratios and for the table
-ANCHOR_ROWS = (
-    "vllm_bf16",
-    "vllm_bf16_noalign",
-    "tk_mxfp4",
-    "tk_mxfp4_unfused_silu",
-    "vllm_later_fused_nvfp4",
-    "floor_mxfp4",
-    "floor_nvfp4",
-)
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
 
 
