@@ -46,9 +46,16 @@ def _execute_notebook(name: str, params: dict, out_dir) -> None:
     """papermill ``notebooks/<name>.ipynb`` into ``out_dir/<name>.ipynb`` with ``params`` and
     ``results_path="results.json"`` (relative: the injected parameters hold no absolute path), the
     checkout on ``PYTHONPATH`` and checkpoints in ``out_dir/checkpoints``."""
+    import shutil
+
     import papermill as pm
 
     from mxlib.workbook.runner import poll_kernel_channels_in_slices
+
+    if params.get("checkpoint_path"):  # a fixture checkpoint, copied to the same relative path in the working folder
+        shutil.copytree(
+            os.path.join(ROOT, "tests", "fixtures", params["checkpoint_path"]), out_dir / params["checkpoint_path"]
+        )
 
     poll_kernel_channels_in_slices()  # a lost wake-up in a widget cell would otherwise stall the run (nbclient#312)
     with pytest.MonkeyPatch.context() as mp:

@@ -27,14 +27,33 @@ NOTEBOOKS = ROOT / "notebooks"
 
 # The parameters each notebook runs on here; tests/test_render.py renders the same executions.
 NOTEBOOK_PARAMS: dict[str, dict] = {
-    "01_end_to_end-nvfp4": dict(scheme="nvfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
-    "01_end_to_end-mxfp4": dict(scheme="mxfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
+    # checkpoint_path names a producer-made fixture under tests/fixtures; conftest copies it into the
+    # notebook's working folder, so the parameter stays a relative path
+    "01_end_to_end-nvfp4": dict(
+        scheme="nvfp4",
+        model_preset="tiny",
+        num_tokens=16,
+        calib_tokens=64,
+        checkpoint_path="interop/modelopt_nvfp4_experts/checkpoint",
+    ),
+    "01_end_to_end-mxfp4": dict(
+        scheme="mxfp4",
+        model_preset="tiny",
+        num_tokens=16,
+        calib_tokens=64,
+        checkpoint_path="interop/quark_w_mxfp4_a_mxfp4/checkpoint",
+    ),
     "02_microscaling_formats": dict(num_rows=16, row_length=1024),
     "03_scheme_comparison": dict(model_preset="tiny", calib_tokens=64),
     # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
     # run uses a wider spread, so that the subnormal-scale claims are exercised.
     "04_scale_unification": dict(
-        model_preset="tiny", expert_spread=2.0, spreads=[0.0, 1.0, 2.0], calib_tokens=512, num_tokens=16
+        model_preset="tiny",
+        expert_spread=2.0,
+        spreads=[0.0, 1.0, 2.0],
+        calib_tokens=512,
+        num_tokens=16,
+        checkpoint_path="interop/llmc_nvfp4_experts/checkpoint",
     ),
     "05_fused_emulation_benchmark": dict(run_live="no", hw_model_preset="tiny", hw_tokens=16),
 }
@@ -65,6 +84,9 @@ def test_01_end_to_end(scheme, executed_notebook):
     assert moe["swapped nibbles"] < 3.0 and moe["working"] > moe["swapped nibbles"] + 8.0, moe
     assert res["swapped_nibbles_logits"]["sqnr_db"] < logit["sqnr_db"], res["swapped_nibbles_logits"]
     assert res["bf16_rounding_sqnr_db"] > 40.0
+    own = res["own_checkpoint"]  # section 6 on a producer-made checkpoint: ModelOpt's NVFP4, Quark's MXFP4
+    assert own["scheme"] == {"nvfp4": "nvfp4", "mxfp4": "w_mxfp4_a_mxfp4"}[scheme] and own["num_layers"] == 2
+    assert all(8.0 < r["sqnr_db"] < 30.0 for r in own["layers"]), own["layers"]
 
 
 def test_02_microscaling_formats(executed_notebook):
@@ -124,6 +146,11 @@ def test_04_scale_unification(executed_notebook):
     # the routing-balance bar, scaled to 16 experts: every layer routes to at least 15 experts, none above 3x uniform
     assert len(res["routing"]) == 4
     assert all(r["experts_hit"] >= 15 and r["max_over_uniform"] <= 3.0 for r in res["routing"]), res["routing"]
+    own = res["own_checkpoint"]  # section 6 on llm-compressor's NVFP4 export, whose a2 scales differ per expert
+    assert own["format"] == "compressed-tensors" and own["num_layers"] == 2
+    lost = {(r["layer"], r["strategy"]): r["db_lost"] for r in own["strategies"]}
+    assert all(lost[(li, "per_expert")] == 0.0 for li in (0, 1)) and set(s for _, s in lost) == set(e2e)
+    assert {(r["point"], r["strategy"]) for r in own["predicted"]} >= {("a2", "max"), ("a2", "per_expert")}
 
 
 def test_05_fused_emulation_benchmark(executed_notebook):
