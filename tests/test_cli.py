@@ -201,22 +201,30 @@ MISTAKES = [
     (["unify", "--strategies", "max,p99"], "argument --strategies: expected a comma-separated list of"),
     (["routing", "--calib-tokens", "0"], "argument --calib-tokens: expected a positive integer"),
     (["inspect", "/no/such/checkpoint"], "path: '/no/such/checkpoint' does not exist"),
-    (["dummy-from-config", "/no/such/configs", "/tmp/unused"], "config_dir: '/no/such/configs' is not a folder"),
+    (["dummy-from-config", "/no/such/configs", "/no/such/out"], "config_dir: '/no/such/configs' is not a folder"),
     (
-        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/tmp/unused", "--layers", "49"],
+        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/no/such/out", "--layers", "49"],
         "--layers: expected 1 to the config's num_hidden_layers=48, got 49",
     ),
     (
-        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/tmp/unused"],
+        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/no/such/out"],
         "names no scheme; choose one with scheme= (mxlib dummy-from-config --scheme)",
     ),
     (
-        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/tmp/unused", "--scheme", "nvfp4", "--layout", "quark"],
+        ["dummy-from-config", str(CONFIGS / "qwen3-30b-a3b"), "/no/such/out", "--scheme", "nvfp4", "--layout", "quark"],
         "--layout: quark does not store scheme nvfp4",
     ),
     (
-        ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), "/tmp/unused", "--scheme", "w_mxfp4"],
+        ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), "/no/such/out", "--scheme", "w_mxfp4"],
         "--scheme: ",
+    ),
+    (
+        ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), str(CONFIGS / "README.md")],
+        "out_dir: ",
+    ),
+    (
+        ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), str(CONFIGS)],
+        "is a file or a folder that is not an mxlib checkpoint",
     ),
 ]
 

@@ -16,6 +16,7 @@ import torch
 
 from ..models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_qwen3_moe
 from ..models.checkpoints.dummy import dummy_quantization
+from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
 from ..workbook import steps as W
 
 __all__ = ["COMMANDS"]
@@ -35,7 +36,8 @@ def inspect_cmd(args) -> dict:
 
 
 def check_dummy_from_config(args) -> None:
-    """The config folder, its layer count against ``--layers``, and what is written: the config's
+    """The config folder, its layer count against ``--layers``, the output folder (absent, empty or an
+    mxlib checkpoint, as the writer requires), and what is written: the config's
     quantization, or ``--scheme`` / ``--layout`` for an unquantized config (``dummy_quantization``;
     its ``CheckpointError`` comes out as the command's error)."""
     config_dir = Path(args.config_dir)
@@ -52,6 +54,14 @@ def check_dummy_from_config(args) -> None:
         raise ValueError(f"config_dir: {cfg_path} is not a JSON object ({err})") from None
     if args.layers is not None and isinstance(total, int) and args.layers > total:
         raise ValueError(f"--layers: expected 1 to the config's num_hidden_layers={total}, got {args.layers}")
+    out = Path(args.out_dir)
+    if (out.exists() or out.is_symlink()) and not (
+        out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
+    ):  # the writer's rule (safetensors_io.atomic_folder), checked before the model is built
+        raise ValueError(
+            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
+            f"or empty folder, or an mxlib checkpoint to replace"
+        )
     names = {"scheme": "--scheme", "layout": "--layout"}
     try:
         args.description, _ = dummy_quantization(config_dir, args.scheme, args.layout)
