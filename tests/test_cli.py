@@ -372,3 +372,34 @@ def test_workbook_help_is_the_runners(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["workbook", "--help"])
     assert exc.value.code == 0 and "--notebooks" in capsys.readouterr().out
+
+
+def test_workbook_without_the_notebook_stack_says_what_to_install(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_papermill(name, *args, **kwargs):  # the runner's import, as where mxlib[workbook] is absent
+        if name.endswith("workbook.runner"):
+            raise ModuleNotFoundError("No module named 'papermill'", name="papermill")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_papermill)
+    assert cli.main(["workbook", "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mxlib workbook: error: the workbook needs the notebook stack") and "mxlib[workbook]" in err
+
+
+def test_workbook_keeps_a_missing_mxlib_module_a_traceback(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name.endswith("workbook.runner"):
+            raise ModuleNotFoundError("No module named 'mxlib.gone'", name="mxlib.gone")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(ModuleNotFoundError, match="mxlib.gone"):
+        cli.main(["workbook"])

@@ -271,11 +271,17 @@ def _command(cmd: str):
     return COMMANDS[cmd]
 
 
+# what mxlib[workbook] installs and the runner imports
+_WORKBOOK_STACK = ("papermill", "nbformat", "nbconvert", "jupyter_client", "nbclient", "ipykernel")
+
+
 def _workbook(argv: list[str]) -> int:
     """``mxlib workbook ARGS``: ``mxlib.workbook.runner.main(ARGS)``."""
     try:
         from ..workbook.runner import main as run_workbook
     except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] not in _WORKBOOK_STACK:
+            raise
         print(
             f"{PROG} workbook: error: the workbook needs the notebook stack ({err}); "
             f"install it with: pip install 'mxlib[workbook]'",
