@@ -798,8 +798,8 @@ _PEAK_E2E = textwrap.dedent("""
 
     W.dummy_model = sized
     base = rss()  # imports done: what the run adds is measured from here
-    cli.main(["e2e", "--layers", "1", "--scheme", "w_mxfp4", "--tokens", "8", "--calib-tokens", "64",
-              "--device", "cpu", "--backend", "torch"])
+    cli.main(["e2e", "--preset", "qwen3-30b-a3b", "--layers", "1", "--scheme", "w_mxfp4", "--tokens", "8",
+              "--calib-tokens", "64", "--device", "cpu", "--backend", "torch"])
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
     print("RESULT", json.dumps(dict(base=base, peak=peak, **sizes)))
 """)

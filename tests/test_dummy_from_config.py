@@ -24,6 +24,7 @@ from mxlib.models.checkpoints import (
     inspect_checkpoint,
     load_quantized_qwen3_moe,
 )
+from mxlib.models.checkpoints.dummy import dummy_quantization
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights
@@ -227,6 +228,115 @@ def test_cli_dummy_from_config(tmp_path, capsys):
     assert "layout modelopt, scheme nvfp4" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["logits_finite"] is True and data["layers"] == 1 and data["num_experts"] == E
+
+
+# ----------------------------------------------------------------------------- an unquantized config
+
+UNQUANTIZED = CONFIGS / "qwen3-30b-a3b"
+# Qwen3-30B-A3B's config.json values (REFERENCE section 5)
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    vocab_size=151936,
+    num_hidden_layers=48,
+)
+CT_TENSORS = lambda o, i: {  # noqa: E731  compressed-tensors nvfp4-pack-quantized (REFERENCE section 4)
+    "weight_packed": ("U8", [o, i // 2]),
+    "weight_scale": ("F8_E4M3", [o, i // 16]),
+    "weight_global_scale": ("F32", [1]),
+    "input_global_scale": ("F32", [1]),
+}
+# scheme, layout asked for (None: the scheme's default), layout written, per-expert tensors, extra config files
+UNQUANTIZED_CASES = [
+    ("nvfp4", None, "modelopt", NVFP4_TENSORS, {"hf_quant_config.json"}),
+    ("w_mxfp4_a_mxfp4", None, "quark", MXFP4_TENSORS, set()),
+    ("w_mxfp4_a_fp8", None, "quark", lambda o, i: {**MXFP4_TENSORS(o, i), "input_scale": ("F32", [])}, set()),
+    ("nvfp4", "compressed-tensors", "compressed-tensors", CT_TENSORS, set()),
+]
+
+
+def test_the_unquantized_fixture_is_qwen3_30b_a3b():
+    cfg = json.loads((UNQUANTIZED / "config.json").read_text())
+    assert {k: cfg[k] for k in QWEN3_30B_A3B} == QWEN3_30B_A3B
+    assert "quantization_config" not in cfg and [p.name for p in UNQUANTIZED.iterdir()] == ["config.json"]
+
+
+@pytest.mark.parametrize(
+    "scheme,layout,fmt,tensors,extra", UNQUANTIZED_CASES, ids=lambda v: v if isinstance(v, str) else None
+)
+def test_unquantized_config_with_a_scheme(tmp_path, scheme, layout, fmt, tensors, extra):
+    path = dummy_checkpoint_from_config(
+        UNQUANTIZED, tmp_path / "ckpt", num_hidden_layers=1, seed=3, model_preset="tiny", scheme=scheme, layout=layout
+    )
+    source, written = (
+        json.loads((UNQUANTIZED / "config.json").read_text()),
+        json.loads((path / "config.json").read_text()),
+    )
+    # the source's config with the sizes changed, and a quantization config added
+    changed = {k for k in set(source) | set(written) if source.get(k) != written.get(k)}
+    assert changed <= {"num_hidden_layers", "quantization_config", *TINY} and "quantization_config" in changed
+    assert written["quantization_config"]["quant_method"] == fmt
+    assert {p.name for p in path.glob("*.json")} == {
+        "config.json",
+        "model.safetensors.index.json",
+        "mxlib_checkpoint.json",
+        *extra,
+    }
+    stored = _headers(path)
+    for proj, (o, i) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        base = f"model.layers.0.mlp.experts.{E - 1}.{proj}"
+        got = {k[len(base) + 1 :]: v for k, v in stored.items() if k.startswith(base + ".")}
+        assert got == tensors(o, i), base
+    others = {k: v for k, v in stored.items() if ".mlp.experts." not in k}
+    assert all(d == "BF16" for d, _ in others.values()) and "model.layers.0.self_attn.q_proj.weight" in others
+    model, info = load_quantized_qwen3_moe(path, backend="torch")
+    assert (info.format, info.scheme.name) == (fmt, scheme)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(8)[None]).logits).all()
+
+
+def test_unquantized_config_without_a_scheme_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match=r"unquantized config .* names no scheme; choose one .*'nvfp4'"):
+        dummy_checkpoint_from_config(UNQUANTIZED, tmp_path / "ckpt", num_hidden_layers=1, model_preset="tiny")
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_scheme_and_layout_are_checked_against_the_config():
+    modelopt = CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"
+    info, files = dummy_quantization(modelopt, "nvfp4")  # the config's own scheme: accepted, nothing added
+    assert (info.format, info.scheme.name, files) == ("modelopt", "nvfp4", None)
+    with pytest.raises(ValueError, match=r"scheme: .* is quantized as nvfp4 \(modelopt layout\).*got 'w_mxfp4'"):
+        dummy_quantization(modelopt, "w_mxfp4")
+    with pytest.raises(ValueError, match=r"layout: .* is in the modelopt layout.*got 'quark'"):
+        dummy_quantization(modelopt, layout="quark")
+    with pytest.raises(ValueError, match="layout: quark does not store scheme nvfp4"):
+        dummy_quantization(UNQUANTIZED, "nvfp4", "quark")
+    with pytest.raises(ValueError, match=r"layout: expected one of \['modelopt', 'quark', 'compressed-tensors'\]"):
+        dummy_quantization(UNQUANTIZED, "nvfp4", "gguf")
+    with pytest.raises(ValueError, match="unknown MoE scheme 'int4'"):
+        dummy_quantization(UNQUANTIZED, "int4")
+
+
+def test_cli_unquantized_config_with_a_scheme(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    argv = ["dummy-from-config", str(UNQUANTIZED), str(tmp_path / "ckpt"), "--scheme", "w_mxfp4", "--layers", "1"]
+    assert cli_main([*argv, "--preset", "tiny", "--device", "cpu", "--backend", "torch", "--json", str(out)]) == 0
+    assert "layout quark, scheme w_mxfp4" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert (data["format"], data["scheme"], data["preset"], data["logits_finite"]) == ("quark", "w_mxfp4", "tiny", True)
+
+
+def test_cli_unquantized_config_without_a_scheme(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["dummy-from-config", str(UNQUANTIZED), str(tmp_path / "ckpt"), "--preset", "tiny"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "mxlib dummy-from-config: error: " in err and "--scheme" in err, err
+    assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
 
 
 class _EncodeLayout(CheckpointLayout):

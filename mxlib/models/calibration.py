@@ -14,15 +14,19 @@ calibration token has amax 0 and input scale 0 ("never calibrated").
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from ..formats import BlockScheme, PerTensorScheme, get_activation_format
 from ..moe.reference_moe import torch_moe
 from .qwen3 import expert_weights, moe_layers
 
 __all__ = ["LayerCalibration", "Calibration", "calibrate"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,9 +65,9 @@ class Calibration:
 
 
 class _RecordingExperts(torch.nn.Module):
-    def __init__(self, w13, w2, num_experts, keep):
+    def __init__(self, w13, w2, num_experts, keep, bar=None):
         super().__init__()
-        self.w13, self.w2, self.keep = w13, w2, keep
+        self.w13, self.w2, self.keep, self.bar = w13, w2, keep, bar
         self.a1_amax = torch.zeros(num_experts)
         self.a2_amax = torch.zeros(num_experts)
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
@@ -92,32 +96,41 @@ class _RecordingExperts(torch.nn.Module):
             self.kept["a2"].append(a2_rows)
             self.kept["topk_ids"].append(top_k_index.detach().cpu().to(torch.int32))
             self.kept["topk_weights"].append(top_k_weights.detach().float().cpu())
+        if self.bar is not None:
+            self.bar.update()
         return out
 
 
 @torch.no_grad()
-def calibrate(model, token_ids: torch.Tensor, keep_activations: bool = False, batch_size: int = 8) -> Calibration:
+def calibrate(
+    model, token_ids: torch.Tensor, keep_activations: bool = False, batch_size: int = 8, progress: bool = False
+) -> Calibration:
     """Record per-expert amax of a1 and a2 in every MoE layer over ``token_ids [B, T]``.
 
     The model must hold its bf16 experts (transformers' ``Qwen3MoeExperts``); they are
-    swapped for recording twins during the run and restored afterwards.
+    swapped for recording twins during the run and restored afterwards. ``progress``: a tqdm bar
+    on stderr, one step per MoE layer of each batch of ``batch_size`` sequences.
     """
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids: expected [batch, seq], got shape {list(token_ids.shape)}")
     layers = moe_layers(model)
     originals = [mlp.experts for mlp in layers]
     num_experts = model.config.num_experts
+    batches = range(0, token_ids.shape[0], batch_size)
+    logger.info("calibrating %d MoE layers on %d token ids %s", len(layers), token_ids.numel(), list(token_ids.shape))
+    bar = tqdm(total=len(batches) * len(layers), desc="calibrating", unit="layer", disable=not progress)
     recorders = []
     for i, mlp in enumerate(layers):
         w13, w2 = expert_weights(model, i)
-        rec = _RecordingExperts(w13, w2, num_experts, keep_activations)
+        rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar)
         recorders.append(rec)
         mlp.experts = rec
     try:
         dev = next(model.parameters()).device
-        for b in range(0, token_ids.shape[0], batch_size):
+        for b in batches:
             model(input_ids=token_ids[b : b + batch_size].to(dev), use_cache=False)
     finally:
+        bar.close()
         for mlp, orig in zip(layers, originals):
             mlp.experts = orig
     out = Calibration(num_tokens=token_ids.numel())

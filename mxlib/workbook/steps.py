@@ -20,6 +20,7 @@ import ctypes
 import gc
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -64,6 +65,8 @@ __all__ = [
     "model_fingerprint",
     "release_freed_memory",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Bump when calibration changes what a cached checkpoint holds (the writer has its own
 # WRITER_VERSION; the weights and config are fingerprinted).
@@ -376,6 +379,7 @@ def prepare_checkpoint(
     calib_tokens: int = 512,
     cache_dir: str | os.PathLike | None = None,
     calibration: Calibration | None = None,
+    progress: bool = False,
 ) -> Path:
     """Calibrate ``model`` on seeded token ids, quantize its experts and write the checkpoint.
 
@@ -384,7 +388,7 @@ def prepare_checkpoint(
     the model's config and weights, and the calibration (``calibration`` if given, else
     ``calib_tokens`` and ``seed``). A complete mxlib checkpoint there is reused. Fingerprinting
     reads every weight once (seconds at full size). ``scheme``: a ``MoEQuantScheme`` (or a name,
-    resolved here once).
+    resolved here once). ``progress``: tqdm bars on stderr for calibrating and writing.
 
     Raises:
         ValueError: ``calib_tokens`` not a positive integer, or an unknown scheme.
@@ -396,34 +400,38 @@ def prepare_checkpoint(
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = _cache_dir(cache_dir) / f"{s.name}-L{layers}-{digest}"
     if is_mxlib_checkpoint(path):
+        logger.info("reusing the cached checkpoint %s", path)
         return path
     if calibration is None and s.static_activation_scale:
-        calibration = calibrate_model(model, calib_tokens, seed)
+        calibration = calibrate_model(model, calib_tokens, seed, progress=progress)
         release_freed_memory()  # the calibration pass's freed temporaries (~0.14 GB at full size)
-    return write_quantized_checkpoint(model, s, path, calibration)
+    return write_quantized_checkpoint(model, s, path, calibration, progress=progress)
 
 
-def write_checkpoint(p: E2EParameters, model) -> Path:
+def write_checkpoint(p: E2EParameters, model, progress: bool = False) -> Path:
     """Step 2 of the end-to-end run: ``prepare_checkpoint`` of ``model`` in ``p.scheme``, calibrated
     on ``p.calib_tokens`` tokens drawn from ``p.seed``, in ``default_cache_dir()``. Returns the folder."""
-    return prepare_checkpoint(p.scheme, model, seed=p.seed, calib_tokens=p.calib_tokens)
+    return prepare_checkpoint(p.scheme, model, seed=p.seed, calib_tokens=p.calib_tokens, progress=progress)
 
 
-def load_checkpoint(p: E2EParameters, path: str | os.PathLike):
+def load_checkpoint(p: E2EParameters, path: str | os.PathLike, progress: bool = False):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
     (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
     backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
     return load_quantized_qwen3_moe(
-        path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend
+        path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend, progress=progress
     )
 
 
-def calibrate_model(model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False) -> Calibration:
-    """Calibration over ``calib_tokens`` seeded token ids in sequences of 256 (seed ``seed + 1000``)."""
+def calibrate_model(
+    model, calib_tokens: int = 512, seed: int = 0, keep_activations: bool = False, progress: bool = False
+) -> Calibration:
+    """Calibration over ``calib_tokens`` seeded token ids in sequences of 256 (seed ``seed + 1000``);
+    ``progress``: a tqdm bar on stderr (``mxlib.models.calibration.calibrate``)."""
     check_positive_int(calib_tokens, "calib_tokens")
     seq = min(256, calib_tokens)
     ids = random_token_ids(seq, seed + 1000, model.config.vocab_size, batch=max(1, calib_tokens // seq))
-    return calibrate(model, ids, keep_activations=keep_activations)
+    return calibrate(model, ids, keep_activations=keep_activations, progress=progress)
 
 
 @dataclass

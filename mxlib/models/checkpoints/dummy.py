@@ -13,6 +13,11 @@ forward. The config files are written back unchanged except for the sizes you ov
 ``quantization_config``, the same ignore / exclude lists, the same producer, the same
 ``hf_quant_config.json``.
 
+An unquantized checkpoint's config (the model repository's own ``config.json``) names no scheme:
+``scheme`` chooses one, written in ``layout`` (default: the scheme's, ``layout.DEFAULT_LAYOUT``), and the
+written ``config.json`` gains that layout's ``quantization_config`` (and its extra files);
+``dummy_quantization`` says what a folder of configs would be written as, before anything is built.
+
 ``num_hidden_layers`` cuts the model as vLLM's ``hf_overrides`` does; ``model_preset`` (a key of
 ``mxlib.models.qwen3.MODEL_PRESETS``: ``small``, ``tiny``) and ``overrides`` shrink hidden size,
 experts and vocabulary so that tests never build a full-size model.
@@ -21,21 +26,26 @@ experts and vocabulary so that tests never build a full-size model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 
 from ...moe.factory import quantize_expert_weights
+from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 from ..calibration import calibrate
 from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
 from .inspect import config_description
-from .layout import LAYOUTS, PROJS, CheckpointError, matches
+from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
 from .safetensors_io import INDEX_NAME, SHARD_BYTES, atomic_folder, write_shards
 
-__all__ = ["dummy_checkpoint_from_config"]
+__all__ = ["dummy_checkpoint_from_config", "dummy_quantization"]
+
+logger = logging.getLogger(__name__)
 
 _NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
 
@@ -56,6 +66,66 @@ def _record_amax(amax: dict, name: str):
     return hook
 
 
+def dummy_quantization(
+    config_dir: str | os.PathLike, scheme: str | MoEQuantScheme | None = None, layout: str | None = None
+) -> tuple[CheckpointDescription, tuple[dict, dict[str, dict]] | None]:
+    """What ``dummy_checkpoint_from_config`` writes for the configs in ``config_dir``, read from the
+    config files only (no model is built).
+
+    Args:
+        config_dir: a folder with a ``config.json``, quantized (``quantization_config`` or a legacy
+            file such as ``hf_quant_config.json``) or not.
+        scheme: for an unquantized config, the scheme to write (a ``MOE_SCHEMES`` name or object);
+            for a quantized one, None or the config's own scheme.
+        layout: for an unquantized config, a ``LAYOUTS`` name (None: the scheme's default layout);
+            for a quantized one, None or the config's own layout.
+
+    Returns:
+        ``(description, files)``: the ``CheckpointDescription`` of the checkpoint to write, and
+        ``files``: None when the config carries its quantization, else ``(quantization_config,
+        {extra file name: JSON object})`` of ``scheme`` in ``layout``, which the written folder gains.
+
+    Raises:
+        CheckpointError: no ``config.json``; an unquantized config and no ``scheme``; a quantization
+            config that no registered layout reads or the emulation does not support.
+        ValueError: an unknown ``scheme`` or ``layout``; a layout that does not store the scheme; a
+            ``scheme`` or ``layout`` other than the quantized config's own.
+    """
+    config_dir = Path(config_dir)
+    cfg_path = config_dir / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"config_dir: {config_dir} has no config.json")
+    quantized = json.loads(cfg_path.read_text()).get("quantization_config") is not None or any(
+        lay.read_legacy(config_dir) is not None for lay in LAYOUTS.values()
+    )
+    if quantized:
+        info = config_description(config_dir)
+        if scheme is not None and get_moe_scheme(scheme) != info.scheme:
+            raise ValueError(
+                f"scheme: {cfg_path} is quantized as {info.scheme.name} ({info.format} layout); expected None "
+                f"or {info.scheme.name!r}, got {getattr(scheme, 'name', scheme)!r}"
+            )
+        if layout is not None and layout != info.format:
+            raise ValueError(f"layout: {cfg_path} is in the {info.format} layout; expected None or it, got {layout!r}")
+        return info, None
+    if scheme is None:
+        raise CheckpointError(
+            f"{cfg_path}: an unquantized config (no quantization_config, no legacy quantization config file) "
+            f"names no scheme; choose one with scheme= (mxlib dummy-from-config --scheme): {list(MOE_SCHEMES)}"
+        )
+    s = get_moe_scheme(scheme)
+    if layout is None:
+        lay = layout_for_scheme(s)
+    elif layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
+    else:
+        lay = LAYOUTS[layout]
+        if not lay.handles(s):
+            raise ValueError(f"layout: {lay.name} does not store scheme {s.name}")
+    qc, extra = lay.config_files(s)
+    return lay.read_config(qc), (qc, extra)
+
+
 def dummy_checkpoint_from_config(
     config_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -66,6 +136,9 @@ def dummy_checkpoint_from_config(
     calib_tokens: int = 64,
     expert_spread: float = 0.0,
     shard_bytes: int = SHARD_BYTES,
+    scheme: str | MoEQuantScheme | None = None,
+    layout: str | None = None,
+    progress: bool = False,
 ) -> Path:
     """Write a dummy-weight checkpoint in the layout of the config files in ``config_dir``.
 
@@ -81,26 +154,28 @@ def dummy_checkpoint_from_config(
         calib_tokens: token ids that calibrate static activation scales (NVFP4, ``_a_fp8``).
         expert_spread: ``dummy_qwen3_moe``'s per-expert scale spread.
         shard_bytes: safetensors shard size.
+        scheme, layout: the scheme (and layout) of an unquantized config (``dummy_quantization``).
+        progress: tqdm bars on stderr for calibrating and quantizing the experts.
 
     Returns:
         ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
         is the source's with ``num_hidden_layers`` and the overrides applied; every other JSON file
-        of ``config_dir`` is copied unchanged.
+        of ``config_dir`` is copied unchanged (for an unquantized config, with ``scheme``'s
+        ``quantization_config`` and the layout's extra files added).
 
     Raises:
-        CheckpointError: no ``config.json``; a quantization config no registered layout reads or
-            the emulation does not support (the message names the field); a config that
-            quantizes modules other than the MoE experts when the layout writes no quantized
-            linear layers (``supports_linear`` false), or quantizes modules that are not ``nn.Linear``
-            (the routers).
-        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
+        CheckpointError: no ``config.json``; an unquantized config without ``scheme``; a quantization
+            config no registered layout reads or the emulation does not support (the message names
+            the field); a config that quantizes modules other than the MoE experts when the layout
+            writes no quantized linear layers (``supports_linear`` false), or quantizes modules that
+            are not ``nn.Linear`` (the routers).
+        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``; a
+            ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
     config_dir = Path(config_dir)
     cfg_path = config_dir / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"config_dir: {config_dir} has no config.json")
+    info, files = dummy_quantization(config_dir, scheme, layout)
     source = json.loads(cfg_path.read_text())
-    info = config_description(config_dir)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
 
@@ -145,7 +220,9 @@ def dummy_checkpoint_from_config(
         ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
         hooks = [modules[m].register_forward_pre_hook(_record_amax(linear_amax, m)) for m in quantized_linears]
         try:
-            calibration = calibrate(model, ids)  # the same forward also records the linear layers' input amax
+            calibration = calibrate(
+                model, ids, progress=progress
+            )  # the same forward also records the linear layers' input amax
         finally:
             for hook in hooks:
                 hook.remove()
@@ -161,7 +238,9 @@ def dummy_checkpoint_from_config(
             state.update(
                 layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme), ins, m)
             )
-        for layer in range(config.num_hidden_layers):
+        logger.info("writing dummy %s checkpoint (%s layout) to %s", scheme.name, layout.name, out_dir)
+        layers = range(config.num_hidden_layers)
+        for layer in tqdm(layers, desc="quantizing experts", unit="layer", disable=not progress):
             w13, w2 = expert_weights(model, layer)
             prefix = f"model.layers.{layer}.mlp.experts"
             if layer in excluded_layers:  # bf16 experts under their per-expert names
@@ -182,8 +261,13 @@ def dummy_checkpoint_from_config(
         out_cfg = dict(source)
         out_cfg["num_hidden_layers"] = config.num_hidden_layers
         out_cfg.update(changes)
+        extra = {}
+        if files is not None:  # an unquantized config: the chosen scheme's quantization config
+            out_cfg["quantization_config"], extra = files
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
         for f in config_dir.glob("*.json"):
-            if f.name not in ("config.json", INDEX_NAME):
+            if f.name not in ("config.json", INDEX_NAME, *extra):
                 shutil.copyfile(f, tmp / f.name)
+        for fname, content in extra.items():
+            (tmp / fname).write_text(json.dumps(content, indent=2))
     return Path(out_dir)

@@ -11,10 +11,12 @@ list) become ``mxlib.moe.linear.EmulatedLinear``.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import Qwen3MoeConfig
 
 from ...moe.base import BACKENDS, TritonExperts
@@ -33,6 +35,8 @@ from .layout import (
 from .safetensors_io import TensorReader, read_json
 
 __all__ = ["read_quant_config", "load_quantized_qwen3_moe"]
+
+logger = logging.getLogger(__name__)
 
 
 def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
@@ -124,6 +128,7 @@ def load_quantized_qwen3_moe(
     backend: str = "auto",
     scale_strategy: str = "max",
     activation_dtype: torch.dtype = torch.bfloat16,
+    progress: bool = False,
 ):
     """Load a quantized Qwen3-MoE checkpoint (any registered layout) with emulation experts.
 
@@ -131,7 +136,8 @@ def load_quantized_qwen3_moe(
     builds transformers' ``Qwen3MoeForCausalLM`` (``num_hidden_layers`` overrides the
     checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
     layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
-    from the per-expert tensors the layout reads.
+    from the per-expert tensors the layout reads. ``progress``: a tqdm bar on stderr, one step per
+    layer of experts read.
 
     Returns:
         ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
@@ -173,6 +179,14 @@ def load_quantized_qwen3_moe(
     except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
         raise CheckpointError(f"{cfg_path}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
     device = torch.device(device)
+    logger.info(
+        "loading %s (%s layout, scheme %s, %d layers) on %s",
+        folder,
+        info.format,
+        info.scheme.name,
+        config.num_hidden_layers,
+        device,
+    )
     # Parameters are allocated but never written (no pages touched) until loaded below;
     # the experts' fused bf16 parameters are replaced without ever being paged in.
     model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
@@ -216,7 +230,14 @@ def load_quantized_qwen3_moe(
             activation_dtype=activation_dtype,
         )
 
-    swap_experts(model, make)
+    with tqdm(total=config.num_hidden_layers, desc="loading experts", unit="layer", disable=not progress) as bar:
+
+        def make_and_count(layer: int):
+            experts = make(layer)
+            bar.update()
+            return experts
+
+        swap_experts(model, make_and_count)
     for module in quantized_linears:
         lin = modules[module]
         weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)

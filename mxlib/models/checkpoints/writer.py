@@ -13,11 +13,13 @@ the folder is written under a temporary name and renamed into place at the end
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
@@ -27,6 +29,8 @@ from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
 
 __all__ = ["write_quantized_checkpoint", "ATTENTION_PROJS"]
+
+logger = logging.getLogger(__name__)
 
 
 def _config_dict(model, num_hidden_layers: int) -> dict:
@@ -51,6 +55,7 @@ def write_quantized_checkpoint(
     quantize_attention: bool = False,
     linear_input_amax: dict[str, torch.Tensor] | None = None,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Quantize a bf16 Qwen3-MoE model's experts (and optionally attention) and write the checkpoint.
 
@@ -74,6 +79,7 @@ def write_quantized_checkpoint(
             (``mxlib.moe.linear.linear_input_amax``), needed with ``quantize_attention`` by schemes
             with static activation scales.
         overwrite: replace whatever is at ``path`` (a file, a user's folder).
+        progress: a tqdm bar on stderr, one step per layer of experts quantized and written.
 
     Returns:
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
@@ -107,6 +113,7 @@ def write_quantized_checkpoint(
                 f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
                 f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}"
             )
+    logger.info("writing %s checkpoint (%s layout) to %s", scheme.name, layout.name, path)
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
         shards = ShardWriter(tmp, shard_bytes)
@@ -122,7 +129,7 @@ def write_quantized_checkpoint(
                 ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
             for n, t in layout.linear_tensors(scheme, layout.quantize_linear(w, scheme), ins, name).items():
                 shards.add(n, t, copy=True)
-        for layer in range(num_layers):
+        for layer in tqdm(range(num_layers), desc="quantizing experts", unit="layer", disable=not progress):
             w13, w2 = expert_weights(model, layer)
             # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
             # layer; without one (None) the experts are quantized one at a time below

@@ -1,0 +1,106 @@
+"""The option values of ``mxlib``'s commands, spelled out so that ``--help`` imports neither torch nor
+transformers, and the argparse types that check numbers and comma-separated lists as they are parsed.
+
+Each tuple is a copy of a library table (``tests/test_cli.py`` checks that it equals the table):
+``SCHEMES`` of ``mxlib.moe.MOE_SCHEMES`` (with ``SCHEME_ALIASES`` those ``get_moe_scheme`` also
+accepts), ``STRATEGIES`` of ``mxlib.moe.SCALE_STRATEGIES``, ``BACKENDS`` of ``mxlib.moe.BACKENDS``,
+``LAYOUTS`` of ``mxlib.models.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``.
+A type's error (``argparse.ArgumentTypeError``) becomes ``mxlib CMD: error: argument --OPTION: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = [
+    "SCHEMES",
+    "SCHEME_ALIASES",
+    "STRATEGIES",
+    "BACKENDS",
+    "LAYOUTS",
+    "PRESETS",
+    "FULL_PRESET",
+    "positive_int",
+    "nonnegative_int",
+    "nonnegative_float",
+    "comma_list",
+]
+
+SCHEMES = (
+    "w_mxfp4",
+    "w_mxfp4_a_mxfp4",
+    "w_mxfp4_a_mxfp6_e3m2",
+    "w_mxfp4_a_mxfp6_e2m3",
+    "w_mxfp4_a_fp8",
+    "w_mxfp6_e3m2",
+    "w_mxfp6_e3m2_a_mxfp6_e3m2",
+    "w_mxfp6_e3m2_a_fp8",
+    "w_mxfp6_e2m3",
+    "w_mxfp6_e2m3_a_mxfp6_e2m3",
+    "w_mxfp6_e2m3_a_fp8",
+    "nvfp4",
+)
+SCHEME_ALIASES = ("mxfp4",)
+STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
+BACKENDS = ("auto", "triton", "fused", "torch")
+LAYOUTS = ("modelopt", "quark", "compressed-tensors")
+PRESETS = ("qwen3-30b-a3b", "small", "tiny")
+FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def comma_list(choices: tuple[str, ...] | None = None, item=str, extra: tuple[str, ...] = ()):
+    """An argparse type: a comma-separated list, each item one of ``choices`` (or of ``extra``) or, for
+    ``item`` a type function such as ``nonnegative_float``, converted by it. Returns a list."""
+
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",")]
+        if not text.strip() or any(not t for t in items):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+        if choices is not None:
+            bad = [t for t in items if t not in choices and t not in extra]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"expected a comma-separated list of {', '.join(choices)}; got {', '.join(bad)} in {text!r}"
+                )
+            return items
+        try:
+            return [item(t) for t in items]
+        except argparse.ArgumentTypeError as err:
+            raise argparse.ArgumentTypeError(f"{err} in {text!r}") from None
+
+    parse.__name__ = "list"  # argparse names the type in some messages
+    return parse

@@ -1,0 +1,124 @@
+"""The checkpoint commands: ``inspect PATH`` (configs and scale tensors only) and ``dummy-from-config
+CONFIG_DIR OUT_DIR`` (dummy weights in the layout a checkpoint's config files describe, loaded and run).
+
+A command's ``check`` runs before any work (a ValueError or FileNotFoundError names the option); its
+``run`` prints a summary on stdout and returns the JSON result.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_qwen3_moe
+from ..models.checkpoints.dummy import dummy_quantization
+from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
+from ..workbook import steps as W
+
+__all__ = ["COMMANDS"]
+
+
+def check_inspect(args) -> None:
+    if not Path(args.path).exists():
+        raise FileNotFoundError(f"path: {args.path!r} does not exist; expected a checkpoint folder")
+    W.prepare_results_path(args.json, "--json")
+
+
+def inspect_cmd(args) -> dict:
+    """``inspect PATH``: the checkpoint inspector's table on stdout; its report as the JSON result."""
+    report = inspect_checkpoint(args.path, strategies=args.strategies)
+    print(report.table())
+    return report.to_dict()
+
+
+def check_dummy_from_config(args) -> None:
+    """The config folder, its layer count against ``--layers``, the output folder (absent, empty or an
+    mxlib checkpoint, as the writer requires), and what is written: the config's
+    quantization, or ``--scheme`` / ``--layout`` for an unquantized config (``dummy_quantization``;
+    its ``CheckpointError`` comes out as the command's error)."""
+    config_dir = Path(args.config_dir)
+    if not config_dir.is_dir():
+        raise FileNotFoundError(
+            f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder"
+        )
+    cfg_path = config_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"config_dir: {args.config_dir!r} has no config.json")
+    try:
+        total = json.loads(cfg_path.read_text()).get("num_hidden_layers")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"config_dir: {cfg_path} is not a JSON object ({err})") from None
+    if args.layers is not None and isinstance(total, int) and args.layers > total:
+        raise ValueError(f"--layers: expected 1 to the config's num_hidden_layers={total}, got {args.layers}")
+    out = Path(args.out_dir)
+    if (out.exists() or out.is_symlink()) and not (
+        out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
+    ):  # the writer's rule (safetensors_io.atomic_folder), checked before the model is built
+        raise ValueError(
+            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
+            f"or empty folder, or an mxlib checkpoint to replace"
+        )
+    names = {"scheme": "--scheme", "layout": "--layout"}
+    try:
+        args.description, _ = dummy_quantization(config_dir, args.scheme, args.layout)
+    except ValueError as err:  # dummy_quantization names its parameter first: give the option's name instead
+        text = str(err)
+        for param, option in names.items():
+            if text.startswith(f"{param}: "):
+                text = f"{option}: {text[len(param) + 2 :]}"
+        raise type(err)(text) from None
+    args.params_device = W.check_device(args.device, "--device")
+    W.prepare_results_path(args.json, "--json")
+
+
+def dummy_from_config(args) -> dict:
+    """``dummy-from-config CONFIG_DIR OUT_DIR``: dummy weights in the configs' layout, loaded and run."""
+    t0 = time.perf_counter()
+    path = dummy_checkpoint_from_config(
+        args.config_dir,
+        args.out_dir,
+        num_hidden_layers=args.layers,
+        seed=args.seed,
+        model_preset=args.preset,
+        scheme=args.scheme,
+        layout=args.layout,
+        progress=args.progress,
+    )
+    t_write = time.perf_counter() - t0
+    dev = args.params_device
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, info = load_quantized_qwen3_moe(path, device=dev, backend=args.backend, progress=args.progress)
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
+    out = W.run_model(model, ids)
+    finite = bool(torch.isfinite(out.logits).all())
+    print(
+        f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, "
+        f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
+        f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
+        f"logits {'finite' if finite else 'NOT finite'}"
+    )
+    return dict(
+        path=str(path),
+        format=info.format,
+        scheme=info.scheme.name,
+        preset=args.preset,
+        layers=model.config.num_hidden_layers,
+        num_experts=model.config.num_experts,
+        hidden_size=model.config.hidden_size,
+        logits_finite=finite,
+        seconds_write=t_write,
+        seconds_forward=out.seconds,
+        device=str(dev),
+    )
+
+
+# command -> (check before any work, run)
+COMMANDS = {
+    "inspect": (check_inspect, inspect_cmd),
+    "dummy-from-config": (check_dummy_from_config, dummy_from_config),
+}
