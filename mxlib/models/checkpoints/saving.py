@@ -21,8 +21,9 @@ model without experts and without ``quantization_config``. ``attach_checkpoint_l
   of a wrong shape, dtype or value raises ``CheckpointError`` naming it;
 * ``model.save_pretrained(path)`` is ``save_quantized_checkpoint``: ``state_dict()`` written as
   safetensors shards with the index, ``config.json`` with the ``quantization_config`` (for a
-  loaded model the source's, as read) and the layout's other config files (ModelOpt's
-  ``hf_quant_config.json``, and ``generation_config.json``, copied from the source), all through
+  loaded model the source's ``config.json`` as read, ``num_hidden_layers`` the model's) and the
+  layout's other config files (ModelOpt's ``hf_quant_config.json``, and
+  ``generation_config.json``, copied from the source), all through
   ``safetensors_io.atomic_folder``: written under a temporary name and renamed into place, so a
   failed write leaves no destination folder (or the old checkpoint as it was).
 
@@ -94,19 +95,15 @@ class CheckpointSource:
     scale rule) the hooks write and read with; ``quantization_config``: ``config.json``'s, as read
     (None when the source kept it in a legacy file only); ``files``: ``{file name: text}`` of other
     config files written as they are; ``tensors``: ``{name: (dtype, shape)}`` of every tensor the
-    source stored (None for a model not loaded from a checkpoint); ``num_hidden_layers``: the
-    source's layer count.
+    source stored and ``config``: the source's ``config.json`` as read (both None for a model not
+    loaded from a checkpoint: its config is the model's).
     """
 
     description: CheckpointDescription
     quantization_config: dict | None
     files: dict[str, str]
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
-    num_hidden_layers: int | None = None
-
-    @property
-    def layout(self) -> CheckpointLayout:
-        return LAYOUTS[self.description.format]
+    config: dict | None = None
 
 
 def read_checkpoint_source(folder: str | os.PathLike, description: CheckpointDescription) -> CheckpointSource:
@@ -119,7 +116,7 @@ def read_checkpoint_source(folder: str | os.PathLike, description: CheckpointDes
     files = {n: (folder / n).read_text() for n in (*layout.legacy_files, *_COPIED_FILES) if (folder / n).is_file()}
     headers = SafetensorsHeaders(folder)
     tensors = {n: (SAFETENSORS_DTYPES.get(d), headers.shape[n]) for n, d in headers.dtype.items()}
-    return CheckpointSource(description, cfg.get("quantization_config"), files, tensors, cfg.get("num_hidden_layers"))
+    return CheckpointSource(description, cfg.get("quantization_config"), files, tensors, cfg)
 
 
 # ----------------------------------------------------------------------------- the experts' tensors
@@ -268,13 +265,16 @@ def _linear_input_scale(module: EmulatedLinear) -> torch.Tensor | None:
     q = module.input_qdq_scale
     if not (isinstance(module.activation_format, BlockScheme) and module.global_scale_kind == "decode"):
         return q.reshape(())  # the QDQ holds the stored scale itself (FP8 decode, compressed-tensors encode)
-    s = 1.0 / q  # ModelOpt stores the decode scale; the QDQ holds its reciprocal
-    if not torch.equal(1.0 / s, q):
-        raise CheckpointError(
-            f"EmulatedLinear ({module.extra_repr()}): its encode input scale {q.item()!r} is the reciprocal of no "
-            f"fp32 decode scale; a ModelOpt checkpoint cannot store it exactly"
-        )
-    return s.reshape(())
+    # ModelOpt stores the decode scale and the QDQ holds its reciprocal: a decode scale whose fp32
+    # reciprocal is that QDQ scale (1 / q, or a neighbour: fp32 reciprocals are not an involution)
+    s = 1.0 / q
+    for cand in (s, torch.nextafter(s, s.new_full((), float("inf"))), torch.nextafter(s, s.new_zeros(()))):
+        if torch.equal(1.0 / cand, q):
+            return cand.reshape(())
+    raise CheckpointError(
+        f"EmulatedLinear ({module.extra_repr()}): its encode input scale {q.item()!r} is the reciprocal of no "
+        f"fp32 decode scale; a ModelOpt checkpoint cannot store it exactly"
+    )
 
 
 def _linear_tensors(module: EmulatedLinear, prefix: str) -> dict[str, torch.Tensor]:
@@ -544,8 +544,10 @@ def save_quantized_checkpoint(
         for n, t in state.items():
             shards.add(n, t)
         shards.close()
-        cfg = _config_dict(model, num_layers)
-        if source.quantization_config is not None:
+        if source.config is not None:  # the source's config.json, cut to the layers the model holds
+            cfg = dict(source.config, num_hidden_layers=num_layers)
+        else:
+            cfg = _config_dict(model, num_layers)
             cfg["quantization_config"] = source.quantization_config
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         for fname, text in source.files.items():
