@@ -402,3 +402,42 @@ def test_excluded_layer_keeps_bf16_experts(tiny, tmp_path):
     _assert_same_tensors(_stored(first), _stored(tmp_path / "second"))
     m2, _ = C.load_quantized_qwen3_moe(tmp_path / "second", backend="torch")
     assert_bits_equal(_logits(m2, ids), _logits(m1, ids), "excluded layer logits")
+
+
+def test_fp4_kernel_layout_saves_the_checkpoint_layout(tmp_path):
+    """Experts built for the fused backend hold only the FP4 kernel's weight layout (prepared at
+    construction): the state dict and save_pretrained give back the checkpoint's bytes (CPU: no forward)."""
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=1, **dict(TINY_QWEN3, hidden_size=128, moe_intermediate_size=128))
+    model = dummy_qwen3_moe(cfg, seed=3)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    for scheme in ("nvfp4", "w_mxfp4_a_mxfp4"):
+        first = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme / "first", calibrate(model, ids))
+        m1, _ = C.load_quantized_qwen3_moe(first, backend="fused")
+        ex = m1.model.layers[0].mlp.experts.experts
+        assert "w13_weight_fp4" in ex._buffers and "w13_weight" not in ex._buffers
+        m1.save_pretrained(tmp_path / scheme / "second")
+        _assert_same_tensors(_stored(first), _stored(tmp_path / scheme / "second"))
+        m1.load_state_dict(m1.state_dict())
+        assert "w13_weight_fp4" in m1.model.layers[0].mlp.experts.experts._buffers
+        _assert_same_tensors({n: t.contiguous() for n, t in m1.state_dict().items()}, _stored(first))
+
+
+@pytest.mark.gpu
+def test_fused_fp4_layout_on_cuda_saves_the_checkpoint_layout(tmp_path):
+    """On CUDA with the fused backend the experts hold only the FP4 kernel's weight layout: the
+    state dict and save_pretrained give back the checkpoint's bytes, and load_state_dict re-prepares."""
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **dict(TINY_QWEN3, hidden_size=128, moe_intermediate_size=128))
+    model = dummy_qwen3_moe(cfg, seed=3)
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    for scheme in ("nvfp4", "w_mxfp4_a_mxfp4"):
+        first = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme / "first", calibrate(model, ids))
+        m1, _ = C.load_quantized_qwen3_moe(first, device="cuda", backend="fused")
+        ex = m1.model.layers[0].mlp.experts.experts
+        assert "w13_weight_fp4" in ex._buffers and "w13_weight" not in ex._buffers
+        m1.save_pretrained(tmp_path / scheme / "second")
+        _assert_same_tensors(_stored(first), _stored(tmp_path / scheme / "second"))
+        m2, _ = C.load_quantized_qwen3_moe(tmp_path / scheme / "second", device="cuda", backend="fused")
+        assert_bits_equal(_logits(m2, ids.cuda()), _logits(m1, ids.cuda()), f"{scheme} fused logits")
+        m2.load_state_dict(m1.state_dict())
+        assert "w13_weight_fp4" in m2.model.layers[0].mlp.experts.experts._buffers
+        assert_bits_equal(_logits(m2, ids.cuda()), _logits(m1, ids.cuda()), f"{scheme} fused after load_state_dict")
