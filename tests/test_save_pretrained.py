@@ -149,6 +149,20 @@ def test_state_dict_carries_the_checkpoint(tiny, tmp_path, scheme, layout):
     _assert_same_tensors({n: t.contiguous() for n, t in m3.state_dict().items()}, stored)
 
 
+def test_pickled_and_copied_models_keep_their_save_pretrained(loaded, tmp_path):
+    import copy
+    import io
+
+    first, m1 = loaded
+    buf = io.BytesIO()
+    torch.save(m1, buf)  # the whole model pickled
+    buf.seek(0)
+    for n, m in (("pickled", torch.load(buf, weights_only=False)), ("copied", copy.deepcopy(m1))):
+        assert m.save_pretrained.model is m
+        m.save_pretrained(tmp_path / n)
+        _assert_same_tensors(_stored(first), _stored(tmp_path / n))
+
+
 def test_load_state_dict_names_missing_and_extra_keys(loaded):
     m1 = loaded[1]
     sd = m1.state_dict()

@@ -8,7 +8,7 @@ uses 4, as vLLM's own smoke test does).
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -362,6 +362,19 @@ def expert_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ex.gate_up_proj.data, ex.down_proj.data
 
 
+class BoundToModel:
+    """``fn(model, ...)`` as a model's instance attribute (``model.save_pretrained``) that survives
+    ``pickle`` and ``copy.deepcopy``: a bound method pickles as a lookup by name, which on
+    unpickling would find the class's method instead."""
+
+    def __init__(self, fn, model):
+        self.fn, self.model = fn, model
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+
 def _refuse_save_pretrained(model, *args, **kwargs):
     raise ValueError(
         "save_pretrained: this model's experts were swapped in by mxlib.models.qwen3.swap_experts; they hold "
@@ -385,4 +398,4 @@ def swap_experts(model, make_experts) -> None:
         if not isinstance(experts, TritonExperts):
             raise TypeError(f"make_experts({i}) must return a TritonExperts, got {type(experts).__name__}")
         mlp.experts = TransformersExperts(experts)
-    model.save_pretrained = types.MethodType(_refuse_save_pretrained, model)
+    model.save_pretrained = BoundToModel(_refuse_save_pretrained, model)

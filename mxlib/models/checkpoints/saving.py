@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +62,7 @@ from ...moe.emulation import ExpertWeights, QuantizedExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...moe.linear import EmulatedLinear, LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..qwen3 import BoundToModel
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
 from .safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -347,7 +347,7 @@ def _attach(model, source: CheckpointSource) -> None:
                 module.register_load_state_dict_pre_hook(_experts_load_hook if experts else _linear_load_hook)
                 module._checkpoint_hooks = True
     model.checkpoint_source = source
-    model.save_pretrained = types.MethodType(save_pretrained, model)
+    model.save_pretrained = BoundToModel(save_pretrained, model)
 
 
 def _pick_layout(scheme: MoEQuantScheme, kind: str, layout: str | None) -> CheckpointLayout:
