@@ -8,6 +8,7 @@ uses 4, as vLLM's own smoke test does).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -361,10 +362,40 @@ def expert_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ex.gate_up_proj.data, ex.down_proj.data
 
 
+class BoundToModel:
+    """``fn(model, ...)`` as a model's instance attribute (``model.save_pretrained``) that survives
+    ``pickle`` and ``copy.deepcopy``: a bound method pickles as a lookup by name, which on
+    unpickling would find the class's method instead."""
+
+    def __init__(self, fn, model):
+        self.fn, self.model = fn, model
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(self.model, *args, **kwargs)
+
+
+def _refuse_save_pretrained(model, *args, **kwargs):
+    raise ValueError(
+        "save_pretrained: this model's experts were swapped in by mxlib.models.qwen3.swap_experts; they hold "
+        "their weights in buffers outside transformers' parameters, so transformers' save_pretrained would write "
+        "the model without them. Call mxlib.models.checkpoints.attach_checkpoint_layout(model) (quantized "
+        "experts; the layout from their scheme, or layout=...) and save_pretrained writes that checkpoint layout; "
+        "for a bf16 model, save it before swapping"
+    )
+
+
 def swap_experts(model, make_experts) -> None:
-    """Replace each layer's experts module by ``TransformersExperts(make_experts(layer_index))``."""
+    """Replace each layer's experts module by ``TransformersExperts(make_experts(layer_index))``.
+
+    The experts' tensors are not transformers parameters, so the model's ``save_pretrained``
+    then raises ``ValueError`` (naming why) instead of writing a model without experts, until
+    ``mxlib.models.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
+    (``load_quantized_qwen3_moe`` does so for the models it returns).
+    """
     for i, mlp in enumerate(moe_layers(model)):
         experts = make_experts(i)
         if not isinstance(experts, TritonExperts):
             raise TypeError(f"make_experts({i}) must return a TritonExperts, got {type(experts).__name__}")
         mlp.experts = TransformersExperts(experts)
+    model.save_pretrained = BoundToModel(_refuse_save_pretrained, model)

@@ -550,7 +550,9 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
                 raise ValueError(f"{self.scheme.name}: static FP8 activations need w13_input_scale and w2_input_scale")
             _check(w13_input_scale, "w13_input_scale", (e,), (torch.float32,))
             _check(w2_input_scale, "w2_input_scale", (e,), (torch.float32,))
+            # the per-expert scales as given (what a checkpoint stores), and
             # one scale across experts, the max, as vLLM does for static per-tensor FP8
+            self._register({"w13_input_scale": w13_input_scale, "w2_input_scale": w2_input_scale})
             self.register_buffer("a13_scale", max_input_scale(w13_input_scale, "w13_input_scale"), persistent=False)
             self.register_buffer("a2_scale", max_input_scale(w2_input_scale, "w2_input_scale"), persistent=False)
         self._prepare_if_fused()

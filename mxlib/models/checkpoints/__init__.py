@@ -11,6 +11,8 @@ is written in when the caller names none.
   quantized and streamed into shards; an atomic folder write);
 * ``loader``: ``read_quant_config`` and ``load_quantized_qwen3_moe`` (emulation experts, and
   ``mxlib.moe.linear.EmulatedLinear`` for quantized linear layers outside the experts);
+* ``saving``: ``attach_checkpoint_layout`` and ``save_quantized_checkpoint``: a model's
+  ``state_dict``, ``load_state_dict`` and ``save_pretrained`` in its checkpoint layout;
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
   scalars only (``inspect_tables``, ``inspect_loss``: its tables and its predicted losses);
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
@@ -36,6 +38,7 @@ from .layout import (
 )
 from .loader import load_quantized_qwen3_moe, read_quant_config
 from .safetensors_io import SHARD_BYTES, ShardWriter, TensorReader, atomic_folder, checkpoint_size_bytes, read_json
+from .saving import CheckpointSource, attach_checkpoint_layout, save_quantized_checkpoint
 from .writer import ATTENTION_PROJS, write_quantized_checkpoint
 
 __all__ = [
@@ -45,6 +48,9 @@ __all__ = [
     "write_quantized_checkpoint",
     "load_quantized_qwen3_moe",
     "read_quant_config",
+    "attach_checkpoint_layout",
+    "save_quantized_checkpoint",
+    "CheckpointSource",
     "inspect_checkpoint",
     "InspectReport",
     "dummy_checkpoint_from_config",

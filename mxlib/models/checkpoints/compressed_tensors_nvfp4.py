@@ -96,6 +96,7 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
     name = "compressed-tensors"
     quant_method = "compressed-tensors"
     supports_linear = True
+    global_scale_kind = "encode"
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme.weight == NVFP4 and scheme.activation == NVFP4
@@ -198,6 +199,10 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         d = decode_scale.float()
         return torch.where(d > 0, (1.0 / torch.where(d > 0, d, 1.0)).to(torch.bfloat16).float(), 0.0)
 
+    def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
+        """``input_global_scale``: the stored encode scale of a calibrated decode one."""
+        return self.input_global_scale(decode_scale)
+
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
         if weights.global_scale_kind != "encode":
             raise ValueError(
@@ -207,7 +212,7 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         i = two_i // 2
         w = weights
         g13 = w.w13_weight_scale_2 if w.w13_weight_scale_2.ndim == 2 else w.w13_weight_scale_2[:, None].expand(e, 2)
-        in13, in2 = self.input_global_scale(w13_input_scale), self.input_global_scale(w2_input_scale)
+        in13, in2 = w13_input_scale, w2_input_scale  # encode scales as stored (stored_input_scale)
         out: dict[str, torch.Tensor] = {}
         for x in range(e):
             for proj, rows, p, s, g, ins in (
@@ -262,7 +267,7 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
             f"{name}.weight_packed": weights.weight.contiguous().cpu(),
             f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
             f"{name}.weight_global_scale": weights.weight_scale_2.reshape(1).float().cpu().clone(),
-            f"{name}.input_global_scale": self.input_global_scale(input_scale).reshape(1).cpu(),
+            f"{name}.input_global_scale": input_scale.reshape(1).float().cpu().clone(),
         }
 
     def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):

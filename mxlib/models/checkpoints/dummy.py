@@ -234,7 +234,9 @@ def dummy_checkpoint_from_config(
             if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax
         }
         for m in quantized_linears:
-            ins = linear_amax[m] / scheme.activation.scale_divisor if scheme.static_activation_scale else None
+            ins = None
+            if scheme.static_activation_scale:
+                ins = layout.stored_input_scale(linear_amax[m] / scheme.activation.scale_divisor)
             state.update(
                 layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme), ins, m)
             )
@@ -255,7 +257,7 @@ def dummy_checkpoint_from_config(
                 weights = quantize_expert_weights(w13, w2, scheme)
             in13 = in2 = None
             if calibration is not None:
-                in13, in2 = calibration.input_scales(layer, scheme.activation)
+                in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
             state.update(layout.expert_tensors(scheme, weights, in13, in2, prefix))
         write_shards(state, tmp, shard_bytes)
         out_cfg = dict(source)

@@ -11,7 +11,9 @@ A layout is an instance of a ``CheckpointLayout`` subclass. It must have:
 * ``read_config(qc) -> CheckpointDescription`` (raises ``CheckpointError`` naming the field);
 * ``read_legacy(folder) -> dict | None``: a ``quantization_config`` from files other than
   ``config.json`` (ModelOpt's ``hf_quant_config.json``), or None;
-* ``expert_tensors(scheme, weights, w13_input_scale, w2_input_scale, prefix) -> {name: tensor}``;
+* ``expert_tensors(scheme, weights, w13_input_scale, w2_input_scale, prefix) -> {name: tensor}``
+  (input scales in the layout's stored convention, the one ``read_experts`` returns, so that
+  ``expert_tensors`` of what ``read_experts`` read gives back the stored tensors);
 * ``read_experts(tensors, prefix, num_experts, hidden_size, intermediate_size, description)
   -> (ExpertWeights, w13_input_scale | None, w2_input_scale | None)``.
 
@@ -21,6 +23,10 @@ It may have (the base class's defaults in brackets):
   layer's experts (compressed-tensors' encode scales) [None: the writers quantize with
   ``mxlib.moe.factory.quantize_expert_weights``];
 * ``quantize_linear(weight, scheme) -> LinearWeights`` [``quantize_linear_weight``];
+* ``stored_input_scale(decode_scale) -> tensor``: calibrated decode activation scales
+  (``amax / scale_divisor``) in the convention ``expert_tensors`` and ``linear_tensors`` take
+  [as given]; ``global_scale_kind``: the kind of NVFP4 global scale it stores [``"decode"``];
+  ``legacy_files``: the config files ``read_legacy`` reads [none];
 * ``supports_linear`` [False]: True when it stores quantized ``nn.Linear`` layers outside the
   experts, with ``linear_tensors(scheme, weights, input_scale, name) -> {name: tensor}`` and
   ``read_linear(tensors, name, out_features, in_features, description) -> (LinearWeights,
@@ -110,6 +116,10 @@ class CheckpointLayout(abc.ABC):
     # True when the layout stores quantized nn.Linear layers outside the experts (attention
     # projections): it then implements linear_tensors and read_linear
     supports_linear: bool = False
+    # the kind of NVFP4 global scale (ExpertWeights.global_scale_kind) the layout stores
+    global_scale_kind: str = "decode"
+    # config files other than config.json that read_legacy reads (a saved model copies them)
+    legacy_files: tuple[str, ...] = ()
 
     @property
     @abc.abstractmethod
@@ -141,7 +151,8 @@ class CheckpointLayout(abc.ABC):
     def expert_tensors(
         self, scheme: MoEQuantScheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str
     ) -> dict:
-        """``{tensor name: tensor}`` of one layer's experts (``prefix``: ``model.layers.L.mlp.experts``)."""
+        """``{tensor name: tensor}`` of one layer's experts (``prefix``: ``model.layers.L.mlp.experts``);
+        input scales in the stored convention (``stored_input_scale``), as ``read_experts`` returns them."""
 
     @abc.abstractmethod
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
@@ -158,8 +169,14 @@ class CheckpointLayout(abc.ABC):
         """One quantized ``[out, in]`` linear weight; default ``mxlib.moe.factory.quantize_linear_weight``."""
         return quantize_linear_weight(weight, scheme)
 
+    def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
+        """Calibrated decode activation scales (``amax / scale_divisor``, fp32) in the convention
+        ``expert_tensors`` and ``linear_tensors`` take (and ``read_experts`` returns); default: as given."""
+        return decode_scale
+
     def linear_tensors(self, scheme: MoEQuantScheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        """``{tensor name: tensor}`` of one quantized linear layer ``name`` (``supports_linear`` layouts)."""
+        """``{tensor name: tensor}`` of one quantized linear layer ``name`` (``supports_linear``
+        layouts); ``input_scale`` in the stored convention (``stored_input_scale``)."""
         raise NotImplementedError(f"layout {self.name} stores no quantized linear layers (supports_linear is False)")
 
     def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):

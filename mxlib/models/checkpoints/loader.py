@@ -33,6 +33,7 @@ from .layout import (
     matches,
 )
 from .safetensors_io import TensorReader, read_json
+from .saving import _attach, read_checkpoint_source
 
 __all__ = ["read_quant_config", "load_quantized_qwen3_moe"]
 
@@ -140,7 +141,10 @@ def load_quantized_qwen3_moe(
     layer of experts read.
 
     Returns:
-        ``(model, info)`` where ``info`` is the ``CheckpointDescription``.
+        ``(model, info)`` where ``info`` is the ``CheckpointDescription``. The model carries its
+        checkpoint (``saving.attach_checkpoint_layout``): ``state_dict()`` holds the experts under
+        the checkpoint's tensor names, ``load_state_dict`` restores them, and
+        ``model.save_pretrained(path)`` writes the checkpoint in its layout, bit for bit.
 
     Quantized ``nn.Linear`` modules outside the experts (attention projections carrying the
     layout's quantized tensors and not in the ignore list) become ``EmulatedLinear``
@@ -259,9 +263,13 @@ def load_quantized_qwen3_moe(
             activation_scale_mode=info.activation_scale_mode or "even",
             activation_dtype=activation_dtype,
         )
+        if ins is not None:  # the stored scale, which the saved checkpoint stores again
+            em.register_buffer("input_scale", ins.to(device), persistent=False)
         parent, _, child = module.rpartition(".")
         setattr(modules[parent], child, em)
     tensors.close()
+    # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
+    _attach(model, read_checkpoint_source(folder, info))
     return model.to(device).eval(), info
 
 

@@ -50,6 +50,7 @@ class ModelOptNvfp4Layout(CheckpointLayout):
     name = "modelopt"
     quant_method = "modelopt"
     supports_linear = True
+    legacy_files = (_LEGACY_FILE,)
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme.weight == NVFP4 and scheme.activation == NVFP4
@@ -128,17 +129,19 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         e, two_i = weights.w13_weight.shape[:2]
         i = two_i // 2
         w = weights
+        # w13_weight_scale_2: [E] (gate and up share one) or [E, 2] (each its own)
+        g13 = w.w13_weight_scale_2 if w.w13_weight_scale_2.ndim == 2 else w.w13_weight_scale_2[:, None].expand(e, 2)
         out: dict[str, torch.Tensor] = {}
         for x in range(e):
             for proj, rows, p, s, g, ins in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, w.w13_weight_scale_2, w13_input_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale, w.w13_weight_scale_2, w13_input_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w.w2_weight_scale_2, w2_input_scale),
+                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, g13[x, 0], w13_input_scale),
+                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale, g13[x, 1], w13_input_scale),
+                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w.w2_weight_scale_2[x], w2_input_scale),
             ):
                 base = f"{prefix}.{x}.{proj}"
                 out[f"{base}.weight"] = p[x, rows].contiguous().cpu()
                 out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
-                out[f"{base}.weight_scale_2"] = g[x].reshape(()).float().cpu().clone()
+                out[f"{base}.weight_scale_2"] = g.reshape(()).float().cpu().clone()
                 out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
         return out
 

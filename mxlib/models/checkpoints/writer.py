@@ -126,7 +126,9 @@ def write_quantized_checkpoint(
             w = modules[name].weight.detach()
             ins = None
             if scheme.static_activation_scale:
-                ins = linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
+                ins = layout.stored_input_scale(
+                    linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
+                )
             for n, t in layout.linear_tensors(scheme, layout.quantize_linear(w, scheme), ins, name).items():
                 shards.add(n, t, copy=True)
         for layer in tqdm(range(num_layers), desc="quantizing experts", unit="layer", disable=not progress):
@@ -136,7 +138,7 @@ def write_quantized_checkpoint(
             layer_weights = layout.quantize_experts(w13, w2, scheme)
             in13 = in2 = None
             if scheme.static_activation_scale:
-                in13, in2 = calibration.input_scales(layer, scheme.activation)
+                in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
             prefix = f"model.layers.{layer}.mlp.experts"
             for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
                 if layer_weights is None:
