@@ -13,7 +13,8 @@ temporary folder with ``python -m build`` (the sdist, then the wheel from the sd
 - the sdist holds what a wheel is built from (pyproject.toml, README, LICENSE, the notebooks);
 - the wheel installed into a folder of its own (``pip install --no-deps --target``) and run from outside
   the checkout: ``python -m mxlib.workbook --only 00 --out DIR`` finds the installed notebooks and
-  writes the executed one into DIR, and nothing into the installed folder.
+  writes the executed one into DIR, and nothing into the installed folder; its checkpoint cache is
+  under ``$XDG_CACHE_HOME/mxlib``.
 """
 
 import email.parser
@@ -149,15 +150,21 @@ def test_the_installed_wheel_runs_a_notebook_from_its_package_data(dist, tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MXLIB_CACHE")}
     env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(tmp_path / "cache"))
     where = subprocess.run(
-        [sys.executable, "-c", "import mxlib.workbook.runner as r; print(r.__file__); print(r.default_notebooks())"],
+        [
+            sys.executable,
+            "-c",
+            "import mxlib.workbook.runner as r, mxlib.workbook.steps as s\n"
+            "print(r.__file__); print(r.default_notebooks()); print(s.default_cache_dir())",
+        ],
         cwd=elsewhere,
         env=env,
         capture_output=True,
         text=True,
     )
     assert where.returncode == 0, where.stderr
-    module, notebooks = where.stdout.split()
+    module, notebooks, cache = where.stdout.split()
     assert Path(module).is_relative_to(site) and Path(notebooks) == site / "mxlib" / "notebooks", where.stdout
+    assert Path(cache) == tmp_path / "cache" / "mxlib" / "checkpoints", where.stdout  # $XDG_CACHE_HOME/mxlib
     run = subprocess.run(
         [sys.executable, "-m", "mxlib.workbook", "--only", "00", "--out", "executed"],
         cwd=elsewhere,
