@@ -53,7 +53,7 @@ lint: $(STAMP)
 # notebook runs from the wheel installed apart from the checkout.
 DIST := build/dist
 dist: $(STAMP)
-	rm -rf $(DIST)
+	rm -rf $(DIST) mxlib.egg-info
 	$(PY) -m build --outdir $(DIST) .
 	$(VENV)/bin/twine check --strict $(DIST)/*
 	MXLIB_DIST=$(CURDIR)/$(DIST) $(PY) -m pytest -p no:xdist -q tests/test_wheel.py
