@@ -1,9 +1,9 @@
 """The sdist and the wheel: what they hold, what they require, and the workbook run from an installed wheel.
 
-The fast test reads pyproject.toml: every subpackage of ``mxlib/`` is listed in its packages (a package
-mapped from outside ``mxlib/``, ``mxlib.notebooks``, rules out ``packages.find``). The others (marked
-slow) take the files of ``make dist`` when ``MXLIB_DIST`` names its folder, else build both into a
-temporary folder with ``python -m build`` (the sdist, then the wheel from the sdist), and check:
+The fast test reads pyproject.toml and setup.py: ``mxlib.notebooks`` is mapped onto ``notebooks/`` and
+ships its ``*.ipynb``; setup.py adds it to the packages found under ``mxlib/``. The others (marked slow)
+take the files of ``make dist`` when ``MXLIB_DIST`` names its folder, else build both into a temporary
+folder with ``python -m build`` (the sdist, then the wheel from the sdist), and check:
 
 - the wheel holds exactly the package's modules (every ``mxlib/**/*.py`` of the checkout), ``py.typed``,
   ``mxlib/notebooks/`` with every ``notebooks/*.ipynb`` byte for byte, and the LICENSE in its
@@ -34,20 +34,14 @@ NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
 EXTRA_ONLY = ("jupyter", "jupyterlab", "notebook", "papermill", "nbval", "nbconvert", "ipykernel", "ipywidgets")
 
 
-def test_pyproject_lists_every_subpackage():
+def test_the_notebooks_are_a_package_mapped_onto_the_notebooks_folder():
     tomllib = pytest.importorskip("tomllib")
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mxlib").rglob("__init__.py")} | {
-        "mxlib.notebooks"
-    }
-    listed = set(config["packages"])
-    assert listed == on_disk, (
-        f"[tool.setuptools] packages in pyproject.toml: add {sorted(on_disk - listed)}, "
-        f"remove {sorted(listed - on_disk)}"
-    )
+    assert "packages" not in config, "setup.py lists the packages; a list in pyproject.toml would replace it"
     assert config["package-dir"] == {"mxlib.notebooks": "notebooks"}
-    assert (ROOT / "notebooks" / "__init__.py").is_file()
     assert "*.ipynb" in config["package-data"]["mxlib.notebooks"]
+    assert (ROOT / "notebooks" / "__init__.py").is_file()
+    assert '+ ["mxlib.notebooks"]' in (ROOT / "setup.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +117,7 @@ def test_the_wheel_metadata_keeps_the_notebook_stack_in_extras(dist):
 def test_the_sdist_holds_what_the_wheel_is_built_from(dist):
     with tarfile.open(dist["sdist"]) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
-    needed = {"pyproject.toml", "README.md", "LICENSE", "mxlib/py.typed", "notebooks/__init__.py"}
+    needed = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "mxlib/py.typed", "notebooks/__init__.py"}
     needed |= {f"notebooks/{n}" for n in NOTEBOOKS}
     assert needed <= names, sorted(needed - names)
     assert not [n for n in names if n.startswith(("build/", ".venv/", ".git/", ".ci/"))], sorted(names)
