@@ -3,7 +3,7 @@
 #   make test       the fast tier (unit and Triton-interpreter tests), then the notebook, rendering and
 #                   slow tests (every notebook at the tiny model preset), then nbval over the light notebooks
 # Also: make test-fast (the fast tier alone, a few minutes), make lint (ruff, notebooks without outputs),
-# make lab (JupyterLab on the notebooks), make bench (GPU benchmarks).
+# make dist (sdist and wheel built and checked), make lab (JupyterLab on the notebooks), make bench (GPU benchmarks).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 export MALLOC_TRIM_THRESHOLD_ ?= 4000000000
 export MALLOC_MMAP_THRESHOLD_ ?= 4000000000
 
-.PHONY: install test test-fast test-rest test-notebooks lint workbook bench clean
+.PHONY: install test test-fast test-rest test-notebooks lint dist workbook bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check mxlib tests tools
 	$(VENV)/bin/nbstripout --keep-id --verify notebooks/*.ipynb
 
+# The sdist and the wheel, built as a release would be (python -m build: the sdist, then the wheel from it),
+# twine's metadata and README check, then tests/test_wheel.py on these files: the wheel holds the package,
+# py.typed, the notebooks and LICENSE and nothing else; no notebook or test tool outside the extras; one
+# notebook runs from the wheel installed apart from the checkout.
+DIST := build/dist
+dist: $(STAMP)
+	rm -rf $(DIST) mxlib.egg-info
+	$(PY) -m build --outdir $(DIST) .
+	$(VENV)/bin/twine check --strict $(DIST)/*
+	MXLIB_DIST=$(CURDIR)/$(DIST) $(PY) -m pytest -p no:xdist -q tests/test_wheel.py
+
 # nbval executes the notebooks whose defaults are light; the full-size defaults (3 B parameters) run in
 # `make workbook` only.
 NBVAL_NOTEBOOKS := notebooks/02_microscaling_formats.ipynb notebooks/05_fused_emulation_benchmark.ipynb
@@ -63,7 +74,14 @@ bench: $(STAMP)
 clean:
 	rm -rf build .pytest_cache
 
-# JupyterLab on the notebooks (plotly figures and the explorer widgets render in it).
+# JupyterLab on the notebooks (plotly figures and the explorer widgets render in it), started by
+# tools/lab.sh (tests/test_lab.py starts the same script): no browser opened, on LAB_IP:LAB_PORT (a port in
+# use is an error), --allow-root only when run as root; the URL with the token is printed. It opens the
+# tracked notebooks themselves and saves them without outputs (nbstripout --keep-id before each write,
+# tools/jupyter_lab_config.py), so an edit lands in notebooks/ in the form make lint wants; executed copies
+# with outputs come from make workbook. From a container: make lab LAB_IP=0.0.0.0.
+LAB_IP ?= 127.0.0.1
+LAB_PORT ?= 8888
 .PHONY: lab
 lab: $(STAMP)
-	MXLIB_CACHE=$(CURDIR)/build/checkpoints $(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	MXLIB_CACHE=$(CURDIR)/build/checkpoints LAB_IP=$(LAB_IP) LAB_PORT=$(LAB_PORT) sh tools/lab.sh $(PY) notebooks

@@ -7,11 +7,16 @@ embedded). The notebooks run with ``<out>`` as their working directory and write
 JSON to ``<out>/results/<name>.json``; nothing else is written (the checkpoint cache is
 ``mxlib.workbook.steps.default_cache_dir()``: ``$MXLIB_CACHE``, else the user's cache folder).
 
-Options: ``--notebooks DIR`` (default: the ``notebooks/`` folder of the source checkout mxlib runs
-from; an installed mxlib has none, so it must be given), ``--out DIR`` (default ``build/workbook``
-under the current directory), ``--only NAME`` (the entries whose name contains NAME),
-``--model-preset NAME`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``, passed to every notebook
-that takes one). A bad option is refused with one line naming it and the valid values, exit code 2.
+Options: ``--notebooks DIR`` (default: ``default_notebooks()``, the notebooks shipped with mxlib:
+the ``notebooks/`` folder of the source checkout mxlib runs from, else the installed package
+data ``mxlib.notebooks``), ``--out DIR`` (default ``build/workbook`` under the current directory;
+never inside the notebooks folder or the installed packages), ``--only NAME`` (the entries whose
+name contains NAME), ``--model-preset NAME`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``,
+passed to every notebook that takes one). A bad option is refused with one line naming it and the
+valid values, exit code 2, before any notebook runs.
+
+Needs the ``workbook`` extra (``pip install 'mxlib[workbook]'``: papermill, nbconvert, a kernel);
+importing this module without it raises ``ModuleNotFoundError`` naming the extra.
 """
 
 from __future__ import annotations
@@ -19,14 +24,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import sysconfig
 import time
+from importlib import resources
 from pathlib import Path
 from queue import Empty
 
-import nbformat
-import papermill as pm
-from jupyter_client.channels import AsyncZMQSocketChannel
-from nbconvert import HTMLExporter
+try:
+    import nbformat
+    import papermill as pm
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from nbconvert import HTMLExporter
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(
+        f"the workbook runner needs the workbook extra, pip install 'mxlib[workbook]' ({err})", name=err.name
+    ) from err
 
 from ..models.qwen3 import MODEL_PRESETS
 
@@ -35,7 +47,10 @@ __all__ = [
     "CELL_TIMEOUT_S",
     "CHANNEL_POLL_S",
     "poll_kernel_channels_in_slices",
+    "NOTEBOOKS_PACKAGE",
     "source_notebooks",
+    "installed_notebooks",
+    "default_notebooks",
     "workbook_entries",
     "run",
     "main",
@@ -49,6 +64,8 @@ WORKBOOK: list[tuple[str, str, dict]] = [
     ("01_end_to_end-mxfp4", "01_end_to_end.ipynb", {"scheme": "mxfp4"}),
 ]
 
+
+NOTEBOOKS_PACKAGE = "mxlib.notebooks"  # the installed notebooks: package data of this package (pyproject.toml)
 
 CHANNEL_POLL_S = 0.5  # the longest one wait on a kernel channel lasts before it looks again (see below)
 
@@ -91,6 +108,37 @@ def source_notebooks() -> Path | None:
     if (root / "pyproject.toml").is_file() and notebooks.is_dir():
         return notebooks
     return None
+
+
+def installed_notebooks() -> Path | None:
+    """The folder of the installed package ``NOTEBOOKS_PACKAGE`` (``importlib.resources``), where a
+    wheel of mxlib puts the notebooks; None when that package cannot be imported or is not a folder
+    on disk (a zipped install)."""
+    try:
+        folder = resources.files(NOTEBOOKS_PACKAGE)
+    except ModuleNotFoundError:
+        return None
+    return folder if isinstance(folder, Path) and folder.is_dir() else None
+
+
+def default_notebooks() -> Path | None:
+    """The notebooks shipped with the mxlib that runs: its source checkout's ``notebooks/`` folder
+    (the code and the notebooks of one checkout; an editable install maps ``mxlib.notebooks`` onto
+    the same folder), else ``installed_notebooks()``; None when there are neither."""
+    return source_notebooks() or installed_notebooks()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def forbidden_out(out: Path, notebooks: Path) -> Path | None:
+    """The folder ``out`` must stay out of, or None: the notebooks folder (executed copies would
+    replace or mix with the sources) and the installed packages (``sysconfig``'s purelib and
+    platlib, where an installed mxlib lives)."""
+    out = out.resolve()
+    folders = [notebooks.resolve()] + [Path(sysconfig.get_path(k)).resolve() for k in ("purelib", "platlib")]
+    return next((f for f in folders if _inside(out, f)), None)
 
 
 def workbook_entries(notebooks: Path) -> list[tuple[str, str, dict]]:
@@ -154,11 +202,12 @@ class _OptionError(ValueError):
 def _check_options(args) -> Path:
     """The notebooks folder, once every option is checked (``_OptionError`` naming the option)."""
     if args.notebooks is None:
-        notebooks = source_notebooks()
+        notebooks = default_notebooks()
         if notebooks is None:
             raise _OptionError(
-                "--notebooks: mxlib does not run from a source checkout, so there is no default "
-                "notebooks folder; pass --notebooks DIR (a folder holding the workbook's .ipynb files)"
+                f"--notebooks: this mxlib has no notebooks (not a source checkout, and the package "
+                f"{NOTEBOOKS_PACKAGE} is not installed as a folder); pass --notebooks DIR (a folder holding the "
+                f"workbook's .ipynb files)"
             )
     else:
         notebooks = Path(args.notebooks)
@@ -173,23 +222,42 @@ def _check_options(args) -> Path:
         raise _OptionError(f"--only: expected a part of one of {names}, got {args.only!r}")
     if args.model_preset is not None and args.model_preset not in MODEL_PRESETS:
         raise _OptionError(f"--model-preset: expected one of {list(MODEL_PRESETS)}, got {args.model_preset!r}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
         raise _OptionError(f"--out: expected a folder (created if absent), got {args.out!r} (a file)")
+    forbidden = forbidden_out(out, notebooks)
+    if forbidden is not None:
+        raise _OptionError(
+            f"--out: expected a folder outside {str(forbidden)!r} (the notebooks folder and the installed packages "
+            f"stay as installed), got {args.out!r}"
+        )
     return notebooks
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m mxlib.workbook", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main(argv: list[str] | None = None, prog: str = "python -m mxlib.workbook") -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the workbook, print each notebook's time;
+    returns the exit code: 0, or 2 for a bad option (one line on stderr naming it, nothing run).
+    ``prog`` names the command in the usage and error lines (``mxlib workbook`` for the console
+    script's subcommand)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--notebooks",
+        default=None,
+        help="the folder of the notebooks (default: the ones shipped with mxlib, from its checkout or its installed "
+        "package data)",
     )
-    ap.add_argument("--notebooks", default=None, help="the folder of the notebooks (default: the source checkout's)")
     ap.add_argument(
         "--out",
         default=os.path.join("build", "workbook"),
         help="the output folder, relative to the current directory (default: build/workbook)",
     )
-    ap.add_argument("--only", default=None, help="run the entries whose name contains this")
-    ap.add_argument("--model-preset", default=None, help="model size for the notebooks that take one (small, tiny)")
+    ap.add_argument("--only", default=None, help="run the entries whose name contains this (e.g. 02)")
+    ap.add_argument(
+        "--model-preset",
+        default=None,
+        metavar="NAME",
+        help=f"model size for the notebooks that take one, one of {list(MODEL_PRESETS)} (default: each notebook's)",
+    )
     args = ap.parse_args(argv)
     try:
         notebooks = _check_options(args)
