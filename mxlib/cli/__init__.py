@@ -288,7 +288,7 @@ def _workbook(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_workbook(argv)
+    return run_workbook(argv, prog=f"{PROG} workbook")
 
 
 @contextlib.contextmanager
