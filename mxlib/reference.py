@@ -69,9 +69,13 @@ import math
 import torch
 
 from ._checks import (
+    E8M0_DTYPES,
     GLOBAL_SCALE_MAX,
     GLOBAL_SCALE_MIN,
+    as_storage_dtype,
+    check_storage_dtype,
     nvfp4_dequant_args,
+    packed_dtypes,
 )
 from ._checks import (
     as_uint8 as _as_uint8,
@@ -309,8 +313,7 @@ def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
     Byte 0 decodes to ``2**-127`` (an fp32 subnormal), not to zero.
     """
-    allowed = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    b = _as_uint8(scale, "scale", allowed).to(torch.int32)
+    b = _as_uint8(scale, "scale", E8M0_DTYPES).to(torch.int32)
     v = _exp2i(b - E8M0_BIAS)
     return torch.where(b == E8M0_NAN_BYTE, torch.nan, v)
 
@@ -350,8 +353,7 @@ def unpack_codes(packed: torch.Tensor, element: str | ElementFormat) -> torch.Te
         ValueError: an FP6 ``packed_k`` that is not a multiple of 3.
     """
     fmt = get_element_format(element)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = _as_uint8(packed, "packed", allowed)
+    packed = _as_uint8(packed, "packed", packed_dtypes(fmt))
     pk = packed.shape[-1]
     if fmt.nbits == 8:
         return packed.clone()
@@ -380,27 +382,39 @@ def quantize_mx(
     element: str = "e2m1",
     block_size: int = MX_BLOCK_SIZE,
     scale_mode: str = "even",
+    *,
+    packed_dtype: torch.dtype = torch.uint8,
+    scale_dtype: torch.dtype = torch.uint8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to an OCP MX format: packed element codes and E8M0 scale bytes.
 
     Args:
         x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
-        element: ``e2m1`` (MXFP4), ``e2m3`` / ``e3m2`` (MXFP6), ``e4m3`` / ``e5m2`` (MXFP8).
+        element: ``e2m1`` (MXFP4), ``e2m3`` / ``e3m2`` (MXFP6), ``e4m3`` / ``e5m2`` (MXFP8), or the
+            torch dtype of one (``torch.float4_e2m1fn_x2``, ``torch.float8_e4m3fn``, ...).
         block_size: elements per shared scale along the last axis (OCP MX: 32).
         scale_mode: ``floor``, ``even`` (default, as Quark and vLLM) or ``rceil``; see ``e8m0_scale``.
+            torchao's ``to_mx`` defaults to ``floor``: pass ``scale_mode="floor"`` for its bytes.
+        packed_dtype: dtype of the returned data: ``torch.uint8`` (default), or a view as
+            ``torch.float4_e2m1fn_x2`` (e2m1) / ``torch.float8_e4m3fn`` (e4m3) / ``torch.float8_e5m2``
+            (e5m2); FP6 has no torch dtype.
+        scale_dtype: ``torch.uint8`` (default) or ``torch.float8_e8m0fnu`` (a view of the same bytes).
 
     Returns:
-        ``(packed, scale)``: ``packed`` uint8 ``[..., k * bits / 8]`` (``pack_codes``),
-        ``scale`` uint8 ``[..., k / block_size]`` E8M0 bytes. Elements of a block whose
-        scale is NaN (0xFF) are stored as code 0.
+        ``(packed, scale)`` (torchao's ``to_mx`` returns ``(scale, data)``, the other order):
+        ``packed`` ``[..., k * bits / 8]`` (``pack_codes``), ``scale`` ``[..., k / block_size]``
+        E8M0 bytes, ``2**(b - 127)``. Elements of a block whose scale is NaN (0xFF) are stored as code 0.
 
     Raises:
-        TypeError: ``x`` is not float32/bfloat16/float16.
+        TypeError: ``x`` is not float32/bfloat16/float16; a ``packed_dtype`` or ``scale_dtype`` that
+            does not hold this format.
         ValueError: ``k`` is not a multiple of ``block_size``; ``block_size`` is not a power of
             two from 2 to 1024; unknown element or scale_mode.
     """
     fmt = get_element_format(element)
     get_scale_mode(scale_mode)
+    check_storage_dtype(packed_dtype, packed_dtypes(fmt), "packed_dtype")
+    check_storage_dtype(scale_dtype, E8M0_DTYPES, "scale_dtype")
     _check_float(x, "x")
     _check_block(x.shape[-1], block_size, "x")
     fmt.packed_size(block_size)
@@ -415,7 +429,8 @@ def quantize_mx(
         codes = torch.where((byte == E8M0_NAN_BYTE).unsqueeze(-1), 0, codes).to(torch.uint8)
         packed[rows] = pack_codes(codes.reshape(-1, k), fmt)
         scale[rows] = byte
-    return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
+    packed = as_storage_dtype(packed.reshape(*lead, packed.shape[-1]), packed_dtype, packed_dtypes(fmt), "packed_dtype")
+    return packed, as_storage_dtype(scale.reshape(*lead, scale.shape[-1]), scale_dtype, E8M0_DTYPES, "scale_dtype")
 
 
 def dequantize_mx(
@@ -428,7 +443,9 @@ def dequantize_mx(
     """Dequantize OCP MX data: ``code_value * 2**(scale - 127)``, exact in fp32, one cast.
 
     Args:
-        packed: uint8 ``[..., packed_k]`` as written by ``quantize_mx`` (or a Quark checkpoint).
+        packed: uint8 ``[..., packed_k]`` as written by ``quantize_mx`` (or a Quark checkpoint), or
+            the same bytes as ``torch.float4_e2m1fn_x2`` (e2m1) / ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2`` (torchao's ``to_mx`` data).
         scale: uint8 (or float8_e8m0fnu) ``[..., k / block_size]``.
         element, block_size: as for ``quantize_mx``.
         dtype: output dtype (float32, bfloat16 or float16).

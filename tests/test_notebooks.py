@@ -28,7 +28,7 @@ NOTEBOOKS = ROOT / "notebooks"
 # The parameters each notebook runs on here; tests/test_render.py renders the same executions.
 NOTEBOOK_PARAMS: dict[str, dict] = {
     "01_end_to_end-nvfp4": dict(scheme="nvfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
-    "01_end_to_end-mxfp4": dict(scheme="mxfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
+    "01_end_to_end-mxfp4": dict(scheme="w_mxfp4_a_mxfp4", model_preset="tiny", num_tokens=16, calib_tokens=64),
     "02_microscaling_formats": dict(num_rows=16, row_length=1024),
     "03_scheme_comparison": dict(model_preset="tiny", calib_tokens=64),
     # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
