@@ -572,7 +572,11 @@ def ref_nvfp4_quant_dequant(
     """NVFP4 QDQ of activations, vLLM's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
 
     ``dq = e2m1 * (block_scale / global_scale)`` in fp32, cast once to ``dtype``
-    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``. ``check_scale=False``
+    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``: ``global_scale`` is the fp32
+    *encode* scale ``1 / input_scale`` (about ``2688 / amax``; it multiplies ``x`` before the
+    rounding), one element or one per leading index, the reciprocal of the checkpoint's decode
+    ``input_scale``. ``dequantize_to_dtype``'s ``global_scale`` is a *decode* scale (vLLM names
+    both ``global_scale``; docs/api-mapping.md has the table). ``check_scale=False``
     skips the value check of ``global_scale`` (a host synchronization for a device tensor),
     for callers that validated it once, such as the experts' forward; the check is also
     skipped during CUDA-graph capture.
@@ -624,7 +628,8 @@ def compressed_tensors_nvfp4_quant_dequant(
 def nvfp4_block_stats(
     x: torch.Tensor, global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
 ) -> dict[str, torch.Tensor]:
-    """What NVFP4 activation QDQ (vLLM's arithmetic) does to each block of ``x``.
+    """What NVFP4 activation QDQ (vLLM's arithmetic) does to each block of ``x``; ``global_scale`` is
+    the fp32 *encode* scale, as for ``ref_nvfp4_quant_dequant``.
 
     Returns tensors shaped ``[..., k / block_size]`` (``scale_code``, ``subnormal``,
     ``flushed``) and ``[..., k]`` (``clipped``):
@@ -768,11 +773,15 @@ def dequantize_to_dtype(
     """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
 
     Args:
-        tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
+        tensor_fp4: packed uint8 (or ``torch.float4_e2m1fn_x2``) ``[m, k/2]`` or ``[E, m, k/2]``
+            (even element in the low nibble).
         tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
             with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
-        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``,
-            every value in ``[2**-126, 2**126]``.
+        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``, torchao's NVFP4
+            ``per_tensor_scale``: ``amax / 2688``; it multiplies the codes): one element, or ``[E]``,
+            every value in ``[2**-126, 2**126]``. Not the *encode* scale that the activation QDQ
+            (``ref_nvfp4_quant_dequant``) calls ``global_scale``; ``global_scale_kind="encode"``
+            takes an encode scale here.
         dtype: output dtype.
         block_size: 16.
         swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
@@ -855,9 +864,21 @@ def quant_dequant_fp8_per_tensor(
 
 
 def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> torch.Tensor:
-    """QDQ by scheme name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
-    ``mxfp8_e5m2`` (keyword ``scale_mode``), or ``nvfp4`` (needs ``global_scale``, the
-    encode scale; ``None`` uses ``2688 / amax(x)``, the value calibration on ``x`` gives).
+    """QDQ of one tensor by block-format name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
+    ``mxfp8_e5m2`` (keyword ``scale_mode``, default ``even``), or ``nvfp4`` (``global_scale``: the
+    fp32 *encode* scale ``1 / input_scale`` of ``ref_nvfp4_quant_dequant``; ``None`` uses
+    ``2688 / amax(x)``, the value calibration on ``x`` gives).
+
+    ``scheme`` names how this one tensor is stored (``mxlib.formats.BLOCK_SCHEMES``), not a MoE
+    scheme: ``mxfp4`` here is the MXFP4 format, whatever quantizes the other tensors of a layer.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16, ``k`` a multiple of the format's block size.
+        kwargs: passed to ``quant_dequant_mx`` (``scale_mode``, ``dtype``) or
+            ``ref_nvfp4_quant_dequant`` (``multiplier``, ``dtype``, ``check_scale``).
+
+    Returns:
+        Tensor shaped like ``x`` (dtype ``x.dtype`` unless ``dtype`` is given).
 
     The derived NVFP4 scale takes ``amax`` over the *finite* values of ``x`` only, so one
     Inf or NaN spoils only its own block (the Inf rule of ``ref_nvfp4_quant_dequant``), not
@@ -865,7 +886,7 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     (all zero, all Inf/NaN, or empty) it is 1.
 
     Raises:
-        ValueError: unknown scheme name.
+        ValueError: unknown format name; ``global_scale`` given for an OCP MX format.
     """
     s = get_block_scheme(scheme)
     if s.has_global_scale:

@@ -362,7 +362,16 @@ def expert_weights(model, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def swap_experts(model, make_experts) -> None:
-    """Replace each layer's experts module by ``TransformersExperts(make_experts(layer_index))``."""
+    """Replace each MoE layer's experts module by ``TransformersExperts(make_experts(layer_index))``.
+
+    Args:
+        model: a transformers ``Qwen3MoeForCausalLM`` (its ``model.layers[i].mlp.experts`` are replaced).
+        make_experts: ``layer_index -> TritonExperts`` (an emulation subclass, e.g. from
+            ``make_emulation_experts(scheme, quantize_expert_weights(*expert_weights(model, i), scheme))``).
+
+    Raises:
+        TypeError: ``make_experts`` returned something other than a ``TritonExperts``.
+    """
     for i, mlp in enumerate(moe_layers(model)):
         experts = make_experts(i)
         if not isinstance(experts, TritonExperts):
