@@ -60,6 +60,13 @@ block scale of an all-zero block (``zero_block_scale="one"``, the default);
 Packing: FP4 two codes per byte, the even element in the low nibble; FP6 four
 codes ``v0..v3`` in three bytes as ``v0 | v1 << 6 | v2 << 12 | v3 << 18``,
 little-endian (AMD Quark's layout); FP8 one code per byte.
+
+For torchao users (docs/api-mapping.md): ``quantize_mx`` returns ``(packed, scale)`` where
+torchao's ``to_mx`` returns ``(scale, data)``; mxlib's default E8M0 rule is ``even``, torchao's
+``floor``; scales are uint8 unless ``scale_dtype=torch.float8_e8m0fnu``, and the decoding functions take
+``float8_e8m0fnu`` scales and ``float4_e2m1fn_x2`` / float8 data as input. NVFP4 ``global_scale`` is
+the encode scale in the activation QDQ functions and the decode scale in ``dequantize_to_dtype``
+(vLLM's names for both), as each docstring states.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ The experts' ``torch`` backend traces the activation QDQ and runs the loop over 
 received tokens (which ones is data-dependent) as one opaque op, ``mxlib::torch_experts_apply``.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -141,6 +143,18 @@ def test_experts_torch_backend_traces_into_one_graph(case):
 @pytest.mark.parametrize("case", ["nvfp4", "w_mxfp4_a_mxfp4"])
 def test_experts_torch_backend_inductor_bits_equal_eager(case):
     _check_experts(case, "inductor")
+
+
+def test_a_copy_of_the_experts_runs_its_own_loop_when_compiled():
+    x, w13, w2, tw, ti = _layer()
+    experts = _experts("w_mxfp4_a_mxfp4", w13, w2)
+    clone = copy.deepcopy(experts)
+    with torch.no_grad():
+        clone.w2_weight_scale.sub_(1)  # halves every w2 scale of the copy only
+    torch._dynamo.reset()
+    got = torch.compile(clone, fullgraph=True, backend="aot_eager")(x, tw, ti)
+    assert_bits_equal(got, clone(x, tw, ti))
+    assert not torch.equal(got, experts(x, tw, ti))
 
 
 def test_experts_value_checks_still_run_in_eager():

@@ -161,6 +161,10 @@ class TritonExperts(torch.nn.Module):
             self._dims = (e, h, two_i // 2)
             self.activation_dtype = w13.dtype
 
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._handle = _register_experts(self)  # a copy (deepcopy, pickle) is its own experts
+
     # sizes
     @property
     def num_experts(self) -> int:
