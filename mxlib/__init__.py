@@ -33,9 +33,7 @@ error metrics; ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the n
 ``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.
 """
 
-from __future__ import annotations
-
-import importlib
+import importlib as _importlib
 
 __version__ = "0.1.0"
 
@@ -75,10 +73,10 @@ def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'mxlib' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
