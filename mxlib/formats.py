@@ -404,10 +404,17 @@ def get_block_scheme(scheme: str | BlockScheme) -> BlockScheme:
     """Look up a block scheme (``mxfp4`` ... ``nvfp4``).
 
     Raises:
-        ValueError: the name is unknown; the message lists the known names.
+        ValueError: the name is unknown, or a dtype was given (``torch.float4_e2m1fn_x2`` is the
+            element of both ``mxfp4`` and ``nvfp4``); the message lists the known names.
     """
     if isinstance(scheme, BlockScheme):
         return scheme
+    if not isinstance(scheme, str) and _dtype_name(scheme) is not None:
+        raise ValueError(
+            f"scheme: dtype {scheme} names an element format, not a block scheme (block size and scale "
+            f"format too); pass it as the element of quantize_mx / quant_dequant_mx, or name one of "
+            f"{list(BLOCK_SCHEMES)}"
+        )
     try:
         return BLOCK_SCHEMES[scheme]
     except (KeyError, TypeError):

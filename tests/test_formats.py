@@ -166,3 +166,9 @@ def test_dtypes_that_are_not_element_formats_are_refused(dtype_name, why):
 def test_unknown_names_still_list_the_known_ones():
     with pytest.raises(ValueError, match="unknown element format 'e3m4'.*e2m1.*float8_e4m3fn"):
         get_element_format("e3m4")
+
+
+def test_a_dtype_is_not_a_block_scheme():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"scheme: dtype torch\.float4_e2m1fn_x2 names an element format.*'mxfp4'"):
+        get_block_scheme(torch.float4_e2m1fn_x2)  # mxfp4 or nvfp4: the block size and scale say which
