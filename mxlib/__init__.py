@@ -1,12 +1,82 @@
 """mxlib: microscaling (OCP MX, NVFP4) quantization emulation for Mixture-of-Experts models.
 
-``mxlib.formats``    the format table; ``mxlib.reference`` the pure-PyTorch oracle;
-``mxlib.kernels``    Triton twins (Triton's interpreter on machines without CUDA);
-``mxlib.moe``        schemes, routing, the fused-MoE experts, their emulation subclasses and their factory;
-``mxlib.models``     the Qwen3-30B-A3B preset, calibration, checkpoint layouts (ModelOpt, Quark);
-``mxlib.analysis``   error metrics; ``mxlib.cases`` named corner cases;
-``mxlib.workbook``   what the notebooks call (pipeline steps, studies, explorers, checks, figures, the runner);
-``mxlib.cli``        the notebooks' code paths as commands; ``mxlib.bench`` GPU benchmarks.
+The common tasks, from ``import mxlib`` (each name is the function of the module listed, loaded
+on first use: importing ``mxlib`` itself imports neither torch, transformers nor triton):
+
+Tensors (``mxlib.reference``, pure PyTorch; the Triton twins are in ``mxlib.kernels``):
+    ``quantize_mx`` / ``dequantize_mx`` / ``quant_dequant_mx``   OCP MX (MXFP4, MXFP6, MXFP8)
+    ``quantize_nvfp4`` / ``dequantize_to_dtype``               NVFP4 weights (ModelOpt, vLLM)
+    ``ref_nvfp4_quant_dequant``                                NVFP4 activation QDQ (vLLM)
+    ``quant_dequant``                                          QDQ by format name
+    ``get_element_format``, ``get_block_scheme``               the format table (``mxlib.formats``)
+
+MoE experts (``mxlib.moe``):
+    ``get_moe_scheme``                     a scheme by name (``w_mxfp4_a_mxfp4``, ``nvfp4``, ...)
+    ``quantize_expert_weights``            one layer's bf16 experts -> ``ExpertWeights``
+    ``make_emulation_experts``             the scheme's emulation experts from quantized weights
+    ``Nvfp4QuantizationEmulationTritonExperts``, ``OCP_MXQuantizationEmulationTritonExperts``,
+    ``TritonExperts``                      the experts classes (vLLM's names)
+    ``fused_topk``                         the router (softmax, top-k, renormalize)
+
+Models and checkpoints (``mxlib.models``, transformers' Qwen3-MoE):
+    ``swap_experts``                       put mxlib experts into a transformers model
+    ``write_quantized_checkpoint``         a bf16 model -> a quantized checkpoint folder
+    ``load_quantized_qwen3_moe``           a checkpoint (ModelOpt, Quark, compressed-tensors) -> model
+    ``inspect_checkpoint``                 describe a checkpoint from its configs and headers
+
+The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pure-PyTorch oracle;
+``mxlib.kernels`` Triton twins (Triton's interpreter on machines without CUDA); ``mxlib.moe``
+schemes, routing, the fused-MoE experts, their emulation subclasses and their factory;
+``mxlib.models`` the Qwen3-30B-A3B preset, calibration, checkpoint layouts; ``mxlib.analysis``
+error metrics; ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the notebooks call;
+``mxlib.cli`` the notebooks' code paths as commands; ``mxlib.bench`` GPU benchmarks.
+``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.
 """
 
+import importlib as _importlib
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it (PEP 562: imported on first attribute access)
+_LAZY: dict[str, str] = {
+    # tensors
+    "quantize_mx": "mxlib.reference",
+    "dequantize_mx": "mxlib.reference",
+    "quant_dequant_mx": "mxlib.reference",
+    "quantize_nvfp4": "mxlib.reference",
+    "dequantize_to_dtype": "mxlib.reference",
+    "ref_nvfp4_quant_dequant": "mxlib.reference",
+    "quant_dequant": "mxlib.reference",
+    "get_element_format": "mxlib.formats",
+    "get_block_scheme": "mxlib.formats",
+    # MoE experts
+    "get_moe_scheme": "mxlib.moe.schemes",
+    "MoEQuantScheme": "mxlib.moe.schemes",
+    "ExpertWeights": "mxlib.moe.emulation",
+    "quantize_expert_weights": "mxlib.moe.factory",
+    "make_emulation_experts": "mxlib.moe.factory",
+    "Nvfp4QuantizationEmulationTritonExperts": "mxlib.moe.emulation",
+    "OCP_MXQuantizationEmulationTritonExperts": "mxlib.moe.emulation",
+    "TritonExperts": "mxlib.moe.base",
+    "fused_topk": "mxlib.moe.routing",
+    # models and checkpoints
+    "swap_experts": "mxlib.models.qwen3",
+    "write_quantized_checkpoint": "mxlib.models.checkpoints.writer",
+    "load_quantized_qwen3_moe": "mxlib.models.checkpoints.loader",
+    "inspect_checkpoint": "mxlib.models.checkpoints.inspect",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mxlib' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})

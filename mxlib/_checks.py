@@ -61,6 +61,37 @@ def check_out_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"dtype: expected float32, bfloat16 or float16, got {dtype}")
 
 
+# torch's E8M0 scale dtype (one byte, ``2**(b - 127)``, 0xFF NaN), where this torch has it
+E8M0_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
+_FP4X2 = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def packed_dtypes(fmt) -> tuple[torch.dtype, ...]:
+    """torch dtypes besides uint8 that hold an element format's packed bytes: ``float4_e2m1fn_x2``
+    for e2m1 (where torch has it), ``float8_e4m3fn`` / ``float8_e5m2`` for the FP8 elements (one
+    code a byte, as torchao's ``to_mx`` returns them), none for FP6."""
+    if fmt.nbits == 4:
+        return _FP4X2
+    return (_FP8_DTYPES[fmt.name],) if fmt.name in _FP8_DTYPES else ()
+
+
+def check_storage_dtype(dtype: torch.dtype, allowed: Sequence[torch.dtype], name: str) -> None:
+    """``dtype`` must be ``torch.uint8`` or one of ``allowed``.
+
+    Raises:
+        TypeError: naming ``name``, the allowed dtypes and the one given.
+    """
+    if dtype != torch.uint8 and dtype not in allowed:
+        raise TypeError(f"{name}: expected torch.uint8 or one of {list(allowed)}, got {dtype}")
+
+
+def as_storage_dtype(t: torch.Tensor, dtype: torch.dtype, allowed: Sequence[torch.dtype], name: str) -> torch.Tensor:
+    """uint8 bytes ``t`` viewed as ``dtype`` (uint8 itself or one of ``allowed``), no copy."""
+    check_storage_dtype(dtype, allowed, name)
+    return t if dtype == torch.uint8 else t.view(dtype)
+
+
 def as_uint8(t: torch.Tensor, name: str, allowed: Sequence[torch.dtype]) -> torch.Tensor:
     """View ``t`` as uint8 bytes if it is uint8 or one of ``allowed`` (same-size) dtypes."""
     if not isinstance(t, torch.Tensor):
@@ -127,10 +158,8 @@ def mx_dequant_args(packed, scale, element, block_size, dtype):
     """Checks shared by ``dequantize_mx`` and its Triton twin: ``(fmt, packed u8, scale u8, k)``."""
     fmt = get_element_format(element)
     check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = as_uint8(packed, "packed", allowed)
-    e8 = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    scale = as_uint8(scale, "scale", e8)
+    packed = as_uint8(packed, "packed", packed_dtypes(fmt))
+    scale = as_uint8(scale, "scale", E8M0_DTYPES)
     pk = packed.shape[-1]
     if fmt.nbits == 6 and pk % 3:
         raise ValueError(f"packed: {fmt.name} data must have a last dimension divisible by 3, got {pk}")
@@ -204,8 +233,7 @@ def nvfp4_dequant_args(tensor_fp4, tensor_sf, global_scale, dtype, block_size, s
     Returns ``(fp4 u8, scales u8 (linear layout), global scale fp32 [E or 1], k)``.
     """
     check_out_dtype(dtype)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") else ()
-    fp4 = as_uint8(tensor_fp4, "tensor_fp4", allowed)
+    fp4 = as_uint8(tensor_fp4, "tensor_fp4", _FP4X2)
     if fp4.ndim not in (2, 3):
         raise ValueError(f"tensor_fp4: expected [m, k/2] or [E, m, k/2], got shape {list(fp4.shape)}")
     sf = as_uint8(tensor_sf, "tensor_sf", (torch.float8_e4m3fn,))

@@ -77,6 +77,7 @@ __all__ = [
     "MX_BLOCK_SIZE",
     "NVFP4_BLOCK_SIZE",
     "get_element_format",
+    "DTYPE_ELEMENT_FORMATS",
     "get_block_scheme",
     "get_scale_mode",
     "scale_mode_id",
@@ -336,20 +337,66 @@ FP8_SCALE_DIVISOR: float = FP8_E4M3_PER_TENSOR.scale_divisor
 _ELEMENT_ALIASES = {alias: f for f in ELEMENT_FORMATS.values() for alias in (f.name, *f.aliases)}
 
 
+# torch and ml_dtypes dtype names of the element formats. torch stores FP4 two codes a byte as
+# ``float4_e2m1fn_x2`` (the even element in the low nibble, as ``pack_codes``); FP6 has no torch dtype.
+DTYPE_ELEMENT_FORMATS: dict[str, ElementFormat] = {
+    **{f.ml_dtypes_name: f for f in ELEMENT_FORMATS.values()},
+    "float4_e2m1fn_x2": ELEMENT_FORMATS["e2m1"],
+}
+# dtypes that look like element formats and are not one of the table's
+_NOT_ELEMENT_DTYPES = {
+    "float8_e8m0fnu": "it is the OCP MX scale format (e8m0): pass such tensors as a scale",
+    "float8_e4m3fnuz": "fnuz is another format than OCP's e4m3 (bias 8, NaN at 0x80, no negative zero)",
+    "float8_e5m2fnuz": "fnuz is another format than OCP's e5m2 (bias 16, NaN at 0x80, no Inf)",
+}
+
+
+def _dtype_name(element) -> str | None:
+    """The name of a torch or numpy (ml_dtypes) dtype, without importing either; None otherwise."""
+    kind = type(element)
+    if kind.__module__ == "torch" and kind.__name__ == "dtype":
+        return str(element).removeprefix("torch.")
+    if kind.__module__.split(".")[0] in ("numpy", "ml_dtypes") and hasattr(element, "name"):
+        return str(element.name)  # a numpy dtype, ml_dtypes' included
+    if isinstance(element, type) and element.__module__.split(".")[0] == "ml_dtypes":
+        return element.__name__  # an ml_dtypes scalar type (ml_dtypes.float8_e4m3fn)
+    return None
+
+
 def get_element_format(element: str | ElementFormat) -> ElementFormat:
-    """Look up an element format by name (``e2m1``) or alias (``fp4``, ``fp6_e3m2``).
+    """Look up an element format by name (``e2m1``), alias (``fp4``, ``fp6_e3m2``), or dtype.
+
+    A torch dtype (``torch.float8_e4m3fn`` -> e4m3, ``torch.float8_e5m2`` -> e5m2,
+    ``torch.float4_e2m1fn_x2`` -> e2m1), an ml_dtypes dtype or either's name as a string
+    (``"float6_e3m2fn"`` -> e3m2) names the format it stores (``DTYPE_ELEMENT_FORMATS``).
 
     Raises:
-        ValueError: the name is unknown; the message lists the known names.
+        ValueError: the name is unknown, or the dtype is not an element format (``float8_e8m0fnu``
+            is the scale format; the ``fnuz`` variants and ``bfloat16`` are other formats); the
+            message names the argument and lists the known names.
     """
     if isinstance(element, ElementFormat):
         return element
+    if isinstance(element, str) and element in _ELEMENT_ALIASES:
+        return _ELEMENT_ALIASES[element]
+    dtype_name = None if isinstance(element, str) else _dtype_name(element)
+    if dtype_name is not None:
+        if dtype_name in DTYPE_ELEMENT_FORMATS:
+            return DTYPE_ELEMENT_FORMATS[dtype_name]
+        why = f" ({_NOT_ELEMENT_DTYPES[dtype_name]})" if dtype_name in _NOT_ELEMENT_DTYPES else ""
+        raise ValueError(
+            f"element: dtype {element} is not a microscaling element format{why}; expected one of "
+            f"{sorted(DTYPE_ELEMENT_FORMATS)} or a name from {sorted(ELEMENT_FORMATS)}"
+        )
+    if isinstance(element, str) and element in DTYPE_ELEMENT_FORMATS:
+        return DTYPE_ELEMENT_FORMATS[element]
     try:
         return _ELEMENT_ALIASES[element]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown element format {element!r}; expected one of {sorted(ELEMENT_FORMATS)} "
-            f"(aliases {sorted(set(_ELEMENT_ALIASES) - set(ELEMENT_FORMATS))})"
+            f"(aliases {sorted(set(_ELEMENT_ALIASES) - set(ELEMENT_FORMATS))}, or a dtype name from "
+            f"{sorted(DTYPE_ELEMENT_FORMATS)})"
         ) from None
 
 
@@ -357,10 +404,17 @@ def get_block_scheme(scheme: str | BlockScheme) -> BlockScheme:
     """Look up a block scheme (``mxfp4`` ... ``nvfp4``).
 
     Raises:
-        ValueError: the name is unknown; the message lists the known names.
+        ValueError: the name is unknown, or a dtype was given (``torch.float4_e2m1fn_x2`` is the
+            element of both ``mxfp4`` and ``nvfp4``); the message lists the known names.
     """
     if isinstance(scheme, BlockScheme):
         return scheme
+    if not isinstance(scheme, str) and _dtype_name(scheme) is not None:
+        raise ValueError(
+            f"scheme: dtype {scheme} names an element format, not a block scheme (block size and scale "
+            f"format too); pass it as the element of quantize_mx / quant_dequant_mx, or name one of "
+            f"{list(BLOCK_SCHEMES)}"
+        )
     try:
         return BLOCK_SCHEMES[scheme]
     except (KeyError, TypeError):

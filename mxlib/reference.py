@@ -60,6 +60,13 @@ block scale of an all-zero block (``zero_block_scale="one"``, the default);
 Packing: FP4 two codes per byte, the even element in the low nibble; FP6 four
 codes ``v0..v3`` in three bytes as ``v0 | v1 << 6 | v2 << 12 | v3 << 18``,
 little-endian (AMD Quark's layout); FP8 one code per byte.
+
+For torchao users (docs/api-mapping.md): ``quantize_mx`` returns ``(packed, scale)`` where
+torchao's ``to_mx`` returns ``(scale, data)``; mxlib's default E8M0 rule is ``even``, torchao's
+``floor``; scales are uint8 unless ``scale_dtype=torch.float8_e8m0fnu``, and the decoding functions take
+``float8_e8m0fnu`` scales and ``float4_e2m1fn_x2`` / float8 data as input. NVFP4 ``global_scale`` is
+the encode scale in the activation QDQ functions and the decode scale in ``dequantize_to_dtype``
+(vLLM's names for both), as each docstring states.
 """
 
 from __future__ import annotations
@@ -69,9 +76,13 @@ import math
 import torch
 
 from ._checks import (
+    E8M0_DTYPES,
     GLOBAL_SCALE_MAX,
     GLOBAL_SCALE_MIN,
+    as_storage_dtype,
+    check_storage_dtype,
     nvfp4_dequant_args,
+    packed_dtypes,
 )
 from ._checks import (
     as_uint8 as _as_uint8,
@@ -309,8 +320,7 @@ def decode_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
     Byte 0 decodes to ``2**-127`` (an fp32 subnormal), not to zero.
     """
-    allowed = (torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ()
-    b = _as_uint8(scale, "scale", allowed).to(torch.int32)
+    b = _as_uint8(scale, "scale", E8M0_DTYPES).to(torch.int32)
     v = _exp2i(b - E8M0_BIAS)
     return torch.where(b == E8M0_NAN_BYTE, torch.nan, v)
 
@@ -350,8 +360,7 @@ def unpack_codes(packed: torch.Tensor, element: str | ElementFormat) -> torch.Te
         ValueError: an FP6 ``packed_k`` that is not a multiple of 3.
     """
     fmt = get_element_format(element)
-    allowed = (torch.float4_e2m1fn_x2,) if hasattr(torch, "float4_e2m1fn_x2") and fmt.nbits == 4 else ()
-    packed = _as_uint8(packed, "packed", allowed)
+    packed = _as_uint8(packed, "packed", packed_dtypes(fmt))
     pk = packed.shape[-1]
     if fmt.nbits == 8:
         return packed.clone()
@@ -380,27 +389,39 @@ def quantize_mx(
     element: str = "e2m1",
     block_size: int = MX_BLOCK_SIZE,
     scale_mode: str = "even",
+    *,
+    packed_dtype: torch.dtype = torch.uint8,
+    scale_dtype: torch.dtype = torch.uint8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize to an OCP MX format: packed element codes and E8M0 scale bytes.
 
     Args:
         x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
-        element: ``e2m1`` (MXFP4), ``e2m3`` / ``e3m2`` (MXFP6), ``e4m3`` / ``e5m2`` (MXFP8).
+        element: ``e2m1`` (MXFP4), ``e2m3`` / ``e3m2`` (MXFP6), ``e4m3`` / ``e5m2`` (MXFP8), or the
+            torch dtype of one (``torch.float4_e2m1fn_x2``, ``torch.float8_e4m3fn``, ...).
         block_size: elements per shared scale along the last axis (OCP MX: 32).
         scale_mode: ``floor``, ``even`` (default, as Quark and vLLM) or ``rceil``; see ``e8m0_scale``.
+            torchao's ``to_mx`` defaults to ``floor``: pass ``scale_mode="floor"`` for its bytes.
+        packed_dtype: dtype of the returned data: ``torch.uint8`` (default), or a view as
+            ``torch.float4_e2m1fn_x2`` (e2m1) / ``torch.float8_e4m3fn`` (e4m3) / ``torch.float8_e5m2``
+            (e5m2); FP6 has no torch dtype.
+        scale_dtype: ``torch.uint8`` (default) or ``torch.float8_e8m0fnu`` (a view of the same bytes).
 
     Returns:
-        ``(packed, scale)``: ``packed`` uint8 ``[..., k * bits / 8]`` (``pack_codes``),
-        ``scale`` uint8 ``[..., k / block_size]`` E8M0 bytes. Elements of a block whose
-        scale is NaN (0xFF) are stored as code 0.
+        ``(packed, scale)`` (torchao's ``to_mx`` returns ``(scale, data)``, the other order):
+        ``packed`` ``[..., k * bits / 8]`` (``pack_codes``), ``scale`` ``[..., k / block_size]``
+        E8M0 bytes, ``2**(b - 127)``. Elements of a block whose scale is NaN (0xFF) are stored as code 0.
 
     Raises:
-        TypeError: ``x`` is not float32/bfloat16/float16.
+        TypeError: ``x`` is not float32/bfloat16/float16; a ``packed_dtype`` or ``scale_dtype`` that
+            does not hold this format.
         ValueError: ``k`` is not a multiple of ``block_size``; ``block_size`` is not a power of
             two from 2 to 1024; unknown element or scale_mode.
     """
     fmt = get_element_format(element)
     get_scale_mode(scale_mode)
+    check_storage_dtype(packed_dtype, packed_dtypes(fmt), "packed_dtype")
+    check_storage_dtype(scale_dtype, E8M0_DTYPES, "scale_dtype")
     _check_float(x, "x")
     _check_block(x.shape[-1], block_size, "x")
     fmt.packed_size(block_size)
@@ -415,7 +436,8 @@ def quantize_mx(
         codes = torch.where((byte == E8M0_NAN_BYTE).unsqueeze(-1), 0, codes).to(torch.uint8)
         packed[rows] = pack_codes(codes.reshape(-1, k), fmt)
         scale[rows] = byte
-    return packed.reshape(*lead, packed.shape[-1]), scale.reshape(*lead, scale.shape[-1])
+    packed = as_storage_dtype(packed.reshape(*lead, packed.shape[-1]), packed_dtype, packed_dtypes(fmt), "packed_dtype")
+    return packed, as_storage_dtype(scale.reshape(*lead, scale.shape[-1]), scale_dtype, E8M0_DTYPES, "scale_dtype")
 
 
 def dequantize_mx(
@@ -428,7 +450,9 @@ def dequantize_mx(
     """Dequantize OCP MX data: ``code_value * 2**(scale - 127)``, exact in fp32, one cast.
 
     Args:
-        packed: uint8 ``[..., packed_k]`` as written by ``quantize_mx`` (or a Quark checkpoint).
+        packed: uint8 ``[..., packed_k]`` as written by ``quantize_mx`` (or a Quark checkpoint), or
+            the same bytes as ``torch.float4_e2m1fn_x2`` (e2m1) / ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2`` (torchao's ``to_mx`` data).
         scale: uint8 (or float8_e8m0fnu) ``[..., k / block_size]``.
         element, block_size: as for ``quantize_mx``.
         dtype: output dtype (float32, bfloat16 or float16).
@@ -555,7 +579,11 @@ def ref_nvfp4_quant_dequant(
     """NVFP4 QDQ of activations, vLLM's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
 
     ``dq = e2m1 * (block_scale / global_scale)`` in fp32, cast once to ``dtype``
-    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``. ``check_scale=False``
+    (default ``x.dtype``). Arguments as for ``ref_nvfp4_quant``: ``global_scale`` is the fp32
+    *encode* scale ``1 / input_scale`` (about ``2688 / amax``; it multiplies ``x`` before the
+    rounding), one element or one per leading index, the reciprocal of the checkpoint's decode
+    ``input_scale``. ``dequantize_to_dtype``'s ``global_scale`` is a *decode* scale (vLLM names
+    both ``global_scale``; docs/api-mapping.md has the table). ``check_scale=False``
     skips the value check of ``global_scale`` (a host synchronization for a device tensor),
     for callers that validated it once, such as the experts' forward; the check is also
     skipped during CUDA-graph capture.
@@ -607,7 +635,8 @@ def compressed_tensors_nvfp4_quant_dequant(
 def nvfp4_block_stats(
     x: torch.Tensor, global_scale: torch.Tensor | float, block_size: int = NVFP4_BLOCK_SIZE
 ) -> dict[str, torch.Tensor]:
-    """What NVFP4 activation QDQ (vLLM's arithmetic) does to each block of ``x``.
+    """What NVFP4 activation QDQ (vLLM's arithmetic) does to each block of ``x``; ``global_scale`` is
+    the fp32 *encode* scale, as for ``ref_nvfp4_quant_dequant``.
 
     Returns tensors shaped ``[..., k / block_size]`` (``scale_code``, ``subnormal``,
     ``flushed``) and ``[..., k]`` (``clipped``):
@@ -751,11 +780,15 @@ def dequantize_to_dtype(
     """Dequantize NVFP4 data, vLLM's ``dequantize_to_dtype``.
 
     Args:
-        tensor_fp4: packed uint8 ``[m, k/2]`` or ``[E, m, k/2]`` (even element in the low nibble).
+        tensor_fp4: packed uint8 (or ``torch.float4_e2m1fn_x2``) ``[m, k/2]`` or ``[E, m, k/2]``
+            (even element in the low nibble).
         tensor_sf: float8_e4m3fn (or uint8 bytes of it) ``[m, k/16]`` / ``[E, m, k/16]``;
             with ``swizzle=True`` the 128x4 swizzled layout of a 2D matrix.
-        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``): one element, or ``[E]``,
-            every value in ``[2**-126, 2**126]``.
+        global_scale: fp32 *decode* scale (ModelOpt ``weight_scale_2``, torchao's NVFP4
+            ``per_tensor_scale``: ``amax / 2688``; it multiplies the codes): one element, or ``[E]``,
+            every value in ``[2**-126, 2**126]``. Not the *encode* scale that the activation QDQ
+            (``ref_nvfp4_quant_dequant``) calls ``global_scale``; ``global_scale_kind="encode"``
+            takes an encode scale here.
         dtype: output dtype.
         block_size: 16.
         swizzle: whether ``tensor_sf`` is swizzled (MoE weights are linear: ``False``).
@@ -838,9 +871,21 @@ def quant_dequant_fp8_per_tensor(
 
 
 def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> torch.Tensor:
-    """QDQ by scheme name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
-    ``mxfp8_e5m2`` (keyword ``scale_mode``), or ``nvfp4`` (needs ``global_scale``, the
-    encode scale; ``None`` uses ``2688 / amax(x)``, the value calibration on ``x`` gives).
+    """QDQ of one tensor by block-format name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
+    ``mxfp8_e5m2`` (keyword ``scale_mode``, default ``even``), or ``nvfp4`` (``global_scale``: the
+    fp32 *encode* scale ``1 / input_scale`` of ``ref_nvfp4_quant_dequant``; ``None`` uses
+    ``2688 / amax(x)``, the value calibration on ``x`` gives).
+
+    ``scheme`` names how this one tensor is stored (``mxlib.formats.BLOCK_SCHEMES``), not a MoE
+    scheme: ``mxfp4`` here is the MXFP4 format, whatever quantizes the other tensors of a layer.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16, ``k`` a multiple of the format's block size.
+        kwargs: passed to ``quant_dequant_mx`` (``scale_mode``, ``dtype``) or
+            ``ref_nvfp4_quant_dequant`` (``multiplier``, ``dtype``, ``check_scale``).
+
+    Returns:
+        Tensor shaped like ``x`` (dtype ``x.dtype`` unless ``dtype`` is given).
 
     The derived NVFP4 scale takes ``amax`` over the *finite* values of ``x`` only, so one
     Inf or NaN spoils only its own block (the Inf rule of ``ref_nvfp4_quant_dequant``), not
@@ -848,7 +893,7 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     (all zero, all Inf/NaN, or empty) it is 1.
 
     Raises:
-        ValueError: unknown scheme name.
+        ValueError: unknown format name; ``global_scale`` given for an OCP MX format.
     """
     s = get_block_scheme(scheme)
     if s.has_global_scale:

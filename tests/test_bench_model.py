@@ -121,7 +121,7 @@ def test_bad_options_name_the_option():
         bm._parse_tokens("1,0")
     with pytest.raises(ValueError, match="--layers"):
         bm.build_model("tiny", 0, "cpu")
-    paths = bm.parse_paths("bf16,mxfp4,w_mxfp4_a_mxfp4", cpu)  # the short name resolves, duplicates drop
+    paths = bm.parse_paths("bf16,w_fp4_a_fp4,w_mxfp4_a_mxfp4", cpu)  # vLLM's older name resolves, duplicates drop
     assert paths == [bm.PathSpec(None), bm.PathSpec("w_mxfp4_a_mxfp4")]
     assert bm.parse_paths(None, torch.device("cuda"))[-1] == bm.PathSpec("nvfp4", "triton")
 

@@ -24,7 +24,7 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.checkpoints import LAYOUTS, load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.models.qwen3 import MODEL_PRESETS
 from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
-from mxlib.moe.schemes import _ALIASES, get_moe_scheme
+from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES, get_moe_scheme
 from mxlib.workbook import steps as W
 
 REPO = Path(__file__).resolve().parents[1]

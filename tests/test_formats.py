@@ -117,3 +117,58 @@ def test_derived_constants_and_kernel_ids():
     assert get_activation_format("nvfp4") is NVFP4 and str(NVFP4) == "nvfp4"
     with pytest.raises(ValueError, match="unknown activation format 'fp7'"):
         get_activation_format("fp7")
+
+
+# torch dtype (by name) -> the element format it stores, typed in from torch's dtype docs
+TORCH_DTYPE_FORMATS = {
+    "float4_e2m1fn_x2": "e2m1",  # two e2m1 codes a byte
+    "float8_e4m3fn": "e4m3",
+    "float8_e5m2": "e5m2",
+}
+
+
+@pytest.mark.parametrize("dtype_name", sorted(TORCH_DTYPE_FORMATS))
+def test_torch_dtypes_name_element_formats(dtype_name):
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, dtype_name):
+        pytest.skip(f"this torch has no {dtype_name}")
+    want = ELEMENT_FORMATS[TORCH_DTYPE_FORMATS[dtype_name]]
+    assert get_element_format(getattr(torch, dtype_name)) is want
+    assert get_element_format(dtype_name) is want  # the dtype's name as a string
+
+
+@pytest.mark.parametrize("name", list(SPEC))
+def test_ml_dtypes_types_name_their_format(name):
+    f = ELEMENT_FORMATS[name]
+    mld = getattr(ml_dtypes, f.ml_dtypes_name)
+    assert get_element_format(mld) is f and get_element_format(np.dtype(mld)) is f
+    assert get_element_format(f.ml_dtypes_name) is f
+
+
+@pytest.mark.parametrize(
+    "dtype_name, why",
+    [
+        ("float8_e8m0fnu", "scale format"),
+        ("float8_e4m3fnuz", "fnuz"),
+        ("float8_e5m2fnuz", "fnuz"),
+        ("bfloat16", "microscaling element format;"),
+        ("float32", "microscaling element format;"),
+    ],
+)
+def test_dtypes_that_are_not_element_formats_are_refused(dtype_name, why):
+    torch = pytest.importorskip("torch")
+    if not hasattr(torch, dtype_name):
+        pytest.skip(f"this torch has no {dtype_name}")
+    with pytest.raises(ValueError, match=rf"element: dtype torch\.{dtype_name} is not .*{why}"):
+        get_element_format(getattr(torch, dtype_name))
+
+
+def test_unknown_names_still_list_the_known_ones():
+    with pytest.raises(ValueError, match="unknown element format 'e3m4'.*e2m1.*float8_e4m3fn"):
+        get_element_format("e3m4")
+
+
+def test_a_dtype_is_not_a_block_scheme():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match=r"scheme: dtype torch\.float4_e2m1fn_x2 names an element format.*'mxfp4'"):
+        get_block_scheme(torch.float4_e2m1fn_x2)  # mxfp4 or nvfp4: the block size and scale say which

@@ -429,7 +429,7 @@ def test_scheme_objects_are_the_format_table():
     assert s.weight is NVFP4 and s.activation is NVFP4 and s.static_activation_scale and not s.is_ocp_mx
     s = get_moe_scheme("w_mxfp6_e3m2_a_fp8")
     assert s.weight is BLOCK_SCHEMES["mxfp6_e3m2"] and s.activation is FP8_E4M3_PER_TENSOR
-    assert get_moe_scheme("w_mxfp4").activation is None and get_moe_scheme("mxfp4").name == "w_mxfp4_a_mxfp4"
+    assert get_moe_scheme("w_mxfp4").activation is None and get_moe_scheme("w_fp4_a_fp4").name == "w_mxfp4_a_mxfp4"
 
 
 def test_nvfp4_experts_typed_and_vllm_call_forms_agree():

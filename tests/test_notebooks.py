@@ -37,7 +37,7 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         checkpoint_path="interop/modelopt_nvfp4_experts/checkpoint",
     ),
     "01_end_to_end-mxfp4": dict(
-        scheme="mxfp4",
+        scheme="w_mxfp4_a_mxfp4",
         model_preset="tiny",
         num_tokens=16,
         calib_tokens=64,

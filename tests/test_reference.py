@@ -2,6 +2,7 @@
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -406,3 +407,72 @@ def test_errors_name_the_argument():
         R.quant_dequant(torch.zeros(2, 32), "int4")
     with pytest.raises(TypeError, match="dtype: expected float32, bfloat16 or float16, got torch.float64"):
         R.quant_dequant_mx(torch.zeros(2, 32), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- torch storage dtypes
+
+
+def _mx_input(k=256, rows=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=g) * torch.logspace(-4, 4, k)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("element, dtype_name", [("e4m3", "float8_e4m3fn"), ("e5m2", "float8_e5m2")])
+def test_fp8_packed_dtype_holds_the_codes_ml_dtypes_reads(element, dtype_name):
+    x = _mx_input()
+    packed, scale = R.quantize_mx(x, element, packed_dtype=getattr(torch, dtype_name))
+    assert packed.dtype == getattr(torch, dtype_name) and scale.dtype == torch.uint8
+    codes = R.quantize_mx(x, element)[0]
+    assert torch.equal(packed.view(torch.uint8), codes)  # a view of the same bytes
+    # the values torch reads from the dtype are the ones ml_dtypes reads from the bytes
+    want = codes.numpy().view(getattr(ml_dtypes, dtype_name)).astype(np.float32)
+    np.testing.assert_array_equal(packed.float().numpy(), want)
+    # dequantize_mx takes the dtype as is
+    assert_bits_equal(R.dequantize_mx(packed, scale, element), R.dequantize_mx(codes, scale, element))
+
+
+@pytest.mark.skipif(not hasattr(torch, "float8_e8m0fnu"), reason="this torch has no float8_e8m0fnu")
+def test_e8m0fnu_scale_dtype_decodes_to_the_hand_computed_powers_of_two():
+    x = _mx_input()
+    _, scale = R.quantize_mx(x, "e2m1", scale_dtype=torch.float8_e8m0fnu)
+    assert scale.dtype == torch.float8_e8m0fnu
+    b = scale.view(torch.uint8).to(torch.int64)
+    hand = torch.tensor([2.0 ** (int(v) - 127) for v in b.reshape(-1)]).reshape(b.shape)
+    assert_bits_equal(scale.float(), hand.float())  # torch's own decode of the dtype
+    assert_bits_equal(R.decode_e8m0(scale), hand.float())
+    want = b.to(torch.uint8).numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    np.testing.assert_array_equal(scale.float().numpy(), want)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="this torch has no float4_e2m1fn_x2")
+def test_fp4x2_packed_dtype_in_and_out():
+    x = _mx_input()
+    packed, scale = R.quantize_mx(x, torch.float4_e2m1fn_x2, packed_dtype=torch.float4_e2m1fn_x2)
+    codes, scale_u8 = R.quantize_mx(x, "e2m1")
+    assert packed.dtype == torch.float4_e2m1fn_x2 and torch.equal(packed.view(torch.uint8), codes)
+    assert torch.equal(scale, scale_u8)
+    # the low nibble is the even element: by hand on the first byte, against ml_dtypes' e2m1 values
+    lo, hi = int(codes[0, 0]) & 0xF, int(codes[0, 0]) >> 4
+    e2m1 = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    s = float(R.decode_e8m0(scale_u8[0, 0]))
+    dq = R.dequantize_mx(packed, scale, "e2m1", dtype=torch.float32)
+    assert (float(dq[0, 0]), float(dq[0, 1])) == (e2m1[lo] * s, e2m1[hi] * s)
+    assert_bits_equal(dq, R.dequantize_mx(codes, scale_u8, "e2m1", dtype=torch.float32))
+    p13, s13, g13 = R.quantize_nvfp4(x.float().reshape(1, 8, 256))
+    assert_bits_equal(
+        R.dequantize_to_dtype(p13.view(torch.float4_e2m1fn_x2), s13, g13, torch.float32),
+        R.dequantize_to_dtype(p13, s13, g13, torch.float32),
+    )
+
+
+@pytest.mark.parametrize(
+    "element, kwargs, match",
+    [
+        ("e3m2", dict(packed_dtype=torch.float8_e4m3fn), "packed_dtype: expected torch.uint8 or one of \\[\\]"),
+        ("e4m3", dict(packed_dtype=torch.float8_e5m2), "packed_dtype: expected .*float8_e4m3fn.*got torch.float8_e5m2"),
+        ("e2m1", dict(scale_dtype=torch.float32), "scale_dtype: expected torch.uint8 .*got torch.float32"),
+    ],
+)
+def test_storage_dtypes_that_do_not_hold_the_format_are_refused(element, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        R.quantize_mx(_mx_input(), element, **kwargs)

@@ -148,7 +148,7 @@ def test_a_run_writes_under_out_only(notebooks, tmp_path, monkeypatch):
     assert all(c["cwd"] == str(out) for c in calls)
     params = {Path(c["dst"]).stem: c["parameters"] for c in calls}
     assert params["01_end_to_end-mxfp4"] == {
-        "scheme": "mxfp4",
+        "scheme": "w_mxfp4_a_mxfp4",
         "results_path": "results/01_end_to_end-mxfp4.json",
         "model_preset": "tiny",
     }

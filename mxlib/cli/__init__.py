@@ -149,7 +149,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         choices=SCHEMES + SCHEME_ALIASES,
         default="nvfp4",
         metavar="SCHEME",
-        help=f"MoE scheme: {', '.join(SCHEMES)} (alias: {', '.join(SCHEME_ALIASES)} = w_mxfp4_a_mxfp4)",
+        help=f"MoE scheme: {', '.join(SCHEMES)}; other tools' names are mapped (docs/api-mapping.md)",
     )
     _add_model_options(e2e)
 

@@ -41,7 +41,18 @@ SCHEMES = (
     "w_mxfp6_e2m3_a_fp8",
     "nvfp4",
 )
-SCHEME_ALIASES = ("mxfp4",)
+SCHEME_ALIASES = (
+    "w_nvfp4_a_nvfp4",
+    "modelopt_fp4",
+    "w_fp4_a_fp4",
+    "w_fp4_a_fp6_e3m2",
+    "w_fp4_a_fp6_e2m3",
+    "w_fp6_e3m2_a_fp6_e3m2",
+    "w_fp6_e2m3_a_fp6_e2m3",
+    "mxfp4_weight_only",
+    "mxfp4_fp8",
+    "mxfp4_mxfp6_e2m3",
+)
 STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
 BACKENDS = ("auto", "triton", "fused", "torch")
 LAYOUTS = ("modelopt", "quark", "compressed-tensors")

@@ -386,7 +386,15 @@ def _refuse_save_pretrained(model, *args, **kwargs):
 
 
 def swap_experts(model, make_experts) -> None:
-    """Replace each layer's experts module by ``TransformersExperts(make_experts(layer_index))``.
+    """Replace each MoE layer's experts module by ``TransformersExperts(make_experts(layer_index))``.
+
+    Args:
+        model: a transformers ``Qwen3MoeForCausalLM`` (its ``model.layers[i].mlp.experts`` are replaced).
+        make_experts: ``layer_index -> TritonExperts`` (an emulation subclass, e.g. from
+            ``make_emulation_experts(scheme, quantize_expert_weights(*expert_weights(model, i), scheme))``).
+
+    Raises:
+        TypeError: ``make_experts`` returned something other than a ``TritonExperts``.
 
     The experts' tensors are not transformers parameters, so the model's ``save_pretrained``
     then raises ``ValueError`` (naming why) instead of writing a model without experts, until

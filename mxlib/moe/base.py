@@ -40,6 +40,9 @@ Triton version on CUDA, one or two launches; the PyTorch version elsewhere).
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
 from .. import kernels as _kernels
@@ -142,6 +145,7 @@ class TritonExperts(torch.nn.Module):
         if backend not in BACKENDS:  # refused here, not at the first forward
             raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
         self.backend = backend
+        self._handle = _register_experts(self)
         if w13 is not None:
             if w13.ndim != 3 or w2.ndim != 3:
                 raise ValueError(
@@ -156,6 +160,10 @@ class TritonExperts(torch.nn.Module):
             self.register_buffer("w2", w2, persistent=False)
             self._dims = (e, h, two_i // 2)
             self.activation_dtype = w13.dtype
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._handle = _register_experts(self)  # a copy (deepcopy, pickle) is its own experts
 
     # sizes
     @property
@@ -226,6 +234,28 @@ class TritonExperts(torch.nn.Module):
         return backend
 
     def forward(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The MoE layer's expert computation for ``M`` tokens routed to ``k`` experts each.
+
+        Args:
+            hidden_states: ``[M, H]`` in the experts' activation dtype (bf16 by default; fp16 or
+                fp32 where the experts were built so); the emulation subclasses QDQ it themselves.
+            topk_weights: ``[M, k]`` router weights (fp32, as ``fused_topk`` returns them; applied
+                in fp32 inside the second GEMM).
+            topk_ids: ``[M, k]`` int32 / int64 expert ids, each in ``[0, E)``.
+
+        Returns:
+            ``[M, H]`` in the activation dtype: ``sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ a1[t])``
+            with ``e = topk_ids[t, j]``, GEMM outputs rounded to the activation dtype (module docstring).
+
+        Raises:
+            ValueError: shapes that do not match ``[M, H]`` / ``[M, k]``; an expert id out of range
+                (checked in eager mode only: a host read); a numerics the backend cannot run.
+            TypeError: ``hidden_states`` of another dtype; floating ``topk_ids``.
+
+        The ``torch`` backend traces under ``torch.compile(fullgraph=True)``: the activation QDQ is
+        traced, the loop over the experts that received tokens (data-dependent) runs as one opaque
+        op (``mxlib::torch_experts_apply``), and the outputs are the eager bits.
+        """
         if hidden_states.ndim != 2 or hidden_states.shape[1] != self.hidden_size:
             raise ValueError(f"hidden_states: expected [M, {self.hidden_size}], got {list(hidden_states.shape)}")
         if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
@@ -270,6 +300,8 @@ class TritonExperts(torch.nn.Module):
             return invoke_fused_dequant_moe(
                 a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair, tiles, plan
             )
+        if backend == "torch" and torch.compiler.is_compiling():
+            return _torch_experts_apply(a1, topk_weights, topk_ids, a1_per_pair, self._handle)
         if backend == "torch":
             return torch_moe(
                 a1,
@@ -306,6 +338,32 @@ class TritonExperts(torch.nn.Module):
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
 
 
+# Experts by handle, for the ``torch`` backend's opaque op under torch.compile (a custom op takes
+# tensors and numbers only; the handle names the module whose eager loop it runs).
+_EXPERTS: weakref.WeakValueDictionary[int, TritonExperts] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def _register_experts(experts: TritonExperts) -> int:
+    handle = next(_HANDLES)
+    _EXPERTS[handle] = experts
+    return handle
+
+
+@torch.library.custom_op("mxlib::torch_experts_apply", mutates_args=())
+def _torch_experts_apply(
+    a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, a1_per_pair: bool, handle: int
+) -> torch.Tensor:
+    """The ``torch`` backend's expert loop (``torch_moe``, data-dependent: which experts got tokens) of
+    experts ``handle``, run eagerly inside a compiled graph."""
+    return _EXPERTS[handle].apply(a1, topk_weights, topk_ids, a1_per_pair, "torch")
+
+
+@_torch_experts_apply.register_fake
+def _(a1, topk_weights, topk_ids, a1_per_pair, handle):
+    return a1.new_empty((topk_ids.shape[0], a1.shape[-1]))
+
+
 class TransformersExperts(torch.nn.Module):
     """Adapter: an mxlib experts object in the place of transformers' ``Qwen3MoeExperts``.
 
@@ -318,4 +376,5 @@ class TransformersExperts(torch.nn.Module):
         self.experts = experts
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
+        """``experts(hidden_states [M, H], top_k_weights fp32 [M, k], top_k_index int32 [M, k]) -> [M, H]``."""
         return self.experts(hidden_states, top_k_weights.float(), top_k_index.to(torch.int32))

@@ -17,7 +17,17 @@ w_mxfp6_e2m3_a_fp8             mxfp6_e2m3     fp8 e4m3 per tensor, static
 nvfp4                          nvfp4          nvfp4 (two-level, static global scale)
 =============================  =============  ===================================
 
-``mxfp4`` is accepted as a short name for ``w_mxfp4_a_mxfp4``.
+A scheme name says what is quantized: ``w_<weight format>`` (weight-only) or
+``w_<weight format>_a_<activation format>`` (AMD Quark's export names, which vLLM's
+``OCP_MX_Scheme`` uses too). ``nvfp4`` is NVIDIA ModelOpt's W4A4 NVFP4 (``w_nvfp4_a_nvfp4``
+is accepted for it). Other tools' names are accepted and mapped (``SCHEME_ALIASES``): vLLM's
+older ``OCP_MX_Scheme`` values (``w_fp4_a_fp4``, ...), vLLM's ``modelopt_fp4`` method, and
+Quark's template names (``mxfp4_weight_only``, ``mxfp4_fp8``, ``mxfp4_mxfp6_e2m3``).
+
+A bare tensor-format name (``mxfp4``, ``mxfp6_e3m2``, ...) is refused as a MoE scheme: it
+names how one tensor is stored, and the tools disagree on what it quantizes in a model (Quark's
+``mxfp4`` template is W4A4, vLLM's ``quantization="mxfp4"`` weight-only MXFP4 with bf16
+activations). The error names the candidates. ``docs/api-mapping.md`` has the table and its sources.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ __all__ = [
     "get_moe_scheme",
     "get_weight_format",
     "FP8_PER_TENSOR",
+    "SCHEME_ALIASES",
 ]
 
 # The per-tensor FP8 activation format (an object of the format table; its name is "fp8_e4m3").
@@ -104,30 +115,66 @@ MOE_SCHEMES: dict[str, MoEQuantScheme] = {n: _ocp(n) for n in OCP_MX_SCHEMES}
 MOE_SCHEMES[NVFP4.name] = MoEQuantScheme(NVFP4.name, NVFP4, NVFP4)
 # NVFP4 weights and activations (ModelOpt's MoE scheme): the studies' and the loaders' object for it
 NVFP4_MOE: MoEQuantScheme = MOE_SCHEMES[NVFP4.name]
-_ALIASES = {"mxfp4": "w_mxfp4_a_mxfp4"}
+# Other tools' scheme names -> the canonical name (docs/api-mapping.md gives the sources).
+SCHEME_ALIASES: dict[str, str] = {
+    # NVFP4 weights and activations, said the w_*_a_* way; vLLM's method name for ModelOpt NVFP4
+    "w_nvfp4_a_nvfp4": "nvfp4",
+    "modelopt_fp4": "nvfp4",
+    # vLLM's OCP_MX_Scheme values before they took Quark's mx prefix (ocp_mx_utils.py)
+    "w_fp4_a_fp4": "w_mxfp4_a_mxfp4",
+    "w_fp4_a_fp6_e3m2": "w_mxfp4_a_mxfp6_e3m2",
+    "w_fp4_a_fp6_e2m3": "w_mxfp4_a_mxfp6_e2m3",
+    "w_fp6_e3m2_a_fp6_e3m2": "w_mxfp6_e3m2_a_mxfp6_e3m2",
+    "w_fp6_e2m3_a_fp6_e2m3": "w_mxfp6_e2m3_a_mxfp6_e2m3",
+    # AMD Quark's LLM template names (quark.torch.quantization.config.template) that say both formats
+    "mxfp4_weight_only": "w_mxfp4",
+    "mxfp4_fp8": "w_mxfp4_a_fp8",
+    "mxfp4_mxfp6_e2m3": "w_mxfp4_a_mxfp6_e2m3",
+}
+
+# A tensor-format name given where a MoE scheme is expected: what it could mean.
+_FORMAT_NAME_MEANINGS = {
+    "mxfp4": "'w_mxfp4_a_mxfp4' (weights and activations: Quark's 'mxfp4' template) or 'w_mxfp4' "
+    "(weights only: vLLM's quantization='mxfp4', bf16 activations)",
+}
 
 
 def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
-    """Look up a MoE scheme by Quark name (or ``nvfp4``, or the alias ``mxfp4``).
+    """Look up a MoE scheme by its canonical name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2``, ``nvfp4``, ...)
+    or another tool's name for it (``SCHEME_ALIASES``: ``w_fp4_a_fp4``, ``modelopt_fp4``,
+    ``mxfp4_fp8``, ...).
 
     Call it once, where a name enters (a notebook's parameters, a CLI option, a checkpoint's
     config); pass the object below that.
 
     Raises:
-        ValueError: unknown name; the message lists the supported schemes.
+        ValueError: unknown name, the supported schemes listed; a bare tensor-format name such as
+            ``mxfp4`` (it does not say whether activations are quantized: the message names the
+            schemes it could mean).
     """
     if isinstance(name, MoEQuantScheme):
         return name
-    key = _ALIASES.get(name, name)
-    if key not in MOE_SCHEMES:
-        raise ValueError(f"unknown MoE scheme {name!r}; supported: {list(MOE_SCHEMES)} (alias: mxfp4)")
-    return MOE_SCHEMES[key]
+    key = SCHEME_ALIASES.get(name, name) if isinstance(name, str) else name
+    if key in MOE_SCHEMES:
+        return MOE_SCHEMES[key]
+    if isinstance(name, str) and name in BLOCK_SCHEMES:
+        meaning = _FORMAT_NAME_MEANINGS.get(
+            name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
+        )
+        raise ValueError(
+            f"scheme: {name!r} is a tensor format, not a MoE scheme (it does not say whether activations are "
+            f"quantized); name one of {meaning}"
+        )
+    raise ValueError(
+        f"scheme: unknown MoE scheme {name!r}; supported: {list(MOE_SCHEMES)} "
+        f"(other tools' names: {list(SCHEME_ALIASES)})"
+    )
 
 
 def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme:
     """The block format weights are stored in: a ``MoEQuantScheme``'s ``weight``, a ``BlockScheme``
-    itself, or either looked up by name (a MoE scheme name first, then a block scheme name:
-    ``nvfp4``, ``w_mxfp6_e2m3``, ``mxfp6_e3m2``, ...).
+    itself, or either looked up by name: a block scheme name is that format (``mxfp4``, ``mxfp6_e3m2``,
+    ``nvfp4``), a MoE scheme name gives its weight format (``w_mxfp6_e2m3``, ``w_mxfp4_a_mxfp4``, ...).
 
     Raises:
         ValueError: a name that is neither; the message lists the block schemes.
@@ -136,6 +183,8 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return scheme.weight
     if isinstance(scheme, BlockScheme):
         return scheme
+    if isinstance(scheme, str) and scheme in BLOCK_SCHEMES:
+        return BLOCK_SCHEMES[scheme]  # a tensor format names the weight format itself
     try:
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
