@@ -24,7 +24,8 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.checkpoints import LAYOUTS, load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.models.qwen3 import MODEL_PRESETS
 from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
-from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES, get_moe_scheme
+from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES
+from mxlib.moe.schemes import get_moe_scheme
 from mxlib.workbook import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
@@ -343,7 +344,8 @@ def test_compare_takes_a_preset_and_a_scheme_list(tmp_path, capsys):
     out = tmp_path / "c.json"
     argv = ["compare", "--preset", "tiny", "--layers", "1", "--tokens", "8", "--calib-tokens", "64"]
     assert (
-        cli.main([*argv, "--schemes", "nvfp4,mxfp4", "--device", "cpu", "--backend", "torch", "--json", str(out)]) == 0
+        cli.main([*argv, "--schemes", "nvfp4,w_fp4_a_fp4", "--device", "cpu", "--backend", "torch", "--json", str(out)])
+        == 0
     )
     data = json.loads(out.read_text())
     assert data["preset"] == "tiny" and [r["scheme"] for r in data["rows"]] == ["nvfp4", "w_mxfp4_a_mxfp4"]
@@ -362,9 +364,9 @@ def test_the_run_checks_resolve_the_preset(no_model):
 def test_workbook_hands_its_arguments_to_the_runner(monkeypatch, flags):
     runner = pytest.importorskip("mxlib.workbook.runner")
     seen = []
-    monkeypatch.setattr(runner, "main", lambda argv=None: seen.append(argv) or 7)
+    monkeypatch.setattr(runner, "main", lambda argv=None, prog=None: seen.append((argv, prog)) or 7)
     assert cli.main([*flags, "workbook", "--only", "01", "--out", "build/x", "--help"]) == 7
-    assert seen == [["--only", "01", "--out", "build/x", "--help"]]
+    assert seen == [(["--only", "01", "--out", "build/x", "--help"], "mxlib workbook")]
 
 
 def test_workbook_help_is_the_runners(capsys):
