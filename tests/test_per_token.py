@@ -151,3 +151,210 @@ def test_reference_shapes_and_errors():
         R.nvfp4_per_token_quant_dequant(torch.zeros(2, 32), numerics="fast")
     with pytest.raises(TypeError, match="x: expected"):
         R.nvfp4_per_token_scales(torch.zeros(2, 32, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- Triton twins
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
+def test_triton_twin_matches_reference(dtype, numerics):
+    x = cases(dtype)
+    want, want_ts = R.nvfp4_per_token_quant_dequant(x, numerics=numerics)
+    got, ts = KT.nvfp4_per_token_quant_dequant(x, numerics=numerics)
+    assert_bits_equal(got, want, "dq")
+    assert_bits_equal(ts, want_ts, "per_token_scale")
+    for a, b, name in zip(KT.nvfp4_per_token_scales(x), R.nvfp4_per_token_scales(x), ("global_scale", "per_token")):
+        assert_bits_equal(a, b, name)
+
+
+def test_triton_twin_rows_longer_than_a_tile_and_3d():
+    """K = 2048 + 768 (several BLOCK_K steps, a masked tail), rows of one 3D tensor, an fp32 output."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 3, 2816, generator=g) * torch.exp2(torch.randn(2, 3, 1, generator=g) * 8)).to(torch.bfloat16)
+    x[1, 2, 2815] = 300.0  # the row's amax in its last, masked step
+    for numerics in ("vllm", "hardware"):
+        want = R.nvfp4_per_token_quant_dequant(x, dtype=torch.float32, numerics=numerics)
+        got = KT.nvfp4_per_token_quant_dequant(x, dtype=torch.float32, numerics=numerics)
+        for a, b in zip(got, want):
+            assert_bits_equal(a, b, numerics)
+    e, ets = KT.nvfp4_per_token_quant_dequant(torch.zeros(0, 32, dtype=torch.bfloat16))
+    assert e.shape == (0, 32) and ets.shape == (0,)
+    with pytest.raises(ValueError, match="x: K=40 is not a multiple of block_size=16"):
+        KT.nvfp4_per_token_quant_dequant(torch.zeros(2, 40))
+
+
+# ----------------------------------------------------------------------------- the experts
+
+
+E, H, I, TOPK, M = 4, 256, 128, 2, 6  # H, I multiples of the FP4 kernel's 128-element K tile
+
+
+def layer(seed=0, m=M):
+    """NVFP4 experts' weights and tokens whose magnitudes span 2**-12 .. 2**4 (one all-zero token)."""
+    from mxlib.moe import fused_topk, quantize_expert_weights
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, H, generator=g) * torch.exp2(torch.linspace(-12, 4, m))[:, None]
+    x[m // 2] = 0.0
+    w13 = torch.randn(E, 2 * I, H, generator=g) * 0.05
+    w2 = torch.randn(E, H, I, generator=g) * 0.05
+    tw, ti = fused_topk(torch.randn(m, E, generator=g), TOPK)
+    q = quantize_expert_weights(w13.to(torch.bfloat16), w2.to(torch.bfloat16), "nvfp4", ops=R)
+    return q, x.to(torch.bfloat16), tw, ti
+
+
+def experts(q, backend, numerics="vllm", device="cpu", **kw):
+    from mxlib.moe import make_emulation_experts
+
+    return make_emulation_experts(
+        "nvfp4", q.to(device), backend=backend, numerics=numerics, scale_strategy="per_token", **kw
+    )
+
+
+def oracle_moe(q, x, tw, ti, numerics):
+    """float64 MoE from the reference's operands: ``vllm``: bf16 weights and per-token QDQ'd
+    activations; ``hardware``: fp32 weights ``e2m1 * block_scale * global_scale`` and activations
+    ``(e2m1 * s) * per_token_scale`` (no bf16 rounding of the product). GEMM1 and SiLU-and-mul rounded
+    to bf16 between the GEMMs, as every path does."""
+    from oracles import moe_fp64
+
+    dt = torch.bfloat16 if numerics == "vllm" else torch.float32
+    w13 = R.dequantize_to_dtype(q.w13_weight, q.w13_weight_scale, q.w13_weight_scale_2, dt)
+    w2 = R.dequantize_to_dtype(q.w2_weight, q.w2_weight_scale, q.w2_weight_scale_2, dt)
+
+    def qdq(v):
+        dq, ts = R.nvfp4_per_token_quant_dequant(v, numerics=numerics, dtype=torch.float32)
+        return dq.double() * ts.double()[:, None] if numerics == "hardware" else dq.to(torch.bfloat16)
+
+    return moe_fp64(qdq(x), w13, w2, tw, ti, store_dtype=torch.bfloat16, a2_fn=lambda act, e: qdq(act))
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
+def test_experts_quantize_activations_per_token_bits(backend, numerics):
+    """The experts' a1 and a2 hooks give the reference's per-token QDQ bit for bit, on both backends."""
+    q, x, tw, ti = layer()
+    ex = experts(q, backend, numerics, device="cpu")
+    a1, per_pair = ex.quantize_input(x, ti, backend)
+    assert not per_pair  # once per token
+    assert_bits_equal(a1, R.nvfp4_per_token_quant_dequant(x, numerics=numerics)[0], "a1")
+    act = torch.randn(5, I, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
+    a2 = ex.quantize_intermediate(act, torch.zeros(5, dtype=torch.int32), backend)
+    want, ts = R.nvfp4_per_token_quant_dequant(act, numerics=numerics)
+    if numerics == "hardware":  # with the rows' per_token_scale, for GEMM2's output
+        assert_bits_equal(a2[0], want, "a2")
+        assert_bits_equal(a2[1], ts, "a2 per_token_scale")
+    else:
+        assert_bits_equal(a2, want, "a2")
+    assert ex.a13_gscale is None and ex.a2_gscale is None and ex.per_token
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
+def test_experts_per_token_against_fp64(numerics, device):
+    """torch, triton (vLLM numerics) and fused (the FP4 kernel) backends against the float64 MoE."""
+    q, x, tw, ti = layer()
+    want = oracle_moe(q, x, tw, ti, numerics)
+    backends = ["torch", "fused"] + (["triton"] if numerics == "vllm" else [])
+    outs = {}
+    for backend in backends:
+        ex = experts(q, backend, numerics, device=device if backend != "torch" else "cpu")
+        d = device if backend != "torch" else "cpu"
+        outs[backend] = ex(x.to(d), tw.to(d), ti.to(d)).cpu()
+        assert rel_err(outs[backend], want) < 5e-3, (backend, rel_err(outs[backend], want))
+    assert (outs["torch"][M // 2] == 0).all()  # the all-zero token: zeros, no NaN
+    for backend in backends[1:]:
+        assert rel_err(outs[backend], outs["torch"]) < 5e-3, backend
+    if numerics == "hardware":  # the modes differ measurably
+        assert rel_err(outs["torch"], oracle_moe(q, x, tw, ti, "vllm")) > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
+def test_fused_per_token_a1_prepass_and_standalone_same_bits(numerics, device):
+    """The FP4 kernel's a1 per token: a scales pre-pass then the A-load QDQ (``a1_fused``), or one
+    standalone QDQ pass: the same bits; aligned and naive (tiny batch) plans alike."""
+    from mxlib.kernels.tiles import TileConfig
+
+    q, x, tw, ti = layer()
+    ex = experts(q, "fused", numerics, device=device)
+    args = (x.to(device), tw.to(device), ti.to(device))
+    c2 = TileConfig(16, 64, None, 1, 4, 1)
+    ex.fp4_config = (TileConfig(16, 32, None, 1, 4, 1, a1_fused=False), c2)
+    standalone = ex(*args).cpu()
+    ex.fp4_config = (TileConfig(16, 32, None, 1, 4, 1, a1_fused=True), c2)
+    assert_bits_equal(ex(*args).cpu(), standalone)
+    ex.fp4_config = None
+    one = ex(*(a[:1] for a in args)).cpu()  # M * k * 4 <= E: naive blocks
+    assert rel_err(one, oracle_moe(q, x[:1], tw[:1], ti[:1], numerics)) < 5e-3
+
+
+@pytest.mark.slow
+def test_nan_token_stays_in_its_token(device):
+    q, x, tw, ti = layer()
+    x[1, 7] = math.nan
+    for backend in ("torch", "fused"):
+        d = device if backend == "fused" else "cpu"
+        out = experts(q, backend, device=d)(x.to(d), tw.to(d), ti.to(d)).cpu()
+        assert out[1].isnan().all(), backend
+        others = torch.ones(M, dtype=torch.bool)
+        others[1] = False
+        assert not out[others].isnan().any(), backend
+
+
+def test_per_token_beats_one_static_scale_on_spread_tokens():
+    """Tokens 2**16 apart in magnitude: one static (max) scale pushes the small tokens' block scales into
+    e4m3's subnormal range or to zero; per-token scales keep every token's relative error small."""
+    from mxlib.moe import make_emulation_experts
+
+    q, x, tw, ti = layer()
+    bf16 = oracle_moe(q, x, tw, ti, "vllm")  # only for the weights' rounding: compare the activations here
+    amax = float(x.float().abs().amax())
+    static = make_emulation_experts(
+        "nvfp4", q, torch.full((E,), amax / 2688), torch.full((E,), 0.05 * amax / 2688), backend="torch"
+    )
+    per_token = experts(q, "torch")
+    live = x.float().abs().amax(1) > 0
+
+    def token_err(out):
+        return ((out.double() - bf16).norm(dim=1)[live] / bf16.norm(dim=1)[live]).max().item()
+
+    assert token_err(per_token(x, tw, ti)) < 0.05
+    assert token_err(static(x, tw, ti)) > 0.5
+
+
+def test_per_token_construction_and_errors():
+    from mxlib.moe import (
+        ACTIVATION_SCALE_STRATEGIES,
+        PER_TOKEN,
+        SCALE_STRATEGIES,
+        make_emulation_experts,
+        unify_input_scales,
+    )
+
+    assert PER_TOKEN == "per_token" and PER_TOKEN not in SCALE_STRATEGIES
+    assert ACTIVATION_SCALE_STRATEGIES == (*SCALE_STRATEGIES, PER_TOKEN)
+    q, x, tw, ti = layer()
+    ex = make_emulation_experts("nvfp4", q, scale_strategy="per_token", backend="torch")  # no input scales
+    with pytest.raises(ValueError, match="scale_strategy 'max' needs w13_input_scale and w2_input_scale"):
+        ex.set_scale_strategy("max")
+    with pytest.raises(ValueError, match=r"scale_strategy: expected one of \[.*'per_token'\], got 'p99x'"):
+        ex.set_scale_strategy("p99x")
+    with pytest.raises(ValueError, match="'per_token' is dynamic"):
+        unify_input_scales(torch.ones(E), "per_token")
+    with pytest.raises(ValueError, match="nvfp4: activations with a static scale need w13_input_scale"):
+        make_emulation_experts("nvfp4", q)
+    # given input scales are checked but not used: static <-> per_token switch back and forth
+    s = torch.full((E,), 1.0 / 2688)
+    both = make_emulation_experts("nvfp4", q, s, s, backend="torch")
+    static_out = both(x, tw, ti)
+    both.set_scale_strategy("per_token")
+    assert_bits_equal(both(x, tw, ti), ex(x, tw, ti))
+    both.set_scale_strategy("max")
+    assert_bits_equal(both(x, tw, ti), static_out)
