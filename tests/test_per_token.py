@@ -237,21 +237,22 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
-def test_experts_quantize_activations_per_token_bits(backend, numerics):
+def test_experts_quantize_activations_per_token_bits(backend, numerics, device):
     """The experts' a1 and a2 hooks give the reference's per-token QDQ bit for bit, on both backends."""
     q, x, tw, ti = layer()
-    ex = experts(q, backend, numerics, device="cpu")
-    a1, per_pair = ex.quantize_input(x, ti, backend)
+    d = "cpu" if backend == "torch" else device
+    ex = experts(q, backend, numerics, device=d)
+    a1, per_pair = ex.quantize_input(x.to(d), ti.to(d), backend)
     assert not per_pair  # once per token
-    assert_bits_equal(a1, R.nvfp4_per_token_quant_dequant(x, numerics=numerics)[0], "a1")
+    assert_bits_equal(a1.cpu(), R.nvfp4_per_token_quant_dequant(x, numerics=numerics)[0], "a1")
     act = torch.randn(5, I, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
-    a2 = ex.quantize_intermediate(act, torch.zeros(5, dtype=torch.int32), backend)
+    a2 = ex.quantize_intermediate(act.to(d), torch.zeros(5, dtype=torch.int32, device=d), backend)
     want, ts = R.nvfp4_per_token_quant_dequant(act, numerics=numerics)
     if numerics == "hardware":  # with the rows' per_token_scale, for GEMM2's output
-        assert_bits_equal(a2[0], want, "a2")
-        assert_bits_equal(a2[1], ts, "a2 per_token_scale")
+        assert_bits_equal(a2[0].cpu(), want, "a2")
+        assert_bits_equal(a2[1].cpu(), ts, "a2 per_token_scale")
     else:
-        assert_bits_equal(a2, want, "a2")
+        assert_bits_equal(a2.cpu(), want, "a2")
     assert ex.a13_gscale is None and ex.a2_gscale is None and ex.per_token
 
 

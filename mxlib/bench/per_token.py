@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 
+from ..formats import NVFP4_SCALE_DIVISOR
 from ..kernels import quant as Q
 from ..kernels.fp4_tiles import get_fp4_configs
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
@@ -43,9 +44,9 @@ TOKENS = [1, 16, 64, 256, 1024, 4096]
 
 def build(w13, w2, x_cal) -> dict:
     """The experts of each path (static scales from the calibration batch, as ``mxlib.bench.fused``)."""
-    in13 = torch.full((E,), float(x_cal.abs().amax()) / 2688.0, device=DEVICE)
+    in13 = torch.full((E,), float(x_cal.abs().amax()) / NVFP4_SCALE_DIVISOR, device=DEVICE)
     h_cal = (x_cal[:512].float() @ w13[0].float().T).to(torch.bfloat16)
-    in2 = torch.full((E,), float(silu_and_mul(h_cal).abs().amax()) / 2688.0, device=DEVICE)
+    in2 = torch.full((E,), float(silu_and_mul(h_cal).abs().amax()) / NVFP4_SCALE_DIVISOR, device=DEVICE)
     q = quantize_expert_weights(w13, w2, "nvfp4")
     paths = {}
     for suffix, numerics in (("", "vllm"), ("_hw", "hardware")):

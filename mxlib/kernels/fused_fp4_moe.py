@@ -571,7 +571,7 @@ def fused_fp4_moe(
         mul_routed_weight=False,
         top_k=k,
         tiles=c1,
-        a_rows=a1_rows,
+        a_rows=a1_rows if (a1q is not None or a1_inv is not None) else None,  # read in the A load or the output
     )
     a2_rows = None
     if a2_per_token:  # a2's rows QDQ'd in place, each with its own scale (an epilogue tile sees part of a row)
@@ -594,7 +594,7 @@ def fused_fp4_moe(
         mul_routed_weight=True,
         top_k=1,
         tiles=c2,
-        a_rows=a2_rows,
+        a_rows=a2_rows if hardware else None,  # vLLM numerics: a2 holds its dequantized values
     )
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
     block = 1024
