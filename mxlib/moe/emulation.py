@@ -283,7 +283,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
-    scales)`` and ``a2_gscale = 1 / max(w2 input scales)``).
+    scales)`` and ``a2_gscale = 1 / max(w2 input scales)``); ``per_token``: vLLM's ``nvfp4_per_token``
+    (FlashInfer's per-token activation quantizer, ``mxlib.reference.nvfp4_per_token_scales``).
     """
 
     quant_dtype = NVFP4.name
@@ -375,21 +376,18 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         """
         if strategy not in ACTIVATION_SCALE_STRATEGIES:
             raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {strategy!r}")
-        if strategy == PER_TOKEN:
-            self.scale_strategy = strategy
-            self.register_buffer("a13_gscale", None, persistent=False)
-            self.register_buffer("a2_gscale", None, persistent=False)
-            self._a13_uniform = self._a2_uniform = True
-            return
-        if self.w13_input_scale is None or self.w2_input_scale is None:
+        if strategy != PER_TOKEN and (self.w13_input_scale is None or self.w2_input_scale is None):
             raise ValueError(
                 f"scale_strategy {strategy!r} needs w13_input_scale and w2_input_scale (static scales); these "
                 f"experts were built without them: use scale_strategy={PER_TOKEN!r}"
             )
         self.scale_strategy = strategy
-        unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
-        a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
-        a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
+        a13 = a2 = None  # per_token: the scales are made in the forward
+        self._a13_uniform = self._a2_uniform = True
+        if strategy != PER_TOKEN:
+            unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
+            a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
+            a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
         self.register_buffer("a13_gscale", a13, persistent=False)
         self.register_buffer("a2_gscale", a2, persistent=False)
 
@@ -400,14 +398,12 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     # NVFP4 with ``scale=None`` is the per-token QDQ for the FP4 kernel (``fp4_activations.is_per_token``)
     def a1_qdq(self) -> ActivationQDQ:
-        if self.per_token:
-            return ActivationQDQ(NVFP4)
-        return ActivationQDQ(NVFP4, scale=self.a13_gscale[:1] if self._a13_uniform else self.a13_gscale)
+        g = self.a13_gscale
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g))
 
     def a2_qdq(self) -> ActivationQDQ:
-        if self.per_token:
-            return ActivationQDQ(NVFP4)
-        return ActivationQDQ(NVFP4, scale=self.a2_gscale[:1] if self._a2_uniform else self.a2_gscale)
+        g = self.a2_gscale
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g))
 
     # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
     def _hardware(self) -> bool:
