@@ -117,8 +117,10 @@ from .formats import (
     NVFP4_BLOCK_SIZE,
     NVFP4_SCALE_DIVISOR,
     ElementFormat,
+    Numerics,
     get_block_scheme,
     get_element_format,
+    get_numerics,
     get_scale_mode,
 )
 
@@ -137,6 +139,8 @@ __all__ = [
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
     "compressed_tensors_nvfp4_quant_dequant",
+    "nvfp4_per_token_scales",
+    "nvfp4_per_token_quant_dequant",
     "quantize_nvfp4",
     "nvfp4_weight_scale_2",
     "nvfp4_block_stats",
@@ -605,6 +609,94 @@ def ref_nvfp4_quant_dequant(
     s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
     e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
     return (e * (s / gs)).reshape(x.shape).to(dtype)
+
+
+def nvfp4_per_token_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic NVFP4 activation scales: each row's (token's) own amax sets its global scale.
+
+    For a row with amax ``a`` (max ``|x|`` over the whole last axis, in fp32)::
+
+        per_token_scale = max(a * fp32(1 / (6 * 448)), 2**-126)   # decode scale, fp32 multiply
+        global_scale    = 1 / per_token_scale                    # encode scale gs, correctly rounded
+
+    The floor ``2**-126`` gives an all-zero row (and any row with ``a`` below about ``3.2e-35``) the
+    encode scale ``2**126``: its blocks quantize to zeros, never NaN. A row holding NaN or +-Inf gets
+    NaN for both scales: that token dequantizes to all NaN, and no other row is touched.
+
+    Source: vLLM ``--quantization nvfp4_per_token`` (vllm-project/vllm#48538), which calls FlashInfer's
+    ``nvfp4_quantize(a, 1.0 / (448.0 * 6.0), per_token_activation=True)``; its CUDA kernel
+    (``nvfp4QuantAndPerTokenScaleKernel``) reduces the row amax, stores ``per_token_scale = amax *
+    globalScaleInv`` (fp32 ``[M]``, the scale the MoE GEMM multiplies its output rows by) and
+    quantizes the row with the encode scale ``rcp.approx.ftz(per_token_scale)``. Differences, each a
+    choice made here: the reciprocal is the correctly rounded one (PTX ``rcp.approx`` may differ by an
+    ulp and is not reproducible off the device); FlashInfer's ``fmaxf`` row reduction skips NaN and
+    its zero row gives ``rcp(0) = Inf`` and NaN block scales (0 * Inf); the floor and the NaN rule
+    above make both cases defined.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16; rows along the last axis.
+
+    Returns:
+        ``(global_scale, per_token_scale)``, fp32, each of shape ``x.shape[:-1]``.
+
+    Raises:
+        TypeError: ``x`` not a float32 / bfloat16 / float16 tensor.
+    """
+    _check_float(x, "x")
+    if x.shape[-1] == 0:
+        amax = torch.zeros(x.shape[:-1], dtype=torch.float32, device=x.device)
+    else:
+        amax = x.float().abs().amax(dim=-1)  # NaN propagates
+    inv = torch.tensor(1.0 / NVFP4_SCALE_DIVISOR, dtype=torch.float32, device=x.device)  # fp32(1/2688)
+    ts = torch.clamp(amax * inv, min=GLOBAL_SCALE_MIN)
+    ts = torch.where(torch.isfinite(amax), ts, torch.full_like(ts, math.nan))
+    return 1.0 / ts, ts
+
+
+def nvfp4_per_token_quant_dequant(
+    x: torch.Tensor,
+    block_size: int = NVFP4_BLOCK_SIZE,
+    dtype: torch.dtype | None = None,
+    numerics="vllm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 QDQ of activations with per-token dynamic global scales (``nvfp4_per_token_scales``).
+
+    Each row is QDQ'd exactly as ``ref_nvfp4_quant_dequant`` does with its own encode scale
+    ``gs`` (block scale ``s = e4m3(clamp(gs * (amax_block * fp32(1/6)), -448, 448))``, multiplier
+    ``recip(s * recip(gs))``, e2m1 elements), so the rules of the module docstring hold per row.
+
+    ``numerics``: ``"vllm"`` returns ``e2m1 * (s / gs)`` (vLLM's emulation form, one fp32 product,
+    one cast); ``"hardware"`` returns ``e2m1 * s`` (exact in bf16: an FP4 tensor-core operand) and
+    leaves ``per_token_scale`` to multiply the GEMM's fp32 output rows, as FlashInfer's per-token MoE
+    GEMMs do.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16.
+        block_size: 16 for NVFP4.
+        dtype: output dtype (default ``x.dtype``).
+        numerics: ``"vllm"`` or ``"hardware"`` (or a ``mxlib.formats.Numerics``).
+
+    Returns:
+        ``(dq [..., k] of dtype, per_token_scale fp32 x.shape[:-1])``.
+
+    Raises:
+        TypeError: ``x`` or ``dtype`` of the wrong dtype.
+        ValueError: ``k`` not a multiple of ``block_size``; a bad ``block_size``; unknown ``numerics``.
+    """
+    _check_float(x, "x")
+    _check_block(x.shape[-1], block_size, "x")
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    hardware = get_numerics(numerics) is Numerics.HARDWARE
+    gs, ts = nvfp4_per_token_scales(x)
+    k = x.shape[-1]
+    xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
+    g = gs[..., None, None]
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    s, q = _nvfp4_scale_and_multiplier(amax, g, "reciprocal")
+    e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
+    dq = e * s if hardware else e * (s / g)
+    return dq.reshape(x.shape).to(dtype), ts
 
 
 def compressed_tensors_nvfp4_quant_dequant(

@@ -215,11 +215,12 @@ def fused_dequant(weight, gated, a2, split=False):
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 
 
-def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
+def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_token=False):
     """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``numerics``
     vllm / hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ
     (GEMM1) or None; PTX decode (the compiled path); ``one``: the one-multiply decode
-    (``fp4_one_multiply``). ``cfg``: a ``TileConfig`` (default 16 x 64, 4 warps, 3 stages)."""
+    (``fp4_one_multiply``). ``cfg``: a ``TileConfig`` (default 16 x 64, 4 warps, 3 stages).
+    ``per_token``: per-token NVFP4 activation scales read row by row (``A_PER_TOKEN``; GEMM2 too)."""
     cfg = cfg or TileConfig(16, 64, None, 1, 4, 3)
     nw = max(1, min(cfg.num_warps, cfg.block_n // 16))  # as ``_launch``
     w = BLOCK_SCHEMES[weight]
@@ -242,7 +243,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
     }
     kernel = P.fused_fp4_moe_kernel
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
-    nv_hw = numerics is Numerics.HARDWARE and q.kind == D.A2_NVFP4
+    nv_hw = numerics is Numerics.HARDWARE and (q.kind == D.A2_NVFP4 or per_token)
     k = compile_kernel(
         kernel,
         ptrs,
@@ -257,6 +258,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
             GATED=gated,
             W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW,
             A_INV_OUT=nv_hw,
+            A_PER_TOKEN=per_token,
             MUL_ROUTED_WEIGHT=not gated,
             top_k=8 if gated else 1,
             NAIVE=naive,
@@ -282,6 +284,13 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None):
     compile_kernel(
         P._sum_k_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16"}, dict(top_k=8, BLOCK=1024, OUT_DTYPE=tl.bfloat16)
     )
+    if per_token:  # the per-token scales pre-pass and the per-row QDQ pass (a1, a2)
+        for qdq in (False, True):
+            compile_kernel(
+                Q._nvfp4_per_token_kernel,
+                {"x_ptr": "*bf16", "out_ptr": "*bf16", "scales_ptr": "*fp32"},
+                dict(QDQ=qdq, HW=nv_hw, BS=16, OUT_DTYPE=tl.bfloat16, BLOCK_R=4, BLOCK_K=1024),
+            )
     if w.has_global_scale and numerics is Numerics.HARDWARE and gated:  # its standalone a1 QDQ
         compile_kernel(
             FA._nvfp4_hw_qdq_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16", "gs_ptr": "*fp32"}, dict(BLOCK_K=512)
@@ -351,6 +360,11 @@ JOBS += [
         ("mxfp6_e3m2", "vllm", False, None, True),
         ("mxfp6_e3m2", "vllm", True, "mxfp6_e3m2"),
         ("mxfp6_e2m3", "hardware", True, "fp8_e4m3"),
+        # per-token NVFP4: the A-load QDQ with each row's gs (a1_fused), GEMM2's rows scaled (hardware)
+        ("nvfp4", "vllm", True, "nvfp4", False, False, None, True),
+        ("nvfp4", "hardware", True, "nvfp4", False, False, None, True),
+        ("nvfp4", "hardware", False, None, False, False, None, True),
+        ("nvfp4", "hardware", True, None, True, False, None, True),
     ]
 ]
 # every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory

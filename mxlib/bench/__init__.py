@@ -12,6 +12,9 @@ times, ratios to the anchor rows, fractions of the memory floor and the speed fl
 and prefill M, bf16 vs each emulation path, eager and as one CUDA graph (``--device cpu`` runs a small
 preset eagerly, for tests).
 
+``per_token`` (``python -m mxlib.bench.per_token``): the FP4 kernel's layer with per-token NVFP4
+activation scales beside static ones, and the per-row passes alone.
+
 All print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
 """
 

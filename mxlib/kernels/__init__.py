@@ -52,6 +52,8 @@ from .align import moe_align_block_size  # noqa: E402,F401
 from .quant import (  # noqa: E402,F401
     dequantize_mx,
     dequantize_to_dtype,
+    nvfp4_per_token_quant_dequant,
+    nvfp4_per_token_scales,
     nvfp4_quant_dequant,
     quant_dequant_fp8_per_tensor,
     quant_dequant_mx,

@@ -66,6 +66,9 @@ NVFP4_SCALE_MBITS = _named(_NVFP4_SCALE_ARGS["MBITS"])
 NVFP4_SCALE_MAX = _named(_NVFP4_SCALE_ARGS["MAX"])
 NVFP4_SCALE_SPECIALS = _named(_NVFP4_SCALE_ARGS["SPECIALS"])
 NVFP4_INV_MAX = _named(struct.unpack("<f", struct.pack("<f", 1.0 / NVFP4.element.max))[0])
+# per-token global scales (``nvfp4_per_token_scales``): fp32(1 / (6 * 448)) and the decode-scale floor
+NVFP4_INV_SCALE_DIVISOR = _named(struct.unpack("<f", struct.pack("<f", 1.0 / NVFP4.scale_divisor))[0])
+PER_TOKEN_SCALE_FLOOR = _named(2.0**-126)
 _FP8_ARGS = kernel_format_args(FP8_E4M3_PER_TENSOR)
 FP8_EBITS = _named(_FP8_ARGS["EBITS"])
 FP8_MBITS = _named(_FP8_ARGS["MBITS"])
@@ -408,10 +411,44 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
     has_nan = abits > 0x7F800000
     amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
     s, q = nvfp4_scale_and_multiplier(amax, gs, DIVIDE)
-    e = round_e2m1_signed_like_vllm(tl.minimum(tl.maximum(xb * q[:, :, None], -FP4_MAX), FP4_MAX))
+    # clamp keeping NaN: a block of fp32-subnormal size overflows q to Inf, and its zeros give 0 * Inf
+    e = round_e2m1_signed_like_vllm(clamp_keep_nan(xb * q[:, :, None], -FP4_MAX, FP4_MAX))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
     dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def nvfp4_qdq_hw_values(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """NVFP4 QDQ in hardware form: ``e2m1 * s`` (exact in bf16), the ``1 / gs`` left to the caller.
+    Block scale and e2m1 codes are vLLM's (``nvfp4_qdq_values``); ``gs`` broadcasts to [BLOCK_R, 1]."""
+    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
+    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    has_nan = abits > 0x7F800000
+    amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
+    s, q = nvfp4_scale_and_multiplier(amax, gs, False)
+    e = round_e2m1_signed_like_vllm(clamp_keep_nan(xb * q[:, :, None], -FP4_MAX, FP4_MAX))
+    dq = e * s[:, :, None]
+    dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
+    return tl.reshape(dq, (BLOCK_R, BLOCK_K))
+
+
+@triton.jit
+def row_abs_bits(x):
+    """Max of ``|x|``'s fp32 bits along axis 1 (int32; NaN and Inf bits exceed every finite value's)."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def nvfp4_per_token_scales(abits):
+    """``(gs, per_token_scale)`` fp32 from a row's ``row_abs_bits``: ``per_token_scale = max(amax *
+    fp32(1/2688), 2**-126)``, ``gs = 1 / per_token_scale`` correctly rounded, both NaN for a row
+    holding NaN or Inf (``mxlib.reference.nvfp4_per_token_scales``)."""
+    finite = abits < 0x7F800000
+    amax = tl.where(finite, abits, 0).to(tl.float32, bitcast=True)
+    ts = tl.maximum(amax * NVFP4_INV_SCALE_DIVISOR, PER_TOKEN_SCALE_FLOOR)  # finite here: max drops no NaN
+    ts = tl.where(finite, ts, fp32_nan_like(ts))
+    return tl.math.div_rn(tl.full(ts.shape, 1.0, tl.float32), ts), ts
 
 
 @triton.jit

@@ -20,19 +20,10 @@ from . import quant as Q
 from .fused_dequant_moe import A2_FP8, A2_MX, A2_NVFP4, ActivationQDQ
 
 
-@triton.jit
-def _nvfp4_qdq_hw(x, gs, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """NVFP4 QDQ in hardware form: ``e2m1 * s`` (exact in bf16), the ``1 / gs`` left to the caller.
-    Block scale and e2m1 codes are vLLM's (``nm.nvfp4_qdq_values``)."""
-    xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
-    abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    has_nan = abits > 0x7F800000
-    amax = tl.where(has_nan, 0.0, abits.to(tl.float32, bitcast=True))
-    s, q = nm.nvfp4_scale_and_multiplier(amax, gs, False)
-    e = nm.round_e2m1_signed_like_vllm(tl.minimum(tl.maximum(xb * q[:, :, None], -6.0), 6.0))
-    dq = e * s[:, :, None]
-    dq = tl.where(has_nan[:, :, None], nm.fp32_nan_like(dq), dq)
-    return tl.reshape(dq, (BLOCK_R, BLOCK_K))
+def is_per_token(q: ActivationQDQ | None) -> bool:
+    """Whether ``q`` is the per-token NVFP4 QDQ: NVFP4 without a static scale (each row's amax sets
+    its global scale, ``mxlib.reference.nvfp4_per_token_scales``)."""
+    return q is not None and q.kind == A2_NVFP4 and q.scale is None
 
 
 @triton.jit
@@ -51,12 +42,13 @@ def _act_qdq(
     BLOCK_K: tl.constexpr,
 ):
     """QDQ of an fp32 tile [BLOCK_R, BLOCK_K] (blocks along the last axis): KIND 0 none, 1 MX,
-    2 NVFP4 (``scale`` the encode scale gs; MODE 1 leaves out the ``1 / gs``), 3 FP8 per tensor."""
+    2 NVFP4 (``scale`` the encode scale gs, or the rows' gs [BLOCK_R, 1]; MODE 1 leaves out the
+    ``1 / gs``), 3 FP8 per tensor."""
     if KIND == 1:
         return nm.mx_qdq_values(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
     elif KIND == 2:
         if MODE == 1:
-            return _nvfp4_qdq_hw(x, scale, BS, BLOCK_R, BLOCK_K)
+            return nm.nvfp4_qdq_hw_values(x, scale, BS, BLOCK_R, BLOCK_K)
         return nm.nvfp4_qdq_values(x, scale, False, BS, BLOCK_R, BLOCK_K)
     elif KIND == 3:
         return nm.fp8_qdq_values(x, scale)
@@ -99,11 +91,11 @@ def _a_tile(
 @triton.jit
 def _nvfp4_hw_qdq_kernel(x_ptr, out_ptr, gs_ptr, H, BLOCK_K: tl.constexpr):
     """NVFP4 QDQ of ``BLOCK_K`` columns of one row in hardware form: ``e2m1 * s`` (exact in bf16), the
-    ``1 / gs`` left to GEMM1's accumulator; the bits of the A-tile load's QDQ (``_nvfp4_qdq_hw``)."""
+    ``1 / gs`` left to GEMM1's accumulator; the bits of the A-tile load's QDQ (``nm.nvfp4_qdq_hw_values``)."""
     r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = nm.to_fp32(tl.load(x_ptr + r * H + cols))
-    q = _nvfp4_qdq_hw(tl.reshape(x, (1, BLOCK_K)), tl.load(gs_ptr), 16, 1, BLOCK_K)
+    q = nm.nvfp4_qdq_hw_values(tl.reshape(x, (1, BLOCK_K)), tl.load(gs_ptr), 16, 1, BLOCK_K)
     tl.store(out_ptr + r * H + cols, nm.cast_out(tl.reshape(q, (BLOCK_K,)), tl.bfloat16))
 
 

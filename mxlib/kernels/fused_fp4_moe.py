@@ -48,10 +48,11 @@ from . import fp4_layout as F4
 from . import fp6_layout as F6
 from ._bridge import select
 from .align import RoutingPlan, plan_routing
-from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq
+from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq, is_per_token
 from .fp4_layout import FP4Weights, prepare_fp4_weights
 from .fp4_tiles import FP4_CONFIGS, FP6_CONFIGS, NVFP4_CONFIGS, get_fp4_configs
 from .fused_dequant_moe import A2_NONE, A2_NVFP4, ActivationQDQ, PackedWeights
+from .quant import per_token_rows
 from .tiles import TileConfig
 
 __all__ = ["prepare_packed_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "FP6_CONFIGS"]
@@ -119,6 +120,7 @@ def fused_fp4_moe_kernel(
     wg_stride_e,
     wg_stride_half,
     a_scale_stride_e,
+    a_scale_stride_row,
     c_scale_stride_e,
     # weight format: KIND 0 MX, 1 NVFP4 vLLM, 2 NVFP4 hardware (``fp4_layout.W_*``); BS 32 or 16; ONE the
     # one-multiply decode (``fp4_one_multiply``); BITS 4 (``fp4_layout``) or 6 (MXFP6 in ``fp6_layout``'s
@@ -148,6 +150,7 @@ def fused_fp4_moe_kernel(
     C_BS: tl.constexpr,
     W_GLOBAL_OUT: tl.constexpr,
     A_INV_OUT: tl.constexpr,
+    A_PER_TOKEN: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     top_k: tl.constexpr,
     NAIVE: tl.constexpr,
@@ -167,6 +170,9 @@ def fused_fp4_moe_kernel(
     the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
     Hardware numerics: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
     encode scale), W_GLOBAL_OUT by the weight's global scale, before the epilogue.
+    A_PER_TOKEN: per-token NVFP4 activation scales, ``a_scale_ptr`` rows of ``(gs, per_token_scale)``
+    (stride ``a_scale_stride_row``) for A's rows: the A-load QDQ uses each row's gs, A_INV_OUT
+    multiplies each output row by its ``per_token_scale``.
     """
     pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
     if NAIVE:
@@ -194,7 +200,10 @@ def fused_fp4_moe_kernel(
     else:
         g = 1.0
         g_up = 1.0
-    if A_KIND != 0 or A_INV_OUT:
+    a_row_scale_ptrs = a_scale_ptr + (offs_token // top_k) * a_scale_stride_row
+    if A_PER_TOKEN:  # the rows' encode scales gs [BLOCK_M, 1]
+        a_scale = tl.load(a_row_scale_ptrs, mask=token_mask, other=1.0)[:, None]
+    elif A_KIND != 0 or A_INV_OUT:
         a_scale = tl.load(a_scale_ptr + expert * a_scale_stride_e)
     else:
         a_scale = 1.0
@@ -283,7 +292,11 @@ def fused_fp4_moe_kernel(
                 acc_up,
             )
 
-    if A_INV_OUT:
+    if A_INV_OUT and A_PER_TOKEN:  # each row (a column of the transposed accumulator) its per_token_scale
+        ts = tl.load(a_row_scale_ptrs + 1, mask=token_mask, other=1.0)[None, :]
+        acc = acc * ts
+        acc_up = acc_up * ts
+    elif A_INV_OUT:
         inv_a = tl.math.div_rn(a_scale * 0.0 + 1.0, a_scale)
         acc = acc * inv_a
         acc_up = acc_up * inv_a
@@ -354,13 +367,15 @@ def _launch(
     mul_routed_weight: bool,
     top_k: int,
     tiles: TileConfig,
+    a_rows: torch.Tensor | None = None,
 ):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``tiles.block_m`` pairs, ``n`` output
     columns (``gated``: the SiLU-and-mul of the gate and up halves, then the ``c_qdq`` QDQ; else times
     the router weight with ``mul_routed_weight``). ``top_k``: rows of ``a`` are pairs // top_k.
 
     a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
-    multiplies the accumulator (hardware numerics), or None."""
+    multiplies the accumulator (hardware numerics), or None; a_rows: per-token scales ``[rows of a, 2]``
+    (``quant.per_token_rows``), which then replace ``a_qdq``'s and ``a_inv``'s scales row by row."""
     sorted_ids, expert_ids, num_post = plan.blocks(tiles.block_m)
     e = w.packed.shape[0]
     # pointer arguments the kernel does not read (no scale of that kind): any fp32 tensor, no new
@@ -373,6 +388,8 @@ def _launch(
         gsc, wg_stride_e, wg_stride_half = unread, 0, 0
     scale_src = a_qdq if a_qdq is not None else a_inv
     a_scale, a_stride = _scale_arg(scale_src, e, unread)
+    if a_rows is not None:
+        a_scale, a_stride = a_rows, 0
     c_scale, c_stride = _scale_arg(c_qdq, e, unread)
     w_kind = F4.W_MX if not w.nvfp4 else (F4.W_NVFP4_VLLM if numerics is Numerics.VLLM else F4.W_NVFP4_HW)
     fp6 = isinstance(w, F6.FP6Weights)
@@ -411,6 +428,7 @@ def _launch(
         wg_stride_e,
         wg_stride_half,
         a_stride,
+        0 if a_rows is None else a_rows.stride(0),
         c_stride,
         W_KIND=w_kind,
         W_BS=w.block_size,
@@ -422,6 +440,7 @@ def _launch(
         GATED=gated,
         W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW,
         A_INV_OUT=a_inv is not None,
+        A_PER_TOKEN=a_rows is not None,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
         NAIVE=plan.naive,
@@ -457,7 +476,10 @@ def fused_fp4_moe(
         topk_weights: ``[M, k]`` router weights (fp32); topk_ids: ``[M, k]`` int expert ids.
         a1_qdq, a2_qdq: the activation QDQs (``ActivationQDQ(fmt, scale_mode, scale)``: an OCP MX
             block scheme; NVFP4 with ``scale`` the encode global scale gs, ``[1]`` or per expert
-            ``[E]``; per-tensor FP8 with ``scale`` the decode scale ``[1]``); None (or
+            ``[E]``, or without a scale: per-token dynamic scales, each row's amax sets its gs
+            (``mxlib.reference.nvfp4_per_token_scales``; a1: a scales pre-pass over ``[M, H]`` then
+            the A-load QDQ, or one standalone QDQ pass; a2: GEMM1 stores it unquantized, one pass
+            QDQs it in place); per-tensor FP8 with ``scale`` the decode scale ``[1]``); None (or
             ``ActivationQDQ()``) for weight-only schemes.
         numerics: ``Numerics.VLLM`` / ``"vllm"`` (bf16 operands bit-identical to vLLM's dequant and
             QDQ) or ``Numerics.HARDWARE`` / ``"hardware"`` (exact ``element * block_scale`` operands,
@@ -521,11 +543,18 @@ def fused_fp4_moe(
     a1q = a1_qdq if (a1_qdq is not None and a1_qdq.kind != A2_NONE) else None
     a1_per_expert = a1q is not None and a1q.kind == A2_NVFP4 and a1q.scale is not None and a1q.scale.numel() > 1
     hardware = numerics is Numerics.HARDWARE
-    # hardware numerics: GEMM1's A holds e2m1 * s (NVFP4); its 1 / gs goes on the accumulator
+    # hardware numerics: GEMM1's A holds e2m1 * s (NVFP4); its 1 / gs (per token: per_token_scale) goes on
+    # the accumulator
     a1_inv = a1q if (hardware and a1q is not None and a1q.kind == A2_NVFP4) else None
-    if a1q is not None and not c1.a1_fused and not a1_per_expert:
+    a1_rows = None
+    if is_per_token(a1q):  # the rows' amax over all of H first: a scales pre-pass, or the whole QDQ
+        a1, a1_rows = per_token_rows(hidden_states, qdq=not c1.a1_fused, hardware=hardware)
+        a1 = hidden_states if c1.a1_fused else a1
+        a1q = a1q if c1.a1_fused else None
+    elif a1q is not None and not c1.a1_fused and not a1_per_expert:
         a1 = _standalone_a1_qdq(hidden_states, a1q, numerics)
         a1q = None
+    a2_per_token = is_per_token(a2_qdq)
     a2 = torch.empty(m * k, i, dtype=hidden_states.dtype, device=dev)
     _launch(
         a=a1,
@@ -537,12 +566,16 @@ def fused_fp4_moe(
         gated=True,
         a_qdq=a1q,
         a_inv=a1_inv,
-        c_qdq=a2_qdq,
+        c_qdq=None if a2_per_token else a2_qdq,
         numerics=numerics,
         mul_routed_weight=False,
         top_k=k,
         tiles=c1,
+        a_rows=a1_rows if (a1q is not None or a1_inv is not None) else None,  # read in the A load or the output
     )
+    a2_rows = None
+    if a2_per_token:  # a2's rows QDQ'd in place, each with its own scale (an epilogue tile sees part of a row)
+        a2, a2_rows = per_token_rows(a2, hardware=hardware, out=a2)
     out_pairs = torch.empty(m * k, h, dtype=hidden_states.dtype, device=dev)
     # hardware numerics: a2 holds e2m1 * s; its 1 / gs goes on GEMM2's accumulator
     a2_inv = a2_qdq if (hardware and a2_qdq is not None and a2_qdq.kind == A2_NVFP4) else None
@@ -561,6 +594,7 @@ def fused_fp4_moe(
         mul_routed_weight=True,
         top_k=1,
         tiles=c2,
+        a_rows=a2_rows if hardware else None,  # vLLM numerics: a2 holds its dequantized values
     )
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
     block = 1024

@@ -32,7 +32,15 @@ from .._checks import (
     nvfp4_dequant_args,
     nvfp4_weight_args,
 )
-from ..formats import MX_BLOCK_SIZE, NVFP4, NVFP4_BLOCK_SIZE, get_element_format, get_scale_mode
+from ..formats import (
+    MX_BLOCK_SIZE,
+    NVFP4,
+    NVFP4_BLOCK_SIZE,
+    Numerics,
+    get_element_format,
+    get_numerics,
+    get_scale_mode,
+)
 from . import _bridge
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
@@ -44,6 +52,8 @@ __all__ = [
     "dequantize_mx",
     "ref_nvfp4_quant_dequant",
     "nvfp4_quant_dequant",
+    "nvfp4_per_token_scales",
+    "nvfp4_per_token_quant_dequant",
     "quantize_nvfp4",
     "dequantize_to_dtype",
     "quant_dequant_fp8_per_tensor",
@@ -212,6 +222,47 @@ def _nvfp4_qdq_kernel(
     gs = tl.load(gs_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
     dq = nm.nvfp4_qdq_values(x, gs, DIVIDE, BS, BLOCK_R, BLOCK_K)
     tl.store(out_ptr + offs, nm.cast_out(dq, OUT_DTYPE), mask=mask)
+
+
+@triton.jit
+def _nvfp4_per_token_kernel(
+    x_ptr,
+    out_ptr,
+    scales_ptr,
+    R,
+    K,
+    QDQ: tl.constexpr,
+    HW: tl.constexpr,
+    BS: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Per-token NVFP4 scales of BLOCK_R rows: pass 1 reduces each row's amax over all of K (BLOCK_K
+    columns a step) and stores ``scales[row] = (gs, per_token_scale)``; with QDQ, pass 2 reads the row
+    again and stores its QDQ with vLLM's arithmetic (HW: the hardware form ``e2m1 * s``)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    rmask = rows < R
+    abits = tl.zeros((BLOCK_R,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        mask = rmask[:, None] & (cols < K)[None, :]
+        x = nm.to_fp32(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0))
+        abits = tl.maximum(abits, nm.row_abs_bits(x))
+    gs, ts = nm.nvfp4_per_token_scales(abits)
+    tl.store(scales_ptr + rows * 2, gs, mask=rmask)
+    tl.store(scales_ptr + rows * 2 + 1, ts, mask=rmask)
+    if QDQ:
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = rmask[:, None] & (cols < K)[None, :]
+            offs = rows[:, None] * K + cols[None, :]
+            x = nm.to_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0))
+            if HW:
+                dq = nm.nvfp4_qdq_hw_values(x, gs[:, None], BS, BLOCK_R, BLOCK_K)
+            else:
+                dq = nm.nvfp4_qdq_values(x, gs[:, None], False, BS, BLOCK_R, BLOCK_K)
+            tl.store(out_ptr + offs, nm.cast_out(dq, OUT_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -406,6 +457,53 @@ def ref_nvfp4_quant_dequant(
 
 
 nvfp4_quant_dequant = ref_nvfp4_quant_dequant
+
+
+def per_token_rows(x2: torch.Tensor, dtype=None, qdq=True, hardware=False, block_size=NVFP4_BLOCK_SIZE, out=None):
+    """Per-token NVFP4 over the rows of a contiguous 2D ``x2 [R, K]``: ``(out [R, K] of dtype or None,
+    scales fp32 [R, 2])``, ``scales[r] = (gs, per_token_scale)`` (the layout the FP4 kernel reads);
+    ``qdq=False`` computes the scales only (one read of ``x2``), else a second read QDQs each row
+    (``hardware``: ``e2m1 * s``) into ``out`` (may be ``x2`` itself: each row is read before it is written)."""
+    r, k = x2.shape
+    scales = torch.empty((r, 2), dtype=torch.float32, device=x2.device)
+    if qdq and out is None:
+        out = torch.empty((r, k), dtype=dtype or x2.dtype, device=x2.device)
+    if r:
+        block_r, block_k = tiles(r, k, block_size)
+        _nvfp4_per_token_kernel[(triton.cdiv(r, block_r),)](
+            x2,
+            out if qdq else x2,
+            scales,
+            r,
+            k,
+            QDQ=qdq,
+            HW=hardware,
+            BS=block_size,
+            OUT_DTYPE=_TL_DTYPE[out.dtype if qdq else torch.float32],
+            BLOCK_R=block_r,
+            BLOCK_K=block_k,
+            **launch_opts(),
+        )
+    return out, scales
+
+
+def nvfp4_per_token_scales(x):
+    """Triton twin of ``mxlib.reference.nvfp4_per_token_scales``: ``(global_scale, per_token_scale)``."""
+    check_float(x, "x")
+    lead = x.shape[:-1]
+    _, scales = per_token_rows(_rows(x), qdq=False)
+    return scales[:, 0].reshape(lead), scales[:, 1].reshape(lead)
+
+
+def nvfp4_per_token_quant_dequant(x, block_size=NVFP4_BLOCK_SIZE, dtype=None, numerics="vllm"):
+    """Triton twin of ``mxlib.reference.nvfp4_per_token_quant_dequant``: ``(dq, per_token_scale)``."""
+    check_float(x, "x")
+    check_block(x.shape[-1], block_size, "x")
+    dtype = x.dtype if dtype is None else dtype
+    check_out_dtype(dtype)
+    hardware = get_numerics(numerics) is Numerics.HARDWARE
+    out, scales = per_token_rows(_rows(x), dtype, hardware=hardware, block_size=block_size)
+    return out.reshape(x.shape), scales[:, 1].reshape(x.shape[:-1])
 
 
 def quantize_nvfp4(x, weight_scale_2=None, block_size=NVFP4_BLOCK_SIZE, zero_block_scale="one"):

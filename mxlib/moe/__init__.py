@@ -23,5 +23,11 @@ from .factory import (  # noqa: F401
 from .linear import EmulatedLinear, LinearWeights, linear_input_amax  # noqa: F401
 from .reference_moe import silu_and_mul, torch_moe  # noqa: F401
 from .routing import fused_topk, moe_align_block_size  # noqa: F401
-from .scales import SCALE_STRATEGIES, max_input_scale, unify_input_scales  # noqa: F401
+from .scales import (  # noqa: F401
+    ACTIVATION_SCALE_STRATEGIES,
+    PER_TOKEN,
+    SCALE_STRATEGIES,
+    max_input_scale,
+    unify_input_scales,
+)
 from .schemes import FP8_PER_TENSOR, MOE_SCHEMES, OCP_MX_SCHEMES, MoEQuantScheme, get_moe_scheme  # noqa: F401

@@ -21,6 +21,13 @@ Numerics (``numerics=``):
   ``torch`` backend (pure PyTorch, ``reference_moe.torch_moe`` with ``output_scales``) and on the
   ``fused`` backend's FP4 kernel; the dequantize-then-GEMM ``triton`` path computes vLLM's numerics only.
 
+Per-token activation scales (NVFP4 ``scale_strategy="per_token"``, vLLM's ``nvfp4_per_token``): each
+row's amax sets its global scale in the forward (``mxlib.reference.nvfp4_per_token_scales``), a1 per
+token, a2 per (token, expert) row; no input scale is read. ``hardware`` numerics multiply each GEMM
+output row by its ``per_token_scale``, then by the weight's global scale (FlashInfer's per-token MoE).
+``fused`` runs it on the FP4 kernel (a2 QDQ'd in a per-row pass: an epilogue tile never sees a whole
+row), else on the ``triton`` path (the generic fused kernel QDQs a2 tile by tile).
+
 FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
 the FP4 kernel's layout (``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once
 (at construction when the backend resolves to ``fused``, else at the first fused forward); only
@@ -45,7 +52,15 @@ from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import prepare_packed_weights
 from .base import TritonExperts, ops_for_backend, resolve_backend
-from .scales import _warn_once, max_input_scale, unify_input_scales
+from .reference_moe import torch_moe
+from .scales import (
+    ACTIVATION_SCALE_STRATEGIES,
+    PER_TOKEN,
+    _unify_encode_scales,
+    _warn_once,
+    max_input_scale,
+    unify_input_scales,
+)
 from .schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -255,19 +270,21 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             gate's for both); ``w2_weight``, ``w2_weight_scale``, ``w2_weight_scale_2``:
             ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
         w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales ``amax / (6 * 448)``
-            (0 for an expert never calibrated); when ``weights.global_scale_kind`` is
-            ``"encode"`` (compressed-tensors) they are encode scales ``6 * 448 / amax`` as stored,
-            used without a reciprocal (``max`` picks the smallest encode scale; the fused backend
-            then runs the triton path);
+            (0 for an expert never calibrated), or None with ``scale_strategy="per_token"``; when
+            ``weights.global_scale_kind`` is ``"encode"`` (compressed-tensors) they are encode scales
+            ``6 * 448 / amax`` as stored, used without a reciprocal (``max`` picks the smallest encode
+            scale; the fused backend then runs the triton path);
         scale_strategy: how per-expert activation scales become global ones
-            (``unify_input_scales``); ``max`` is vLLM's and warns when scales differ;
+            (``unify_input_scales``); ``max`` is vLLM's and warns when scales differ; ``per_token``:
+            each token's amax sets its own (module docstring), the input scales are not read;
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
-    scales)`` and ``a2_gscale = 1 / max(w2 input scales)``).
+    scales)`` and ``a2_gscale = 1 / max(w2 input scales)``); ``per_token``: vLLM's ``nvfp4_per_token``
+    (FlashInfer's per-token activation quantizer, ``mxlib.reference.nvfp4_per_token_scales``).
     """
 
     quant_dtype = NVFP4.name
@@ -276,8 +293,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
     def __init__(
         self,
         weights: ExpertWeights,
-        w13_input_scale: torch.Tensor,
-        w2_input_scale: torch.Tensor,
+        w13_input_scale: torch.Tensor | None = None,
+        w2_input_scale: torch.Tensor | None = None,
         *,
         scale_strategy: str = "max",
         activation_dtype: torch.dtype = torch.bfloat16,
@@ -306,8 +323,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         _check(w.w2_weight, "w2_weight", (e, h, i // 2), u8)
         _check(w.w2_weight_scale, "w2_weight_scale", (e, h, i // bs), f8)
         _check(w.w2_weight_scale_2, "w2_weight_scale_2", (e,), f32)
-        _check(w13_input_scale, "w13_input_scale", (e,), f32)
-        _check(w2_input_scale, "w2_input_scale", (e,), f32)
+        for name, t in [("w13_input_scale", w13_input_scale), ("w2_input_scale", w2_input_scale)]:
+            if t is not None:
+                _check(t, name, (e,), f32)
         # global scales in [2**-126, 2**126]; input scales may be 0 (uncalibrated). Checked once
         # here, so that the forward's QDQ and dequantize calls skip it (check_scale=False).
         for name, t, zero_ok in [
@@ -316,7 +334,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             ("w13_input_scale", w13_input_scale, True),
             ("w2_input_scale", w2_input_scale, True),
         ]:
-            check_global_scale(t, name, allow_zero=zero_ok)
+            if t is not None:
+                check_global_scale(t, name, allow_zero=zero_ok)
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=True)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=True)
         self.global_scale_kind = w.global_scale_kind
@@ -348,19 +367,43 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         self._prepare_if_fused()
 
     def set_scale_strategy(self, strategy: str) -> None:
-        """Recompute the activation global scales (``unify_input_scales``) for a strategy."""
+        """Recompute the activation global scales (``unify_input_scales``) for a strategy; ``per_token``
+        leaves ``a13_gscale`` / ``a2_gscale`` None (the scales are made in the forward).
+
+        Raises:
+            ValueError: a strategy not in ``ACTIVATION_SCALE_STRATEGIES``; a static strategy when the
+                experts were built without input scales.
+        """
+        if strategy not in ACTIVATION_SCALE_STRATEGIES:
+            raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {strategy!r}")
+        if strategy != PER_TOKEN and (self.w13_input_scale is None or self.w2_input_scale is None):
+            raise ValueError(
+                f"scale_strategy {strategy!r} needs w13_input_scale and w2_input_scale (static scales); these "
+                f"experts were built without them: use scale_strategy={PER_TOKEN!r}"
+            )
         self.scale_strategy = strategy
-        unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
-        a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
-        a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
+        a13 = a2 = None  # per_token: the scales are made in the forward
+        self._a13_uniform = self._a2_uniform = True
+        if strategy != PER_TOKEN:
+            unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
+            a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
+            a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
         self.register_buffer("a13_gscale", a13, persistent=False)
         self.register_buffer("a2_gscale", a2, persistent=False)
 
+    @property
+    def per_token(self) -> bool:
+        """Whether the activation scales are per token (``scale_strategy="per_token"``)."""
+        return self.scale_strategy == PER_TOKEN
+
+    # NVFP4 with ``scale=None`` is the per-token QDQ for the FP4 kernel (``fp4_activations.is_per_token``)
     def a1_qdq(self) -> ActivationQDQ:
-        return ActivationQDQ(NVFP4, scale=self.a13_gscale[:1] if self._a13_uniform else self.a13_gscale)
+        g = self.a13_gscale
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g))
 
     def a2_qdq(self) -> ActivationQDQ:
-        return ActivationQDQ(NVFP4, scale=self.a2_gscale[:1] if self._a2_uniform else self.a2_gscale)
+        g = self.a2_gscale
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g))
 
     # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
     def _hardware(self) -> bool:
@@ -377,11 +420,13 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
     def output_scales(self, e: int):
         if not self._hardware():
             return None
-        inv1 = 1.0 / self.a13_gscale[0 if self._a13_uniform else e]
-        inv2 = 1.0 / self.a2_gscale[0 if self._a2_uniform else e]
         g13 = self.w13_weight_scale_2[e]
         if g13.ndim == 1:  # [2]: gate and up columns each their own
             g13 = g13.repeat_interleave(self.intermediate_size)
+        if self.per_token:  # the per-token scales multiply the rows first (``apply``)
+            return [g13], [self.w2_weight_scale_2[e]]
+        inv1 = 1.0 / self.a13_gscale[0 if self._a13_uniform else e]
+        inv2 = 1.0 / self.a2_gscale[0 if self._a2_uniform else e]
         return [inv1, g13], [inv2, self.w2_weight_scale_2[e]]
 
     def _hw_qdq(self, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
@@ -431,6 +476,10 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     def quantize_input(self, a1, topk_ids, backend):
         ops = ops_for_backend(backend)
+        if self.per_token:  # once per token; hardware: the rows' per_token_scale goes to GEMM1's output
+            q, ts = ops.nvfp4_per_token_quant_dequant(a1, numerics=self.numerics)
+            self.__dict__["_a1_row_scale"] = (q, ts) if self._hardware() else None
+            return q, False
         qdq = (
             self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         )
@@ -442,6 +491,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     def quantize_intermediate(self, a2, row_experts, backend):
         ops = ops_for_backend(backend)
+        if self.per_token:  # once per (token, expert) row; hardware: with the rows' scales (``torch_moe``)
+            q, ts = ops.nvfp4_per_token_quant_dequant(a2, numerics=self.numerics)
+            return (q, ts) if self._hardware() else q
         qdq = (
             self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
         )
@@ -449,31 +501,27 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             return qdq(a2, self.a2_gscale[:1])
         return qdq(a2, self.a2_gscale[row_experts.long()])
 
-
-def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) -> tuple[torch.Tensor, bool]:
-    """``unify_input_scales`` for encode scales stored as such (compressed-tensors'
-    ``input_global_scale``): ``max`` and ``per_expert`` use the stored values bit for bit (the
-    largest decode scale is the smallest encode scale); the statistics go through decode scales.
-    A non-positive or non-finite encode scale marks an expert never calibrated."""
-    e = encode_scales.detach().float().reshape(-1)
-    calibrated = torch.isfinite(e) & (e > 0)
-    if not bool(calibrated.any()):
-        raise ValueError(f"{name}: no expert has a positive finite encode scale (none calibrated)")
-    if strategy == "max":
-        vals = e[calibrated]
-        gs = vals.min()
-        if bool((vals != gs).any()):
-            _warn_once(
-                name,
-                f"{name}: the activation global scales differ across experts; using the smallest "
-                f"encode scale (the max decode scale) for all experts, as vLLM does",
+    def apply(self, a1, topk_weights, topk_ids, a1_per_pair: bool, backend: str) -> torch.Tensor:
+        if not self.per_token:
+            return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
+        if backend == "fused":  # the generic fused kernel QDQs a2 tile by tile: no whole rows there
+            backend = "triton"
+        if backend == "torch" and self._hardware():  # the per-token scales multiply GEMM outputs row by row
+            made = self.__dict__.pop("_a1_row_scale", None)
+            if made is None or made[0] is not a1:
+                raise RuntimeError("a1: per-token hardware numerics take the a1 that quantize_input made")
+            return torch_moe(
+                a1,
+                lambda e: self.dequantized_expert(e)[0],
+                lambda e: self.dequantized_expert(e)[1],
+                topk_weights,
+                topk_ids,
+                lambda x, row_experts: self.quantize_intermediate(x, row_experts, backend),
+                a1_per_pair,
+                output_scales=self.output_scales,
+                a1_row_scale=made[1],
             )
-        return gs.expand(e.numel()).contiguous(), True
-    if strategy == "per_expert":
-        per = torch.where(calibrated, e, e[calibrated].min())
-        return per.contiguous(), bool((per == per[0]).all())
-    decode = torch.where(calibrated, 1.0 / torch.where(calibrated, e, 1.0), 0.0)
-    return unify_input_scales(decode, strategy, name)
+        return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
 
 
 class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):

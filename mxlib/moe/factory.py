@@ -26,6 +26,7 @@ from .emulation import (
     QuantizedExperts,
 )
 from .linear import EmulatedLinear, LinearWeights
+from .scales import PER_TOKEN
 from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
 
 __all__ = [
@@ -116,7 +117,7 @@ def make_emulation_experts(
     if weights.scheme != s.weight:
         raise ValueError(f"weights: quantized as {weights.scheme.name}, scheme {s.name} stores {s.weight.name}")
     static = s.static_activation_scale
-    if static and (w13_input_scale is None or w2_input_scale is None):
+    if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
     if s.weight.has_global_scale:
         return Nvfp4QuantizationEmulationTritonExperts(

@@ -29,6 +29,7 @@ def torch_moe(
     quantize_intermediate=None,
     a1_per_pair: bool = False,
     output_scales=None,
+    a1_row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch reference MoE: a loop over the experts that received tokens.
 
@@ -41,12 +42,16 @@ def torch_moe(
         w13, w2: ``[E, 2I, H]`` / ``[E, H, I]`` tensors, or callables ``e -> weight`` (to
             dequantize one expert at a time).
         topk_weights, topk_ids: ``[M, k]``.
-        quantize_intermediate: ``(a2 [n, I], row_experts [n]) -> a2`` or None.
+        quantize_intermediate: ``(a2 [n, I], row_experts [n]) -> a2`` or None; it may return
+            ``(a2, row_scale [n])``: fp32 multipliers of GEMM2's products row by row, applied first
+            (per-token NVFP4 scales in hardware numerics).
         output_scales: ``e -> ([GEMM1 multipliers], [GEMM2 multipliers]) | None`` or None: fp32 scalars
             or per-output-column vectors that multiply expert ``e``'s fp32 GEMM products, in order,
             before the rounding (and, for GEMM2, before the router weight). The ``hardware``
             numerics put the per-tensor scales here (``mxlib.moe.emulation``): the operands are
             then ``element * block_scale``, exact in bf16, as an FP4 tensor-core GEMM sees them.
+        a1_row_scale: fp32 ``[rows of a1]`` multipliers of GEMM1's products row by row, applied before
+            ``output_scales``' (per-token NVFP4 scales in hardware numerics), or None.
 
     Returns:
         ``[M, H]`` in ``a1.dtype``.
@@ -63,14 +68,21 @@ def torch_moe(
         rows = pairs if a1_per_pair else pairs // k
         scales = (output_scales(e) if output_scales is not None else None) or ((), ())
         h = a1[rows].float() @ get13(e).float().T
+        if a1_row_scale is not None:
+            h = h * a1_row_scale[rows, None]
         for s in scales[0]:
             h = h * s
         h = h.to(dtype)
         act = silu_and_mul(h)
         if quantize_intermediate is not None:
             act = quantize_intermediate(act, flat_ids[pairs])
+        row_scale = None
+        if isinstance(act, tuple):
+            act, row_scale = act
         w2e = get2(e)
         y = act.float() @ w2e.float().T
+        if row_scale is not None:
+            y = y * row_scale[:, None]
         for s in scales[1]:
             y = y * s
         y = (y * flat_w[pairs, None]).to(dtype)

@@ -3,6 +3,12 @@
 Checkpoints carry one calibrated ``input_scale`` per expert (NVFP4: ``amax / 2688``; static
 FP8: ``amax / 448``); vLLM and FlashInfer use one scale for all experts, the max. The
 strategies here make that choice explicit (``unify_input_scales``).
+
+``SCALE_STRATEGIES`` are the static ones (a global scale per expert, fixed before the forward).
+``PER_TOKEN`` (``"per_token"``) is the dynamic one the NVFP4 experts accept beside them
+(``ACTIVATION_SCALE_STRATEGIES``): each token's own amax sets its global scale in the forward, for
+a1 (per token) and a2 (per token and expert), and no calibrated ``input_scale`` is read
+(``mxlib.reference.nvfp4_per_token_scales``; vLLM's ``--quantization nvfp4_per_token``).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ import warnings
 
 import torch
 
-__all__ = ["SCALE_STRATEGIES", "max_input_scale", "unify_input_scales"]
+__all__ = ["SCALE_STRATEGIES", "PER_TOKEN", "ACTIVATION_SCALE_STRATEGIES", "max_input_scale", "unify_input_scales"]
 
 SCALE_STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
+PER_TOKEN = "per_token"
+ACTIVATION_SCALE_STRATEGIES = (*SCALE_STRATEGIES, PER_TOKEN)
 _warned: set[str] = set()
 
 
@@ -60,9 +68,14 @@ def unify_input_scales(
         experts get the unified/max one) and whether all are equal.
 
     Raises:
-        ValueError: unknown strategy; no expert calibrated (every scale 0: ``1 / 0`` would be Inf);
-            a negative or non-finite scale.
+        ValueError: unknown strategy, or ``per_token`` (dynamic: no static scale to compute); no
+            expert calibrated (every scale 0: ``1 / 0`` would be Inf); a negative or non-finite scale.
     """
+    if strategy == PER_TOKEN:
+        raise ValueError(
+            f"strategy: {PER_TOKEN!r} is dynamic (each token's amax sets its scale in the forward): it has no "
+            f"static global scale; static strategies are {list(SCALE_STRATEGIES)}"
+        )
     if strategy not in SCALE_STRATEGIES:
         raise ValueError(f"strategy: expected one of {list(SCALE_STRATEGIES)}, got {strategy!r}")
     s = input_scales.detach().float().reshape(-1)
@@ -89,3 +102,29 @@ def unify_input_scales(
             f"smaller activations lose block-scale precision (see the scale-unification notebook).",
         )
     return (one / unified).expand(s.numel()).contiguous(), True
+
+
+def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) -> tuple[torch.Tensor, bool]:
+    """``unify_input_scales`` for encode scales stored as such (compressed-tensors'
+    ``input_global_scale``): ``max`` and ``per_expert`` use the stored values bit for bit (the
+    largest decode scale is the smallest encode scale); the statistics go through decode scales.
+    A non-positive or non-finite encode scale marks an expert never calibrated."""
+    e = encode_scales.detach().float().reshape(-1)
+    calibrated = torch.isfinite(e) & (e > 0)
+    if not bool(calibrated.any()):
+        raise ValueError(f"{name}: no expert has a positive finite encode scale (none calibrated)")
+    if strategy == "max":
+        vals = e[calibrated]
+        gs = vals.min()
+        if bool((vals != gs).any()):
+            _warn_once(
+                name,
+                f"{name}: the activation global scales differ across experts; using the smallest "
+                f"encode scale (the max decode scale) for all experts, as vLLM does",
+            )
+        return gs.expand(e.numel()).contiguous(), True
+    if strategy == "per_expert":
+        per = torch.where(calibrated, e, e[calibrated].min())
+        return per.contiguous(), bool((per == per[0]).all())
+    decode = torch.where(calibrated, 1.0 / torch.where(calibrated, e, 1.0), 0.0)
+    return unify_input_scales(decode, strategy, name)
