@@ -103,6 +103,41 @@ def test_the_site_holds_every_page_and_the_notebooks(site):
         assert (site / "notebooks" / nb.name).read_bytes() == nb.read_bytes(), f"notebooks/{nb.name} not published"
 
 
+def test_docstring_tables_and_literal_blocks_become_markdown():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from docs_griffe import rst_to_markdown
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    text = (
+        "Intro.\n\n======  ==========\nname    meaning\n======  ==========\n``a``   first, and\n"
+        "        more | text\nb       second\n======  ==========\n\nThen::\n\n    x = 1\n      y\n\nEnd.\n"
+    )
+    assert rst_to_markdown(text).splitlines() == [
+        "Intro.",
+        "",
+        "",
+        "| name | meaning |",
+        "|---|---|",
+        "| ``a`` | first, and more \\| text |",
+        "| b | second |",
+        "",
+        "",
+        "Then:",
+        "",
+        "```text",
+        "x = 1",
+        "  y",
+        "```",
+        "",
+        "",
+        "End.",
+    ]
+    assert rst_to_markdown(rst_to_markdown(text)) == rst_to_markdown(text)  # aliases see a docstring twice
+    plain = "No table: a == b, and\n=====\nis a heading rule."
+    assert rst_to_markdown(plain) == plain
+
+
 # ----------------------------------------------------------------------------- the examples
 
 _RUN_BLOCKS = r"""
