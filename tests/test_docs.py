@@ -10,7 +10,7 @@
   Chromium driven over the DevTools protocol: no console error, no uncaught exception, no failed load, no
   resource fetched from the network (the network is mapped away); every internal link resolves to a built file
   and every ``#anchor`` to an element id of its target page;
-* the API pages document every public name: ``mxlib.__all__`` where the package has one, else the ``__all__`` of
+* the API pages document every public name: ``mxlib.__all__`` where the package has one, and the ``__all__`` of
   every public module; a name counts as documented when an API page has an anchor ``<module>.<name>`` whose module
   holds the same object (mkdocstrings' heading ids).
 
@@ -296,6 +296,8 @@ new Promise(resolve => setTimeout(resolve, 300)).then(() => JSON.stringify({
   ids: Array.from(document.querySelectorAll('[id]'), e => e.id),
   links: Array.from(document.querySelectorAll('a[href]'), a => a.getAttribute('href')),
   resources: performance.getEntriesByType('resource').map(r => r.name),
+  assets: Array.from(document.querySelectorAll('script[src], img[src], iframe[src], source[src], link[href]'),
+                     e => e.getAttribute(e.tagName === 'LINK' ? 'href' : 'src')),
   h1: Array.from(document.querySelectorAll('article h1'), h => h.textContent.trim()),
 }))
 """
@@ -384,6 +386,8 @@ def test_every_page_renders_without_errors_or_network(site, page_reports):
     assert not problems, json.dumps(problems, indent=1)
     for page, r in page_reports.items():
         assert all(urlsplit(u).scheme == "file" for u in r["resources"]), f"{page}: {r['resources']}"
+        remote = [a for a in r["assets"] if urlsplit(a).scheme or a.startswith("//")]  # loaded now or later
+        assert not remote, f"{page}: assets from outside the site: {remote}"
         assert len(r["h1"]) == 1 and r["h1"][0], f"{page}: expected one page title, got {r['h1']}"
 
 
@@ -410,6 +414,7 @@ def test_the_browser_checks_catch_errors_broken_links_and_the_network(tmp_path):
     for needle in ("console.error: boom", "undefined_function", "missing.js", "network request: https://example.com"):
         assert needle in found, f"{needle!r} not reported in:\n{found}"
     assert reports["b.html"]["problems"] == []
+    assert "https://example.com/x.js" in reports["a.html"]["assets"]
     bad = "\n".join(broken_links(tmp_path, reports))
     assert "'b.html#nowhere': no id 'nowhere'" in bad and "'c.html': no file" in bad, bad
     assert "#top'" not in bad and "'b.html#top'" not in bad, bad
@@ -419,13 +424,13 @@ def test_the_browser_checks_catch_errors_broken_links_and_the_network(tmp_path):
 
 
 def public_names() -> dict[str, list[str]]:
-    """``{module: names}`` the API pages must document: ``mxlib.__all__`` where it exists, else each public
-    module's ``__all__`` (modules and packages without a leading underscore in their path)."""
+    """``{module: names}`` the API pages must document: ``mxlib.__all__`` where the package has one (its dunder
+    names aside), and the ``__all__`` of every public module (no leading underscore in its path)."""
     import mxlib
 
-    if hasattr(mxlib, "__all__"):
-        return {"mxlib": list(mxlib.__all__)}
     out = {}
+    if hasattr(mxlib, "__all__"):  # module metadata such as __version__ is no API entry
+        out["mxlib"] = [n for n in mxlib.__all__ if not n.startswith("__")]
     for info in pkgutil.walk_packages(mxlib.__path__, "mxlib."):
         if any(part.startswith("_") for part in info.name.split(".")):
             continue
