@@ -138,6 +138,20 @@ def test_docstring_tables_and_literal_blocks_become_markdown():
     assert rst_to_markdown(plain) == plain
 
 
+def test_module_wildcards_name_every_other_public_module():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from docs_hooks import expand_module_wildcards
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    on_disk = sorted(p.stem for p in (ROOT / "mxlib" / "moe").glob("*.py") if not p.stem.startswith("_"))
+    out = expand_module_wildcards("::: mxlib.moe.schemes\n    options:\n      heading_level: 2\n\n::: mxlib.moe.*\n")
+    named = re.findall(r"^::: (\S+)$", out, flags=re.M)
+    assert named == ["mxlib.moe.schemes"] + [f"mxlib.moe.{n}" for n in on_disk if n != "schemes"], named
+    assert "heading_level: 2" in out
+    assert expand_module_wildcards("::: mxlib.formats.*\n").strip() == ""  # a plain module has no submodules
+
+
 # ----------------------------------------------------------------------------- the examples
 
 _RUN_BLOCKS = r"""
