@@ -71,6 +71,11 @@ workbook: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m mxlib.bench
 
+# The documentation site (mkdocs.yml) into build/docs: open build/docs/index.html, nothing comes from the network.
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/docs
+
 clean:
 	rm -rf build .pytest_cache
 

@@ -63,8 +63,10 @@ __all__ = [
 ]
 
 K_TILE = 128  # the prepared layout's K tile (elements): a byte holds elements p and p + 64 (see FP4Weights)
-# the decode's KIND (module docstring)
-W_MX, W_NVFP4_VLLM, W_NVFP4_HW = 0, 1, 2
+# the decode's KIND (module docstring); one name a line, so that the API reference finds each
+W_MX = 0
+W_NVFP4_VLLM = 1
+W_NVFP4_HW = 2
 
 
 # ----------------------------------------------------------------------------- weight layout
