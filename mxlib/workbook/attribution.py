@@ -30,7 +30,7 @@ Studies: ``attribute_trained`` (task exact match and NLL of the project's traine
 ``mxlib.models.evaluation``, with paired bootstrap intervals and the noise floor) and
 ``attribute_layers`` (the dummy Qwen3-30B-A3B-shaped model of ``steps.dummy_model``: the noise-to-
 signal ratio of every decoder layer's output and of the logits, SQNR in dB beside it). Both return
-plain dicts (``to_dict``) for a results JSON; ``attribution_rows`` flattens either into a table.
+plain dicts for a results JSON; ``attribution_figures.attribution_rows`` flattens either into a table.
 
 Scope: the ``vllm`` numerics. In the ``hardware`` numerics the NVFP4 per-tensor scales of the
 weights and of the activations multiply the same GEMM output, so the sources are not separable.
@@ -73,7 +73,8 @@ __all__ = [
     "attributed_experts",
     "attribute_trained",
     "attribute_layers",
-    "attribution_rows",
+    "task_values",
+    "residuals",
 ]
 
 SOURCES = ("w13", "w2", "a1", "a2")
@@ -292,6 +293,20 @@ def decompose(plan: Plan, values: dict[str, float], metric: str) -> Decompositio
     return out
 
 
+def residuals(d: Decomposition | dict) -> dict:
+    """What each sum of a decomposition misses (a ``Decomposition`` or its dict): ``waterfall``
+    (increments - total), ``sources`` (singles + interaction - total), ``weights_activations`` and
+    ``layers``; every one is exactly 0 when the values are exact (ints or ``on_grid`` floats)."""
+    d = asdict(d) if isinstance(d, Decomposition) else d
+    total = d["total"]
+    return dict(
+        waterfall=sum(v for _, v in d["waterfall"]) - total,
+        sources=sum(d["singles"].values()) + d["interaction"] - total,
+        weights_activations=d["weights"] + d["activations"] + d["interaction_wa"] - total,
+        layers=sum(d["layers"].values()) + d["interaction_layers"] - total,
+    )
+
+
 # ----------------------------------------------------------------------------- experts per configuration
 
 
@@ -369,8 +384,10 @@ def _decomposition_dict(d: Decomposition) -> dict:
 ALL_TASKS = "all"
 
 
-def _task_values(results) -> dict:
-    """Per task and pooled over tasks (``all``): correct prompts (int) and NLL per token (``on_grid``)."""
+def task_values(results) -> dict:
+    """An ``evaluate`` result's exact values: per task and pooled over tasks (``all``), correct prompts
+    (``exact_match``, an int) and NLL per answer token (``nll_per_token``, ``on_grid``): what
+    ``attribute_trained`` records per configuration."""
     out, correct, nll, tokens = {}, 0, 0.0, 0
     for t, r in results.tasks.items():
         c, s, k = int(r.correct.sum()), float(r.nll.sum()), int(r.tokens.sum())
@@ -440,7 +457,7 @@ def attribute_trained(
         with attributed_experts(model, weights, emulations, cfg):
             r = evaluate(model, datasets, batch_size, seed=seed)
         results[cfg] = r
-        return _task_values(r)
+        return task_values(r)
 
     values, seconds = _measure_all(plan, measure)
     base = results[plan.configs[BASELINE]]
@@ -563,45 +580,3 @@ def attribute_layers(
         baseline_vs_model=_run_values(ref, own)[1],
         seconds=seconds,
     )
-
-
-# ----------------------------------------------------------------------------- the table
-
-
-def attribution_rows(result: dict, metric: str, task: str | None = None) -> list[dict]:
-    """One attribution's ``metric`` (on ``task`` for ``attribute_trained``, e.g. ``all``) as table rows:
-    ``part`` (``total``, the waterfall's steps, ``only <s>``, ``interaction (sources)``, ``weights``,
-    ``activations``, ``interaction (w x a)``, ``layer <l>``, ``interaction (layers)``) and ``delta``
-    (from bf16; exact match in prompts and as a fraction ``delta_fraction`` when a task is given),
-    with the paired interval of the configurations that have one.
-
-    Raises:
-        KeyError: an unknown metric or task, naming the known ones.
-    """
-    decs = result["decompositions"] if task is None else result["decompositions"].get(task)
-    if decs is None:
-        raise KeyError(f"task: expected one of {list(result['decompositions'])}, got {task!r}")
-    if metric not in decs:
-        raise KeyError(f"metric: expected one of {list(decs)}, got {metric!r}")
-    d = decs[metric]
-    parts = [("total", d["total"], "all")]
-    parts += [(f"waterfall +{s}", v, name) for (s, v), name in zip(d["waterfall"], result["plan"]["steps"])]
-    parts += [(f"only {s}", v, f"only {s}") for s, v in d["singles"].items()]
-    parts.append(("interaction (sources)", d["interaction"], None))
-    parts += [("weights", d["weights"], "weights"), ("activations", d["activations"], "activations")]
-    parts.append(("interaction (w x a)", d["interaction_wa"], None))
-    parts += [(f"layer {li}", v, f"layer {li}") for li, v in d["layers"].items()]
-    parts.append(("interaction (layers)", d["interaction_layers"], None))
-    rows = []
-    for part, v, config in parts:
-        row = dict(scheme=result["scheme"], part=part, delta=v)
-        if task is not None and metric == "exact_match":
-            row["delta_fraction"] = v / result["n"][task]
-        diff = (result.get("differences", {}).get(config, {}) or {}).get(task, {}).get(metric) if config else None
-        if diff is not None:
-            row["interval"] = f"[{diff['low']:+.4g}, {diff['high']:+.4g}]"
-            row["beyond_floor"] = diff["beyond"]
-        if "sqnr_db" in result and config is not None and metric.endswith(" nsr"):
-            row["sqnr_db"] = result["sqnr_db"][config][metric[: -len(" nsr")]]
-        rows.append(row)
-    return rows

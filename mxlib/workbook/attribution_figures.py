@@ -6,7 +6,8 @@ total), each source alone with the interaction, weights against activations with
 interaction, and each layer alone with the layers' interaction. A waterfall step is red where it
 loses (NLL, noise or KL up, exact match down) and green where it gains. The bars of every panel but the
 first sum to the total (the black bar); a source keeps its colour in every panel.
-``attribution_table`` gives the same numbers as a table (``figures.table``).
+``attribution_rows`` flattens one result into table rows, ``attribution_table`` shows them
+(``figures.table``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,54 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .attribution import SOURCES, attribution_rows
+from .attribution import SOURCES
 from .figures import PALETTE, table
 
-__all__ = ["attribution_figure", "attribution_table", "metric_label"]
+__all__ = ["attribution_rows", "attribution_figure", "attribution_table", "metric_label"]
 
 _SOURCE_COLOUR = {s: PALETTE[i] for i, s in enumerate(SOURCES)}
 _WEIGHTS, _ACTIVATIONS = PALETTE[8], PALETTE[9]
 _INTERACTION, _TOTAL = "#999999", "#000000"
 _PANELS = ("waterfall (fixed order)", "one source at a time", "weights vs activations", "one layer at a time")
+
+
+def attribution_rows(result: dict, metric: str, task: str | None = None) -> list[dict]:
+    """One attribution's ``metric`` (on ``task`` for ``attribute_trained``, e.g. ``all``) as table rows:
+    ``part`` (``total``, the waterfall's steps, ``only <s>``, ``interaction (sources)``, ``weights``,
+    ``activations``, ``interaction (w x a)``, ``layer <l>``, ``interaction (layers)``) and ``delta``
+    (from bf16; exact match in prompts and as a fraction ``delta_fraction`` when a task is given),
+    with the paired interval of the configurations that have one.
+
+    Raises:
+        KeyError: an unknown metric or task, naming the known ones.
+    """
+    decs = result["decompositions"] if task is None else result["decompositions"].get(task)
+    if decs is None:
+        raise KeyError(f"task: expected one of {list(result['decompositions'])}, got {task!r}")
+    if metric not in decs:
+        raise KeyError(f"metric: expected one of {list(decs)}, got {metric!r}")
+    d = decs[metric]
+    parts = [("total", d["total"], "all")]
+    parts += [(f"waterfall +{s}", v, name) for (s, v), name in zip(d["waterfall"], result["plan"]["steps"])]
+    parts += [(f"only {s}", v, f"only {s}") for s, v in d["singles"].items()]
+    parts.append(("interaction (sources)", d["interaction"], None))
+    parts += [("weights", d["weights"], "weights"), ("activations", d["activations"], "activations")]
+    parts.append(("interaction (w x a)", d["interaction_wa"], None))
+    parts += [(f"layer {li}", v, f"layer {li}") for li, v in d["layers"].items()]
+    parts.append(("interaction (layers)", d["interaction_layers"], None))
+    rows = []
+    for part, v, config in parts:
+        row = dict(scheme=result["scheme"], part=part, delta=v)
+        if task is not None and metric == "exact_match":
+            row["delta_fraction"] = v / result["n"][task]
+        diff = (result.get("differences", {}).get(config, {}) or {}).get(task, {}).get(metric) if config else None
+        if diff is not None:
+            row["interval"] = f"[{diff['low']:+.4g}, {diff['high']:+.4g}]"
+            row["beyond_floor"] = diff["beyond"]
+        if "sqnr_db" in result and config is not None and metric.endswith(" nsr"):
+            row["sqnr_db"] = result["sqnr_db"][config][metric[: -len(" nsr")]]
+        rows.append(row)
+    return rows
 
 
 def metric_label(metric: str, task: str | None = None) -> str:
