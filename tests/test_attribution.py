@@ -167,6 +167,15 @@ def test_residuals_see_a_sum_that_float_rounding_breaks():
     assert A.residuals(d) == dict(waterfall=0, sources=0, weights_activations=0, layers=0)
 
 
+def test_sum_failures_names_a_broken_sum(layer_studies):
+    res = layer_studies["nvfp4"]
+    assert A.sum_failures(res) == []
+    broken = {**res, "decompositions": {**res["decompositions"]}}
+    broken["decompositions"]["logits kl"] = {**res["decompositions"]["logits kl"], "interaction": 1.0}
+    (failure,) = A.sum_failures(broken)
+    assert failure.startswith("logits kl: ") and "'sources': 1.0" in failure
+
+
 def test_the_plan_names_each_part_once():
     plan = A.make_plan("nvfp4", 3, order=("a2", "w13", "a1", "w2"), layer_sources=True)
     assert plan.steps == ("a2", "a2+w13", "a2+w13+a1", "a2+w13+a1+w2")
@@ -295,13 +304,11 @@ def trained(tmp_path_factory):
 
 def test_trained_attribution_sums_and_end_points(trained):
     model, held, calibration = trained
+    held_tasks = ("reverse", "count")  # no "all" entry: the pooled rows take the largest task floor
     res = A.attribute_trained(
-        model,
-        held,
-        "nvfp4",
-        calibration,
-        floor={t: {"exact_match": 0.0, "nll_per_token": 0.0} for t in ("reverse", "count", "all")},
+        model, held, "nvfp4", calibration, floor={t: {"exact_match": 0.0, "nll_per_token": 0.0} for t in held_tasks}
     )
+    assert A.sum_failures(res) == []
     for per in res["decompositions"].values():
         em, nll = per["exact_match"], per["nll_per_token"]
         assert isinstance(em["total"], int) and all(isinstance(v, int) for _, v in em["waterfall"])

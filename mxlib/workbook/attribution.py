@@ -75,6 +75,7 @@ __all__ = [
     "attribute_layers",
     "task_values",
     "residuals",
+    "sum_failures",
 ]
 
 SOURCES = ("w13", "w2", "a1", "a2")
@@ -307,6 +308,17 @@ def residuals(d: Decomposition | dict) -> dict:
     )
 
 
+def sum_failures(result: dict) -> list[str]:
+    """Every decomposition of an ``attribute_trained`` or ``attribute_layers`` result whose ``residuals`` are
+    not all 0, as ``"<task> <metric>: {residuals}"`` (empty when every sum holds)."""
+    decs = result["decompositions"]
+    flat = {m: d for m, d in decs.items() if "total" in d} or {
+        f"{t} {m}": d for t, per in decs.items() for m, d in per.items()
+    }
+    found = {name: residuals(d) for name, d in flat.items()}
+    return [f"{name}: {r}" for name, r in found.items() if any(v != 0 for v in r.values())]
+
+
 # ----------------------------------------------------------------------------- experts per configuration
 
 
@@ -431,8 +443,9 @@ def attribute_trained(
         scheme: a ``MoEQuantScheme`` or its name.
         calibration: ``evaluation.calibrate_tasks(model, train_datasets)``, for static-scale schemes.
         order: the waterfall's order (default ``w13, w2, a1, a2``); layer_sources: each (layer, source) alone too.
-        floor: ``evaluation.noise_floor(...)["floor"]`` (tasks; add an ``all`` entry for the pooled
-            differences), or None: marks each difference whose interval excludes 0 and that is beyond it.
+        floor: ``evaluation.noise_floor(...)["floor"]``, or None: marks each difference whose interval
+            excludes 0 and that is beyond it; the pooled ``all`` rows use ``floor["all"]`` when given, else
+            the largest task floor (a bound: the pooled difference is a weighted mean of the tasks').
         batch_size, seed: ``evaluate``'s (the bootstrap's random seed); scale_strategy: NVFP4's.
 
     Returns:
@@ -442,13 +455,19 @@ def attribute_trained(
         configuration against the model's own experts: ``compare``), "seconds" {config: s}}``;
         exact match in prompts (``exact_match``), NLL in nats per answer token, tasks and ``all``
         (pooled). ``differences`` (paired bootstrap, ``compare``; ``all``: every task's prompts pooled) covers
-        the named configurations; ``beyond`` is None where ``floor`` has no entry.
+        the named configurations against bf16, ``increment_differences`` {step: ...} each waterfall step
+        against the step before it; ``beyond`` is None where ``floor`` has no entry.
 
     Raises:
         ValueError: as ``make_plan``, ``layer_emulations`` and ``evaluate``.
     """
     s = get_moe_scheme(scheme)
     plan = make_plan(s, len(moe_layers(model)), order, layer_sources)
+    if floor is not None and ALL_TASKS not in floor:
+        # the pooled difference is a token- or prompt-weighted mean of the tasks' ones: the largest task
+        # floor bounds the pooled floor
+        metrics = ("exact_match", "nll_per_token")
+        floor = {**floor, ALL_TASKS: {m: max(f[m] for f in floor.values()) for m in metrics}}
     own = evaluate(model, datasets, batch_size, seed=seed)
     weights, emulations = layer_emulations(model, s, calibration, scale_strategy)
     results = {}
@@ -470,9 +489,9 @@ def attribute_trained(
         for t in tasks
     }
 
-    def diffs(r):
-        per_task = compare(base, r)
-        per_task[ALL_TASKS] = _pooled_difference(base, r)
+    def diffs(r, a=base):
+        per_task = compare(a, r)
+        per_task[ALL_TASKS] = _pooled_difference(a, r)
         out = {}
         for t, per in per_task.items():
             out[t] = {}
@@ -482,6 +501,9 @@ def attribute_trained(
         return out
 
     differences = {n: diffs(results[c]) for n, c in plan.configs.items() if n != BASELINE}
+    # each waterfall increment against the step before it (paired, the same prompts)
+    steps = [BASELINE, *plan.steps]
+    increments = {b: diffs(results[plan.configs[b]], results[plan.configs[a]]) for a, b in zip(steps, steps[1:])}
     return dict(
         scheme=s.name,
         plan=_plan_dict(plan),
@@ -489,6 +511,7 @@ def attribute_trained(
         values=values,
         decompositions=decompositions,
         differences=differences,
+        increment_differences=increments,
         baseline_vs_model={t: {m: asdict(d) for m, d in per.items()} for t, per in compare(own, base).items()},
         seconds=seconds,
     )

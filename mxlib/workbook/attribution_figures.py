@@ -31,7 +31,10 @@ def attribution_rows(result: dict, metric: str, task: str | None = None) -> list
     ``part`` (``total``, the waterfall's steps, ``only <s>``, ``interaction (sources)``, ``weights``,
     ``activations``, ``interaction (w x a)``, ``layer <l>``, ``interaction (layers)``) and ``delta``
     (from bf16; exact match in prompts and as a fraction ``delta_fraction`` when a task is given),
-    with the paired interval of the configurations that have one.
+    with the paired 95 % interval where there is one (``interval``, in the metric's per-prompt or
+    per-token units; a waterfall step's against the step before it, the others' against bf16) and
+    ``beyond_floor`` where a floor was given; ``sqnr_db`` (``attribute_layers``): the configuration's
+    SQNR (a waterfall step's: with the sources up to it on).
 
     Raises:
         KeyError: an unknown metric or task, naming the known ones.
@@ -42,23 +45,25 @@ def attribution_rows(result: dict, metric: str, task: str | None = None) -> list
     if metric not in decs:
         raise KeyError(f"metric: expected one of {list(decs)}, got {metric!r}")
     d = decs[metric]
-    parts = [("total", d["total"], "all")]
-    parts += [(f"waterfall +{s}", v, name) for (s, v), name in zip(d["waterfall"], result["plan"]["steps"])]
-    parts += [(f"only {s}", v, f"only {s}") for s, v in d["singles"].items()]
-    parts.append(("interaction (sources)", d["interaction"], None))
-    parts += [("weights", d["weights"], "weights"), ("activations", d["activations"], "activations")]
-    parts.append(("interaction (w x a)", d["interaction_wa"], None))
-    parts += [(f"layer {li}", v, f"layer {li}") for li, v in d["layers"].items()]
-    parts.append(("interaction (layers)", d["interaction_layers"], None))
+    diffs, steps = result.get("differences", {}), result.get("increment_differences", {})
+    parts = [("total", d["total"], "all", diffs)]
+    parts += [(f"waterfall +{s}", v, name, steps) for (s, v), name in zip(d["waterfall"], result["plan"]["steps"])]
+    parts += [(f"only {s}", v, f"only {s}", diffs) for s, v in d["singles"].items()]
+    parts.append(("interaction (sources)", d["interaction"], None, diffs))
+    parts += [("weights", d["weights"], "weights", diffs), ("activations", d["activations"], "activations", diffs)]
+    parts.append(("interaction (w x a)", d["interaction_wa"], None, diffs))
+    parts += [(f"layer {li}", v, f"layer {li}", diffs) for li, v in d["layers"].items()]
+    parts.append(("interaction (layers)", d["interaction_layers"], None, diffs))
     rows = []
-    for part, v, config in parts:
+    for part, v, config, source in parts:
         row = dict(scheme=result["scheme"], part=part, delta=v)
         if task is not None and metric == "exact_match":
             row["delta_fraction"] = v / result["n"][task]
-        diff = (result.get("differences", {}).get(config, {}) or {}).get(task, {}).get(metric) if config else None
+        diff = source.get(config, {}).get(task, {}).get(metric) if config else None
         if diff is not None:
             row["interval"] = f"[{diff['low']:+.4g}, {diff['high']:+.4g}]"
-            row["beyond_floor"] = diff["beyond"]
+            if diff["beyond"] is not None:
+                row["beyond_floor"] = diff["beyond"]
         if "sqnr_db" in result and config is not None and metric.endswith(" nsr"):
             row["sqnr_db"] = result["sqnr_db"][config][metric[: -len(" nsr")]]
         rows.append(row)
