@@ -20,9 +20,10 @@ from .figures import PALETTE, table
 
 __all__ = ["attribution_rows", "attribution_figure", "attribution_table", "metric_label"]
 
-_SOURCE_COLOUR = {s: PALETTE[i] for i, s in enumerate(SOURCES)}
+# a colour per source (blue, orange, purple, brown), none of them the waterfall's red (a loss) or green (a gain)
+_SOURCE_COLOUR = dict(zip(SOURCES, (PALETTE[0], PALETTE[1], PALETTE[4], PALETTE[5])))
 _WEIGHTS, _ACTIVATIONS = PALETTE[8], PALETTE[9]
-_INTERACTION, _TOTAL = "#999999", "#000000"
+_INTERACTION, _TOTAL, _LAYER = "#999999", "#000000", "#3f6e8c"
 _PANELS = ("waterfall (fixed order)", "one source at a time", "weights vs activations", "one layer at a time")
 
 
@@ -77,7 +78,7 @@ def metric_label(metric: str, task: str | None = None) -> str:
         "nll_per_token": "NLL [nats / token]",
         "logits kl": "logits KL [nats]",
     }.get(metric, f"{metric} [noise / signal]" if metric.endswith(" nsr") else metric)
-    return f"{text}, {task}" if task else text
+    return f"{text} on {task}" if task else text
 
 
 def _bars(fig, row, col, labels, values, colours, fmt):
@@ -109,7 +110,7 @@ def attribution_figure(results: list[dict] | dict, metric: str, task: str | None
     """
     results = [results] if isinstance(results, dict) else list(results)
     up_is_worse = metric != "exact_match"  # NLL, noise power and KL grow with the loss; exact match falls
-    worse, better = "#d62728", "#2ca02c"
+    worse, better = PALETTE[3], PALETTE[2]
     fmt = (lambda v: f"{v:+d}") if metric == "exact_match" else (lambda v: f"{v:+.3g}")
     fig = make_subplots(
         rows=len(results),
@@ -118,7 +119,7 @@ def attribution_figure(results: list[dict] | dict, metric: str, task: str | None
         horizontal_spacing=0.03,
         vertical_spacing=0.12 if len(results) > 1 else 0.0,
         column_widths=[0.3, 0.26, 0.2, 0.24],
-        subplot_titles=[f"{r['scheme']}: {p}" for r in results for p in _PANELS],
+        subplot_titles=list(_PANELS),
     )
     for i, res in enumerate(results, 1):
         attribution_rows(res, metric, task)  # checks metric and task, naming the known ones
@@ -168,14 +169,15 @@ def attribution_figure(results: list[dict] | dict, metric: str, task: str | None
             4,
             [f"layer {li}" for li, _ in layers] + ["interaction", "total"],
             [v for _, v in layers] + [d["interaction_layers"], d["total"]],
-            [PALETTE[12 + int(li) % 20] for li, _ in layers] + [_INTERACTION, _TOTAL],
+            [_LAYER] * len(layers) + [_INTERACTION, _TOTAL],
             fmt,
         )
-        fig.update_yaxes(title_text=f"Δ {metric_label(metric, task)}", row=i, col=1)
+        fig.update_yaxes(title_text=f"<b>{res['scheme']}</b><br>Δ {metric_label(metric, task)}", row=i, col=1)
     fig.update_layout(
-        title=title or f"Where the loss comes from: Δ {metric_label(metric, task)} from bf16, per part",
+        title=title or f"Where the loss comes from (change from bf16): {metric_label(metric, task)}",
         height=380 * len(results) + 80,
         margin=dict(t=90),
+        uniformtext=dict(minsize=9, mode="show"),
     )
     return fig
 
@@ -185,4 +187,4 @@ def attribution_table(results: list[dict] | dict, metric: str, task: str | None 
     results = [results] if isinstance(results, dict) else list(results)
     rows = [row for res in results for row in attribution_rows(res, metric, task)]
     columns = list(dict.fromkeys(k for row in rows for k in row))
-    return table(rows, title or f"Δ {metric_label(metric, task)} from bf16, per part", columns)
+    return table(rows, title or f"Change from bf16 per part: {metric_label(metric, task)}", columns)
