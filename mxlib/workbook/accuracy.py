@@ -24,24 +24,22 @@ The steps, in the notebook's order:
    ``NVFP4_FLUSH_RATIO`` (``studies.unification_study`` on the calibration activations).
 7. ``routing_study``: per task and layer, how far the learned routing is from uniform (KL with a
    bootstrap interval over prompts, against uniform routing's own sampling spread).
-8. ``negative_control``: the NVFP4 checkpoint with every packed weight byte's nibbles swapped
-   (``probes.swapped_nibbles``); accuracy must collapse, or the evaluation cannot see a broken emulation.
+8. ``negative_control``: the NVFP4 checkpoint broken on purpose (``NEGATIVE_CONTROLS``: every packed
+   weight byte's nibbles swapped, as notebook 01 does; every weight global scale read as its
+   reciprocal): accuracy must fall, or the evaluation cannot see a broken emulation.
 
 ``claims`` states a difference only where its paired interval excludes 0 and its size exceeds the
-noise floor of the same task and metric.
+noise floor of the same task and metric. The figures live in ``accuracy_figures`` (re-exported here).
 """
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import plotly.graph_objects as go
 import torch
-from plotly.subplots import make_subplots
 
 from ..formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
 from ..models import evaluation as ev
@@ -52,7 +50,7 @@ from ..models.tasks import Dataset, make_dataset
 from ..models.training import RECIPES, TrainRecipe, get_recipe, train
 from ..moe.scales import SCALE_STRATEGIES
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme
-from .figures import PALETTE, add_scale_ratio_thresholds
+from .accuracy_figures import amax_figure, interval_figure, usage_figure
 from .probes import swapped_nibbles
 from .steps import check_backend, check_positive_int, check_schemes, default_cache_dir, prepare_checkpoint
 from .studies import unification_study
@@ -72,6 +70,8 @@ __all__ = [
     "noise_floor_study",
     "scheme_study",
     "strategy_study",
+    "NEGATIVE_CONTROLS",
+    "reciprocal_global_scales",
     "negative_control",
     "routing_study",
     "amax_study",
@@ -87,7 +87,7 @@ BF16_BAR = 0.95
 # The noise floor's stated bound: the largest |delta| a change that should not matter may cause,
 # per task (exact match: fraction of prompts; NLL: nats per answer token).
 NOISE_FLOOR_BOUND = {"exact_match": 0.01, "nll_per_token": 0.005}
-# the negative control collapses when every task's exact match falls below this
+# the reciprocal-global-scale control collapses when every task's exact match falls below this
 COLLAPSE_BAR = 0.5
 # routing differs from uniform when its KL interval's low end exceeds this quantile of uniform routing's KL
 ROUTING_NULL_QUANTILE = 0.999
@@ -124,8 +124,8 @@ def check_accuracy_parameters(
     tasks="all",
     schemes="all",
     strategies=("max", "per_expert"),
-    eval_prompts: int = 500,
-    calib_prompts: int = 128,
+    eval_prompts: int = 400,
+    calib_prompts: int = 64,
     resamples: int = 1000,
     seed: int = 0,
     experts_backend: str = "auto",
@@ -372,13 +372,62 @@ def strategy_study(
     return dict(rows=rows, results=results, path=path)
 
 
-def negative_control(path, sets, reference: ev.Results, floor: dict, p: AccuracyParameters) -> list[dict]:
-    """The checkpoint at ``path`` with every packed expert weight byte's nibbles swapped
-    (``probes.swapped_nibbles``), evaluated: ``result_rows`` labelled ``control="swapped nibbles"``."""
+class reciprocal_global_scales:
+    """``with reciprocal_global_scales(model): ...`` runs ``model`` with every NVFP4 weight global scale
+    (``w13_weight_scale_2``, ``w2_weight_scale_2``) replaced by its reciprocal, then restores the
+    stored values bit for bit: the encode / decode confusion between compressed-tensors' and
+    ModelOpt's global scale conventions. Yields the number of tensors changed.
+
+    Raises:
+        ValueError: ``model`` holds no such tensor (the control would prove nothing).
+    """
+
+    def __init__(self, model) -> None:
+        self.tensors = [
+            t
+            for m in model.modules()
+            for t in (getattr(m, "w13_weight_scale_2", None), getattr(m, "w2_weight_scale_2", None))
+            if isinstance(t, torch.Tensor)
+        ]
+        if not self.tensors:
+            raise ValueError("model: no w13_weight_scale_2 / w2_weight_scale_2 tensors (no NVFP4 experts)")
+        self.saved: list[torch.Tensor] = []
+
+    def __enter__(self) -> int:
+        self.saved = [t.clone() for t in self.tensors]
+        for t in self.tensors:
+            t.reciprocal_()
+        return len(self.tensors)
+
+    def __exit__(self, *exc) -> None:
+        for t, v in zip(self.tensors, self.saved):
+            t.copy_(v)
+
+
+# the negative controls: a name and a context manager that breaks a loaded NVFP4 model's experts
+NEGATIVE_CONTROLS = {"swapped nibbles": swapped_nibbles, "reciprocal global scale": reciprocal_global_scales}
+
+
+def negative_control(model, path, sets, floor: dict, p: AccuracyParameters, prompts: int = 100) -> list[dict]:
+    """The checkpoint at ``path`` (NVFP4) broken by each of ``NEGATIVE_CONTROLS`` in turn and evaluated on the
+    first ``prompts`` prompts of each set, against the bf16 ``model`` on the same prompts:
+    ``result_rows`` labelled ``control=<name>``.
+
+    * ``swapped nibbles`` (``probes.swapped_nibbles``, notebook 01's control): each packed byte's two
+      e2m1 codes swapped, a packing bug that neither shapes nor scales reveal; it permutes adjacent
+      input columns of every expert weight, so it moves every answer the experts decide;
+    * ``reciprocal global scale`` (``reciprocal_global_scales``): each weight global scale read in the
+      other convention; the expert outputs are off by orders of magnitude and accuracy collapses.
+    """
+    subsets = [Dataset(d.task, d.split, d.seed, d.prompts[:prompts], d.answers[:prompts]) for d in sets]
+    ref = ev.evaluate(model, subsets, **_kw(p))
     q = _load(path, p)
-    with swapped_nibbles(q):
-        r = ev.evaluate(q, sets, **_kw(p))
-    return result_rows(dict(control="swapped nibbles"), r, reference, floor)
+    rows = []
+    for name, control in NEGATIVE_CONTROLS.items():
+        with control(q):
+            r = ev.evaluate(q, subsets, **_kw(p))
+        rows += result_rows(dict(control=name), r, ref, floor)
+    return rows
 
 
 def _kl_rows(counts: torch.Tensor) -> torch.Tensor:
@@ -473,8 +522,8 @@ def amax_study(calibration: Calibration) -> dict:
 # ----------------------------------------------------------------------------- claims
 
 
-def _iv(est: float, low: float, high: float) -> str:
-    return f"{est:+.3f} [{low:+.3f}, {high:+.3f}]"
+def _iv(est: float, low: float, high: float, fmt: str = "+.3f") -> str:
+    return f"{est:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
 
 
 def claims(rows: list[dict], key: str, floor: dict) -> list[str]:
@@ -492,7 +541,7 @@ def claims(rows: list[dict], key: str, floor: dict) -> list[str]:
             )
         if r["nll_rises"]:
             out.append(
-                f"{name} raises the NLL on {t}: {_iv(r['delta_nll'], r['delta_nll_low'], r['delta_nll_high'])} "
+                f"{name} raises the NLL on {t}: {_iv(r['delta_nll'], r['delta_nll_low'], r['delta_nll_high'], '+.2g')} "
                 f"nats/token against bf16 (noise floor {fl['nll_per_token']:.2g})"
             )
         if r.get("vs_beyond"):
@@ -502,103 +551,9 @@ def claims(rows: list[dict], key: str, floor: dict) -> list[str]:
         if r.get("vs_nll_beyond"):
             out.append(
                 f"{name} differs from max in NLL on {t}: "
-                f"{_iv(r['vs_nll'], r['vs_nll_low'], r['vs_nll_high'])} nats/token"
+                f"{_iv(r['vs_nll'], r['vs_nll_low'], r['vs_nll_high'], '+.2g')} nats/token"
             )
     return out
-
-
-# ----------------------------------------------------------------------------- figures
-
-
-def interval_figure(rows: list[dict], key: str, title: str) -> go.Figure:
-    """Two panels, one point per ``row[key]`` and task with its paired 95 % interval as error bars:
-    the exact-match difference against bf16 (top) and the NLL-per-token difference (bottom)."""
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.08,
-        subplot_titles=("exact match minus bf16", "NLL per token minus bf16 [nats]"),
-    )
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    for k, t in enumerate(tasks):
-        tr = [r for r in rows if r["task"] == t]
-        x = [r[key] for r in tr]
-        color = PALETTE[k % len(PALETTE)]
-        for row, (y, lo, hi) in enumerate(
-            (("delta_exact_match", "delta_low", "delta_high"), ("delta_nll", "delta_nll_low", "delta_nll_high")), 1
-        ):
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=[r[y] for r in tr],
-                    error_y=dict(
-                        type="data",
-                        array=[r[hi] - r[y] for r in tr],
-                        arrayminus=[r[y] - r[lo] for r in tr],
-                    ),
-                    mode="markers",
-                    marker=dict(color=color),
-                    name=t,
-                    legendgroup=t,
-                    showlegend=row == 1,
-                ),
-                row=row,
-                col=1,
-            )
-    fig.add_hline(y=0, line=dict(color="gray", dash="dot"), row=1, col=1)
-    fig.add_hline(y=0, line=dict(color="gray", dash="dot"), row=2, col=1)
-    fig.update_layout(title=title, height=650, legend_title_text="task")
-    return fig
-
-
-def usage_figure(usage: dict[str, list[list[float]]]) -> go.Figure:
-    """A heatmap of the routed share of each expert (columns) per task and layer (rows), over the
-    uniform share (1 = uniform)."""
-    y, z = [], []
-    for t, layers in usage.items():
-        for i, shares in enumerate(layers):
-            y.append(f"{t} L{i}")
-            z.append([s * len(shares) for s in shares])
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=[f"e{e}" for e in range(len(z[0]))],
-            y=y,
-            colorscale="Viridis",
-            colorbar=dict(title="share / uniform"),
-        )
-    )
-    fig.update_layout(
-        title="Learned routing: each expert's share of a task's (token, expert) pairs", height=120 + 24 * len(y)
-    )
-    fig.update_yaxes(autorange="reversed")
-    return fig
-
-
-def amax_figure(rows: list[dict]) -> go.Figure:
-    """dB lost by ``max`` against ``per_expert`` on each expert's own activations, against its scale
-    ratio ``r`` (log axis), a1 and a2, with e4m3's subnormal and flush thresholds drawn."""
-    fig = go.Figure()
-    for k, point in enumerate(("a1", "a2")):
-        pr = [r for r in rows if r["point"] == point]
-        fig.add_trace(
-            go.Scatter(
-                x=[r["scale_ratio"] for r in pr],
-                y=[r["db_lost_max"] for r in pr],
-                mode="markers",
-                name=point,
-                marker=dict(color=PALETTE[k]),
-                text=[f"layer {r['layer']} expert {r['expert']}: amax {r['amax']:.3g}" for r in pr],
-            )
-        )
-    fig.update_layout(
-        title="The trained model's experts: dB lost under one global scale (max)",
-        xaxis_title="expert scale ratio r to the layer's max",
-        yaxis_title="dB lost against per_expert",
-    )
-    fig.update_xaxes(type="log", range=[math.log10(NVFP4_FLUSH_RATIO) - 0.5, 0.1])
-    return add_scale_ratio_thresholds(fig)
 
 
 def training_summary(model) -> dict:
