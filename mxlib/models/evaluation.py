@@ -26,8 +26,8 @@ its size is beyond that floor.
 emulation experts (``mxlib.moe.quantize_expert_weights`` then ``make_emulation_experts``,
 ``backend="torch"``) and restores them on exit; ``calibrate_tasks`` records the per-expert amax of
 the expert inputs (``mxlib.models.calibration``) on training-split prompts, for the static NVFP4
-input scales (unified to the max over experts, as vLLM does). ``expert_usage`` measures the
-learned routing.
+input scales (unified to the max over experts, as vLLM does). ``expert_counts`` (per prompt) and
+``expert_usage`` (per task) measure the learned routing.
 
 Measured on the ``default`` recipe of ``mxlib.models.training`` (2000 held-out prompts per task;
 NVFP4 calibrated on 256 training prompts per task): addition is where 4 bits cost accuracy.
@@ -491,7 +491,9 @@ def emulated_experts(model, scheme, calibration: Calibration | None = None, back
         s13 = s2 = None
         if calibration is not None:
             lc = calibration.layers[i]
-            s13, s2 = input_scales_from_amax(s, lc.a1_amax, lc.a2_amax)
+            s13, s2 = (
+                None if t is None else t.to(w13.device) for t in input_scales_from_amax(s, lc.a1_amax, lc.a2_amax)
+            )
         return make_emulation_experts(s, weights, s13, s2, backend=backend, **kwargs)
 
     with swapped_experts(model, make):
