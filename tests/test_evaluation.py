@@ -274,3 +274,44 @@ def test_expert_usage_and_kl(random_model, small_sets):
     e = 8
     assert ev.kl_from_uniform(torch.full((1, e), 1 / e)).item() == pytest.approx(0.0, abs=1e-12)
     assert ev.kl_from_uniform(torch.eye(e)[:1]).item() == pytest.approx(math.log(e))
+
+
+def test_expert_counts_match_the_router_logits(random_model, small_sets):
+    # the oracle: transformers' own router logits (output_router_logits), top-k taken here
+    d = small_sets[0]
+    counts = ev.expert_counts(random_model, d, batch_size=10)
+    ids = torch.cat([d.prompts, d.answers[:, :-1]], 1)
+    k, e = random_model.config.num_experts_per_tok, random_model.config.num_experts
+    with torch.no_grad():
+        logits = random_model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits
+    assert counts.shape == (len(d), len(logits), e) and counts.dtype == torch.int64
+    for layer, lg in enumerate(logits):
+        top = lg.float().topk(k, dim=-1).indices.reshape(len(d), -1)
+        want = torch.stack([torch.bincount(row, minlength=e) for row in top])
+        assert torch.equal(counts[:, layer], want), layer
+    assert (counts.sum(-1) == ids.shape[1] * k).all()
+    assert torch.allclose(
+        ev.expert_usage(random_model, d), counts.sum(0).double() / counts.sum((0, 2))[:, None].double()
+    )
+
+
+def test_calibration_keeps_the_activations_of_every_dataset(random_model, small_sets):
+    cal = ev.calibrate_tasks(random_model, small_sets, keep_activations=True)
+    tokens = sum(d.prompts.numel() + d.answers.numel() for d in small_sets)
+    k = random_model.config.num_experts_per_tok
+    for lc in cal.layers:
+        assert lc.a1.shape[0] == tokens and lc.a2.shape[0] == tokens * k and lc.topk_ids.shape == (tokens, k)
+        flat = lc.topk_ids.reshape(-1).long()
+        for e in range(random_model.config.num_experts):
+            rows = (flat == e).nonzero().squeeze(1)
+            assert lc.tokens[e] == rows.numel()
+            if rows.numel():  # the kept rows hold the recorded maxima, bit for bit
+                assert lc.a1[rows // k].abs().amax().float() == lc.a1_amax[e]
+                assert lc.a2[rows].abs().amax().float() == lc.a2_amax[e]
+    plain = ev.calibrate_tasks(random_model, small_sets)
+    assert plain.layers[0].a1 is None and torch.equal(plain.layers[0].a2_amax, cal.layers[0].a2_amax)
+
+
+def test_decode_is_checked(random_model, small_sets):
+    with pytest.raises(ValueError, match="decode: expected one of"):
+        ev.evaluate(random_model, small_sets, decode="beam")

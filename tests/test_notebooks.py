@@ -1,6 +1,7 @@
 """Every notebook through papermill at a size a test can afford, its results JSON read back.
 
-Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``);
+Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``); 06 on the
+trained model's ``test`` recipe (``mxlib.models.training.RECIPES``) with three schemes and two strategies;
 02 on fewer rows of test data; 05 on its defaults (recorded benchmark results and a small numerics
 check) but for section 5's model, the ``tiny`` preset. Each run must pass the notebook's own checks
 cell, and the numbers it writes to ``results_path`` are checked again here: the notebooks' claims,
@@ -56,6 +57,15 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         checkpoint_path="interop/llmc_nvfp4_experts/checkpoint",
     ),
     "05_fused_emulation_benchmark": dict(run_live="no", hw_model_preset="tiny", hw_tokens=16),
+    # the trained model's test recipe (reverse and count), two schemes of the twelve, two strategies
+    "06_what_fp4_costs": dict(
+        recipe="test",
+        schemes=["nvfp4", "w_mxfp4_a_mxfp4"],
+        strategies=["max", "per_expert"],
+        eval_prompts=150,
+        calib_prompts=32,
+        resamples=200,
+    ),
 }
 
 
@@ -173,3 +183,49 @@ def test_05_fused_emulation_benchmark(executed_notebook):
         assert r["control_vllm_sqnr_db"] > r["control_hw_sqnr_db"] + 10.0, r
     assert all(r["vllm_vs_hw_sqnr_db"] == float("inf") for r in mx["layers"]) and mx["logits"]["max_abs_diff"] == 0.0
     assert nv["logits"]["max_abs_diff"] > 0.0
+
+
+def test_06_what_fp4_costs(executed_notebook):
+    res = run_notebook("06_what_fp4_costs", executed_notebook)
+    params = NOTEBOOK_PARAMS["06_what_fp4_costs"]
+    assert res["recipe"] == "test" and res["tasks"] == ["reverse", "count"] and res["eval_prompts"] == 150
+    assert not res["training"]["cache_hit"] and len(res["training"]["sha256"]) == 64  # trained in this run
+    for t, r in res["bf16"].items():
+        assert r["exact_match"]["estimate"] >= 0.95 and r["prompts"] == 150, (t, r)
+    for t, f in res["noise_floor"].items():
+        assert f["exact_match"] <= res["noise_floor_bound"]["exact_match"], (t, f)
+        assert f["nll_per_token"] <= res["noise_floor_bound"]["nll_per_token"], (t, f)
+    rows = {(r["scheme"], r["task"]): r for r in res["schemes"]}
+    assert {s for s, _ in rows} == {"bf16", *params["schemes"]} and len(rows) == 2 * 3
+    assert (
+        rows[("nvfp4", "count")]["bits_per_weight"] == 4.5
+        and rows[("w_mxfp4_a_mxfp4", "count")]["bits_per_weight"] == 4.25
+    )
+    assert all(
+        r["checkpoint_bytes"] < rows[("bf16", "count")]["checkpoint_bytes"]
+        for r in res["schemes"]
+        if r["scheme"] != "bf16"
+    )
+    for r in res["schemes"] + res["strategies"]:
+        assert r["exact_match_low"] <= r["exact_match"] <= r["exact_match_high"], r
+        assert r["exact_match"] >= 0.8, r  # a quantized model still answers the easy tasks
+        if r["loses"] or r["gains"]:
+            assert not r["delta_low"] <= 0 <= r["delta_high"], r
+    strat = {(r["strategy"], r["task"]): r for r in res["strategies"]}
+    assert set(strat) == {(s, t) for s in params["strategies"] for t in res["tasks"]}
+    assert "vs_exact_match" in strat[("per_expert", "count")] and "vs_exact_match" not in strat[("max", "count")]
+    # max through the loader is the scheme table's nvfp4 run: the same checkpoint, the same outcome
+    assert strat[("max", "count")]["exact_match"] == rows[("nvfp4", "count")]["exact_match"]
+    control = res["negative_control"]
+    assert {r["control"] for r in control} == {"swapped nibbles", "reciprocal global scale"} and all(
+        r["loses"] for r in control
+    )
+    assert all(r["exact_match"] < 0.5 for r in control if r["control"] == "reciprocal global scale"), control
+    assert len(res["routing"]) == 2 * 2 and all(r["differs"] for r in res["routing"]), res["routing"]
+    a2 = next(r for r in res["amax_summary"] if r["point"] == "a2")
+    assert (
+        a2["experts"] > 0
+        and 0 < a2["min_ratio"] <= 1
+        and a2["max_subnormal_blocks_per_expert"] <= a2["max_subnormal_blocks_max"]
+    )
+    assert res["checks_passed"] >= 20

@@ -42,6 +42,7 @@ RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
     ("02_microscaling_formats.ipynb", NOTEBOOK_PARAMS["02_microscaling_formats"]),
     ("03_scheme_comparison.ipynb", NOTEBOOK_PARAMS["03_scheme_comparison"]),
     ("05_fused_emulation_benchmark.ipynb", NOTEBOOK_PARAMS["05_fused_emulation_benchmark"]),
+    ("06_what_fp4_costs.ipynb", NOTEBOOK_PARAMS["06_what_fp4_costs"]),
 ]
 
 _PROBE = r"""

@@ -4,6 +4,7 @@ One training of the ``test`` recipe (under a minute on a shared 2-core CPU) serv
 the determinism test trains it a second time and compares every tensor's bits.
 """
 
+import contextlib
 import dataclasses
 import json
 
@@ -12,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from mxlib.models import training as tr
-from mxlib.models.evaluation import evaluate, expert_usage, kl_from_uniform
+from mxlib.models.evaluation import calibrate_tasks, emulated_experts, evaluate, expert_usage, kl_from_uniform
 from mxlib.models.tasks import make_dataset
 
 from _util import assert_bits_equal
@@ -142,3 +143,18 @@ def test_routing_is_learned_not_uniform(trained):
         assert kl_from_uniform(u).max() > 0.05, (t, u)
     a, b = usage.values()
     assert (a - b).abs().sum(1).max() > 0.2  # the two tasks route differently
+
+
+@pytest.mark.filterwarnings("ignore:w13_input_scale:UserWarning", "ignore:w2_input_scale:UserWarning")
+def test_teacher_forced_exact_match_is_greedy_decoding(trained):
+    # exact match read from the teacher-forced argmax against token-by-token greedy decoding: the same
+    # outcome on every prompt, in bf16 and through NVFP4 emulation experts
+    sets = [make_dataset(t, 150, 2, "heldout") for t in RECIPE.tasks]
+    cal = calibrate_tasks(trained, [make_dataset(t, 32, 0, "train") for t in RECIPE.tasks])
+    for ctx in (contextlib.nullcontext(trained), emulated_experts(trained, "nvfp4", cal)):
+        with ctx as m:
+            fast = evaluate(m, sets, resamples=50)
+            slow = evaluate(m, sets, resamples=50, decode="greedy")
+        for t in fast.tasks:
+            assert torch.equal(fast.tasks[t].correct, slow.tasks[t].correct), t
+            assert torch.equal(fast.tasks[t].nll, slow.tasks[t].nll), t

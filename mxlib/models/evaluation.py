@@ -3,7 +3,13 @@
 ``evaluate(model, datasets)`` scores a model on the held-out prompts of ``mxlib.models.tasks``:
 per task, **exact match** (greedy decoding of ``answer_len`` tokens, every one equal to the answer,
 ``<eos>`` included) and the **per-token NLL** of the answer under teacher forcing (nats; the sum
-over the task's answer tokens divided by their count). Each comes with a percentile bootstrap
+over the task's answer tokens divided by their count). Both come from one teacher-forced forward
+pass of prompt and answer: greedy decoding reproduces the answer exactly when, at every answer
+position, the argmax of the teacher-forced logits is the answer's token (by induction: the first
+generated token is the argmax after the prompt; while the generated prefix equals the answer's,
+the next argmax is read from the same causal prefix). ``evaluate(..., decode="greedy")`` runs the
+token-by-token decoding instead (``answer_len`` more forward passes); the tests check that both
+give the same outcome on every prompt. Each comes with a percentile bootstrap
 interval: prompts resampled with replacement ``resamples`` times (1000) from a seeded generator,
 the 2.5th and 97.5th percentiles of the statistic (95 %). ``compare(a, b)`` gives ``b - a`` per
 task and metric with a **paired** bootstrap interval (the same resampled prompts for both
@@ -20,8 +26,8 @@ its size is beyond that floor.
 emulation experts (``mxlib.moe.quantize_expert_weights`` then ``make_emulation_experts``,
 ``backend="torch"``) and restores them on exit; ``calibrate_tasks`` records the per-expert amax of
 the expert inputs (``mxlib.models.calibration``) on training-split prompts, for the static NVFP4
-input scales (unified to the max over experts, as vLLM does). ``expert_usage`` measures the
-learned routing.
+input scales (unified to the max over experts, as vLLM does). ``expert_counts`` (per prompt) and
+``expert_usage`` (per task) measure the learned routing.
 
 Measured on the ``default`` recipe of ``mxlib.models.training`` (2000 held-out prompts per task;
 NVFP4 calibrated on 256 training prompts per task): addition is where 4 bits cost accuracy.
@@ -63,6 +69,7 @@ __all__ = [
     "Difference",
     "bootstrap_interval",
     "paired_bootstrap_interval",
+    "DECODES",
     "greedy_decode",
     "evaluate",
     "compare",
@@ -70,6 +77,7 @@ __all__ = [
     "swapped_experts",
     "emulated_experts",
     "calibrate_tasks",
+    "expert_counts",
     "expert_usage",
     "kl_from_uniform",
 ]
@@ -174,7 +182,7 @@ def paired_bootstrap_interval(
 class TaskResult:
     """One task's per-prompt outcomes and their summaries.
 
-    ``correct``: bool ``[n]`` (greedy exact match); ``nll``: fp64 ``[n]`` summed NLL of each answer
+    ``correct``: bool ``[n]`` (greedy exact match, module docstring); ``nll``: fp64 ``[n]`` summed NLL of each answer
     (nats); ``tokens``: int64 ``[n]`` answer tokens per prompt; ``prompts_sha256``: fingerprint of
     the prompts and answers, so ``compare`` pairs only the same prompts.
     """
@@ -266,8 +274,11 @@ def greedy_decode(model, prompts: torch.Tensor, num_tokens: int, left_pad: int =
     return seq[:, prompts.shape[1] :]
 
 
+DECODES = ("teacher_forcing", "greedy")
+
+
 @torch.no_grad()
-def _score(model, d: Dataset, batch_size: int, left_pad: int, order: torch.Tensor):
+def _score(model, d: Dataset, batch_size: int, left_pad: int, order: torch.Tensor, decode: str = DECODES[0]):
     n, p = d.prompts.shape
     a = d.answers.shape[1]
     correct = torch.zeros(n, dtype=torch.bool)
@@ -275,9 +286,11 @@ def _score(model, d: Dataset, batch_size: int, left_pad: int, order: torch.Tenso
     for start in range(0, n, batch_size):
         rows = order[start : start + batch_size]
         prompts, answers = d.prompts[rows], d.answers[rows]
-        gen = greedy_decode(model, prompts, a, left_pad)
-        correct[rows] = (gen == answers).all(1)
         logits = _forward(model, torch.cat([prompts, answers[:, :-1]], 1), left_pad)[:, p - 1 :]
+        if decode == "greedy":
+            correct[rows] = (greedy_decode(model, prompts, a, left_pad) == answers).all(1)
+        else:
+            correct[rows] = (logits.argmax(-1) == answers).all(1)
         logp = torch.log_softmax(logits.double(), -1).gather(-1, answers[..., None]).squeeze(-1)
         nll[rows] = -logp.sum(1)
     return correct, nll
@@ -292,6 +305,7 @@ def evaluate(
     seed: int = 0,
     left_pad: int = 0,
     order_seed: int | None = None,
+    decode: str = "teacher_forcing",
 ) -> Results:
     """Exact match and per-token answer NLL of ``model`` on each dataset, with bootstrap intervals.
 
@@ -303,10 +317,12 @@ def evaluate(
         left_pad: ``<pad>`` tokens prepended to every prompt, masked out (for ``noise_floor``).
         order_seed: None keeps the dataset's order; an int permutes the prompts (seeded) before
             batching (results are reported in the dataset's order either way).
+        decode: ``"teacher_forcing"`` (exact match read from the NLL pass's argmax, module
+            docstring) or ``"greedy"`` (token-by-token decoding; the same outcomes, slower).
 
     Raises:
         ValueError: no datasets, an empty dataset, two datasets of one task, ``batch_size`` or
-            ``left_pad`` out of range, or as ``bootstrap_interval``.
+            ``left_pad`` out of range, an unknown ``decode``, or as ``bootstrap_interval``.
         TypeError: an item of ``datasets`` that is not a ``Dataset``.
     """
     datasets = _datasets(datasets)
@@ -314,6 +330,8 @@ def evaluate(
         raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
     if isinstance(left_pad, bool) or not isinstance(left_pad, int) or left_pad < 0:
         raise ValueError(f"left_pad: expected an int >= 0, got {left_pad!r}")
+    if decode not in DECODES:
+        raise ValueError(f"decode: expected one of {list(DECODES)}, got {decode!r}")
     _check_bootstrap(1, resamples, confidence)
     out = Results(resamples=resamples, confidence=confidence, seed=seed)
     for d in datasets:
@@ -323,7 +341,7 @@ def evaluate(
             if order_seed is None
             else torch.randperm(n, generator=torch.Generator().manual_seed(order_seed))
         )
-        correct, nll = _score(model, d, batch_size, left_pad, order)
+        correct, nll = _score(model, d, batch_size, left_pad, order, decode)
         tokens = torch.full((n,), d.answers.shape[1], dtype=torch.int64)
         out.tasks[d.task] = TaskResult(
             d.task,
@@ -420,19 +438,27 @@ def swapped_experts(model, make_experts):
             mlp.experts = orig
 
 
-def calibrate_tasks(model, datasets) -> Calibration:
+def calibrate_tasks(model, datasets, keep_activations: bool = False) -> Calibration:
     """Per layer and expert, the amax of the w13 input (a1) and the w2 input (a2) over every dataset's
     prompt-and-answer sequences (teacher forcing): ``mxlib.models.calibration.calibrate`` run per
-    dataset (each has one sequence length), the maxima and token counts combined."""
+    dataset (each has one sequence length), the maxima and token counts combined.
+
+    ``keep_activations``: also keep ``a1``, ``a2``, ``topk_ids`` and ``topk_weights`` per layer
+    (``LayerCalibration``), the datasets' rows one after another, for the unification study.
+    """
     datasets = _datasets(datasets)
-    cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1)) for d in datasets]
+    cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1), keep_activations) for d in datasets]
     out = Calibration(num_tokens=sum(c.num_tokens for c in cals))
     for layer in zip(*(c.layers for c in cals)):
+        kept = {}
+        if keep_activations:
+            kept = {k: torch.cat([getattr(lc, k) for lc in layer]) for k in ("a1", "a2", "topk_ids", "topk_weights")}
         out.layers.append(
             LayerCalibration(
                 a1_amax=torch.stack([lc.a1_amax for lc in layer]).amax(0),
                 a2_amax=torch.stack([lc.a2_amax for lc in layer]).amax(0),
                 tokens=torch.stack([lc.tokens for lc in layer]).sum(0),
+                **kept,
             )
         )
     return out
@@ -465,7 +491,9 @@ def emulated_experts(model, scheme, calibration: Calibration | None = None, back
         s13 = s2 = None
         if calibration is not None:
             lc = calibration.layers[i]
-            s13, s2 = input_scales_from_amax(s, lc.a1_amax, lc.a2_amax)
+            s13, s2 = (
+                None if t is None else t.to(w13.device) for t in input_scales_from_amax(s, lc.a1_amax, lc.a2_amax)
+            )
         return make_emulation_experts(s, weights, s13, s2, backend=backend, **kwargs)
 
     with swapped_experts(model, make):
@@ -528,25 +556,41 @@ def noise_floor(
 
 
 @torch.no_grad()
-def expert_usage(model, dataset: Dataset) -> torch.Tensor:
-    """Fraction of routed (token, expert) pairs per expert, per layer, over the dataset's
-    prompt-and-answer tokens (teacher forcing): fp64 ``[L, E]``, each row summing to 1."""
+def expert_counts(model, dataset: Dataset, batch_size: int = 250) -> torch.Tensor:
+    """Routed (token, expert) pairs per prompt, layer and expert over the dataset's prompt-and-answer
+    tokens (teacher forcing, the answer's ``<eos>`` excluded): int64 ``[n, L, E]``; each prompt's row
+    of a layer sums to ``tokens * top_k``. Read from each router's ``topk_ids`` (a forward hook)."""
     (dataset,) = _datasets(dataset)
-    counts = torch.zeros(len(moe_layers(model)), model.config.num_experts, dtype=torch.float64)
+    ids = torch.cat([dataset.prompts, dataset.answers[:, :-1]], 1)
+    num_layers, e = len(moe_layers(model)), model.config.num_experts
+    counts = torch.zeros(ids.shape[0], num_layers, e, dtype=torch.int64)
+    rows = slice(0, 0)
 
     def hook(i):
         def record(module, args, out):
-            topk_ids = out[2]
-            counts[i] += torch.bincount(topk_ids.reshape(-1).cpu(), minlength=counts.shape[1]).double()
+            topk_ids = out[2].reshape(rows.stop - rows.start, -1).long().cpu()
+            counts[rows, i] += torch.zeros(topk_ids.shape[0], e, dtype=torch.int64).scatter_add_(
+                1, topk_ids, torch.ones_like(topk_ids)
+            )
 
         return record
 
     handles = [mlp.gate.register_forward_hook(hook(i)) for i, mlp in enumerate(moe_layers(model))]
     try:
-        _forward(model, torch.cat([dataset.prompts, dataset.answers[:, :-1]], 1), 0)
+        for start in range(0, ids.shape[0], batch_size):
+            rows = slice(start, min(start + batch_size, ids.shape[0]))
+            _forward(model, ids[rows], 0)
     finally:
         for h in handles:
             h.remove()
+    return counts
+
+
+def expert_usage(model, dataset: Dataset) -> torch.Tensor:
+    """Fraction of routed (token, expert) pairs per expert, per layer, over the dataset's
+    prompt-and-answer tokens (teacher forcing): fp64 ``[L, E]``, each row summing to 1
+    (``expert_counts`` summed over the prompts)."""
+    counts = expert_counts(model, dataset).sum(0).double()
     return counts / counts.sum(1, keepdim=True)
 
 

@@ -1,0 +1,65 @@
+"""The trained model's task accuracy through the fused backend equals the torch backend's within the noise floor
+(a CUDA GPU; skipped without one).
+
+The ``test`` recipe of ``mxlib.models.training`` is trained on the CPU (about 30 s; cached in a temporary folder),
+moved to the GPU and evaluated on 1000 held-out prompts per task (``mxlib.models.evaluation``). The noise floor is
+the bf16 model's own, measured on the GPU first (``noise_floor``: another batch composition, left padding, the eager
+experts, mxlib's bf16 ``TritonExperts``). Then, for NVFP4 and ``w_mxfp4_a_mxfp4``, the same quantized weights and
+calibrated scales run through the ``torch`` experts (the pure-PyTorch reference MoE) and the ``fused`` experts (the
+fused FP4 Triton kernel): their exact-match and NLL differences, paired over the same prompts, must lie within the
+floor. The floor can be 0 on a GPU (every variant giving the same outcome on every prompt), so exact match is allowed
+one prompt of slack (``1 / n``). Run with ``-s`` to see the numbers.
+"""
+
+import pytest
+import torch
+
+from mxlib.models import evaluation as ev
+from mxlib.models import training as tr
+from mxlib.models.tasks import make_dataset
+
+pytestmark = pytest.mark.gpu
+
+RECIPE = tr.get_recipe("test")
+PROMPTS = 1000  # held-out prompts per task
+CALIB_PROMPTS = 128  # training-split prompts per task for NVFP4's static activation scales
+SCHEMES = ("nvfp4", "w_mxfp4_a_mxfp4")
+# NLL slack when the floor is 0: the fused kernel accumulates its GEMMs in another order than torch's matmul
+NLL_SLACK = 1e-3
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    model = tr.train(RECIPE, tmp_path_factory.mktemp("trained")).to("cuda")
+    sets = [make_dataset(t, PROMPTS, 0, "heldout") for t in RECIPE.tasks]
+    cal = ev.calibrate_tasks(model, [make_dataset(t, CALIB_PROMPTS, 0, "train") for t in RECIPE.tasks])
+    nf = ev.noise_floor(model, sets)
+    print(
+        f"\nbf16 on {torch.cuda.get_device_name()}: "
+        + ", ".join(f"{t} {r.exact_match}" for t, r in nf["reference"].tasks.items())
+    )
+    print(f"noise floor: {nf['floor']}")
+    return model, sets, cal, nf["floor"]
+
+
+@pytest.mark.filterwarnings("ignore:w13_input_scale:UserWarning", "ignore:w2_input_scale:UserWarning")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fused_backend_matches_torch_within_the_noise_floor(trained, scheme):
+    model, sets, cal, floor = trained
+    results = {}
+    for backend in ("torch", "fused"):
+        with ev.emulated_experts(model, scheme, cal, backend=backend) as m:
+            results[backend] = ev.evaluate(m, sets)
+    diffs = ev.compare(results["torch"], results["fused"])
+    for t, d in diffs.items():
+        em, nll = d["exact_match"], d["nll_per_token"]
+        print(
+            f"{scheme} {t}: torch {results['torch'].tasks[t].exact_match}, "
+            f"fused {results['fused'].tasks[t].exact_match}; "
+            f"fused - torch: exact match {em} ({em.flips} flips), NLL/token {nll}; floor {floor[t]}"
+        )
+        n = results["torch"].tasks[t].n
+        assert abs(em.estimate) <= max(floor[t]["exact_match"], 1 / n), (scheme, t, str(em), floor[t])
+        assert abs(nll.estimate) <= max(floor[t]["nll_per_token"], NLL_SLACK), (scheme, t, str(nll), floor[t])
+        # the fused run is a quantized model, not bf16: it must score like the torch one, not merely near bf16
+        assert results["fused"].tasks[t].exact_match.estimate >= 0.9, (scheme, t)
