@@ -61,10 +61,15 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
     "06_what_fp4_costs": dict(
         recipe="test",
         schemes=["nvfp4", "w_mxfp4_a_mxfp4"],
-        strategies=["max", "per_expert"],
+        strategies=["max", "per_expert", "per_token"],
         eval_prompts=150,
         calib_prompts=32,
         resamples=200,
+        attribution_schemes=["nvfp4"],
+        attribution_tasks=["reverse", "count"],
+        attribution_dummy_preset="tiny",
+        attribution_dummy_layers=2,
+        attribution_dummy_tokens=32,
     ),
 }
 
@@ -229,3 +234,7 @@ def test_06_what_fp4_costs(executed_notebook):
         and a2["max_subnormal_blocks_per_expert"] <= a2["max_subnormal_blocks_max"]
     )
     assert res["checks_passed"] >= 20
+    # per-token scales need no calibration: a model that answers, beside the static strategies
+    assert all(strat[("per_token", t)]["exact_match"] >= 0.8 for t in res["tasks"]), strat
+    # section 7: one attributed scheme, its decompositions' sums exact
+    assert res["attribution_sums_exact"] and len(res["attribution"]) == len(params["attribution_schemes"])

@@ -48,7 +48,7 @@ from ..models.checkpoints import load_quantized_qwen3_moe
 from ..models.checkpoints.safetensors_io import checkpoint_size_bytes
 from ..models.tasks import Dataset, make_dataset
 from ..models.training import RECIPES, TrainRecipe, get_recipe, train
-from ..moe.scales import SCALE_STRATEGIES
+from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme
 from .accuracy_figures import amax_figure, interval_figure, usage_figure
 from .probes import swapped_nibbles
@@ -102,9 +102,10 @@ class AccuracyParameters:
 
     ``recipe``: the ``TrainRecipe`` of the preset ``recipe_name``; ``tasks``: the tasks evaluated (a
     subset of the recipe's); ``schemes``: ``MoEQuantScheme`` objects; ``strategies``: names of
-    ``SCALE_STRATEGIES``; ``eval_prompts`` / ``calib_prompts``: held-out / training-split prompts per
-    task; ``resamples``: bootstrap resamples; ``seed``: the random seed of the prompts drawn and of
-    the bootstrap; ``experts_backend``: the emulation experts' backend.
+    ``ACTIVATION_SCALE_STRATEGIES`` (the static ones and ``per_token``); ``eval_prompts`` /
+    ``calib_prompts``: held-out / training-split prompts per task; ``resamples``: bootstrap
+    resamples; ``seed``: the random seed of the prompts drawn and of the bootstrap;
+    ``experts_backend``: the emulation experts' backend.
     """
 
     recipe_name: str
@@ -133,7 +134,7 @@ def check_accuracy_parameters(
     """Every parameter checked, and names resolved once (schemes to objects), before anything runs.
 
     ``tasks``: ``"all"`` (the recipe's) or a list of the recipe's task names; ``schemes``: as
-    ``steps.check_schemes``; ``strategies``: a list of ``mxlib.moe.scales.SCALE_STRATEGIES`` names.
+    ``steps.check_schemes``; ``strategies``: a list of ``mxlib.moe.scales.ACTIVATION_SCALE_STRATEGIES`` names.
 
     Raises:
         ValueError: an unknown recipe preset, task, scheme or strategy; a task the recipe does not
@@ -151,10 +152,12 @@ def check_accuracy_parameters(
     if bad:
         raise ValueError(f"tasks: {bad} not trained by recipe {recipe!r}; expected a subset of {list(r.tasks)}")
     if isinstance(strategies, str) or not strategies:
-        raise ValueError(f"strategies: expected a non-empty list of {list(SCALE_STRATEGIES)}, got {strategies!r}")
-    bad = [s for s in strategies if s not in SCALE_STRATEGIES]
+        raise ValueError(
+            f"strategies: expected a non-empty list of {list(ACTIVATION_SCALE_STRATEGIES)}, got {strategies!r}"
+        )
+    bad = [s for s in strategies if s not in ACTIVATION_SCALE_STRATEGIES]
     if bad:
-        raise ValueError(f"strategies: {bad} unknown; expected names of {list(SCALE_STRATEGIES)}")
+        raise ValueError(f"strategies: {bad} unknown; expected names of {list(ACTIVATION_SCALE_STRATEGIES)}")
     for name, v in (("eval_prompts", eval_prompts), ("calib_prompts", calib_prompts), ("resamples", resamples)):
         check_positive_int(v, name)
     if isinstance(seed, bool) or not isinstance(seed, int):
