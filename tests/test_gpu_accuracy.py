@@ -11,6 +11,8 @@ floor. The floor can be 0 on a GPU (every variant giving the same outcome on eve
 one prompt of slack (``1 / n``). Run with ``-s`` to see the numbers.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -20,10 +22,12 @@ from mxlib.models.tasks import make_dataset
 
 pytestmark = pytest.mark.gpu
 
-RECIPE = tr.get_recipe("test")
+# MXLIB_GPU_ACCURACY_RECIPE=default runs the workbook's model (about 2 minutes of training on the CPU)
+RECIPE = tr.get_recipe(os.environ.get("MXLIB_GPU_ACCURACY_RECIPE", "test"))
 PROMPTS = 1000  # held-out prompts per task
 CALIB_PROMPTS = 128  # training-split prompts per task for NVFP4's static activation scales
-SCHEMES = ("nvfp4", "w_mxfp4_a_mxfp4")
+# (scheme, NVFP4 activation-scale strategy): static calibrated scales, per-token dynamic scales, MXFP4 W4A4
+SCHEMES = (("nvfp4", "max"), ("nvfp4", "per_token"), ("w_mxfp4_a_mxfp4", None))
 # NLL slack when the floor is 0: the fused kernel accumulates its GEMMs in another order than torch's matmul
 NLL_SLACK = 1e-3
 
@@ -43,18 +47,19 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.filterwarnings("ignore:w13_input_scale:UserWarning", "ignore:w2_input_scale:UserWarning")
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_fused_backend_matches_torch_within_the_noise_floor(trained, scheme):
+@pytest.mark.parametrize("scheme, strategy", SCHEMES)
+def test_fused_backend_matches_torch_within_the_noise_floor(trained, scheme, strategy):
     model, sets, cal, floor = trained
     results = {}
+    kwargs = {} if strategy is None else dict(scale_strategy=strategy)
     for backend in ("torch", "fused"):
-        with ev.emulated_experts(model, scheme, cal, backend=backend) as m:
+        with ev.emulated_experts(model, scheme, cal, backend=backend, **kwargs) as m:
             results[backend] = ev.evaluate(m, sets)
     diffs = ev.compare(results["torch"], results["fused"])
     for t, d in diffs.items():
         em, nll = d["exact_match"], d["nll_per_token"]
         print(
-            f"{scheme} {t}: torch {results['torch'].tasks[t].exact_match}, "
+            f"{scheme} ({strategy or 'block scales'}) {t}: torch {results['torch'].tasks[t].exact_match}, "
             f"fused {results['fused'].tasks[t].exact_match}; "
             f"fused - torch: exact match {em} ({em.flips} flips), NLL/token {nll}; floor {floor[t]}"
         )
