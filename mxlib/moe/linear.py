@@ -24,7 +24,7 @@ Shapes: ``x [..., in_features] -> [..., out_features]``; ``weight`` packed ``[ou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,6 +59,16 @@ class LinearWeights:
     @property
     def in_features(self) -> int:
         return self.weight.shape[1] * 8 // self.scheme.element.nbits
+
+    def to(self, device) -> LinearWeights:
+        """The same weight with its tensors on ``device``."""
+        g = self.weight_scale_2
+        return replace(
+            self,
+            weight=self.weight.to(device),
+            weight_scale=self.weight_scale.to(device),
+            weight_scale_2=None if g is None else g.to(device),
+        )
 
 
 class EmulatedLinear(torch.nn.Module):

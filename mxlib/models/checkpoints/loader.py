@@ -21,7 +21,6 @@ from transformers import Qwen3MoeConfig
 
 from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
-from ...moe.linear import LinearWeights
 from ..qwen3 import empty_qwen3_moe, swap_experts
 from .layout import (
     LAYOUTS,
@@ -250,13 +249,7 @@ def load_quantized_qwen3_moe(
             bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(activation_dtype).to(device)
         em = make_emulated_linear(
             info.scheme,
-            LinearWeights(
-                weights.scheme,
-                weights.weight.to(device),
-                weights.weight_scale.to(device),
-                None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
-                weights.global_scale_kind,
-            ),
+            weights.to(device),
             None if ins is None else ins.to(device),
             bias=bias,
             backend=backend,

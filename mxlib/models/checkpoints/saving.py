@@ -314,13 +314,7 @@ def _linear_load_hook(module, state_dict, prefix, local_metadata, strict, missin
     bias = given.get(f"{prefix}bias")
     new = make_emulated_linear(
         description.scheme,
-        LinearWeights(
-            weights.scheme,
-            weights.weight.to(device),
-            weights.weight_scale.to(device),
-            None if weights.weight_scale_2 is None else weights.weight_scale_2.to(device),
-            weights.global_scale_kind,
-        ),
+        weights.to(device),
         None if ins is None else ins.to(device),
         bias=None if bias is None else bias.to(module.activation_dtype).to(device),
         backend=module.backend,
