@@ -322,6 +322,19 @@ EMPTY_CASES = {
     ],
     "nvfp4_swizzle_scales": [(lambda m: m.nvfp4_swizzle_scales(_z(0, 2, dtype=E4M3)), [((0, 4), E4M3)])],
     "nvfp4_unswizzle_scales": [(lambda m: m.nvfp4_unswizzle_scales(_z(0, 4, dtype=E4M3), 0, 32), [((0, 2), E4M3)])],
+    "nvfp4_per_token_scales": [
+        (lambda m: m.nvfp4_per_token_scales(_z(0, 32)), [((0,), F32), ((0,), F32)]),
+        (lambda m: m.nvfp4_per_token_scales(_z(3, 0)), [((3,), F32), ((3,), F32)]),
+        (lambda m: m.nvfp4_per_token_scales(_z(2, 0, 32)), [((2, 0), F32), ((2, 0), F32)]),
+    ],
+    "nvfp4_per_token_quant_dequant": [
+        (lambda m: m.nvfp4_per_token_quant_dequant(_z(0, 32)), [((0, 32), F32), ((0,), F32)]),
+        (lambda m: m.nvfp4_per_token_quant_dequant(_z(3, 0)), [((3, 0), F32), ((3,), F32)]),
+        (
+            lambda m: m.nvfp4_per_token_quant_dequant(_z(0, 32, dtype=torch.bfloat16)),
+            [((0, 32), torch.bfloat16), ((0,), F32)],
+        ),
+    ],
     "quant_dequant_fp8_per_tensor": [
         (lambda m: m.quant_dequant_fp8_per_tensor(_z(0, 8), 1.0), [((0, 8), F32)]),
         (lambda m: m.quant_dequant_fp8_per_tensor(_z(3, 0, dtype=torch.bfloat16), 1.0), [((3, 0), torch.bfloat16)]),
