@@ -9,8 +9,9 @@ checkpoint's tokenizer (when the folder has one) or on seeded random token ids, 
 
 - **what the activation quantization costs**, layer by layer: each MoE block's output with the
   emulation experts (weights dequantized, activations QDQ'd) against the same block with the same
-  dequantized weights and unquantized activations (the weight-only output). There is no bf16
-  original to compare with; the weights' own loss is therefore not in these numbers.
+  dequantized weights and unquantized activations (the weight-only output), and a1's and a2's QDQ
+  each alone (``mxlib.workbook.attribution``). There is no bf16 original to compare with; the
+  weights' own loss is therefore not in these numbers.
 - **what unifying the per-expert activation scales costs** (NVFP4's static global scales): the same
   block output under each strategy of ``mxlib.moe.scales.SCALE_STRATEGIES``, and its dB lost against
   ``per_expert``, beside what ``inspect_checkpoint`` predicts from the scales alone
@@ -31,12 +32,15 @@ from pathlib import Path
 import torch
 
 from ..analysis import sqnr_db
+from ..formats import Numerics
 from ..models.checkpoints import load_quantized_qwen3_moe
 from ..models.checkpoints.inspect_loss import strategy_rows
 from ..models.qwen3 import moe_layers
 from ..moe.base import TransformersExperts
+from ..moe.emulation import QuantizedExperts
 from ..moe.reference_moe import torch_moe
 from ..moe.scales import SCALE_STRATEGIES
+from .attribution import ACTIVATION_SOURCES, WEIGHT_SOURCES, AttributedExperts
 
 __all__ = ["checkpoint_token_ids", "checkpoint_layers_study", "check_checkpoint_path"]
 
@@ -150,8 +154,10 @@ def checkpoint_layers_study(
     Returns:
         A dict for JSON: ``scheme``, ``format``, ``num_layers``, ``tokens``; ``layers``: per layer
         ``sqnr_db`` of the emulated MoE block output against the weight-only block (dB; None where
-        the scheme quantizes no activation); ``strategies``: per (layer, strategy) ``sqnr_db`` and
-        ``db_lost`` against ``per_expert`` (empty unless the experts take a scale strategy);
+        the scheme quantizes no activation), and ``a1_sqnr_db`` / ``a2_sqnr_db`` with only that
+        activation's QDQ switched on (``attribution.AttributedExperts``; vLLM numerics);
+        ``strategies``: per (layer, strategy) ``sqnr_db`` and ``db_lost`` against ``per_expert``
+        (empty unless the experts take a scale strategy);
         ``predicted``: ``inspect_loss.strategy_rows`` over the kept layers' input scales (per point
         and strategy: ``mean_db_lost``, ``worst_db_lost``, counts of subnormal and flushed experts).
 
@@ -181,10 +187,14 @@ def checkpoint_layers_study(
         ex = mlp.experts.experts
         x, top_k_index, top_k_weights = inputs[li]
         topk_ids, topk_weights = top_k_index.to(torch.int32), top_k_weights.float()
-        w13, w2 = ex.dequantized_weights()
-        ref = torch_moe(x, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids)  # weights only
-        del w13, w2
+        w13, w2 = (w.to(x.dtype) for w in ex.dequantized_weights())
+        ref = torch_moe(x, w13, w2, topk_weights, topk_ids)  # weights only
         row = dict(layer=li, sqnr_db=None if activation is None else _finite_db(ex(x, topk_weights, topk_ids), ref))
+        if activation is not None and isinstance(ex, QuantizedExperts) and ex.numerics is Numerics.VLLM:
+            for point in ACTIVATION_SOURCES:  # one activation QDQ at a time, on the same dequantized weights
+                part = AttributedExperts(w13, w2, ex, (*WEIGHT_SOURCES, point))
+                row[f"{point}_sqnr_db"] = _finite_db(part(x, topk_weights, topk_ids), ref)
+        del w13, w2
         layer_rows.append(row)
         if not tunable:
             continue
