@@ -1,5 +1,8 @@
-"""Comparison helpers shared by the tests."""
+"""Comparison helpers shared by the tests, and the headless browser the rendering tests drive."""
 
+import shutil
+
+import pytest
 import torch
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -95,3 +98,12 @@ TINY_QWEN3 = dict(
     bos_token_id=0,
     eos_token_id=1,
 )
+
+
+def chromium_binary() -> str:
+    """The headless browser's path; fails with the command that installs it."""
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")

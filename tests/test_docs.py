@@ -27,7 +27,6 @@ import os
 import pkgutil
 import re
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+
+from _util import chromium_binary
 
 pytestmark = pytest.mark.notebook  # builds the site and drives Chromium: the second stage of `make test`
 
@@ -196,15 +197,6 @@ def test_python_blocks_run_as_written(page, tmp_path):
 
 
 # ----------------------------------------------------------------------------- Chromium
-
-
-def chromium_binary() -> str:
-    """The headless browser's path; fails with the command that installs it."""
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
 
 
 class Chromium:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from _util import chromium_binary
 from test_notebooks import NOTEBOOK_PARAMS
 
 pytestmark = pytest.mark.notebook  # headless Chromium over executed notebooks
@@ -86,15 +86,6 @@ window.addEventListener('load', function () {
 });
 </script>
 """
-
-
-def chromium_binary() -> str:
-    """The headless browser's path; fails with the command that installs it."""
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
 
 
 def export_html(executed: Path, out_dir: Path) -> Path:
