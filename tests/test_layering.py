@@ -22,6 +22,7 @@ LAYERS = [
     ("mxlib.reference", "mxlib.analysis"),
     ("mxlib.kernels",),
     ("mxlib.moe",),
+    ("mxlib.recovery",),
     ("mxlib.cases",),
     ("mxlib.models",),
     ("mxlib.workbook",),

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ..calibration import Calibration
 from ..qwen3 import expert_weights
 from .layout import LAYOUTS, layout_for_scheme
@@ -56,6 +57,7 @@ def write_quantized_checkpoint(
     linear_input_amax: dict[str, torch.Tensor] | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    technique: str | WeightTechnique | None = None,
 ) -> Path:
     """Quantize a bf16 Qwen3-MoE model's experts (and optionally attention) and write the checkpoint.
 
@@ -80,6 +82,10 @@ def write_quantized_checkpoint(
             with static activation scales.
         overwrite: replace whatever is at ``path`` (a file, a user's folder).
         progress: a tqdm bar on stderr, one step per layer of experts quantized and written.
+        technique: how the experts' scales and codes are chosen (``mxlib.recovery``): a name of
+            ``TECHNIQUES`` or a built ``WeightTechnique``; None is round-to-nearest through the
+            layout's own arithmetic. Its ``config()``, when not empty, is stored in
+            ``quantization_config[RECOVERY_CONFIG_KEY]``.
 
     Returns:
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
@@ -91,6 +97,7 @@ def write_quantized_checkpoint(
         PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
     """
     scheme = get_moe_scheme(scheme)
+    technique = None if technique is None else get_technique(technique)
     if layout is None:
         layout = layout_for_scheme(scheme)
     else:
@@ -135,7 +142,10 @@ def write_quantized_checkpoint(
             w13, w2 = expert_weights(model, layer)
             # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
             # layer; without one (None) the experts are quantized one at a time below
-            layer_weights = layout.quantize_experts(w13, w2, scheme)
+            if technique is None:
+                layer_weights = layout.quantize_experts(w13, w2, scheme)
+            else:
+                layer_weights = technique.quantize_experts(w13, w2, scheme, layer=layer)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
@@ -159,6 +169,8 @@ def write_quantized_checkpoint(
         shards.close()
         cfg = _config_dict(model, num_layers)
         qc, extra = layout.config_files(scheme, quantize_attention)
+        if technique is not None and technique.config():
+            qc = {**qc, RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()}}
         cfg["quantization_config"] = qc
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         for fname, content in extra.items():
