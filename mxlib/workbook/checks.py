@@ -309,6 +309,19 @@ ANCHOR_RATIOS: dict[str, tuple[str, str]] = {
     "mxlib_bf16 / fused nvfp4": ("mxlib_bf16", "mxlib_fused_nvfp4"),
     "fused nvfp4 hardware / tk_mxfp4_unfused_silu": ("mxlib_fused_nvfp4_hw", "tk_mxfp4_unfused_silu"),
     "mxlib_bf16 / fused nvfp4 hardware": ("mxlib_bf16", "mxlib_fused_nvfp4_hw"),
+    "fused w_mxfp4 / fastest mxfp4 anchor": (
+        "mxlib_fused_w_mxfp4",
+        "min(vllm_humming_mxfp4, vllm_marlin_mxfp4, tk_mxfp4_unfused_silu)",
+    ),
+    "fused w_mxfp4_a_mxfp4 / fastest mxfp4 anchor": (
+        "mxlib_fused_w_mxfp4_a_mxfp4",
+        "min(vllm_humming_mxfp4, vllm_marlin_mxfp4, tk_mxfp4_unfused_silu)",
+    ),
+    "fused nvfp4 / fastest nvfp4 anchor": ("mxlib_fused_nvfp4", "min(vllm_humming_nvfp4, vllm_marlin_nvfp4)"),
+    "fused nvfp4 hardware / fastest nvfp4 anchor": (
+        "mxlib_fused_nvfp4_hw",
+        "min(vllm_humming_nvfp4, vllm_marlin_nvfp4)",
+    ),
     "fused w_mxfp6_e3m2 / dequantize-then-GEMM": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
     "fused w_mxfp6_e3m2 / mxlib_bf16": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_bf16"),
 }
@@ -319,6 +332,10 @@ ANCHOR_ROWS = (
     "vllm_bf16_noalign",
     "tk_mxfp4",
     "tk_mxfp4_unfused_silu",
+    "vllm_humming_mxfp4",
+    "vllm_marlin_mxfp4",
+    "vllm_humming_nvfp4",
+    "vllm_marlin_nvfp4",
     "vllm_later_fused_nvfp4",
     "floor_mxfp4",
     "floor_nvfp4",
