@@ -95,3 +95,15 @@ def test_sweep_figure():
     fig = figures.sweep_figure(rows, "outlier_scale", ["a", "b"], "t", "x", "y", log_x=True)
     assert [t.name for t in fig.data] == ["a", "b"] and list(fig.data[0].y) == [1.0, 10.0, 100.0]
     assert fig.data[0].line.color != fig.data[1].line.color and fig.layout.xaxis.type == "log"
+
+
+def test_bar_figure_is_horizontal_with_error_bars():
+    rows = [dict(scheme=f"w_mxfp6_e3m2_a_mxfp6_e3m2_{i}", sqnr_db=10.0 + i, lo=9.0 + i, hi=12.0 + i) for i in range(3)]
+    fig = figures.bar_figure(rows, "scheme", ["sqnr_db"], errors={"sqnr_db": ("lo", "hi")})
+    bar = fig.data[0]
+    assert bar.orientation == "h" and list(bar.y) == [r["scheme"] for r in rows] and list(bar.x) == [10.0, 11.0, 12.0]
+    assert list(bar.error_x.array) == [2.0, 2.0, 2.0] and list(bar.error_x.arrayminus) == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="errors"):
+        figures.bar_figure(rows, "scheme", ["sqnr_db"], errors={"kl": ("lo", "hi")})
+    with pytest.raises(ValueError, match="rows"):
+        figures.bar_figure([], "scheme", ["sqnr_db"])

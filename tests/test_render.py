@@ -220,3 +220,106 @@ def test_notebook_renderer_emits_mime_bundle_and_offline_html():
         assert "cdn.plot.ly" not in bundle["text/html"]
     finally:
         pio.renderers.default = before
+
+
+_TABLE_PROBE = r"""
+<script>
+window.addEventListener('load', function () {
+  var out = [];
+  document.querySelectorAll('div.mxlib-rows-box').forEach(function (box) {
+    var t = box.querySelector('table');
+    out.push({box_right: box.getBoundingClientRect().right, page: document.documentElement.clientWidth,
+              table: t.scrollWidth, box: box.clientWidth});
+  });
+  var pre = document.createElement('pre');
+  pre.id = 'table-probe';
+  pre.textContent = JSON.stringify({tables: out, page_scroll: document.documentElement.scrollWidth,
+                                    page: document.documentElement.clientWidth});
+  document.body.appendChild(pre);
+});
+</script>
+"""
+
+
+def test_rows_table_never_spills_over_the_page(tmp_path):
+    """The widest table of the workbook (notebook 05's 18 columns of recorded MoE-layer rows) drawn in
+    Chromium at 1280 px: its headers break after underscores, so it fits the page without scrolling,
+    and a table wider still (60 columns) scrolls inside its own box instead of widening the page."""
+    from bs4 import BeautifulSoup
+
+    from mxlib.workbook import explorers as X
+
+    rows = json.loads((ROOT / "benchmarks" / "h200_moe.json").read_text())["rows"]
+    cols = [
+        "scheme",
+        "M",
+        "experts_hit",
+        "bf16_ms",
+        "dequant_ms",
+        "fused_ms",
+        "bf16_graph_ms",
+        "dequant_graph_ms",
+        "fused_graph_ms",
+        "fused_speedup_vs_dequant",
+        "fused_over_bf16",
+        "fused_graph_over_bf16_graph",
+        "fused_floor_frac_graph",
+        "fused_tflops_frac",
+        "bf16_mem_mb",
+        "dequant_mem_mb",
+        "fused_mem_mb",
+        "fused_vs_dequant_rel_err",
+    ]
+    wide = X.rows_table(rows, columns=cols, caption="18 columns").data
+    wider = X.rows_table([{f"column_number_{j}": 1.0 / 3 for j in range(60)}], caption="60 columns").data
+    page = tmp_path / "tables.html"
+    page.write_text(f"<html><body>{wide}{wider}{_TABLE_PROBE}</body></html>", encoding="utf-8")
+    soup = BeautifulSoup(dump_dom(page, budget_ms=5000), "html.parser")
+    probe = json.loads(soup.find(id="table-probe").get_text())
+    fits, scrolls = probe["tables"]
+    assert probe["page_scroll"] <= probe["page"], probe  # nothing widens the page
+    assert fits["table"] <= fits["box"] and fits["box_right"] <= fits["page"], fits
+    assert scrolls["table"] > scrolls["box"] and scrolls["box_right"] <= scrolls["page"], scrolls
+
+
+_TICK_PROBE = r"""
+<script>
+window.addEventListener('load', function () {
+  setTimeout(function () {
+    var boxes = [];
+    document.querySelectorAll('g.ytick text, g.xtick text').forEach(function (t) {
+      var r = t.getBoundingClientRect();
+      if (r.width > 0) boxes.push([r.left, r.top, r.right, r.bottom, t.textContent]);
+    });
+    var pre = document.createElement('pre');
+    pre.id = 'tick-probe';
+    pre.textContent = JSON.stringify(boxes);
+    document.body.appendChild(pre);
+  }, 1000);
+});
+</script>
+"""
+
+
+def test_scheme_bar_labels_do_not_overlap(tmp_path):
+    """Notebook 03's bar figure with the twelve scheme names, drawn in Chromium: no two tick labels overlap."""
+    from bs4 import BeautifulSoup
+
+    from mxlib.moe import MOE_SCHEMES
+    from mxlib.workbook import figures
+
+    rows = [dict(scheme=n, sqnr_db=20.0 + i, top1_agreement=0.8, kl_divergence=0.01) for i, n in enumerate(MOE_SCHEMES)]
+    fig = figures.bar_figure(rows, "scheme", ["sqnr_db", "top1_agreement", "kl_divergence"])
+    page = tmp_path / "bars.html"
+    page.write_text(
+        f"<html><body>{fig.to_html(include_plotlyjs=True, full_html=False)}{_TICK_PROBE}</body></html>",
+        encoding="utf-8",
+    )
+    soup = BeautifulSoup(dump_dom(page, budget_ms=10000), "html.parser")
+    boxes = json.loads(soup.find(id="tick-probe").get_text())
+    names = [b[4] for b in boxes]
+    assert set(MOE_SCHEMES) <= set(names), names
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            overlap = a[0] < b[2] - 0.5 and b[0] < a[2] - 0.5 and a[1] < b[3] - 0.5 and b[1] < a[3] - 0.5
+            assert not overlap, (a, b)

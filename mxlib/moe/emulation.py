@@ -275,7 +275,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             ``6 * 448 / amax`` as stored, used without a reciprocal (``max`` picks the smallest encode
             scale; the fused backend then runs the triton path);
         scale_strategy: how per-expert activation scales become global ones
-            (``unify_input_scales``); ``max`` is vLLM's and warns when scales differ; ``per_token``:
+            (``unify_input_scales``); ``max`` is vLLM's and warns when it costs an expert precision; ``per_token``:
             each token's amax sets its own (module docstring), the input scales are not read;
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);

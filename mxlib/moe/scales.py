@@ -13,11 +13,22 @@ a1 (per token) and a2 (per token and expert), and no calibrated ``input_scale`` 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
-__all__ = ["SCALE_STRATEGIES", "PER_TOKEN", "ACTIVATION_SCALE_STRATEGIES", "max_input_scale", "unify_input_scales"]
+from .. import reference as _ref
+from ..formats import NVFP4_SCALE_DIVISOR, NVFP4_SUBNORMAL_RATIO
+
+__all__ = [
+    "SCALE_STRATEGIES",
+    "PER_TOKEN",
+    "ACTIVATION_SCALE_STRATEGIES",
+    "max_input_scale",
+    "unify_input_scales",
+    "unification_precision_loss",
+]
 
 SCALE_STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
 PER_TOKEN = "per_token"
@@ -57,7 +68,8 @@ def unify_input_scales(
     Args:
         input_scales: ``[E]`` fp32 decode scales (``amax / (6 * 448)``) from the checkpoint,
             one per expert; 0 marks an expert never calibrated.
-        strategy: ``max`` (vLLM and FlashInfer: one scale, the max, so nothing clips),
+        strategy: ``max`` (vLLM and FlashInfer: one scale, the max, so nothing clips; warns once
+            naming each expert this costs block-scale precision, ``unification_precision_loss``),
             ``per_expert`` (each expert its own scale), ``mean`` / ``median`` / ``p90`` /
             ``p75`` / ``p50`` (one scale from that statistic of the calibrated experts'
             scales: finer resolution for most experts, clipping for the largest).
@@ -94,14 +106,72 @@ def unify_input_scales(
         unified = vals.median()
     else:
         unified = torch.quantile(vals, int(strategy[1:]) / 100.0)
-    if strategy == "max" and bool((vals != smax).any()):
-        _warn_once(
-            name,
-            f"{name}: the activation global scales differ across experts (min {vals.min().item():.4g}, "
-            f"max {smax.item():.4g}); using max for all experts, as vLLM and FlashInfer do. Experts with "
-            f"smaller activations lose block-scale precision (see the scale-unification notebook).",
-        )
+    if strategy == "max":
+        _warn_precision_loss(s, name)
     return (one / unified).expand(s.numel()).contiguous(), True
+
+
+def _synthetic_expert_db_lost(ratio: float) -> float:
+    """SQNR (dB) lost by a synthetic Gaussian expert (``[64, 256]``, seed 0, amax 1) whose NVFP4
+    activations are quantized with the global scale of an expert ``1 / ratio`` times larger
+    instead of its own (``mxlib.models.checkpoints.inspect_loss`` tabulates the same model)."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    x = x / x.abs().amax()
+
+    def sqnr(gs: float) -> float:
+        y = _ref.ref_nvfp4_quant_dequant(x, torch.tensor(gs, dtype=torch.float32)).double()
+        err = (y - x.double()).pow(2).sum().item()
+        return math.inf if err == 0 else 10.0 * math.log10(x.double().pow(2).sum().item() / err)
+
+    return max(0.0, sqnr(NVFP4_SCALE_DIVISOR) - sqnr(NVFP4_SCALE_DIVISOR * ratio))
+
+
+def unification_precision_loss(input_scales: torch.Tensor) -> list[dict]:
+    """The experts that one shared (max) NVFP4 activation scale costs block-scale precision.
+
+    An expert with decode scale ``s_e`` under the shared scale ``max(s)`` has ratio
+    ``r = s_e / max(s)``; its largest block scale is then ``e4m3(448 * r)``, which is an e4m3
+    subnormal below ``NVFP4_SUBNORMAL_RATIO = 2**-6 / 448`` (``mxlib.formats``): the threshold
+    notebook 04 draws, below which it measures more than 1 dB lost. Above it e4m3 keeps its 3
+    significant bits and unification costs rounding noise only, so those experts are not listed.
+
+    Args:
+        input_scales: ``[E]`` decode scales (``amax / 2688``); 0 marks an expert never calibrated
+            (not listed). At least one must be positive.
+
+    Returns:
+        One dict per expert below the threshold, in expert order: ``expert`` (index), ``ratio``
+        and ``predicted_db_lost`` (dB, a synthetic Gaussian expert's loss at that ratio: a model,
+        not a measurement of the checkpoint's activations; real activations lose somewhat more).
+
+    Raises:
+        ValueError: what ``max_input_scale`` raises.
+    """
+    s = input_scales.detach().float().reshape(-1).cpu()
+    smax = max_input_scale(s).reshape(())
+    ratios = s / smax
+    rows = []
+    for e in torch.nonzero((s > 0) & (ratios < NVFP4_SUBNORMAL_RATIO)).reshape(-1).tolist():
+        r = float(ratios[e])
+        rows.append(dict(expert=e, ratio=r, predicted_db_lost=_synthetic_expert_db_lost(r)))
+    return rows
+
+
+def _warn_precision_loss(decode_scales: torch.Tensor, name: str) -> None:
+    """Warn (once per message) when the shared max scale costs some expert block-scale precision."""
+    lost = unification_precision_loss(decode_scales)
+    if not lost:
+        return
+    shown = ", ".join(
+        f"expert {r['expert']} (r = {r['ratio']:.3g}, predicted {r['predicted_db_lost']:.1f} dB lost)" for r in lost[:8]
+    )
+    more = f" and {len(lost) - 8} more" if len(lost) > 8 else ""
+    _warn_once(
+        f"{name}:{[r['expert'] for r in lost]}",
+        f"{name}: one activation global scale for all experts (the max, as vLLM and FlashInfer use) puts "
+        f"{len(lost)} expert(s) below r = 2^-6/448 = {NVFP4_SUBNORMAL_RATIO:.3g}, where even their largest NVFP4 "
+        f"block scale is an e4m3 subnormal: {shown}{more}. scale_strategy='per_expert' keeps their precision.",
+    )
 
 
 def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) -> tuple[torch.Tensor, bool]:
@@ -116,12 +186,7 @@ def _unify_encode_scales(encode_scales: torch.Tensor, strategy: str, name: str) 
     if strategy == "max":
         vals = e[calibrated]
         gs = vals.min()
-        if bool((vals != gs).any()):
-            _warn_once(
-                name,
-                f"{name}: the activation global scales differ across experts; using the smallest "
-                f"encode scale (the max decode scale) for all experts, as vLLM does",
-            )
+        _warn_precision_loss(torch.where(calibrated, 1.0 / torch.where(calibrated, e, 1.0), 0.0), name)
         return gs.expand(e.numel()).contiguous(), True
     if strategy == "per_expert":
         per = torch.where(calibrated, e, e[calibrated].min())

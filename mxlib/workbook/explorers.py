@@ -379,7 +379,13 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
 
     Unlike a pandas frame it never elides rows, and it needs no trusted notebook to render. Cells
     are left-aligned; a column holding long text (over 40 characters) wraps within 10-40 em, the
-    others never wrap, so names stay whole and the table fits the page.
+    others never wrap, so names stay whole. Column headers may break after an underscore
+    (``fused_graph_over_bf16_graph`` over three lines), so a header is no wider than its values; a
+    table of more than 12 columns is set in a smaller font; and the table sits in a box that scrolls
+    sideways when it is still wider than the page: a wide table never spills over the page's edge.
+
+    Raises:
+        ValueError: no rows.
     """
     from html import escape
 
@@ -395,13 +401,16 @@ def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str 
         + ("white-space:normal;min-width:10em;max-width:40em" if lg else "white-space:nowrap")
         for lg in long
     ]
+    head_style = "text-align:left;vertical-align:bottom;white-space:normal"
+    small = ' style="font-size:85%"' if len(cols) > 12 else ""  # many columns: a smaller font
     cap = f"<caption>{escape(caption)}</caption>" if caption else ""
-    head = "".join(f'<th style="{st}">{escape(str(c))}</th>' for c, st in zip(cols, style))
+    head = "".join(f'<th style="{head_style}">{escape(str(c)).replace("_", "_<wbr>")}</th>' for c in cols)
     body = "".join(
         "<tr>" + "".join(f'<td style="{st}">{escape(t)}</td>' for t, st in zip(row, style)) + "</tr>" for row in text
     )
     return HTML(
-        f'<table class="mxlib-rows" style="width:100%">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+        '<div class="mxlib-rows-box" style="max-width:100%;overflow-x:auto">'
+        f'<table class="mxlib-rows"{small}>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
     )
 
 

@@ -133,12 +133,46 @@ def layer_sqnr_figure(
     return fig
 
 
-def bar_figure(rows: list[dict], x: str, ys: list[str], title: str = "", ytitles: list[str] | None = None) -> go.Figure:
-    """Side-by-side bar charts, one panel per metric in ``ys``."""
-    fig = make_subplots(rows=1, cols=len(ys), subplot_titles=ytitles or ys)
+def bar_figure(
+    rows: list[dict],
+    x: str,
+    ys: list[str],
+    title: str = "",
+    ytitles: list[str] | None = None,
+    errors: dict[str, tuple[str, str]] | None = None,
+) -> go.Figure:
+    """Side-by-side horizontal bar charts, one panel per metric in ``ys``, the rows' ``x`` labels down
+    the shared vertical axis (first row at the top), one label a line so that long names never overlap.
+
+    ``errors`` maps a metric to the keys of its interval's low and high ends in each row (a spread
+    over repeats, drawn as an error bar from low to high around the bar's value).
+
+    Raises:
+        ValueError: no rows, or an ``errors`` key that is not in ``ys``.
+    """
+    if not rows:
+        raise ValueError("rows: expected at least one row")
+    errors = errors or {}
+    if set(errors) - set(ys):
+        raise ValueError(f"errors: expected keys among ys {ys}, got {sorted(errors)}")
+    fig = make_subplots(rows=1, cols=len(ys), subplot_titles=ytitles or ys, shared_yaxes=True, horizontal_spacing=0.04)
+    labels = [str(r[x]) for r in rows]
     for i, y in enumerate(ys, 1):
-        fig.add_trace(go.Bar(x=[r[x] for r in rows], y=[r[y] for r in rows], name=y, showlegend=False), row=1, col=i)
-    fig.update_layout(title=title, height=450)
+        vals = [r[y] for r in rows]
+        err = None
+        if y in errors:
+            lo, hi = errors[y]
+            err = dict(
+                type="data",
+                symmetric=False,
+                array=[r[hi] - v for r, v in zip(rows, vals)],
+                arrayminus=[v - r[lo] for r, v in zip(rows, vals)],
+                color="#444",
+                thickness=1.5,
+            )
+        fig.add_trace(go.Bar(y=labels, x=vals, orientation="h", name=y, showlegend=False, error_x=err), row=1, col=i)
+    fig.update_yaxes(autorange="reversed", type="category", automargin=True)
+    fig.update_layout(title=title, height=140 + 26 * len(rows), bargap=0.25)
     return fig
 
 

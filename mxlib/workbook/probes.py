@@ -8,12 +8,18 @@
   codes swapped, for the length of a ``with`` block (a packing bug the loader cannot see);
   ``captured_output(module)`` records a module's outputs meanwhile (the MoE block's, for its SQNR).
 
+* ``relative_paths(text, *paths)`` and ``short_warnings()``: what a notebook shows holds no absolute
+  path of this machine (a checkpoint in the cache is shown by its folder's name; a warning by its
+  category and message, without the source file it was raised from).
+
 All decoding goes through ``mxlib.reference``; these functions add no rounding of their own.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,7 +30,28 @@ from ..formats import BlockScheme
 from ..models.checkpoints import read_quant_config
 from ..moe.schemes import MoEQuantScheme, get_weight_format
 
-__all__ = ["stored_shapes", "stored_block", "swapped_nibbles", "captured_output"]
+__all__ = ["stored_shapes", "stored_block", "swapped_nibbles", "captured_output", "relative_paths", "short_warnings"]
+
+
+def relative_paths(text: str, *paths: str | os.PathLike) -> str:
+    """``text`` with each of ``paths`` (and its resolved form) replaced by the folder's own name, so that
+    a notebook's printed output names a checkpoint without the machine's cache location."""
+    for p in paths:
+        p = Path(p)
+        for form in sorted({str(p), str(p.resolve())}, key=len, reverse=True):
+            if os.path.isabs(form):
+                text = text.replace(form, p.name)
+    return text
+
+
+def _short_format(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
+def short_warnings() -> None:
+    """Print warnings as ``Category: message`` only, without the source file and line Python adds (an
+    absolute path of the installed package). For notebooks; changes ``warnings.formatwarning``."""
+    warnings.formatwarning = _short_format
 
 
 def stored_shapes(scheme: str | MoEQuantScheme | BlockScheme, out_features: int, in_features: int) -> dict:

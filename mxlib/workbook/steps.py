@@ -7,8 +7,10 @@
    experts, write the checkpoint in the real layout (ModelOpt or Quark), cached under
    ``default_cache_dir()`` by everything that determines it (``checkpoint_cache_key``).
 3. ``load_checkpoint``: load it back with emulation experts (``mxlib.models.checkpoints``).
-4. ``evaluation_token_ids``, ``run_model`` / ``compare_runs``: the same token ids through both
-   models, per-layer and logits metrics; ``save_results`` writes a notebook's results JSON.
+4. ``evaluation_token_ids`` / ``evaluation_token_sets``, ``run_model`` / ``compare_runs``: the same
+   token ids through both models (``repeats`` token sets, for the spread of every metric), per-layer
+   and logits metrics; ``set_numerics`` switches a loaded model between vLLM's numerics and the
+   hardware's; ``save_results`` writes a notebook's results JSON.
 
 The functions that take ``E2EParameters`` bind its values (the seeds, the sizes, the device), so
 that notebook 01 and the CLI run the same steps on the same values.
@@ -30,10 +32,11 @@ from pathlib import Path
 import torch
 
 from ..analysis import compare_logits, compare_tensors
+from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
-from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, qwen3_30b_a3b_config
+from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 
@@ -48,6 +51,11 @@ __all__ = [
     "resolve_device",
     "random_token_ids",
     "evaluation_token_ids",
+    "evaluation_token_sets",
+    "NUMERICS",
+    "check_numerics",
+    "set_numerics",
+    "compare_numerics",
     "dummy_model",
     "build_model",
     "calibrate_model",
@@ -71,6 +79,9 @@ logger = logging.getLogger(__name__)
 # Bump when calibration changes what a cached checkpoint holds (the writer has its own
 # WRITER_VERSION; the weights and config are fingerprinted).
 CACHE_VERSION = 3
+
+# the two arithmetics an emulation experts module computes (``mxlib.moe.emulation``'s ``numerics``)
+NUMERICS = tuple(n.value for n in Numerics)
 
 
 # ----------------------------------------------------------------------------- parameter checks
@@ -145,6 +156,8 @@ class E2EParameters:
     device: torch.device
     experts_backend: str
     results_path: Path | None
+    numerics: str = "vllm"
+    repeats: int = 1
 
 
 def check_e2e_parameters(
@@ -158,13 +171,16 @@ def check_e2e_parameters(
     experts_backend: str = "auto",
     results_path: str | os.PathLike | None = "",
     names: dict[str, str] | None = None,
+    numerics: str = "vllm",
+    repeats: int = 1,
 ) -> E2EParameters:
     """Check the end-to-end run's parameters (notebook 01's ``parameters`` cell, ``mxlib.cli e2e``)
     before anything is built: each must be valid, and the results path's folder is created.
 
     The scheme name enters here and is resolved once; the ``MoEQuantScheme`` travels below.
     ``names`` maps a parameter to the name the caller shows (the CLI passes ``--layers`` for
-    ``num_hidden_layers``, ...).
+    ``num_hidden_layers``, ...). ``numerics``: ``"vllm"`` or ``"hardware"`` (``check_numerics``);
+    ``repeats``: how many evaluation token sets (``evaluation_token_sets``), an int from 1 to 10.
 
     Returns:
         ``E2EParameters``: the checked values.
@@ -182,8 +198,11 @@ def check_e2e_parameters(
         ("num_hidden_layers", num_hidden_layers),
         ("num_tokens", num_tokens),
         ("calib_tokens", calib_tokens),
+        ("repeats", repeats),
     ):
         check_positive_int(value, param, names)
+    if repeats > 10:
+        raise ValueError(f"{_name(names, 'repeats')}: expected an integer from 1 to 10, got {repeats!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
     return E2EParameters(
@@ -196,7 +215,19 @@ def check_e2e_parameters(
         device=check_device(device, "device", names),
         experts_backend=check_backend(experts_backend, "experts_backend", names),
         results_path=prepare_results_path(results_path, "results_path", names),
+        numerics=check_numerics(numerics, "numerics", names),
+        repeats=repeats,
     )
+
+
+def check_numerics(numerics, param: str = "numerics", names: dict | None = None) -> str:
+    """``"vllm"`` or ``"hardware"`` (``mxlib.formats.Numerics``): the name, checked; ValueError naming
+    the parameter otherwise."""
+    if isinstance(numerics, Numerics):
+        return numerics.value
+    if numerics not in NUMERICS:
+        raise ValueError(f"{_name(names, param)}: expected one of {list(NUMERICS)}, got {numerics!r}")
+    return numerics
 
 
 def check_schemes(schemes="all", param: str = "schemes", names: dict | None = None) -> list[MoEQuantScheme]:
@@ -251,6 +282,108 @@ def evaluation_token_ids(p: E2EParameters, vocab_size: int) -> torch.Tensor:
     """The evaluation sequence of an end-to-end run: ``p.num_tokens`` token ids ``[1, T]`` (int64)
     drawn with seed ``p.seed + 1`` (the weights take ``p.seed``, calibration ``p.seed + 1000``)."""
     return random_token_ids(p.num_tokens, p.seed + 1, vocab_size)
+
+
+def evaluation_token_sets(p: E2EParameters, vocab_size: int) -> list[torch.Tensor]:
+    """``p.repeats`` evaluation sequences, each ``[1, p.num_tokens]`` int64: set ``r`` drawn with seed
+    ``p.seed + 1 + r``, so set 0 is ``evaluation_token_ids``. A metric over the sets gives its spread
+    (``mxlib.workbook.repeats``)."""
+    return [random_token_ids(p.num_tokens, p.seed + 1 + r, vocab_size) for r in range(p.repeats)]
+
+
+def set_numerics(model, numerics: str | Numerics) -> int:
+    """Switch every MoE layer's emulation experts of a loaded model to ``numerics``.
+
+    ``"vllm"``: vLLM's emulation arithmetic (operands ``bf16(element * block_scale * global_scale)``);
+    ``"hardware"``: an FP4 tensor-core GEMM's (operands ``element * block_scale``, per-tensor scales on
+    the fp32 output): ``mxlib.moe.emulation``. The two differ for NVFP4 only. Nothing is re-read or
+    re-quantized: the numerics are read at each forward.
+
+    Returns:
+        The number of experts modules switched.
+
+    Raises:
+        ValueError: unknown ``numerics``; a layer whose experts are not emulation experts; hardware
+            numerics on experts with encode global scales (compressed-tensors) or on a backend that
+            cannot run them (the ``triton`` dequantize-then-GEMM path: use ``torch`` or ``fused``).
+    """
+    mode = get_numerics(check_numerics(numerics))
+    modules = []
+    for li, mlp in enumerate(moe_layers(model)):
+        ex = getattr(mlp.experts, "experts", None)
+        if ex is None or not hasattr(ex, "weight_scheme"):
+            raise ValueError(f"model: layer {li}'s experts are not emulation experts ({type(mlp.experts).__name__})")
+        if mode is Numerics.HARDWARE and getattr(ex, "global_scale_kind", "decode") == "encode":
+            raise ValueError(
+                f"numerics: 'hardware' needs decode global scales; layer {li}'s experts carry encode scales "
+                f"(compressed-tensors): use 'vllm'"
+            )
+        modules.append(ex)
+    for ex in modules:
+        previous = ex.numerics
+        ex.numerics = mode
+        dev = next(iter(ex.buffers())).device
+        backend = ex.resolved_backend(dev)
+        try:
+            ex.check_backend(backend, backend == "fused" and ex.supports_fused and ex.fp4_kernel_applies())
+        except ValueError as err:
+            for m in modules:
+                m.numerics = previous
+            raise ValueError(f"numerics: {err}") from None
+    return len(modules)
+
+
+@torch.no_grad()
+def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
+    """A loaded quantized model run in both numerics on every token set (notebook 01, section 5).
+
+    Each set runs with ``numerics="vllm"`` and ``"hardware"`` (``set_numerics``; the model's own
+    numerics are restored afterwards). ``refs``: the bf16 model's ``RunOutput`` of each set.
+
+    Returns:
+        ``{"sets": rows, "layers": rows}``. ``sets``, one row per token set: ``set``,
+        ``vllm_vs_hw_sqnr_db`` (the logits of the two modes), ``top1_agreement`` (between them),
+        ``max_abs_diff`` (logit units), ``vllm_vs_bf16_sqnr_db`` / ``hw_vs_bf16_sqnr_db`` and
+        ``vllm_kl`` / ``hw_kl`` (each against the bf16 model). ``layers``: per decoder layer,
+        ``vllm_vs_hw_sqnr_db`` of its output in the two runs (earlier layers' differences
+        included), one value per set in ``per_set`` and their mean. SQNR in dB (+inf: equal).
+
+    Raises:
+        ValueError: what ``set_numerics`` raises (hardware numerics on the ``triton`` backend, ...);
+            ``token_sets`` and ``refs`` of different lengths.
+    """
+    if len(token_sets) != len(refs):
+        raise ValueError(f"refs: expected one per token set ({len(token_sets)}), got {len(refs)}")
+    first = next(ex for mlp in moe_layers(model) for ex in [getattr(mlp.experts, "experts", None)] if ex is not None)
+    restore = first.numerics.value
+    runs = {}
+    try:
+        for mode in NUMERICS:
+            set_numerics(model, mode)
+            runs[mode] = [run_model(model, ids) for ids in token_sets]
+    finally:
+        set_numerics(model, restore)
+    sets, per_layer = [], []
+    for i, ref in enumerate(refs):
+        v, h = runs["vllm"][i], runs["hardware"][i]
+        between = compare_runs(v, h)
+        sets.append(
+            dict(
+                set=i,
+                vllm_vs_hw_sqnr_db=between["logits"]["sqnr_db"],
+                top1_agreement=between["logits"]["top1_agreement"],
+                max_abs_diff=(v.logits.double() - h.logits.double()).abs().max().item(),
+                vllm_vs_bf16_sqnr_db=compare_logits(v.logits, ref.logits)["sqnr_db"],
+                hw_vs_bf16_sqnr_db=compare_logits(h.logits, ref.logits)["sqnr_db"],
+                vllm_kl=compare_logits(v.logits, ref.logits)["kl_divergence"],
+                hw_kl=compare_logits(h.logits, ref.logits)["kl_divergence"],
+            )
+        )
+        per_layer.append([r["sqnr_db"] for r in between["layers"]])
+    layers = [
+        dict(layer=li, vllm_vs_hw_sqnr_db=sum(c) / len(c), per_set=list(c)) for li, c in enumerate(zip(*per_layer))
+    ]
+    return {"sets": sets, "layers": layers}
 
 
 def release_freed_memory() -> None:

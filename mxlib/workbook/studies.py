@@ -1,8 +1,8 @@
 """The workbook's studies: every scheme side by side, and NVFP4 scale unification.
 
-``compare_schemes`` quantizes a bf16 model's experts in every MoE scheme (in memory,
-one weight format at a time), runs the same token ids through each, and measures
-what each costs against bf16.
+``compare_schemes`` (``mxlib.workbook.scheme_study``, re-exported here) quantizes a bf16 model's
+experts in every MoE scheme (in memory, one weight format at a time), runs the same token ids
+through each, and measures what each costs against bf16.
 
 ``unification_study`` measures what vLLM's single activation global scale (the max
 of the per-expert input scales) costs each expert, against each expert using its own
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import time
 import warnings
 
 import torch
@@ -31,12 +30,12 @@ from ..analysis import compare_tensors, rel_error, sqnr_db, top1_agreement
 from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
 from ..models.calibration import Calibration
 from ..models.qwen3 import expert_weights, moe_layers
-from ..moe.base import TransformersExperts, ops_for_device
-from ..moe.emulation import ExpertWeights
+from ..moe.base import ops_for_device
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.scales import unify_input_scales
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme, get_moe_scheme
+from .scheme_study import checkpoint_tensor_bytes, compare_schemes, emulation_experts, experts_swapped
 from .steps import calibrate_model, compare_runs, dummy_model, run_model
 
 __all__ = [
@@ -55,101 +54,6 @@ __all__ = [
 
 # the OCP MX schemes unification_study measures beside NVFP4 (names resolved here, once)
 _MX_BASELINES = (BLOCK_SCHEMES["mxfp4"], BLOCK_SCHEMES["mxfp8_e4m3"])
-
-
-def emulation_experts(
-    scheme: MoEQuantScheme, q: ExpertWeights, in13=None, in2=None, backend="auto", scale_strategy="max"
-):
-    """``make_emulation_experts`` with the unification warning silenced (the studies measure it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return make_emulation_experts(scheme, q, in13, in2, backend=backend, scale_strategy=scale_strategy)
-
-
-@contextlib.contextmanager
-def experts_swapped(model, experts: list):
-    """Temporarily replace each layer's experts (restored on exit)."""
-    layers = moe_layers(model)
-    originals = [m.experts for m in layers]
-    try:
-        for mlp, ex in zip(layers, experts):
-            mlp.experts = TransformersExperts(ex)
-        yield model
-    finally:
-        for mlp, orig in zip(layers, originals):
-            mlp.experts = orig
-
-
-def checkpoint_tensor_bytes(model, scheme: str | MoEQuantScheme) -> int:
-    """Bytes of tensor data a checkpoint of ``scheme`` (a ``MoEQuantScheme``, or a name resolved
-    here) holds: bf16 non-expert tensors plus the per-expert packed weights, scales and scalars,
-    the same tensors ``write_quantized_checkpoint`` writes; file headers excluded."""
-    s = get_moe_scheme(scheme)
-    cfg = model.config
-    e, h, i, layers = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, len(model.model.layers)
-    dense = sum(p.numel() * 2 for n, p in model.named_parameters() if ".mlp.experts." not in n)
-    fmt = s.weight
-    elems = 3 * h * i  # gate, up, down
-    packed = elems * fmt.element.nbits // 8
-    scales = elems // fmt.block_size
-    # fp32 scalars per projection: the global weight scale, and a static activation scale
-    scalars = 3 * (int(fmt.has_global_scale) + int(s.static_activation_scale)) * 4
-    return dense + layers * e * (packed + scales + scalars)
-
-
-def compare_schemes(
-    model, schemes: list[MoEQuantScheme], token_ids, calibration: Calibration | None, backend="auto", log=print
-) -> list[dict]:
-    """Every scheme on the same model and token ids; metrics against the bf16 model.
-
-    ``schemes``: ``MoEQuantScheme`` objects (``steps.check_schemes`` resolves names). Weights are
-    quantized once per weight format and shared by the schemes that use it. ``calibration``
-    provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes.
-
-    Raises:
-        TypeError: an entry of ``schemes`` that is not a ``MoEQuantScheme``.
-    """
-    by_weight: dict = {}
-    for s in schemes:
-        if not isinstance(s, MoEQuantScheme):
-            raise TypeError(f"schemes: expected MoEQuantScheme objects (steps.check_schemes resolves names), got {s!r}")
-        by_weight.setdefault(s.weight, []).append(s)
-    ref = run_model(model, token_ids)
-    rows = []
-    nlayers = len(model.model.layers)
-    for weight, group in by_weight.items():
-        t0 = time.perf_counter()
-        quantized = [quantize_expert_weights(*expert_weights(model, li), weight) for li in range(nlayers)]
-        log(f"[compare] quantized {weight.name} weights in {time.perf_counter() - t0:.1f} s")
-        for s in group:
-            name = s.name
-            experts = []
-            for li, q in enumerate(quantized):
-                in13 = in2 = None
-                if s.static_activation_scale:
-                    in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, s.activation))
-                experts.append(emulation_experts(s, q, in13, in2, backend))
-            with experts_swapped(model, experts):
-                out = run_model(model, token_ids)
-            res = compare_runs(out, ref)
-            rows.append(
-                dict(
-                    scheme=name,
-                    weights=s.weight.name,
-                    activations=s.activation.name if s.activation else "bf16",
-                    bits_per_weight=s.weight.bits_per_element,
-                    checkpoint_gb=checkpoint_tensor_bytes(model, s) / 1e9,
-                    **res["logits"],
-                    layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]],
-                    seconds=out.seconds,
-                )
-            )
-            log(
-                f"[compare] {name}: logits SQNR {res['logits']['sqnr_db']:.2f} dB, top-1 "
-                f"{res['logits']['top1_agreement']:.3f}, KL {res['logits']['kl_divergence']:.2e}"
-            )
-        del quantized
-    return rows
 
 
 # ----------------------------------------------------------------------------- unification
