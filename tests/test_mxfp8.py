@@ -1,0 +1,194 @@
+"""MXFP8 MoE schemes: ``w_mxfp8_a_mxfp8`` (W8A8), ``w_mxfp8`` (W8A16, what vLLM's MXFP8 emulation computes)
+and ``w_mxfp4_a_mxfp8`` (FlashInfer's MXFP4 x MXFP8 pairing).
+
+Oracles: vLLM's ``dequant_mxfp8_to_bf16`` transcribed (``fp32(e4m3) * exp2(e8m0 - 127)``, one bf16 cast),
+``oracles.mx_qdq`` (ml_dtypes casts, E8M0 ``even`` rule from ``math.frexp``) and ``oracles.moe_fp64``.
+Every backend (``torch``, ``triton``, ``fused``: the generic dequantize-GEMM kernel for FP8 weights, the
+FP4 kernel for MXFP4 weights) gives the same bits (Triton interpreter on the CPU, small shapes).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import mxlib.reference as R
+from mxlib.formats import BLOCK_SCHEMES
+from mxlib.moe import ExpertWeights, fused_topk
+from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
+from mxlib.moe.schemes import MOE_SCHEMES, SCHEME_ALIASES, get_moe_scheme
+
+from _util import assert_bits_equal
+from oracles import moe_fp64, mx_qdq
+
+E, H, I, M, TOPK = 4, 128, 128, 6, 2
+MXFP8 = BLOCK_SCHEMES["mxfp8_e4m3"]
+NEW = ("w_mxfp8", "w_mxfp8_a_mxfp8", "w_mxfp4_a_mxfp8")
+
+
+@pytest.fixture(scope="module")
+def layer():
+    g = torch.Generator().manual_seed(8)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(M, H, generator=g).to(torch.bfloat16)
+    x[0, :32] *= 300.0  # one block near e4m3's top: the shared exponent moves
+    tw, ti = fused_topk(torch.randn(M, E, generator=g), TOPK)
+    return w13, w2, x, tw, ti
+
+
+def vllm_dequant_mxfp8_to_bf16(x_fp8: torch.Tensor, scales_u8: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``mxfp8_utils.dequant_mxfp8_to_bf16``, transcribed: fp32 values times ``exp2(scale - 127)``
+    per 32-element block, one cast to bf16."""
+    xf = x_fp8.to(torch.float32)
+    blocks = xf.view(*xf.shape[:-1], xf.shape[-1] // 32, 32)
+    descale = torch.exp2(scales_u8.to(torch.float32) - 127.0)
+    return (blocks * descale.unsqueeze(-1)).view(xf.shape).to(torch.bfloat16)
+
+
+def oracle_mxfp8_qdq(x: torch.Tensor) -> torch.Tensor:
+    """MXFP8 (e4m3, blocks of 32, E8M0 ``even``) QDQ by ml_dtypes, back in bf16."""
+    q = mx_qdq(x.float().numpy(), "e4m3", 32, "even")
+    return torch.from_numpy(q).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_scheme_table_names_what_each_quantizes():
+    s = {n: get_moe_scheme(n) for n in NEW}
+    assert s["w_mxfp8"].weight is MXFP8 and s["w_mxfp8"].activation is None
+    assert s["w_mxfp8_a_mxfp8"].weight is MXFP8 and s["w_mxfp8_a_mxfp8"].activation is MXFP8
+    assert s["w_mxfp4_a_mxfp8"].weight is BLOCK_SCHEMES["mxfp4"] and s["w_mxfp4_a_mxfp8"].activation is MXFP8
+    assert [s[n].precision for n in NEW] == ["W8A16", "W8A8", "W4A8"]
+    assert s["w_mxfp8"].weight_only and not s["w_mxfp8_a_mxfp8"].weight_only
+    assert all(n in MOE_SCHEMES for n in NEW)
+    assert get_moe_scheme("w_mx_fp8_a_mx_fp8") is s["w_mxfp8_a_mxfp8"]  # Quark's older name
+    assert SCHEME_ALIASES["w_mx_fp8_a_mx_fp8"] == "w_mxfp8_a_mxfp8"
+
+
+def test_bare_mxfp8_is_refused_naming_both_meanings():
+    with pytest.raises(ValueError, match="w_mxfp8_a_mxfp8.*W8A8.*w_mxfp8.*W8A16"):
+        get_moe_scheme("mxfp8")
+
+
+# ----------------------------------------------------------------------------- weights and activations
+
+
+@pytest.mark.parametrize("scheme", ["w_mxfp8", "w_mxfp8_a_mxfp8"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_weights_dequantize_as_vllm_does(layer, scheme, backend):
+    w13, w2, *_ = layer
+    q = quantize_expert_weights(w13, w2, scheme, ops=R)
+    assert q.w13_weight.dtype == torch.uint8 and q.w13_weight.shape == (E, 2 * I, H)  # one byte per element
+    assert q.w13_weight_scale.shape == (E, 2 * I, H // 32)
+    ex = make_emulation_experts(scheme, q, backend=backend)
+    d13, d2 = ex.dequantized_weights()
+    want13 = vllm_dequant_mxfp8_to_bf16(q.w13_weight.view(torch.float8_e4m3fn), q.w13_weight_scale)
+    want2 = vllm_dequant_mxfp8_to_bf16(q.w2_weight.view(torch.float8_e4m3fn), q.w2_weight_scale)
+    assert_bits_equal(d13, want13)
+    assert_bits_equal(d2, want2)
+    # and the stored weights are the MXFP8 QDQ (E8M0 even, as Quark exports) of the bf16 ones
+    assert_bits_equal(d13, oracle_mxfp8_qdq(w13))
+
+
+def test_e4m3_bytes_decode_as_ml_dtypes():
+    codes = torch.arange(256, dtype=torch.uint8)
+    got = R.decode_element(codes, "e4m3").numpy()
+    want = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)  # NaN at 0x7F and 0xFF in both
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_activation_qdq_w8a8_quantizes_w8a16_does_not(layer, backend):
+    w13, w2, x, tw, ti = layer
+    q = quantize_expert_weights(w13, w2, "w_mxfp8", ops=R)
+    w8a8 = make_emulation_experts("w_mxfp8_a_mxfp8", q, backend=backend)
+    w8a16 = make_emulation_experts("w_mxfp8", q, backend=backend)
+    a1, per_pair = w8a8.quantize_input(x, ti, backend)
+    assert not per_pair
+    assert_bits_equal(a1, oracle_mxfp8_qdq(x))
+    assert not torch.equal(a1, x)
+    assert w8a8.quant_dtype == "mxfp8_e4m3" and w8a16.quant_dtype is None  # vLLM's quant_dtype -> None
+    same, _ = w8a16.quantize_input(x, ti, backend)
+    assert_bits_equal(same, x)
+    act = torch.randn(7, I).to(torch.bfloat16)
+    assert_bits_equal(w8a8.quantize_intermediate(act, torch.zeros(7, dtype=torch.long), backend), oracle_mxfp8_qdq(act))
+    assert_bits_equal(w8a16.quantize_intermediate(act, torch.zeros(7, dtype=torch.long), backend), act)
+
+
+# ----------------------------------------------------------------------------- the MoE
+
+
+def _oracle_moe(scheme, q, w13, w2, x, tw, ti):
+    """float64 MoE on oracle-dequantized weights and oracle-QDQ'd activations."""
+    s = get_moe_scheme(scheme)
+    if s.weight is MXFP8:
+        d13 = vllm_dequant_mxfp8_to_bf16(q.w13_weight.view(torch.float8_e4m3fn), q.w13_weight_scale)
+        d2 = vllm_dequant_mxfp8_to_bf16(q.w2_weight.view(torch.float8_e4m3fn), q.w2_weight_scale)
+    else:  # MXFP4 weights: the same QDQ oracle on the bf16 weights (E8M0 even)
+        d13 = torch.from_numpy(mx_qdq(w13.float().numpy(), "e2m1", 32, "even")).to(torch.bfloat16)
+        d2 = torch.from_numpy(mx_qdq(w2.float().numpy(), "e2m1", 32, "even")).to(torch.bfloat16)
+    if s.activation is None:
+        return moe_fp64(x, d13, d2, tw, ti, store_dtype=torch.bfloat16)
+    return moe_fp64(
+        oracle_mxfp8_qdq(x), d13, d2, tw, ti, store_dtype=torch.bfloat16, a2_fn=lambda a, e: oracle_mxfp8_qdq(a)
+    )
+
+
+@pytest.mark.parametrize("scheme", NEW)
+def test_moe_against_float64_and_backends_bit_equal(layer, scheme):
+    w13, w2, x, tw, ti = layer
+    q = quantize_expert_weights(w13, w2, scheme, ops=R)
+    ref = _oracle_moe(scheme, q, w13, w2, x, tw, ti)
+    outs = {}
+    for backend in ("torch", "triton", "fused"):
+        ex = make_emulation_experts(scheme, q, backend=backend)
+        outs[backend] = ex(x, tw, ti)
+        err = ((outs[backend].double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (scheme, backend, err)  # bf16 GEMM roundings only (measured ~2e-3)
+    assert_bits_equal(outs["triton"], outs["torch"])
+    assert_bits_equal(outs["fused"], outs["torch"])
+
+
+def test_fused_paths(layer):
+    """MXFP4 weights with MXFP8 activations run the FP4 kernel (a1 QDQ in its A-tile load); MXFP8 weights
+    run the generic dequantize-GEMM kernel."""
+    w13, w2, *_ = layer
+    fp4 = make_emulation_experts("w_mxfp4_a_mxfp8", quantize_expert_weights(w13, w2, "mxfp4", ops=R), backend="fused")
+    assert fp4.fp4_kernel_applies() and fp4.fp4_weights() is not None
+    assert fp4.a1_qdq().fmt is MXFP8 and fp4.a2_qdq().fmt is MXFP8
+    fp8 = make_emulation_experts("w_mxfp8_a_mxfp8", quantize_expert_weights(w13, w2, MXFP8, ops=R), backend="fused")
+    assert not fp8.fp4_kernel_applies() and fp8.fp4_weights() is None
+    assert fp8.packed_weights()[0].nbits == 8
+
+
+def test_w8a16_and_w8a8_differ_by_the_activation_qdq_only(layer):
+    w13, w2, x, tw, ti = layer
+    q = quantize_expert_weights(w13, w2, MXFP8, ops=R)
+    a = make_emulation_experts("w_mxfp8", q, backend="torch")(x, tw, ti)
+    b = make_emulation_experts("w_mxfp8_a_mxfp8", q, backend="torch")(x, tw, ti)
+    assert not torch.equal(a, b)
+    exact = moe_fp64(x, w13, w2, tw, ti)
+    err = {k: ((v.double() - exact).norm() / exact.norm()).item() for k, v in (("w8a16", a), ("w8a8", b))}
+    # quantizing activations costs; e4m3 (3 mantissa bits): a few % each (measured 5.2% and 7.3%)
+    assert err["w8a16"] < err["w8a8"] < 0.1, err
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_named(layer):
+    w13, w2, *_ = layer
+    q4 = quantize_expert_weights(w13, w2, "mxfp4", ops=R)
+    with pytest.raises(ValueError, match="weights: quantized as mxfp4.*w_mxfp8.*mxfp8_e4m3"):
+        make_emulation_experts("w_mxfp8", q4)
+    q = quantize_expert_weights(w13, w2, MXFP8, ops=R)
+    bad = q.w13_weight_scale.clone()
+    bad[1, 2, 3] = 0xFF
+    nan_scale = ExpertWeights(MXFP8, q.w13_weight, bad, q.w2_weight, q.w2_weight_scale)
+    with pytest.raises(ValueError, match="w13_weight_scale"):
+        make_emulation_experts("w_mxfp8_a_mxfp8", nan_scale)
+    short = ExpertWeights(MXFP8, q.w13_weight[..., :64], q.w13_weight_scale, q.w2_weight, q.w2_weight_scale)
+    with pytest.raises(ValueError, match="w13_weight_scale: expected shape"):
+        make_emulation_experts("w_mxfp8_a_mxfp8", short)
