@@ -244,7 +244,7 @@ def test_layout_registry_dispatch(tiny, tmp_path):
 
     assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors"]
     for name, s in MOE_SCHEMES.items():
-        expected = modelopt_nvfp4.LAYOUT if name == "nvfp4" else quark_ocp_mx.LAYOUT
+        expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT
         assert layout_for_scheme(s) is expected, name
     model, cal, _ = tiny
     path = C.write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt", cal)

@@ -192,6 +192,7 @@ DEFAULT_LAYOUT: dict[BlockScheme, str] = {
     BLOCK_SCHEMES["mxfp4"]: "quark",
     BLOCK_SCHEMES["mxfp6_e2m3"]: "quark",
     BLOCK_SCHEMES["mxfp6_e3m2"]: "quark",
+    BLOCK_SCHEMES["mxfp8_e4m3"]: "quark",
 }
 
 
