@@ -225,7 +225,7 @@ def layout_for_method(method) -> CheckpointLayout:
     for layout in LAYOUTS.values():
         if layout.quant_method == method:
             return layout
-    methods = " or ".join(repr(layout.quant_method) for layout in LAYOUTS.values())
+    methods = " or ".join(dict.fromkeys(repr(layout.quant_method) for layout in LAYOUTS.values()))
     raise CheckpointError(f"quantization_config.quant_method: expected {methods}, found {method!r}")
 
 
