@@ -192,3 +192,123 @@ def test_bad_input_is_named(layer):
     short = ExpertWeights(MXFP8, q.w13_weight[..., :64], q.w13_weight_scale, q.w2_weight, q.w2_weight_scale)
     with pytest.raises(ValueError, match="w13_weight_scale: expected shape"):
         make_emulation_experts("w_mxfp8_a_mxfp8", short)
+
+
+# ----------------------------------------------------------------------------- checkpoints (Quark's layout)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from mxlib.models.calibration import calibrate
+    from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+
+    from _util import TINY_QWEN3
+
+    model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3), seed=2, expert_spread=0.5)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, calibrate(model, ids), ids
+
+
+# Quark's OCP_MXFP8E4M3Spec: dtype fp8_e4m3, per_group, group_size 32, e8m0 scales, scale rule even
+QUARK_MXFP8 = {"dtype": "fp8_e4m3", "qscheme": "per_group", "group_size": 32, "scale_format": "e8m0"}
+
+
+@pytest.mark.parametrize("scheme", NEW)
+def test_quark_checkpoint_roundtrip(tiny_model, tmp_path, scheme):
+    import json
+
+    from safetensors.torch import load_file
+
+    from mxlib.models import checkpoints as C
+    from mxlib.models.qwen3 import expert_weights
+
+    model, cal, ids = tiny_model
+    path = C.write_quantized_checkpoint(model, scheme, tmp_path / "ckpt", cal, quantize_attention=True)
+    g = json.loads((path / "config.json").read_text())["quantization_config"]["global_quant_config"]
+    s = get_moe_scheme(scheme)
+    w, a = g["weight"], g["input_tensors"]
+    if s.weight is MXFP8:
+        assert {k: w[k] for k in QUARK_MXFP8} == QUARK_MXFP8 and w["is_dynamic"] is False
+    else:
+        assert w["dtype"] == "fp4"
+    if s.activation is None:
+        assert a is None
+    else:
+        assert {k: a[k] for k in QUARK_MXFP8} == QUARK_MXFP8 and a["is_dynamic"] is True
+        assert a["scale_calculation_mode"] == "even"
+    stored = {}
+    for f in path.glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    w13, _ = expert_weights(model, 0)
+    i = w13.shape[1] // 2
+    gate = stored["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    want_dtype = torch.float8_e4m3fn if s.weight is MXFP8 else torch.uint8
+    assert gate.dtype == want_dtype and stored["model.layers.0.self_attn.q_proj.weight"].dtype == want_dtype
+    if s.weight is MXFP8:  # the stored e4m3 values times their E8M0 scales: the ml_dtypes QDQ of the weights
+        sc = stored["model.layers.0.mlp.experts.1.gate_proj.weight_scale"]
+        assert_bits_equal(vllm_dequant_mxfp8_to_bf16(gate, sc), oracle_mxfp8_qdq(w13[1, :i]))
+    assert not any(k.endswith("input_scale") for k in stored)  # dynamic or no activation scales
+    loaded, info = C.load_quantized_qwen3_moe(path, backend="torch")
+    assert info.scheme is s and info.format == "quark"
+    ex = loaded.model.layers[0].mlp.experts
+    ex = getattr(ex, "experts", ex)
+    assert ex.scheme is s and ex.weight_scheme is s.weight
+    assert i == ex.intermediate_size
+    loaded.save_pretrained(tmp_path / "again")
+    again = {}
+    for f in (tmp_path / "again").glob("*.safetensors"):
+        again.update(load_file(str(f)))
+    assert set(again) == set(stored)
+    for k in stored:  # bit for bit, dtype included
+        assert again[k].dtype == stored[k].dtype, k
+        assert_bits_equal(again[k], stored[k], k)
+
+
+def test_quark_mxfp8_checkpoint_bad_input(tiny_model, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mxlib.models import checkpoints as C
+
+    model, cal, _ = tiny_model
+    path = C.write_quantized_checkpoint(model, "w_mxfp8_a_mxfp8", tmp_path / "ckpt", cal)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["global_quant_config"]["weight"]["qscheme"] = "per_tensor"  # Quark's FP8 W8A8
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        C.CheckpointError, match="weight.qscheme: the emulation supports 'per_group', found 'per_tensor'"
+    ):
+        C.load_quantized_qwen3_moe(path)
+    cfg["quantization_config"]["global_quant_config"]["weight"]["qscheme"] = "per_group"
+    (path / "config.json").write_text(json.dumps(cfg))
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
+    for f in path.glob("*.safetensors"):
+        t = load_file(str(f))
+        if name in t:
+            t[name] = t[name].float()
+            save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(
+        C.CheckpointError, match=f"tensor '{name}': expected dtype torch.float8_e4m3fn, found torch.float32"
+    ):
+        C.load_quantized_qwen3_moe(path)
+
+
+def test_quark_mxfp8_weights_stored_as_uint8_read_too(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mxlib.models import checkpoints as C
+
+    model, cal, ids = tiny_model
+    path = C.write_quantized_checkpoint(model, "w_mxfp8", tmp_path / "ckpt", cal)
+    ref, _ = C.load_quantized_qwen3_moe(path, backend="torch")
+    for f in path.glob("*.safetensors"):
+        t = load_file(str(f))
+        save_file(
+            {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in t.items()},
+            str(f),
+            metadata={"format": "pt"},
+        )
+    other, _ = C.load_quantized_qwen3_moe(path, backend="torch")
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, other(ids).logits)

@@ -125,3 +125,99 @@ def test_bad_input_is_named(layer):
     qn.w2_weight_scale_2 = bad
     with pytest.raises(ValueError, match="w2_weight_scale_2"):
         make_emulation_experts("w4a16_nvfp4", qn)
+
+
+# ----------------------------------------------------------------------------- checkpoints (ModelOpt's layout)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from mxlib.models.calibration import calibrate
+    from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+
+    from _util import TINY_QWEN3
+
+    model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3), seed=4, expert_spread=0.5)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, calibrate(model, ids), ids
+
+
+def _stored(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in path.glob("*.safetensors"):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("quantize_attention", [False, True])
+def test_modelopt_w4a16_checkpoint_roundtrip(tiny_model, tmp_path, quantize_attention):
+    import json
+
+    from mxlib.models import checkpoints as C
+    from mxlib.models.qwen3 import expert_weights
+
+    model, cal, ids = tiny_model
+    path = C.write_quantized_checkpoint(
+        model, "w4a16_nvfp4", tmp_path / "ckpt", cal, quantize_attention=quantize_attention
+    )
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    legacy = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "W4A16_NVFP4" == legacy["quant_algo"]
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"] == {"type": "float", "num_bits": 4, "group_size": 16, "dynamic": False}
+    assert "input_activations" not in group  # weight-only: ModelOpt's input quantizers are disabled
+    stored = _stored(path)
+    assert not any(k.endswith("input_scale") for k in stored)
+    w13, _ = expert_weights(model, 1)
+    i = w13.shape[1] // 2
+    gate, up = w13[2, :i], w13[2, i:]
+    p, s, g2 = modelopt_nvfp4_quantize(torch.cat([gate, up]).float())  # one weight_scale_2 for gate and up
+    base = "model.layers.1.mlp.experts.2"
+    assert torch.equal(stored[f"{base}.gate_proj.weight"], p[:i]) and torch.equal(
+        stored[f"{base}.up_proj.weight"], p[i:]
+    )
+    assert_bits_equal(stored[f"{base}.gate_proj.weight_scale"], s[:i])
+    assert stored[f"{base}.gate_proj.weight_scale_2"].shape == () and stored[f"{base}.gate_proj.weight_scale_2"] == g2
+    if quantize_attention:
+        assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.uint8
+        assert "model.layers.0.self_attn.q_proj.input_scale" not in stored
+    loaded, info = C.load_quantized_qwen3_moe(path, backend="torch")
+    assert info.scheme is W4A16_NVFP4 and info.format == "modelopt"
+    ex = loaded.model.layers[1].mlp.experts
+    ex = getattr(ex, "experts", ex)
+    assert isinstance(ex, Nvfp4WeightOnlyEmulationTritonExperts)
+    loaded.save_pretrained(tmp_path / "again")
+    again = _stored(tmp_path / "again")
+    assert set(again) == set(stored)
+    for k in stored:
+        assert_bits_equal(again[k], stored[k], k)
+
+
+def test_modelopt_w4a16_stray_input_scale_and_bad_algo(tiny_model, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mxlib.models import checkpoints as C
+
+    model, cal, ids = tiny_model
+    path = C.write_quantized_checkpoint(model, "w4a16_nvfp4", tmp_path / "ckpt", cal)
+    ref, _ = C.load_quantized_qwen3_moe(path, backend="torch")
+    for f in path.glob("*.safetensors"):  # an input_scale left in a weight-only checkpoint is not read
+        t = load_file(str(f))
+        extra = {
+            k.replace(".weight_scale_2", ".input_scale"): torch.tensor(float("nan"))
+            for k in t
+            if k.endswith("weight_scale_2")
+        }
+        save_file({**t, **extra}, str(f), metadata={"format": "pt"})
+    other, _ = C.load_quantized_qwen3_moe(path, backend="torch")
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, other(ids).logits)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["quant_algo"] = "NVFP4_AWQ"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(C.CheckpointError, match=r"quant_algo: supported \['NVFP4', 'W4A16_NVFP4'\], found 'NVFP4_AWQ'"):
+        C.load_quantized_qwen3_moe(path)
