@@ -312,3 +312,74 @@ def test_quark_mxfp8_weights_stored_as_uint8_read_too(tiny_model, tmp_path):
     other, _ = C.load_quantized_qwen3_moe(path, backend="torch")
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, other(ids).logits)
+
+
+# ----------------------------------------------------------------------------- ModelOpt's MXFP8 layout
+
+
+def test_modelopt_mxfp8_checkpoint(tiny_model, tmp_path):
+    """ModelOpt's MXFP8: float8_e4m3fn weights with ``rceil`` E8M0 scales (``MXFP8QTensor``: 2**ceil(log2(amax / 448))),
+    no input_scale; activations QDQ'd with the same rule; read from config.json or hf_quant_config.json alone."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from mxlib.models import checkpoints as C
+    from mxlib.models.qwen3 import expert_weights
+
+    from oracles import mx_scale_exponent
+
+    model, cal, ids = tiny_model
+    path = C.write_quantized_checkpoint(model, "w_mxfp8_a_mxfp8", tmp_path / "ckpt", cal, layout="modelopt-mxfp8")
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    legacy = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == "MXFP8" == legacy["quant_algo"]
+    stored = {}
+    for f in path.glob("*.safetensors"):
+        stored.update(load_file(str(f)))
+    assert not any(k.endswith(("input_scale", "weight_scale_2")) for k in stored)
+    _, w2 = expert_weights(model, 1)
+    base = "model.layers.1.mlp.experts.3.down_proj"
+    wt, sc = stored[f"{base}.weight"], stored[f"{base}.weight_scale"]
+    assert wt.dtype == torch.float8_e4m3fn and sc.dtype == torch.uint8
+    amax = w2[3].float().reshape(w2.shape[1], -1, 32).abs().amax(-1)
+    want = torch.tensor([[mx_scale_exponent(float(a), "e4m3", "rceil") + 127 for a in row] for row in amax])
+    assert torch.equal(sc, want.to(torch.uint8))
+    want_w = torch.from_numpy(mx_qdq(w2[3].float().numpy(), "e4m3", 32, "rceil")).to(torch.bfloat16)
+    assert_bits_equal(vllm_dequant_mxfp8_to_bf16(wt, sc), want_w)
+    info = C.read_quant_config(path)
+    assert info.format == "modelopt-mxfp8" and info.scheme.name == "w_mxfp8_a_mxfp8"
+    assert info.activation_scale_mode == "rceil"
+    loaded, _ = C.load_quantized_qwen3_moe(path, backend="torch")
+    ex = loaded.model.layers[1].mlp.experts
+    ex = getattr(ex, "experts", ex)
+    x = torch.randn(3, ex.hidden_size).to(torch.bfloat16)
+    a1, _ = ex.quantize_input(x, torch.zeros(3, 2, dtype=torch.long), "torch")
+    assert_bits_equal(a1, torch.from_numpy(mx_qdq(x.float().numpy(), "e4m3", 32, "rceil")).to(torch.bfloat16))
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]  # hf_quant_config.json alone, as older ModelOpt exports
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert C.read_quant_config(path).format == "modelopt-mxfp8"
+    legacy_file = json.loads((path / "hf_quant_config.json").read_text())
+    legacy_file["quantization"]["group_size"] = 16
+    (path / "hf_quant_config.json").write_text(json.dumps(legacy_file))
+    with pytest.raises(C.CheckpointError, match="quantization_config.group_size: MXFP8 uses 32, found 16"):
+        C.read_quant_config(path)
+    with pytest.raises(ValueError, match="modelopt-mxfp8"):
+        C.write_quantized_checkpoint(model, "w_mxfp8", tmp_path / "wo", cal, layout="modelopt-mxfp8")
+
+
+def test_vllm_emulated_scheme_is_w8a16_for_mxfp8_checkpoints(layer):
+    from mxlib.moe.schemes import vllm_emulated_scheme
+
+    assert vllm_emulated_scheme("w_mxfp8_a_mxfp8") is get_moe_scheme("w_mxfp8")
+    assert vllm_emulated_scheme("w_mxfp8_a_mxfp8").precision == "W8A16"
+    for other in ("w_mxfp8", "w_mxfp4_a_mxfp8", "nvfp4", "w_mxfp4_a_mxfp4"):
+        assert vllm_emulated_scheme(other) is get_moe_scheme(other)
+    w13, w2, x, tw, ti = layer
+    q = quantize_expert_weights(w13, w2, MXFP8, ops=R)
+    vllm_like = make_emulation_experts(vllm_emulated_scheme("w_mxfp8_a_mxfp8"), q, backend="torch")(x, tw, ti)
+    d13 = vllm_dequant_mxfp8_to_bf16(q.w13_weight.view(torch.float8_e4m3fn), q.w13_weight_scale)
+    d2 = vllm_dequant_mxfp8_to_bf16(q.w2_weight.view(torch.float8_e4m3fn), q.w2_weight_scale)
+    ref = moe_fp64(x, d13, d2, tw, ti, store_dtype=torch.bfloat16)  # bf16 activations, as vLLM runs it
+    assert ((vllm_like.double() - ref).norm() / ref.norm()).item() < 1e-2

@@ -219,5 +219,7 @@ def test_modelopt_w4a16_stray_input_scale_and_bad_algo(tiny_model, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"]["quant_algo"] = "NVFP4_AWQ"
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(C.CheckpointError, match=r"quant_algo: supported \['NVFP4', 'W4A16_NVFP4'\], found 'NVFP4_AWQ'"):
+    with pytest.raises(
+        C.CheckpointError, match=r"quant_algo: supported \['MXFP8', 'NVFP4', 'W4A16_NVFP4'\], found 'NVFP4_AWQ'"
+    ):
         C.load_quantized_qwen3_moe(path)

@@ -68,6 +68,7 @@ __all__ = [
     "W4A16_NVFP4",
     "get_moe_scheme",
     "get_weight_format",
+    "vllm_emulated_scheme",
     "FP8_PER_TENSOR",
     "SCHEME_ALIASES",
 ]
@@ -240,3 +241,23 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
         return get_block_scheme(scheme)
+
+
+# What vLLM's emulation experts compute for a checkpoint of a scheme, where that is another scheme
+_VLLM_EMULATION_COMPUTES = {"w_mxfp8_a_mxfp8": "w_mxfp8"}
+
+
+def vllm_emulated_scheme(scheme: str | MoEQuantScheme) -> MoEQuantScheme:
+    """The scheme vLLM's emulation experts compute for a checkpoint quantized in ``scheme``.
+
+    ``w_mxfp8`` (W8A16) for an MXFP8 W8A8 checkpoint (``w_mxfp8_a_mxfp8``: Quark's ``OCP_MXFP8E4M3Spec``,
+    ModelOpt's ``MXFP8``): vLLM's ``Mxfp8EmulationTritonExperts`` dequantizes the weights and leaves the
+    activations in bf16 (its ``quant_dtype`` is None). Every other scheme: itself (its emulation QDQs the
+    activations the scheme names). Build the experts of the same ``ExpertWeights`` with the result to
+    reproduce vLLM, with ``scheme`` to emulate the checkpoint's own arithmetic.
+
+    Raises:
+        ValueError: an unknown scheme name (``get_moe_scheme``).
+    """
+    s = get_moe_scheme(scheme)
+    return MOE_SCHEMES[_VLLM_EMULATION_COMPUTES.get(s.name, s.name)]

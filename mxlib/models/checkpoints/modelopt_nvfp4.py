@@ -19,6 +19,8 @@ W4A16_NVFP4``, its input quantizers disabled) stores the same tensors without ``
 ModelOpt's default NVFP4 config also quantizes the attention projections
 (``model.layers.L.self_attn.{q,k,v,o}_proj``, the same four tensors each); its experts-only
 config leaves them bf16 and ignored. Scalar scales stored as bf16 or fp16 are widened exactly.
+
+``quant_algo: MXFP8`` configs (the same ``quant_method``) are read by ``modelopt_mxfp8``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
+from . import modelopt_mxfp8
 from .layout import (
     PROJS,
     CheckpointDescription,
@@ -108,6 +111,8 @@ class ModelOptNvfp4Layout(CheckpointLayout):
 
     def read_config(self, qc: dict) -> CheckpointDescription:
         algo = qc.get("quant_algo")
+        if algo == modelopt_mxfp8.ALGO:  # the same quant_method, the MXFP8 layout's config
+            return modelopt_mxfp8.LAYOUT.read_config(qc)
         if algo not in _FROM_ALGO:
             raise CheckpointError(f"quantization_config.quant_algo: supported {sorted(_FROM_ALGO)}, found {algo!r}")
         bs, bits = NVFP4.block_size, NVFP4.element.nbits
