@@ -114,7 +114,8 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         if algo == modelopt_mxfp8.ALGO:  # the same quant_method, the MXFP8 layout's config
             return modelopt_mxfp8.LAYOUT.read_config(qc)
         if algo not in _FROM_ALGO:
-            raise CheckpointError(f"quantization_config.quant_algo: supported {sorted(_FROM_ALGO)}, found {algo!r}")
+            supported = sorted([*_FROM_ALGO, modelopt_mxfp8.ALGO])
+            raise CheckpointError(f"quantization_config.quant_algo: supported {supported}, found {algo!r}")
         bs, bits = NVFP4.block_size, NVFP4.element.nbits
         group_size = qc.get("group_size")
         for gname, group in (qc.get("config_groups") or {}).items():
