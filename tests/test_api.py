@@ -102,6 +102,11 @@ OTHER_NAMES = {
     "mxfp4_mxfp6_e2m3": ("mxfp4", "mxfp6_e2m3"),
     "modelopt_fp4": ("nvfp4", "nvfp4"),  # vLLM's ModelOpt NVFP4 method
     "w_nvfp4_a_nvfp4": ("nvfp4", "nvfp4"),
+    "w_mx_fp8_a_mx_fp8": ("mxfp8_e4m3", "mxfp8_e4m3"),  # Quark's older MXFP8 name
+    "W4A16_NVFP4": ("nvfp4", None),  # ModelOpt's weight-only NVFP4 quant_algo
+    "NVFP4A16": ("nvfp4", None),  # compressed-tensors' preset
+    "nvfp4_w4a16": ("nvfp4", None),
+    "w_nvfp4": ("nvfp4", None),
 }
 
 
@@ -117,10 +122,11 @@ def test_other_tools_scheme_names_map_to_what_they_quantize(name):
 def test_canonical_names_say_what_is_quantized(name):
     s = get_moe_scheme(name)
     assert s.name == name
-    if name != "nvfp4":
+    if name not in ("nvfp4", "w4a16_nvfp4"):
         weight, _, act = name.removeprefix("w_").partition("_a_")
-        assert s.weight.name == weight
-        assert (s.activation.name if s.activation else "") == {"fp8": "fp8_e4m3"}.get(act, act)
+        full = {"fp8": "fp8_e4m3", "mxfp8": "mxfp8_e4m3"}  # Quark's short names in scheme names
+        assert s.weight.name == full.get(weight, weight)
+        assert (s.activation.name if s.activation else "") == full.get(act, act)
 
 
 def test_bare_mxfp4_is_not_a_moe_scheme_and_the_error_names_both_meanings():

@@ -242,9 +242,9 @@ def test_layout_registry_dispatch(tiny, tmp_path):
     from mxlib.models.checkpoints.layout import layout_for_scheme
     from mxlib.moe import MOE_SCHEMES
 
-    assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors"]
+    assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8"]
     for name, s in MOE_SCHEMES.items():
-        expected = modelopt_nvfp4.LAYOUT if name == "nvfp4" else quark_ocp_mx.LAYOUT
+        expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT
         assert layout_for_scheme(s) is expected, name
     model, cal, _ = tiny
     path = C.write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt", cal)

@@ -292,7 +292,7 @@ def ocp_design_reference(scheme, x, w13, w2, tw, ti):
         qdq1 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc1)  # noqa: E731
         qdq2 = lambda v, e: R.quant_dequant_fp8_per_tensor(v, sc2)  # noqa: E731
     else:
-        ael = {"mxfp4": "e2m1", "mxfp6_e3m2": "e3m2", "mxfp6_e2m3": "e2m3"}[s.activation.name]
+        ael = s.activation.element.name
         qdq1 = qdq2 = lambda v, e: R.quant_dequant_mx(v, ael, 32, "even")  # noqa: E731
     a1 = qdq1(x, None) if qdq1 else x
     return torch_moe(a1, w13d, w2d, tw, ti, qdq2)

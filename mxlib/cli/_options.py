@@ -39,7 +39,11 @@ SCHEMES = (
     "w_mxfp6_e2m3",
     "w_mxfp6_e2m3_a_mxfp6_e2m3",
     "w_mxfp6_e2m3_a_fp8",
+    "w_mxfp4_a_mxfp8",
+    "w_mxfp8",
+    "w_mxfp8_a_mxfp8",
     "nvfp4",
+    "w4a16_nvfp4",
 )
 SCHEME_ALIASES = (
     "w_nvfp4_a_nvfp4",
@@ -52,10 +56,15 @@ SCHEME_ALIASES = (
     "mxfp4_weight_only",
     "mxfp4_fp8",
     "mxfp4_mxfp6_e2m3",
+    "w_mx_fp8_a_mx_fp8",
+    "W4A16_NVFP4",
+    "NVFP4A16",
+    "nvfp4_w4a16",
+    "w_nvfp4",
 )
 STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
 BACKENDS = ("auto", "triton", "fused", "torch")
-LAYOUTS = ("modelopt", "quark", "compressed-tensors")
+LAYOUTS = ("modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8")
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
 

@@ -28,6 +28,7 @@ from .emulation import (
 from .linear import EmulatedLinear, LinearWeights
 from .scales import PER_TOKEN
 from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
+from .weight_only import Nvfp4WeightOnlyEmulationTritonExperts
 
 __all__ = [
     "ExpertWeights",
@@ -101,7 +102,8 @@ def make_emulation_experts(
         weights: ``ExpertWeights`` in the scheme's weight format (``quantize_expert_weights``, or
             stacked from a checkpoint).
         w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales, for schemes whose activation
-            scale is static (``nvfp4``, ``_a_fp8``); ignored otherwise.
+            scale is static (``nvfp4``, ``_a_fp8``); ignored otherwise (``w4a16_nvfp4``: weight-only
+            NVFP4, ``mxlib.moe.weight_only``).
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch``.
         scale_strategy: NVFP4 activation-scale unification (``mxlib.moe.scales``).
         activation_scale_mode: E8M0 rule of dynamic MX activations.
@@ -119,6 +121,10 @@ def make_emulation_experts(
     static = s.static_activation_scale
     if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
+    if s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
+        return Nvfp4WeightOnlyEmulationTritonExperts(
+            weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics
+        )
     if s.weight.has_global_scale:
         return Nvfp4QuantizationEmulationTritonExperts(
             weights,

@@ -8,19 +8,35 @@ w_mxfp4_a_mxfp4                mxfp4          mxfp4, dynamic
 w_mxfp4_a_mxfp6_e3m2           mxfp4          mxfp6_e3m2, dynamic
 w_mxfp4_a_mxfp6_e2m3           mxfp4          mxfp6_e2m3, dynamic
 w_mxfp4_a_fp8                  mxfp4          fp8 e4m3 per tensor, static input_scale
+w_mxfp4_a_mxfp8                mxfp4          mxfp8_e4m3, dynamic (FlashInfer's W4A8 pairing)
 w_mxfp6_e3m2                   mxfp6_e3m2     bf16
 w_mxfp6_e3m2_a_mxfp6_e3m2      mxfp6_e3m2     mxfp6_e3m2, dynamic
 w_mxfp6_e3m2_a_fp8             mxfp6_e3m2     fp8 e4m3 per tensor, static
 w_mxfp6_e2m3                   mxfp6_e2m3     bf16
 w_mxfp6_e2m3_a_mxfp6_e2m3      mxfp6_e2m3     mxfp6_e2m3, dynamic
 w_mxfp6_e2m3_a_fp8             mxfp6_e2m3     fp8 e4m3 per tensor, static
+w_mxfp8                        mxfp8_e4m3     bf16 (W8A16: what vLLM's MXFP8 emulation computes)
+w_mxfp8_a_mxfp8                mxfp8_e4m3     mxfp8_e4m3, dynamic (W8A8, the checkpoint's scheme)
 nvfp4                          nvfp4          nvfp4 (two-level, static global scale)
+w4a16_nvfp4                    nvfp4          bf16 (W4A16: Marlin / Humming on Hopper)
 =============================  =============  ===================================
 
 A scheme name says what is quantized: ``w_<weight format>`` (weight-only) or
 ``w_<weight format>_a_<activation format>`` (AMD Quark's export names, which vLLM's
-``OCP_MX_Scheme`` uses too). ``nvfp4`` is NVIDIA ModelOpt's W4A4 NVFP4 (``w_nvfp4_a_nvfp4``
-is accepted for it). Other tools' names are accepted and mapped (``SCHEME_ALIASES``): vLLM's
+``OCP_MX_Scheme`` uses too; in them ``mxfp8`` is ``mxfp8_e4m3``). ``nvfp4`` is NVIDIA ModelOpt's
+W4A4 NVFP4 (``w_nvfp4_a_nvfp4`` is accepted for it), ``w4a16_nvfp4`` its weight-only NVFP4
+(ModelOpt's ``QUANTIZATION_W4A16_NVFP4`` format, ``quant_algo: W4A16_NVFP4``; compressed-tensors'
+preset ``NVFP4A16``): NVFP4 weights, bf16 activations, what vLLM's Marlin and Humming NVFP4 MoE
+backends compute on GPUs without FP4 tensor cores. ``MoEQuantScheme.precision`` says each scheme's
+``W<bits>A<bits>`` (``w_mxfp8``: ``W8A16``).
+
+MXFP8: a checkpoint quantized ``w_mxfp8_a_mxfp8`` (W8A8) is what Quark and ModelOpt (``MXFP8``)
+export. vLLM's ``Mxfp8EmulationTritonExperts`` dequantizes its weights (``e4m3 * 2**(e8m0 - 127)``
+in fp32, one cast to bf16) and does not quantize activations (``quant_dtype`` None): it computes
+``w_mxfp8``, W8A16. Run a W8A8 checkpoint's weights under ``w_mxfp8`` to reproduce vLLM, under
+``w_mxfp8_a_mxfp8`` to emulate the checkpoint's own scheme.
+
+Other tools' names are accepted and mapped (``SCHEME_ALIASES``): vLLM's
 older ``OCP_MX_Scheme`` values (``w_fp4_a_fp4``, ...), vLLM's ``modelopt_fp4`` method, and
 Quark's template names (``mxfp4_weight_only``, ``mxfp4_fp8``, ``mxfp4_mxfp6_e2m3``).
 
@@ -49,8 +65,10 @@ __all__ = [
     "MOE_SCHEMES",
     "OCP_MX_SCHEMES",
     "NVFP4_MOE",
+    "W4A16_NVFP4",
     "get_moe_scheme",
     "get_weight_format",
+    "vllm_emulated_scheme",
     "FP8_PER_TENSOR",
     "SCHEME_ALIASES",
 ]
@@ -86,14 +104,32 @@ class MoEQuantScheme:
         return self.activation is not None and self.activation.static_scale
 
     @property
+    def weight_only(self) -> bool:
+        """Whether activations stay in the model dtype (``W<bits>A16``)."""
+        return self.activation is None
+
+    @property
+    def precision(self) -> str:
+        """``W<weight bits>A<activation bits>``: ``W4A4`` (``nvfp4``), ``W4A8`` (``w_mxfp4_a_fp8``,
+        ``w_mxfp4_a_mxfp8``), ``W8A16`` (``w_mxfp8``), ``W4A16`` (``w4a16_nvfp4``, ``w_mxfp4``), ...
+        (A16: activations in the model's 16-bit dtype)."""
+        act = 16 if self.activation is None else self.activation.element.nbits
+        return f"W{self.weight.element.nbits}A{act}"
+
+    @property
     def is_ocp_mx(self) -> bool:
         """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4."""
         return not self.weight.has_global_scale
 
 
+# Quark's short names in scheme names: ``mxfp8`` is the e4m3 MXFP8 format
+_QUARK_FORMAT_NAMES = {"mxfp8": "mxfp8_e4m3"}
+
+
 def _ocp(name: str) -> MoEQuantScheme:
     body = name[len("w_") :]
     weight, _, act = body.partition("_a_")
+    weight, act = _QUARK_FORMAT_NAMES.get(weight, weight), _QUARK_FORMAT_NAMES.get(act, act)
     return MoEQuantScheme(name, BLOCK_SCHEMES[weight], get_activation_format(act) if act else None)
 
 
@@ -109,12 +145,19 @@ OCP_MX_SCHEMES: tuple[str, ...] = (
     "w_mxfp6_e2m3",
     "w_mxfp6_e2m3_a_mxfp6_e2m3",
     "w_mxfp6_e2m3_a_fp8",
+    "w_mxfp4_a_mxfp8",
+    "w_mxfp8",
+    "w_mxfp8_a_mxfp8",
 )
 
 MOE_SCHEMES: dict[str, MoEQuantScheme] = {n: _ocp(n) for n in OCP_MX_SCHEMES}
 MOE_SCHEMES[NVFP4.name] = MoEQuantScheme(NVFP4.name, NVFP4, NVFP4)
 # NVFP4 weights and activations (ModelOpt's MoE scheme): the studies' and the loaders' object for it
 NVFP4_MOE: MoEQuantScheme = MOE_SCHEMES[NVFP4.name]
+# NVFP4 weights, bf16 activations (ModelOpt's W4A16_NVFP4; vLLM's Marlin / Humming on Hopper)
+W4A16_NVFP4_NAME = "w4a16_nvfp4"
+MOE_SCHEMES[W4A16_NVFP4_NAME] = MoEQuantScheme(W4A16_NVFP4_NAME, NVFP4, None)
+W4A16_NVFP4: MoEQuantScheme = MOE_SCHEMES[W4A16_NVFP4_NAME]
 # Other tools' scheme names -> the canonical name (docs/api-mapping.md gives the sources).
 SCHEME_ALIASES: dict[str, str] = {
     # NVFP4 weights and activations, said the w_*_a_* way; vLLM's method name for ModelOpt NVFP4
@@ -130,12 +173,21 @@ SCHEME_ALIASES: dict[str, str] = {
     "mxfp4_weight_only": "w_mxfp4",
     "mxfp4_fp8": "w_mxfp4_a_fp8",
     "mxfp4_mxfp6_e2m3": "w_mxfp4_a_mxfp6_e2m3",
+    # Quark's older MXFP8 name (quark.torch's scheme-name map)
+    "w_mx_fp8_a_mx_fp8": "w_mxfp8_a_mxfp8",
+    # weight-only NVFP4: ModelOpt's quant_algo, compressed-tensors' preset, the w_* form
+    "W4A16_NVFP4": "w4a16_nvfp4",
+    "NVFP4A16": "w4a16_nvfp4",
+    "nvfp4_w4a16": "w4a16_nvfp4",
+    "w_nvfp4": "w4a16_nvfp4",
 }
 
 # A tensor-format name given where a MoE scheme is expected: what it could mean.
 _FORMAT_NAME_MEANINGS = {
     "mxfp4": "'w_mxfp4_a_mxfp4' (weights and activations: Quark's 'mxfp4' template) or 'w_mxfp4' "
     "(weights only: vLLM's quantization='mxfp4', bf16 activations)",
+    "mxfp8": "'w_mxfp8_a_mxfp8' (W8A8: what Quark and ModelOpt's MXFP8 checkpoints quantize) or 'w_mxfp8' "
+    "(W8A16: what vLLM's MXFP8 emulation computes, bf16 activations)",
 }
 
 
@@ -157,7 +209,7 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     key = SCHEME_ALIASES.get(name, name) if isinstance(name, str) else name
     if key in MOE_SCHEMES:
         return MOE_SCHEMES[key]
-    if isinstance(name, str) and name in BLOCK_SCHEMES:
+    if isinstance(name, str) and (name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS):
         meaning = _FORMAT_NAME_MEANINGS.get(
             name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
         )
@@ -189,3 +241,23 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
         return get_block_scheme(scheme)
+
+
+# What vLLM's emulation experts compute for a checkpoint of a scheme, where that is another scheme
+_VLLM_EMULATION_COMPUTES = {"w_mxfp8_a_mxfp8": "w_mxfp8"}
+
+
+def vllm_emulated_scheme(scheme: str | MoEQuantScheme) -> MoEQuantScheme:
+    """The scheme vLLM's emulation experts compute for a checkpoint quantized in ``scheme``.
+
+    ``w_mxfp8`` (W8A16) for an MXFP8 W8A8 checkpoint (``w_mxfp8_a_mxfp8``: Quark's ``OCP_MXFP8E4M3Spec``,
+    ModelOpt's ``MXFP8``): vLLM's ``Mxfp8EmulationTritonExperts`` dequantizes the weights and leaves the
+    activations in bf16 (its ``quant_dtype`` is None). Every other scheme: itself (its emulation QDQs the
+    activations the scheme names). Build the experts of the same ``ExpertWeights`` with the result to
+    reproduce vLLM, with ``scheme`` to emulate the checkpoint's own arithmetic.
+
+    Raises:
+        ValueError: an unknown scheme name (``get_moe_scheme``).
+    """
+    s = get_moe_scheme(scheme)
+    return MOE_SCHEMES[_VLLM_EMULATION_COMPUTES.get(s.name, s.name)]

@@ -3,7 +3,8 @@
 One module per layout, each a ``layout.CheckpointLayout`` owning its config writing, its config
 reading (into a typed ``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA
 ModelOpt NVFP4), ``quark_ocp_mx`` (AMD Quark OCP MX) and ``compressed_tensors_nvfp4``
-(llm-compressor's ``nvfp4-pack-quantized``, encode global scales used as stored). They are
+(llm-compressor's ``nvfp4-pack-quantized``, encode global scales used as stored) and
+``compressed_tensors_mxfp4`` (its ``mxfp4-pack-quantized``) and ``modelopt_mxfp8`` (ModelOpt's MXFP8). They are
 registered below, in the order ``LAYOUTS`` lists them; ``DEFAULT_LAYOUT`` names the one a scheme
 is written in when the caller names none.
 
@@ -20,7 +21,7 @@ is written in when the caller names none.
   ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
 """
 
-from . import compressed_tensors_nvfp4, modelopt_nvfp4, quark_ocp_mx
+from . import compressed_tensors_mxfp4, compressed_tensors_nvfp4, modelopt_mxfp8, modelopt_nvfp4, quark_ocp_mx
 from .dummy import dummy_checkpoint_from_config
 from .inspect import InspectReport, inspect_checkpoint
 from .layout import (
@@ -69,12 +70,20 @@ __all__ = [
     "read_json",
     "matches",
     "check_exclude_patterns",
+    "compressed_tensors_mxfp4",
     "compressed_tensors_nvfp4",
+    "modelopt_mxfp8",
     "modelopt_nvfp4",
     "quark_ocp_mx",
 ]
 
 # mxlib's layouts, in the order LAYOUTS lists them (and error messages name them)
-for _layout in (modelopt_nvfp4.LAYOUT, quark_ocp_mx.LAYOUT, compressed_tensors_nvfp4.LAYOUT):
+for _layout in (
+    modelopt_nvfp4.LAYOUT,
+    quark_ocp_mx.LAYOUT,
+    compressed_tensors_nvfp4.LAYOUT,
+    compressed_tensors_mxfp4.LAYOUT,
+    modelopt_mxfp8.LAYOUT,
+):
     register_layout(_layout)
 del _layout

@@ -27,6 +27,8 @@ decode scale and back is not exact (3039.9998 instead of 3040), so ``ExpertWeigh
 The writer quantizes with compressed-tensors' arithmetic: ``gs = bf16(2688 / amax)``, block
 scale ``s = e4m3(gs * amax_block / 6)`` (clamped to 448), codes ``e2m1(x / (s / gs))`` (an
 all-zero block, ``s = 0``, stores zero codes).
+
+``mxfp4-pack-quantized`` configs (the same ``quant_method``) are read by ``compressed_tensors_mxfp4``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from . import compressed_tensors_mxfp4
 from .layout import (
     PROJS,
     CheckpointDescription,
@@ -130,6 +133,8 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
 
     def read_config(self, qc: dict) -> CheckpointDescription:
         fmt = qc.get("format")
+        if fmt == compressed_tensors_mxfp4.FORMAT:  # the same quant_method, the MXFP4 layout's config
+            return compressed_tensors_mxfp4.LAYOUT.read_config(qc)
         if fmt != _FORMAT:
             raise CheckpointError(
                 f"quantization_config.format: the compressed-tensors layout supports {_FORMAT!r}, found {fmt!r}"

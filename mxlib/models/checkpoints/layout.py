@@ -192,6 +192,7 @@ DEFAULT_LAYOUT: dict[BlockScheme, str] = {
     BLOCK_SCHEMES["mxfp4"]: "quark",
     BLOCK_SCHEMES["mxfp6_e2m3"]: "quark",
     BLOCK_SCHEMES["mxfp6_e3m2"]: "quark",
+    BLOCK_SCHEMES["mxfp8_e4m3"]: "quark",
 }
 
 
@@ -224,7 +225,7 @@ def layout_for_method(method) -> CheckpointLayout:
     for layout in LAYOUTS.values():
         if layout.quant_method == method:
             return layout
-    methods = " or ".join(repr(layout.quant_method) for layout in LAYOUTS.values())
+    methods = " or ".join(dict.fromkeys(repr(layout.quant_method) for layout in LAYOUTS.values()))
     raise CheckpointError(f"quantization_config.quant_method: expected {methods}, found {method!r}")
 
 

@@ -12,9 +12,15 @@ with ``quantization_config`` in ``config.json`` (``quant_method: modelopt``, ``q
 (``quantization.exclude_modules``); the reader accepts either. ModelOpt gives gate and up one
 shared ``weight_scale_2`` (from the larger amax) so that they can be fused; the writer does the same.
 
+Weight-only NVFP4 (``w4a16_nvfp4``: ModelOpt's ``QUANTIZATION_W4A16_NVFP4`` format, ``quant_algo:
+W4A16_NVFP4``, its input quantizers disabled) stores the same tensors without ``input_scale``; a stray
+``input_scale`` in such a checkpoint is not read (no activation is quantized).
+
 ModelOpt's default NVFP4 config also quantizes the attention projections
 (``model.layers.L.self_attn.{q,k,v,o}_proj``, the same four tensors each); its experts-only
 config leaves them bf16 and ignored. Scalar scales stored as bf16 or fp16 are widened exactly.
+
+``quant_algo: MXFP8`` configs (the same ``quant_method``) are read by ``modelopt_mxfp8``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
-from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
+from . import modelopt_mxfp8
 from .layout import (
     PROJS,
     CheckpointDescription,
@@ -41,6 +48,9 @@ from .scalars import read_scalar_scales
 __all__ = ["LAYOUT"]
 
 _ALGO = "NVFP4"
+# ModelOpt's quant_algo of each scheme the layout stores
+_ALGOS = {NVFP4_MOE: _ALGO, W4A16_NVFP4: "W4A16_NVFP4"}
+_FROM_ALGO = {v: k for k, v in _ALGOS.items()}
 _EXCLUDE = ["lm_head", "model.layers.*.mlp.gate", "model.layers.*.self_attn*"]
 _EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "model.embed_tokens", "model.layers.*.mlp.gate"]
 _LEGACY_FILE = "hf_quant_config.json"
@@ -53,7 +63,7 @@ class ModelOptNvfp4Layout(CheckpointLayout):
     legacy_files = (_LEGACY_FILE,)
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
-        return scheme.weight == NVFP4 and scheme.activation == NVFP4
+        return scheme in _ALGOS
 
     # ----------------------------------------------------------------------------- config
 
@@ -62,20 +72,22 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         bs = NVFP4.block_size
         bits = NVFP4.element.nbits
         group = {"type": "float", "num_bits": bits, "group_size": bs, "dynamic": False}
+        algo = _ALGOS[scheme]
+        group_0 = {"targets": ["Linear"], "weights": dict(group)}
+        if not scheme.weight_only:
+            group_0["input_activations"] = dict(group)
         qc = {
             "quant_method": self.quant_method,
-            "quant_algo": _ALGO,
+            "quant_algo": algo,
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
             "ignore": list(exclude),
-            "config_groups": {
-                "group_0": {"targets": ["Linear"], "weights": dict(group), "input_activations": dict(group)}
-            },
+            "config_groups": {"group_0": group_0},
             "kv_cache_scheme": None,
         }
         legacy = {
             "producer": {"name": "modelopt", "version": "mxlib-dummy"},
             "quantization": {
-                "quant_algo": _ALGO,
+                "quant_algo": algo,
                 "group_size": bs,
                 "kv_cache_quant_algo": None,
                 "exclude_modules": list(exclude),
@@ -99,8 +111,11 @@ class ModelOptNvfp4Layout(CheckpointLayout):
 
     def read_config(self, qc: dict) -> CheckpointDescription:
         algo = qc.get("quant_algo")
-        if algo != _ALGO:
-            raise CheckpointError(f"quantization_config.quant_algo: only {_ALGO!r} is supported, found {algo!r}")
+        if algo == modelopt_mxfp8.ALGO:  # the same quant_method, the MXFP8 layout's config
+            return modelopt_mxfp8.LAYOUT.read_config(qc)
+        if algo not in _FROM_ALGO:
+            supported = sorted([*_FROM_ALGO, modelopt_mxfp8.ALGO])
+            raise CheckpointError(f"quantization_config.quant_algo: supported {supported}, found {algo!r}")
         bs, bits = NVFP4.block_size, NVFP4.element.nbits
         group_size = qc.get("group_size")
         for gname, group in (qc.get("config_groups") or {}).items():
@@ -121,7 +136,7 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         if group_size not in (None, bs):
             raise CheckpointError(f"quantization_config.group_size: NVFP4 uses {bs}, found {group_size}")
         exclude = list(qc.get("ignore") or qc.get("exclude_modules") or [])
-        return CheckpointDescription(self.name, get_moe_scheme(NVFP4.name), exclude, None)
+        return CheckpointDescription(self.name, _FROM_ALGO[algo], exclude, None)
 
     # ----------------------------------------------------------------------------- tensors
 
@@ -142,7 +157,8 @@ class ModelOptNvfp4Layout(CheckpointLayout):
                 out[f"{base}.weight"] = p[x, rows].contiguous().cpu()
                 out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
                 out[f"{base}.weight_scale_2"] = g.reshape(()).float().cpu().clone()
-                out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
+                if not scheme.weight_only:
+                    out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
@@ -170,20 +186,24 @@ class ModelOptNvfp4Layout(CheckpointLayout):
             p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)], (), gs)
             for p in PROJS
         }
+        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
+        if description.scheme.weight_only:  # W4A16_NVFP4: no activation scale
+            return weights, None, None
         ins = {
             p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
             for p in PROJS
         }
-        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
         return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        return {
+        out = {
             f"{name}.weight": weights.weight.contiguous().cpu(),
             f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
             f"{name}.weight_scale_2": weights.weight_scale_2.reshape(()).float().cpu().clone(),
-            f"{name}.input_scale": input_scale.reshape(()).float().cpu().clone(),
         }
+        if not scheme.weight_only:
+            out[f"{name}.input_scale"] = input_scale.reshape(()).float().cpu().clone()
+        return out
 
     def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
         """``(LinearWeights, input_scale fp32 [1])`` of a quantized linear layer ``name``."""
@@ -196,6 +216,8 @@ class ModelOptNvfp4Layout(CheckpointLayout):
             block_scale_check(e4m3=True),
         )[0]
         g = read_scalar_scales(tensors, [f"{name}.weight_scale_2"], (), global_scale_check())
+        if description.scheme.weight_only:
+            return LinearWeights(NVFP4, w, s, g.reshape(())), None
         ins = read_scalar_scales(tensors, [f"{name}.input_scale"], (), global_scale_check(True, "input_scale"))
         return LinearWeights(NVFP4, w, s, g.reshape(())), ins
 

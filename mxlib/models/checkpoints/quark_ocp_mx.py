@@ -1,12 +1,18 @@
 """AMD Quark OCP MX layout.
 
 Per expert ``e`` of layer ``L`` and projection ``p``: ``...e.p.weight`` uint8 packed (FP4
-``[out, in/2]``, FP6 ``[out, 3*in/4]``), ``...e.p.weight_scale`` uint8 E8M0 ``[out, in/32]``, and
+``[out, in/2]``, FP6 ``[out, 3*in/4]``; MXFP8: float8_e4m3fn ``[out, in]``, one code a byte, read as
+uint8 too), ``...e.p.weight_scale`` uint8 E8M0 ``[out, in/32]``, and
 ``...e.p.input_scale`` ``[]`` for static FP8 activations only (amd-quark 0.13 stores it as bf16:
 read widened to fp32 exactly; the writer writes fp32), with
 ``quantization_config.quant_method: quark`` (``global_quant_config`` weight / input_tensors,
 ``exclude`` as names or ``re:`` patterns, ``export``). Real exports carry many more keys; the
 reader tolerates them and rejects what the emulation cannot honour, naming the field.
+
+MXFP8 is Quark's ``OCP_MXFP8E4M3Spec``: ``dtype: fp8_e4m3`` with ``qscheme: per_group``,
+``group_size: 32``, ``scale_format: e8m0`` (the same dtype with ``qscheme: per_tensor`` is the static
+per-tensor FP8 activation of the ``_a_fp8`` schemes): weights for ``w_mxfp8`` / ``w_mxfp8_a_mxfp8``,
+dynamic activations for ``w_mxfp8_a_mxfp8`` and ``w_mxfp4_a_mxfp8``.
 
 With attention not excluded, ``self_attn.{q,k,v,o}_proj`` carry the same tensors as an expert's
 projection (emulated by ``mxlib.moe.linear.EmulatedLinear``).
@@ -40,9 +46,10 @@ _DTYPE = {
     BLOCK_SCHEMES["mxfp4"]: "fp4",
     BLOCK_SCHEMES["mxfp6_e2m3"]: "fp6_e2m3",
     BLOCK_SCHEMES["mxfp6_e3m2"]: "fp6_e3m2",
+    BLOCK_SCHEMES["mxfp8_e4m3"]: "fp8_e4m3",
 }
 _FROM_DTYPE = {v: k for k, v in _DTYPE.items()}
-_FP8_DTYPE = "fp8_e4m3"
+_FP8_DTYPE = "fp8_e4m3"  # per_group: MXFP8 (in _FROM_DTYPE); per_tensor: static FP8 activations
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
 _EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
 _WEIGHT_SCALE_MODE = "even"
@@ -84,6 +91,21 @@ def _tensor_config(fmt, scale_mode: str) -> dict | None:
         "is_scale_quant": False,
         "block_size": None,
     }
+
+
+def _stored_dtype(fmt: BlockScheme) -> torch.dtype:
+    """The dtype weights are stored in: uint8 packed bytes, or the element's own torch dtype for
+    one-byte elements (MXFP8: float8_e4m3fn)."""
+    return getattr(torch, fmt.element.ml_dtypes_name) if fmt.element.nbits == 8 else torch.uint8
+
+
+def _read_weight(tensors, names: list[str], shape, fmt: BlockScheme, out=None) -> torch.Tensor:
+    """Weights as uint8 bytes (the emulation's form); MXFP8 stored as float8_e4m3fn or as uint8."""
+    dtype = _stored_dtype(fmt)
+    if dtype != torch.uint8 and tensors.get(names[0]).dtype == torch.uint8:
+        dtype = torch.uint8  # the same bytes, stored as uint8
+    buf = None if out is None else out.view(dtype)
+    return tensors.stack(names, shape, dtype, out=buf).view(torch.uint8)
 
 
 class QuarkOcpMxLayout(CheckpointLayout):
@@ -159,7 +181,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
         mode = _WEIGHT_SCALE_MODE
         if a:
             adtype = a.get("dtype")
-            if adtype == _FP8_DTYPE:
+            if adtype == _FP8_DTYPE and a.get("qscheme") != "per_group":
                 if a.get("qscheme") != "per_tensor" or a.get("is_dynamic"):
                     raise CheckpointError(
                         f"quantization_config.global_quant_config.input_tensors: {_FP8_DTYPE} is supported as static "
@@ -190,7 +212,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
             raise CheckpointError(
                 f"quantization_config.global_quant_config: weight {wdtype!r} with input_tensors "
                 f"{a.get('dtype') if a else None!r} is not a supported Quark MoE scheme (supported: w_mxfp4*, "
-                f"w_mxfp6_e3m2*, w_mxfp6_e2m3* as listed in mxlib.moe.schemes)"
+                f"w_mxfp6_e3m2*, w_mxfp6_e2m3*, w_mxfp8* as listed in mxlib.moe.schemes)"
             )
         for key, override in (qc.get("layer_quant_config") or {}).items():
             if override.get("weight") != w or override.get("input_tensors") != a:
@@ -226,7 +248,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w2_input_scale),
             ):
                 base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight"] = p[x, rows].contiguous().cpu()
+                out[f"{base}.weight"] = p[x, rows].contiguous().cpu().view(_stored_dtype(w.scheme))
                 out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
                 if static:
                     out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
@@ -247,14 +269,18 @@ class QuarkOcpMxLayout(CheckpointLayout):
         sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
         w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
         s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=u8)
+
+        def names(proj, what):
+            return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
+
         for j, p in enumerate(("gate_proj", "up_proj")):
-            stack(p, "weight", packed[p], u8, out=w13[:, j * i : (j + 1) * i])
+            _read_weight(tensors, names(p, "weight"), packed[p], fmt, out=w13[:, j * i : (j + 1) * i])
             stack(p, "weight_scale", sshape[p], u8, blocks, out=s13[:, j * i : (j + 1) * i])
         weights = ExpertWeights(
             fmt,
             w13,
             s13,
-            stack("down_proj", "weight", packed["down_proj"], u8),
+            _read_weight(tensors, names("down_proj", "weight"), packed["down_proj"], fmt),
             stack("down_proj", "weight_scale", sshape["down_proj"], u8, blocks),
         )
         if not scheme.static_activation_scale:
@@ -268,7 +294,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         out = {
-            f"{name}.weight": weights.weight.contiguous().cpu(),
+            f"{name}.weight": weights.weight.contiguous().cpu().view(_stored_dtype(weights.scheme)),
             f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
         }
         if scheme.static_activation_scale:
@@ -279,7 +305,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
         """``(LinearWeights, input_scale fp32 [1] or None)`` of a quantized linear layer ``name``."""
         scheme = description.scheme
         fmt = scheme.weight
-        w = tensors.get(f"{name}.weight", (out_features, fmt.element.packed_size(in_features)), torch.uint8)
+        w = _read_weight(tensors, [f"{name}.weight"], (out_features, fmt.element.packed_size(in_features)), fmt)[0]
         s = tensors.stack(
             [f"{name}.weight_scale"],
             (out_features, in_features // fmt.block_size),
