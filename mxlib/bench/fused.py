@@ -51,6 +51,9 @@ DEVICE = "cuda"
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 FP4_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4")
 FP6_SCHEME = "w_mxfp6_e3m2"
+# timed with the extras: weight-only NVFP4 (what Humming and Marlin compute) and the MXFP8-activation and
+# MXFP8 schemes, each on the ``fused`` backend (the FP4 kernel for FP4 weights, the dequantize-GEMM kernel else)
+EXTRA_SCHEMES = ("w4a16_nvfp4", "w_mxfp4_a_mxfp8", "w_mxfp8_a_mxfp8", "w_mxfp8")
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
 # The W4A16 rows vLLM serves each weight format with on Hopper (its Humming backend first, then Marlin) and
 # triton_kernels' path with Qwen3's activation: a scheme is measured against the fastest of its format's.
@@ -64,6 +67,9 @@ FASTEST_ANCHOR_ROWS = {
     "w_mxfp4_a_mxfp4": ("mxlib_fused_w_mxfp4_a_mxfp4", "mxfp4"),
     "nvfp4": ("mxlib_fused_nvfp4", "nvfp4"),
     "nvfp4 hardware": ("mxlib_fused_nvfp4_hw", "nvfp4"),
+    "w4a16_nvfp4": ("mxlib_fused_w4a16_nvfp4", "nvfp4"),
+    "w4a16_nvfp4 hardware": ("mxlib_fused_w4a16_nvfp4_hw", "nvfp4"),
+    "w_mxfp4_a_mxfp8": ("mxlib_fused_w_mxfp4_a_mxfp8", "mxfp4"),
 }
 
 
@@ -104,7 +110,7 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
         (E,), float(silu_and_mul(h_cal).abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE
     )
     paths = {"mxlib_bf16": TritonExperts(w13, w2, backend="triton")}
-    for name in FP4_SCHEMES + ((FP6_SCHEME,) if extra else ()):
+    for name in FP4_SCHEMES + ((FP6_SCHEME, *EXTRA_SCHEMES) if extra else ()):
         s = get_moe_scheme(name)
         q = quantize_expert_weights(w13, w2, s)
         scales = (in13, in2) if s.static_activation_scale else (None, None)
@@ -113,13 +119,15 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
             paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(
                 s, q, *scales, backend="fused", numerics="hardware"
             )
-        if extra and (s.weight.has_global_scale or s.weight.element.nbits != 4):  # dequantize-then-GEMM NVFP4 and FP6
+        baseline = name in FP4_SCHEMES + (FP6_SCHEME,)
+        # dequantize-then-GEMM NVFP4 and FP6
+        if extra and baseline and (s.weight.has_global_scale or s.weight.element.nbits != 4):
             paths[f"mxlib_triton_{name}"] = make_emulation_experts(s, q, *scales, backend="triton")
     return paths
 
 
 def _scheme_of(path: str) -> str | None:
-    for name in FP4_SCHEMES + (FP6_SCHEME,):
+    for name in sorted(FP4_SCHEMES + (FP6_SCHEME, *EXTRA_SCHEMES), key=len, reverse=True):
         if path.endswith(name) or path.endswith(name + "_hw"):
             return name
     return None
@@ -226,7 +234,7 @@ def floors(rat: dict, result: dict) -> list[dict]:
     for label, (_, fmt) in FASTEST_ANCHOR_ROWS.items():
         key = f"fused {label} / fastest {fmt} anchor"
         add(f"{label} fused / fastest {fmt} anchor <= 1.0 at every M", {m: d[key] for m, d in rat.items()}, 1.0)
-    for name in ("w_mxfp4", "nvfp4", "nvfp4_hw"):
+    for name in ("w_mxfp4", "nvfp4", "nvfp4_hw", "w4a16_nvfp4", FP6_SCHEME, "w_mxfp8_a_mxfp8", "w_mxfp8"):
         add(
             f"{name} fused >= 60% of the memory floor at M = 16, 64",
             {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)},

@@ -322,6 +322,18 @@ ANCHOR_RATIOS: dict[str, tuple[str, str]] = {
         "mxlib_fused_nvfp4_hw",
         "min(vllm_humming_nvfp4, vllm_marlin_nvfp4)",
     ),
+    "fused w4a16_nvfp4 / fastest nvfp4 anchor": (
+        "mxlib_fused_w4a16_nvfp4",
+        "min(vllm_humming_nvfp4, vllm_marlin_nvfp4)",
+    ),
+    "fused w4a16_nvfp4 hardware / fastest nvfp4 anchor": (
+        "mxlib_fused_w4a16_nvfp4_hw",
+        "min(vllm_humming_nvfp4, vllm_marlin_nvfp4)",
+    ),
+    "fused w_mxfp4_a_mxfp8 / fastest mxfp4 anchor": (
+        "mxlib_fused_w_mxfp4_a_mxfp8",
+        "min(vllm_humming_mxfp4, vllm_marlin_mxfp4, tk_mxfp4_unfused_silu)",
+    ),
     "fused w_mxfp6_e3m2 / dequantize-then-GEMM": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_triton_w_mxfp6_e3m2"),
     "fused w_mxfp6_e3m2 / mxlib_bf16": ("mxlib_fused_w_mxfp6_e3m2", "mxlib_bf16"),
 }
