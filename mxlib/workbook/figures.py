@@ -286,18 +286,34 @@ def e4m3_code_map_figure() -> go.Figure:
             name="log2|v|",
         )
     )
+    for row in (0, 8):  # the subnormal codes 0x01-0x07 and 0x81-0x87: exponent field 0, outlined
+        fig.add_shape(
+            type="rect", x0=0.5, x1=7.5, y0=row - 0.5, y1=row + 0.5, line=dict(color="#d62728", width=3), layer="above"
+        )
     fig.update_layout(
-        title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, grey zero, black NaN",
-        height=620,
+        title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, grey zero, black NaN,"
+        "<br>subnormals (exponent field 0) outlined in red",
+        height=660,
         yaxis=dict(autorange="reversed"),
     )
     return fig
 
 
 def _value_text(v: float) -> str:
-    """A short label for a code-map cell: ``2^k`` for powers of two, else 3 significant digits."""
-    t = format_pow2(v, min_abs_exp=4)
-    return t if t.startswith(("2^", "-2^")) else f"{v:.3g}"
+    """An exact label for a code-map cell: ``2^k`` for powers of two from 16 and below 1/2, the exact decimal
+    from 1/2 up (``0.5625``, ``-1.125``, ``448``), and below 1/2 ``m·2^k`` with the significand exact
+    (``1.125·2^-4``; a subnormal as a multiple of the smallest one, ``3·2^-9``)."""
+    a = abs(v)
+    t = format_pow2(v, min_abs_exp=1 if a < 0.5 else 4)
+    if t.startswith(("2^", "-2^")):
+        return t
+    sign = "-" if v < 0 else ""
+    if a >= 0.5:
+        return f"{v:g}"
+    if a < 2.0**-6:  # subnormal: an integer multiple of 2^-9
+        return f"{sign}{int(a / 2.0**-9)}·2^-9"
+    k = math.floor(math.log2(a))
+    return f"{sign}{a / 2.0**k:g}·2^{k}"
 
 
 def add_scale_ratio_thresholds(fig, y_range=None):
