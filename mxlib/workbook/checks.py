@@ -19,6 +19,7 @@ from pathlib import Path
 from .exercises import (
     EXERCISES,
     check_exercise,
+    even_clips_rceil_does_not,
     floor_clips_rceil_does_not,
     is_largest_flushing_power_of_two,
     loses_without_flushing,
@@ -34,6 +35,7 @@ __all__ = [
     "check_exercise",
     "show_solution",
     "floor_clips_rceil_does_not",
+    "even_clips_rceil_does_not",
     "loses_without_flushing",
     "is_largest_flushing_power_of_two",
     "ANCHOR_RATIOS",

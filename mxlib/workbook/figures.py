@@ -359,21 +359,43 @@ def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, 
 
 
 def expert_loss_heatmap(
-    experts: list[dict], num_layers: int, num_experts: int, point: str = "a2", strategy: str = "max"
+    experts: list[dict],
+    num_layers: int,
+    num_experts: int,
+    point: str = "a2",
+    strategy: str = "max",
+    noise_db: float = 0.75,
+    min_top_db: float = 6.0,
 ) -> go.Figure:
     """dB lost by ``strategy`` against ``per_expert`` for every (layer, expert) at ``point``, from
-    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank."""
+    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank.
+
+    The colour range is anchored to the noise, not to the data: losses within ``±noise_db`` (the rounding
+    noise notebook 04 asserts) are one pale grey, and the colour runs from there to at least
+    ``min_top_db``, so a run whose experts all sit in the noise shows no hot cell."""
     z = [[float("nan")] * num_experts for _ in range(num_layers)]
     for r in experts:
         if r["point"] == point:
             z[r["layer"]][r["expert"]] = r[f"db_lost_{strategy}"]
-    return heatmap_figure(
-        z,
-        list(range(num_experts)),
-        [f"layer {i}" for i in range(num_layers)],
-        f"dB lost by `{strategy}` against `per_expert` ({point})",
-        "dB",
+    seen = [v for row in z for v in row if v == v]
+    zmin, zmax = -noise_db, max([min_top_db, *seen])
+    edge = 2 * noise_db / (zmax - zmin)  # where +noise_db sits on the 0-1 colour axis
+    colours = [[0.0, "#eeeeee"], [edge, "#eeeeee"], [min(edge + 1e-6, 1.0), "#fdd49e"], [1.0, "#b30000"]]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(num_experts)),
+            y=[f"layer {i}" for i in range(num_layers)],
+            zmin=zmin,
+            zmax=zmax,
+            colorscale=colours,
+            colorbar=dict(title="dB lost"),
+        )
     )
+    fig.update_layout(
+        title=f"dB lost by `{strategy}` against `per_expert` ({point}); grey: within ±{noise_db:g} dB (rounding noise)"
+    )
+    return fig
 
 
 def scale_code_histogram_figure(
