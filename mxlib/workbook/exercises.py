@@ -21,9 +21,9 @@ of typical wrong answers each gets a hint without the answer in it.
 
 from __future__ import annotations
 
-from . import exercise_formats as F
-from . import exercise_runs as Q
-from .exercise_formats import (
+from . import _exercise_formats as F
+from . import _exercise_runs as Q
+from ._exercise_formats import (
     even_clips_rceil_does_not,
     floor_clips_rceil_does_not,
     is_largest_flushing_power_of_two,

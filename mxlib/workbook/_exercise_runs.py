@@ -14,7 +14,7 @@ import torch
 from .. import reference as R
 from ..formats import get_element_format
 from . import probes
-from .exercise_formats import as_int, as_number, as_tuple
+from ._exercise_formats import as_int, as_number, as_tuple
 
 _E2M1 = get_element_format("e2m1")
 _E4M3 = get_element_format("e4m3")
