@@ -67,18 +67,24 @@ def outlier_parts_sweep(outlier_scales, **kwargs) -> list[dict]:
     return rows
 
 
-SCALE_FORMATS = ("e8m0", "e4m3")
+# block-scale format name -> whether it is NVFP4's e4m3 scale under a per-tensor global scale (else a power of two)
+SCALE_FORMATS: dict[str, bool] = {"e8m0": False, "e4m3": True}
+_NVFP4 = get_block_scheme("nvfp4")
 
 
 def _check_block_format(x: torch.Tensor, element, block_size: int, scale_format: str):
+    """(element format, whether the scale is NVFP4's e4m3) after checking the arguments."""
     if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"scale_format: expected one of {SCALE_FORMATS}, got {scale_format!r}")
+        raise ValueError(f"scale_format: expected one of {list(SCALE_FORMATS)}, got {scale_format!r}")
     fmt = get_element_format(element)
-    if scale_format == "e4m3" and fmt.name != "e2m1":
-        raise ValueError(f"element: an e4m3 block scale (NVFP4's arithmetic) takes e2m1 elements, got {fmt.name!r}")
+    nv = SCALE_FORMATS[scale_format]
+    if nv and fmt is not _NVFP4.element:
+        raise ValueError(
+            f"element: an e4m3 block scale (NVFP4's arithmetic) takes {_NVFP4.element.name} elements, got {fmt.name!r}"
+        )
     if block_size <= 0 or x.shape[-1] % block_size:
         raise ValueError(f"block_size={block_size} does not divide the last dimension {x.shape[-1]}")
-    return fmt
+    return fmt, nv
 
 
 def block_format_sqnr(
@@ -94,8 +100,8 @@ def block_format_sqnr(
         ValueError: unknown scale format; an e4m3 scale with elements other than e2m1; a block size
             that does not divide the last dimension.
     """
-    fmt = _check_block_format(x, element, block_size, scale_format)
-    if scale_format == "e8m0":
+    fmt, nv = _check_block_format(x, element, block_size, scale_format)
+    if not nv:
         dq = R.quant_dequant_mx(x, fmt.name, block_size, scale_mode)
     else:
         gs = torch.tensor(NVFP4_SCALE_DIVISOR, dtype=torch.float32) / x.abs().max()
@@ -113,10 +119,10 @@ def amax_on_grid(
     max (or above it, clipped, under ``floor``); with an e4m3 scale it lands within e4m3's rounding
     of the element's max (6 for e2m1). Arguments as ``block_format_sqnr``.
     """
-    fmt = _check_block_format(x, element, block_size, scale_format)
+    fmt, nv = _check_block_format(x, element, block_size, scale_format)
     blocks = x.reshape(-1, block_size)
     amax = blocks.abs().amax(dim=1)
-    if scale_format == "e8m0":
+    if not nv:
         scale = R.decode_e8m0(R.e8m0_scale(amax, fmt, scale_mode))
         landed = amax / scale
     else:
@@ -157,7 +163,7 @@ def format_comparison_widget(data: dict):
         except ValueError as err:
             print(err)
             return
-        rule = scale_mode if scale_format == "e8m0" else "(e4m3 rounding, no rule)"
+        rule = "(e4m3 rounding, no rule)" if SCALE_FORMATS[scale_format] else scale_mode
         _show_rows(
             [dict(data=distribution, element=element, block_size=block_size, scale=scale_format, rule=rule, sqnr_db=db)]
         )
