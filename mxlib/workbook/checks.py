@@ -5,22 +5,26 @@
 * ``floors_table`` and ``FLOOR_TARGETS``: notebook 05's floors of the fused MoE emulation.
 * ``anchor_tables`` and ``ANCHOR_RATIOS``: notebook 05's tables of the fused FP4 kernel beside the anchor harness
   (H200).
-* ``EXERCISES`` and ``check_exercise``: the notebooks' "try this" prompts and their checkers;
-  ``floor_clips_rceil_does_not`` (notebooks 00 and 02), ``loses_without_flushing`` and
-  ``is_largest_flushing_power_of_two`` (notebook 04) check an answer on the explorers' numbers.
+* ``EXERCISES``, ``check_exercise`` and ``show_solution``: the notebooks' "try this" prompts, their
+  checkers (a hint for a wrong answer, never the answer) and their solutions, from
+  ``mxlib.workbook.exercises``, re-exported so that every notebook calls ``checks.check_exercise``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from pathlib import Path
 
-import torch
-
-from .. import reference as R
-from . import explorers, probes
+from .exercises import (
+    EXERCISES,
+    check_exercise,
+    even_clips_rceil_does_not,
+    floor_clips_rceil_does_not,
+    is_largest_flushing_power_of_two,
+    loses_without_flushing,
+    show_solution,
+)
 
 __all__ = [
     "Checks",
@@ -29,7 +33,9 @@ __all__ = [
     "floors_table",
     "EXERCISES",
     "check_exercise",
+    "show_solution",
     "floor_clips_rceil_does_not",
+    "even_clips_rceil_does_not",
     "loses_without_flushing",
     "is_largest_flushing_power_of_two",
     "ANCHOR_RATIOS",
@@ -130,7 +136,7 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
         targets: ``(scheme, M, wanted speed-up over the dequantize-then-GEMM path or None, allowed multiple of bf16)``.
 
     Returns:
-        One row per target the benchmark measured: ``scheme, M, fused_vs_dequant`` (seed time /
+        One row per target the benchmark measured: ``scheme, M, fused_vs_dequant`` (dequantize-then-GEMM time /
         fused time), ``target_vs_dequant`` ("" when none), ``fused_over_bf16`` (fused / bf16 time),
         ``target_over_bf16``, ``meets`` ("yes" / "no"), ``floor_frac`` and
         ``mem_frac_of_packed`` (peak extra memory / packed weight size).
@@ -160,140 +166,6 @@ def floors_table(rows: list[dict], targets=FLOOR_TARGETS) -> list[dict]:
             )
         )
     return floors
-
-
-# ----------------------------------------------------------------------------- exercises
-# name -> the prompt a notebook shows. ``check_exercise(name, answer, **context)`` says whether an
-# answer is right; the checkers compute the answer with mxlib (never a stored literal), so they
-# stay right if the formats or the data change.
-EXERCISES: dict[str, str] = {
-    "01.fp6_shapes": "A Quark w_mxfp6_e2m3 checkpoint of Qwen3-30B-A3B stores each expert's gate_proj "
-    "(out 768, in 2048). Give (weight shape, weight_scale shape) as two tuples.",
-    "01.decode_byte": "An NVFP4 weight byte 0x2B, its block scale byte 0x38 (e4m3 1.0) and weight_scale_2 = "
-    "2**-10: give the two weights it decodes to, low nibble first.",
-    "02.floor_clips": "Find a 32-value MXFP8 (e4m3) block in which the OCP floor rule clips an element and "
-    "rceil does not.",
-    "02.e4m3_code": "Which e4m3 code (an int, e.g. 0x79) does 300.0 round to?",
-    "02.outlier_gap": "With explorers.outlier_scale_sqnr, find the smallest outlier_scale among 1, 10, 100, 1000 "
-    "and 10000 at which NVFP4 beats MXFP4 by more than 3 dB.",
-    "03.best_4bit": "Which 4.25-bit scheme has the highest logits SQNR in this run?",
-    "03.nvfp4_bits_32": "NVFP4 with blocks of 32 instead of 16 (still one e4m3 scale a block): how many bits "
-    "per weight, scales included (the per-tensor fp32 scale is negligible)?",
-    "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
-    "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
-    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on does vLLM's emulation design "
-    "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
-}
-
-
-def _exercise_answer(name: str, **context):
-    """The right answer of exercise ``name`` (``rows`` in ``context`` where the exercise reads a run)."""
-    if name == "01.fp6_shapes":
-        sh = probes.stored_shapes("w_mxfp6_e2m3", 768, 2048)
-        return (sh["weight"][0], sh["weight_scale"][0])
-    if name == "01.decode_byte":
-        codes = R.unpack_codes(torch.tensor([[0x2B]], dtype=torch.uint8), "e2m1")[0]
-        return tuple(float(v) * 2.0**-10 for v in R.decode_element(codes, "e2m1"))
-    if name == "02.e4m3_code":
-        return explorers.value_info(300.0, "e4m3")["code"]
-    if name == "02.outlier_gap":
-        for scale in (1, 10, 100, 1000, 10000):
-            r = explorers.outlier_scale_sqnr(scale, schemes=("mxfp4", "nvfp4"))
-            if r["nvfp4"] - r["mxfp4"] > 3.0:
-                return scale
-        return None
-    if name == "03.best_4bit":
-        rows = [r for r in context["rows"] if r["bits_per_weight"] == 4.25]
-        return max(rows, key=lambda r: r["sqnr_db"])["scheme"]
-    if name == "03.nvfp4_bits_32":
-        return 4 + 8 / 32
-    if name == "05.packed_bytes":
-        sh = [probes.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
-        return 128 * sum(math.prod(s["weight"][0]) + math.prod(s["weight_scale"][0]) for s in sh)
-    if name == "05.dequant_wins_at":
-        scheme = context.get("scheme", "nvfp4")  # a benchmark row's label (data), not a format lookup
-        rows = sorted((r for r in context["rows"] if r["scheme"] == scheme), key=lambda r: r["M"])
-        return next((r["M"] for r in rows if r["dequant_graph_ms"] < r["fused_graph_ms"]), None)
-    raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
-
-
-def check_exercise(name: str, answer, **context) -> bool:
-    """Check a "try this" answer; prints why and returns True when it is right.
-
-    Args:
-        name: a key of ``EXERCISES`` (the notebook shows its prompt).
-        answer: the learner's answer, in the form the prompt asks (a block for ``02.floor_clips``).
-        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``,
-            ``05.dequant_wins_at``).
-
-    Numbers are compared with a relative tolerance of 1% (``05.packed_bytes``) or exactly.
-
-    Raises:
-        KeyError: unknown exercise name.
-    """
-    if name not in EXERCISES:
-        raise KeyError(f"name: expected one of {sorted(EXERCISES)}, got {name!r}")
-    if name == "02.floor_clips":
-        try:
-            ok = floor_clips_rceil_does_not(answer, "mxfp8_e4m3")
-        except ValueError as err:
-            print(f"not a valid block: {err}")
-            return False
-        print(
-            "right: floor clips, rceil does not"
-            if ok
-            else "not yet: floor must saturate an element (|x| / scale > 448) while rceil keeps it"
-        )
-        return ok
-    want = _exercise_answer(name, **context)
-    if name == "05.packed_bytes":
-        ok = isinstance(answer, (int, float)) and abs(answer - want) <= 0.01 * want
-    elif isinstance(want, tuple):
-        ok = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in answer) == want
-    else:
-        ok = answer == want
-    print("right" if ok else f"not yet (the checker computes {want!r})")
-    return ok
-
-
-def floor_clips_rceil_does_not(block, scheme: str = "mxfp4") -> bool:
-    """Exercise checker: True when the OCP floor rule saturates an element of ``block`` and rceil does not."""
-    floor = explorers.block_info(block, scheme, "floor")
-    rceil = explorers.block_info(block, scheme, "rceil")
-    return any(floor["clipped"]) and not any(rceil["clipped"])
-
-
-def loses_without_flushing(ratio: float, min_db: float = 2.0, **kwargs) -> bool:
-    """Exercise checker (notebook 04): True when, at this ``ratio``, the smallest synthetic expert of
-    ``expert_scale_ratio`` loses more than ``min_db`` dB under the unified scale against its own scale
-    while none of its blocks is flushed (its block scales are subnormal, not zero). Answers lie
-    between ``mxlib.formats.NVFP4_FLUSH_RATIO`` and ``NVFP4_SUBNORMAL_RATIO``. ``kwargs`` go to
-    ``explorers.expert_scale_ratio``."""
-    row = explorers.expert_scale_ratio(float(ratio), **kwargs)[-1]
-    return row["sqnr_per_expert_db"] - row["sqnr_unified_db"] > min_db and row["flushed_blocks"] == 0.0
-
-
-def is_largest_flushing_power_of_two(ratio: float, **kwargs) -> bool:
-    """Exercise checker (notebook 04): True when ``ratio`` is a power of two at which every block of
-    the smallest synthetic expert is flushed under the unified scale (its QDQ output is all zero)
-    while at ``2 * ratio`` at least one block survives.
-
-    By hand: the expert's largest block scale is ``e4m3(448 * ratio)`` and rounds to zero when it is
-    at most ``2**-10`` (half the smallest subnormal ``2**-9``; the tie goes to the even code 0), so
-    the answer is ``2**-19`` (``448 * 2**-19 = 0.875 * 2**-10``; ``448 * 2**-18 = 1.75 * 2**-10``
-    rounds up to ``2**-9``).
-
-    Raises:
-        ValueError: ``ratio`` not in (0, 1].
-    """
-    ratio = float(ratio)
-    if not (0.0 < ratio <= 1.0):
-        raise ValueError(f"ratio: expected a number in (0, 1], got {ratio}")
-    if math.frexp(ratio)[0] != 0.5:
-        return False
-    here = explorers.expert_scale_ratio(ratio, **kwargs)[-1]["flushed_blocks"]
-    above = explorers.expert_scale_ratio(min(2.0 * ratio, 1.0), **kwargs)[-1]["flushed_blocks"] if ratio < 1.0 else 0.0
-    return here == 1.0 and above < 1.0
 
 
 # ----------------------------------------------------------------------------- the FP4 kernel beside the anchors (H200)
@@ -356,7 +228,7 @@ ANCHOR_ROWS = (
 
 def anchor_tables(path) -> dict:
     """The H200 tables of the fused FP4 kernel beside the anchor harness, from
-    ``python -m mxlib.bench fused --anchor ...``'s JSON (one device call).
+    ``python -m mxlib.bench fused --anchor ...``'s JSON (one run on the device).
 
     Args:
         path: the JSON file (``benchmarks/h200_fp4_anchors.json``): ``env``, ``rows`` (mxlib,

@@ -62,6 +62,7 @@ __all__ = [
     "block_explorer_widget",
     "expert_scale_ratio_widget",
     "outlier_scale_widget",
+    "STATIC_NOTE",
 ]
 
 _E4M3 = get_element_format("e4m3")
@@ -335,11 +336,17 @@ def expert_scale_ratio_sweep(ratios, **kwargs) -> list[dict]:
 
 
 def outlier_data(
-    outlier_scale: float, rows: int = 64, row_length: int = 1024, outlier_fraction: float = 1e-3, seed: int = 0
-) -> torch.Tensor:
+    outlier_scale: float,
+    rows: int = 64,
+    row_length: int = 1024,
+    outlier_fraction: float = 1e-3,
+    seed: int = 0,
+    return_mask: bool = False,
+):
     """Gaussian ``[rows, row_length]`` fp32 in which ``round(outlier_fraction * numel)`` (at least one)
     positions, chosen at random, are multiplied by ``outlier_scale``. The positions and the Gaussian
-    values depend only on the seed, so a sweep over ``outlier_scale`` changes nothing else."""
+    values depend only on the seed, so a sweep over ``outlier_scale`` changes nothing else.
+    ``return_mask=True`` returns ``(x, mask)``, ``mask`` a bool tensor of the outlier positions."""
     if row_length % 32:
         raise ValueError(f"row_length={row_length} is not a multiple of 32 (the MX block size)")
     g = torch.Generator().manual_seed(seed)
@@ -347,6 +354,10 @@ def outlier_data(
     n = max(1, round(outlier_fraction * x.numel()))
     idx = torch.randperm(x.numel(), generator=g)[:n]
     x.view(-1)[idx] *= float(outlier_scale)
+    if return_mask:
+        mask = torch.zeros(x.numel(), dtype=torch.bool)
+        mask[idx] = True
+        return x, mask.reshape(x.shape)
     return x
 
 
@@ -372,6 +383,15 @@ def outlier_scale_sweep(outlier_scales, **kwargs) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- widgets (thin)
+
+STATIC_NOTE = (
+    "(an interactive widget: live in JupyterLab with a running kernel, `make lab`; a static HTML export "
+    "leaves it blank, and the figure or table above shows the same function's numbers)"
+)
+
+
+def _static_note() -> None:
+    print(STATIC_NOTE)
 
 
 def rows_table(rows: list[dict], columns: list[str] | None = None, caption: str = ""):
@@ -449,6 +469,7 @@ def value_explorer_widget(value: float = 2.6, element: str = "e2m1"):
         info = value_info(value, element)
         _show_rows([{k: info[k] for k in keys}])
 
+    _static_note()
     return w.interactive(
         show,
         value=w.FloatText(value=value, description="value"),
@@ -460,22 +481,32 @@ def _element_names():
     return list(ELEMENT_FORMATS)
 
 
-def block_explorer_widget(block=None, scheme: str = "mxfp4", scale_mode: str = "even"):
-    """An editable comma-separated block, a scheme and a scale rule, showing ``block_info``."""
+def block_explorer_widget(block=None, scheme: str = "mxfp4", scale_mode: str = "even", global_scale: float = 0.0):
+    """An editable comma-separated block, a scheme, a scale rule and (NVFP4) an encode global scale,
+    showing ``block_info``. ``global_scale`` 0 takes ``6 * 448 / amax`` of the block, what calibration on it gives;
+    a smaller one stands for a tensor whose amax lies elsewhere (the block scale then leaves the top of e4m3)."""
     import ipywidgets as w
 
     if block is None:
         block = [round(0.37 * (i - 15.5) * (1 + (i % 5 == 0) * 4), 3) for i in range(32)]
 
-    def show(text, scheme, scale_mode):
+    def show(text, scheme, scale_mode, global_scale):
         try:
             values = [float(t) for t in text.replace("\n", ",").split(",") if t.strip()]
-            info = block_info(values, scheme, scale_mode)
+            nv = get_block_scheme(scheme).has_global_scale
+            if nv:
+                values = values[:NVFP4_BLOCK_SIZE]
+            info = block_info(values, scheme, scale_mode, global_scale=(global_scale or None) if nv else None)
         except ValueError as err:
             print(err)
             return
+        extra = (
+            f"  global scale {info['global_scale']:.6g} (block scale / global = {info['decode_scale']:.6g})"
+            if info["global_scale"] is not None
+            else ""
+        )
         print(
-            f"amax {info['amax']:.6g}  scale byte 0x{info['scale_byte']:02X}  scale {info['scale']:.6g}  "
+            f"amax {info['amax']:.6g}  scale byte 0x{info['scale_byte']:02X}  scale {info['scale']:.6g}{extra}  "
             f"SQNR {info['sqnr_db']:.2f} dB  packed {info['packed_hex']}"
         )
         _show_rows(
@@ -493,11 +524,13 @@ def block_explorer_widget(block=None, scheme: str = "mxfp4", scale_mode: str = "
             ]
         )
 
+    _static_note()
     return w.interactive(
         show,
         text=w.Textarea(value=", ".join(str(v) for v in block), description="block", layout=w.Layout(width="90%")),
         scheme=w.Dropdown(options=list(BLOCK_SCHEMES), value=scheme, description="scheme"),
         scale_mode=w.Dropdown(options=["floor", "even", "rceil"], value=scale_mode, description="E8M0 rule"),
+        global_scale=w.FloatText(value=global_scale, description="NVFP4 gs"),
     )
 
 
@@ -512,6 +545,7 @@ def expert_scale_ratio_widget(num_experts: int = 2, **kwargs):
         )
         _show_rows(expert_scale_ratio(2.0**log2_ratio, num_experts=num_experts, **kwargs))
 
+    _static_note()
     return w.interactive(show, log2_ratio=w.IntSlider(value=-12, min=-24, max=0, description="log2 ratio"))
 
 
@@ -522,6 +556,7 @@ def outlier_scale_widget(**kwargs):
     def show(log10_scale):
         _show_rows([{"outlier_scale": 10.0**log10_scale, **outlier_scale_sqnr(10.0**log10_scale, **kwargs)}])
 
+    _static_note()
     return w.interactive(
         show, log10_scale=w.FloatSlider(value=2.0, min=0.0, max=4.0, step=0.25, description="log10 outlier")
     )

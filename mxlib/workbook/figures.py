@@ -320,18 +320,34 @@ def e4m3_code_map_figure() -> go.Figure:
             name="log2|v|",
         )
     )
+    for row in (0, 8):  # the subnormal codes 0x01-0x07 and 0x81-0x87: exponent field 0, outlined
+        fig.add_shape(
+            type="rect", x0=0.5, x1=7.5, y0=row - 0.5, y1=row + 0.5, line=dict(color="#d62728", width=3), layer="above"
+        )
     fig.update_layout(
-        title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, grey zero, black NaN",
-        height=620,
+        title="e4m3 codes 0x00-0xFF (row R, column C = code 0xRC): colour log2|value|, grey zero, black NaN,"
+        "<br>subnormals (exponent field 0) outlined in red",
+        height=660,
         yaxis=dict(autorange="reversed"),
     )
     return fig
 
 
 def _value_text(v: float) -> str:
-    """A short label for a code-map cell: ``2^k`` for powers of two, else 3 significant digits."""
-    t = format_pow2(v, min_abs_exp=4)
-    return t if t.startswith(("2^", "-2^")) else f"{v:.3g}"
+    """An exact label for a code-map cell: ``2^k`` for powers of two from 16 and below 1/2, the exact decimal
+    from 1/2 up (``0.5625``, ``-1.125``, ``448``), and below 1/2 ``m·2^k`` with the significand exact
+    (``1.125·2^-4``; a subnormal as a multiple of the smallest one, ``3·2^-9``)."""
+    a = abs(v)
+    t = format_pow2(v, min_abs_exp=1 if a < 0.5 else 4)
+    if t.startswith(("2^", "-2^")):
+        return t
+    sign = "-" if v < 0 else ""
+    if a >= 0.5:
+        return f"{v:g}"
+    if a < 2.0**-6:  # subnormal: an integer multiple of 2^-9
+        return f"{sign}{int(a / 2.0**-9)}·2^-9"
+    k = math.floor(math.log2(a))
+    return f"{sign}{a / 2.0**k:g}·2^{k}"
 
 
 def add_scale_ratio_thresholds(fig, y_range=None):
@@ -377,21 +393,43 @@ def grouped_bar_figure(rows: list[dict], group: str, xs: list[str], title: str, 
 
 
 def expert_loss_heatmap(
-    experts: list[dict], num_layers: int, num_experts: int, point: str = "a2", strategy: str = "max"
+    experts: list[dict],
+    num_layers: int,
+    num_experts: int,
+    point: str = "a2",
+    strategy: str = "max",
+    noise_db: float = 0.75,
+    min_top_db: float = 6.0,
 ) -> go.Figure:
     """dB lost by ``strategy`` against ``per_expert`` for every (layer, expert) at ``point``, from
-    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank."""
+    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank.
+
+    The colour range is anchored to the noise, not to the data: losses within ``±noise_db`` (the rounding
+    noise notebook 04 asserts) are one pale grey, and the colour runs from there to at least
+    ``min_top_db``, so a run whose experts all sit in the noise shows no hot cell."""
     z = [[float("nan")] * num_experts for _ in range(num_layers)]
     for r in experts:
         if r["point"] == point:
             z[r["layer"]][r["expert"]] = r[f"db_lost_{strategy}"]
-    return heatmap_figure(
-        z,
-        list(range(num_experts)),
-        [f"layer {i}" for i in range(num_layers)],
-        f"dB lost by `{strategy}` against `per_expert` ({point})",
-        "dB",
+    seen = [v for row in z for v in row if v == v]
+    zmin, zmax = -noise_db, max([min_top_db, *seen])
+    edge = 2 * noise_db / (zmax - zmin)  # where +noise_db sits on the 0-1 colour axis
+    colours = [[0.0, "#eeeeee"], [edge, "#eeeeee"], [min(edge + 1e-6, 1.0), "#fdd49e"], [1.0, "#b30000"]]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(range(num_experts)),
+            y=[f"layer {i}" for i in range(num_layers)],
+            zmin=zmin,
+            zmax=zmax,
+            colorscale=colours,
+            colorbar=dict(title="dB lost"),
+        )
     )
+    fig.update_layout(
+        title=f"dB lost by `{strategy}` against `per_expert` ({point}); grey: within ±{noise_db:g} dB (rounding noise)"
+    )
+    return fig
 
 
 def scale_code_histogram_figure(

@@ -12,8 +12,9 @@ the ``notebooks/`` folder of the source checkout mxlib runs from, else the insta
 data ``mxlib.notebooks``), ``--out DIR`` (default ``build/workbook`` under the current directory;
 never inside the notebooks folder or the installed packages), ``--only NAME`` (the entries whose
 name contains NAME), ``--model-preset NAME`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``,
-passed to every notebook that takes one). A bad option is refused with one line naming it and the
-valid values, exit code 2, before any notebook runs.
+passed to every notebook that takes one; default ``WORKBOOK_MODEL_PRESET``, the full Qwen3-30B-A3B shape, while
+the notebooks' own default, what JupyterLab opens, is the quick ``small`` preset). A bad option is
+refused with one line naming it and the valid values, exit code 2, before any notebook runs.
 
 Needs the ``workbook`` extra (``pip install 'mxlib[workbook]'``: papermill, nbconvert, a kernel);
 importing this module without it raises ``ModuleNotFoundError`` naming the extra.
@@ -56,6 +57,7 @@ __all__ = [
     "main",
 ]
 
+WORKBOOK_MODEL_PRESET = "qwen3-30b-a3b"  # the workbook runs the real shape; the notebooks default to "small"
 CELL_TIMEOUT_S = 1800  # seconds one cell may run (the slowest full-size cell takes a few minutes on 2 cores)
 
 # (output name, notebook, parameters beyond the defaults)
@@ -159,7 +161,7 @@ def run(
     notebooks: Path, out: Path, only: str | None = None, model_preset: str | None = None
 ) -> list[tuple[str, float]]:
     """Execute the workbook's notebooks from ``notebooks`` into ``out`` (their working directory);
-    ``model_preset`` (e.g. ``small``) goes to every notebook that takes one. Returns
+    ``model_preset`` (default ``WORKBOOK_MODEL_PRESET``) goes to every notebook that takes one. Returns
     ``(name, seconds)`` per notebook run. Writes only under ``out`` (and the checkpoint cache)."""
     poll_kernel_channels_in_slices()
     out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +173,8 @@ def run(
         params = dict(params)
         # relative to the notebook's working directory (out): the injected parameters hold no absolute path
         params.setdefault("results_path", os.path.join("results", f"{name}.json"))
-        if model_preset and "model_preset" in _parameter_names(notebooks / nb):
-            params["model_preset"] = model_preset
+        if "model_preset" in _parameter_names(notebooks / nb):
+            params["model_preset"] = model_preset or WORKBOOK_MODEL_PRESET
         t0 = time.perf_counter()
         print(f"[workbook] {name}: {nb} {params}", flush=True)
         executed = out / f"{name}.ipynb"

@@ -1,0 +1,223 @@
+"""The checkers of the exercises on stored checkpoints and runs (notebooks 01, 03 and 05).
+
+Each ``check_<x>(answer, **context)`` returns None when the answer is right, else a hint that does
+not contain the answer; each ``solve_<x>(**context)`` returns (an answer that passes, the reasoning).
+``rows`` in ``context`` is the run's table where an exercise reads one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import reference as R
+from ..formats import get_element_format
+from . import probes
+from ._exercise_formats import as_int, as_number, as_tuple
+
+_E2M1 = get_element_format("e2m1")
+_E4M3 = get_element_format("e4m3")
+
+
+def check_fp6_shapes(answer, **_):
+    sh = probes.stored_shapes("w_mxfp6_e2m3", 768, 2048)
+    want_w, want_s = sh["weight"][0], sh["weight_scale"][0]
+    got = as_tuple(answer)
+    if not (
+        isinstance(got, tuple)
+        and len(got) == 2
+        and all(isinstance(p, tuple) and len(p) == 2 and all(as_int(v) is not None for v in p) for p in got)
+    ):
+        return "give two shapes, (weight shape, weight_scale shape), each (rows, columns)"
+    (w_rows, w_cols), (s_rows, s_cols) = ((as_int(a), as_int(b)) for a, b in got)
+    if (w_rows, w_cols) == want_w and (s_rows, s_cols) == want_s:
+        return None
+    if w_rows != 768 or s_rows != 768:
+        return "rows are the output features (gate_proj's out 768); columns run along the input features"
+    hints = []
+    if w_cols != want_w[1]:
+        if w_cols == 2048:
+            hints.append(
+                "the weight is stored as packed uint8 bytes, not one code a byte: FP6 packs four codes into three bytes"
+            )
+        elif w_cols == 1024:
+            hints.append("two codes a byte is FP4's packing: FP6 packs four codes into three bytes")
+        elif w_cols == 2048 * 6:
+            hints.append("that counts bits; the weight's columns count bytes")
+        else:
+            hints.append("the weight's columns are the bytes of one packed row: FP6 packs four codes into three bytes")
+    else:
+        hints.append("the weight shape is right")
+    if s_cols != want_s[1]:
+        if s_cols == 2048 // 16:
+            hints.append("one scale per 16 inputs is NVFP4's; OCP MX shares one E8M0 scale among 32")
+        else:
+            hints.append("weight_scale holds one E8M0 byte per block of 32 inputs")
+    else:
+        hints.append("the weight_scale shape is right")
+    return "; ".join(hints)
+
+
+def solve_fp6_shapes(**_):
+    sh = probes.stored_shapes("w_mxfp6_e2m3", 768, 2048)
+    want = (sh["weight"][0], sh["weight_scale"][0])
+    return want, (
+        f"2048 FP6 codes = 2048 * 6 / 8 = {want[0][1]} bytes a row; 2048 / 32 = {want[1][1]} E8M0 scales a row "
+        f"(probes.stored_shapes): weight {want[0]}, weight_scale {want[1]}."
+    )
+
+
+def _decode_byte_answer():
+    codes = R.unpack_codes(torch.tensor([[0x2B]], dtype=torch.uint8), "e2m1")[0]
+    return tuple(float(v) * 2.0**-10 for v in R.decode_element(codes, "e2m1"))
+
+
+def check_decode_byte(answer, **_):
+    want = _decode_byte_answer()
+    got = as_tuple(answer)
+    if not (isinstance(got, tuple) and len(got) == 2 and all(as_number(v) is not None for v in got)):
+        return "give two numbers, (low-nibble weight, high-nibble weight)"
+    got = tuple(as_number(v) for v in got)
+    if got == want:
+        return None
+    if got == want[::-1]:
+        return "the low nibble comes first: 0x2B's low nibble is 0xB, its high nibble 0x2"
+    unscaled = tuple(v / 2.0**-10 for v in want)
+    if got == unscaled:
+        return "those are the e2m1 values; a weight is e2m1 value * block scale * weight_scale_2"
+    if tuple(abs(v) for v in got) == tuple(abs(v) for v in want):
+        return "check the signs: bit 3 of a nibble is the sign bit"
+    if tuple(abs(v) for v in got) == tuple(abs(v) for v in want[::-1]):
+        return "low nibble first, and bit 3 of each nibble is its sign"
+    return (
+        "decode each nibble as sign (bit 3), 2 exponent bits and 1 mantissa bit (X.bit_fields(code, 'e2m1')), then "
+        "multiply by the block scale and weight_scale_2"
+    )
+
+
+def solve_decode_byte(**_):
+    want = _decode_byte_answer()
+    return want, (
+        "low nibble 0xB = 1 01 1 = -1.5, high nibble 0x2 = 0 01 0 = 1.0; times the block scale 1.0 and "
+        f"weight_scale_2 = 2**-10: {want}."
+    )
+
+
+def check_best_4bit(answer, rows=(), **_):
+    by = {r["scheme"]: r for r in rows}
+    answer = str(answer).strip()
+    if answer not in by:
+        return "not a scheme of this run's table: copy a name from its scheme column"
+    four = [r for r in rows if r["bits_per_weight"] == 4.25]
+    best = max(four, key=lambda r: r["sqnr_db"])["scheme"]
+    if answer == best:
+        return None
+    if by[answer]["bits_per_weight"] != 4.25:
+        return (
+            f"that scheme costs {by[answer]['bits_per_weight']} bits per weight; the question asks among the "
+            "4.25-bit ones"
+        )
+    return "a 4.25-bit scheme, but another 4.25-bit row has a higher sqnr_db: sort those rows by sqnr_db"
+
+
+def solve_best_4bit(rows=(), **_):
+    four = [r for r in rows if r["bits_per_weight"] == 4.25]
+    best = max(four, key=lambda r: r["sqnr_db"])
+    return best["scheme"], (
+        f"Among the 4.25-bit rows ({', '.join(r['scheme'] for r in four)}), the largest sqnr_db is {best['scheme']}'s "
+        f"({best['sqnr_db']:.2f} dB)."
+    )
+
+
+def _nvfp4_bits_32() -> float:
+    return _E2M1.nbits + _E4M3.nbits / 32
+
+
+def check_nvfp4_bits_32(answer, **_):
+    v = as_number(answer)
+    if v is None:
+        return "give a number of bits, e.g. 4.5 or '9/2'"
+    want = _nvfp4_bits_32()
+    if abs(v - want) <= 1e-9 * want:
+        return None
+    if v == _E2M1.nbits + _E4M3.nbits / 16:
+        return "that is NVFP4 with its blocks of 16; with 32 the 8-bit scale is shared by twice as many weights"
+    if v == _E2M1.nbits:
+        return "scales included: each block's 8-bit e4m3 scale is spread over its weights"
+    if v == _E2M1.nbits + 4 / 32:
+        return "an e4m3 scale takes 8 bits, not 4"
+    if v == _E4M3.nbits / 32:
+        return "add the element's own 4 bits to the scale's share"
+    return "bits per weight = element bits + scale bits / block size"
+
+
+def solve_nvfp4_bits_32(**_):
+    want = _nvfp4_bits_32()
+    return want, f"4 element bits + 8 scale bits / 32 weights = {want}: the same cost as an MX block's E8M0 scale."
+
+
+def _packed_bytes() -> int:
+    sh = [probes.stored_shapes("nvfp4", o, i) for o, i in ((2 * 768, 2048), (2048, 768))]
+    return 128 * sum(math.prod(s["weight"][0]) + math.prod(s["weight_scale"][0]) for s in sh)
+
+
+def check_packed_bytes(answer, **_):
+    v = as_number(answer)
+    if v is None or v <= 0:
+        return "give a positive number of bytes"
+    want = _packed_bytes()
+    ratio = v / want
+    if abs(ratio - 1) <= 0.01:
+        return None
+    for factor, hint in (
+        (2 / (9 / 16), "that is the bf16 size: 2 bytes a weight; NVFP4 stores half a byte a weight plus the scales"),
+        (1 / (9 / 16), "one byte a weight: FP4 packs two codes into a byte"),
+        ((1 / 2) / (9 / 16), "weights only: add one e4m3 scale byte per 16 weights"),
+        ((1 / 2 + 1 / 32) / (9 / 16), "one scale byte per 32 weights is OCP MX's; NVFP4 has one per 16"),
+        (8.0, "that counts bits; the question asks for bytes"),
+        (1 / 128, "that is one expert; the layer has 128"),
+        (2 / 3, "w13 is [2 * 768, 2048] (gate and up stacked) and w2 [2048, 768]: count both, w13 twice as large"),
+        (1 / 3, "w13 is [2 * 768, 2048] (gate and up stacked) and w2 [2048, 768]: count both"),
+    ):
+        if abs(ratio / factor - 1) <= 0.01:
+            return hint
+    return "bytes = 128 experts * weights per expert * (1/2 byte for the code + 1/16 byte for the scale)"
+
+
+def solve_packed_bytes(**_):
+    want = _packed_bytes()
+    return want, (
+        f"128 * 3 * 768 * 2048 weights, half a byte each plus one e4m3 scale byte per 16 = 9/16 byte a weight: "
+        f"{want} bytes (~{want / 1e6:.0f} MB, against 1.21 GB in bf16)."
+    )
+
+
+def _dequant_wins_at(rows, scheme="nvfp4"):
+    rows = sorted((r for r in rows if r["scheme"] == scheme), key=lambda r: r["M"])
+    return rows, next((r["M"] for r in rows if r["dequant_graph_ms"] < r["fused_graph_ms"]), None)
+
+
+def check_dequant_wins_at(answer, rows=(), scheme="nvfp4", **_):
+    ordered, want = _dequant_wins_at(rows, scheme)  # ``scheme``: a benchmark row's label (data), not a format lookup
+    m = as_int(answer)
+    by = {r["M"]: r for r in ordered}
+    if m is None or m not in by:
+        return "not a token count of the recorded rows: read the M column of the table"
+    if m == want:
+        return None
+    r = by[m]
+    if r["dequant_graph_ms"] >= r["fused_graph_ms"]:
+        return (
+            f"at M = {m} the fused path is faster ({r['fused_graph_ms']:.3g} ms against "
+            f"{r['dequant_graph_ms']:.3g} ms): look at larger M"
+        )
+    return "vLLM's emulation design wins there, but already at a smaller M: the question asks for the smallest"
+
+
+def solve_dequant_wins_at(rows=(), scheme="nvfp4", **_):
+    ordered, want = _dequant_wins_at(rows, scheme)
+    return want, (
+        f"Reading the {scheme} rows in order of M, dequant_graph_ms first drops below fused_graph_ms at M = {want}: "
+        "there the bf16 GEMM's efficiency outweighs writing the dequantized weights."
+    )

@@ -1,0 +1,163 @@
+"""The notebooks' exercise checkers teach: each solution passes, each typical wrong answer gets a hint,
+and no hint contains the expected answer in any printed form (``mxlib.workbook.exercises``).
+
+The expected answers here are independent of the checkers' code: hand-computed from the spec values
+(OCP MX v1.0 section 5.3 grids, the E8M0 bias 127, the packing of FP4 and FP6 codes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mxlib.workbook import checks, exercises
+
+# name -> (context, the expected answer by hand, equivalent right forms, typical wrong answers)
+E4M3_300 = 0x79  # 300 lies between 288 = 1.125 * 2^8 (0 1111 001) and 320: nearer 288
+ROWS_03 = [
+    dict(scheme="w_mxfp4_a_mxfp4", bits_per_weight=4.25, sqnr_db=20.0),
+    dict(scheme="w_mxfp4", bits_per_weight=4.25, sqnr_db=21.0),
+    dict(scheme="w_mxfp6_e2m3", bits_per_weight=6.25, sqnr_db=30.0),
+]
+ROWS_05 = [
+    dict(scheme="nvfp4", M=m, dequant_graph_ms=d, fused_graph_ms=f)
+    for m, d, f in ((1, 2.0, 1.0), (16, 2.0, 1.0), (256, 1.0, 2.0), (1024, 0.5, 2.0))
+]
+PACKED = 128 * 3 * 768 * 2048 * 9 // 16  # half a byte a weight plus one e4m3 byte per 16
+
+CASES = {
+    "00.even_saturates": (
+        {},
+        None,  # a block: any with amax significand in (1.5, 1.75)
+        [[6.5] + [0.0] * 31, [-3.3] + [0.1] * 31],
+        [[7.0] + [0.0] * 31, [6.0] + [0.0] * 31, [1.0] * 32, [0.0] * 32, [1.0] * 5, ["a"] * 32],
+    ),
+    "00.e8m0_byte": (
+        {},
+        123,  # 0.4 = 1.6 * 2^-2; 1.6 rounds to 1.5 with one mantissa bit: e = -2 - 2 = -4, byte 123
+        [123, "123", "0x7B", "0x7b", "0b1111011", 123.0],
+        [125, 124, -4, 0.0625, "abc", 300],
+    ),
+    "00.flush_ratio": ({}, None, [2.0**-21, 1e-7], [1.0, 2.0**-12, 2.0**-17, 2.0, 0.0, "x"]),
+    "01.fp6_shapes": (
+        {},
+        ((768, 1536), (768, 64)),
+        [((768, 1536), (768, 64)), [[768, 1536], [768, 64]], ([768, 1536], (768, 64))],
+        [
+            ((768, 1024), (768, 64)),
+            ((768, 2048), (768, 64)),
+            ((768, 1536), (768, 128)),
+            ((2048, 1536), (2048, 64)),
+            ((768, 12288), (768, 64)),
+            (768, 1536),
+            "no",
+        ],
+    ),
+    "01.decode_byte": (
+        {},
+        (-1.5 * 2**-10, 1.0 * 2**-10),  # low nibble 0xB = 1 01 1 = -1.5, high 0x2 = 0 01 0 = 1.0
+        [(-1.5 * 2**-10, 2**-10), [-1.5 * 2**-10, 2**-10]],
+        [(2**-10, -1.5 * 2**-10), (-1.5, 1.0), (1.5 * 2**-10, 2**-10), (0.5, 0.25), 3],
+    ),
+    "02.floor_clips": (
+        {},
+        None,
+        [[960.0] + [1.0] * 31, [900.0] + [0.0] * 31],
+        [[1.0] * 32, [448.0] + [0.0] * 31, [0.0] * 32, [1.0] * 5, [math.inf] + [0.0] * 31],
+    ),
+    "02.e4m3_code": (
+        {},
+        E4M3_300,
+        [0x79, 121, "0x79", "0X79", "121", "0b01111001", "0 1111 001"],
+        [0x7A, 0x78, 0xF9, 300, 0x7E, 0x7F, 0x40, 512, "three hundred"],
+    ),
+    "02.outlier_gap": ({}, None, None, [1, 10, 1000, 10000, 5, "x"]),
+    "03.best_4bit": ({"rows": ROWS_03}, "w_mxfp4", ["w_mxfp4"], ["w_mxfp4_a_mxfp4", "w_mxfp6_e2m3", "zz"]),
+    "03.nvfp4_bits_32": ({}, 4.25, [4.25, "4.25", "17/4", 17 / 4], [4.5, 4, 4.125, 0.25, 5, "many"]),
+    "04.subnormal_loss": ({}, None, [2.0**-16.5], [2.0**-12, 2.0**-21, 1.0, 0.0, 2.0]),
+    "04.first_flush": ({}, 2.0**-19, [2.0**-19, "2**-19", "2^-19"], [2.0**-18, 2.0**-20, 3 * 2.0**-21, 19, 0.0]),
+    "05.packed_bytes": (
+        {},
+        PACKED,
+        [PACKED, float(PACKED), str(PACKED), PACKED * 1.005],
+        [
+            128 * 3 * 768 * 2048 * 2,  # bf16
+            128 * 3 * 768 * 2048,  # a byte a weight
+            128 * 3 * 768 * 2048 // 2,  # no scales
+            128 * 3 * 768 * 2048 * 17 // 32,  # MX's scale per 32
+            PACKED * 8,  # bits
+            PACKED // 128,  # one expert
+            PACKED * 2 // 3,  # w13 counted once
+            PACKED // 3,  # w2 only
+            12345,
+            -1,
+        ],
+    ),
+    "05.dequant_wins_at": ({"rows": ROWS_05}, 256, [256, "256"], [16, 1, 1024, 7]),
+}
+
+
+def _printed_forms(want) -> set[str]:
+    """The ways an answer could appear in a message: repr, str, %g, hex and binary for integers, 2^-n for powers
+    of two; for a tuple its repr and those of the elements that the prompt does not already state."""
+    if isinstance(want, tuple):
+        return {repr(want), str(want)}
+    if isinstance(want, str):
+        return {want}
+    forms = {repr(want), str(want), f"{want:g}"}
+    if isinstance(want, int) or float(want).is_integer():
+        n = int(want)
+        forms |= {str(n), hex(n), f"0x{n:02X}", bin(n), f"{n:08b}", f"{n / 1e6:.0f} MB", f"{n:.3g}", f"{n:.4g}"}
+    m, e = math.frexp(float(want))
+    if m == 0.5 and e < 0:
+        forms |= {f"2**-{1 - e}", f"2^-{1 - e}", f"2 ** -{1 - e}", f"{want:.3g}"}
+    return forms
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_right_answers_pass_wrong_answers_hint_without_the_answer(name, capsys):
+    context, want, right, wrong = CASES[name]
+    solution = exercises.show_solution(name, **context)
+    out = capsys.readouterr().out
+    assert out.startswith(f"{name}: ") and "answer:" in out
+    if want is not None:
+        assert solution == pytest.approx(want) if not isinstance(want, tuple) else solution == want
+    assert exercises.check_exercise(name, solution, **context)
+    assert capsys.readouterr().out == "right\n"
+    for answer in right or []:
+        assert checks.check_exercise(name, answer, **context), (name, answer)
+        capsys.readouterr()
+    known = want if want is not None else solution
+    forms = set() if isinstance(known, list) else _printed_forms(known)  # a block: many answers pass
+    hints = set()
+    for answer in wrong:
+        assert not checks.check_exercise(name, answer, **context), (name, answer)
+        out = capsys.readouterr().out
+        assert out.startswith("not yet: ") and len(out) > 30, (name, answer, out)
+        leaked = [f for f in forms if f in out]
+        assert not leaked, (name, answer, out, leaked)
+        hints.add(out)
+    assert len(hints) >= min(3, len(wrong)), hints  # targeted hints, not one message for every mistake
+
+
+def test_every_exercise_is_tested_and_unknown_names_raise():
+    assert set(CASES) == set(exercises.EXERCISES) == set(checks.EXERCISES)
+    with pytest.raises(KeyError, match="name"):
+        checks.check_exercise("99.nothing", 0)
+    with pytest.raises(KeyError, match="name"):
+        checks.show_solution("99.nothing")
+
+
+def test_outlier_gap_answer_is_the_smallest_qualifying_magnitude():
+    from mxlib.workbook import explorers
+
+    gaps = {}
+    for s in (1, 10, 100, 1000, 10000):
+        r = explorers.outlier_scale_sqnr(s, schemes=("mxfp4", "nvfp4"))
+        gaps[s] = r["nvfp4"] - r["mxfp4"]
+    want = min(s for s, g in gaps.items() if g > 3.0)
+    assert exercises.show_solution("02.outlier_gap") == want
+    larger = [s for s, g in gaps.items() if g > 3.0 and s > want]
+    for s in larger:  # qualifies, but not the smallest: a hint that says so
+        assert not exercises.check_exercise("02.outlier_gap", s)
