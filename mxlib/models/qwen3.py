@@ -21,6 +21,7 @@ __all__ = [
     "MODEL_PRESETS",
     "model_preset_overrides",
     "empty_qwen3_moe",
+    "tied_parameter_names",
     "dummy_qwen3_moe",
     "expert_weights",
     "swap_experts",
@@ -127,10 +128,27 @@ def _no_init():
 
 def empty_qwen3_moe(config: Qwen3MoeConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Qwen3MoeForCausalLM:
     """The transformers model with uninitialized parameters (no init cost, and pages are only
-    touched when written, so experts replaced before use cost no memory)."""
+    touched when written, so experts replaced before use cost no memory).
+
+    With ``config.tie_word_embeddings`` the output head is the input embedding (one parameter,
+    ``lm_head.weight is model.embed_tokens.weight``), as transformers' ``from_pretrained`` and vLLM
+    tie it: ``no_init_weights`` skips transformers' own tie, so it is made here."""
     with _no_init(), torch.device(device):
         model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def tied_parameter_names(model) -> set[str]:
+    """State-dict names that are another parameter under a second name (``lm_head.weight`` of a model
+    with tied word embeddings): a checkpoint stores only the first, as transformers' ``save_pretrained``
+    does, and the loader ties them again."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
+        return {"lm_head.weight"}
+    return set()
 
 
 def moe_layers(model) -> list:
