@@ -30,11 +30,19 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
 from .inspect_tables import expert_tensors_by_layer, signature_diff
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
 from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
 
-__all__ = ["MODEL_INT_FIELDS", "check_model_fields", "layers_on_disk", "check_model_config", "model_config"]
+__all__ = [
+    "MODEL_INT_FIELDS",
+    "check_model_fields",
+    "layers_on_disk",
+    "check_model_config",
+    "model_config",
+    "check_scale_strategy",
+]
 
 # config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts)
 MODEL_INT_FIELDS = (
@@ -174,7 +182,7 @@ def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int,
     if not quantized:
         return
     prefix = f"model.layers.{quantized[0]}.mlp.experts"
-    if any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
+    if not every_layer and any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
         return  # the loader refuses these with its own message
     # the rows of expert 0's weights (packed or not) are the sizes a layout allocates with: bounded first
     for proj, rows, field in (("gate_proj", i, "moe_intermediate_size"), ("down_proj", h, "hidden_size")):
@@ -195,3 +203,30 @@ def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int,
         diff = signature_diff(first, by_layer.get(layer, {}), f"model.layers.{layer}.mlp.experts.")
         if diff:
             raise CheckpointError(f"layer {layer}'s expert tensors differ from layer {quantized[0]}'s: {diff}")
+
+
+def check_scale_strategy(scale_strategy: str, scheme=None) -> None:
+    """``scale_strategy`` must be a name of ``ACTIVATION_SCALE_STRATEGIES``, and one the scheme's experts apply.
+
+    Only NVFP4 experts unify per-expert activation scales by a strategy (``mxlib.moe.scales``). The OCP MX
+    experts with static FP8 activations (Quark's ``_a_fp8``) take one scale per layer, the largest of the
+    per-expert ``input_scale`` values, as vLLM's Quark FP8 MoE path does (``w13_input_scale.max()``); their
+    kernels have no per-expert activation scale to unify otherwise, and the schemes with dynamic or no
+    activation quantization have no static scale at all. So for those schemes a strategy other than ``max``
+    is refused instead of being ignored.
+
+    Raises:
+        ValueError: an unknown name, or one other than ``max`` for a scheme whose experts cannot apply it.
+    """
+    if scale_strategy not in ACTIVATION_SCALE_STRATEGIES:
+        raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {scale_strategy!r}")
+    if scheme is not None and not scheme.weight.has_global_scale and scale_strategy != "max":
+        what = (
+            "takes one static FP8 input scale per layer, the max over the experts (vLLM's Quark FP8 MoE)"
+            if scheme.static_activation_scale
+            else "has no static activation scale to unify"
+        )
+        raise ValueError(
+            f"scale_strategy: {scale_strategy!r} cannot be applied to {scheme.name} checkpoints: the scheme {what}; "
+            f"expected 'max'"
+        )

@@ -20,9 +20,8 @@ from tqdm import tqdm
 
 from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
-from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
 from ..qwen3 import empty_qwen3_moe, swap_experts
-from .bounds import check_model_config, check_model_fields
+from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
     LAYOUTS,
     PROJS,
@@ -95,33 +94,6 @@ def _read_model_config(cfg_path: Path) -> dict:
     cfg = read_json(cfg_path, "a transformers model config")
     check_model_fields(cfg, cfg_path)
     return cfg
-
-
-def check_scale_strategy(scale_strategy: str, scheme=None) -> None:
-    """``scale_strategy`` must be a name of ``ACTIVATION_SCALE_STRATEGIES``, and one the scheme's experts apply.
-
-    Only NVFP4 experts unify per-expert activation scales by a strategy (``mxlib.moe.scales``). The OCP MX
-    experts with static FP8 activations (Quark's ``_a_fp8``) take one scale per layer, the largest of the
-    per-expert ``input_scale`` values, as vLLM's Quark FP8 MoE path does (``w13_input_scale.max()``); their
-    kernels have no per-expert activation scale to unify otherwise, and the schemes with dynamic or no
-    activation quantization have no static scale at all. So for those schemes a strategy other than ``max``
-    is refused instead of being ignored.
-
-    Raises:
-        ValueError: an unknown name, or one other than ``max`` for a scheme whose experts cannot apply it.
-    """
-    if scale_strategy not in ACTIVATION_SCALE_STRATEGIES:
-        raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {scale_strategy!r}")
-    if scheme is not None and not scheme.weight.has_global_scale and scale_strategy != "max":
-        what = (
-            "takes one static FP8 input scale per layer, the max over the experts (vLLM's Quark FP8 MoE)"
-            if scheme.static_activation_scale
-            else "has no static activation scale to unify"
-        )
-        raise ValueError(
-            f"scale_strategy: {scale_strategy!r} cannot be applied to {scheme.name} checkpoints: the scheme {what}; "
-            f"expected 'max'"
-        )
 
 
 def _experts_excluded(exclude: list[str], layer: int) -> bool:
