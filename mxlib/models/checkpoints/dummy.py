@@ -28,34 +28,133 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import Qwen3MoeConfig
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 from ..calibration import calibrate
-from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
+from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides, tied_parameter_names
+from .bounds import check_model_fields, model_config
+from .headers import open_regular, read_json
 from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
-from .safetensors_io import INDEX_NAME, SHARD_BYTES, atomic_folder, write_shards
+from .safetensors_io import SHARD_BYTES, atomic_folder, write_shards
 
-__all__ = ["dummy_checkpoint_from_config", "dummy_quantization"]
+__all__ = [
+    "dummy_checkpoint_from_config",
+    "dummy_quantization",
+    "dummy_config",
+    "COPIED_FILES",
+    "MAX_DUMMY_LAYERS",
+    "model_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
-_NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
+# what is copied from the config folder besides config.json (and the layouts' legacy config files): the
+# files of a model repository that describe it, each a regular file of at most MAX_COPIED_BYTES
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+MAX_COPIED_BYTES = 64 * 2**20
+# more layers than any released MoE has (DeepSeek-V3 61, Qwen3-235B-A22B 94): a dummy build's time grows
+# with the layers, so a config asking for more is refused before anything is built
+MAX_DUMMY_LAYERS = 512
+
+
+def model_bytes(cfg: dict) -> int:
+    """bf16 bytes of the Qwen3-MoE a checked config dict describes (embedding, head unless tied, every
+    layer's attention, router, experts and norms)."""
+    h, e, i = cfg["hidden_size"], cfg.get("num_experts", cfg.get("num_local_experts")), cfg["moe_intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = 2 * h * q + 2 * h * kv + e * h + 3 * e * h * i + 2 * h + 2 * hd
+    head = 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * h
+    return 2 * (cfg["vocab_size"] * h + head + h + cfg["num_hidden_layers"] * per_layer)
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def dummy_config(
+    config_dir: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    model_preset: str | None = None,
+    overrides: dict | None = None,
+) -> tuple[Path, dict, dict, dict]:
+    """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
+    is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
+
+    The rules: the model fields positive integers, ``num_experts_per_tok <= num_experts``, heads a
+    multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
+    ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
+
+    Raises:
+        CheckpointError: ``config.json`` missing, not a regular file or not a JSON object; a field breaking
+            a rule (naming ``config.json`` or ``overrides`` and the field).
+        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
+    """
+    cfg_path = Path(config_dir) / "config.json"
+    source = read_json(cfg_path, "a transformers model config")
+    cfg_dict = dict(source)
+    total = cfg_dict.get("num_hidden_layers")
+    if num_hidden_layers is not None:
+        if not (
+            isinstance(num_hidden_layers, int)
+            and not isinstance(num_hidden_layers, bool)
+            and 1 <= num_hidden_layers <= (total if isinstance(total, int) else num_hidden_layers)
+        ):
+            raise ValueError(
+                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
+            )
+        cfg_dict["num_hidden_layers"] = num_hidden_layers
+    changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
+    changes.update(overrides or {})
+    cfg_dict.update(changes)
+    where = f"{cfg_path}" + (" with the preset's and overrides' sizes" if changes else "")
+    fields = check_model_fields(cfg_dict, where)
+    if fields["num_hidden_layers"] > MAX_DUMMY_LAYERS:
+        raise CheckpointError(
+            f"{where}: num_hidden_layers: expected at most {MAX_DUMMY_LAYERS} for a dummy build, found "
+            f"{fields['num_hidden_layers']}; cut it with num_hidden_layers= (--layers)"
+        )
+    need, have = model_bytes(cfg_dict), _memory_bytes()
+    if have is not None and need > have:
+        raise CheckpointError(
+            f"{where}: the model these sizes describe takes {need / 1e9:.3g} GB of bf16 weights, more than this "
+            f"machine's {have / 1e9:.3g} GB of memory (hidden_size={fields['hidden_size']}, num_experts="
+            f"{fields['num_experts']}, moe_intermediate_size={fields['moe_intermediate_size']}, vocab_size="
+            f"{fields['vocab_size']}, num_hidden_layers={fields['num_hidden_layers']})"
+        )
+    return cfg_path, source, changes, cfg_dict
 
 
 def _linear_modules(model) -> list[str]:
-    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head``)."""
+    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head`` unless it
+    is the tied embedding)."""
+    tied = tied_parameter_names(model)
     return [
         n[: -len(".weight")]
         for n, p in model.state_dict().items()
-        if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n
+        if n.endswith(".weight")
+        and p.ndim == 2
+        and ".mlp.experts." not in n
+        and "embed_tokens" not in n
+        and n not in tied
     ]
 
 
@@ -93,9 +192,9 @@ def dummy_quantization(
     """
     config_dir = Path(config_dir)
     cfg_path = config_dir / "config.json"
-    if not cfg_path.exists():
+    if not (cfg_path.exists() or cfg_path.is_symlink()):
         raise CheckpointError(f"config_dir: {config_dir} has no config.json")
-    quantized = json.loads(cfg_path.read_text()).get("quantization_config") is not None or any(
+    quantized = read_json(cfg_path, "a transformers model config").get("quantization_config") is not None or any(
         lay.read_legacy(config_dir) is not None for lay in LAYOUTS.values()
     )
     if quantized:
@@ -159,9 +258,11 @@ def dummy_checkpoint_from_config(
 
     Returns:
         ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
-        is the source's with ``num_hidden_layers`` and the overrides applied; every other JSON file
-        of ``config_dir`` is copied unchanged (for an unquantized config, with ``scheme``'s
-        ``quantization_config`` and the layout's extra files added).
+        is the source's with ``num_hidden_layers`` and the overrides applied; of the other files of
+        ``config_dir`` only the layouts' legacy config files and ``COPIED_FILES`` are copied, unchanged
+        (regular files of at most 64 MiB; anything else there is left out), and for an unquantized
+        config ``scheme``'s ``quantization_config`` and the layout's extra files are added. With
+        ``tie_word_embeddings`` the head is the embedding and ``lm_head.weight`` is not stored.
 
     Raises:
         CheckpointError: no ``config.json``; an unquantized config without ``scheme``; a quantization
@@ -169,28 +270,18 @@ def dummy_checkpoint_from_config(
             the field); a config that quantizes modules other than the MoE experts when the layout
             writes no quantized linear layers (``supports_linear`` false), or quantizes modules that
             are not ``nn.Linear`` (the routers).
+        CheckpointError: a config ``dummy_config`` refuses (the loader's field rules, a layer count
+            above ``MAX_DUMMY_LAYERS``, a model larger than this machine's memory), checked before
+            anything is built; a copied file that is not a regular file.
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``; a
             ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
     config_dir = Path(config_dir)
-    cfg_path = config_dir / "config.json"
     info, files = dummy_quantization(config_dir, scheme, layout)
-    source = json.loads(cfg_path.read_text())
     layout = LAYOUTS[info.format]
     scheme = info.scheme
-
-    cfg_dict = dict(source)
-    total = cfg_dict.get("num_hidden_layers")
-    if num_hidden_layers is not None:
-        if not (isinstance(num_hidden_layers, int) and 1 <= num_hidden_layers <= (total or num_hidden_layers)):
-            raise ValueError(
-                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
-            )
-        cfg_dict["num_hidden_layers"] = num_hidden_layers
-    changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
-    changes.update(overrides or {})
-    cfg_dict.update(changes)
-    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in _NOT_CONFIG_KEYS})
+    cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
+    config = model_config(cfg_dict, cfg_path)
 
     model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
     modules = dict(model.named_modules())
@@ -227,11 +318,12 @@ def dummy_checkpoint_from_config(
             for hook in hooks:
                 hook.remove()
 
+    tied = tied_parameter_names(model)  # lm_head.weight of tied embeddings: stored once, as transformers does
     with atomic_folder(out_dir) as tmp:
         state = {
             n: t.detach().to(torch.bfloat16).contiguous()
             for n, t in model.state_dict().items()
-            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax
+            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax and n not in tied
         }
         for m in quantized_linears:
             ins = None
@@ -267,9 +359,14 @@ def dummy_checkpoint_from_config(
         if files is not None:  # an unquantized config: the chosen scheme's quantization config
             out_cfg["quantization_config"], extra = files
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
-        for f in config_dir.glob("*.json"):
-            if f.name not in ("config.json", INDEX_NAME, *extra):
-                shutil.copyfile(f, tmp / f.name)
+        for name in (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files)):
+            f = config_dir / name
+            if name not in extra and (f.exists() or f.is_symlink()) and not (tmp / name).exists():
+                with open_regular(f) as src:  # a regular file only, of at most MAX_COPIED_BYTES
+                    data = src.read(MAX_COPIED_BYTES + 1)
+                if len(data) > MAX_COPIED_BYTES:
+                    raise CheckpointError(f"{f}: larger than {MAX_COPIED_BYTES} bytes; not copied")
+                (tmp / name).write_bytes(data)
         for fname, content in extra.items():
             (tmp / fname).write_text(json.dumps(content, indent=2))
     return Path(out_dir)
