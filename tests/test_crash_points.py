@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxlib.models.checkpoints import atomic_write, safetensors_io
-from mxlib.models.checkpoints.atomic_write import WRITE_MARKER, atomic_folder, is_mxlib_checkpoint
+from mxlib.models import atomic_write
+from mxlib.models.atomic_write import WRITE_MARKER, atomic_folder, is_mxlib_checkpoint
+from mxlib.models.checkpoints import safetensors_io
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

@@ -31,6 +31,8 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
+from .. import untrusted
+from ..untrusted import MODEL_INT_FIELDS
 from .inspect_tables import expert_tensors_by_layer, signature_diff
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
 from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
@@ -44,53 +46,13 @@ __all__ = [
     "check_scale_strategy",
 ]
 
-# config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts)
-MODEL_INT_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    ("num_experts", "num_local_experts"),
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
 
 
-def _field(cfg: dict, keys) -> str:
-    keys = (keys,) if isinstance(keys, str) else keys
-    return next((k for k in keys if k in cfg), keys[0])
-
-
 def check_model_fields(cfg: dict, source) -> dict[str, int]:
-    """Rule 1 of the module docstring on a config dict; ``{field: value}`` (``num_experts`` under that name).
-
-    Raises:
-        CheckpointError: naming ``source`` (a file or ``overrides``), the field, the value found.
-    """
-    out = {}
-    for keys in MODEL_INT_FIELDS:
-        key = _field(cfg, keys)
-        v = cfg.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"{source}: {key}: expected a positive integer, found {v!r}")
-        out[keys if isinstance(keys, str) else keys[0]] = v
-    if out["num_experts_per_tok"] > out["num_experts"]:
-        raise CheckpointError(
-            f"{source}: num_experts_per_tok: expected at most num_experts={out['num_experts']}, found "
-            f"{out['num_experts_per_tok']}"
-        )
-    if out["num_attention_heads"] % out["num_key_value_heads"]:
-        raise CheckpointError(
-            f"{source}: num_attention_heads: expected a multiple of num_key_value_heads={out['num_key_value_heads']}, "
-            f"found {out['num_attention_heads']}"
-        )
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1):
-        raise CheckpointError(f"{source}: head_dim: expected a positive integer, found {head_dim!r}")
-    return out
+    """Rule 1 of the module docstring (``mxlib.models.untrusted.check_model_fields``) as ``CheckpointError``."""
+    return untrusted.check_model_fields(cfg, source, CheckpointError)
 
 
 def model_config(cfg: dict, source) -> Qwen3MoeConfig:

@@ -25,7 +25,6 @@ Every refusal is a ``CheckpointError`` naming the file (and the tensor or field)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from .. import untrusted
+from ..untrusted import MAX_JSON_BYTES
 from .layout import CheckpointError
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "SafetensorsHeaders",
 ]
 
-MAX_JSON_BYTES = 64 * 2**20
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own cap (MAX_HEADER_SIZE)
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -98,72 +98,24 @@ for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
     if hasattr(torch, _attr):
         SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
-_KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
-def _kind(mode: int) -> str:
-    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
-
 
 def open_regular(path: str | os.PathLike):
-    """``path`` opened for reading in binary, only if it is a regular file (module docstring).
+    """``path`` opened for reading in binary, only if it is a regular file (``mxlib.models.untrusted``).
 
     Raises:
         CheckpointError: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
     """
-    path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: expected a regular file, found {_kind(st.st_mode)}")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path}: expected a regular file, found {_kind(st.st_mode)}")
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return os.fdopen(fd, "rb")
+    return untrusted.open_regular(path, CheckpointError)
 
 
 def read_json(path: str | os.PathLike, what: str | None = None, limit: int = MAX_JSON_BYTES) -> dict:
-    """A JSON object from the regular file ``path``, at most ``limit`` bytes.
+    """A JSON object from the regular file ``path``, at most ``limit`` bytes (``mxlib.models.untrusted``).
 
     Raises:
         CheckpointError: naming the file: absent, not a regular file, larger than ``limit``, not UTF-8,
             not JSON, or not an object.
     """
-    path = Path(path)
-    with open_regular(path) as f:
-        try:
-            data = f.read(limit + 1)
-        except OSError as err:
-            raise CheckpointError(f"{path}: cannot be read ({err.strerror})") from None
-    if len(data) > limit:
-        raise CheckpointError(f"{path}: larger than {limit} bytes; expected a JSON config file")
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise CheckpointError(f"{path}: cannot be read as JSON (not UTF-8: {err.reason} at byte {err.start})") from None
-    except (ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({str(err)[:200]})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(
-            f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found {type(value).__name__}"
-        )
-    return value
+    return untrusted.read_json(path, what, limit, CheckpointError, opener=open_regular)
 
 
 def check_shard_name(fname, source: str) -> str:
@@ -192,7 +144,7 @@ def _check_regular(path: Path, what: str) -> None:
     except OSError as err:
         raise CheckpointError(f"{path}: {what} cannot be read ({err.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {what}: expected a regular file, found {_kind(st.st_mode)}")
+        raise CheckpointError(f"{path}: {what}: expected a regular file, found {untrusted.file_kind(st.st_mode)}")
 
 
 def read_weight_map(folder: Path) -> dict[str, str] | None:

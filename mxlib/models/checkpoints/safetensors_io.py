@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .atomic_write import CHECKPOINT_MARKER, WRITE_MARKER, WRITER_VERSION, atomic_folder, is_mxlib_checkpoint
+from ..atomic_write import CHECKPOINT_MARKER, WRITE_MARKER, WRITER_VERSION, atomic_folder, is_mxlib_checkpoint
 from .headers import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
