@@ -7,7 +7,9 @@ torch import: the command line checks its options with these before anything hea
   made of them).
 * ``read_json(path, what, limit, error)``: at most ``limit`` bytes (``MAX_JSON_BYTES``, 64 MiB) read; a
   larger file, bytes that are not UTF-8, text that is not JSON or not an object are refused.
-* ``check_model_fields(cfg, source, error)``: the sizes a Qwen3-MoE config must hold, the loader's rules.
+* ``check_model_fields(cfg, source, error)``: the sizes a Qwen3-MoE config must hold, the loader's rules;
+* ``dummy_config(config_dir, ...)``: the config a dummy build would build, checked with those rules, a
+  layer cap (``MAX_DUMMY_LAYERS``) and this machine's memory (``model_bytes``), before anything is built.
 
 Every refusal is ``error`` (the caller's exception class: ``CheckpointError`` in the loader, ``ValueError``
 on the command line) with a message naming the file and the field.
@@ -21,7 +23,19 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["MAX_JSON_BYTES", "MODEL_INT_FIELDS", "file_kind", "open_regular", "read_json", "check_model_fields"]
+from .presets import MODEL_PRESETS
+
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MODEL_INT_FIELDS",
+    "MAX_DUMMY_LAYERS",
+    "file_kind",
+    "open_regular",
+    "read_json",
+    "check_model_fields",
+    "model_bytes",
+    "dummy_config",
+]
 
 MAX_JSON_BYTES = 64 * 2**20
 
@@ -144,3 +158,82 @@ def check_model_fields(cfg: dict, source, error=ValueError) -> dict[str, int]:
     if head_dim is not None and not _positive_int(head_dim):
         raise error(f"{source}: head_dim: expected a positive integer, found {head_dim!r}")
     return out
+
+
+# more layers than any released MoE has (DeepSeek-V3 61, Qwen3-235B-A22B 94): a dummy build's time grows
+# with the layers, so a config asking for more is refused before anything is built
+MAX_DUMMY_LAYERS = 512
+
+
+def model_bytes(cfg: dict) -> int:
+    """bf16 bytes of the Qwen3-MoE a checked config dict describes (embedding, head unless tied, every
+    layer's attention, router, experts and norms)."""
+    h, e, i = cfg["hidden_size"], cfg.get("num_experts", cfg.get("num_local_experts")), cfg["moe_intermediate_size"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = 2 * h * q + 2 * h * kv + e * h + 3 * e * h * i + 2 * h + 2 * hd
+    head = 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * h
+    return 2 * (cfg["vocab_size"] * h + head + h + cfg["num_hidden_layers"] * per_layer)
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def dummy_config(
+    config_dir: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    model_preset: str | None = None,
+    overrides: dict | None = None,
+    error=ValueError,
+) -> tuple[Path, dict, dict, dict]:
+    """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
+    is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
+
+    The rules: the model fields positive integers, ``num_experts_per_tok <= num_experts``, heads a
+    multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
+    ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
+
+    Raises:
+        error: ``config.json`` missing, not a regular file or not a JSON object; a field breaking
+            a rule (naming ``config.json`` or ``overrides`` and the field).
+        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
+    """
+    cfg_path = Path(config_dir) / "config.json"
+    source = read_json(cfg_path, "a transformers model config", error=error)
+    cfg_dict = dict(source)
+    total = cfg_dict.get("num_hidden_layers")
+    if num_hidden_layers is not None:
+        if not (
+            isinstance(num_hidden_layers, int)
+            and not isinstance(num_hidden_layers, bool)
+            and 1 <= num_hidden_layers <= (total if isinstance(total, int) else num_hidden_layers)
+        ):
+            raise ValueError(
+                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
+            )
+        cfg_dict["num_hidden_layers"] = num_hidden_layers
+    if model_preset is not None and model_preset not in MODEL_PRESETS:
+        raise ValueError(f"model_preset: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
+    changes = dict(MODEL_PRESETS[model_preset]) if model_preset is not None else {}
+    changes.update(overrides or {})
+    cfg_dict.update(changes)
+    where = f"{cfg_path}" + (" with the preset's and overrides' sizes" if changes else "")
+    fields = check_model_fields(cfg_dict, where, error)
+    if fields["num_hidden_layers"] > MAX_DUMMY_LAYERS:
+        raise error(
+            f"{where}: num_hidden_layers: expected at most {MAX_DUMMY_LAYERS} for a dummy build, found "
+            f"{fields['num_hidden_layers']}; cut it with num_hidden_layers= (--layers)"
+        )
+    need, have = model_bytes(cfg_dict), _memory_bytes()
+    if have is not None and need > have:
+        raise error(
+            f"{where}: the model these sizes describe takes {need / 1e9:.3g} GB of bf16 weights, more than this "
+            f"machine's {have / 1e9:.3g} GB of memory (hidden_size={fields['hidden_size']}, num_experts="
+            f"{fields['num_experts']}, moe_intermediate_size={fields['moe_intermediate_size']}, vocab_size="
+            f"{fields['vocab_size']}, num_hidden_layers={fields['num_hidden_layers']})"
+        )
+    return cfg_path, source, changes, cfg_dict

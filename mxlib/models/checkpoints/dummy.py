@@ -35,9 +35,11 @@ from tqdm import tqdm
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
+from .. import untrusted
 from ..calibration import calibrate
-from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides, tied_parameter_names
-from .bounds import check_model_fields, model_config
+from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
+from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
+from .bounds import model_config
 from .headers import open_regular, read_json
 from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
@@ -67,27 +69,6 @@ COPIED_FILES = (
     "chat_template.jinja",
 )
 MAX_COPIED_BYTES = 64 * 2**20
-# more layers than any released MoE has (DeepSeek-V3 61, Qwen3-235B-A22B 94): a dummy build's time grows
-# with the layers, so a config asking for more is refused before anything is built
-MAX_DUMMY_LAYERS = 512
-
-
-def model_bytes(cfg: dict) -> int:
-    """bf16 bytes of the Qwen3-MoE a checked config dict describes (embedding, head unless tied, every
-    layer's attention, router, experts and norms)."""
-    h, e, i = cfg["hidden_size"], cfg.get("num_experts", cfg.get("num_local_experts")), cfg["moe_intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    per_layer = 2 * h * q + 2 * h * kv + e * h + 3 * e * h * i + 2 * h + 2 * hd
-    head = 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * h
-    return 2 * (cfg["vocab_size"] * h + head + h + cfg["num_hidden_layers"] * per_layer)
-
-
-def _memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def dummy_config(
@@ -96,51 +77,8 @@ def dummy_config(
     model_preset: str | None = None,
     overrides: dict | None = None,
 ) -> tuple[Path, dict, dict, dict]:
-    """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
-    is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
-
-    The rules: the model fields positive integers, ``num_experts_per_tok <= num_experts``, heads a
-    multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
-    ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
-
-    Raises:
-        CheckpointError: ``config.json`` missing, not a regular file or not a JSON object; a field breaking
-            a rule (naming ``config.json`` or ``overrides`` and the field).
-        ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
-    """
-    cfg_path = Path(config_dir) / "config.json"
-    source = read_json(cfg_path, "a transformers model config")
-    cfg_dict = dict(source)
-    total = cfg_dict.get("num_hidden_layers")
-    if num_hidden_layers is not None:
-        if not (
-            isinstance(num_hidden_layers, int)
-            and not isinstance(num_hidden_layers, bool)
-            and 1 <= num_hidden_layers <= (total if isinstance(total, int) else num_hidden_layers)
-        ):
-            raise ValueError(
-                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
-            )
-        cfg_dict["num_hidden_layers"] = num_hidden_layers
-    changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
-    changes.update(overrides or {})
-    cfg_dict.update(changes)
-    where = f"{cfg_path}" + (" with the preset's and overrides' sizes" if changes else "")
-    fields = check_model_fields(cfg_dict, where)
-    if fields["num_hidden_layers"] > MAX_DUMMY_LAYERS:
-        raise CheckpointError(
-            f"{where}: num_hidden_layers: expected at most {MAX_DUMMY_LAYERS} for a dummy build, found "
-            f"{fields['num_hidden_layers']}; cut it with num_hidden_layers= (--layers)"
-        )
-    need, have = model_bytes(cfg_dict), _memory_bytes()
-    if have is not None and need > have:
-        raise CheckpointError(
-            f"{where}: the model these sizes describe takes {need / 1e9:.3g} GB of bf16 weights, more than this "
-            f"machine's {have / 1e9:.3g} GB of memory (hidden_size={fields['hidden_size']}, num_experts="
-            f"{fields['num_experts']}, moe_intermediate_size={fields['moe_intermediate_size']}, vocab_size="
-            f"{fields['vocab_size']}, num_hidden_layers={fields['num_hidden_layers']})"
-        )
-    return cfg_path, source, changes, cfg_dict
+    """``mxlib.models.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field."""
+    return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError)
 
 
 def _linear_modules(model) -> list[str]:
@@ -270,7 +208,7 @@ def dummy_checkpoint_from_config(
             the field); a config that quantizes modules other than the MoE experts when the layout
             writes no quantized linear layers (``supports_linear`` false), or quantizes modules that
             are not ``nn.Linear`` (the routers).
-        CheckpointError: a config ``dummy_config`` refuses (the loader's field rules, a layer count
+        CheckpointError: a config ``untrusted.dummy_config`` refuses (the loader's field rules, a layer count
             above ``MAX_DUMMY_LAYERS``, a model larger than this machine's memory), checked before
             anything is built; a copied file that is not a regular file.
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``; a
