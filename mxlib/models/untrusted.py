@@ -92,8 +92,11 @@ def read_json(
     """
     path = Path(path)
     with (opener or (lambda p: open_regular(p, error)))(path) as f:
-        try:
-            data = f.read(limit + 1)
+        try:  # the file's size, not limit + 1 (a read of n bytes allocates n at once)
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(min(size, limit) + 1)
+            if len(data) == min(size, limit) + 1 and len(data) <= limit:  # it grew while being read
+                data += f.read(limit + 1 - len(data))
         except OSError as err:
             raise error(f"{path}: cannot be read ({err.strerror})") from None
     if len(data) > limit:
@@ -213,7 +216,7 @@ def dummy_config(
             and 1 <= num_hidden_layers <= (total if isinstance(total, int) else num_hidden_layers)
         ):
             raise ValueError(
-                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
+                f"num_hidden_layers: expected 1 to the config's num_hidden_layers={total}, got {num_hidden_layers!r}"
             )
         cfg_dict["num_hidden_layers"] = num_hidden_layers
     if model_preset is not None and model_preset not in MODEL_PRESETS:

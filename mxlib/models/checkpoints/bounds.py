@@ -16,8 +16,8 @@ disk:
 5. the experts: the rows of expert 0's ``gate_proj`` / ``down_proj`` weights (packed or not) against
    ``moe_intermediate_size`` / ``hidden_size``, then the layout's own ``read_experts`` on headers
    (``HeaderTensorReader``: dtype, shape and scalar-scale value checks, no weights read) for the first
-   quantized layer, then (``every_layer``) every other layer's per-expert tensors (names, dtypes, shapes)
-   the same as that one's.
+   quantized layer, and with ``every_layer`` for every other one too (the loader's own checks, each layer's
+   allocation bounded by the sizes checked before).
 
 Every failure is a ``CheckpointError`` naming ``config.json`` and the field, or the tensor and its shard.
 """
@@ -33,7 +33,6 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
 from .. import untrusted
 from ..untrusted import MODEL_INT_FIELDS
-from .inspect_tables import expert_tensors_by_layer, signature_diff
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
 from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
 
@@ -156,15 +155,12 @@ def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int,
                 f"{cfg_path}: {field} = {rows}, but tensor {name!r} has shape {list(headers.shape[name])} "
                 f"(in {headers.where[name]})"
             )
-    LAYOUTS[info.format].read_experts(reader, prefix, e, h, i, info)
-    if not every_layer:
-        return
-    by_layer = expert_tensors_by_layer(headers)
-    first = by_layer.get(quantized[0], {})
-    for layer in quantized[1:]:
-        diff = signature_diff(first, by_layer.get(layer, {}), f"model.layers.{layer}.mlp.experts.")
-        if diff:
-            raise CheckpointError(f"layer {layer}'s expert tensors differ from layer {quantized[0]}'s: {diff}")
+    layout = LAYOUTS[info.format]
+    for layer in quantized if every_layer else quantized[:1]:
+        try:
+            layout.read_experts(reader, f"model.layers.{layer}.mlp.experts", e, h, i, info)
+        except RuntimeError as err:  # the allocator, for sizes the headers contradict
+            raise CheckpointError(f"{cfg_path}: the experts of layer {layer} cannot be allocated ({err})") from None
 
 
 def check_scale_strategy(scale_strategy: str, scheme=None) -> None:

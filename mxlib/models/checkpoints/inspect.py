@@ -259,6 +259,12 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         problems.append(f"config: {err}")
         return _done(report, t0)
     qc = cfg.get("quantization_config")
+    for name in dict.fromkeys((*(f for lay in LAYOUTS.values() for f in lay.legacy_files), "generation_config.json")):
+        if (folder / name).exists() or (folder / name).is_symlink():
+            try:  # the loader reads these (a loaded model's save copies them): the same checks
+                read_json(folder / name)
+            except CheckpointError as err:
+                problems.append(f"config: {err}")
     report.producer = _producer(folder, qc)
     layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts", cfg.get("num_local_experts"))
     report.num_hidden_layers, report.num_experts = _positive_int(layers), _positive_int(e)
@@ -286,7 +292,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         check_model_config(
             {k: v for k, v in cfg.items() if k != "quantization_config"}, cfg_path, headers, info, every_layer=True
         )
-        report.layout_ok = info is not None
+        report.layout_ok = info is not None and not problems  # no config file refused either
     except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
         problems.append(f"layout: {err}")
     _tables(report, headers, info, strategies)

@@ -286,11 +286,16 @@ class HeaderTensorReader(TensorReader):
         self.folder = headers.folder
         self._handle = None
         self._name = None
+        self._small: list[str] | None = None
 
     def _read(self, name: str) -> torch.Tensor:
         dtype = SAFETENSORS_DTYPES[self.headers.dtype[name]]
         shape = self.headers.shape[name]
         if math.prod(shape) <= SMALL_NUMEL and dtype.itemsize >= 1 and dtype != torch.bool:
+            if self._small is None:  # every small tensor at once: one pass over each shard
+                h = self.headers
+                self._small = [n for n in h.where if math.prod(h.shape[n]) <= SMALL_NUMEL]
+                h.read_small(self._small)
             data = bytearray(self.headers.read_small([name])[name])
             if len(data) == math.prod(shape) * dtype.itemsize:
                 return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
