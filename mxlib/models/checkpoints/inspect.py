@@ -10,13 +10,17 @@ What it reads:
 * ``config.json`` (and legacy files such as ``hf_quant_config.json``) through the layout registry
   (the steps of the loader's ``read_quant_config``: the same layout parsers);
 * every safetensors header (names, dtypes, shapes: a few kB per shard), through
-  ``safetensors_io.SafetensorsHeaders`` (the loader's index checks, then each shard's header);
-* the data of the **scale scalars only**: tensors whose names end in ``input_scale``,
-  ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
+  ``headers.SafetensorsHeaders``, the loader's own reader (regular files only, the index checked,
+  each header checked as safetensors checks it, names unique across shards): a file it refuses is a
+  problem of the report and gives no tables;
+* the data of the **scale scalars only**: one-element tensors, such as those whose names end in
+  ``input_scale``, ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
   ``input_global_scale``). Never ``weight``, ``weight_packed`` or the ``weight_scale`` block scales.
 
-The layout check runs the layout's own ``read_experts`` on tensors made from the headers (on
-PyTorch's ``meta`` device, so nothing is read), so it checks exactly what the loader checks.
+The layout check is the loader's ``bounds.check_model_config``: the config's sizes against the headers,
+then the layout's own ``read_experts`` on every quantized layer's headers (weights as PyTorch ``meta``
+tensors, scalar scales read and value-checked), so it checks what the loader checks. Every fault of the
+checkpoint is a line of ``problems``; nothing about the checkpoint raises.
 
 Scale conventions, by tensor name: ``input_scale`` / ``weight_scale_2`` are *decode* scales
 (ModelOpt NVFP4 ``amax / (6 * 448)``; Quark's static FP8 ``amax / 448``); ``*global_scale`` are

@@ -168,6 +168,7 @@ def load_quantized_qwen3_moe(
     # every size of the config against the files, before anything is allocated (bounds.py)
     headers = SafetensorsHeaders(folder)
     config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False)
+    source = read_checkpoint_source(folder, info, headers)  # the other config files, read before the build
     device = torch.device(device)
     logger.info(
         "loading %s (%s layout, scheme %s, %d layers) on %s",
@@ -256,7 +257,7 @@ def load_quantized_qwen3_moe(
         setattr(modules[parent], child, em)
     tensors.close()
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
-    _attach(model, read_checkpoint_source(folder, info, headers))
+    _attach(model, source)
     return model.to(device).eval(), info
 
 
