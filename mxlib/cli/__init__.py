@@ -14,9 +14,11 @@ the size of ``--preset``: ``small`` by default (``e2e``: about 35 s of CPU time 
 command's result.
 
 Errors: every option is checked before anything is built. A user's mistake ends with ``mxlib CMD: error:
-MESSAGE`` on stderr and exit code 2, without a traceback: argparse's own checks (types, choices); a
-ValueError or FileNotFoundError raised while the options are checked (a command's ``check``); and a
-``CheckpointError`` (a checkpoint or config the loader refuses) at any time. Any other exception is a bug
+MESSAGE`` (one line) on stderr and exit code 2, without a traceback: argparse's own checks (types, choices);
+the torch-free checks of ``_prechecks`` (sizes bounded by the preset's layers and context, the folders and
+config files named), answered before torch is imported; a ValueError or FileNotFoundError raised while the
+options are checked (a command's ``check``); and a ``CheckpointError`` (a checkpoint or config the loader
+refuses) at any time. Any other exception is a bug
 and shows its traceback. Logging: the library logs through ``logging`` (loggers under ``mxlib``); ``-v``
 shows INFO, ``-vv`` DEBUG, ``-q`` errors only. Progress bars (tqdm, on stderr) show the long steps when
 stderr is a terminal and ``-q`` is not given.
@@ -53,6 +55,14 @@ __all__ = ["main", "build_parser", "PROG"]
 
 PROG = "mxlib"
 DEFAULT_PRESET = "small"  # the model commands' default: light enough for a first try on a CPU
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``PROG CMD: error: MESSAGE`` (exit code 2), without
+    the usage block (``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -125,13 +135,13 @@ def _add_model_options(p: argparse.ArgumentParser, tokens: bool = True, backend:
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The ``mxlib`` parser and its subcommands' action (``.choices``: name -> subparser)."""
     common = _logging_options()
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog=PROG,
         description="\n\n".join(__doc__.split("\n\n")[:3]).replace("``", ""),  # what, the commands, the presets
         formatter_class=_RawHelpFormatter,
         parents=[common],
     )
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def command(name, help, description):
         return sub.add_parser(
@@ -328,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = sub.choices[args.cmd]
     verbose, quiet = getattr(args, "verbose", 0), getattr(args, "quiet", False)
     args.progress = not quiet and sys.stderr.isatty()
+    from ._prechecks import precheck  # here, not at import: --help needs none of it
+
+    try:
+        precheck(args)  # before torch is imported: a mistake is answered at once
+    except ValueError as err:
+        parser.error(str(err))
     check, run = _command(args.cmd)
     from ..models.checkpoints import CheckpointError
 

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoints import dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_qwen3_moe
+from ..models.checkpoints import (
+    CheckpointError,
+    dummy_checkpoint_from_config,
+    inspect_checkpoint,
+    load_quantized_qwen3_moe,
+)
 from ..models.checkpoints.dummy import dummy_quantization
 from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
 from ..workbook import steps as W
@@ -29,8 +34,13 @@ def check_inspect(args) -> None:
 
 
 def inspect_cmd(args) -> dict:
-    """``inspect PATH``: the checkpoint inspector's table on stdout; its report as the JSON result."""
+    """``inspect PATH``: the checkpoint inspector's table on stdout; its report as the JSON result. A checkpoint
+    of which nothing could be read (its config or its safetensors files refused) is the command's error
+    (``CheckpointError``: one line, exit code 2) naming the file."""
     report = inspect_checkpoint(args.path, strategies=args.strategies)
+    unread = [p for p in report.problems if p.startswith(("config: ", "files: "))]
+    if unread and report.tensors_total == 0:  # nothing of the checkpoint could be read: the user's error line
+        raise CheckpointError(unread[0].split(": ", 1)[1])
     print(report.table())
     return report.to_dict()
 

@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..moe.base import TransformersExperts, TritonExperts
+from .presets import MODEL_PRESETS, QWEN3_30B_A3B
 
 __all__ = [
     "QWEN3_30B_A3B",
@@ -21,37 +22,12 @@ __all__ = [
     "MODEL_PRESETS",
     "model_preset_overrides",
     "empty_qwen3_moe",
+    "tied_parameter_names",
     "dummy_qwen3_moe",
     "expert_weights",
     "swap_experts",
     "moe_layers",
 ]
-
-# Qwen/Qwen3-30B-A3B config.json (the values that matter here).
-QWEN3_30B_A3B = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    attention_bias=False,
-    initializer_range=0.02,
-    bos_token_id=151643,
-    eos_token_id=151645,
-)
 
 
 def qwen3_30b_a3b_config(num_hidden_layers: int = 4, **overrides) -> Qwen3MoeConfig:
@@ -68,40 +44,6 @@ def qwen3_30b_a3b_config(num_hidden_layers: int = 4, **overrides) -> Qwen3MoeCon
     cfg.rope_parameters = rp
     cfg.rope_theta = rope_theta
     return cfg
-
-
-# Model sizes by name: overrides of QWEN3_30B_A3B. "qwen3-30b-a3b" is the real shape (the
-# notebooks' default); "small" makes a notebook's Run All take seconds; "tiny" is for tests.
-# Hidden and expert intermediate sizes stay multiples of 32 (the OCP MX block).
-MODEL_PRESETS: dict[str, dict] = {
-    "qwen3-30b-a3b": {},
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        moe_intermediate_size=128,
-        num_experts=16,
-        num_experts_per_tok=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=192,
-        moe_intermediate_size=32,
-        num_experts=16,
-        num_experts_per_tok=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-}
 
 
 def model_preset_overrides(model_preset: str) -> dict:
@@ -127,10 +69,27 @@ def _no_init():
 
 def empty_qwen3_moe(config: Qwen3MoeConfig, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Qwen3MoeForCausalLM:
     """The transformers model with uninitialized parameters (no init cost, and pages are only
-    touched when written, so experts replaced before use cost no memory)."""
+    touched when written, so experts replaced before use cost no memory).
+
+    With ``config.tie_word_embeddings`` the output head is the input embedding (one parameter,
+    ``lm_head.weight is model.embed_tokens.weight``), as transformers' ``from_pretrained`` and vLLM
+    tie it: ``no_init_weights`` skips transformers' own tie, so it is made here."""
     with _no_init(), torch.device(device):
         model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+def tied_parameter_names(model) -> set[str]:
+    """State-dict names that are another parameter under a second name (``lm_head.weight`` of a model
+    with tied word embeddings): a checkpoint stores only the first, as transformers' ``save_pretrained``
+    does, and the loader ties them again."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and lm_head.weight is embed.weight:
+        return {"lm_head.weight"}
+    return set()
 
 
 def moe_layers(model) -> list:

@@ -23,6 +23,8 @@ importing this module without it raises ``ModuleNotFoundError`` naming the extra
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -31,17 +33,46 @@ from importlib import resources
 from pathlib import Path
 from queue import Empty
 
-try:
-    import nbformat
-    import papermill as pm
-    from jupyter_client.channels import AsyncZMQSocketChannel
-    from nbconvert import HTMLExporter
-except ModuleNotFoundError as err:
-    raise ModuleNotFoundError(
-        f"the workbook runner needs the workbook extra, pip install 'mxlib[workbook]' ({err})", name=err.name
-    ) from err
+from ..models.presets import MODEL_PRESETS
 
-from ..models.qwen3 import MODEL_PRESETS
+# the notebook stack, imported when a notebook runs (``pm`` and the others below), so that the options are
+# checked at once; whether it is installed is looked up here, without importing it
+_STACK = ("nbformat", "papermill", "jupyter_client", "nbconvert")
+
+
+def _missing_stack() -> str | None:
+    for name in _STACK:
+        if name in sys.modules:
+            if sys.modules[name] is None:  # an import of it fails
+                return name
+            continue
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None
+
+
+if (_absent := _missing_stack()) is not None:
+    raise ModuleNotFoundError(
+        f"the workbook runner needs the workbook extra, pip install 'mxlib[workbook]' (No module named {_absent!r})",
+        name=_absent,
+    )
+
+
+def __getattr__(name: str):
+    """``pm`` (papermill), ``nbformat``, ``HTMLExporter``, ``AsyncZMQSocketChannel``: imported on first use."""
+    if name == "pm":
+        return importlib.import_module("papermill")
+    if name == "nbformat":
+        return importlib.import_module("nbformat")
+    if name == "HTMLExporter":
+        return importlib.import_module("nbconvert").HTMLExporter
+    if name == "AsyncZMQSocketChannel":
+        return importlib.import_module("jupyter_client.channels").AsyncZMQSocketChannel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "WORKBOOK",
@@ -84,6 +115,8 @@ def poll_kernel_channels_in_slices(seconds: float = CHANNEL_POLL_S) -> None:
     slice. The overall timeout a caller passes is kept. Idempotent; patches
     ``jupyter_client.channels.AsyncZMQSocketChannel.get_msg``.
     """
+    from jupyter_client.channels import AsyncZMQSocketChannel
+
     if getattr(AsyncZMQSocketChannel.get_msg, "_mxlib_sliced", False):
         return
     whole = AsyncZMQSocketChannel.get_msg
@@ -154,6 +187,8 @@ def workbook_entries(notebooks: Path) -> list[tuple[str, str, dict]]:
 
 def _parameter_names(notebook: Path) -> set[str]:
     """Names assigned in a notebook's ``parameters`` cell."""
+    import papermill as pm
+
     return set(pm.inspect_notebook(str(notebook)))
 
 
@@ -163,6 +198,10 @@ def run(
     """Execute the workbook's notebooks from ``notebooks`` into ``out`` (their working directory);
     ``model_preset`` (default ``WORKBOOK_MODEL_PRESET``) goes to every notebook that takes one. Returns
     ``(name, seconds)`` per notebook run. Writes only under ``out`` (and the checkpoint cache)."""
+    import nbformat
+    import papermill as pm
+    from nbconvert import HTMLExporter
+
     poll_kernel_channels_in_slices()
     out.mkdir(parents=True, exist_ok=True)
     (out / "results").mkdir(exist_ok=True)
@@ -227,6 +266,11 @@ def _check_options(args) -> Path:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise _OptionError(f"--out: expected a folder (created if absent), got {args.out!r} (a file)")
+    above = next((q for q in out.parents if q.exists()), None)
+    if above is not None and not above.is_dir():
+        raise _OptionError(
+            f"--out: expected a folder (created if absent), got {args.out!r} (under the file {str(above)!r})"
+        )
     forbidden = forbidden_out(out, notebooks)
     if forbidden is not None:
         raise _OptionError(

@@ -17,7 +17,10 @@ is written in when the caller names none.
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
   scalars only (``inspect_tables``, ``inspect_loss``: its tables and its predicted losses);
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
-* ``safetensors_io``: shards, the index, the atomic folder write, tensor and header reading;
+* ``safetensors_io``: shards written and read (``TensorReader``, ``HeaderTensorReader``); ``headers``: the
+  checked index and safetensors headers, regular files only (``mxlib.models.untrusted``); ``bounds``: a
+  config's sizes against the headers before anything is allocated; the atomic folder write is
+  ``mxlib.models.atomic_write``;
   ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
 """
 

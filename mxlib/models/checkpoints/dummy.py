@@ -28,34 +28,71 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import Qwen3MoeConfig
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
+from .. import untrusted
 from ..calibration import calibrate
-from ..qwen3 import dummy_qwen3_moe, expert_weights, model_preset_overrides
+from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
+from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
+from .bounds import model_config
+from .headers import open_regular, read_json
 from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
-from .safetensors_io import INDEX_NAME, SHARD_BYTES, atomic_folder, write_shards
+from .safetensors_io import SHARD_BYTES, atomic_folder, write_shards
 
-__all__ = ["dummy_checkpoint_from_config", "dummy_quantization"]
+__all__ = [
+    "dummy_checkpoint_from_config",
+    "dummy_quantization",
+    "dummy_config",
+    "COPIED_FILES",
+    "MAX_DUMMY_LAYERS",
+    "model_bytes",
+]
 
 logger = logging.getLogger(__name__)
 
-_NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
+# what is copied from the config folder besides config.json (and the layouts' legacy config files): the
+# files of a model repository that describe it, each a regular file of at most MAX_COPIED_BYTES
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+MAX_COPIED_BYTES = 64 * 2**20
+
+
+def dummy_config(
+    config_dir: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    model_preset: str | None = None,
+    overrides: dict | None = None,
+) -> tuple[Path, dict, dict, dict]:
+    """``mxlib.models.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field."""
+    return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError)
 
 
 def _linear_modules(model) -> list[str]:
-    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head``)."""
+    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head`` unless it
+    is the tied embedding)."""
+    tied = tied_parameter_names(model)
     return [
         n[: -len(".weight")]
         for n, p in model.state_dict().items()
-        if n.endswith(".weight") and p.ndim == 2 and ".mlp.experts." not in n and "embed_tokens" not in n
+        if n.endswith(".weight")
+        and p.ndim == 2
+        and ".mlp.experts." not in n
+        and "embed_tokens" not in n
+        and n not in tied
     ]
 
 
@@ -93,9 +130,9 @@ def dummy_quantization(
     """
     config_dir = Path(config_dir)
     cfg_path = config_dir / "config.json"
-    if not cfg_path.exists():
+    if not (cfg_path.exists() or cfg_path.is_symlink()):
         raise CheckpointError(f"config_dir: {config_dir} has no config.json")
-    quantized = json.loads(cfg_path.read_text()).get("quantization_config") is not None or any(
+    quantized = read_json(cfg_path, "a transformers model config").get("quantization_config") is not None or any(
         lay.read_legacy(config_dir) is not None for lay in LAYOUTS.values()
     )
     if quantized:
@@ -159,9 +196,11 @@ def dummy_checkpoint_from_config(
 
     Returns:
         ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
-        is the source's with ``num_hidden_layers`` and the overrides applied; every other JSON file
-        of ``config_dir`` is copied unchanged (for an unquantized config, with ``scheme``'s
-        ``quantization_config`` and the layout's extra files added).
+        is the source's with ``num_hidden_layers`` and the overrides applied; of the other files of
+        ``config_dir`` only the layouts' legacy config files and ``COPIED_FILES`` are copied, unchanged
+        (regular files of at most 64 MiB; anything else there is left out), and for an unquantized
+        config ``scheme``'s ``quantization_config`` and the layout's extra files are added. With
+        ``tie_word_embeddings`` the head is the embedding and ``lm_head.weight`` is not stored.
 
     Raises:
         CheckpointError: no ``config.json``; an unquantized config without ``scheme``; a quantization
@@ -169,28 +208,18 @@ def dummy_checkpoint_from_config(
             the field); a config that quantizes modules other than the MoE experts when the layout
             writes no quantized linear layers (``supports_linear`` false), or quantizes modules that
             are not ``nn.Linear`` (the routers).
+        CheckpointError: a config ``untrusted.dummy_config`` refuses (the loader's field rules, a layer count
+            above ``MAX_DUMMY_LAYERS``, a model larger than this machine's memory), checked before
+            anything is built; a copied file that is not a regular file.
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``; a
             ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
     config_dir = Path(config_dir)
-    cfg_path = config_dir / "config.json"
     info, files = dummy_quantization(config_dir, scheme, layout)
-    source = json.loads(cfg_path.read_text())
     layout = LAYOUTS[info.format]
     scheme = info.scheme
-
-    cfg_dict = dict(source)
-    total = cfg_dict.get("num_hidden_layers")
-    if num_hidden_layers is not None:
-        if not (isinstance(num_hidden_layers, int) and 1 <= num_hidden_layers <= (total or num_hidden_layers)):
-            raise ValueError(
-                f"num_hidden_layers: expected an integer from 1 to the config's {total}, got {num_hidden_layers!r}"
-            )
-        cfg_dict["num_hidden_layers"] = num_hidden_layers
-    changes = dict(model_preset_overrides(model_preset)) if model_preset is not None else {}
-    changes.update(overrides or {})
-    cfg_dict.update(changes)
-    config = Qwen3MoeConfig(**{k: v for k, v in cfg_dict.items() if k not in _NOT_CONFIG_KEYS})
+    cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
+    config = model_config(cfg_dict, cfg_path)
 
     model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
     modules = dict(model.named_modules())
@@ -227,11 +256,12 @@ def dummy_checkpoint_from_config(
             for hook in hooks:
                 hook.remove()
 
+    tied = tied_parameter_names(model)  # lm_head.weight of tied embeddings: stored once, as transformers does
     with atomic_folder(out_dir) as tmp:
         state = {
             n: t.detach().to(torch.bfloat16).contiguous()
             for n, t in model.state_dict().items()
-            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax
+            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax and n not in tied
         }
         for m in quantized_linears:
             ins = None
@@ -267,9 +297,14 @@ def dummy_checkpoint_from_config(
         if files is not None:  # an unquantized config: the chosen scheme's quantization config
             out_cfg["quantization_config"], extra = files
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
-        for f in config_dir.glob("*.json"):
-            if f.name not in ("config.json", INDEX_NAME, *extra):
-                shutil.copyfile(f, tmp / f.name)
+        for name in (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files)):
+            f = config_dir / name
+            if name not in extra and (f.exists() or f.is_symlink()) and not (tmp / name).exists():
+                with open_regular(f) as src:  # a regular file only, of at most MAX_COPIED_BYTES
+                    data = src.read(MAX_COPIED_BYTES + 1)
+                if len(data) > MAX_COPIED_BYTES:
+                    raise CheckpointError(f"{f}: larger than {MAX_COPIED_BYTES} bytes; not copied")
+                (tmp / name).write_bytes(data)
         for fname, content in extra.items():
             (tmp / fname).write_text(json.dumps(content, indent=2))
     return Path(out_dir)

@@ -10,13 +10,17 @@ What it reads:
 * ``config.json`` (and legacy files such as ``hf_quant_config.json``) through the layout registry
   (the steps of the loader's ``read_quant_config``: the same layout parsers);
 * every safetensors header (names, dtypes, shapes: a few kB per shard), through
-  ``safetensors_io.SafetensorsHeaders`` (the loader's index checks, then each shard's header);
-* the data of the **scale scalars only**: tensors whose names end in ``input_scale``,
-  ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
+  ``headers.SafetensorsHeaders``, the loader's own reader (regular files only, the index checked,
+  each header checked as safetensors checks it, names unique across shards): a file it refuses is a
+  problem of the report and gives no tables;
+* the data of the **scale scalars only**: one-element tensors, such as those whose names end in
+  ``input_scale``, ``weight_scale_2`` or ``global_scale`` (compressed-tensors' ``weight_global_scale`` /
   ``input_global_scale``). Never ``weight``, ``weight_packed`` or the ``weight_scale`` block scales.
 
-The layout check runs the layout's own ``read_experts`` on tensors made from the headers (on
-PyTorch's ``meta`` device, so nothing is read), so it checks exactly what the loader checks.
+The layout check is the loader's ``bounds.check_model_config``: the config's sizes against the headers,
+then the layout's own ``read_experts`` on every quantized layer's headers (weights as PyTorch ``meta``
+tensors, scalar scales read and value-checked), so it checks what the loader checks. Every fault of the
+checkpoint is a line of ``problems``; nothing about the checkpoint raises.
 
 Scale conventions, by tensor name: ``input_scale`` / ``weight_scale_2`` are *decode* scales
 (ModelOpt NVFP4 ``amax / (6 * 448)``; Quark's static FP8 ``amax / 448``); ``*global_scale`` are
@@ -33,17 +37,18 @@ measurement of the checkpoint's activations). The module and scale tables are bu
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...moe.scales import SCALE_STRATEGIES
+from .bounds import check_model_config, check_scale_strategy
+from .headers import read_json
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
-from .inspect_tables import expert_scales, expert_tensors_by_layer, layer_rows, module_tables, signature_diff
-from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_method, matches
-from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
+from .inspect_tables import expert_scales, layer_rows, module_tables
+from .layout import LAYOUTS, CheckpointDescription, CheckpointError, layout_for_method, matches
+from .safetensors_io import SafetensorsHeaders
 
 __all__ = [
     "InspectReport",
@@ -60,19 +65,25 @@ SCALE_SUFFIXES = ("input_scale", "weight_scale_2", "global_scale")
 
 
 def config_description(folder: Path) -> CheckpointDescription:
-    """The steps of ``loader.read_quant_config`` without its file checks and message prefixes:
-    ``config.json``'s ``quantization_config``, else a layout's legacy file, parsed by the layout of
-    its ``quant_method``. Raises the layout parser's ``CheckpointError`` unchanged (the inspector
-    reports its message as a problem; the dummy builder raises it)."""
+    """The steps of ``loader.read_quant_config`` without its message prefixes: ``config.json``'s
+    ``quantization_config`` (a regular file of at most ``MAX_JSON_BYTES``, read with ``read_json``),
+    else a layout's legacy file, parsed by the layout of its ``quant_method``. Raises the layout
+    parser's ``CheckpointError`` unchanged (the inspector reports its message as a problem; the dummy
+    builder raises it), and a ``CheckpointError`` naming the field for a config of the wrong JSON types."""
     cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{folder}: config.json not found")
-    qc = json.loads(cfg_path.read_text()).get("quantization_config")
+    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
     if qc is None:
         qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
     if qc is None:
         raise CheckpointError(f"{folder}: no quantization_config in config.json and no legacy quantization config file")
-    return layout_for_method(qc.get("quant_method")).read_config(qc)
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{cfg_path}: quantization_config: expected an object, found {type(qc).__name__}")
+    try:
+        return layout_for_method(qc.get("quant_method")).read_config(qc)
+    except CheckpointError:
+        raise
+    except (AttributeError, TypeError, KeyError, ValueError) as err:  # a field of the wrong JSON type
+        raise CheckpointError(f"{cfg_path}: quantization_config is malformed ({type(err).__name__}: {err})") from None
 
 
 @dataclass
@@ -197,16 +208,24 @@ class InspectReport:
 
 
 def _producer(folder: Path, qc: dict | None) -> str | None:
-    prod = (qc or {}).get("producer")
+    qc = qc if isinstance(qc, dict) else {}
+    prod = qc.get("producer")
     if prod is None and (folder / "hf_quant_config.json").exists():
-        prod = json.loads((folder / "hf_quant_config.json").read_text()).get("producer")
+        try:
+            prod = read_json(folder / "hf_quant_config.json").get("producer")
+        except CheckpointError:
+            prod = None
     if isinstance(prod, dict):
         return " ".join(str(prod[k]) for k in ("name", "version") if prod.get(k) is not None) or None
     if prod:
-        return str(prod)
+        return str(prod)[:200]
     # no producer entry (Quark, compressed-tensors): the method and the version its config records
-    parts = [str((qc or {}).get(k)) for k in ("quant_method", "version") if (qc or {}).get(k) is not None]
+    parts = [str(qc.get(k))[:80] for k in ("quant_method", "version") if qc.get(k) is not None]
     return " ".join(parts) or None
+
+
+def _positive_int(v) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> InspectReport:
@@ -218,66 +237,90 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         strategies: unification strategies to predict (``mxlib.moe.scales.SCALE_STRATEGIES``).
 
     Returns:
-        ``InspectReport``. Config or layout errors do not raise: they are listed in
-        ``problems`` (with ``layout_ok`` False) so that a checkpoint the loader refuses can
-        still be inspected.
+        ``InspectReport``. Nothing about the checkpoint raises: every file the loader refuses (not
+        there, not a regular file, not JSON, a lying safetensors header, a shard outside the folder),
+        every config or layout error and every config size the files do not hold is a line of
+        ``problems`` naming the file and field (with ``layout_ok`` False), so that a checkpoint the
+        loader refuses can still be inspected. The tables are built only from files the loader's
+        checks accept (``headers.SafetensorsHeaders``): refused headers give no tables. Strategies
+        are predicted only where the loader applies them (``bounds.check_scale_strategy``: NVFP4;
+        for static FP8 activations only ``max``).
 
     Raises:
-        CheckpointError: no ``config.json``, no safetensors file, an index naming a missing
-            shard, or a scale tensor of more than one element.
-        ValueError: an unknown strategy.
+        ValueError: an unknown strategy (the argument, not the checkpoint).
     """
     t0 = time.perf_counter()
     folder = Path(path)
     bad = [s for s in strategies if s not in SCALE_STRATEGIES]
     if bad:
         raise ValueError(f"strategies: expected names from {list(SCALE_STRATEGIES)}, got {bad}")
+    report = InspectReport(str(folder), None, None, None, None, None, None, None, None)
+    problems, notes = report.problems, report.notes
     cfg_path = folder / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{folder}: config.json not found")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = read_json(cfg_path, "a transformers model config")
+    except CheckpointError as err:
+        problems.append(f"config: {err}")
+        return _done(report, t0)
     qc = cfg.get("quantization_config")
-    problems: list[str] = []
-    notes: list[str] = []
+    for name in dict.fromkeys((*(f for lay in LAYOUTS.values() for f in lay.legacy_files), "generation_config.json")):
+        if (folder / name).exists() or (folder / name).is_symlink():
+            try:  # the loader reads these (a loaded model's save copies them): the same checks
+                read_json(folder / name)
+            except CheckpointError as err:
+                problems.append(f"config: {err}")
+    report.producer = _producer(folder, qc)
+    layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts", cfg.get("num_local_experts"))
+    report.num_hidden_layers, report.num_experts = _positive_int(layers), _positive_int(e)
+    report.hidden_size = _positive_int(cfg.get("hidden_size"))
+    report.moe_intermediate_size = _positive_int(cfg.get("moe_intermediate_size"))
     try:
         info = config_description(folder)
     except CheckpointError as err:
         info = None
         problems.append(f"config: {err}")
-    headers = SafetensorsHeaders(folder)
-    quantized, unquantized, quantized_names = module_tables(headers)
-    scales = headers.read_scalars([n for n in headers.where if n.endswith(SCALE_SUFFIXES)])
-    act, gate_up_differ, weight = expert_scales(scales)
-
-    # transformers 5 writes num_experts as num_local_experts
-    layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts", cfg.get("num_local_experts"))
-    h, i = cfg.get("hidden_size"), cfg.get("moe_intermediate_size")
-    layout_ok = False
     if info is not None:
-        layout = LAYOUTS[info.format]
-        checked = [
-            layer
-            for layer in range(layers)
-            if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
-        ]
-        try:
-            if checked:
-                # the layout's own checks on the first quantized layer (meta tensors: nothing read),
-                # then every other layer must hold the same expert tensors (names, dtypes, shapes)
-                layout.read_experts(
-                    HeaderTensorReader(headers), f"model.layers.{checked[0]}.mlp.experts", e, h, i, info
-                )
-                by_layer = expert_tensors_by_layer(headers)
-                first = by_layer.get(checked[0], {})
-                for layer in checked[1:]:
-                    diff = signature_diff(first, by_layer.get(layer, {}), f"model.layers.{layer}.mlp.experts.")
-                    if diff:
-                        raise CheckpointError(
-                            f"layer {layer}'s expert tensors differ from layer {checked[0]}'s: {diff}"
-                        )
-            layout_ok = True
-        except (CheckpointError, ValueError, TypeError) as err:
-            problems.append(f"layout: {err}")
+        report.format, report.scheme, report.exclude = info.format, info.scheme.name, list(info.exclude)
+        report.activation = str(info.scheme.activation) if info.scheme.activation is not None else None
+    elif isinstance(qc, dict) and isinstance(qc.get("ignore"), list):
+        report.exclude = [str(x)[:200] for x in qc["ignore"][:10000]]
+    try:
+        headers = SafetensorsHeaders(folder)
+    except CheckpointError as err:
+        problems.append(f"files: {err}")
+        return _done(report, t0)
+    report.tensors_total = len(headers.where)
+    if headers.unindexed:
+        notes.append(f"{headers.unindexed} tensors of the shards are not in the index; the loader does not see them")
+    try:
+        check_model_config(
+            {k: v for k, v in cfg.items() if k != "quantization_config"}, cfg_path, headers, info, every_layer=True
+        )
+        report.layout_ok = info is not None and not problems  # no config file refused either
+    except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
+        problems.append(f"layout: {err}")
+    _tables(report, headers, info, strategies)
+    report.tensors_read, report.bytes_read = headers.tensors_read, headers.bytes_read
+    return _done(report, t0)
+
+
+def _done(report: InspectReport, t0: float) -> InspectReport:
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _tables(report: InspectReport, headers: SafetensorsHeaders, info, strategies) -> None:
+    """The module, scale and strategy tables of a report, from checked headers."""
+    problems, notes = report.problems, report.notes
+    quantized, unquantized, quantized_names = module_tables(headers)
+    report.quantized, report.unquantized = quantized, unquantized
+    try:
+        scales = headers.read_scalars([n for n in headers.where if n.endswith(SCALE_SUFFIXES)])
+    except CheckpointError as err:
+        problems.append(f"scales: {err}")
+        scales = {}
+    act, gate_up_differ, weight = expert_scales(scales)
+    if info is not None:
         for kind in ("attention", "other"):
             names = quantized_names[kind]
             listed = [n for n in names if matches(n, info.exclude)]
@@ -291,7 +334,6 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
                     f"{len(listed)} quantized {kind} modules are named by the exclude list, e.g. "
                     f"{', '.join(listed[:3])}"
                 )
-
     fused = [r["pattern"] for r in unquantized if ".mlp.experts." in r["pattern"] and ".experts.*." not in r["pattern"]]
     if fused:
         notes.append(
@@ -325,36 +367,27 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
             f"{uncal} (layer, point, expert) input scales are 0 (never calibrated); they get the unified scale"
         )
     wvals = [v for d in weight.values() for v in d.values()]
-    wglobal = None
     if wvals:
         differ = sum(
             1 for d in weight.values() if "gate_proj" in d and "up_proj" in d and d["gate_proj"] != d["up_proj"]
         )
-        wglobal = dict(count=len(wvals), min=min(wvals), max=max(wvals), gate_up_differ=differ)
+        report.weight_global_scales = dict(count=len(wvals), min=min(wvals), max=max(wvals), gate_up_differ=differ)
         if differ:
             notes.append(f"{differ} experts have different gate and up weight global scales; vLLM uses gate's for both")
-    report = InspectReport(
-        path=str(folder),
-        format=info.format if info else None,
-        scheme=info.scheme.name if info else None,
-        activation=str(info.scheme.activation) if info and info.scheme.activation is not None else None,
-        producer=_producer(folder, qc),
-        num_hidden_layers=layers,
-        num_experts=e,
-        hidden_size=h,
-        moe_intermediate_size=i,
-        exclude=list(info.exclude) if info else list((qc or {}).get("ignore") or []),
-        quantized=quantized,
-        unquantized=unquantized,
-        weight_global_scales=wglobal,
-        activation_scales=per_layer,
-        strategies=strategy_rows(act, activation, strategies) if activation is not None else [],
-        layout_ok=layout_ok,
-        problems=problems,
-        notes=notes,
-        tensors_total=len(headers.where),
-        tensors_read=headers.tensors_read,
-        bytes_read=headers.bytes_read,
-    )
-    report.seconds = time.perf_counter() - t0
-    return report
+    report.activation_scales = per_layer
+    if activation is not None:
+        applied = [s for s in strategies if _applies(s, info.scheme)]
+        if len(applied) < len(strategies):
+            notes.append(
+                f"{info.scheme.name}: the loader applies only the scale strategy 'max' (one static FP8 input scale "
+                f"per layer, as vLLM); the other strategies are not predicted"
+            )
+        report.strategies = strategy_rows(act, activation, applied)
+
+
+def _applies(strategy: str, scheme) -> bool:
+    try:
+        check_scale_strategy(strategy, scheme)
+    except ValueError:
+        return False
+    return True

@@ -3,8 +3,6 @@
 * ``module_tables``: quantized modules (those with a ``weight_scale``) and unquantized 2-D float
   weights, as rows of name patterns (layer and expert numbers as ``*``), merged where they differ
   only in the last name;
-* ``expert_tensors_by_layer`` and ``signature_diff``: every layer's per-expert tensors (names,
-  dtypes, shapes) against the first checked layer's;
 * ``expert_scales`` and ``layer_rows``: the per-expert activation decode scales (``a1``: the max
   of gate's and up's, as the loader takes; ``a2``: down's; compressed-tensors' encode
   ``*global_scale`` inverted) and their per (layer, point) summary.
@@ -17,7 +15,7 @@ import re
 
 from .safetensors_io import SafetensorsHeaders
 
-__all__ = ["module_tables", "expert_tensors_by_layer", "signature_diff", "expert_scales", "layer_rows"]
+__all__ = ["module_tables", "expert_scales", "layer_rows"]
 
 _ENCODE_SUFFIX = "global_scale"  # compressed-tensors stores encode scales (6 * 448 / amax)
 _INPUT_SUFFIXES = ("input_scale", "input_global_scale")
@@ -27,35 +25,6 @@ _EXPERT = re.compile(r"^(?:.*\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.(\w+
 _LAYER_NUM = re.compile(r"\.layers\.\d+\.")
 _EXPERT_NUM = re.compile(r"\.experts\.\d+\.")
 _FUSED_EXPERTS = ("gate_up_proj", "down_proj")
-
-
-def expert_tensors_by_layer(h: SafetensorsHeaders) -> dict[int, dict[str, tuple]]:
-    """``{layer: {"E.proj.suffix": (dtype, shape)}}`` of the per-expert tensors, from the headers."""
-    out: dict[int, dict[str, tuple]] = {}
-    for name in h.where:
-        m = _EXPERT.match(name)
-        if m:
-            out.setdefault(int(m[1]), {})[f"{m[2]}.{m[3]}.{m[4]}"] = (h.dtype[name], h.shape[name])
-    return out
-
-
-def signature_diff(want: dict, got: dict, prefix: str) -> str:
-    """What differs between two ``{"E.proj.suffix": (dtype, shape)}`` maps, or ""."""
-    missing = sorted(set(want) - set(got))
-    extra = sorted(set(got) - set(want))
-    changed = sorted(k for k in set(want) & set(got) if want[k] != got[k])
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing, e.g. {prefix}{missing[0]}")
-    if extra:
-        parts.append(f"{len(extra)} unexpected, e.g. {prefix}{extra[0]}")
-    if changed:
-        k = changed[0]
-        parts.append(
-            f"{len(changed)} of another dtype or shape, e.g. {prefix}{k}: expected {want[k][0]} "
-            f"{list(want[k][1])}, found {got[k][0]} {list(got[k][1])}"
-        )
-    return "; ".join(parts)
 
 
 def _pattern(module: str) -> str:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import Qwen3MoeConfig
 
 from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ..qwen3 import empty_qwen3_moe, swap_experts
+from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
     LAYOUTS,
     PROJS,
@@ -31,10 +31,10 @@ from .layout import (
     layout_for_method,
     matches,
 )
-from .safetensors_io import TensorReader, read_json
+from .safetensors_io import SafetensorsHeaders, TensorReader, read_json
 from .saving import _attach, read_checkpoint_source
 
-__all__ = ["read_quant_config", "load_quantized_qwen3_moe"]
+__all__ = ["read_quant_config", "load_quantized_qwen3_moe", "check_scale_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,28 +90,9 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
     return info
 
 
-# config.json fields the loader needs, all positive ints
-# (transformers 5 writes num_experts as num_local_experts)
-_CONFIG_INTS = (
-    "hidden_size",
-    "num_hidden_layers",
-    ("num_experts", "num_local_experts"),
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-)
-
-
 def _read_model_config(cfg_path: Path) -> dict:
     cfg = read_json(cfg_path, "a transformers model config")
-    for keys in _CONFIG_INTS:
-        keys = (keys,) if isinstance(keys, str) else keys
-        key = next((k for k in keys if k in cfg), keys[0])
-        v = cfg.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise CheckpointError(f"{cfg_path}: {key}: expected a positive integer, found {v!r}")
+    check_model_fields(cfg, cfg_path)
     return cfg
 
 
@@ -155,8 +136,15 @@ def load_quantized_qwen3_moe(
             files, unsupported configs, quantized modules that are not linear layers, fused
             unquantized experts (a Quark export made without ``preprocess_for_quantization``); the
             message names the file and the tensor or field.
-        ValueError: an unknown ``backend`` or a ``num_hidden_layers`` that is not a positive
-            integer (checked before anything is read).
+        ValueError: an unknown ``backend``, a ``num_hidden_layers`` that is not a positive integer,
+            an unknown ``scale_strategy`` (checked before anything is read), or a ``scale_strategy`` other
+            than ``max`` for a scheme whose experts cannot apply it (``check_scale_strategy``).
+
+    Every size of ``config.json`` is checked against the safetensors headers before any tensor is
+    allocated (``bounds.check_model_config``): a config naming more layers, a larger hidden size or
+    more experts than the files hold is refused in milliseconds, naming the field. With
+    ``tie_word_embeddings`` the output head is the input embedding (``lm_head.weight`` need not be
+    stored; a stored one is not read), as transformers ties it.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
@@ -164,8 +152,10 @@ def load_quantized_qwen3_moe(
         not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool) or num_hidden_layers < 1
     ):
         raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
+    check_scale_strategy(scale_strategy)
     folder = Path(path)
     info = read_quant_config(folder)
+    check_scale_strategy(scale_strategy, info.scheme)
     layout = LAYOUTS[info.format]
     cfg_path = folder / "config.json"
     cfg_dict = _read_model_config(cfg_path)
@@ -175,12 +165,10 @@ def load_quantized_qwen3_moe(
         if num_hidden_layers > ckpt_layers:
             raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
         cfg_dict["num_hidden_layers"] = num_hidden_layers
-    try:
-        config = Qwen3MoeConfig(
-            **{k: v for k, v in cfg_dict.items() if k not in ("architectures", "transformers_version")}
-        )
-    except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
-        raise CheckpointError(f"{cfg_path}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
+    # every size of the config against the files, before anything is allocated (bounds.py)
+    headers = SafetensorsHeaders(folder)
+    config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False)
+    source = read_checkpoint_source(folder, info, headers)  # the other config files, read before the build
     device = torch.device(device)
     logger.info(
         "loading %s (%s layout, scheme %s, %d layers) on %s",
@@ -192,8 +180,15 @@ def load_quantized_qwen3_moe(
     )
     # Parameters are allocated but never written (no pages touched) until loaded below;
     # the experts' fused bf16 parameters are replaced without ever being paged in.
-    model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
-    tensors = TensorReader(folder)
+    try:
+        model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
+    except RuntimeError as err:  # the allocator's "you tried to allocate ..."
+        raise CheckpointError(
+            f"{cfg_path}: the model its sizes describe cannot be allocated (hidden_size={config.hidden_size}, "
+            f"num_experts={config.num_experts}, moe_intermediate_size={config.moe_intermediate_size}, "
+            f"vocab_size={config.vocab_size}, num_hidden_layers={config.num_hidden_layers}): {err}"
+        ) from None
+    tensors = TensorReader(folder, headers)
     exclude = info.exclude
 
     modules = dict(model.named_modules())
@@ -262,7 +257,7 @@ def load_quantized_qwen3_moe(
         setattr(modules[parent], child, em)
     tensors.close()
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
-    _attach(model, read_checkpoint_source(folder, info))
+    _attach(model, source)
     return model.to(device).eval(), info
 
 

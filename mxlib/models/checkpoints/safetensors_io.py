@@ -1,60 +1,49 @@
-"""Safetensors shards, the index, the atomic folder write and tensor reading: shared by every layout.
+"""Safetensors shards written (``ShardWriter``) and read (``TensorReader``): shared by every layout.
 
-Writing (``atomic_folder`` + ``ShardWriter``):
+Writing: ``ShardWriter`` streams tensors into shards of at most ``shard_bytes``: a shard is written
+(``safetensors.torch.save_file``, which reads the tensors in place) as soon as it is full and its
+tensors are dropped, so a writer holds at most one shard's tensors (copied into one buffer per shard,
+which keeps the heap from fragmenting). The folder they go into is ``atomic_write.atomic_folder``'s:
+written under a temporary name and swapped into place, with no crash point that loses the old
+checkpoint. A full disk or any other error of safetensors' writer is a ``CheckpointError`` naming the
+shard file.
 
-* The checkpoint is written into a temporary folder ``.<name>.tmp-<hex>`` beside the destination,
-  holding a marker file (``WRITE_MARKER``: the writer's PID, its start time and host), and renamed
-  into place only when complete; on any error it is removed. A write killed outright (SIGKILL,
-  power loss) leaves its temporary folder; the next write to the same destination removes every
-  such folder whose marker names a process that is no longer running. A folder without the
-  marker, or one of a live process, is never touched.
-* The destination may be absent, an empty folder, or an earlier mxlib checkpoint (a folder with
-  ``CHECKPOINT_MARKER`` and only the files it lists), which is replaced atomically (Linux
-  ``renameat2(RENAME_EXCHANGE)``; elsewhere two renames). Anything else (a file, a user's
-  folder, a checkpoint with files added) is refused with ``FileExistsError`` unless the caller
-  passes ``overwrite=True``. Before replacing, every entry of the old folder is checked to be
-  removable (renamed and renamed back), so a read-only old checkpoint fails the write with a
-  ``PermissionError`` naming it, and stays as it was, with nothing left beside it.
-* ``ShardWriter`` streams tensors into shards of at most ``shard_bytes``: a shard is written
-  (``safetensors.torch.save_file``, which reads the tensors in place) as soon as it is full and
-  its tensors are dropped, so a writer holds at most one shard's tensors (copied into one
-  buffer per shard, which keeps the heap from fragmenting).
+Reading (``TensorReader``): the folder's files are read as untrusted input through
+``headers.SafetensorsHeaders`` (regular files only; the index checked; every shard's header checked as
+safetensors checks it, names unique across shards) before any tensor data is read. ``get`` checks a
+tensor's dtype and shape against its header before reading its data, ``stack`` checks every tensor of
+the stack before allocating it, so a config that names sizes the files do not hold allocates nothing.
+Every error (a missing or corrupt shard, a missing tensor, a wrong dtype or shape, an invalid value) is
+a ``CheckpointError`` naming the file and the tensor. A shard is opened at most one at a time (the
+previous one is closed), so memory-mapped pages of the whole checkpoint are never all resident at once.
 
-Reading (``TensorReader``): the index (or a single ``model.safetensors``) is validated
-(``read_weight_map``), every shard name must be a plain file name in the folder (no ``..``, no
-absolute path, no separator), and every error (unreadable JSON, a missing or truncated shard, a
-missing tensor, a wrong dtype or shape, an invalid value) is a ``CheckpointError`` naming the
-file and the tensor. A shard is opened at most one at a time (the previous one is closed), so
-memory-mapped pages of the whole checkpoint are never all resident at once.
-
-Reading headers only (``SafetensorsHeaders``, for the inspector): the same validated index, then
-each shard's header (an 8-byte little-endian length, then a JSON object ``{name: {dtype, shape,
-data_offsets}}``, then the data) parsed here; ``read_scalars`` reads the data of named
-one-element tensors only. ``HeaderTensorReader`` is a ``TensorReader`` over those headers: its
-tensors are ``meta`` tensors of the header's dtype and shape, so a layout's ``read_experts`` runs
-the loader's dtype and shape checks, with the loader's messages, and reads no data.
+Reading headers only (``HeaderTensorReader``, for the inspector and the loader's checks before a model
+is built): a ``TensorReader`` whose tensors are ``meta`` tensors of the header's dtype and shape, except
+small ones (at most ``SMALL_NUMEL`` elements: scales), which are read, so a layout's ``read_experts``
+runs the loader's dtype, shape and scale-value checks, with the loader's messages, and reads no weights.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import errno
 import json
 import math
 import os
-import re
-import shutil
-import socket
-import time
-import uuid
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..atomic_write import CHECKPOINT_MARKER, WRITE_MARKER, WRITER_VERSION, atomic_folder, is_mxlib_checkpoint
+from .headers import (
+    INDEX_NAME,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    SafetensorsHeaders,
+    check_shard_name,
+    read_json,
+    read_weight_map,
+)
 from .layout import CheckpointError
 
 __all__ = [
@@ -68,23 +57,21 @@ __all__ = [
     "checkpoint_size_bytes",
     "TensorReader",
     "INDEX_NAME",
+    "SINGLE_FILE",
     "read_json",
+    "check_shard_name",
     "is_mxlib_checkpoint",
     "read_weight_map",
     "SafetensorsHeaders",
     "HeaderTensorReader",
     "SAFETENSORS_DTYPES",
+    "SMALL_NUMEL",
 ]
 
 # 256 MiB: the writer holds at most one shard's tensors in memory (peak
 # resident memory while quantizing stays within 1.25x the bf16 model's bytes).
 SHARD_BYTES = 256 * 1024**2
-INDEX_NAME = "model.safetensors.index.json"
-# Bump when what the writer stores changes (part of the checkpoint cache key).
-WRITER_VERSION = 3
-CHECKPOINT_MARKER = "mxlib_checkpoint.json"
-WRITE_MARKER = ".mxlib-write.json"
-_SHARD_RE = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+SMALL_NUMEL = 1  # HeaderTensorReader reads tensors of at most this many elements (scalar scales), not weights
 
 
 # ----------------------------------------------------------------------------- writing
@@ -148,7 +135,16 @@ class ShardWriter:
         if not self._pending:
             return
         fname = f"model-{len(self._files) + 1:05d}.safetensors"  # provisional: the count is not known yet
-        save_file(self._pending, str(self.folder / fname), metadata={"format": "pt"})
+        try:
+            save_file(self._pending, str(self.folder / fname), metadata={"format": "pt"})
+        except Exception as err:  # noqa: BLE001  safetensors' own errors (a full disk) name no file
+            what = (
+                f"{self.folder / fname}: writing a shard of {len(self._pending)} tensors ({self._size} bytes, e.g. "
+                f"{next(iter(self._pending))!r}) failed"
+            )
+            if isinstance(err, OSError) and err.errno is not None:
+                raise type(err)(err.errno, f"{what}: {err.strerror}") from err
+            raise OSError(f"{what}: {err}") from err
         self._files.append((fname, list(self._pending)))
         self._pending = {}
         self._size = 0
@@ -176,178 +172,6 @@ def write_shards(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int 
     w.close()
 
 
-def _proc_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (Linux ``/proc``), to tell a reused PID apart; None elsewhere."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    now = _proc_start(pid)
-    return start is None or now is None or now == start
-
-
-def _remove_stale_temporaries(path: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-*`` folders beside ``path`` that an mxlib write on this host left
-    behind when it was killed (marker present, its process gone). Returns what was removed."""
-    removed = []
-    for p in path.parent.glob(f".{path.name}.tmp-*"):
-        marker = p / WRITE_MARKER
-        try:
-            if p.is_symlink() or not p.is_dir() or not marker.is_file():
-                continue
-            m = json.loads(marker.read_text())
-            if m.get("writer") != "mxlib" or m.get("host") != socket.gethostname():
-                continue
-            if _alive(int(m["pid"]), m.get("start")):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-        removed.append(p)
-    return removed
-
-
-def is_mxlib_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a folder that an mxlib writer made and nobody added to: it holds
-    ``CHECKPOINT_MARKER`` and only the files that marker lists."""
-    marker = path / CHECKPOINT_MARKER
-    if path.is_symlink() or not path.is_dir() or not marker.is_file():
-        return False
-    try:
-        files = set(json.loads(marker.read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    entries = {p.name for p in path.iterdir()} - {WRITE_MARKER}
-    return entries <= files | {CHECKPOINT_MARKER} and all(
-        (path / f).is_file() and not (path / f).is_symlink() for f in entries
-    )
-
-
-def _check_destination(path: Path, overwrite: bool) -> None:
-    if not (path.exists() or path.is_symlink()):
-        return
-    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
-        return
-    if overwrite or is_mxlib_checkpoint(path):
-        return
-    what = "a file" if not path.is_dir() or path.is_symlink() else "a folder that is not an mxlib checkpoint"
-    raise FileExistsError(
-        f"{path}: the destination is {what} (an mxlib checkpoint holds {CHECKPOINT_MARKER} and only the files "
-        f"it lists); refusing to replace it. Choose another path, empty it, or pass overwrite=True to replace it."
-    )
-
-
-def _probe_removable(path: Path) -> None:
-    """Rename every entry under ``path`` to a probe name and back: raises (naming ``path``) if any
-    cannot be removed, changing nothing."""
-    if not path.is_dir() or path.is_symlink():
-        return
-    for p in sorted(path.rglob("*"), key=lambda q: -len(q.parts)):
-        probe = p.with_name(p.name + ".mxlib-probe")
-        try:
-            os.rename(p, probe)
-        except OSError as err:
-            raise PermissionError(
-                f"{path}: cannot replace the existing checkpoint: {p.name} cannot be removed "
-                f"({err.strerror}); nothing was changed"
-            ) from None
-        os.rename(probe, p)
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    e = ctypes.get_errno()
-    if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(e, os.strerror(e), str(b))
-
-
-def _new_temporary(path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    marker = {
-        "writer": "mxlib",
-        "pid": os.getpid(),
-        "start": _proc_start(os.getpid()),
-        "host": socket.gethostname(),
-        "time": time.time(),
-        "destination": path.name,
-    }
-    (tmp / WRITE_MARKER).write_text(json.dumps(marker))
-    return tmp
-
-
-@contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
-    """Yield a fresh temporary folder beside ``path``; on success it replaces ``path`` (module
-    docstring: which destinations are accepted), on any error it is removed and ``path`` is left
-    as it was.
-
-    The caller writes its files into the folder; ``CHECKPOINT_MARKER`` listing them is added here.
-
-    Raises:
-        FileExistsError: ``path`` is a file or a non-empty folder that is not an mxlib checkpoint,
-            and ``overwrite`` is false (checked before anything is written).
-        PermissionError: the existing ``path`` cannot be removed (read-only); nothing changed.
-    """
-    path = Path(path)
-    _check_destination(path, overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(path)
-    tmp = _new_temporary(path)
-    try:
-        yield tmp
-        files = sorted(p.name for p in tmp.iterdir() if p.name != WRITE_MARKER)
-        (tmp / CHECKPOINT_MARKER).write_text(
-            json.dumps({"writer": "mxlib", "writer_version": WRITER_VERSION, "files": files}, indent=1)
-        )
-        _check_destination(path, overwrite)  # again: it may have changed while writing
-        if not (path.exists() or path.is_symlink()):
-            tmp.rename(path)
-        else:
-            _probe_removable(path)
-            if path.is_dir() and not path.is_symlink():
-                # the old folder gets the write marker too: if the write dies before removing it
-                # (at the temporary name after the exchange), the next write removes it
-                shutil.copyfile(tmp / WRITE_MARKER, path / WRITE_MARKER)
-            if path.is_dir() and not path.is_symlink() and _exchange(tmp, path):
-                old = tmp  # the old folder now sits at the temporary name
-            else:
-                old = _new_temporary(path)
-                os.rename(path, old / "old")
-                tmp.rename(path)
-            tmp = None
-            shutil.rmtree(old)
-        tmp = None
-        (path / WRITE_MARKER).unlink(missing_ok=True)
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def checkpoint_size_bytes(path: str | os.PathLike) -> int:
     """Bytes of all safetensors files in a checkpoint folder."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
@@ -356,84 +180,19 @@ def checkpoint_size_bytes(path: str | os.PathLike) -> int:
 # ----------------------------------------------------------------------------- reading
 
 
-def read_json(path: Path, what: str | None = None) -> dict:
-    """A JSON object from ``path``; ``CheckpointError`` naming the file if it is unreadable, not
-    JSON, or not an object."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot be read as JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(
-            f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found {type(value).__name__}"
-        )
-    return value
-
-
-def check_shard_name(fname, source: str) -> str:
-    """A shard name from an index must be a plain file name inside the checkpoint folder."""
-    if (
-        not isinstance(fname, str)
-        or not fname
-        or fname in (".", "..")
-        or "/" in fname
-        or "\\" in fname
-        or "\0" in fname
-        or os.path.isabs(fname)
-    ):
-        raise CheckpointError(
-            f"{source}: shard name {fname!r} is not a plain file name in the checkpoint folder "
-            f"(absolute paths, '..' and separators are refused)"
-        )
-    return fname
-
-
-SINGLE_FILE = "model.safetensors"
-
-
-def read_weight_map(folder: Path) -> dict[str, str] | None:
-    """The checked ``{tensor name: shard file name}`` of ``folder``'s index, or None when the
-    folder holds a single ``model.safetensors`` and no index.
-
-    Raises:
-        CheckpointError: neither an index nor ``model.safetensors``; an index that is not a JSON
-            object, whose ``weight_map`` is not an object of names, that names a shard which is not
-            a plain file name in the folder, or a shard that is not there (each naming the file).
-    """
-    folder = Path(folder)
-    index = folder / INDEX_NAME
-    if index.exists():
-        data = read_json(index, "the safetensors index")
-        wm = data.get("weight_map")
-        if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
-            raise CheckpointError(
-                f"{index}: 'weight_map' must be an object of tensor name -> shard file name, found {type(wm).__name__}"
-            )
-        weight_map = {k: check_shard_name(v, str(index)) for k, v in wm.items()}
-        for fname in sorted(set(weight_map.values())):
-            if not (folder / fname).is_file():
-                raise CheckpointError(f"{folder / fname}: shard listed in {INDEX_NAME} not found")
-        return weight_map
-    if (folder / SINGLE_FILE).exists():
-        return None
-    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_NAME}")
-
-
 class TensorReader:
     """Name -> tensor access over a single ``model.safetensors`` or an index of shards, with
-    dtype, shape and value checks that name the file and the tensor (module docstring)."""
+    dtype, shape and value checks that name the file and the tensor (module docstring).
 
-    def __init__(self, folder: Path):
+    ``headers``: the folder's ``SafetensorsHeaders`` (read here when not given)."""
+
+    def __init__(self, folder: Path, headers: SafetensorsHeaders | None = None):
         folder = Path(folder)
         self.folder = folder
         self._name: str | None = None
         self._handle = None
-        weight_map = read_weight_map(folder)
-        if weight_map is None:  # a single model.safetensors: its tensor names from safetensors
-            weight_map = {k: SINGLE_FILE for k in self._open(SINGLE_FILE).keys()}
-        self.weight_map = weight_map
+        self.headers = headers if headers is not None else SafetensorsHeaders(folder)
+        self.weight_map = dict(self.headers.where)
 
     def _open(self, fname: str):
         if self._name != fname:
@@ -443,7 +202,6 @@ class TensorReader:
             except Exception as err:  # noqa: BLE001  safetensors raises its own error types
                 raise CheckpointError(f"{self.folder / fname}: not a readable safetensors file ({err})") from None
             self._name = fname
-            self._keys = set(self._handle.keys())
         return self._handle
 
     def close(self) -> None:
@@ -452,35 +210,61 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, shape=None, dtype=None) -> torch.Tensor:
+    def _check(self, name: str, shape, dtype) -> None:
+        """Dtype and shape of ``name`` from its header, before any data is read."""
         if name not in self.weight_map:
             raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r}")
         fname = self.weight_map[name]
-        f = self._open(fname)
-        if name not in self._keys:
+        stored = SAFETENSORS_DTYPES.get(self.headers.dtype[name])
+        if stored is None:
             raise CheckpointError(
-                f"checkpoint {self.folder} is missing tensor {name!r} (listed in the index for "
-                f"{fname}, not found in that file)"
+                f"tensor {name!r}: safetensors dtype {self.headers.dtype[name]} is not one torch reads (in {fname})"
             )
+        if dtype is not None and stored != dtype:
+            raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {stored} (in {fname})")
+        found = self.headers.shape[name]
+        if shape is not None and tuple(found) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r}: expected shape {list(shape)}, found {list(found)} (in {fname})")
+
+    def _read(self, name: str) -> torch.Tensor:
+        fname = self.weight_map[name]
+        f = self._open(fname)
         try:
-            t = f.get_tensor(name)
+            return f.get_tensor(name)
         except Exception as err:  # noqa: BLE001  safetensors raises its own error types
             raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name!r} ({err})") from None
+
+    def get(self, name: str, shape=None, dtype=None) -> torch.Tensor:
+        self._check(name, shape, dtype)
+        t = self._read(name)
         if dtype is not None and t.dtype != dtype:
-            raise CheckpointError(f"tensor {name!r}: expected dtype {dtype}, found {t.dtype} (in {fname})")
+            raise CheckpointError(
+                f"tensor {name!r}: expected dtype {dtype}, found {t.dtype} (in {self.weight_map[name]})"
+            )
         if shape is not None and tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r}: expected shape {list(shape)}, found {list(t.shape)} (in {fname})")
+            raise CheckpointError(
+                f"tensor {name!r}: expected shape {list(shape)}, found {list(t.shape)} (in {self.weight_map[name]})"
+            )
         return t
 
     def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The named tensors stacked along a new first axis (each checked), written into ``out``
-        (``[len(names), *shape]``, may be a view) when given.
+        (``[len(names), *shape]``, may be a view) when given. Every tensor's header is checked before
+        ``out`` is allocated.
 
         ``check(tensor) -> (ok, what)`` validates values: a false ``ok`` raises ``CheckpointError``
         naming the tensor, its file and ``what``.
         """
+        for n in names:
+            self._check(n, shape, dtype)
         if out is None:
-            out = torch.empty((len(names), *shape), dtype=dtype)
+            try:
+                out = torch.empty((len(names), *shape), dtype=dtype)
+            except RuntimeError as err:  # the allocator's "you tried to allocate ..."
+                raise CheckpointError(
+                    f"tensors {names[0]!r} ... ({len(names)}): cannot allocate {len(names)} x {list(shape)} {dtype} "
+                    f"({err})"
+                ) from None
         for x, n in enumerate(names):
             t = self.get(n, shape, dtype)
             if check is not None:
@@ -491,144 +275,41 @@ class TensorReader:
         return out
 
 
-# ----------------------------------------------------------------------------- reading headers only
-
-# safetensors header dtype -> torch dtype (F8_E8M0 and F4 where this torch has them)
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
-    if hasattr(torch, _attr):
-        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
-
-_FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
-
-
-class SafetensorsHeaders:
-    """Names, dtypes, shapes and data offsets of every tensor of a checkpoint folder, parsed from
-    the safetensors headers of the shards ``read_weight_map`` lists (module docstring);
-    ``read_scalars`` reads the data of named one-element tensors only, and counts it
-    (``tensors_read``, ``bytes_read``).
-
-    Attributes: ``where`` ``{name: shard file name}``, ``dtype`` ``{name: safetensors dtype
-    string}`` (``"F32"``), ``shape`` ``{name: tuple}``, ``span`` ``{name: (begin, end)}`` absolute
-    byte range of the data in its file; all from the headers (not from the index).
-
-    Raises:
-        CheckpointError: as ``read_weight_map``; a file whose header length does not fit the file.
-    """
-
-    def __init__(self, folder: Path):
-        folder = Path(folder)
-        weight_map = read_weight_map(folder)
-        files = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
-        self.folder = folder
-        self.files = files
-        self.where: dict[str, str] = {}
-        self.dtype: dict[str, str] = {}
-        self.shape: dict[str, tuple[int, ...]] = {}
-        self.span: dict[str, tuple[int, int]] = {}
-        self.tensors_read = 0
-        self.bytes_read = 0
-        for fname in files:
-            path = folder / fname
-            with open(path, "rb") as f:
-                head = f.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                size = path.stat().st_size
-                if not 2 <= n <= size - 8:
-                    raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            for name, meta in header.items():
-                begin, end = meta["data_offsets"]
-                self.where[name] = fname
-                self.dtype[name] = meta["dtype"]
-                self.shape[name] = tuple(meta["shape"])
-                self.span[name] = (8 + n + begin, 8 + n + end)
-
-    def read_scalars(self, names: list[str]) -> dict[str, float]:
-        """The named one-element float tensors as Python floats (exact widening of
-        fp32/bf16/fp16/fp64), one per name; each shard is opened once and read in data order.
-
-        Raises:
-            CheckpointError: a named tensor of more than one element, or of a non-float dtype.
-        """
-        for n in names:
-            if math.prod(self.shape[n]) != 1:
-                raise CheckpointError(f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])}")
-            if self.dtype[n] not in _FLOAT_SCALARS:
-                raise CheckpointError(
-                    f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found {self.dtype[n]}"
-                )
-        raw: dict[str, list[tuple[str, bytes]]] = {}
-        by_file: dict[str, list[str]] = {}
-        for n in names:
-            by_file.setdefault(self.where[n], []).append(n)
-        for fname, group in by_file.items():
-            with open(self.folder / fname, "rb") as f:
-                for n in sorted(group, key=lambda x: self.span[x][0]):
-                    begin, end = self.span[n]
-                    f.seek(begin)
-                    data = f.read(end - begin)
-                    self.tensors_read += 1
-                    self.bytes_read += len(data)
-                    raw.setdefault(self.dtype[n], []).append((n, data))
-        out: dict[str, float] = {}
-        for dtype, items in raw.items():
-            values = (
-                torch.frombuffer(bytearray(b"".join(d for _, d in items)), dtype=SAFETENSORS_DTYPES[dtype])
-                .double()
-                .tolist()
-            )
-            out.update(zip((n for n, _ in items), values))
-        return out
-
-
-class _MetaHandle:
-    """Stands in for an open safetensors file: ``get_tensor`` gives a ``meta`` tensor of the
-    header's dtype and shape, so a layout's ``read_experts`` checks everything and reads nothing."""
-
-    def __init__(self, headers: SafetensorsHeaders):
-        self._h = headers
-
-    def get_tensor(self, name: str) -> torch.Tensor:
-        if name not in self._h.dtype:
-            raise KeyError(name)
-        dtype = SAFETENSORS_DTYPES.get(self._h.dtype[name])
-        if dtype is None:
-            raise CheckpointError(f"tensor {name!r}: safetensors dtype {self._h.dtype[name]} is not one torch reads")
-        return torch.empty(self._h.shape[name], dtype=dtype, device="meta")
-
-
 class HeaderTensorReader(TensorReader):
     """The loader's ``TensorReader`` (same checks and messages) over ``SafetensorsHeaders`` only:
-    ``get`` gives ``meta`` tensors, ``stack`` checks dtypes and shapes and reads nothing."""
+    ``get`` gives ``meta`` tensors for weights and reads small tensors (scales, at most
+    ``SMALL_NUMEL`` elements); ``stack`` checks dtypes, shapes and the values of small tensors."""
 
     def __init__(self, headers: SafetensorsHeaders):
+        self.headers = headers
         self.weight_map = dict(headers.where)
         self.folder = headers.folder
-        self._handle = _MetaHandle(headers)
+        self._handle = None
         self._name = None
-        self._keys = set(headers.dtype)
+        self._small: list[str] | None = None
 
-    def _open(self, fname: str):
-        return self._handle
+    def _read(self, name: str) -> torch.Tensor:
+        dtype = SAFETENSORS_DTYPES[self.headers.dtype[name]]
+        shape = self.headers.shape[name]
+        if math.prod(shape) <= SMALL_NUMEL and dtype.itemsize >= 1 and dtype != torch.bool:
+            if self._small is None:  # every small tensor at once: one pass over each shard
+                h = self.headers
+                self._small = [n for n in h.where if math.prod(h.shape[n]) <= SMALL_NUMEL]
+                h.read_small(self._small)
+            data = bytearray(self.headers.read_small([name])[name])
+            if len(data) == math.prod(shape) * dtype.itemsize:
+                return torch.frombuffer(data, dtype=dtype).reshape(shape) if data else torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def stack(self, names: list[str], shape, dtype, check=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Dtype and shape checks of every named tensor (``TensorReader.get``); the value checks
-        (``check``) need the data and are left to the loader. ``out`` (never written) or a meta tensor."""
+        """Dtype and shape checks of every named tensor (``TensorReader.get``), and ``check`` on the
+        tensors read (small ones); ``out`` (never written) or a meta tensor."""
         for n in names:
-            self.get(n, shape, dtype)
+            self._check(n, shape, dtype)
+        for n in names:
+            t = self.get(n, shape, dtype)
+            if check is not None and not t.is_meta:
+                ok, what = check(t)
+                if not ok:
+                    raise CheckpointError(f"tensor {n!r}: {what} (in {self.weight_map[n]})")
         return out if out is not None else torch.empty((len(names), *shape), dtype=dtype, device="meta")

@@ -62,7 +62,8 @@ from ...moe.emulation import ExpertWeights, QuantizedExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...moe.linear import EmulatedLinear, LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ..qwen3 import BoundToModel
+from ..qwen3 import BoundToModel, tied_parameter_names
+from .headers import MAX_JSON_BYTES, open_regular, read_json
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
 from .safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -106,15 +107,23 @@ class CheckpointSource:
     config: dict | None = None
 
 
-def read_checkpoint_source(folder: str | os.PathLike, description: CheckpointDescription) -> CheckpointSource:
+def read_checkpoint_source(
+    folder: str | os.PathLike, description: CheckpointDescription, headers: SafetensorsHeaders | None = None
+) -> CheckpointSource:
     """The ``CheckpointSource`` of a checkpoint folder: its ``quantization_config`` as stored, the
-    layout's legacy config files and ``generation_config.json`` (text), every tensor's dtype and
-    shape from the safetensors headers (no data read)."""
+    layout's legacy config files and ``generation_config.json`` (text, regular files of at most
+    ``MAX_JSON_BYTES``), every tensor's dtype and shape from the safetensors headers (``headers``, read
+    when not given; no data read)."""
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_json(folder / "config.json", "a transformers model config")
     layout = LAYOUTS[description.format]
-    files = {n: (folder / n).read_text() for n in (*layout.legacy_files, *_COPIED_FILES) if (folder / n).is_file()}
-    headers = SafetensorsHeaders(folder)
+    files = {}
+    for n in (*layout.legacy_files, *_COPIED_FILES):
+        if (folder / n).exists():
+            read_json(folder / n)  # a regular file, bounded, a JSON object
+            with open_regular(folder / n) as f:
+                files[n] = f.read(MAX_JSON_BYTES).decode("utf-8")
+    headers = headers if headers is not None else SafetensorsHeaders(folder)
     tensors = {n: (SAFETENSORS_DTYPES.get(d), headers.shape[n]) for n, d in headers.dtype.items()}
     return CheckpointSource(description, cfg.get("quantization_config"), files, tensors, cfg)
 
@@ -130,13 +139,13 @@ class _StateDictTensors(TensorReader):
         self.folder = "state_dict"
         self.weight_map = {n: "state_dict" for n in tensors}
         self._tensors = tensors
-        self._keys = set(tensors)
         self._name = None
 
-    def _open(self, fname: str):
-        return self
+    def _check(self, name: str, shape, dtype) -> None:
+        if name not in self._tensors:
+            raise CheckpointError(f"state_dict is missing tensor {name!r}")
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def _read(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
 
@@ -520,13 +529,14 @@ def save_quantized_checkpoint(
         own = state_dict
     plain = {n for n, _ in model.named_parameters()}
     recorded = source.tensors or {}
-    state = {n: _conform(n, t, recorded.get(n), n in plain) for n, t in own.items()}
+    tied = tied_parameter_names(model)  # stored once, under the embedding's name (transformers' save_pretrained)
+    state = {n: _conform(n, t, recorded.get(n), n in plain) for n, t in own.items() if n not in tied}
     num_layers = len(model.model.layers)
     if source.tensors is not None:
         kept = [
             n
             for n in source.tensors
-            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= num_layers) and n not in state
+            if not ((m := _LAYER.match(n)) and int(m.group(1)) >= num_layers) and n not in state and n not in tied
         ]
         if kept:
             raise CheckpointError(

@@ -25,7 +25,7 @@ from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ..calibration import Calibration
-from ..qwen3 import expert_weights
+from ..qwen3 import expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
 
@@ -124,8 +124,9 @@ def write_quantized_checkpoint(
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
         shards = ShardWriter(tmp, shard_bytes)
+        tied = tied_parameter_names(model)  # lm_head.weight of tied embeddings: stored once, as embed_tokens
         for name, t in model.state_dict().items():
-            if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn:
+            if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn or name in tied:
                 continue
             shards.add(name, t.detach().to(torch.bfloat16))
         modules = dict(model.named_modules())

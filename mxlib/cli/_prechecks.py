@@ -1,0 +1,93 @@
+"""The checks every command's options get before torch or any model code is imported, so that a user's
+mistake is answered at once (one line, exit code 2): the standard library and mxlib's torch-free rules only
+(``mxlib.models.presets``, ``mxlib.models.untrusted``, ``mxlib.models.atomic_write``).
+
+* the model commands (``e2e``, ``compare``, ``unify``, ``routing``): ``--layers`` at most the preset's layers
+  (48), ``--tokens`` at most its context (``max_position_embeddings``, 40960);
+* ``inspect``: ``PATH`` an existing folder (the inspector reports everything about its contents);
+* ``dummy-from-config``: ``CONFIG_DIR`` a folder whose ``config.json`` is a regular file holding a JSON object
+  whose sizes, with ``--preset`` and ``--layers`` applied, pass the loader's rules, the dummy layer cap and this
+  machine's memory (``untrusted.dummy_config``); ``OUT_DIR`` absent, an empty folder or an mxlib checkpoint;
+* every ``--json``: not a folder, its folder not a file.
+
+Each raises ``ValueError`` naming the option; the command's own ``check`` then does the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models import untrusted
+from ..models.atomic_write import is_mxlib_checkpoint
+from ..models.presets import preset_context, preset_layers
+
+__all__ = ["precheck"]
+
+_MODEL_COMMANDS = ("e2e", "compare", "unify", "routing")
+
+
+def _json_path(value) -> None:
+    if not value:
+        return
+    p = Path(value)
+    if p.is_dir():
+        raise ValueError(f"--json: {value!r} is a folder; expected a file path")
+    parent = next((q for q in p.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--json: {value!r} lies under {str(parent)!r}, which is a file; expected a file path")
+
+
+def _model_sizes(args) -> None:
+    layers = preset_layers(args.preset)
+    if args.layers > layers:
+        raise ValueError(f"--layers: expected 1 to {layers} (the layers of preset {args.preset}), got {args.layers}")
+    tokens = getattr(args, "tokens", None)
+    if tokens is not None and tokens > preset_context(args.preset):
+        raise ValueError(
+            f"--tokens: expected 1 to {preset_context(args.preset)} (the context of preset {args.preset}: "
+            f"max_position_embeddings), got {tokens}"
+        )
+
+
+def _inspect(args) -> None:
+    p = Path(args.path)
+    if not p.exists():
+        raise ValueError(f"path: {args.path!r} does not exist; expected a checkpoint folder")
+    if not p.is_dir():
+        raise ValueError(f"path: {args.path!r} is not a folder; expected a checkpoint folder")
+
+
+def _dummy_from_config(args) -> None:
+    config_dir = Path(args.config_dir)
+    if not config_dir.is_dir():
+        raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder")
+    preset = None if args.preset == "qwen3-30b-a3b" else args.preset
+    try:
+        untrusted.dummy_config(config_dir, args.layers, preset)
+    except ValueError as err:
+        text = str(err)
+        if text.startswith("num_hidden_layers: "):
+            text = "--layers: " + text[len("num_hidden_layers: ") :]
+        raise ValueError(f"config_dir: {text}" if not text.startswith("--") else text) from None
+    out = Path(args.out_dir)
+    if (out.exists() or out.is_symlink()) and not (
+        out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
+    ):  # the writer's rule (atomic_write.atomic_folder)
+        raise ValueError(
+            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
+            f"or empty folder, or an mxlib checkpoint to replace"
+        )
+    parent = next((q for q in out.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"out_dir: {args.out_dir!r} lies under {str(parent)!r}, which is a file")
+
+
+def precheck(args) -> None:
+    """The torch-free checks of ``args.cmd``'s options (module docstring). Raises ``ValueError`` naming one."""
+    if args.cmd in _MODEL_COMMANDS:
+        _model_sizes(args)
+    elif args.cmd == "inspect":
+        _inspect(args)
+    elif args.cmd == "dummy-from-config":
+        _dummy_from_config(args)
+    _json_path(getattr(args, "json", None))

@@ -1,0 +1,190 @@
+"""A checkpoint's ``config.json`` sizes checked against its safetensors headers, before anything is
+allocated or built: the loader and the inspector both call ``check_model_config``.
+
+A config is untrusted input like the files: it can name a million layers in a two-layer checkpoint, or a
+hidden size whose parameters would take terabytes. So, in this order, each step bounded by what is on
+disk:
+
+1. the model fields (``MODEL_INT_FIELDS``) positive integers, ``num_experts_per_tok <= num_experts``,
+   ``num_attention_heads`` a multiple of ``num_key_value_heads``;
+2. ``num_hidden_layers`` at most the layers the tensor names hold (``model.layers.L.``), and each of those
+   layers present;
+3. the sizes against the tensors that state them: ``model.embed_tokens.weight`` ``[vocab_size,
+   hidden_size]`` and layer 0's router ``mlp.gate.weight`` ``[num_experts, hidden_size]``;
+4. the model built on PyTorch's ``meta`` device (no memory) and every non-expert parameter's shape compared
+   with its header (quantized linear layers are the layout's to check);
+5. the experts: the rows of expert 0's ``gate_proj`` / ``down_proj`` weights (packed or not) against
+   ``moe_intermediate_size`` / ``hidden_size``, then the layout's own ``read_experts`` on headers
+   (``HeaderTensorReader``: dtype, shape and scalar-scale value checks, no weights read) for the first
+   quantized layer, and with ``every_layer`` for every other one too (the loader's own checks, each layer's
+   allocation bounded by the sizes checked before).
+
+Every failure is a ``CheckpointError`` naming ``config.json`` and the field, or the tensor and its shard.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
+from .. import untrusted
+from ..untrusted import MODEL_INT_FIELDS
+from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
+from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
+
+__all__ = [
+    "MODEL_INT_FIELDS",
+    "check_model_fields",
+    "layers_on_disk",
+    "check_model_config",
+    "model_config",
+    "check_scale_strategy",
+]
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_config")
+
+
+def check_model_fields(cfg: dict, source) -> dict[str, int]:
+    """Rule 1 of the module docstring (``mxlib.models.untrusted.check_model_fields``) as ``CheckpointError``."""
+    return untrusted.check_model_fields(cfg, source, CheckpointError)
+
+
+def model_config(cfg: dict, source) -> Qwen3MoeConfig:
+    """transformers' config from a checked config dict; its own validation errors as ``CheckpointError``."""
+    try:
+        return Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in _NOT_CONFIG_KEYS})
+    except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
+        raise CheckpointError(f"{source}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
+
+
+def layers_on_disk(headers: SafetensorsHeaders) -> set[int]:
+    """The layer numbers ``L`` of every ``model.layers.L.`` tensor name."""
+    return {int(m[1]) for n in headers.where if (m := _LAYER.match(n))}
+
+
+def _shape_of(headers: SafetensorsHeaders, name: str, source, fields: str, want: tuple[int, ...]) -> None:
+    if name not in headers.where:
+        raise CheckpointError(f"checkpoint {headers.folder} is missing tensor {name!r}")
+    got = headers.shape[name]
+    if got != want:
+        raise CheckpointError(
+            f"{source}: {fields} = {list(want)}, but tensor {name!r} has shape {list(got)} (in {headers.where[name]})"
+        )
+
+
+def check_model_config(
+    cfg: dict,
+    cfg_path: Path,
+    headers: SafetensorsHeaders,
+    info: CheckpointDescription | None,
+    every_layer: bool = True,
+) -> Qwen3MoeConfig:
+    """The module docstring's rules on ``cfg`` (``config.json``'s dict, ``num_hidden_layers`` possibly cut)
+    against ``headers``; the checked ``Qwen3MoeConfig``. With ``info`` None (a config the layouts refuse)
+    step 5 is skipped; ``every_layer=False`` checks the first quantized layer only (the loader, whose own
+    per-layer reads check the others with their own messages, each before it allocates).
+
+    Raises:
+        CheckpointError: the first rule broken, naming the file and field or the tensor.
+    """
+    f = check_model_fields(cfg, cfg_path)
+    layers = f["num_hidden_layers"]
+    on_disk = layers_on_disk(headers)
+    if layers > len(on_disk) or not all(layer in on_disk for layer in range(layers)):
+        held = f"{len(on_disk)} layers" + (f" ({min(on_disk)} to {max(on_disk)})" if on_disk else "")
+        raise CheckpointError(
+            f"{cfg_path}: num_hidden_layers: {layers}, but the checkpoint's tensors hold {held}; "
+            f"missing e.g. model.layers.{next(x for x in range(layers) if x not in on_disk)}"
+        )
+    h, e = f["hidden_size"], f["num_experts"]
+    _shape_of(headers, "model.embed_tokens.weight", cfg_path, "[vocab_size, hidden_size]", (f["vocab_size"], h))
+    router = next(
+        (
+            f"model.layers.{x}.mlp.gate.weight"
+            for x in range(layers)
+            if f"model.layers.{x}.mlp.gate.weight" in headers.where
+        ),
+        None,
+    )
+    if router is not None:
+        _shape_of(headers, router, cfg_path, "[num_experts, hidden_size]", (e, h))
+    config = model_config(cfg, cfg_path)
+    with torch.device("meta"):
+        meta = Qwen3MoeForCausalLM(config)
+    for name, p in meta.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        if ".mlp.experts." in name or f"{module}.weight_scale" in headers.where:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        _shape_of(headers, name, cfg_path, f"{name}'s shape", tuple(p.shape))
+    del meta
+    if info is not None:
+        _check_experts(headers, info, cfg_path, layers, e, h, f["moe_intermediate_size"], every_layer)
+    return config
+
+
+def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int, every_layer: bool) -> None:
+    quantized = [
+        layer
+        for layer in range(layers)
+        if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
+    ]
+    reader = HeaderTensorReader(headers)
+    for layer in set(range(layers)) - set(quantized):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            reader.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
+    if not quantized:
+        return
+    prefix = f"model.layers.{quantized[0]}.mlp.experts"
+    if not every_layer and any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
+        return  # the loader refuses these with its own message
+    # the rows of expert 0's weights (packed or not) are the sizes a layout allocates with: bounded first
+    for proj, rows, field in (("gate_proj", i, "moe_intermediate_size"), ("down_proj", h, "hidden_size")):
+        name = next((n for n in (f"{prefix}.0.{proj}.{w}" for w in ("weight", "weight_packed")) if n in reader), None)
+        if name is None:
+            raise CheckpointError(f"checkpoint {headers.folder} is missing tensor '{prefix}.0.{proj}.weight'")
+        if headers.shape[name][:1] != (rows,):
+            raise CheckpointError(
+                f"{cfg_path}: {field} = {rows}, but tensor {name!r} has shape {list(headers.shape[name])} "
+                f"(in {headers.where[name]})"
+            )
+    layout = LAYOUTS[info.format]
+    for layer in quantized if every_layer else quantized[:1]:
+        try:
+            layout.read_experts(reader, f"model.layers.{layer}.mlp.experts", e, h, i, info)
+        except RuntimeError as err:  # the allocator, for sizes the headers contradict
+            raise CheckpointError(f"{cfg_path}: the experts of layer {layer} cannot be allocated ({err})") from None
+
+
+def check_scale_strategy(scale_strategy: str, scheme=None) -> None:
+    """``scale_strategy`` must be a name of ``ACTIVATION_SCALE_STRATEGIES``, and one the scheme's experts apply.
+
+    Only NVFP4 experts unify per-expert activation scales by a strategy (``mxlib.moe.scales``). The OCP MX
+    experts with static FP8 activations (Quark's ``_a_fp8``) take one scale per layer, the largest of the
+    per-expert ``input_scale`` values, as vLLM's Quark FP8 MoE path does (``w13_input_scale.max()``); their
+    kernels have no per-expert activation scale to unify otherwise, and the schemes with dynamic or no
+    activation quantization have no static scale at all. So for those schemes a strategy other than ``max``
+    is refused instead of being ignored.
+
+    Raises:
+        ValueError: an unknown name, or one other than ``max`` for a scheme whose experts cannot apply it.
+    """
+    if scale_strategy not in ACTIVATION_SCALE_STRATEGIES:
+        raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {scale_strategy!r}")
+    if scheme is not None and not scheme.weight.has_global_scale and scale_strategy != "max":
+        what = (
+            "takes one static FP8 input scale per layer, the max over the experts (vLLM's Quark FP8 MoE)"
+            if scheme.static_activation_scale
+            else "has no static activation scale to unify"
+        )
+        raise ValueError(
+            f"scale_strategy: {scale_strategy!r} cannot be applied to {scheme.name} checkpoints: the scheme {what}; "
+            f"expected 'max'"
+        )

@@ -1,0 +1,355 @@
+"""Reading a checkpoint folder's files as untrusted input: regular files only, bounded reads, one
+safetensors header reader for the loader and the inspector.
+
+* ``open_regular(path)``: a file is opened only when ``stat`` says it is a regular file (a FIFO, a
+  device, a socket or a folder is refused before ``open``; the open itself is non-blocking and checked
+  again with ``fstat``, so a FIFO swapped in between cannot block). Symlinks are followed (the Hugging
+  Face cache is made of them).
+* ``read_json(path)``: at most ``MAX_JSON_BYTES`` (64 MiB) read; a larger file, bytes that are not
+  UTF-8, text that is not JSON or not an object are refused naming the file.
+* ``read_weight_map(folder)``: the index's ``weight_map``, every shard name a plain file name in the
+  folder (no ``..``, no absolute path, no separator) and a regular file.
+* ``read_safetensors_header(path)``: the checks safetensors itself makes (``safetensors::Metadata``),
+  made here before any data is read: the 8-byte header length at most ``MAX_HEADER_BYTES``
+  (safetensors' 100,000,000) and inside the file; a UTF-8 JSON object; each tensor's dtype a
+  safetensors dtype, its shape a list of integers >= 0, its ``data_offsets`` a pair of integers; the
+  spans, sorted, contiguous from 0 to the end of the file (so none overlaps another or runs past the
+  end); each span exactly the bytes of its dtype and shape.
+* ``SafetensorsHeaders(folder)``: every shard's header, and across shards: every name of the index in
+  the header of the shard the index names, no name in two shards. The loader's ``TensorReader`` and
+  the inspector both read through it, so the inspector's reports are built only from what the loader
+  accepts.
+
+Every refusal is a ``CheckpointError`` naming the file (and the tensor or field).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from pathlib import Path
+
+import torch
+
+from .. import untrusted
+from ..untrusted import MAX_JSON_BYTES
+from .layout import CheckpointError
+
+__all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_HEADER_BYTES",
+    "INDEX_NAME",
+    "SINGLE_FILE",
+    "SAFETENSORS_DTYPES",
+    "open_regular",
+    "read_json",
+    "check_shard_name",
+    "read_weight_map",
+    "read_safetensors_header",
+    "SafetensorsHeaders",
+]
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own cap (MAX_HEADER_SIZE)
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# bits per element of each safetensors dtype (safetensors::Dtype)
+_DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+# safetensors header dtype -> torch dtype (F8_E8M0 and F4 where this torch has them)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
+
+
+def open_regular(path: str | os.PathLike):
+    """``path`` opened for reading in binary, only if it is a regular file (``mxlib.models.untrusted``).
+
+    Raises:
+        CheckpointError: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
+    """
+    return untrusted.open_regular(path, CheckpointError)
+
+
+def read_json(path: str | os.PathLike, what: str | None = None, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from the regular file ``path``, at most ``limit`` bytes (``mxlib.models.untrusted``).
+
+    Raises:
+        CheckpointError: naming the file: absent, not a regular file, larger than ``limit``, not UTF-8,
+            not JSON, or not an object.
+    """
+    return untrusted.read_json(path, what, limit, CheckpointError, opener=open_regular)
+
+
+def check_shard_name(fname, source: str) -> str:
+    """A shard name from an index must be a plain file name inside the checkpoint folder."""
+    if (
+        not isinstance(fname, str)
+        or not fname
+        or fname in (".", "..")
+        or "/" in fname
+        or "\\" in fname
+        or "\0" in fname
+        or os.path.isabs(fname)
+    ):
+        raise CheckpointError(
+            f"{source}: shard name {fname!r} is not a plain file name in the checkpoint folder "
+            f"(absolute paths, '..' and separators are refused)"
+        )
+    return fname
+
+
+def _check_regular(path: Path, what: str) -> None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} not found") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: {what} cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: {what}: expected a regular file, found {untrusted.file_kind(st.st_mode)}")
+
+
+def read_weight_map(folder: Path) -> dict[str, str] | None:
+    """The checked ``{tensor name: shard file name}`` of ``folder``'s index, or None when the
+    folder holds a single ``model.safetensors`` and no index.
+
+    Raises:
+        CheckpointError: neither an index nor ``model.safetensors``; an index that is not a JSON
+            object, whose ``weight_map`` is not an object of names, that names a shard which is not
+            a plain file name in the folder, or a shard that is not there or not a regular file
+            (each naming the file).
+    """
+    folder = Path(folder)
+    index = folder / INDEX_NAME
+    if index.exists() or index.is_symlink():
+        data = read_json(index, "the safetensors index")
+        wm = data.get("weight_map")
+        if not isinstance(wm, dict) or not all(isinstance(k, str) for k in wm):
+            raise CheckpointError(
+                f"{index}: 'weight_map' must be an object of tensor name -> shard file name, found {type(wm).__name__}"
+            )
+        weight_map = {k: check_shard_name(v, str(index)) for k, v in wm.items()}
+        for fname in sorted(set(weight_map.values())):
+            _check_regular(folder / fname, f"shard listed in {INDEX_NAME}")
+        return weight_map
+    if (folder / SINGLE_FILE).exists() or (folder / SINGLE_FILE).is_symlink():
+        _check_regular(folder / SINGLE_FILE, "the safetensors file")
+        return None
+    raise CheckpointError(f"{folder}: no {SINGLE_FILE} or {INDEX_NAME}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+    """``({name: {"dtype", "shape", "data_offsets"}}, data_start)`` of one safetensors file, checked as
+    safetensors checks it (module docstring); ``data_start`` is the byte offset of the data (8 + the
+    header length). ``__metadata__`` is dropped.
+
+    Raises:
+        CheckpointError: naming the file and, for a tensor's fault, the tensor.
+    """
+    path = Path(path)
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)"
+            )
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path}: not a safetensors file: header length {n} exceeds safetensors' limit {MAX_HEADER_BYTES}"
+            )
+        if not 2 <= n <= size - 8:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(
+            f"{path}: not a safetensors file: its header is not UTF-8 JSON ({str(err)[:200]})"
+        ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file: its header is a {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: __metadata__: expected an object of strings")
+    spans = []
+    for name, t in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(t, dict):
+            raise CheckpointError(f"{where}: expected an object with dtype, shape, data_offsets")
+        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in _DTYPE_BITS:
+            raise CheckpointError(f"{where}: dtype {dtype!r} is not a safetensors dtype")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of integers >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers >= 0")
+        bits = math.prod(shape) * _DTYPE_BITS[dtype]
+        if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+            raise CheckpointError(
+                f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes; dtype {dtype} and shape "
+                f"{shape} take {bits / 8:g}"
+            )
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            what = "overlaps the tensor before it" if begin < end else f"leaves a gap after byte {end}"
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {stop}] {what}")
+        end = stop
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{path}: the tensors' data ends at byte {8 + n + end}, the file at {size} (truncated, or bytes appended)"
+        )
+    return header, 8 + n
+
+
+class SafetensorsHeaders:
+    """Names, dtypes, shapes and data spans of every tensor of a checkpoint folder, from the checked
+    headers (``read_safetensors_header``) of the shards ``read_weight_map`` lists; ``read_scalars`` and
+    ``read_small`` read the data of named small tensors only, and count it (``tensors_read``,
+    ``bytes_read``).
+
+    Attributes: ``where`` ``{name: shard file name}`` (the index's names; a shard's tensor the index does
+    not list is left out, as the loader cannot see it, and counted in ``unindexed``), ``dtype``
+    ``{name: safetensors dtype string}`` (``"F32"``), ``shape`` ``{name: tuple}``, ``span``
+    ``{name: (begin, end)}`` absolute byte range of the data in its file.
+
+    Raises:
+        CheckpointError: as ``read_weight_map`` and ``read_safetensors_header``; a name in two shards; a
+            name of the index missing from the header of its shard (each naming the files).
+    """
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        weight_map = read_weight_map(folder)
+        files = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
+        self.folder = folder
+        self.files = files
+        self.where: dict[str, str] = {}
+        self.dtype: dict[str, str] = {}
+        self.shape: dict[str, tuple[int, ...]] = {}
+        self.span: dict[str, tuple[int, int]] = {}
+        self.unindexed = 0
+        self.tensors_read = 0
+        self.bytes_read = 0
+        self._data: dict[str, bytes] = {}
+        seen: dict[str, str] = {}
+        for fname in files:
+            header, start = read_safetensors_header(folder / fname)
+            for name, meta in header.items():
+                if name in seen:
+                    raise CheckpointError(
+                        f"{folder / fname}: tensor {name!r} is also stored in {seen[name]}; a tensor name must be "
+                        f"unique across the shards"
+                    )
+                seen[name] = fname
+                if weight_map is not None and weight_map.get(name) != fname:
+                    self.unindexed += 1
+                    continue
+                self.where[name] = fname
+                self.dtype[name] = meta["dtype"]
+                self.shape[name] = tuple(meta["shape"])
+                begin, end = meta["data_offsets"]
+                self.span[name] = (start + begin, start + end)
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self.where:
+                    raise CheckpointError(
+                        f"checkpoint {folder} is missing tensor {name!r} (listed in {INDEX_NAME} for {fname}, not "
+                        f"found in that file)"
+                    )
+
+    def read_small(self, names: list[str]) -> dict[str, bytes]:
+        """The raw bytes of the named tensors, each shard opened once and read in data order; each tensor
+        is read once (kept for later calls) and counted once."""
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            if n not in self._data:
+                by_file.setdefault(self.where[n], []).append(n)
+        out = self._data
+        for fname, group in by_file.items():
+            with open_regular(self.folder / fname) as f:
+                for n in sorted(group, key=lambda x: self.span[x][0]):
+                    begin, end = self.span[n]
+                    f.seek(begin)
+                    data = f.read(end - begin)
+                    if len(data) != end - begin:
+                        raise CheckpointError(f"{self.folder / fname}: tensor {n!r}: the file ends inside its data")
+                    self.tensors_read += 1
+                    self.bytes_read += len(data)
+                    out[n] = data
+        return {n: out[n] for n in names}
+
+    def read_scalars(self, names: list[str]) -> dict[str, float]:
+        """The named one-element float tensors as Python floats (exact widening of
+        fp32/bf16/fp16/fp64), one per name.
+
+        Raises:
+            CheckpointError: a named tensor of more than one element, or of a non-float dtype.
+        """
+        for n in names:
+            if math.prod(self.shape[n]) != 1:
+                raise CheckpointError(
+                    f"tensor {n!r}: expected one scale value, found shape {list(self.shape[n])} (in {self.where[n]})"
+                )
+            if self.dtype[n] not in _FLOAT_SCALARS:
+                raise CheckpointError(
+                    f"tensor {n!r}: expected a float scale ({', '.join(_FLOAT_SCALARS)}), found {self.dtype[n]} "
+                    f"(in {self.where[n]})"
+                )
+        raw = self.read_small(names)
+        by_dtype: dict[str, list[str]] = {}
+        for n in names:
+            by_dtype.setdefault(self.dtype[n], []).append(n)
+        out: dict[str, float] = {}
+        for dtype, group in by_dtype.items():
+            data = bytearray(b"".join(raw[n] for n in group))
+            out.update(zip(group, torch.frombuffer(data, dtype=SAFETENSORS_DTYPES[dtype]).double().tolist()))
+        return out
+
+
+_FLOAT_SCALARS = ("F32", "BF16", "F16", "F64")
