@@ -1,6 +1,7 @@
 """The writer's technique hook and the registry: rtn writes the layout's own bytes, every technique round-trips."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from mxlib import reference as R
 from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.schemes import get_moe_scheme
 from mxlib.recovery import RECOVERY_CONFIG_KEY, TECHNIQUES, FourOverSix, RoundToNearest, get_technique
@@ -161,3 +162,26 @@ def test_decode_only_technique_refused_by_an_encode_layout(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"technique: rtn produces NVFP4 global scales of kind \['decode'\]"):
         C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "c", cal, layout="compressed-tensors", technique="rtn")
     assert not (tmp_path / "c").exists()
+
+
+def test_cli_writes_a_technique_checkpoint(tmp_path, capsys):
+    from mxlib.cli import main as cli_main
+
+    configs = Path(__file__).resolve().parent / "fixtures" / "configs" / "qwen3-30b-a3b"
+    out = tmp_path / "r.json"
+    argv = ["dummy-from-config", str(configs), str(tmp_path / "ckpt"), "--scheme", "nvfp4", "--layers", "1"]
+    argv += ["--technique", "four_over_six", "--preset", "tiny", "--device", "cpu", "--backend", "torch"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["technique"] == "four_over_six" and result["logits_finite"]
+    assert "technique four_over_six" in capsys.readouterr().out
+    # the stored experts are the technique's
+    model = dummy_qwen3_moe(
+        qwen3_30b_a3b_config(num_hidden_layers=1, **MODEL_PRESETS["tiny"]), seed=0, expert_spread=0.0
+    )
+    w13, w2 = expert_weights(model, 0)
+    want = FourOverSix().quantize_experts(w13, w2, get_moe_scheme("nvfp4"), layer=0)
+    loaded, _ = C.load_quantized_qwen3_moe(tmp_path / "ckpt", backend="torch")
+    ex = loaded.model.layers[0].mlp.experts.experts
+    assert torch.equal(ex.w13_weight_scale.view(torch.uint8), want.w13_weight_scale.view(torch.uint8))
+    assert torch.equal(ex.w2_weight, want.w2_weight) and torch.equal(ex.w2_weight_scale_2, want.w2_weight_scale_2)
