@@ -17,6 +17,8 @@ from mxlib import reference as R
 from mxlib.recovery.four_over_six import four_over_six_global_scale, quantize_nvfp4_four_over_six
 from mxlib.recovery.scale_search import nvfp4_scale_candidates, search_mx_scales, search_nvfp4_scales
 
+from _util import OnKernelDevice, assert_bits_equal
+
 # ----------------------------------------------------------------------------- 4/6 by hand
 
 # One [1, 80] matrix of five 16-element blocks; its amax 1536 = 6 * 256 makes 4/6's decode global
@@ -295,3 +297,118 @@ def test_search_bad_input():
         search_mx_scales(torch.ones(2, 32), "mxfp4", radius=-1)
     with pytest.raises(ValueError, match="global_scale: expected 2 values"):
         search_nvfp4_scales(torch.ones(2, 4, 16), torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- 4/6 activations
+
+# vLLM's QDQ at encode global scale gs = 1: s = e4m3(amax * fp32(1/6)), q = 1 / s, dq = e2m1(x * q) * s;
+# 4/6 also s4 = e4m3(amax / 4), q4 = fp32(1 / s4), keeping 4 where its squared error is smaller.
+ACT_BLOCKS = [
+    # 6 and 4.5: s 1 gives 6, 4 (error 8 * 0.25); s4 1.5, q4 fp32(2/3): 4.0000002 -> 4, 3.0000002 -> 3, exact -> 4
+    ([6.0, 4.5] * 8, [6.0, 4.0] * 8, [6.0, 4.5] * 8),
+    # on 6's grid at s 1: exact (4 would give 6, 4.5, 3, 2.25, ...) -> 6
+    (_HALF6 + [-v for v in _HALF6], _HALF6 + [-v for v in _HALF6], _HALF6 + [-v for v in _HALF6]),
+    # saturating: s e4m3(0.8333334) = 0.8125, 5 * fp32(1/0.8125) = 6.15 -> 6 -> 4.875; s4 1.25, 5 * 0.8 = 4 -> 5
+    ([5.0] * 8 + [-5.0] * 8, [4.875] * 8 + [-4.875] * 8, [5.0] * 8 + [-5.0] * 8),
+    ([0.0] * 16, [0.0] * 16, [0.0] * 16),
+]
+
+
+@pytest.mark.parametrize("ops", ["reference", "kernels"])
+def test_activation_four_over_six_hand_blocks(ops):
+    from mxlib.kernels import quant as Q
+
+    qdq = R.ref_nvfp4_quant_dequant if ops == "reference" else Q.ref_nvfp4_quant_dequant
+    x = torch.tensor([b[0] for b in ACT_BLOCKS], dtype=torch.float32).reshape(1, -1)
+    gs = torch.ones(1)
+    assert qdq(x, gs).tolist() == [sum((b[1] for b in ACT_BLOCKS), [])]
+    assert qdq(x, gs, block_rule="four_over_six").tolist() == [sum((b[2] for b in ACT_BLOCKS), [])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_activation_four_over_six_kernel_equals_reference(dtype, per_row):
+    from mxlib.kernels import quant as Q
+
+    kq = OnKernelDevice(Q)
+    gen = torch.Generator().manual_seed(7 + per_row)
+    x = (torch.randn(12, 128, generator=gen) * torch.exp(2 * torch.randn(12, 1, generator=gen))).to(dtype)
+    x[0, 3], x[1, 20], x[2, 40], x[3, :16] = float("nan"), float("inf"), -float("inf"), 0.0
+    x[4, :16] = 1e-30
+    gs = torch.rand(12 if per_row else 1, generator=gen) * 1e3 + 1
+    for rule in ("amax", "four_over_six"):
+        want = R.ref_nvfp4_quant_dequant(x, gs, block_rule=rule)
+        assert_bits_equal(kq.ref_nvfp4_quant_dequant(x, gs, block_rule=rule), want, rule)
+    four = R.ref_nvfp4_quant_dequant(x, gs, block_rule="four_over_six")
+    six = R.ref_nvfp4_quant_dequant(x, gs)
+    assert bool((four != six).any())  # the rule changes some blocks here
+
+
+def test_activation_block_rule_bad_input():
+    from mxlib.kernels import quant as Q
+
+    for qdq in (R.ref_nvfp4_quant_dequant, Q.ref_nvfp4_quant_dequant):
+        with pytest.raises(ValueError, match=r"block_rule: expected one of \['amax', 'four_over_six'\], got 'x'"):
+            qdq(torch.ones(1, 16), torch.ones(1), block_rule="x")
+
+
+def test_experts_four_over_six_activations():
+    """The experts QDQ a1 and a2 by 4/6 under 256/448 times the calibrated global scales: the torch backend
+    equals an assembly of mxlib.reference calls, the triton backend equals the torch one bit for bit."""
+    from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
+    from mxlib.moe.reference_moe import torch_moe
+
+    gen = torch.Generator().manual_seed(11)
+    e, h, i, m, k = 4, 64, 32, 6, 2
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(m, h, generator=gen).to(torch.bfloat16)
+    tw = torch.rand(m, k, generator=gen)
+    ti = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)]).to(torch.int32)
+    weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
+    in13 = torch.full((e,), float(x.float().abs().amax()) / 2688.0)
+    in2 = torch.full((e,), 0.02 / 2688.0)
+    ex = {
+        b: make_emulation_experts("nvfp4", weights, in13, in2, backend=b, activation_block_rule="four_over_six")
+        for b in ("torch", "triton")
+    }
+    fp32_ratio = torch.tensor(256.0 / 448.0, dtype=torch.float32)
+    gs1, gs2 = (1.0 / in13[:1]) * fp32_ratio, (1.0 / in2[:1]) * fp32_ratio
+    assert_bits_equal(ex["torch"].a13_gscale[:1], gs1)
+
+    def deq(p, s, g):
+        return torch.stack([R.dequantize_to_dtype(p[j], s[j], g[j], torch.bfloat16) for j in range(e)])
+
+    w13d = deq(weights.w13_weight, weights.w13_weight_scale, weights.w13_weight_scale_2)
+    w2d = deq(weights.w2_weight, weights.w2_weight_scale, weights.w2_weight_scale_2)
+    a1 = R.ref_nvfp4_quant_dequant(x, gs1, block_rule="four_over_six")
+    want = torch_moe(
+        a1, w13d, w2d, tw, ti, lambda v, rows: R.ref_nvfp4_quant_dequant(v, gs2, block_rule="four_over_six")
+    )
+    with torch.no_grad():
+        got = ex["torch"](x, tw, ti)
+        assert_bits_equal(got, want, "torch")
+        assert_bits_equal(ex["triton"](x, tw, ti), got, "triton")
+        amax = make_emulation_experts("nvfp4", weights, in13, in2, backend="torch")(x, tw, ti)
+    assert not torch.equal(amax, got)
+    assert ex["triton"].supports_fused is False  # the fused kernels QDQ by the amax rule: fused runs triton's path
+
+
+def test_experts_four_over_six_refusals():
+    from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
+
+    w13, w2 = torch.randn(2, 64, 32).to(torch.bfloat16), torch.randn(2, 32, 32).to(torch.bfloat16)
+    nv = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
+    ins = torch.full((2,), 0.01)
+    with pytest.raises(ValueError, match="activation_block_rule: expected one of"):
+        make_emulation_experts("nvfp4", nv, ins, ins, activation_block_rule="x")
+    with pytest.raises(ValueError, match="runs with static activation scales .* per_token"):
+        make_emulation_experts("nvfp4", nv, scale_strategy="per_token", activation_block_rule="four_over_six")
+    with pytest.raises(ValueError, match="numerics hardware"):
+        make_emulation_experts("nvfp4", nv, ins, ins, numerics="hardware", activation_block_rule="four_over_six")
+    ex = make_emulation_experts("nvfp4", nv, ins, ins, activation_block_rule="four_over_six")
+    with pytest.raises(ValueError, match="per_token"):
+        ex.set_scale_strategy("per_token")
+    mx = quantize_expert_weights(w13, w2, "mxfp4", ops=R)
+    with pytest.raises(ValueError, match="applies to NVFP4 activations; w_mxfp4_a_mxfp4 has none"):
+        make_emulation_experts("w_mxfp4_a_mxfp4", mx, activation_block_rule="four_over_six")
