@@ -391,7 +391,6 @@ def test_experts_four_over_six_activations():
         assert_bits_equal(ex["triton"](x, tw, ti), got, "triton")
         amax = make_emulation_experts("nvfp4", weights, in13, in2, backend="torch")(x, tw, ti)
     assert not torch.equal(amax, got)
-    assert ex["triton"].supports_fused is False  # the fused kernels QDQ by the amax rule: fused runs triton's path
 
 
 def test_experts_four_over_six_refusals():
@@ -412,3 +411,41 @@ def test_experts_four_over_six_refusals():
     mx = quantize_expert_weights(w13, w2, "mxfp4", ops=R)
     with pytest.raises(ValueError, match="applies to NVFP4 activations; w_mxfp4_a_mxfp4 has none"):
         make_emulation_experts("w_mxfp4_a_mxfp4", mx, activation_block_rule="four_over_six")
+
+
+def test_fp4_kernel_four_over_six_activations():
+    """The FP4 kernel's activation QDQ by 4/6 (A-tile load and GEMM1's epilogue): a1 fused in the load
+    or in its own pass give the same bits; the output follows the torch backend's 4/6, not the amax rule."""
+    from mxlib.kernels.tiles import TileConfig
+    from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
+
+    gen = torch.Generator().manual_seed(12)
+    e, h, i, m, k = 2, 128, 128, 4, 2
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(m, h, generator=gen) * torch.exp(torch.randn(m, h // 16, generator=gen)).repeat_interleave(16, 1)
+    x = x.to(torch.bfloat16)
+    tw = torch.rand(m, k, generator=gen)
+    ti = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], dtype=torch.int32)
+    weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
+    in13 = torch.full((e,), float(x.float().abs().amax()) / 2688.0)
+    in2 = torch.full((e,), 0.05 / 2688.0)
+
+    def experts(backend, rule):
+        return make_emulation_experts("nvfp4", weights, in13, in2, backend=backend, activation_block_rule=rule)
+
+    with torch.no_grad():
+        ref46, ref6 = experts("torch", "four_over_six")(x, tw, ti), experts("torch", "amax")(x, tw, ti)
+        fused = experts("fused", "four_over_six")
+        assert fused.fp4_weights() is not None  # the FP4 kernel runs these experts
+        out = fused(x, tw, ti)
+        cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
+        fused.fp4_config = cfg
+        standalone = fused(x, tw, ti)
+        fused.fp4_config = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=True), cfg[1])
+        assert_bits_equal(fused(x, tw, ti), standalone, "a1 in the A-tile load vs its own pass")
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert rel(out, ref46) < 5e-3 < rel(ref6, ref46)

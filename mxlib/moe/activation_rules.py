@@ -8,8 +8,10 @@ The published global scale normalizes the tensor amax to a block scale of 256 in
 4-block's scale is up to 1.5 times a 6-block's): the experts' encode global scales, calibrated as
 ``2688 / amax``, are multiplied by ``256 / 448`` in fp32 (``1536 / amax``).
 
-4/6 runs with static activation scales and vLLM numerics, on the ``torch`` and ``triton`` backends
-(``fused`` runs the triton path: the fused kernels QDQ by the amax rule only).
+4/6 runs with static activation scales and vLLM numerics, on every backend: ``torch`` and ``triton``
+(``mxlib.kernels.quant``), and ``fused``'s FP4 kernel (``fused_fp4_moe``: the A-tile load and GEMM1's
+epilogue); the dequantize-GEMM fused kernel (``fused_dequant_moe``, ``backend="fused"`` where the FP4
+kernel does not apply) refuses it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ import torch
 from .. import reference as _ref
 from ..formats import NVFP4
 
-__all__ = ["ACTIVATION_BLOCK_RULES", "check_activation_block_rule", "block_rule_global_scale", "nvfp4_activation_qdq"]
+__all__ = [
+    "ACTIVATION_BLOCK_RULES",
+    "check_activation_block_rule",
+    "block_rule_global_scale",
+    "nvfp4_activation_qdq",
+    "nvfp4_hw_qdq",
+]
 
 ACTIVATION_BLOCK_RULES = _ref.NVFP4_BLOCK_RULES
 # 256 / 448 in fp32: 4/6's encode global scale over one calibrated for a block scale of 448
@@ -46,3 +54,9 @@ def block_rule_global_scale(gs: torch.Tensor | None, rule: str) -> torch.Tensor 
 def nvfp4_activation_qdq(ops, rule: str):
     """``(x, gs) -> QDQ'd x``: ``ops.ref_nvfp4_quant_dequant`` (vLLM's arithmetic) by ``rule``, scales checked once."""
     return lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False, block_rule=rule)
+
+
+def nvfp4_hw_qdq(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """NVFP4 QDQ in hardware form (amax rule): ``e2m1 * block_scale`` (exact in bf16), ``1 / gs`` left out."""
+    el, s = _ref.ref_nvfp4_quant(x, gs)
+    return (el * s.repeat_interleave(NVFP4.block_size, dim=-1)).to(x.dtype)

@@ -51,7 +51,7 @@ from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare
 from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import prepare_packed_weights
-from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq
+from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq, nvfp4_hw_qdq
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .reference_moe import torch_moe
 from .scales import (
@@ -343,8 +343,8 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=True)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=True)
         self.global_scale_kind = w.global_scale_kind
-        if self.global_scale_kind == "encode" or activation_block_rule != "amax":
-            self.supports_fused = False  # the fused kernels multiply by decode global scales, QDQ by the amax rule
+        if self.global_scale_kind == "encode":
+            self.supports_fused = False  # the fused kernel multiplies by decode global scales
         if g13.ndim == 2 and not torch.equal(g13[:, 0], g13[:, 1]):
             _warn_once(
                 "w13_weight_scale_2",
@@ -405,12 +405,12 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     # NVFP4 with ``scale=None`` is the per-token QDQ for the FP4 kernel (``fp4_activations.is_per_token``)
     def a1_qdq(self) -> ActivationQDQ:
-        g = self.a13_gscale
-        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g))
+        g, rule = self.a13_gscale, self.activation_block_rule
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g), block_rule=rule)
 
     def a2_qdq(self) -> ActivationQDQ:
-        g = self.a2_gscale
-        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g))
+        g, rule = self.a2_gscale, self.activation_block_rule
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g), block_rule=rule)
 
     # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
     def _hardware(self) -> bool:
@@ -436,10 +436,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         inv2 = 1.0 / self.a2_gscale[0 if self._a2_uniform else e]
         return [inv1, g13], [inv2, self.w2_weight_scale_2[e]]
 
-    def _hw_qdq(self, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-        """NVFP4 QDQ in hardware form: ``e2m1 * block_scale`` (exact in bf16), ``1 / gs`` left out."""
-        el, s = _ref.ref_nvfp4_quant(x, gs)
-        return (el * s.repeat_interleave(NVFP4.block_size, dim=-1)).to(x.dtype)
+    _hw_qdq = staticmethod(nvfp4_hw_qdq)
 
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
