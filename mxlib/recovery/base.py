@@ -43,6 +43,9 @@ class WeightTechnique(Protocol):
 
     Attributes:
         name: the registry name (``mxlib.recovery.TECHNIQUES``).
+        global_scale_kinds: optional, the NVFP4 global-scale kinds ``quantize_experts`` produces
+            (absent: ``("decode",)``); a technique listing ``"encode"`` takes the keyword
+            ``global_scale_kind`` (module docstring).
     """
 
     name: str
