@@ -449,3 +449,44 @@ def test_fp4_kernel_four_over_six_activations():
         return float((a.float() - b.float()).norm() / b.float().norm())
 
     assert rel(out, ref46) < 5e-3 < rel(ref6, ref46)
+
+
+class _Diagonal:
+    """A test-local importance: ``.diagonal(layer) -> (a1 [E, H], a2 [E, I])``."""
+
+    def __init__(self, a1, a2):
+        self.a1, self.a2, self.layers = a1, a2, []
+
+    def diagonal(self, layer):
+        self.layers.append(layer)
+        return self.a1, self.a2
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_mse_technique_weights_by_the_importance(scheme):
+    from mxlib.moe.schemes import get_moe_scheme
+    from mxlib.recovery import get_technique
+
+    gen = torch.Generator().manual_seed(13)
+    e, h, i = 2, 64, 32
+    w13 = torch.randn(e, 2 * i, h, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(e, h, i, generator=gen).to(torch.bfloat16)
+    imp = _Diagonal(torch.rand(e, h, generator=gen) * 10, torch.rand(e, i, generator=gen) * 10)
+    got = get_technique("mse", importance=imp).quantize_experts(w13, w2, get_moe_scheme(scheme), layer=3)
+    assert imp.layers == [3]
+    if scheme == "nvfp4":
+        p13, s13, g13, _ = search_nvfp4_scales(w13, weight=imp.a1.unsqueeze(1))
+        p2, s2, g2, _ = search_nvfp4_scales(w2, weight=imp.a2.unsqueeze(1))
+        assert torch.equal(got.w13_weight_scale_2, g13) and torch.equal(got.w2_weight_scale_2, g2)
+    else:
+        p13, s13, _ = search_mx_scales(w13, "mxfp4", weight=imp.a1.unsqueeze(1))
+        p2, s2, _ = search_mx_scales(w2, "mxfp4", weight=imp.a2.unsqueeze(1))
+    for a, b in ((got.w13_weight, p13), (got.w13_weight_scale, s13), (got.w2_weight, p2), (got.w2_weight_scale, s2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    plain = get_technique("mse").quantize_experts(w13, w2, get_moe_scheme(scheme), layer=3)
+    assert not torch.equal(plain.w13_weight_scale.view(torch.uint8), got.w13_weight_scale.view(torch.uint8))
+    bad = _Diagonal(torch.rand(e, h + 1), imp.a2)
+    with pytest.raises(ValueError, match=r"importance.diagonal\(3\): a1 expected shape \[2, 64\], got \[2, 65\]"):
+        get_technique("mse", importance=bad).quantize_experts(w13, w2, get_moe_scheme(scheme), layer=3)
+    with pytest.raises(ValueError, match="four_over_six quantizes NVFP4 weights only, got mxfp4"):
+        get_technique("four_over_six").quantize_experts(w13, w2, get_moe_scheme("w_mxfp4"), layer=0)
