@@ -17,7 +17,7 @@ from mxlib import reference as R
 from mxlib.recovery.four_over_six import four_over_six_global_scale, quantize_nvfp4_four_over_six
 from mxlib.recovery.scale_search import nvfp4_scale_candidates, search_mx_scales, search_nvfp4_scales
 
-from _util import OnKernelDevice, assert_bits_equal
+from _util import KERNEL_DEVICE, OnKernelDevice, assert_bits_equal
 
 # ----------------------------------------------------------------------------- 4/6 by hand
 
@@ -368,8 +368,16 @@ def test_experts_four_over_six_activations():
     weights = quantize_expert_weights(w13, w2, "nvfp4", ops=R)
     in13 = torch.full((e,), float(x.float().abs().amax()) / 2688.0)
     in2 = torch.full((e,), 0.02 / 2688.0)
+    dev = {"torch": "cpu", "triton": KERNEL_DEVICE}
     ex = {
-        b: make_emulation_experts("nvfp4", weights, in13, in2, backend=b, activation_block_rule="four_over_six")
+        b: make_emulation_experts(
+            "nvfp4",
+            weights.to(dev[b]),
+            in13.to(dev[b]),
+            in2.to(dev[b]),
+            backend=b,
+            activation_block_rule="four_over_six",
+        )
         for b in ("torch", "triton")
     }
     fp32_ratio = torch.tensor(256.0 / 448.0, dtype=torch.float32)
@@ -388,7 +396,8 @@ def test_experts_four_over_six_activations():
     with torch.no_grad():
         got = ex["torch"](x, tw, ti)
         assert_bits_equal(got, want, "torch")
-        assert_bits_equal(ex["triton"](x, tw, ti), got, "triton")
+        on = (t.to(KERNEL_DEVICE) for t in (x, tw, ti))
+        assert_bits_equal(ex["triton"](*on).cpu(), got, "triton")
         amax = make_emulation_experts("nvfp4", weights, in13, in2, backend="torch")(x, tw, ti)
     assert not torch.equal(amax, got)
 
@@ -431,19 +440,21 @@ def test_fp4_kernel_four_over_six_activations():
     in13 = torch.full((e,), float(x.float().abs().amax()) / 2688.0)
     in2 = torch.full((e,), 0.05 / 2688.0)
 
-    def experts(backend, rule):
-        return make_emulation_experts("nvfp4", weights, in13, in2, backend=backend, activation_block_rule=rule)
+    def experts(backend, rule, dev="cpu"):
+        w, a, b = weights.to(dev), in13.to(dev), in2.to(dev)
+        return make_emulation_experts("nvfp4", w, a, b, backend=backend, activation_block_rule=rule)
 
     with torch.no_grad():
         ref46, ref6 = experts("torch", "four_over_six")(x, tw, ti), experts("torch", "amax")(x, tw, ti)
-        fused = experts("fused", "four_over_six")
+        fused = experts("fused", "four_over_six", KERNEL_DEVICE)
         assert fused.fp4_weights() is not None  # the FP4 kernel runs these experts
-        out = fused(x, tw, ti)
+        on = [t.to(KERNEL_DEVICE) for t in (x, tw, ti)]
+        out = fused(*on).cpu()
         cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
         fused.fp4_config = cfg
-        standalone = fused(x, tw, ti)
+        standalone = fused(*on)
         fused.fp4_config = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=True), cfg[1])
-        assert_bits_equal(fused(x, tw, ti), standalone, "a1 in the A-tile load vs its own pass")
+        assert_bits_equal(fused(*on), standalone, "a1 in the A-tile load vs its own pass")
 
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
