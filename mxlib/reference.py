@@ -138,6 +138,7 @@ __all__ = [
     "quant_dequant_mx",
     "ref_nvfp4_quant",
     "ref_nvfp4_quant_dequant",
+    "NVFP4_BLOCK_RULES",
     "compressed_tensors_nvfp4_quant_dequant",
     "nvfp4_per_token_scales",
     "nvfp4_per_token_quant_dequant",
@@ -525,8 +526,9 @@ def _recip(v: torch.Tensor) -> torch.Tensor:
     return 1.0 / (v + (v == 0) * 1e8)
 
 
-def _nvfp4_scale_and_multiplier(amax: torch.Tensor, gs: torch.Tensor, multiplier: str):
-    s = gs * (amax * torch.tensor(1.0 / _E2M1.max, dtype=torch.float32, device=amax.device))  # fp32(1/6)
+def _nvfp4_scale_and_multiplier(amax: torch.Tensor, gs: torch.Tensor, multiplier: str, target: float = _E2M1.max):
+    # fp32(1/6) for the amax rule; 1/4 (exact) for 4/6's second candidate
+    s = gs * (amax * torch.tensor(1.0 / target, dtype=torch.float32, device=amax.device))
     s = round_to_element(torch.clamp(s, -_E4M3.max, _E4M3.max), _E4M3)
     if multiplier == "reciprocal":
         q = _recip(s * _recip(gs))
@@ -572,6 +574,36 @@ def ref_nvfp4_quant(
     return e.reshape(x.shape), s.squeeze(-1)
 
 
+# The NVFP4 activation block rules (``block_rule=``): ``amax`` maps each block's amax to e2m1's 6
+# (vLLM); ``four_over_six`` also tries 4 and keeps the candidate with the smaller squared error.
+NVFP4_BLOCK_RULES = ("amax", "four_over_six")
+FOUR_OVER_SIX_TARGET = 4.0
+
+
+def _pairwise_block_sum(t: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last axis (a power of two) as a tree of pairs (0+1, 2+3, ...): each addition has
+    two operands, so the order is fixed and the Triton twin (``_numerics.pairwise_block_sum``) is bit-equal."""
+    while t.shape[-1] > 1:
+        t = t[..., 0::2] + t[..., 1::2]
+    return t.squeeze(-1)
+
+
+def _nvfp4_qdq_blocks(xb: torch.Tensor, gs: torch.Tensor, multiplier: str, block_rule: str) -> torch.Tensor:
+    """fp32 QDQ of NVFP4 blocks ``xb [..., nb, bs]`` by ``block_rule`` (vLLM's arithmetic per candidate)."""
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    dqs, errs = [], []
+    for target in (_E2M1.max, FOUR_OVER_SIX_TARGET) if block_rule == "four_over_six" else (_E2M1.max,):
+        s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier, target)
+        e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
+        dq = e * (s / gs)
+        d = dq - xb
+        dqs.append(dq)
+        errs.append(_pairwise_block_sum(d * d))
+    if len(dqs) == 1:
+        return dqs[0]
+    return torch.where((errs[1] < errs[0]).unsqueeze(-1), dqs[1], dqs[0])  # a tie (or NaN) keeps 6
+
+
 def ref_nvfp4_quant_dequant(
     x: torch.Tensor,
     global_scale: torch.Tensor | float,
@@ -579,6 +611,7 @@ def ref_nvfp4_quant_dequant(
     multiplier: str = "reciprocal",
     dtype: torch.dtype | None = None,
     check_scale: bool = True,
+    block_rule: str = "amax",
 ) -> torch.Tensor:
     """NVFP4 QDQ of activations, vLLM's arithmetic (vLLM ``ref_nvfp4_quant_dequant``).
 
@@ -592,6 +625,13 @@ def ref_nvfp4_quant_dequant(
     for callers that validated it once, such as the experts' forward; the check is also
     skipped during CUDA-graph capture.
 
+    ``block_rule``: ``"amax"`` (default, vLLM's) or ``"four_over_six"`` (4/6 adaptive block
+    scaling, Cook et al. arXiv 2512.02010): each block is also QDQ'd with its amax mapped to 4
+    (``s4 = e4m3(gs * (amax * 0.25))``, ``q4`` and ``dq4`` as for 6), and 4 is kept where its fp32
+    sum of squared errors, added as a tree of pairs (``_pairwise_block_sum``), is strictly smaller.
+    The caller passes 4/6's global scale (``gs`` normalized to a block scale of 256, not 448:
+    ``mxlib.moe.emulation``'s experts multiply their encode scale by 256 / 448).
+
     Raises:
         TypeError: ``x`` or ``global_scale`` of the wrong dtype.
         ValueError: ``k`` not a multiple of ``block_size``; ``block_size`` not a power of two
@@ -603,12 +643,16 @@ def ref_nvfp4_quant_dequant(
     dtype = x.dtype if dtype is None else dtype
     _check_out_dtype(dtype)
     gs = _global_scale_view(global_scale, x, "global_scale", check_scale)
+    if block_rule not in NVFP4_BLOCK_RULES:
+        raise ValueError(f"block_rule: expected one of {list(NVFP4_BLOCK_RULES)}, got {block_rule!r}")
     k = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], k // block_size, block_size)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
-    e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
-    return (e * (s / gs)).reshape(x.shape).to(dtype)
+    if block_rule == "amax":  # vLLM's QDQ, as written there
+        amax = xb.abs().amax(dim=-1, keepdim=True)
+        s, q = _nvfp4_scale_and_multiplier(amax, gs, multiplier)
+        e = _round_e2m1_signed_like_vllm(torch.clamp(xb * q, -_E2M1.max, _E2M1.max))
+        return (e * (s / gs)).reshape(x.shape).to(dtype)
+    return _nvfp4_qdq_blocks(xb, gs, multiplier, block_rule).reshape(x.shape).to(dtype)
 
 
 def nvfp4_per_token_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

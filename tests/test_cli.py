@@ -26,6 +26,7 @@ from mxlib.models.qwen3 import MODEL_PRESETS
 from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
 from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES
 from mxlib.moe.schemes import get_moe_scheme
+from mxlib.recovery import TECHNIQUES
 from mxlib.workbook import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ def test_the_option_tables_equal_the_library_tables():
     assert O.BACKENDS == tuple(BACKENDS)
     assert O.LAYOUTS == tuple(LAYOUTS)
     assert O.PRESETS == tuple(MODEL_PRESETS) and MODEL_PRESETS[O.FULL_PRESET] == {}
+    assert O.TECHNIQUES == tuple(TECHNIQUES)
 
 
 # option -> the library table its choices must list
@@ -84,6 +86,7 @@ CLOSED_SETS = {
     "--backend": tuple(BACKENDS),
     "--preset": tuple(MODEL_PRESETS),
     "--layout": tuple(LAYOUTS),
+    "--technique": tuple(TECHNIQUES),
 }
 
 

@@ -45,6 +45,7 @@ from ._options import (
     SCHEME_ALIASES,
     SCHEMES,
     STRATEGIES,
+    TECHNIQUES,
     comma_list,
     nonnegative_float,
     nonnegative_int,
@@ -254,6 +255,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         default=DEFAULT_PRESET,
         help=f"shrink the config's sizes to a MODEL_PRESETS size; {FULL_PRESET} keeps the config's own "
         f"(default: {DEFAULT_PRESET})",
+    )
+    dfc.add_argument(
+        "--technique",
+        choices=TECHNIQUES,
+        default="rtn",
+        help=f"how the experts' scales and codes are chosen (mxlib.recovery): {', '.join(TECHNIQUES)} "
+        f"(default: rtn, the layout's round-to-nearest)",
     )
     dfc.add_argument("--layers", type=positive_int, default=None, help="keep this many layers (default: the config's)")
     dfc.add_argument("--seed", type=nonnegative_int, default=0, help="random seed of the weights and token ids")

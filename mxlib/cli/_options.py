@@ -4,7 +4,8 @@ transformers, and the argparse types that check numbers and comma-separated list
 Each tuple is a copy of a library table (``tests/test_cli.py`` checks that it equals the table):
 ``SCHEMES`` of ``mxlib.moe.MOE_SCHEMES`` (with ``SCHEME_ALIASES`` those ``get_moe_scheme`` also
 accepts), ``STRATEGIES`` of ``mxlib.moe.SCALE_STRATEGIES``, ``BACKENDS`` of ``mxlib.moe.BACKENDS``,
-``LAYOUTS`` of ``mxlib.models.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``.
+``LAYOUTS`` of ``mxlib.models.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``,
+``TECHNIQUES`` of ``mxlib.recovery.TECHNIQUES``.
 A type's error (``argparse.ArgumentTypeError``) becomes ``mxlib CMD: error: argument --OPTION: ...``.
 """
 
@@ -21,6 +22,7 @@ __all__ = [
     "LAYOUTS",
     "PRESETS",
     "FULL_PRESET",
+    "TECHNIQUES",
     "positive_int",
     "nonnegative_int",
     "nonnegative_float",
@@ -67,6 +69,7 @@ BACKENDS = ("auto", "triton", "fused", "torch")
 LAYOUTS = ("modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8")
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
+TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse")
 
 
 def positive_int(text: str) -> int:

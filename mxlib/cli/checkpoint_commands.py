@@ -97,6 +97,7 @@ def dummy_from_config(args) -> dict:
         scheme=args.scheme,
         layout=args.layout,
         progress=args.progress,
+        technique=None if args.technique == "rtn" else args.technique,
     )
     t_write = time.perf_counter() - t0
     dev = args.params_device
@@ -107,7 +108,7 @@ def dummy_from_config(args) -> dict:
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())
     print(
-        f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, "
+        f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, technique {args.technique}, "
         f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
         f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
         f"logits {'finite' if finite else 'NOT finite'}"
@@ -116,6 +117,7 @@ def dummy_from_config(args) -> dict:
         path=str(path),
         format=info.format,
         scheme=info.scheme.name,
+        technique=args.technique,
         preset=args.preset,
         layers=model.config.num_hidden_layers,
         num_experts=model.config.num_experts,

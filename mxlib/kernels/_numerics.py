@@ -263,7 +263,13 @@ def nvfp4_recip(v):
 @triton.jit
 def nvfp4_scale_and_multiplier(amax, gs, DIVIDE: tl.constexpr):
     """Block scale ``s`` (on the e4m3 grid) and quantize multiplier ``q`` (vLLM's arithmetic)."""
-    s = gs * (amax * NVFP4_INV_MAX)  # fp32(1/6)
+    return nvfp4_scale_and_multiplier_to(amax, gs, NVFP4_INV_MAX, DIVIDE)  # fp32(1/6)
+
+
+@triton.jit
+def nvfp4_scale_and_multiplier_to(amax, gs, INV_TARGET: tl.constexpr, DIVIDE: tl.constexpr):
+    """``nvfp4_scale_and_multiplier`` mapping the block amax to ``1 / INV_TARGET`` (6, or 4/6's 4)."""
+    s = gs * (amax * INV_TARGET)
     s = clamp_keep_nan(s, -NVFP4_SCALE_MAX, NVFP4_SCALE_MAX)
     s = round_to_element(s, NVFP4_SCALE_EBITS, NVFP4_SCALE_MBITS, NVFP4_SCALE_MAX)
     if DIVIDE:
@@ -403,8 +409,29 @@ def mx_qdq_values(
 
 
 @triton.jit
-def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """NVFP4 QDQ of an fp32 tile with vLLM's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1]."""
+def pairwise_block_sum16(t, BLOCK_R: tl.constexpr, NB: tl.constexpr):
+    """Sum of ``t [BLOCK_R, NB, 16]`` over its last axis as a tree of pairs (0+1, 2+3, ...): two operands
+    an addition, so the order is fixed (``mxlib.reference._pairwise_block_sum``). Returns [BLOCK_R, NB]."""
+    a, b = tl.split(tl.reshape(t, (BLOCK_R, NB, 8, 2)))
+    a, b = tl.split(tl.reshape(a + b, (BLOCK_R, NB, 4, 2)))
+    a, b = tl.split(tl.reshape(a + b, (BLOCK_R, NB, 2, 2)))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
+def nvfp4_qdq_values(
+    x,
+    gs,
+    DIVIDE: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr = False,
+):
+    """NVFP4 QDQ of an fp32 tile with vLLM's arithmetic; ``gs`` broadcasts to [BLOCK_R, 1].
+    ``FOUR_OVER_SIX``: each block also QDQ'd with its amax mapped to 4, kept where its squared error
+    (``pairwise_block_sum16``) is smaller (``mxlib.reference.ref_nvfp4_quant_dequant``'s ``block_rule``)."""
     xb = tl.reshape(x, (BLOCK_R, BLOCK_K // BS, BS))
     # one integer max over |x|'s bits (see mx_qdq_tile): NaN bits exceed Inf's
     abits = tl.max(xb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
@@ -414,6 +441,15 @@ def nvfp4_qdq_values(x, gs, DIVIDE: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.
     # clamp keeping NaN: a block of fp32-subnormal size overflows q to Inf, and its zeros give 0 * Inf
     e = round_e2m1_signed_like_vllm(clamp_keep_nan(xb * q[:, :, None], -FP4_MAX, FP4_MAX))
     dq = e * tl.math.div_rn(s, gs + tl.zeros_like(s))[:, :, None]
+    if FOUR_OVER_SIX:
+        s4, q4 = nvfp4_scale_and_multiplier_to(amax, gs, 0.25, DIVIDE)
+        e4 = round_e2m1_signed_like_vllm(clamp_keep_nan(xb * q4[:, :, None], -FP4_MAX, FP4_MAX))
+        dq4 = e4 * tl.math.div_rn(s4, gs + tl.zeros_like(s4))[:, :, None]
+        d6 = dq - xb
+        d4 = dq4 - xb
+        err6 = pairwise_block_sum16(d6 * d6, BLOCK_R, BLOCK_K // BS)
+        err4 = pairwise_block_sum16(d4 * d4, BLOCK_R, BLOCK_K // BS)
+        dq = tl.where((err4 < err6)[:, :, None], dq4, dq)
     dq = tl.where(has_nan[:, :, None], fp32_nan_like(dq), dq)
     return tl.reshape(dq, (BLOCK_R, BLOCK_K))
 

@@ -40,16 +40,17 @@ def _act_qdq(
     BS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr = False,
 ):
     """QDQ of an fp32 tile [BLOCK_R, BLOCK_K] (blocks along the last axis): KIND 0 none, 1 MX,
     2 NVFP4 (``scale`` the encode scale gs, or the rows' gs [BLOCK_R, 1]; MODE 1 leaves out the
-    ``1 / gs``), 3 FP8 per tensor."""
+    ``1 / gs``; FOUR_OVER_SIX: 4/6's block rule, vLLM form only), 3 FP8 per tensor."""
     if KIND == 1:
         return nm.mx_qdq_values(x, EBITS, MBITS, EMAX, MAX, SCALE_MODE, BS, BLOCK_R, BLOCK_K)
     elif KIND == 2:
         if MODE == 1:
             return nm.nvfp4_qdq_hw_values(x, scale, BS, BLOCK_R, BLOCK_K)
-        return nm.nvfp4_qdq_values(x, scale, False, BS, BLOCK_R, BLOCK_K)
+        return nm.nvfp4_qdq_values(x, scale, False, BS, BLOCK_R, BLOCK_K, FOUR_OVER_SIX)
     elif KIND == 3:
         return nm.fp8_qdq_values(x, scale)
     else:
@@ -72,6 +73,7 @@ def _a_tile(
     A_BS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    A_FOUR_OVER_SIX: tl.constexpr = False,
 ):
     """Activation K tile, columns ``col0 .. col0+127``, QDQ'd, transposed: [128, BLOCK_M]."""
     cols = col0 + tl.arange(0, 128)
@@ -79,7 +81,19 @@ def _a_tile(
     if A_KIND != 0:
         a = nm.cast_out(
             _act_qdq(
-                nm.to_fp32(a), a_scale, A_KIND, MODE, A_EBITS, A_MBITS, A_EMAX, A_MAX, A_SCALE_MODE, A_BS, BLOCK_M, 128
+                nm.to_fp32(a),
+                a_scale,
+                A_KIND,
+                MODE,
+                A_EBITS,
+                A_MBITS,
+                A_EMAX,
+                A_MAX,
+                A_SCALE_MODE,
+                A_BS,
+                BLOCK_M,
+                128,
+                A_FOUR_OVER_SIX,
             ),
             DOT_DTYPE,
         )
@@ -112,7 +126,7 @@ def _standalone_a1_qdq(x: torch.Tensor, q: ActivationQDQ, numerics: Numerics) ->
     if q.kind == A2_MX:
         return Q.quant_dequant_mx(x, q.fmt.element.name, q.fmt.block_size, q.scale_mode)
     if q.kind == A2_NVFP4:
-        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float(), check_scale=False)
+        return Q.ref_nvfp4_quant_dequant(x, q.scale.reshape(-1)[:1].float(), check_scale=False, block_rule=q.block_rule)
     if q.kind == A2_FP8:
         return Q.quant_dequant_fp8_per_tensor(x, q.scale, check_scale=False)
     return x

@@ -437,12 +437,14 @@ class ActivationQDQ:
 
     ``fmt``: None (no QDQ), an OCP MX ``BlockScheme`` (dynamic E8M0 scales by ``scale_mode``),
     NVFP4 (``scale``: encode global scales [E] or [1]) or the per-tensor FP8 scheme (``scale``:
-    the decode scale [1]).
+    the decode scale [1]). ``block_rule``: NVFP4's block rule (``mxlib.reference.NVFP4_BLOCK_RULES``:
+    ``amax``, or ``four_over_six``, which the FP4 kernel runs and this module's kernel refuses).
     """
 
     fmt: BlockScheme | PerTensorScheme | None = None
     scale_mode: str = "even"
     scale: torch.Tensor | None = None
+    block_rule: str = "amax"
 
     @property
     def kind(self):
@@ -563,6 +565,10 @@ def invoke_fused_dequant_moe(
     Returns:
         ``[M, H]`` in ``a1.dtype``. No host synchronization: capturable in a CUDA graph.
     """
+    if a2_qdq.block_rule != "amax":
+        raise ValueError(
+            f"a2_qdq: this kernel QDQs by the amax block rule, got {a2_qdq.block_rule!r} (fused_fp4_moe runs it)"
+        )
     m, k = topk_ids.shape
     e, two_i = w13.packed.shape[:2]
     h = w2.packed.shape[1]

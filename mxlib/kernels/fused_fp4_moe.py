@@ -139,6 +139,7 @@ def fused_fp4_moe_kernel(
     A_MAX: tl.constexpr,
     A_SCALE_MODE: tl.constexpr,
     A_BS: tl.constexpr,
+    A_FOUR_OVER_SIX: tl.constexpr,
     # epilogue (a2 in GEMM1)
     GATED: tl.constexpr,
     C_KIND: tl.constexpr,
@@ -148,6 +149,7 @@ def fused_fp4_moe_kernel(
     C_MAX: tl.constexpr,
     C_SCALE_MODE: tl.constexpr,
     C_BS: tl.constexpr,
+    C_FOUR_OVER_SIX: tl.constexpr,
     W_GLOBAL_OUT: tl.constexpr,
     A_INV_OUT: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
@@ -229,6 +231,7 @@ def fused_fp4_moe_kernel(
                 A_BS,
                 BLOCK_M,
                 DOT_DTYPE,
+                A_FOUR_OVER_SIX,
             )
             a1 = _a_tile(
                 a_rows,
@@ -245,6 +248,7 @@ def fused_fp4_moe_kernel(
                 A_BS,
                 BLOCK_M,
                 DOT_DTYPE,
+                A_FOUR_OVER_SIX,
             )
             n0, n1, p = F6.load_fp6_planes(w_rows, n_mask, st)
             acc = tl.dot(_fp6_tile(n0, p, s_rows, n_mask, st, 0, W_EBITS, BLOCK_N, NUM_WARPS), a0, acc)
@@ -270,6 +274,7 @@ def fused_fp4_moe_kernel(
             A_BS,
             BLOCK_M,
             DOT_DTYPE,
+            A_FOUR_OVER_SIX,
         )
         acc = tl.dot(
             F4.decode_fp4_words(w_rows, s_rows, n_mask, g, kt, W_KIND, W_BS, BLOCK_N, NUM_WARPS, W_ONE), a, acc
@@ -312,7 +317,19 @@ def fused_fp4_moe_kernel(
         else:
             c_scale = 1.0
         act = _act_qdq(
-            act, c_scale, C_KIND, MODE, C_EBITS, C_MBITS, C_EMAX, C_MAX, C_SCALE_MODE, C_BS, BLOCK_M, BLOCK_N
+            act,
+            c_scale,
+            C_KIND,
+            MODE,
+            C_EBITS,
+            C_MBITS,
+            C_EMAX,
+            C_MAX,
+            C_SCALE_MODE,
+            C_BS,
+            BLOCK_M,
+            BLOCK_N,
+            C_FOUR_OVER_SIX,
         )
         out = nm.cast_out(act, OUT_DTYPE)
     else:
@@ -340,8 +357,10 @@ def _sum_k_kernel(x_ptr, out_ptr, H, top_k: tl.constexpr, BLOCK: tl.constexpr, O
 
 
 def _qdq_consts(q: ActivationQDQ | None, prefix: str) -> dict:
-    """The ``{prefix}_KIND, _EBITS, ...`` constexprs of an activation QDQ (``ActivationQDQ.kernel_args``)."""
-    return (q or ActivationQDQ()).kernel_args(prefix + "_")
+    """The ``{prefix}_KIND, _EBITS, ...`` constexprs of an activation QDQ (``ActivationQDQ.kernel_args``) and
+    ``{prefix}_FOUR_OVER_SIX``: NVFP4's 4/6 block rule (``ActivationQDQ.block_rule``)."""
+    q = q or ActivationQDQ()
+    return {**q.kernel_args(prefix + "_"), f"{prefix}_FOUR_OVER_SIX": q.block_rule == "four_over_six"}
 
 
 def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -493,7 +512,8 @@ def fused_fp4_moe(
 
     Raises:
         ValueError: unknown numerics, mismatched shapes or formats (experts, H, I, element format),
-            a plan not aligned for the tiles' ``block_m``.
+            a plan not aligned for the tiles' ``block_m``; a QDQ with ``block_rule="four_over_six"`` with
+            hardware numerics or per-token scales.
         TypeError: ``hidden_states`` not bf16, weights not prepared, ``topk_ids`` not integer.
 
     ``topk_ids`` values must lie in ``[0, E)``: reading them would synchronize, so they are not
@@ -515,6 +535,9 @@ def fused_fp4_moe(
         )
     if w13.nvfp4 != w2.nvfp4:
         raise ValueError("w13 and w2 must both be NVFP4 or both MXFP4")
+    for name, q in (("a1_qdq", a1_qdq), ("a2_qdq", a2_qdq)):  # 4/6: static NVFP4 scales, vLLM numerics
+        if q is not None and q.block_rule != "amax" and (numerics is Numerics.HARDWARE or is_per_token(q)):
+            raise ValueError(f"{name}: block_rule {q.block_rule!r} runs with a static scale and numerics 'vllm'")
     el13, el2 = getattr(w13, "element", None), getattr(w2, "element", None)  # FP6Weights: e2m3 or e3m2
     if el13 != el2:
         raise ValueError(f"w13 and w2 must have one element format, got {el13 or 'e2m1'} and {el2 or 'e2m1'}")

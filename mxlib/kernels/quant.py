@@ -211,8 +211,9 @@ def _nvfp4_qdq_kernel(
     OUT_DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
 ):
-    """NVFP4 QDQ with vLLM's arithmetic; encode global scale gs[row // ROWS_PER_GS]."""
+    """NVFP4 QDQ with vLLM's arithmetic; encode global scale gs[row // ROWS_PER_GS]; FOUR_OVER_SIX: 4/6's block rule."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = rows < R
@@ -220,7 +221,7 @@ def _nvfp4_qdq_kernel(
     offs = rows[:, None] * K + cols[None, :]
     x = nm.to_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     gs = tl.load(gs_ptr + rows // ROWS_PER_GS, mask=rmask, other=1.0)[:, None]
-    dq = nm.nvfp4_qdq_values(x, gs, DIVIDE, BS, BLOCK_R, BLOCK_K)
+    dq = nm.nvfp4_qdq_values(x, gs, DIVIDE, BS, BLOCK_R, BLOCK_K, FOUR_OVER_SIX)
     tl.store(out_ptr + offs, nm.cast_out(dq, OUT_DTYPE), mask=mask)
 
 
@@ -424,13 +425,24 @@ def _global_scale_rows(global_scale, x: torch.Tensor, name: str, check_scale=Tru
 
 
 def ref_nvfp4_quant_dequant(
-    x, global_scale, block_size=NVFP4_BLOCK_SIZE, multiplier="reciprocal", dtype=None, check_scale=True
+    x,
+    global_scale,
+    block_size=NVFP4_BLOCK_SIZE,
+    multiplier="reciprocal",
+    dtype=None,
+    check_scale=True,
+    block_rule="amax",
 ):
-    """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (vLLM's arithmetic)."""
+    """Triton twin of ``mxlib.reference.ref_nvfp4_quant_dequant`` (vLLM's arithmetic; ``block_rule``
+    ``amax`` or ``four_over_six``, the latter for NVFP4's block size 16)."""
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
     if multiplier not in ("reciprocal", "divide"):
         raise ValueError(f"multiplier: expected 'reciprocal' (the seed) or 'divide', got {multiplier!r}")
+    if block_rule not in _ref.NVFP4_BLOCK_RULES:
+        raise ValueError(f"block_rule: expected one of {list(_ref.NVFP4_BLOCK_RULES)}, got {block_rule!r}")
+    if block_rule == "four_over_six" and block_size != NVFP4_BLOCK_SIZE:
+        raise ValueError(f"block_rule: four_over_six runs with block_size={NVFP4_BLOCK_SIZE}, got {block_size}")
     dtype = x.dtype if dtype is None else dtype
     check_out_dtype(dtype)
     gs, rows_per_gs = _global_scale_rows(global_scale, x, "global_scale", check_scale)
@@ -451,6 +463,7 @@ def ref_nvfp4_quant_dequant(
             OUT_DTYPE=_TL_DTYPE[dtype],
             BLOCK_R=br,
             BLOCK_K=bk,
+            FOUR_OVER_SIX=block_rule == "four_over_six",
             **launch_opts(),
         )
     return out.reshape(x.shape)

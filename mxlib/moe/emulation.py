@@ -51,6 +51,7 @@ from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare
 from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import prepare_packed_weights
+from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq, nvfp4_hw_qdq
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .reference_moe import torch_moe
 from .scales import (
@@ -280,6 +281,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
+        activation_block_rule: a1 / a2 QDQ's ``"amax"`` (default, vLLM's) or ``"four_over_six"`` (``activation_rules``).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -300,8 +302,10 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
+        activation_block_rule: str = "amax",
     ):
         super().__init__(backend=backend)
+        self.activation_block_rule = check_activation_block_rule(activation_block_rule)
         if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
             got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
             raise TypeError(
@@ -359,6 +363,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         )
         self.set_scale_strategy(scale_strategy)
         self._set_numerics(numerics)
+        check_activation_block_rule(activation_block_rule, hardware=self._hardware())
         if self._hardware() and self.global_scale_kind == "encode":
             raise ValueError(
                 "numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
@@ -381,6 +386,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 f"scale_strategy {strategy!r} needs w13_input_scale and w2_input_scale (static scales); these "
                 f"experts were built without them: use scale_strategy={PER_TOKEN!r}"
             )
+        check_activation_block_rule(self.activation_block_rule, per_token=strategy == PER_TOKEN)
         self.scale_strategy = strategy
         a13 = a2 = None  # per_token: the scales are made in the forward
         self._a13_uniform = self._a2_uniform = True
@@ -388,8 +394,9 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
             a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
             a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
-        self.register_buffer("a13_gscale", a13, persistent=False)
-        self.register_buffer("a2_gscale", a2, persistent=False)
+        rule = self.activation_block_rule
+        self.register_buffer("a13_gscale", block_rule_global_scale(a13, rule), persistent=False)
+        self.register_buffer("a2_gscale", block_rule_global_scale(a2, rule), persistent=False)
 
     @property
     def per_token(self) -> bool:
@@ -398,12 +405,12 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
 
     # NVFP4 with ``scale=None`` is the per-token QDQ for the FP4 kernel (``fp4_activations.is_per_token``)
     def a1_qdq(self) -> ActivationQDQ:
-        g = self.a13_gscale
-        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g))
+        g, rule = self.a13_gscale, self.activation_block_rule
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a13_uniform else g), block_rule=rule)
 
     def a2_qdq(self) -> ActivationQDQ:
-        g = self.a2_gscale
-        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g))
+        g, rule = self.a2_gscale, self.activation_block_rule
+        return ActivationQDQ(NVFP4, scale=None if g is None else (g[:1] if self._a2_uniform else g), block_rule=rule)
 
     # hardware numerics (module docstring): operands e2m1 * block scale, per-tensor scales on the output
     def _hardware(self) -> bool:
@@ -429,10 +436,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         inv2 = 1.0 / self.a2_gscale[0 if self._a2_uniform else e]
         return [inv1, g13], [inv2, self.w2_weight_scale_2[e]]
 
-    def _hw_qdq(self, x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-        """NVFP4 QDQ in hardware form: ``e2m1 * block_scale`` (exact in bf16), ``1 / gs`` left out."""
-        el, s = _ref.ref_nvfp4_quant(x, gs)
-        return (el * s.repeat_interleave(NVFP4.block_size, dim=-1)).to(x.dtype)
+    _hw_qdq = staticmethod(nvfp4_hw_qdq)
 
     def _dequantize(self, ops, sel):
         dt = self.activation_dtype
@@ -480,9 +484,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             q, ts = ops.nvfp4_per_token_quant_dequant(a1, numerics=self.numerics)
             self.__dict__["_a1_row_scale"] = (q, ts) if self._hardware() else None
             return q, False
-        qdq = (
-            self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
-        )
+        qdq = self._hw_qdq if self._hardware() else nvfp4_activation_qdq(ops, self.activation_block_rule)
         if self._a13_uniform:
             return qdq(a1, self.a13_gscale[:1]), False
         k = topk_ids.shape[1]
@@ -494,9 +496,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         if self.per_token:  # once per (token, expert) row; hardware: with the rows' scales (``torch_moe``)
             q, ts = ops.nvfp4_per_token_quant_dequant(a2, numerics=self.numerics)
             return (q, ts) if self._hardware() else q
-        qdq = (
-            self._hw_qdq if self._hardware() else (lambda x, gs: ops.ref_nvfp4_quant_dequant(x, gs, check_scale=False))
-        )
+        qdq = self._hw_qdq if self._hardware() else nvfp4_activation_qdq(ops, self.activation_block_rule)
         if self._a2_uniform:
             return qdq(a2, self.a2_gscale[:1])
         return qdq(a2, self.a2_gscale[row_experts.long()])

@@ -94,6 +94,7 @@ def make_emulation_experts(
     activation_scale_mode: str = "even",
     activation_dtype: torch.dtype = torch.bfloat16,
     numerics: str = "vllm",
+    activation_block_rule: str = "amax",
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -110,10 +111,12 @@ def make_emulation_experts(
         activation_dtype: bf16 (default), fp16 or fp32.
         numerics: ``vllm`` (vLLM's emulation, bit for bit) or ``hardware`` (operands
             ``element * block_scale``, per-tensor scales on the fp32 GEMM outputs; ``mxlib.moe.emulation``).
+        activation_block_rule: NVFP4 activations' block rule, ``amax`` (default, vLLM's) or
+            ``four_over_six`` (``Nvfp4QuantizationEmulationTritonExperts``); other schemes take ``amax`` only.
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
-            input scales.
+            input scales; a block rule other than ``amax`` for a scheme without NVFP4 activations.
     """
     s = get_moe_scheme(scheme)
     if weights.scheme != s.weight:
@@ -134,6 +137,11 @@ def make_emulation_experts(
             activation_dtype=activation_dtype,
             backend=backend,
             numerics=numerics,
+            activation_block_rule=activation_block_rule,
+        )
+    if activation_block_rule != "amax":
+        raise ValueError(
+            f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
         )
     kw = {}
     if isinstance(s.activation, PerTensorScheme):

@@ -35,6 +35,8 @@ from tqdm import tqdm
 
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
+from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
+from ...recovery.base import technique_global_scale_kw
 from .. import untrusted
 from ..calibration import calibrate
 from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
@@ -176,6 +178,7 @@ def dummy_checkpoint_from_config(
     scheme: str | MoEQuantScheme | None = None,
     layout: str | None = None,
     progress: bool = False,
+    technique: str | WeightTechnique | None = None,
 ) -> Path:
     """Write a dummy-weight checkpoint in the layout of the config files in ``config_dir``.
 
@@ -193,6 +196,8 @@ def dummy_checkpoint_from_config(
         shard_bytes: safetensors shard size.
         scheme, layout: the scheme (and layout) of an unquantized config (``dummy_quantization``).
         progress: tqdm bars on stderr for calibrating and quantizing the experts.
+        technique: how the experts' scales and codes are chosen (``mxlib.recovery``, as
+            ``write_quantized_checkpoint``'s); None is the layout's round-to-nearest.
 
     Returns:
         ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
@@ -218,6 +223,8 @@ def dummy_checkpoint_from_config(
     info, files = dummy_quantization(config_dir, scheme, layout)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
+    technique = None if technique is None else get_technique(technique)
+    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
     config = model_config(cfg_dict, cfg_path)
 
@@ -282,7 +289,10 @@ def dummy_checkpoint_from_config(
                         state[f"{prefix}.{x}.{proj}.weight"] = w.to(torch.bfloat16).contiguous()
                 continue
             # a layout with its own arithmetic (compressed-tensors' encode scales) quantizes its experts itself
-            weights = layout.quantize_experts(w13, w2, scheme)
+            if technique is not None:
+                weights = technique.quantize_experts(w13, w2, scheme, layer=layer, **technique_kw)
+            else:
+                weights = layout.quantize_experts(w13, w2, scheme)
             if weights is None:
                 weights = quantize_expert_weights(w13, w2, scheme)
             in13 = in2 = None
@@ -296,6 +306,11 @@ def dummy_checkpoint_from_config(
         extra = {}
         if files is not None:  # an unquantized config: the chosen scheme's quantization config
             out_cfg["quantization_config"], extra = files
+        if technique is not None and technique.config():
+            out_cfg["quantization_config"] = {
+                **out_cfg["quantization_config"],
+                RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()},
+            }
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
         for name in (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files)):
             f = config_dir / name

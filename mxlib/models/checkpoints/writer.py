@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ...moe.factory import quantize_expert_weights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
+from ...recovery.base import technique_global_scale_kw
 from ..calibration import Calibration
 from ..qwen3 import expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
@@ -85,14 +86,17 @@ def write_quantized_checkpoint(
         technique: how the experts' scales and codes are chosen (``mxlib.recovery``): a name of
             ``TECHNIQUES`` or a built ``WeightTechnique``; None is round-to-nearest through the
             layout's own arithmetic. Its ``config()``, when not empty, is stored in
-            ``quantization_config[RECOVERY_CONFIG_KEY]``.
+            ``quantization_config[RECOVERY_CONFIG_KEY]``. A layout storing encode NVFP4 global
+            scales (compressed-tensors) asks the technique for codes chosen under an encode scale
+            (``mxlib.recovery.base.technique_global_scale_kw``).
 
     Returns:
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
 
     Raises:
         ValueError: a static-activation-scale scheme without ``calibration`` (or without
-            ``linear_input_amax`` for quantized attention); a layout that does not store the scheme.
+            ``linear_input_amax`` for quantized attention); a layout that does not store the scheme;
+            a technique that cannot produce the layout's kind of NVFP4 global scale.
         FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
         PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
     """
@@ -120,6 +124,7 @@ def write_quantized_checkpoint(
                 f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
                 f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}"
             )
+    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     logger.info("writing %s checkpoint (%s layout) to %s", scheme.name, layout.name, path)
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
@@ -146,7 +151,7 @@ def write_quantized_checkpoint(
             if technique is None:
                 layer_weights = layout.quantize_experts(w13, w2, scheme)
             else:
-                layer_weights = technique.quantize_experts(w13, w2, scheme, layer=layer)
+                layer_weights = technique.quantize_experts(w13, w2, scheme, layer=layer, **technique_kw)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
