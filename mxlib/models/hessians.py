@@ -4,8 +4,7 @@ GPTQ (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Generative 
 Transformers", ICLR 2023, section 3) chooses each linear layer's codes to minimize
 ``||X Wᵀ - X Ŵᵀ||²`` over a calibration set; the Hessian of that loss in one weight row is
 ``2 X Xᵀ``, the same for every row. In a MoE each expert is its own pair of linear layers and sees
-only the tokens routed to it, so the Hessians are per expert (llm-compressor's MoE calibration and
-ModelOpt's GPTQ collect them the same way):
+only the tokens routed to it, so the Hessians are per expert:
 
 * w13 (gate and up, ``[2I, H]``): ``sum_t x_t x_tᵀ`` ``[H, H]`` over the tokens ``t`` routed to the
   expert, ``x_t`` the hidden states entering the MoE block (bf16, widened exactly to fp32);
