@@ -14,7 +14,8 @@ kernel takes one global scale per expert, so a consumer must choose (``GATE_UP_M
   w3_weight_scale_2. Accuracy may be affected." when ``torch.allclose`` fails and keeps
   ``w13_weight_scale_2[:, 0]`` (the gate's) for the whole of w13; the emulation then dequantizes the up
   half as ``e2m1 * (block_scale * gs_gate)``: the up half's contribution scaled by ``gs_gate / gs_up``.
-  (vLLM's Quark and compressed-tensors NVFP4 MoE methods keep column 0 the same way.)
+  (#54974: the same column-0 line is in vLLM's ``quark/quark_moe.py`` and
+  ``compressed_tensors_moe_w4a4_nvfp4.py``.)
 * ``"requantize_max"``: both halves onto the larger scale ``gs = max(gs_gate, gs_up)`` (decode form;
   the smaller encode scale for compressed-tensors' encode form), the smaller half's e4m3 block scales
   rescaled ``e4m3(fp32(block_scale) * fp32(gs_half / gs))`` (round to nearest even; the factor is
