@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from .base import RECOVERY_CONFIG_KEY, RoundToNearest, WeightTechnique
 from .four_over_six import FourOverSix
+from .gptq import GPTQ
 from .scale_search import FourOverSixMSE, MSEScaleSearch
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "FourOverSix",
     "MSEScaleSearch",
     "FourOverSixMSE",
+    "GPTQ",
     "RECOVERY_CONFIG_KEY",
 ]
 
@@ -33,6 +35,7 @@ TECHNIQUES: dict[str, Callable[..., WeightTechnique]] = {
     "four_over_six": FourOverSix,
     "mse": MSEScaleSearch,
     "four_over_six_mse": FourOverSixMSE,
+    "gptq": GPTQ,
 }
 
 # Techniques that wrap another (``inner=``) and change the forward: in a composed name they come

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
+from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
 from ..qwen3 import empty_qwen3_moe, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
@@ -110,6 +111,7 @@ def load_quantized_qwen3_moe(
     scale_strategy: str = "max",
     activation_dtype: torch.dtype = torch.bfloat16,
     progress: bool = False,
+    gate_up_scale: str = "per_half",
 ):
     """Load a quantized Qwen3-MoE checkpoint (any registered layout) with emulation experts.
 
@@ -118,7 +120,9 @@ def load_quantized_qwen3_moe(
     checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
     layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
     from the per-expert tensors the layout reads. ``progress``: a tqdm bar on stderr, one step per
-    layer of experts read.
+    layer of experts read. ``gate_up_scale``: how NVFP4 gate and up halves with different
+    ``weight_scale_2`` are run (``mxlib.recovery.gate_up``): ``per_half`` (each its own), ``gate`` (vLLM's),
+    ``requantize_max``; with the last two the experts hold, and ``save_pretrained`` writes, the reconciled scales.
 
     Returns:
         ``(model, info)`` where ``info`` is the ``CheckpointDescription``. The model carries its
@@ -136,7 +140,7 @@ def load_quantized_qwen3_moe(
             files, unsupported configs, quantized modules that are not linear layers, fused
             unquantized experts (a Quark export made without ``preprocess_for_quantization``); the
             message names the file and the tensor or field.
-        ValueError: an unknown ``backend``, a ``num_hidden_layers`` that is not a positive integer,
+        ValueError: an unknown ``backend`` or ``gate_up_scale``, a ``num_hidden_layers`` that is not a positive integer,
             an unknown ``scale_strategy`` (checked before anything is read), or a ``scale_strategy`` other
             than ``max`` for a scheme whose experts cannot apply it (``check_scale_strategy``).
 
@@ -148,6 +152,7 @@ def load_quantized_qwen3_moe(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+    check_gate_up_mode(gate_up_scale)
     if num_hidden_layers is not None and (
         not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool) or num_hidden_layers < 1
     ):
@@ -216,6 +221,7 @@ def load_quantized_qwen3_moe(
         if _experts_excluded(exclude, layer):
             return _bf16_experts(tensors, prefix, e, h, i, device, backend)
         weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
+        weights = reconcile_gate_up(weights, gate_up_scale)
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
         return make_emulation_experts(
             info.scheme,
