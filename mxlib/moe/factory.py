@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import BlockScheme, PerTensorScheme
+from ..kernels.hadamard import BlockHadamard
 from .base import ops_for_device
 from .emulation import (
     ExpertWeights,
@@ -93,6 +94,7 @@ def make_emulation_experts(
     activation_scale_mode: str = "even",
     activation_dtype: torch.dtype = torch.bfloat16,
     numerics: str = "vllm",
+    rotation: BlockHadamard | None = None,
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -108,6 +110,8 @@ def make_emulation_experts(
         activation_dtype: bf16 (default), fp16 or fp32.
         numerics: ``vllm`` (vLLM's emulation, bit for bit) or ``hardware`` (operands
             ``element * block_scale``, per-tensor scales on the fp32 GEMM outputs; ``mxlib.moe.emulation``).
+        rotation: the online block Hadamard rotation of weights rotated offline (``TritonExperts.rotation``,
+            ``mxlib.recovery.hadamard``), or None.
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
@@ -120,7 +124,7 @@ def make_emulation_experts(
     if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
     if s.weight.has_global_scale:
-        return Nvfp4QuantizationEmulationTritonExperts(
+        experts = Nvfp4QuantizationEmulationTritonExperts(
             weights,
             w13_input_scale=w13_input_scale,
             w2_input_scale=w2_input_scale,
@@ -129,18 +133,22 @@ def make_emulation_experts(
             backend=backend,
             numerics=numerics,
         )
-    kw = {}
-    if isinstance(s.activation, PerTensorScheme):
-        kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
-    return OCP_MXQuantizationEmulationTritonExperts(
-        s,
-        weights,
-        activation_scale_mode=activation_scale_mode,
-        activation_dtype=activation_dtype,
-        backend=backend,
-        numerics=numerics,
-        **kw,
-    )
+    else:
+        kw = {}
+        if isinstance(s.activation, PerTensorScheme):
+            kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
+        experts = OCP_MXQuantizationEmulationTritonExperts(
+            s,
+            weights,
+            activation_scale_mode=activation_scale_mode,
+            activation_dtype=activation_dtype,
+            backend=backend,
+            numerics=numerics,
+            **kw,
+        )
+    if rotation is not None:
+        experts.rotation = rotation
+    return experts
 
 
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:

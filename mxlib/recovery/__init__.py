@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .base import RECOVERY_CONFIG_KEY, RoundToNearest, WeightTechnique
+from .hadamard import HadamardRotation
 
 __all__ = ["TECHNIQUES", "get_technique", "WeightTechnique", "RoundToNearest", "RECOVERY_CONFIG_KEY"]
 
 TECHNIQUES: dict[str, Callable[..., WeightTechnique]] = {
     "rtn": RoundToNearest,
+    "hadamard": HadamardRotation,
 }
 
 
