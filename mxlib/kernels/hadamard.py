@@ -39,8 +39,8 @@ from ._bridge import TL_DTYPE
 __all__ = ["BlockHadamard", "block_hadamard", "ref_block_hadamard", "hadamard_scale", "check_rotation_block"]
 
 
-def check_rotation_block(block_size, k: int, name: str = "x") -> None:
-    """Raise unless ``block_size`` is a power of two >= 2 dividing ``k`` (the last dimension of ``name``).
+def check_rotation_block(block_size, k: int, name: str = "x: last dimension") -> None:
+    """Raise unless ``block_size`` is a power of two >= 2 dividing ``k`` (``name`` says what ``k`` is).
 
     Raises:
         ValueError: naming ``block_size``, the expected and the found value.
@@ -50,7 +50,7 @@ def check_rotation_block(block_size, k: int, name: str = "x") -> None:
     if block_size & (block_size - 1):
         raise ValueError(f"block_size: expected a power of two, got {block_size}")
     if k % block_size:
-        raise ValueError(f"{name}: last dimension {k} is not a multiple of block_size={block_size}")
+        raise ValueError(f"{name} {k} is not a multiple of block_size={block_size}")
 
 
 def hadamard_scale(block_size: int) -> float:
