@@ -102,11 +102,17 @@ def outlier_activations(rows: int = 1024, k: int = 2048, outlier_every: int = 25
     return x.to(torch.bfloat16).float()
 
 
-def _qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "nvfp4":
-        gs = (NVFP4_SCALE_DIVISOR / x.abs().amax()).reshape(1).float()  # encode global scale 6 * 448 / amax
-        return R.ref_nvfp4_quant_dequant(x, gs).float()
+def _nvfp4_qdq(x: torch.Tensor) -> torch.Tensor:
+    gs = (NVFP4_SCALE_DIVISOR / x.abs().amax()).reshape(1).float()  # encode global scale 6 * 448 / amax
+    return R.ref_nvfp4_quant_dequant(x, gs).float()
+
+
+def _mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
     return R.quant_dequant_mx(x, "e2m1", 32, "even").float()
+
+
+# the two formats of the error study: QDQ of a tensor with its own amax (NVFP4's global scale)
+_QDQ = {"nvfp4": _nvfp4_qdq, "mxfp4": _mxfp4_qdq}
 
 
 def metric_trap(x: torch.Tensor | None = None, blocks=(16, 128), seed: int = 0) -> list[dict]:
@@ -119,11 +125,11 @@ def metric_trap(x: torch.Tensor | None = None, blocks=(16, 128), seed: int = 0) 
     rms = x.pow(2).mean(0).sqrt()
     outliers = rms > 4 * rms.median()  # the outlier channels
     out = []
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt, qdq in _QDQ.items():
         for b in (None,) + tuple(blocks):
             signs = None if b is None else random_signs(x.shape[-1], seed)
             xr = x if b is None else ref_block_hadamard(x, b, signs)
-            q = _qdq(xr.to(torch.bfloat16).float(), fmt).double()
+            q = qdq(xr.to(torch.bfloat16).float()).double()
             back = q if b is None else ref_block_hadamard(q, b) * signs.double()  # Q^-1 = H_b / sqrt(b), then D
             xd = x.double()
             row = 10 * torch.log10((xd**2).sum(1) / ((back - xd) ** 2).sum(1))
