@@ -134,7 +134,7 @@ class HadamardRotation:
         self._sizes: tuple[int, int] | None = None
 
     def rotation_for(self, hidden_size: int, intermediate_size: int, scheme: MoEQuantScheme) -> BlockHadamard:
-        """The ``BlockHadamard`` of layers of these sizes (made once, then the same for every layer)."""
+        """The ``BlockHadamard`` of layers of these sizes (made once, the same for every layer; signs on the CPU)."""
         if self._rotation is None:
             b = self.block_size or scheme.weight.block_size
             sh = si = None
@@ -155,8 +155,9 @@ class HadamardRotation:
     ) -> ExpertWeights:
         """The inner technique's ``ExpertWeights`` of ``w13`` rotated along H and ``w2`` along I (fp32)."""
         r = self.rotation_for(w13.shape[-1], w2.shape[-1], scheme)
-        w13r = ref_block_hadamard(w13, r.block_size, r.signs_h, out_dtype=torch.float32)
-        w2r = ref_block_hadamard(w2, r.block_size, r.signs_i, out_dtype=torch.float32)
+        sh, si = (None if s is None else s.to(w13.device) for s in (r.signs_h, r.signs_i))
+        w13r = ref_block_hadamard(w13, r.block_size, sh, out_dtype=torch.float32)
+        w2r = ref_block_hadamard(w2, r.block_size, si, out_dtype=torch.float32)
         return self.inner.quantize_experts(w13r, w2r, scheme, layer=layer)
 
     def config(self) -> dict:
