@@ -445,3 +445,15 @@ def test_bench_metric_trap(tmp_path):
     out = tmp_path / "trap.json"
     assert main(["--metric-trap", "--json", str(out)]) == 0
     assert len(json.loads(out.read_text())["metric_trap"]) == 6
+
+
+def test_rotated_checkpoint_saved_again_keeps_its_rotation(rotated_folder, tiny, tmp_path):
+    _, _, tokens = tiny
+    loaded, _ = C.load_quantized_qwen3_moe(rotated_folder, backend="torch")
+    loaded.save_pretrained(tmp_path / "again")
+    a = json.loads((rotated_folder / "config.json").read_text())["quantization_config"]
+    b = json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"]
+    assert a[RECOVERY_CONFIG_KEY] == b[RECOVERY_CONFIG_KEY]
+    again, _ = C.load_quantized_qwen3_moe(tmp_path / "again", backend="torch")
+    with torch.no_grad():
+        assert_bits_equal(again(tokens).logits, loaded(tokens).logits)
