@@ -224,6 +224,14 @@ def test_rotated_nvfp4_numerics_and_per_token_same_bits(layer, numerics, strateg
     assert_bits_equal(fused_out, torch_out)
 
 
+def test_rotated_experts_compile_into_one_graph(layer):
+    w13, w2, x, tw, ti = layer
+    ex = _rotated_experts(layer, "w_mxfp4_a_mxfp4", "torch")
+    torch._dynamo.reset()
+    compiled = torch.compile(ex, fullgraph=True, backend="aot_eager")
+    assert_bits_equal(compiled(x, tw, ti), ex(x, tw, ti))
+
+
 def test_rotation_attribute_default_and_removal(layer):
     w13, w2, x, tw, ti = layer
     s = get_moe_scheme("w_mxfp4_a_mxfp4")

@@ -148,6 +148,8 @@ class TritonExperts(torch.nn.Module):
     fp4_config = None
     # Numerics of the emulation (``mxlib.moe.emulation``): ``Numerics.VLLM`` or ``Numerics.HARDWARE``.
     numerics = Numerics.VLLM
+    # The rotation's block size (``rotation``; its signs are buffers), None without a rotation.
+    _rotation_block_size: int | None = None
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
@@ -193,10 +195,10 @@ class TritonExperts(torch.nn.Module):
     @property
     def rotation(self) -> BlockHadamard | None:
         """The online block Hadamard rotation of the activations (module docstring), or None."""
-        block_size = self.__dict__.get("_rotation_block_size")
-        if block_size is None:
+        if self._rotation_block_size is None:
             return None
-        return BlockHadamard(block_size, self._buffers.get("rotation_signs_h"), self._buffers.get("rotation_signs_i"))
+        signs = (getattr(self, "rotation_signs_h", None), getattr(self, "rotation_signs_i", None))
+        return BlockHadamard(self._rotation_block_size, *signs)
 
     @rotation.setter
     def rotation(self, rotation: BlockHadamard | None) -> None:
@@ -214,7 +216,7 @@ class TritonExperts(torch.nn.Module):
         for name in ("signs_h", "signs_i"):
             s = None if rotation is None else getattr(rotation, name)
             self.register_buffer("rotation_" + name, None if s is None else s.to(device), persistent=False)
-        self.__dict__["_rotation_block_size"] = None if rotation is None else rotation.block_size
+        self._rotation_block_size = None if rotation is None else rotation.block_size
 
     def intermediate_qdq(self, backend: str):
         """``(a2 [n, I], row_experts [n]) -> quantize_intermediate(a2 rotated along I, ...)`` on ``backend``."""
