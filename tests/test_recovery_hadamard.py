@@ -159,7 +159,7 @@ def _float64_moe(w13, w2, x, tw, ti):
     return out
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("b", [16, 32, 128])
 def test_rotated_forward_equals_unrotated_without_quantization(layer, backend, b):
     w13, w2, x, tw, ti = layer
@@ -201,6 +201,7 @@ def _rotated_experts(layer, scheme, backend, numerics="vllm", scale_strategy="ma
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_rotated_backends_same_bits(layer, scheme):
     w13, w2, x, tw, ti = layer
@@ -216,6 +217,7 @@ def test_rotated_backends_same_bits(layer, scheme):
     assert not torch.equal(plain, outs["torch"])  # the rotation is not a no-op
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("numerics,strategy", [("hardware", "max"), ("vllm", "per_token"), ("hardware", "per_token")])
 def test_rotated_nvfp4_numerics_and_per_token_same_bits(layer, numerics, strategy):
     w13, w2, x, tw, ti = layer
@@ -441,6 +443,7 @@ def _rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.slow
 def test_bench_metric_trap(tmp_path):
     from mxlib.bench.rotation import main, metric_trap, outlier_activations
 
