@@ -69,7 +69,7 @@ BACKENDS = ("auto", "triton", "fused", "torch")
 LAYOUTS = ("modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8")
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
-TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse")
+TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse", "gptq", "hadamard")
 
 
 def positive_int(text: str) -> int:

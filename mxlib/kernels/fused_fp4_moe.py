@@ -46,6 +46,7 @@ from ..formats import Numerics, get_numerics
 from . import _numerics as nm
 from . import fp4_layout as F4
 from . import fp6_layout as F6
+from . import hadamard as HD
 from ._bridge import select
 from .align import RoutingPlan, plan_routing
 from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq, is_per_token
@@ -105,6 +106,8 @@ def fused_fp4_moe_kernel(
     num_tokens_post_padded_ptr,
     a_scale_ptr,
     c_scale_ptr,
+    rot_signs_ptr,
+    rot_scale,
     # dimensions
     N,
     K,
@@ -153,6 +156,8 @@ def fused_fp4_moe_kernel(
     W_GLOBAL_OUT: tl.constexpr,
     A_INV_OUT: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
+    ROT_BS: tl.constexpr,  # a2 rotated along N by block Hadamard ROT_BS (0: none) before its QDQ (``hadamard``)
+    ROT_SIGNS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     top_k: tl.constexpr,
     NAIVE: tl.constexpr,
@@ -312,6 +317,9 @@ def fused_fp4_moe_kernel(
         gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
         up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
         act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
+        if ROT_BS != 0:  # rounded to OUT_DTYPE as ``block_hadamard``'s pass rounds it
+            rot = HD.rotate_tile(act, rot_signs_ptr, offs_n, offs_n < N, rot_scale, ROT_BS, ROT_SIGNS, BLOCK_M, BLOCK_N)
+            act = nm.to_fp32(nm.cast_out(rot, OUT_DTYPE))
         if C_KIND != 0:
             c_scale = tl.load(c_scale_ptr + expert * c_scale_stride_e)
         else:
@@ -387,6 +395,7 @@ def _launch(
     top_k: int,
     tiles: TileConfig,
     a_rows: torch.Tensor | None = None,
+    rotation: HD.BlockHadamard | None = None,
 ):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``tiles.block_m`` pairs, ``n`` output
     columns (``gated``: the SiLU-and-mul of the gate and up halves, then the ``c_qdq`` QDQ; else times
@@ -394,7 +403,8 @@ def _launch(
 
     a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware numerics), or None; a_rows: per-token scales ``[rows of a, 2]``
-    (``quant.per_token_rows``), which then replace ``a_qdq``'s and ``a_inv``'s scales row by row."""
+    (``quant.per_token_rows``), which then replace ``a_qdq``'s and ``a_inv``'s scales row by row;
+    rotation: ``gated`` only, the epilogue rotates the SiLU-and-mul output by it (its ``signs_i``)."""
     sorted_ids, expert_ids, num_post = plan.blocks(tiles.block_m)
     e = w.packed.shape[0]
     # pointer arguments the kernel does not read (no scale of that kind): any fp32 tensor, no new
@@ -434,6 +444,8 @@ def _launch(
         num_post,
         a_scale,
         c_scale,
+        unread if rotation is None or rotation.signs_i is None else rotation.signs_i,
+        1.0 if rotation is None else HD.hadamard_scale(rotation.block_size),
         n,
         w.k,
         em,
@@ -460,6 +472,8 @@ def _launch(
         W_GLOBAL_OUT=w_kind == F4.W_NVFP4_HW,
         A_INV_OUT=a_inv is not None,
         A_PER_TOKEN=a_rows is not None,
+        ROT_BS=0 if rotation is None else rotation.block_size,
+        ROT_SIGNS=rotation is not None and rotation.signs_i is not None,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
         NAIVE=plan.naive,
@@ -485,6 +499,7 @@ def fused_fp4_moe(
     numerics: Numerics | str = Numerics.VLLM,
     configs: tuple[TileConfig, TileConfig] | None = None,
     plan: RoutingPlan | None = None,
+    rotation: HD.BlockHadamard | None = None,
 ) -> torch.Tensor:
     """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
 
@@ -506,6 +521,9 @@ def fused_fp4_moe(
         configs: (GEMM1, GEMM2) tiles; None picks from ``FP4_CONFIGS`` by batch size.
         plan: the forward's ``RoutingPlan`` (``align.plan_routing`` for both GEMMs' ``block_m``);
             None plans here. A naive plan runs both GEMMs with 16-row blocks.
+        rotation: the block Hadamard rotation of a rotated checkpoint (``hadamard.BlockHadamard``) or
+            None: a1 rotated along H in one pass (``block_hadamard``) before its QDQ, a2 along I in
+            GEMM1's epilogue before its QDQ (GEMM1's ``block_n`` raised to the block size if smaller).
 
     Returns:
         ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
@@ -556,6 +574,10 @@ def fused_fp4_moe(
         )
     hidden_states = hidden_states.contiguous()  # the kernels read rows with a unit column stride
     c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4, w13.nbits)
+    if rotation is not None:
+        rotation.check(h, i, values=False)  # no host read: capturable
+        hidden_states = HD.block_hadamard(hidden_states, rotation.block_size, rotation.signs_h)
+        c1 = replace(c1, block_n=max(c1.block_n, rotation.block_size))
     plan = plan or plan_routing(topk_ids, e, (c1.block_m, c2.block_m))
     if plan.naive:  # each pair its own block of 16 rows (row 0 live)
         c1 = replace(c1, block_m=16, group_m=1)
@@ -595,6 +617,7 @@ def fused_fp4_moe(
         top_k=k,
         tiles=c1,
         a_rows=a1_rows if (a1q is not None or a1_inv is not None) else None,  # read in the A load or the output
+        rotation=rotation,
     )
     a2_rows = None
     if a2_per_token:  # a2's rows QDQ'd in place, each with its own scale (an epilogue tile sees part of a row)

@@ -16,6 +16,14 @@ activation dtype), ``quantize_input`` (a1) and ``quantize_intermediate`` (a2); t
 hold packed weights also set ``supports_fused`` and give ``packed_weights`` and ``a2_qdq``.
 The base class never asks which subclass it is.
 
+Rotation (``rotation``, a ``mxlib.kernels.hadamard.BlockHadamard`` or None, the default): experts whose
+weights were rotated offline along K (``mxlib.recovery.hadamard``) rotate their activations online the
+same way before each QDQ: a1 along H before ``quantize_input`` (and before GEMM1), a2 along I after
+SiLU-and-mul, before ``quantize_intermediate`` (and GEMM2). The ``torch`` backend rotates with
+``ref_block_hadamard``, ``triton`` with its Triton twin (same bits), the FP4 kernel rotates a1 in a
+pass before it and a2 in GEMM1's epilogue; the generic dequantize-GEMM kernel has no rotation, so
+rotated experts on ``fused`` without the FP4 kernel run the ``triton`` path.
+
 Backends: ``"triton"`` (Triton kernels, vLLM's emulation design: dequantize all experts,
 then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
 ``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
@@ -55,6 +63,7 @@ from ..kernels.fp6_layout import FP6Weights
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, get_fused_config, invoke_fused_dequant_moe
 from ..kernels.fused_fp4_moe import fused_fp4_moe, get_fp4_configs
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
+from ..kernels.hadamard import BlockHadamard
 from .reference_moe import silu_and_mul, torch_moe
 
 __all__ = [
@@ -139,6 +148,8 @@ class TritonExperts(torch.nn.Module):
     fp4_config = None
     # Numerics of the emulation (``mxlib.moe.emulation``): ``Numerics.VLLM`` or ``Numerics.HARDWARE``.
     numerics = Numerics.VLLM
+    # The rotation's block size (``rotation``; its signs are buffers), None without a rotation.
+    _rotation_block_size: int | None = None
 
     def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
         super().__init__()
@@ -180,6 +191,43 @@ class TritonExperts(torch.nn.Module):
 
     def _device(self) -> torch.device:
         return next(iter(self.buffers())).device
+
+    @property
+    def rotation(self) -> BlockHadamard | None:
+        """The online block Hadamard rotation of the activations (module docstring), or None."""
+        if self._rotation_block_size is None:
+            return None
+        signs = (getattr(self, "rotation_signs_h", None), getattr(self, "rotation_signs_i", None))
+        return BlockHadamard(self._rotation_block_size, *signs)
+
+    @rotation.setter
+    def rotation(self, rotation: BlockHadamard | None) -> None:
+        """Set (or, with None, remove) the rotation; its signs become buffers on the experts' device.
+
+        Raises:
+            TypeError: not a ``BlockHadamard`` or None.
+            ValueError: a block size not dividing H and I, or signs of the wrong length (``BlockHadamard.check``).
+        """
+        if rotation is not None and not isinstance(rotation, BlockHadamard):
+            raise TypeError(f"rotation: expected a BlockHadamard or None, got {type(rotation).__name__}")
+        if rotation is not None:
+            rotation.check(self.hidden_size, self.intermediate_size)
+        device = self._device()
+        for name in ("signs_h", "signs_i"):
+            s = None if rotation is None else getattr(rotation, name)
+            self.register_buffer("rotation_" + name, None if s is None else s.to(device), persistent=False)
+        self._rotation_block_size = None if rotation is None else rotation.block_size
+
+    def intermediate_qdq(self, backend: str):
+        """``(a2 [n, I], row_experts [n]) -> quantize_intermediate(a2 rotated along I, ...)`` on ``backend``."""
+        rotation = self.rotation
+
+        def qi(x, row_experts):
+            if rotation is not None:
+                x = rotation.rotate_i(x, triton=backend != "torch")
+            return self.quantize_intermediate(x, row_experts, backend)
+
+        return qi
 
     # hooks the emulation subclasses override
     def dequantized_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,16 +332,17 @@ class TritonExperts(torch.nn.Module):
                 numerics=self.numerics,
                 configs=tiles,
                 plan=plan,
+                rotation=self.rotation,
             )
+        if self.rotation is not None:
+            hidden_states = self.rotation.rotate_h(hidden_states, triton=backend != "torch")
         a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
         return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
 
     def apply(self, a1, topk_weights, topk_ids, a1_per_pair: bool, backend: str) -> torch.Tensor:
-        def qi(x, row_experts):
-            return self.quantize_intermediate(x, row_experts, backend)
-
+        qi = self.intermediate_qdq(backend)
         m, k = topk_ids.shape
-        if backend == "fused" and self.supports_fused:
+        if backend == "fused" and self.supports_fused and self.rotation is None:
             w13p, w2p = self.packed_weights()
             tiles = self.fused_config or get_fused_config(m, self.num_experts, k, w13p.nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles.block_m,), naive_ok=False)

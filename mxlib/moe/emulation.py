@@ -516,7 +516,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 lambda e: self.dequantized_expert(e)[1],
                 topk_weights,
                 topk_ids,
-                lambda x, row_experts: self.quantize_intermediate(x, row_experts, backend),
+                self.intermediate_qdq(backend),
                 a1_per_pair,
                 output_scales=self.output_scales,
                 a1_row_scale=made[1],

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import BlockScheme, PerTensorScheme
+from ..kernels.hadamard import BlockHadamard
 from .base import ops_for_device
 from .emulation import (
     ExpertWeights,
@@ -95,6 +96,7 @@ def make_emulation_experts(
     activation_dtype: torch.dtype = torch.bfloat16,
     numerics: str = "vllm",
     activation_block_rule: str = "amax",
+    rotation: BlockHadamard | None = None,
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -113,6 +115,8 @@ def make_emulation_experts(
             ``element * block_scale``, per-tensor scales on the fp32 GEMM outputs; ``mxlib.moe.emulation``).
         activation_block_rule: NVFP4 activations' block rule, ``amax`` (default, vLLM's) or
             ``four_over_six`` (``Nvfp4QuantizationEmulationTritonExperts``); other schemes take ``amax`` only.
+        rotation: the online block Hadamard rotation of weights rotated offline (``TritonExperts.rotation``,
+            ``mxlib.recovery.hadamard``), or None.
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
@@ -124,12 +128,16 @@ def make_emulation_experts(
     static = s.static_activation_scale
     if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
+    if activation_block_rule != "amax" and not (s.weight.has_global_scale and not s.weight_only):
+        raise ValueError(
+            f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
+        )
     if s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
-        return Nvfp4WeightOnlyEmulationTritonExperts(
+        experts = Nvfp4WeightOnlyEmulationTritonExperts(
             weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics
         )
-    if s.weight.has_global_scale:
-        return Nvfp4QuantizationEmulationTritonExperts(
+    elif s.weight.has_global_scale:
+        experts = Nvfp4QuantizationEmulationTritonExperts(
             weights,
             w13_input_scale=w13_input_scale,
             w2_input_scale=w2_input_scale,
@@ -139,22 +147,22 @@ def make_emulation_experts(
             numerics=numerics,
             activation_block_rule=activation_block_rule,
         )
-    if activation_block_rule != "amax":
-        raise ValueError(
-            f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
+    else:
+        kw = {}
+        if isinstance(s.activation, PerTensorScheme):
+            kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
+        experts = OCP_MXQuantizationEmulationTritonExperts(
+            s,
+            weights,
+            activation_scale_mode=activation_scale_mode,
+            activation_dtype=activation_dtype,
+            backend=backend,
+            numerics=numerics,
+            **kw,
         )
-    kw = {}
-    if isinstance(s.activation, PerTensorScheme):
-        kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
-    return OCP_MXQuantizationEmulationTritonExperts(
-        s,
-        weights,
-        activation_scale_mode=activation_scale_mode,
-        activation_dtype=activation_dtype,
-        backend=backend,
-        numerics=numerics,
-        **kw,
-    )
+    if rotation is not None:
+        experts.rotation = rotation
+    return experts
 
 
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from .base import RECOVERY_CONFIG_KEY, RoundToNearest, WeightTechnique
 from .four_over_six import FourOverSix
 from .gptq import GPTQ
+from .hadamard import HadamardRotation
 from .scale_search import FourOverSixMSE, MSEScaleSearch
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MSEScaleSearch",
     "FourOverSixMSE",
     "GPTQ",
+    "HadamardRotation",
     "RECOVERY_CONFIG_KEY",
 ]
 
@@ -36,6 +38,7 @@ TECHNIQUES: dict[str, Callable[..., WeightTechnique]] = {
     "mse": MSEScaleSearch,
     "four_over_six_mse": FourOverSixMSE,
     "gptq": GPTQ,
+    "hadamard": HadamardRotation,
 }
 
 # Techniques that wrap another (``inner=``) and change the forward: in a composed name they come

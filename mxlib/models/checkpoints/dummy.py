@@ -39,6 +39,7 @@ from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from .. import untrusted
 from ..calibration import calibrate
+from ..hessians import collect_expert_hessians
 from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
 from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
 from .bounds import model_config
@@ -191,7 +192,8 @@ def dummy_checkpoint_from_config(
         seed: seeds the weights and the calibration token ids.
         model_preset: shrink the model to a ``MODEL_PRESETS`` size (``"small"``, ``"tiny"``) for tests.
         overrides: further config fields to replace (e.g. ``{"num_experts": 8}``); win over the preset.
-        calib_tokens: token ids that calibrate static activation scales (NVFP4, ``_a_fp8``).
+        calib_tokens: token ids that calibrate static activation scales (NVFP4, ``_a_fp8``) and give GPTQ its
+            per-expert Hessians (``technique="gptq"``).
         expert_spread: ``dummy_qwen3_moe``'s per-expert scale spread.
         shard_bytes: safetensors shard size.
         scheme, layout: the scheme (and layout) of an unquantized config (``dummy_quantization``).
@@ -223,12 +225,17 @@ def dummy_checkpoint_from_config(
     info, files = dummy_quantization(config_dir, scheme, layout)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
-    technique = None if technique is None else get_technique(technique)
-    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
+    # GPTQ reads per-expert Hessians of the calibration tokens, which exist once the model does
+    needs_hessians = isinstance(technique, str) and technique.split("+")[0] == "gptq"
+    technique = None if technique is None or needs_hessians else get_technique(technique)
     cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
     config = model_config(cfg_dict, cfg_path)
 
     model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
+    ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
+    if needs_hessians:
+        technique = get_technique(technique, hessians=collect_expert_hessians(model, ids, progress=progress))
+    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     modules = dict(model.named_modules())
     quantized_linears = [m for m in _linear_modules(model) if not matches(m, info.exclude)]
     # a layout that stores quantized linear layers (attention) has supports_linear; their weights are
@@ -253,7 +260,6 @@ def dummy_checkpoint_from_config(
     calibration = None
     linear_amax = {m: torch.zeros((), dtype=torch.float32) for m in quantized_linears}
     if scheme.static_activation_scale:
-        ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
         hooks = [modules[m].register_forward_pre_hook(_record_amax(linear_amax, m)) for m in quantized_linears]
         try:
             calibration = calibrate(

@@ -20,7 +20,9 @@ from tqdm import tqdm
 
 from ...moe.base import BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
+from ...recovery import RECOVERY_CONFIG_KEY
 from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
+from ...recovery.hadamard import rotation_from_config
 from ..qwen3 import empty_qwen3_moe, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
@@ -137,7 +139,8 @@ def load_quantized_qwen3_moe(
 
     Raises:
         CheckpointError: missing tensors, wrong shapes or dtypes, invalid scale values, unreadable
-            files, unsupported configs, quantized modules that are not linear layers, fused
+            files, unsupported configs (a rotation of an unknown kind, a block size not dividing H and I,
+            missing signs: ``quantization_config.mxlib_recovery``), quantized modules that are not linear layers, fused
             unquantized experts (a Quark export made without ``preprocess_for_quantization``); the
             message names the file and the tensor or field.
         ValueError: an unknown ``backend`` or ``gate_up_scale``, a ``num_hidden_layers`` that is not a positive integer,
@@ -164,7 +167,7 @@ def load_quantized_qwen3_moe(
     layout = LAYOUTS[info.format]
     cfg_path = folder / "config.json"
     cfg_dict = _read_model_config(cfg_path)
-    cfg_dict.pop("quantization_config", None)
+    qc = cfg_dict.pop("quantization_config", None)
     ckpt_layers = cfg_dict["num_hidden_layers"]
     if num_hidden_layers is not None:
         if num_hidden_layers > ckpt_layers:
@@ -214,6 +217,12 @@ def load_quantized_qwen3_moe(
         p.data = tensors.get(name, tuple(p.shape), torch.bfloat16).to(device)
 
     e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    rotation = None  # a rotated checkpoint's online rotation (``mxlib.recovery.hadamard``)
+    if isinstance(qc, dict) and RECOVERY_CONFIG_KEY in qc:
+        try:
+            rotation = rotation_from_config(qc[RECOVERY_CONFIG_KEY], h, i)
+        except ValueError as err:
+            raise CheckpointError(f"{cfg_path}: quantization_config.{err}") from None
 
     def make(layer: int):
         prefix = f"model.layers.{layer}.mlp.experts"
@@ -232,6 +241,7 @@ def load_quantized_qwen3_moe(
             scale_strategy=scale_strategy,
             activation_scale_mode=info.activation_scale_mode or "even",
             activation_dtype=activation_dtype,
+            rotation=rotation,
         )
 
     with tqdm(total=config.num_hidden_layers, desc="loading experts", unit="layer", disable=not progress) as bar:
