@@ -107,9 +107,17 @@ def test_block_changes_of_the_control_are_every_block_times_two():
         s = get_moe_scheme(scheme)
         rtn = quantize_expert_weights(w13, w2, s)
         same = M.block_changes(quantize_expert_weights(w13, w2, s), rtn)
-        assert same == dict(scales_changed=0.0, codes_changed=0.0, scale_ratios=[])
-        ch = M.block_changes(M.ScaleStepUp().quantize_experts(w13, w2, s, layer=0), rtn)
-        assert ch["scales_changed"] == 1.0 and set(ch["scale_ratios"]) == {2.0} and 0 < ch["codes_changed"] <= 1
+        assert same["scales_changed"] == same["codes_changed"] == 0.0 and same["ratios"] == []
+        assert sum(same["ratio_counts"]) == 0 and len(same["ratio_log2_edges"]) == M.RATIO_BINS + 1
+        for steps in (1, 2):
+            ch = M.block_changes(M.ScaleStepUp(steps).quantize_experts(w13, w2, s, layer=0), rtn)
+            assert ch["scales_changed"] == 1.0 and ch["ratios"] == [2.0**steps] and 0 < ch["codes_changed"] <= 1
+            blocks = (w13.numel() + w2.numel()) // s.weight.block_size
+            edges = ch["ratio_log2_edges"]
+            hit = [i for i, c in enumerate(ch["ratio_counts"]) if c]
+            assert (
+                ch["ratio_counts"][hit[0]] == blocks and len(hit) == 1 and edges[hit[0]] <= steps <= edges[hit[0] + 1]
+            )
 
 
 class _Negated:

@@ -204,18 +204,22 @@ def check_recovery_parameters(
 
 
 def calibration_hessians(model, datasets, batch_size: int = 64):
-    """``collect_expert_hessians`` on the prompt-and-answer sequences of ``datasets`` (each one
-    sequence length), summed over them (the sums of x xᵀ and the token counts add)."""
-    from ..models.hessians import collect_expert_hessians  # GPTQ's calibration (mxlib.models.hessians)
+    """``collect_expert_hessians`` on the prompt-and-answer sequences of ``datasets`` (one call per
+    sequence length), summed: the per-expert sums of x xᵀ and the token counts add."""
+    from ..models.hessians import ExpertHessians, LayerHessians, collect_expert_hessians
 
-    seqs = [torch.cat([d.prompts, d.answers], 1) for d in datasets]
-    if len({s.shape[1] for s in seqs}) == 1:
-        return collect_expert_hessians(model, torch.cat(seqs), batch_size=batch_size)
-    parts = [collect_expert_hessians(model, s, batch_size=batch_size) for s in seqs]
-    total = parts[0]
-    for h in parts[1:]:
-        total = total + h
-    return total
+    by_length: dict[int, list] = {}
+    for d in datasets:
+        seq = torch.cat([d.prompts, d.answers], 1)
+        by_length.setdefault(seq.shape[1], []).append(seq)
+    parts = [collect_expert_hessians(model, torch.cat(v), batch_size=batch_size) for v in by_length.values()]
+    out = ExpertHessians(num_tokens=sum(h.num_tokens for h in parts))
+    for layer in parts[0].layers:
+        ls = [h.layers[layer] for h in parts]
+        out.layers[layer] = LayerHessians(
+            *(torch.stack([getattr(x, k) for x in ls]).sum(0) for k in ("h13", "h2", "tokens"))
+        )
+    return out
 
 
 def _safe(name: str) -> str:

@@ -16,8 +16,6 @@ from .figures import PALETTE
 
 __all__ = ["rotation_trap_figure", "vs_rtn_figure", "mse_sqnr_figure", "scale_ratio_figure"]
 
-_DASHES = ("solid", "dash", "dot", "dashdot")
-
 
 def rotation_trap_figure(rows: list[dict]) -> go.Figure:
     """Bars of the SQNR change a random-sign block Hadamard rotation makes (``rotation_trap`` rows),
@@ -116,23 +114,24 @@ def mse_sqnr_figure(rows: list[dict]) -> go.Figure:
 def scale_ratio_figure(layer0: dict, scheme: str) -> go.Figure:
     """Histograms of log2 of the applied-block-scale ratio technique / RTN over the blocks a
     technique changed in layer 0 (``block_changes``), one per technique of ``scheme``
-    (4/6's blocks scaled to 4 instead of 6 sit at log2(6/4) = 0.58)."""
+    (4/6's blocks scaled to 4 instead of 6 sit at log2(6/4) = 0.58, the dashed line)."""
     fig = go.Figure()
     k = 0
     for (s, name), ch in layer0.items():
-        if s != scheme or not ch["scale_ratios"]:
+        if s != scheme or not sum(ch["ratio_counts"]):
             continue
+        edges = ch["ratio_log2_edges"]
         fig.add_trace(
-            go.Histogram(
-                x=[math.log2(v) for v in ch["scale_ratios"]],
+            go.Bar(
+                x=[(a + b) / 2 for a, b in zip(edges, edges[1:])],
+                y=ch["ratio_counts"],
                 name=f"{name} ({100 * ch['scales_changed']:.1f} % of blocks)",
                 marker=dict(color=PALETTE[k % len(PALETTE)]),
                 opacity=0.6,
-                nbinsx=60,
             )
         )
         k += 1
-    fig.add_vline(x=math.log2(6 / 4), line=dict(color="gray", dash=_DASHES[1]))
+    fig.add_vline(x=math.log2(6 / 4), line=dict(color="gray", dash="dash"))
     fig.update_layout(
         title=f"{scheme}, layer 0: how far each technique moved the block scales it changed",
         xaxis_title="log2(block scale / rtn's block scale)",

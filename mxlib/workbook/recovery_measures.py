@@ -36,6 +36,8 @@ __all__ = [
     "ScaleStepUp",
     "kernel_path",
     "block_changes",
+    "RATIO_SPAN",
+    "RATIO_BINS",
     "random_sign_hadamard",
     "block_rotate",
     "OUTLIER_THRESHOLD",
@@ -259,25 +261,36 @@ def _effective_scales(q: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return b13 * g13, q.w2_weight_scale.float() * g2.reshape(-1, 1, 1)
 
 
+# the histogram of block_changes: log2 of the scale ratio in bins of 1/16 over [-RATIO_SPAN, RATIO_SPAN]
+RATIO_SPAN = 3.0
+RATIO_BINS = 96
+
+
 def block_changes(q: ExpertWeights, base: ExpertWeights) -> dict:
     """How ``q`` differs from ``base`` (RTN) block by block: ``scales_changed`` (share of blocks
-    whose applied scale differs), ``codes_changed`` (share of packed bytes that differ) and
-    ``scale_ratios`` (the applied-scale ratio ``q / base`` of the changed blocks, a list of floats)."""
+    whose applied scale differs), ``codes_changed`` (share of packed bytes that differ) and the
+    histogram of ``log2(q's scale / base's)`` over the changed blocks: ``ratio_log2_edges``
+    (``RATIO_BINS + 1`` edges over ``[-RATIO_SPAN, RATIO_SPAN]``, ratios beyond clamped to the end
+    bins) and ``ratio_counts``; ``ratios``: the distinct ratios when there are at most 8, else None."""
     a, b = _effective_scales(q), _effective_scales(base)
-    ratios, changed, blocks = [], 0, 0
+    logs, changed, blocks = [], 0, 0
     for x, y in zip(a, b):
         diff = x != y
         changed += int(diff.sum())
         blocks += diff.numel()
-        ok = diff & (y > 0)
-        ratios += (x[ok] / y[ok]).tolist()
-    bytes_changed = sum(
-        int((x != y).sum()) for x, y in ((q.w13_weight, base.w13_weight), (q.w2_weight, base.w2_weight))
-    )
+        ok = diff & (y > 0) & (x > 0)
+        logs.append(torch.log2(x[ok].double() / y[ok].double()))
+    logs = torch.cat(logs)
+    counts = torch.histc(logs.clamp(-RATIO_SPAN, RATIO_SPAN), RATIO_BINS, -RATIO_SPAN, RATIO_SPAN)
+    distinct = torch.unique(logs)
+    pairs = ((q.w13_weight, base.w13_weight), (q.w2_weight, base.w2_weight))
+    bytes_changed = sum(int((x != y).sum()) for x, y in pairs)
     return dict(
         scales_changed=changed / blocks,
         codes_changed=bytes_changed / (q.w13_weight.numel() + q.w2_weight.numel()),
-        scale_ratios=ratios,
+        ratio_log2_edges=torch.linspace(-RATIO_SPAN, RATIO_SPAN, RATIO_BINS + 1).tolist(),
+        ratio_counts=[int(c) for c in counts.tolist()],
+        ratios=sorted(float(2.0**v) for v in distinct.tolist()) if distinct.numel() <= 8 else None,
     )
 
 
