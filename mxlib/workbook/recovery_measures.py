@@ -221,8 +221,9 @@ class ScaleStepUp:
 def kernel_path(model) -> list[dict]:
     """What each MoE layer's loaded experts run: the experts' class, backend (as set and as
     resolved on their device), numerics, whether the FP4 kernel applies, the buffers (name, dtype,
-    shape) and any other module in the MoE block (an online transform). Two checkpoints whose
-    paths are equal run the same kernels on the same operand shapes."""
+    shape), the public attributes the instance sets (an online rotation) and any other module or
+    hook in the MoE block. Two checkpoints whose paths are equal run the same kernels on the same
+    operand shapes."""
     out = []
     for mlp in moe_layers(model):
         ex = mlp.experts
@@ -238,6 +239,12 @@ def kernel_path(model) -> list[dict]:
                 numerics=str(getattr(inner, "numerics", "")),
                 fp4_kernel=bool(inner.fp4_kernel_applies()) if hasattr(inner, "fp4_kernel_applies") else False,
                 buffers=sorted((n, str(b.dtype), tuple(b.shape)) for n, b in inner.named_buffers()),
+                # what the instance sets beyond its class (an online rotation is one)
+                attributes=sorted(
+                    f"{k}:{type(v).__qualname__}"
+                    for k, v in vars(inner).items()
+                    if not k.startswith("_") and v is not None and not isinstance(v, (torch.Tensor, torch.nn.Module))
+                ),
                 hooks=len(mlp._forward_pre_hooks) + len(mlp._forward_hooks) + len(ex._forward_pre_hooks),
             )
         )
