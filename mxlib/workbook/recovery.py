@@ -45,7 +45,7 @@ import torch
 from ..models import evaluation as ev
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
-from ..models.qwen3 import moe_layers
+from ..models.qwen3 import MODEL_PRESETS, moe_layers
 from ..moe.schemes import MoEQuantScheme
 from ..recovery import TECHNIQUES, get_technique
 from .accuracy import AccuracyParameters, check_accuracy_parameters, result_rows
@@ -144,12 +144,13 @@ class RecoveryParameters:
 
     ``accuracy``: the trained-model parameters (``accuracy.AccuracyParameters``: recipe, tasks,
     schemes, prompts, resamples, seed, experts backend); ``techniques``: names, ``rtn`` first;
-    ``dummy_*``: the dummy model's decoder layers, experts, top-k and token ids (held-out and
-    calibration).
+    ``dummy_*``: the dummy model's size preset (``mxlib.models.qwen3.MODEL_PRESETS``), decoder
+    layers, experts, top-k and token ids (held-out and calibration).
     """
 
     accuracy: AccuracyParameters
     techniques: tuple[str, ...]
+    dummy_preset: str
     dummy_layers: int
     dummy_experts: int
     dummy_top_k: int
@@ -171,6 +172,7 @@ def check_recovery_parameters(
     resamples: int = 1000,
     seed: int = 0,
     experts_backend: str = "auto",
+    dummy_preset: str = "qwen3-30b-a3b",
     dummy_layers: int = 2,
     dummy_experts: int = 8,
     dummy_top_k: int = 2,
@@ -180,7 +182,8 @@ def check_recovery_parameters(
     """Every parameter checked and every name resolved once, before anything runs.
 
     ``recipe`` .. ``experts_backend``: as ``accuracy.check_accuracy_parameters``; ``techniques``: as
-    ``technique_names``; the ``dummy_*`` sizes positive ints, ``dummy_top_k <= dummy_experts``.
+    ``technique_names``; ``dummy_preset`` a key of ``MODEL_PRESETS``; the other ``dummy_*`` sizes
+    positive ints, ``dummy_top_k <= dummy_experts``.
 
     Raises:
         ValueError: naming the parameter (an unknown recipe, task, scheme, technique or backend; a size).
@@ -189,6 +192,8 @@ def check_recovery_parameters(
         recipe, tasks, schemes, ("max",), eval_prompts, calib_prompts, resamples, seed, experts_backend
     )
     names = technique_names(techniques)
+    if dummy_preset not in MODEL_PRESETS:
+        raise ValueError(f"dummy_preset: expected one of {list(MODEL_PRESETS)}, got {dummy_preset!r}")
     sizes = dict(
         dummy_layers=dummy_layers,
         dummy_experts=dummy_experts,
@@ -200,7 +205,7 @@ def check_recovery_parameters(
         check_positive_int(v, k)
     if dummy_top_k > dummy_experts:
         raise ValueError(f"dummy_top_k: expected at most dummy_experts={dummy_experts}, got {dummy_top_k}")
-    return RecoveryParameters(acc, names, **sizes)
+    return RecoveryParameters(acc, names, dummy_preset, **sizes)
 
 
 def calibration_hessians(model, datasets, batch_size: int = 64):
