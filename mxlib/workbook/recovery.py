@@ -227,6 +227,18 @@ def calibration_hessians(model, datasets, batch_size: int = 64):
     return out
 
 
+def _write(model, scheme, path, calibration, measured, name, skipped: list):
+    """``write_quantized_checkpoint`` through ``measured``; a technique that refuses the scheme (a
+    ``ValueError``: 4/6 stores NVFP4 weights only) is recorded in ``skipped`` with its message and None returned."""
+    try:
+        return write_quantized_checkpoint(model, scheme, path, calibration, technique=measured, overwrite=True)
+    except ValueError as err:
+        if name == BASELINE:
+            raise
+        skipped.append(dict(scheme=scheme.name, technique=name, reason=str(err)))
+        return None
+
+
 def _safe(name: str) -> str:
     return name.replace("+", "_plus_")
 
@@ -280,7 +292,7 @@ def trained_study(
     against RTN, with quantize_seconds, weight_mse, weight_sqnr_db, online (the checkpoint stores a
     recovery config) and same_kernel_path (its loaded experts' ``kernel_path`` equals RTN's);
     "results": {(scheme, technique): Results}, "kernel_paths": {(scheme, technique): kernel_path},
-    "hessian_seconds"}``.
+    "skipped": [{scheme, technique, reason}] for the techniques that refuse a scheme, "hessian_seconds"}``.
     """
     acc = p.accuracy
     kw = dict(resamples=acc.resamples, seed=acc.seed)
@@ -290,15 +302,15 @@ def trained_study(
         hessians = calibration_hessians(model, calib_sets)
         hessian_seconds = time.perf_counter() - t0
     todo = [(n, None) for n in p.techniques] + list((extra_techniques or {}).items())
-    rows, results, paths = [], {}, {}
+    rows, results, paths, skipped = [], {}, {}, []
     with tempfile.TemporaryDirectory(prefix="mxlib-recovery-") as tmp:
         root = Path(folder) if folder else Path(tmp)
         for s in acc.schemes:
             for name, tech in todo:
                 measured = MeasuredTechnique(build_technique(name, hessians) if tech is None else tech)
-                path = write_quantized_checkpoint(
-                    model, s, root / f"{s.name}-{_safe(name)}", calibration, technique=measured, overwrite=True
-                )
+                path = _write(model, s, root / f"{s.name}-{_safe(name)}", calibration, measured, name, skipped)
+                if path is None:
+                    continue
                 q = _load(path, acc.experts_backend)
                 paths[(s.name, name)] = kp = kernel_path(q)
                 results[(s.name, name)] = r = ev.evaluate(q, sets, **kw)
@@ -311,7 +323,7 @@ def trained_study(
                         f"[{s.name}] {name}: "
                         + ", ".join(f"{t} {x.exact_match.estimate:.3f}" for t, x in r.tasks.items())
                     )
-    return dict(rows=rows, results=results, kernel_paths=paths, hessian_seconds=hessian_seconds)
+    return dict(rows=rows, results=results, kernel_paths=paths, skipped=skipped, hessian_seconds=hessian_seconds)
 
 
 # ----------------------------------------------------------------------------- the dummy model
@@ -347,7 +359,7 @@ def dummy_study(
     weight_sqnr_db (per layer averaged; ``MeasuredTechnique``), layer_sqnr_db (held-out ids, per
     decoder layer), calib_layer_sqnr_db, logits_sqnr_db, block_seconds (layer 0's MoE block, median
     of 3) and block_seconds_over_rtn, online, same_kernel_path; "layer0": {(scheme, technique):
-    block_changes against RTN's layer 0}, "hessian_seconds"}``.
+    block_changes against RTN's layer 0}, "skipped" (as ``trained_study``'s), "hessian_seconds"}``.
     """
     calibration = calibrate(dummy, calib_ids)
     ref_eval, ref_calib = run_model(dummy, eval_ids), run_model(dummy, calib_ids[:1])
@@ -359,15 +371,15 @@ def dummy_study(
         hessians = collect_expert_hessians(dummy, calib_ids)
         hessian_seconds = time.perf_counter() - t0
     todo = [(n, None) for n in p.techniques] + list((extra_techniques or {}).items())
-    rows, paths, layer0, rtn_weights = [], {}, {}, {}
+    rows, paths, layer0, rtn_weights, skipped = [], {}, {}, {}, []
     with tempfile.TemporaryDirectory(prefix="mxlib-recovery-") as tmp:
         root = Path(folder) if folder else Path(tmp)
         for s in p.schemes:
             for name, tech in todo:
                 measured = MeasuredTechnique(build_technique(name, hessians) if tech is None else tech, keep=(0,))
-                path = write_quantized_checkpoint(
-                    dummy, s, root / f"{s.name}-{_safe(name)}", calibration, technique=measured, overwrite=True
-                )
+                path = _write(dummy, s, root / f"{s.name}-{_safe(name)}", calibration, measured, name, skipped)
+                if path is None:
+                    continue
                 q = _load(path, p.accuracy.experts_backend)
                 paths[(s.name, name)] = kp = kernel_path(q)
                 ev_run, cal_run = (
@@ -391,7 +403,7 @@ def dummy_study(
                         block_seconds_over_rtn=seconds / rtn_row["block_seconds"] if rtn_row else 1.0,
                     )
                 )
-    return dict(rows=rows, layer0=layer0, kernel_paths=paths, hessian_seconds=hessian_seconds)
+    return dict(rows=rows, layer0=layer0, kernel_paths=paths, skipped=skipped, hessian_seconds=hessian_seconds)
 
 
 # ----------------------------------------------------------------------------- claims and the table
