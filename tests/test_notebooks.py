@@ -268,16 +268,18 @@ def test_07_accuracy_recovery(executed_notebook):
     assert trap[("mxfp4", 16)]["delta_db"] > 0 and trap[("mxfp4", 128)]["delta_db"] > 0, trap
     done = {(r["scheme"], r["technique"]) for r in res["dummy"]}
     refused = {(r["scheme"], r["technique"]) for r in res["skipped"]["dummy"]}
-    assert done | refused == {(s, t) for s in res["schemes"] for t in [*names, "scale_step_up"]}, sorted(done)
-    assert not done & refused and {t for _, t in done} == {*names, "scale_step_up"}
+    assert done | refused == {(s, t) for s in res["schemes"] for t in [*names, "scale_step_up", "swapped_nibbles"]}, (
+        sorted(done)
+    )
+    assert not done & refused and {t for _, t in done} == {*names, "scale_step_up", "swapped_nibbles"}
     assert {(r["scheme"], r["technique"]) for r in res["trained"]} == done
     for r in res["dummy"] + res["trained"]:
         assert r["online"] or r["same_kernel_path"], r  # scales and codes only: round-to-nearest's kernels
     for r in res["dummy"]:
         assert len(r["layer_sqnr_db"]) == 2 and all(3 < v < 60 for v in r["layer_sqnr_db"]), r
-    control = [r for r in res["trained"] if r["technique"] == "scale_step_up"]
-    assert any(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in control), control  # the intervals separate it
+    control = [r for r in res["trained"] if r["technique"] == "swapped_nibbles"]
+    assert control and all(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in control), control  # the intervals see it
     assert [(r["scheme"], r["technique"]) for r in res["table"]] == [
-        (s, t) for s in res["schemes"] for t in [*names, "scale_step_up"] if (s, t) in done
+        (s, t) for s in res["schemes"] for t in [*names, "scale_step_up", "swapped_nibbles"] if (s, t) in done
     ]
     assert res["checks_passed"] >= 20

@@ -97,6 +97,21 @@ def test_scale_step_up_is_rtn_at_twice_the_scale_and_worse(scheme):
     assert M.weight_error(up, w13, w2)["mse"] > 1.2 * M.weight_error(rtn, w13, w2)["mse"]
 
 
+def test_swapped_nibbles_swaps_every_packed_byte():
+    w13, w2 = _w(seed=6)
+    for scheme in ("nvfp4", "w_mxfp4_a_mxfp4"):
+        s = get_moe_scheme(scheme)
+        rtn = quantize_expert_weights(w13, w2, s)
+        bad = M.SwappedNibbles().quantize_experts(w13, w2, s, layer=0)
+        for which in ("w13", "w2"):
+            b = getattr(rtn, f"{which}_weight").numpy()
+            np.testing.assert_array_equal(getattr(bad, f"{which}_weight").numpy(), (b << 4 | b >> 4).astype(np.uint8))
+            assert torch.equal(
+                getattr(bad, f"{which}_weight_scale").view(torch.uint8),
+                getattr(rtn, f"{which}_weight_scale").view(torch.uint8),
+            )
+
+
 def test_block_changes_of_the_control_are_every_block_times_two():
     w13, w2 = _w(seed=4)
     for scheme in ("nvfp4", "w_mxfp4_a_mxfp4"):
@@ -238,11 +253,11 @@ def test_trained_study_separates_a_worse_technique_and_not_rtn(trained):
     cal = A.calibrate_on_training_mix(model, p.accuracy)
     reference = ev.evaluate(model, sets, resamples=p.accuracy.resamples)
     floor = {t: dict(A.NOISE_FLOOR_BOUND) for t in p.accuracy.tasks}  # the stated bound of every noise floor
-    extra = {"scale_step_up": M.ScaleStepUp(3), "rtn_again": RoundToNearest()}
+    extra = {"swapped_nibbles": M.SwappedNibbles(), "rtn_again": RoundToNearest()}
     out = RC.trained_study(model, sets, cal, calib, reference, floor, p, extra_techniques=extra, log=None)
     rows = {(r["scheme"], r["technique"], r["task"]): r for r in out["rows"]}
     assert {(s, t) for s, t, _ in rows} == {
-        (s.name, t) for s in p.schemes for t in ("rtn", "scale_step_up", "rtn_again")
+        (s.name, t) for s in p.schemes for t in ("rtn", "swapped_nibbles", "rtn_again")
     }
     for (s, t, task), r in rows.items():
         assert r["same_kernel_path"] and not r["online"] and r["quantize_seconds"] > 0
@@ -260,15 +275,15 @@ def test_trained_study_separates_a_worse_technique_and_not_rtn(trained):
             assert r["vs_exact_match"] == 0 and r["vs_nll"] == 0 and not r["vs_beyond"] and not r["vs_nll_beyond"]
         else:
             assert r["weight_mse"] > rows[(s, "rtn", task)]["weight_mse"]
-    worse = [r for r in out["rows"] if r["technique"] == "scale_step_up"]
-    assert any(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in worse), [(r["task"], r["vs_nll"]) for r in worse]
-    assert not any(r["vs_nll_beyond"] and r["vs_nll"] < 0 for r in worse), [(r["task"], r["vs_nll"]) for r in worse]
+    worse = [r for r in out["rows"] if r["technique"] == "swapped_nibbles"]
+    # every task loses beyond the floor against rtn, in NLL
+    assert all(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in worse), [(r["task"], r["vs_nll"]) for r in worse]
     stated = RC.claims(out["rows"], floor)
-    assert stated and all(c.startswith("scale_step_up (") for c in stated), stated
+    assert stated and all(c.startswith("swapped_nibbles (") for c in stated), stated
     assert any("raises the NLL" in c for c in stated)
     table = RC.side_by_side(out["rows"], [], p.accuracy.tasks[0])
     assert [(r["scheme"], r["technique"]) for r in table] == [
-        (s.name, t) for s in p.schemes for t in ("rtn", "scale_step_up", "rtn_again")
+        (s.name, t) for s in p.schemes for t in ("rtn", "swapped_nibbles", "rtn_again")
     ]
     assert table[0]["vs_rtn"] == "(baseline)" and all(r["run_time"] == "same kernels" for r in table)
 

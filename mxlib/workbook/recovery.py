@@ -25,9 +25,10 @@ Techniques that need calibration Hessians (their factory takes ``hessians``: GPT
 held-out evaluation prompts by construction (``mxlib.models.tasks.split_of``).
 
 ``claims`` states a difference against RTN only where its paired interval excludes 0 and its size
-exceeds the task's noise floor. ``ScaleStepUp`` is the workbook's negative control: every block's
-scale one step up (E8M0 exponent + 1; NVFP4's global scale doubled), worse by construction, which
-the interval logic must separate from RTN.
+exceeds the task's noise floor. Two controls run beside the techniques: ``ScaleStepUp`` (every
+block's scale steps up: E8M0 exponent + n, NVFP4's global scale times 2^n), worse by construction,
+and ``SwappedNibbles`` (RTN with each packed byte's nibbles swapped), broken, which the intervals
+must separate from RTN.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from ..models.qwen3 import MODEL_PRESETS, moe_layers
 from ..moe.schemes import MoEQuantScheme
 from ..recovery import TECHNIQUES, get_technique
 from .accuracy import AccuracyParameters, check_accuracy_parameters, result_rows
-from .recovery_measures import MeasuredTechnique, ScaleStepUp, block_changes, kernel_path
+from .recovery_measures import MeasuredTechnique, ScaleStepUp, SwappedNibbles, block_changes, kernel_path
 from .steps import check_positive_int, compare_runs, run_model
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "RecoveryParameters",
     "check_recovery_parameters",
     "ScaleStepUp",
+    "SwappedNibbles",
     "calibration_hessians",
     "trained_study",
     "dummy_study",

@@ -7,7 +7,8 @@ on tensors calls ``random_sign_hadamard`` and ``rotation_trap``:
   and their mean squared error against the weights that were quantized;
 * ``MeasuredTechnique``: a ``WeightTechnique`` wrapper that times each layer's ``quantize_experts``
   and records its weight error in the basis the technique stores (a rotation's rotated weights);
-* ``ScaleStepUp``: the negative control, every block scale one step up (worse than RTN by construction);
+* ``ScaleStepUp``: a negative control, every block scale steps up (worse than RTN by construction);
+* ``SwappedNibbles``: the broken control, RTN with each packed byte's nibbles swapped;
 * ``kernel_path``: what a loaded model's experts run (class, backend, numerics, buffers, modules);
 * ``block_changes``: which block scales and codes a technique changed against RTN, by what ratio;
 * ``random_sign_hadamard`` / ``rotation_trap``: a dense orthonormal block Hadamard matrix with
@@ -34,6 +35,7 @@ __all__ = [
     "weight_error",
     "MeasuredTechnique",
     "ScaleStepUp",
+    "SwappedNibbles",
     "kernel_path",
     "block_changes",
     "RATIO_SPAN",
@@ -213,6 +215,32 @@ class ScaleStepUp:
         p13, s13 = self._mx(w13, q.w13_weight_scale, fmt, self.steps)
         p2, s2 = self._mx(w2, q.w2_weight_scale, fmt, self.steps)
         return ExpertWeights(fmt, p13, s13, p2, s2)
+
+
+class SwappedNibbles:
+    """The broken control: round-to-nearest with every packed weight byte's two 4-bit halves swapped
+    (notebook 01's packing bug, as a technique). Shapes, dtypes and scales stay valid, so the loader
+    cannot see it; each expert's adjacent input columns trade places, which garbles its output. Not
+    registered in ``TECHNIQUES``: the workbook's check that the evaluation sees a broken checkpoint."""
+
+    name = "swapped_nibbles"
+
+    def config(self) -> dict:
+        return {}
+
+    def quantize_experts(self, w13, w2, scheme, *, layer):
+        q = quantize_expert_weights(w13, w2, scheme)
+        swap = lambda b: ((b & 0x0F) << 4) | (b >> 4)  # noqa: E731
+        return ExpertWeights(
+            q.scheme,
+            swap(q.w13_weight),
+            q.w13_weight_scale,
+            swap(q.w2_weight),
+            q.w2_weight_scale,
+            q.w13_weight_scale_2,
+            q.w2_weight_scale_2,
+            q.global_scale_kind,
+        )
 
 
 # ----------------------------------------------------------------------------- what runs, what changed
