@@ -246,12 +246,24 @@ class SwappedNibbles:
 # ----------------------------------------------------------------------------- what runs, what changed
 
 
+def _properties(obj) -> list[str]:
+    """``name:type`` of the value of every property of ``obj``'s class (``error`` where reading it raises)."""
+    out = []
+    for name in sorted(dir(type(obj))):
+        if isinstance(getattr(type(obj), name, None), property):
+            try:
+                out.append(f"{name}:{type(getattr(obj, name)).__qualname__}")
+            except Exception as err:  # noqa: BLE001  a property that cannot be read is recorded, not hidden
+                out.append(f"{name}:error {type(err).__name__}")
+    return out
+
+
 def kernel_path(model) -> list[dict]:
     """What each MoE layer's loaded experts run: the experts' class, backend (as set and as
     resolved on their device), numerics, whether the FP4 kernel applies, the buffers (name, dtype,
-    shape), the public attributes the instance sets (an online rotation) and any other module or
-    hook in the MoE block. Two checkpoints whose paths are equal run the same kernels on the same
-    operand shapes."""
+    shape), the public attributes the instance sets, the types its properties hold (an online
+    rotation is one) and any other module or hook in the MoE block. Two checkpoints whose paths are
+    equal run the same kernels on the same operand shapes."""
     out = []
     for mlp in moe_layers(model):
         ex = mlp.experts
@@ -267,12 +279,13 @@ def kernel_path(model) -> list[dict]:
                 numerics=str(getattr(inner, "numerics", "")),
                 fp4_kernel=bool(inner.fp4_kernel_applies()) if hasattr(inner, "fp4_kernel_applies") else False,
                 buffers=sorted((n, str(b.dtype), tuple(b.shape)) for n, b in inner.named_buffers()),
-                # what the instance sets beyond its class (an online rotation is one)
+                # what the instance sets beyond its class, and what its properties hold (an online rotation)
                 attributes=sorted(
                     f"{k}:{type(v).__qualname__}"
                     for k, v in vars(inner).items()
                     if not k.startswith("_") and v is not None and not isinstance(v, (torch.Tensor, torch.nn.Module))
                 ),
+                properties=_properties(inner),
                 hooks=len(mlp._forward_pre_hooks) + len(mlp._forward_hooks) + len(ex._forward_pre_hooks),
             )
         )
