@@ -176,7 +176,7 @@ def check_recovery_parameters(
     experts_backend: str = "auto",
     dummy_preset: str = "qwen3-30b-a3b",
     dummy_layers: int = 2,
-    dummy_experts: int = 8,
+    dummy_experts: int = 4,
     dummy_top_k: int = 2,
     dummy_tokens: int = 128,
     dummy_calib_tokens: int = 256,
