@@ -1,7 +1,8 @@
 """Every notebook through papermill at a size a test can afford, its results JSON read back.
 
 Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``); 06 on the
-trained model's ``test`` recipe (``mxlib.models.training.RECIPES``) with three schemes and two strategies;
+trained model's ``test`` recipe (``mxlib.models.training.RECIPES``) with three schemes and two strategies, 07
+on the same recipe with every registered recovery technique and the dummy model at the tiny preset;
 02 on fewer rows of test data; 05 on its defaults (recorded benchmark results and a small numerics
 check) but for section 6's model, the ``tiny`` preset. Each run must pass the notebook's own checks
 cell, and the numbers it writes to ``results_path`` are checked again here: the notebooks' claims,
@@ -70,6 +71,22 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         attribution_dummy_preset="tiny",
         attribution_dummy_layers=2,
         attribution_dummy_tokens=32,
+    ),
+    # every registered technique on the test recipe; the dummy model at the tiny preset
+    "07_accuracy_recovery": dict(
+        recipe="test",
+        techniques="all",
+        table_task="count",
+        eval_prompts=150,
+        calib_prompts=32,
+        resamples=200,
+        trap_rows=64,
+        trap_row_length=1024,
+        dummy_preset="tiny",
+        dummy_layers=2,
+        dummy_experts=4,
+        dummy_tokens=32,
+        dummy_calib_tokens=64,
     ),
 }
 
@@ -262,3 +279,31 @@ def test_06_what_fp4_costs(executed_notebook):
     assert all(strat[("per_token", t)]["exact_match"] >= 0.8 for t in res["tasks"]), strat
     # section 7: one attributed scheme, its decompositions' sums exact
     assert res["attribution_sums_exact"] and len(res["attribution"]) == len(params["attribution_schemes"])
+
+
+def test_07_accuracy_recovery(executed_notebook):
+    res = run_notebook("07_accuracy_recovery", executed_notebook)
+    from mxlib.workbook.recovery import technique_names
+
+    names = list(technique_names("all"))
+    assert res["recipe"] == "test" and res["techniques"] == names and res["schemes"] == ["nvfp4", "w_mxfp4_a_mxfp4"]
+    trap = {(r["format"], r["points"]): r for r in res["rotation_trap"]}
+    assert trap[("nvfp4", 16)]["delta_db"] < -1 and trap[("nvfp4", 128)]["delta_db"] < trap[("nvfp4", 16)]["delta_db"]
+    assert trap[("mxfp4", 16)]["delta_db"] > 0 and trap[("mxfp4", 128)]["delta_db"] > 0, trap
+    done = {(r["scheme"], r["technique"]) for r in res["dummy"]}
+    refused = {(r["scheme"], r["technique"]) for r in res["skipped"]["dummy"]}
+    assert done | refused == {(s, t) for s in res["schemes"] for t in [*names, "scale_step_up", "swapped_nibbles"]}, (
+        sorted(done)
+    )
+    assert not done & refused and {t for _, t in done} == {*names, "scale_step_up", "swapped_nibbles"}
+    assert {(r["scheme"], r["technique"]) for r in res["trained"]} == done
+    for r in res["dummy"] + res["trained"]:
+        assert r["online"] or r["same_kernel_path"], r  # scales and codes only: round-to-nearest's kernels
+    for r in res["dummy"]:
+        assert len(r["layer_sqnr_db"]) == 2 and all(3 < v < 60 for v in r["layer_sqnr_db"]), r
+    control = [r for r in res["trained"] if r["technique"] == "swapped_nibbles"]
+    assert control and all(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in control), control  # the intervals see it
+    assert [(r["scheme"], r["technique"]) for r in res["table"]] == [
+        (s, t) for s in res["schemes"] for t in [*names, "scale_step_up", "swapped_nibbles"] if (s, t) in done
+    ]
+    assert res["checks_passed"] >= 20

@@ -43,6 +43,7 @@ RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
     ("03_scheme_comparison.ipynb", NOTEBOOK_PARAMS["03_scheme_comparison"]),
     ("05_fused_emulation_benchmark.ipynb", NOTEBOOK_PARAMS["05_fused_emulation_benchmark"]),
     ("06_what_fp4_costs.ipynb", NOTEBOOK_PARAMS["06_what_fp4_costs"]),
+    ("07_accuracy_recovery.ipynb", NOTEBOOK_PARAMS["07_accuracy_recovery"]),
 ]
 
 # The fewest plotly figures a notebook's HTML must draw, where its lesson lives in its figures (00's pictures of a

@@ -21,6 +21,10 @@ module                what it holds
 ``attribution``       where a scheme's loss comes from (w13, w2, a1, a2; each layer), with exact
                       sums; ``attribution_figures`` draws it
 ``own_checkpoint``    a user's own checkpoint: its first layers' activation-QDQ and unification loss
+``recovery``          notebook 07's studies: every accuracy-recovery technique side by side on the
+                      trained MoE and the dummy model; ``recovery_measures`` measures one technique
+                      (weight error, kernel path, block changes, the rotation trap, the controls);
+                      ``recovery_figures`` draws them
 ====================  ==============================================================================
 
 The wing sits one layer above ``mxlib.models`` (``tests/test_layering.py``); ``mxlib.cli`` and

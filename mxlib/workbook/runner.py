@@ -95,6 +95,7 @@ CELL_TIMEOUT_S = 1800  # seconds one cell may run (the slowest full-size cell ta
 WORKBOOK: list[tuple[str, str, dict]] = [
     ("01_end_to_end-nvfp4", "01_end_to_end.ipynb", {}),
     ("01_end_to_end-mxfp4", "01_end_to_end.ipynb", {"scheme": "w_mxfp4_a_mxfp4"}),
+    ("07_accuracy_recovery", "07_accuracy_recovery.ipynb", {}),
 ]
 
 
