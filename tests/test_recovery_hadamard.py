@@ -468,3 +468,47 @@ def test_rotated_checkpoint_saved_again_keeps_its_rotation(rotated_folder, tiny,
     again, _ = C.load_quantized_qwen3_moe(tmp_path / "again", backend="torch")
     with torch.no_grad():
         assert_bits_equal(again(tokens).logits, loaded(tokens).logits)
+
+
+class _Moments:
+    """Fixed per-expert second moments (the HessianSource protocol GPTQ reads)."""
+
+    def __init__(self, h13, h2):
+        self.h13, self.h2 = h13, h2
+
+    def w13(self, layer):
+        return self.h13
+
+    def w2(self, layer):
+        return self.h2
+
+    def tokens(self, layer):
+        return torch.full((self.h13.shape[0],), 64, dtype=torch.int64)
+
+
+def test_gptq_under_rotation_reads_rotated_hessians():
+    """``gptq+hadamard`` quantizes the rotated weights with ``Qᵀ H Q`` (Q built densely here, float64), not with
+    the unrotated H: the same codes as GPTQ handed the rotated weights and that rotated Hessian directly."""
+    from mxlib.recovery import get_technique
+    from mxlib.recovery.gptq import GPTQ
+
+    g = torch.Generator().manual_seed(3)
+    e, h, i, b = 2, 32, 32, 16
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(torch.bfloat16)
+    mix = torch.randn(h, h, generator=g, dtype=torch.float64)
+    x = torch.randn(e, 96, h, generator=g, dtype=torch.float64) @ mix  # correlated inputs
+    h13 = x.transpose(1, 2) @ x
+    h2 = h13[:, :i, :i].clone()
+    rot = get_technique("gptq+hadamard", hessians=_Moments(h13, h2), signs="random", seed=5)
+    got = rot.quantize_experts(w13, w2, get_moe_scheme("nvfp4"), layer=0)
+
+    r = rot.rotation_for(h, i, get_moe_scheme("nvfp4"))
+    q = torch.diag(r.signs_h.double()) @ torch.block_diag(*[sylvester(b) / math.sqrt(b)] * (h // b))
+    qi = torch.diag(r.signs_i.double()) @ torch.block_diag(*[sylvester(b) / math.sqrt(b)] * (i // b))
+    w13r = ref_block_hadamard(w13, b, r.signs_h, out_dtype=torch.float32)
+    w2r = ref_block_hadamard(w2, b, r.signs_i, out_dtype=torch.float32)
+    want = GPTQ(_Moments(q.T @ h13 @ q, qi.T @ h2 @ qi)).quantize_experts(w13r, w2r, get_moe_scheme("nvfp4"), layer=0)
+    plain = GPTQ(_Moments(h13, h2)).quantize_experts(w13r, w2r, get_moe_scheme("nvfp4"), layer=0)
+    assert torch.equal(got.w13_weight, want.w13_weight) and torch.equal(got.w2_weight, want.w2_weight)
+    assert not torch.equal(got.w13_weight, plain.w13_weight)  # the unrotated Hessian would choose other codes
