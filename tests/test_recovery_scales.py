@@ -318,7 +318,7 @@ ACT_BLOCKS = [
 def test_activation_four_over_six_hand_blocks(ops):
     from mxlib.kernels import quant as Q
 
-    qdq = R.ref_nvfp4_quant_dequant if ops == "reference" else Q.ref_nvfp4_quant_dequant
+    qdq = R.ref_nvfp4_quant_dequant if ops == "reference" else OnKernelDevice(Q).ref_nvfp4_quant_dequant
     x = torch.tensor([b[0] for b in ACT_BLOCKS], dtype=torch.float32).reshape(1, -1)
     gs = torch.ones(1)
     assert qdq(x, gs).tolist() == [sum((b[1] for b in ACT_BLOCKS), [])]
