@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..formats import BlockScheme, PerTensorScheme, get_activation_format
 from ..moe.reference_moe import torch_moe
+from .families import check_supported_model
 from .qwen3 import expert_weights, moe_layers
 
 __all__ = ["LayerCalibration", "Calibration", "calibrate"]
@@ -110,7 +111,12 @@ def calibrate(
     The model must hold its bf16 experts (transformers' ``Qwen3MoeExperts``); they are
     swapped for recording twins during the run and restored afterwards. ``progress``: a tqdm bar
     on stderr, one step per MoE layer of each batch of ``batch_size`` sequences.
+
+    Raises:
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
+        ValueError: ``token_ids`` not ``[batch, seq]``.
     """
+    check_supported_model(model, "calibrate")
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids: expected [batch, seq], got shape {list(token_ids.shape)}")
     layers = moe_layers(model)

@@ -59,6 +59,7 @@ import torch
 from ..moe import TritonExperts, input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
 from .calibration import Calibration, LayerCalibration, calibrate
+from .families import check_supported_model
 from .qwen3 import expert_weights, moe_layers, swap_experts
 from .tasks import TOKENIZER, Dataset
 
@@ -266,7 +267,9 @@ def _forward(model, ids: torch.Tensor, left_pad: int, logits_to_keep: int = 0) -
 @torch.no_grad()
 def greedy_decode(model, prompts: torch.Tensor, num_tokens: int, left_pad: int = 0) -> torch.Tensor:
     """Greedy decoding: ``num_tokens`` argmax tokens after each prompt (the whole sequence is run again
-    at every step; no KV cache). ``prompts``: int64 ``[B, P]``; returns int64 ``[B, num_tokens]``."""
+    at every step; no KV cache). ``prompts``: int64 ``[B, P]``; returns int64 ``[B, num_tokens]``.
+    ``UnsupportedModelError`` for a model of a class mxlib does not quantize (``mxlib.models.families``)."""
+    check_supported_model(model, "greedy_decode")
     seq = prompts
     for _ in range(num_tokens):
         nxt = _forward(model, seq, left_pad, logits_to_keep=1)[:, -1].argmax(-1)
@@ -324,7 +327,9 @@ def evaluate(
         ValueError: no datasets, an empty dataset, two datasets of one task, ``batch_size`` or
             ``left_pad`` out of range, an unknown ``decode``, or as ``bootstrap_interval``.
         TypeError: an item of ``datasets`` that is not a ``Dataset``.
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "evaluate")
     datasets = _datasets(datasets)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
@@ -428,7 +433,8 @@ def compare(
 @contextlib.contextmanager
 def swapped_experts(model, make_experts):
     """``mxlib.models.qwen3.swap_experts(model, make_experts)`` inside the block; the model's own
-    experts modules are put back on exit."""
+    experts modules are put back on exit. ``UnsupportedModelError``: as ``swap_experts``."""
+    check_supported_model(model, "swapped_experts")
     originals = [mlp.experts for mlp in moe_layers(model)]
     try:
         swap_experts(model, make_experts)
@@ -445,7 +451,9 @@ def calibrate_tasks(model, datasets, keep_activations: bool = False) -> Calibrat
 
     ``keep_activations``: also keep ``a1``, ``a2``, ``topk_ids`` and ``topk_weights`` per layer
     (``LayerCalibration``), the datasets' rows one after another, for the unification study.
+    ``UnsupportedModelError``: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "calibrate_tasks")
     datasets = _datasets(datasets)
     cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1), keep_activations) for d in datasets]
     out = Calibration(num_tokens=sum(c.num_tokens for c in cals))
@@ -476,7 +484,9 @@ def emulated_experts(model, scheme, calibration: Calibration | None = None, back
     Raises:
         ValueError: an unknown scheme; a static-scale scheme without ``calibration``, or a
             calibration of another number of layers.
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "emulated_experts")
     s = get_moe_scheme(scheme)
     layers = moe_layers(model)
     if s.static_activation_scale:
@@ -559,7 +569,9 @@ def noise_floor(
 def expert_counts(model, dataset: Dataset, batch_size: int = 250) -> torch.Tensor:
     """Routed (token, expert) pairs per prompt, layer and expert over the dataset's prompt-and-answer
     tokens (teacher forcing, the answer's ``<eos>`` excluded): int64 ``[n, L, E]``; each prompt's row
-    of a layer sums to ``tokens * top_k``. Read from each router's ``topk_ids`` (a forward hook)."""
+    of a layer sums to ``tokens * top_k``. Read from each router's ``topk_ids`` (a forward hook).
+    ``UnsupportedModelError``: a model of a class mxlib does not quantize (``mxlib.models.families``)."""
+    check_supported_model(model, "expert_counts")
     (dataset,) = _datasets(dataset)
     ids = torch.cat([dataset.prompts, dataset.answers[:, :-1]], 1)
     num_layers, e = len(moe_layers(model)), model.config.num_experts

@@ -3,6 +3,9 @@
 Shape legend: ``T`` tokens, ``H`` hidden (2048), ``I`` expert intermediate (768),
 ``E`` experts (128), ``k`` experts per token (8), ``L`` layers (48; the workbook
 uses 4, as vLLM's own smoke test does).
+
+Every function here that takes a model or a config refuses one of another family first, with
+``mxlib.models.families.UnsupportedModelError`` naming its class (``check_supported_model``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..moe.base import TransformersExperts, TritonExperts
+from .families import check_supported_model
 from .presets import MODEL_PRESETS, QWEN3_30B_A3B
 
 __all__ = [
@@ -74,6 +78,7 @@ def empty_qwen3_moe(config: Qwen3MoeConfig, dtype: torch.dtype = torch.bfloat16,
     With ``config.tie_word_embeddings`` the output head is the input embedding (one parameter,
     ``lm_head.weight is model.embed_tokens.weight``), as transformers' ``from_pretrained`` and vLLM
     tie it: ``no_init_weights`` skips transformers' own tie, so it is made here."""
+    check_supported_model(config, "empty_qwen3_moe", name="config")
     with _no_init(), torch.device(device):
         model = Qwen3MoeForCausalLM._from_config(config, dtype=dtype)
     if getattr(config, "tie_word_embeddings", False):
@@ -94,6 +99,7 @@ def tied_parameter_names(model) -> set[str]:
 
 def moe_layers(model) -> list:
     """The ``Qwen3MoeSparseMoeBlock`` of every decoder layer."""
+    check_supported_model(model, "moe_layers")
     return [layer.mlp for layer in model.model.layers]
 
 
@@ -217,7 +223,9 @@ def dummy_qwen3_moe(
 
     Raises:
         ValueError: ``attn_update_ratio`` or ``moe_update_ratio`` not positive.
+        UnsupportedModelError: a config of a family mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(config, "dummy_qwen3_moe", name="config")
     if not attn_update_ratio > 0:
         raise ValueError(f"attn_update_ratio must be > 0, got {attn_update_ratio}")
     if moe_update_ratio is not None and not moe_update_ratio > 0:
@@ -354,12 +362,14 @@ def swap_experts(model, make_experts) -> None:
 
     Raises:
         TypeError: ``make_experts`` returned something other than a ``TritonExperts``.
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
 
     The experts' tensors are not transformers parameters, so the model's ``save_pretrained``
     then raises ``ValueError`` (naming why) instead of writing a model without experts, until
     ``mxlib.models.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
     (``load_quantized_qwen3_moe`` does so for the models it returns).
     """
+    check_supported_model(model, "swap_experts")
     for i, mlp in enumerate(moe_layers(model)):
         experts = make_experts(i)
         if not isinstance(experts, TritonExperts):

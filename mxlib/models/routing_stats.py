@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .families import check_supported_model
 from .qwen3 import moe_layers
 
 __all__ = ["routing_statistics", "summarize_counts", "routing_rows", "routing_figure"]
@@ -43,9 +44,8 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
     """Run ``model`` on ``token_ids`` and summarize each MoE layer's routing.
 
     Args:
-        model: a transformers ``Qwen3MoeForCausalLM`` (or anything with
-            ``model.model.layers[i].mlp.gate`` routers and a ``config`` holding
-            ``num_experts`` and ``num_experts_per_tok``).
+        model: a transformers ``Qwen3MoeForCausalLM`` (``mxlib.models.families``), its
+            ``model.model.layers[i].mlp.gate`` routers hooked.
         token_ids: int64 ``[batch, seq]`` or ``[seq]`` token ids (moved to the model's device).
 
     Returns:
@@ -61,7 +61,9 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
     Raises:
         ValueError: ``token_ids`` is not an integer tensor of 1 or 2 dimensions, or the
             model has no MoE layers.
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "routing_statistics")
     if not isinstance(token_ids, torch.Tensor):
         raise ValueError(f"token_ids must be an integer tensor [batch, seq] or [seq], got {type(token_ids).__name__}")
     if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dim() not in (1, 2):

@@ -23,6 +23,7 @@ import os
 import stat
 from pathlib import Path
 
+from .families import check_supported_model
 from .presets import MODEL_PRESETS
 
 __all__ = [
@@ -137,8 +138,10 @@ def check_model_fields(cfg: dict, source, error=ValueError) -> dict[str, int]:
         ``{field: value}`` (``num_experts`` under that name whichever the config uses).
 
     Raises:
-        error: naming ``source`` (a file, or what changed it), the field and the value found.
+        error: naming ``source`` (a file, or what changed it), the field and the value found; first of
+            all a config of a family mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(cfg, "config", name=str(source), error=error)
     out = {}
     for keys in MODEL_INT_FIELDS:
         keys = (keys,) if isinstance(keys, str) else keys

@@ -39,6 +39,7 @@ from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from .. import untrusted
 from ..calibration import calibrate
+from ..families import check_supported_checkpoint
 from ..hessians import collect_expert_hessians
 from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
 from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
@@ -126,12 +127,14 @@ def dummy_quantization(
         {extra file name: JSON object})`` of ``scheme`` in ``layout``, which the written folder gains.
 
     Raises:
-        CheckpointError: no ``config.json``; an unquantized config and no ``scheme``; a quantization
+        CheckpointError: no ``config.json``; a ``config.json`` of a family mxlib does not quantize
+            (``mxlib.models.families``); an unquantized config and no ``scheme``; a quantization
             config that no registered layout reads or the emulation does not support.
         ValueError: an unknown ``scheme`` or ``layout``; a layout that does not store the scheme; a
             ``scheme`` or ``layout`` other than the quantized config's own.
     """
     config_dir = Path(config_dir)
+    check_supported_checkpoint(config_dir, "dummy_quantization", read_json, CheckpointError)
     cfg_path = config_dir / "config.json"
     if not (cfg_path.exists() or cfg_path.is_symlink()):
         raise CheckpointError(f"config_dir: {config_dir} has no config.json")
@@ -210,7 +213,8 @@ def dummy_checkpoint_from_config(
         ``tie_word_embeddings`` the head is the embedding and ``lm_head.weight`` is not stored.
 
     Raises:
-        CheckpointError: no ``config.json``; an unquantized config without ``scheme``; a quantization
+        CheckpointError: no ``config.json``; a ``config.json`` of a family mxlib does not quantize
+            (``mxlib.models.families``); an unquantized config without ``scheme``; a quantization
             config no registered layout reads or the emulation does not support (the message names
             the field); a config that quantizes modules other than the MoE experts when the layout
             writes no quantized linear layers (``supports_linear`` false), or quantizes modules that
@@ -222,6 +226,7 @@ def dummy_checkpoint_from_config(
             ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
     config_dir = Path(config_dir)
+    check_supported_checkpoint(config_dir, "dummy_checkpoint_from_config", read_json, CheckpointError)
     info, files = dummy_quantization(config_dir, scheme, layout)
     layout = LAYOUTS[info.format]
     scheme = info.scheme

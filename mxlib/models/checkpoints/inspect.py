@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...moe.scales import SCALE_STRATEGIES
+from ..families import check_supported_model
 from .bounds import check_model_config, check_scale_strategy
 from .headers import read_json
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
@@ -275,6 +276,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     report.hidden_size = _positive_int(cfg.get("hidden_size"))
     report.moe_intermediate_size = _positive_int(cfg.get("moe_intermediate_size"))
     try:
+        check_supported_model(cfg, "inspect_checkpoint", name=str(cfg_path), error=CheckpointError)
         info = config_description(folder)
     except CheckpointError as err:
         info = None

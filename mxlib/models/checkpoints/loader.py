@@ -23,6 +23,7 @@ from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...recovery import RECOVERY_CONFIG_KEY
 from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
 from ...recovery.hadamard import rotation_from_config
+from ..families import check_supported_checkpoint
 from ..qwen3 import empty_qwen3_moe, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
@@ -162,6 +163,7 @@ def load_quantized_qwen3_moe(
         raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
     check_scale_strategy(scale_strategy)
     folder = Path(path)
+    check_supported_checkpoint(folder, "load_quantized_qwen3_moe", read_json, CheckpointError)
     info = read_quant_config(folder)
     check_scale_strategy(scale_strategy, info.scheme)
     layout = LAYOUTS[info.format]

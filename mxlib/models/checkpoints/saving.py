@@ -62,6 +62,7 @@ from ...moe.emulation import ExpertWeights, QuantizedExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...moe.linear import EmulatedLinear, LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..families import check_supported_model
 from ..qwen3 import BoundToModel, tied_parameter_names
 from .headers import MAX_JSON_BYTES, open_regular, read_json
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
@@ -400,7 +401,9 @@ def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDesc
         ValueError: no quantized experts, experts of several schemes or of unquantized weights,
             a layout that does not store them, emulated linear layers other than all attention
             projections (naming them).
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "attach_checkpoint_layout")
     experts = {n: m.experts for n, m in model.named_modules() if isinstance(m, TransformersExperts)}
     quantized = {n: ex for n, ex in experts.items() if isinstance(ex, QuantizedExperts)}
     if not quantized or len(quantized) != len(model.model.layers):
@@ -501,7 +504,9 @@ def save_quantized_checkpoint(
             values the stored dtype cannot hold exactly; tensors of the source that the model does
             not hold (named); a ``state_dict`` with other names, dtypes or shapes (named).
         FileExistsError, PermissionError: as ``atomic_folder``. On any error nothing is left at ``path``.
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "save_quantized_checkpoint")
     source = getattr(model, "checkpoint_source", None)
     if not isinstance(source, CheckpointSource):
         raise ValueError(

@@ -26,6 +26,7 @@ from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from ..calibration import Calibration
+from ..families import check_supported_model
 from ..qwen3 import expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
@@ -99,7 +100,9 @@ def write_quantized_checkpoint(
             a technique that cannot produce the layout's kind of NVFP4 global scale.
         FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
         PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
+        UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
+    check_supported_model(model, "write_quantized_checkpoint")
     scheme = get_moe_scheme(scheme)
     technique = None if technique is None else get_technique(technique)
     if layout is None:
