@@ -50,31 +50,16 @@ from . import hadamard as HD
 from ._bridge import select
 from .align import RoutingPlan, plan_routing
 from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq, is_per_token
-from .fp4_layout import FP4Weights, prepare_fp4_weights
+from .fp4_layout import FP4Weights
+from .fp4_prepare import prepare_packed_weights
 from .fp4_tiles import FP4_CONFIGS, FP6_CONFIGS, NVFP4_CONFIGS, get_fp4_configs
-from .fused_dequant_moe import A2_NONE, A2_NVFP4, ActivationQDQ, PackedWeights
+from .fused_dequant_moe import A2_NONE, A2_NVFP4, ActivationQDQ
 from .quant import per_token_rows
 from .tiles import TileConfig
 
 __all__ = ["prepare_packed_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "FP6_CONFIGS"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def prepare_packed_weights(w: PackedWeights) -> FP4Weights | F6.FP6Weights:
-    """``fp4_layout.prepare_fp4_weights`` of a ``PackedWeights`` (FP4 elements: ``mxfp4`` or ``nvfp4``),
-    or ``fp6_layout.prepare_fp6_weights`` (MXFP6: ``mxfp6_e2m3``, ``mxfp6_e3m2``): the two layouts
-    this kernel takes.
-
-    Raises:
-        ValueError: a scheme whose elements are neither 4 nor 6 bits wide (FP8 weights stay on
-            ``fused_dequant_moe``); the prepare functions' errors (K not a multiple of the tile).
-    """
-    if w.nbits == 6 and not w.scheme.has_global_scale:
-        return F6.prepare_fp6_weights(w.packed, w.scales, w.scheme.element, w.scheme.block_size)
-    if w.nbits != 4:
-        raise ValueError(f"w: the FP4 kernel takes 4- or 6-bit elements, got {w.scheme.name} ({w.nbits} bits)")
-    return prepare_fp4_weights(w.packed, w.scales, w.scheme.block_size, w.global_scale)
 
 
 @triton.jit
