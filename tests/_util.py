@@ -1,5 +1,6 @@
 """Comparison helpers shared by the tests, and the headless browser the rendering tests drive."""
 
+import os
 import shutil
 
 import pytest
@@ -29,6 +30,14 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "
 
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# A test that runs the triton / fused backends on CPU tensors runs them in Triton's interpreter; on a CUDA
+# machine (no TRITON_INTERPRET) those kernels take CUDA tensors only, and the GPU twin of such a test is a
+# ``tests/test_gpu_*.py`` file.
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs Triton kernels on CPU tensors (the interpreter); its GPU twin is a tests/test_gpu_*.py file",
+)
 
 
 class OnKernelDevice:

@@ -18,7 +18,7 @@ from mxlib.moe import ExpertWeights, fused_topk
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES, SCHEME_ALIASES, get_moe_scheme
 
-from _util import assert_bits_equal
+from _util import assert_bits_equal, needs_interpreter
 from oracles import moe_fp64, mx_qdq
 
 E, H, I, M, TOPK = 4, 128, 128, 6, 2
@@ -75,6 +75,7 @@ def test_bare_mxfp8_is_refused_naming_both_meanings():
 # ----------------------------------------------------------------------------- weights and activations
 
 
+@needs_interpreter
 @pytest.mark.parametrize("scheme", ["w_mxfp8", "w_mxfp8_a_mxfp8"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_weights_dequantize_as_vllm_does(layer, scheme, backend):
@@ -99,6 +100,7 @@ def test_e4m3_bytes_decode_as_ml_dtypes():
     np.testing.assert_array_equal(got, want)  # NaN at 0x7F and 0xFF in both
 
 
+@needs_interpreter
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_activation_qdq_w8a8_quantizes_w8a16_does_not(layer, backend):
     w13, w2, x, tw, ti = layer
@@ -136,6 +138,7 @@ def _oracle_moe(scheme, q, w13, w2, x, tw, ti):
     )
 
 
+@needs_interpreter
 @pytest.mark.parametrize("scheme", NEW)
 def test_moe_against_float64_and_backends_bit_equal(layer, scheme):
     w13, w2, x, tw, ti = layer

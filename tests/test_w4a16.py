@@ -16,7 +16,7 @@ from mxlib.moe.factory import input_scales_from_amax, make_emulation_experts, qu
 from mxlib.moe.schemes import SCHEME_ALIASES, W4A16_NVFP4, get_moe_scheme
 from mxlib.moe.weight_only import Nvfp4WeightOnlyEmulationTritonExperts
 
-from _util import assert_bits_equal
+from _util import assert_bits_equal, needs_interpreter
 from oracles import modelopt_nvfp4_quantize, moe_fp64, vllm_dequantize_to_dtype
 
 E, H, I, M, TOPK = 4, 128, 128, 6, 2
@@ -42,6 +42,7 @@ def test_scheme_names():
     assert input_scales_from_amax(s, torch.ones(E), torch.ones(E)) == (None, None)
 
 
+@needs_interpreter
 def test_weights_are_modelopt_nvfp4_and_dequantize_as_vllm(layer):
     w13, w2, *_ = layer
     q = quantize_expert_weights(w13, w2, "w4a16_nvfp4", ops=R)
@@ -73,6 +74,7 @@ def test_activations_are_not_quantized(layer):
     assert ex.a13_gscale is None and ex.a2_gscale is None  # no activation scale is read
 
 
+@needs_interpreter
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
 def test_moe_against_float64_and_backends_bit_equal(layer, numerics):
     w13, w2, x, tw, ti = layer
