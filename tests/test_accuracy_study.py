@@ -31,7 +31,9 @@ def test_parameters_resolve_and_refuse():
     p = A.check_accuracy_parameters("test", "all", "nvfp4,w_mxfp4", ["max", "p90", "max"])
     assert p.tasks == ("reverse", "count") and [s.name for s in p.schemes] == ["nvfp4", "w_mxfp4"]
     assert p.strategies == ("max", "p90")  # repeated names once
-    assert len(A.check_accuracy_parameters("default").schemes) == 12  # the 11 Quark schemes and nvfp4
+    from mxlib.moe import MOE_SCHEMES
+
+    assert len(A.check_accuracy_parameters("default").schemes) == len(MOE_SCHEMES)  # "all": every MoE scheme
     bad = [
         (dict(recipe="huge"), "recipe: expected one of"),
         (dict(recipe="test", tasks=["add"]), "tasks: .* not trained by recipe"),
