@@ -240,6 +240,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_
         "num_tokens_post_padded_ptr": "*i32",
         "a_scale_ptr": "*fp32",
         "c_scale_ptr": "*fp32",
+        "rot_signs_ptr": "*fp32",
     }
     kernel = P.fused_fp4_moe_kernel
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
@@ -267,6 +268,8 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_
             GROUP_SIZE_M=1,
             OUT_DTYPE=tl.bfloat16,
             NUM_WARPS=nw,
+            ROT_BS=0,  # no online rotation (tests/test_gpu_hadamard.py compiles the rotated kernel on the H200)
+            ROT_SIGNS=False,
         ),
         num_warps=nw,
         num_stages=cfg.num_stages,
