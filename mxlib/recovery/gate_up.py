@@ -2,7 +2,7 @@
 
 ModelOpt stores one ``weight_scale_2`` per projection (``gate_proj``, ``up_proj``); its exporter gives
 gate and up the same one so that they can be fused into w13, but checkpoints exist where they differ
-(vLLM issue #54974: 69.1% of 12,384 pairs in one GLM checkpoint, ratio up to 10; the producer-side
+(vllm-project/vllm#54974 on GitHub: 69.1% of 12,384 pairs in one GLM checkpoint, ratio up to 10; the producer-side
 cause is ModelOpt #1411). mxlib's loader reads them as ``w13_weight_scale_2 [E, 2]``. A fused w13
 kernel takes one global scale per expert, so a consumer must choose (``GATE_UP_MODES``):
 
