@@ -141,8 +141,8 @@ def check_e8m0_byte(answer, **_):
         return "that is the exponent e; the E8M0 byte stores e + 127 (the bias)"
     if byte == want + 2:
         return (
-            "that is floor(log2 amax) + 127: the scale must also make room for e2m1's largest power, so subtract "
-            "its emax (2) from the exponent"
+            "that is floor(log2 amax) + 127, amax's own power of two: the scale must also make room for the largest "
+            "power of two that e2m1 itself can hold (its emax; X.value_info shows e2m1's largest value)"
         )
     if byte == want + 1:
         return (
@@ -263,13 +263,11 @@ def check_e4m3_code(answer, **_):
         return "that code is e4m3's NaN (S.1111.111)"
     if value == _E4M3.max:
         return "that is e4m3's largest value 448: 300 lies below it and does not saturate"
-    if code == want + 1:
+    if code in (want - 1, want + 1):
         return (
-            "that code decodes to the grid point above 300; in [256, 512) e4m3's 3 mantissa bits space values "
-            "32 apart, and 300 is nearer the one below"
+            f"code 0x{code:02X} decodes to {value:g}, a neighbour of 300 on e4m3's grid but not the nearest one: in "
+            "[256, 512) the 3 mantissa bits space values 32 apart; list the grid points on both sides of 300"
         )
-    if code == want - 1:
-        return "that code is the start of the binade (256); 3 mantissa bits split [256, 512) into 8 steps: count them"
     return f"code 0x{code:02X} decodes to {value:g}: find the e4m3 value nearest to 300 (X.value_info shows its bits)"
 
 

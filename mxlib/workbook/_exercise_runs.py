@@ -82,14 +82,14 @@ def check_decode_byte(answer, **_):
     if got == want:
         return None
     if got == want[::-1]:
-        return "the low nibble comes first: 0x2B's low nibble is 0xB, its high nibble 0x2"
+        return "right values, wrong order: which nibble of a packed byte holds the first of its two elements?"
     unscaled = tuple(v / 2.0**-10 for v in want)
     if got == unscaled:
         return "those are the e2m1 values; a weight is e2m1 value * block scale * weight_scale_2"
     if tuple(abs(v) for v in got) == tuple(abs(v) for v in want):
         return "check the signs: bit 3 of a nibble is the sign bit"
     if tuple(abs(v) for v in got) == tuple(abs(v) for v in want[::-1]):
-        return "low nibble first, and bit 3 of each nibble is its sign"
+        return "check the order of the two nibbles, and which bit of a nibble is its sign"
     return (
         "decode each nibble as sign (bit 3), 2 exponent bits and 1 mantissa bit (X.bit_fields(code, 'e2m1')), then "
         "multiply by the block scale and weight_scale_2"
