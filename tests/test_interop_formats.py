@@ -335,3 +335,79 @@ def test_quark_mxfp4_mxfp8_fp32_matches_tool_logits():
     ref = results["logits.tool"]
     rel = float((logits.double() - ref.double()).norm() / ref.double().norm())
     assert rel < 1e-5, f"{name} fp32 logits: relative error {rel:.3g} against Quark's"
+
+
+# ----------------------------------------------------------------------------- producers reading mxlib's checkpoints
+
+# tools/interop/mxlib_roundtrip.py: mxlib's writer made these (one layer, attention bf16); each tool's
+# reader read them back (tool_read.safetensors, meta.json). ModelOpt has no reader of its HF exports.
+# Quark's importer matches exclude entries as names or fnmatch globs, not ``re:`` patterns: it refuses
+# mxlib's Quark checkpoint as written (the attention projections, excluded by ``re:.*self_attn.*``, look
+# quantized to it and their scales missing) and reads it once the exclude list names the modules
+# (test_quark_reads_mxlib_exclude).
+ROUNDTRIP = {
+    "mxlib_compressed-tensors-mxfp4_w_mxfp4_a_mxfp4": ("compressed-tensors-mxfp4", "w_mxfp4_a_mxfp4", "e2m1"),
+    "mxlib_compressed-tensors-mxfp8_w_mxfp8_a_mxfp8": ("compressed-tensors-mxfp8", "w_mxfp8_a_mxfp8", "e4m3"),
+    "mxlib_quark_w_mxfp4_a_mxfp8": ("quark", "w_mxfp4_a_mxfp8", "e2m1"),
+}
+ROUNDTRIP_PRESENT = [n for n in ROUNDTRIP if (FIXTURES / n / "meta.json").exists()]
+
+
+def _mxlib_written(name):
+    tensors = {}
+    for path in sorted((FIXTURES / name / "checkpoint").glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def test_roundtrip_fixtures_present():
+    assert sorted(ROUNDTRIP_PRESENT) == sorted(ROUNDTRIP), "run tools/interop/mxlib_roundtrip.py (write, then read)"
+
+
+@pytest.mark.parametrize("name", ROUNDTRIP_PRESENT)
+def test_tool_reads_mxlib_checkpoint(name):
+    """The tool's own reader dequantizes mxlib's checkpoint to exactly what mxlib.reference does; mxlib reads
+    it as the layout and scheme it was written in."""
+    layout, scheme, element = ROUNDTRIP[name]
+    info = read_quant_config(FIXTURES / name / "checkpoint")
+    assert (info.format, info.scheme.name) == (layout, scheme)
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    assert (meta["layout"], meta["scheme"]) == (layout, scheme)
+    tool = load_file(str(FIXTURES / name / "tool_read.safetensors"))
+    tensors = _mxlib_written(name)
+    assert len(tool) == 6, sorted(tool)
+    for key, t in tool.items():
+        module = key[len("dequant.") :]
+        packed = tensors.get(f"{module}.weight_packed", tensors.get(f"{module}.weight"))
+        mine = R.dequantize_mx(_weight_bytes(packed), tensors[f"{module}.weight_scale"], element, 32, t.dtype)
+        _assert_bits(mine, t, f"{name} {module}")
+
+
+@pytest.mark.parametrize("name", ROUNDTRIP_PRESENT)
+def test_roundtrip_checkpoint_is_the_writers(name):
+    """The committed mxlib checkpoint is what the writer makes today from the recorded bf16 weights."""
+    layout, scheme, _ = ROUNDTRIP[name]
+    weights = load_file(str(FIXTURES / name / "weights.safetensors"))
+    lay, sch = LAYOUTS[layout], MOE_SCHEMES[scheme]
+    base = "model.layers.0.mlp.experts.0"
+    w13 = torch.cat([weights[f"weight.{base}.gate_proj"], weights[f"weight.{base}.up_proj"]])[None]
+    w2 = weights[f"weight.{base}.down_proj"][None]
+    ew = lay.quantize_experts(w13, w2, sch) or quantize_expert_weights(w13, w2, sch)
+    tensors = _mxlib_written(name)
+    mine = lay.expert_tensors(sch, ew, None, None, "model.layers.0.mlp.experts")
+    assert mine
+    for key, t in mine.items():
+        assert torch.equal(_weight_bytes(t), _weight_bytes(tensors[key])), f"{name} {key}"
+
+
+def test_quark_reads_mxlib_exclude():
+    """Quark 0.13's importer refuses mxlib's ``re:`` exclude list (recorded as ``error_as_written``) and reads
+    the checkpoint with the list expanded to module names, the form Quark exports."""
+    meta = json.loads((FIXTURES / "mxlib_quark_w_mxfp4_a_mxfp8" / "meta.json").read_text())
+    assert "self_attn.q_proj.weight_quantizer.scale" in meta["error_as_written"], meta["error_as_written"]
+    cfg = json.loads((FIXTURES / "mxlib_quark_w_mxfp4_a_mxfp8" / "checkpoint" / "config.json").read_text())
+    assert "re:.*self_attn.*" in cfg["quantization_config"]["exclude"]
+    assert "model.layers.0.self_attn.q_proj" in meta["exclude_rewritten"]
+    for name in ROUNDTRIP_PRESENT:
+        if not name.startswith("mxlib_quark"):
+            assert "error_as_written" not in json.loads((FIXTURES / name / "meta.json").read_text()), name
