@@ -41,6 +41,7 @@ Stated differences, each tested:
 from __future__ import annotations
 
 import json
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -50,7 +51,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib import reference as R
-from mxlib.models.checkpoints import LAYOUTS, load_quantized_qwen3_moe, read_quant_config
+from mxlib.models.checkpoints import LAYOUTS, CheckpointError, load_quantized_qwen3_moe, read_quant_config
 from mxlib.models.checkpoints.compressed_tensors_mxfp8 import ct_mxfp8_scale, quantize_ct_mxfp8
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES
@@ -411,3 +412,14 @@ def test_quark_reads_mxlib_exclude():
     for name in ROUNDTRIP_PRESENT:
         if not name.startswith("mxlib_quark"):
             assert "error_as_written" not in json.loads((FIXTURES / name / "meta.json").read_text()), name
+
+
+def test_modelopt_w4a16_blocks_of_32_refused(tmp_path):
+    """ModelOpt's ``NVFP4_MLP_WEIGHT_ONLY_CFG`` exports ``W4A16_NVFP4`` in blocks of 32 (``group_size: 32``):
+    not NVFP4's 16, refused naming the field (the real export's config, group_size edited)."""
+    folder = shutil.copytree(FIXTURES / "modelopt_w4a16_nvfp4" / "checkpoint", tmp_path / "ckpt")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"group_0\.weights\.group_size: NVFP4 uses 16, found 32"):
+        read_quant_config(folder)
