@@ -242,7 +242,14 @@ def test_layout_registry_dispatch(tiny, tmp_path):
     from mxlib.models.checkpoints.layout import layout_for_scheme
     from mxlib.moe import MOE_SCHEMES
 
-    assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8"]
+    assert list(LAYOUTS) == [
+        "modelopt",
+        "quark",
+        "compressed-tensors",
+        "compressed-tensors-mxfp4",
+        "modelopt-mxfp8",
+        "compressed-tensors-mxfp8",
+    ]
     for name, s in MOE_SCHEMES.items():
         expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT
         assert layout_for_scheme(s) is expected, name

@@ -114,6 +114,21 @@ def build_model(seed: int = SEED, num_hidden_layers: int | None = None):
     return model
 
 
+def expert_weights(model, layer: int, expert: int) -> dict:
+    """The bf16 ``gate_proj`` / ``up_proj`` / ``down_proj`` weights (``[out, in]``) of one expert, read
+    from transformers 5's fused experts (``gate_up_proj [E, 2I, H]``, gate rows first; ``down_proj
+    [E, H, I]``) or from per-expert Linear modules."""
+    ex = model.model.layers[layer].mlp.experts
+    if hasattr(ex, "gate_up_proj"):
+        i = TINY_CONFIG["moe_intermediate_size"]
+        gu, down = ex.gate_up_proj[expert], ex.down_proj[expert]
+        assert gu.shape == (2 * i, TINY_CONFIG["hidden_size"]), gu.shape
+        w = {"gate_proj": gu[:i], "up_proj": gu[i:], "down_proj": down}
+    else:
+        w = {p: getattr(ex[expert], p).weight for p in PROJS}
+    return {p: t.detach().clone().contiguous() for p, t in w.items()}
+
+
 def tokens(shape, seed):
     return torch.randint(3, TINY_CONFIG["vocab_size"], shape, generator=torch.Generator().manual_seed(seed))
 
@@ -178,7 +193,6 @@ def clean_checkpoint(
         "hf_quant_config.json",
         "model.safetensors",
         "model.safetensors.index.json",
-        "generation_config.json",
     ),
 ) -> list[str]:
     """Drop tokenizer/recipe extras a tool writes; return what was removed."""

@@ -1,4 +1,5 @@
-"""llm-compressor NVFP4 fixture (compressed-tensors ``nvfp4-pack-quantized``)."""
+"""llm-compressor fixtures: compressed-tensors ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized`` and
+``mxfp8-quantized`` (the ``NVFP4``, ``MXFP4``, ``MXFP4A16``, ``MXFP8`` and ``MXFP8A16`` presets)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,41 @@ import _common as C
 import torch
 from safetensors import safe_open
 
-# fixture scheme -> the recipe's ignore list. llm-compressor's usual MoE recipe ignores only
-# lm_head and the routers, so attention is quantized too; nvfp4_experts leaves it bf16.
+# fixture scheme -> (the recipe's preset, its ignore list). llm-compressor's usual MoE recipe ignores
+# only lm_head and the routers, so attention is quantized too; the other fixtures leave it bf16.
+_EXPERTS_ONLY = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
 SCHEMES = {
-    "nvfp4": ["lm_head", "re:.*mlp.gate$"],
-    "nvfp4_experts": ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"],
+    "nvfp4": ("NVFP4", ["lm_head", "re:.*mlp.gate$"]),
+    "nvfp4_experts": ("NVFP4", _EXPERTS_ONLY),
+    "mxfp4": ("MXFP4", _EXPERTS_ONLY),
+    "mxfp4a16": ("MXFP4A16", _EXPERTS_ONLY),
+    "mxfp8": ("MXFP8", _EXPERTS_ONLY),
+    "mxfp8a16": ("MXFP8A16", _EXPERTS_ONLY),
+}
+# preset -> (compressor class path, the tensors its decompress reads)
+_COMPRESSOR = {
+    "NVFP4": (
+        "compressed_tensors.compressors.nvfp4.base.NVFP4PackedCompressor",
+        ("weight_packed", "weight_scale", "weight_global_scale"),
+    ),
+    "MXFP4": ("compressed_tensors.compressors.mxfp4.base.MXFP4PackedCompressor", ("weight_packed", "weight_scale")),
+    "MXFP8": ("compressed_tensors.compressors.mxfp8.base.MXFP8QuantizationCompressor", ("weight", "weight_scale")),
 }
 
 
-def _dequant(f, name, scheme):
-    """compressed-tensors' own ``NVFP4PackedCompressor.decompress`` of one exported weight."""
-    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+def _compressor(preset):
+    import importlib
 
-    sd = {k: f.get_tensor(f"{name}.{k}") for k in ("weight_packed", "weight_scale", "weight_global_scale")}
-    return NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
+    path, keys = _COMPRESSOR[preset.removesuffix("A16")]
+    mod, cls = path.rsplit(".", 1)
+    return getattr(importlib.import_module(mod), cls), keys, path
+
+
+def _dequant(f, name, scheme, preset):
+    """compressed-tensors' own compressor ``decompress`` of one exported weight."""
+    cls, keys, _ = _compressor(preset)
+    sd = {k: f.get_tensor(f"{name}.{k}") for k in keys}
+    return cls.decompress(sd, scheme)["weight"]
 
 
 def _tiny_tokenizer():
@@ -44,6 +66,7 @@ def make_one(outdir: Path, scheme: str) -> Path:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
+    preset, ignore = SCHEMES[scheme]
     fixture = C.fresh_dir(outdir / f"llmc_{scheme}")
     ckpt = fixture / "checkpoint"
     model = C.build_model()
@@ -57,7 +80,7 @@ def make_one(outdir: Path, scheme: str) -> Path:
     model.config._name_or_path = str(src)
     model.config.dtype = torch.bfloat16  # llm-compressor's linearized experts read it as a torch.dtype
     ds = Dataset.from_dict({"input_ids": ids_cal.tolist(), "attention_mask": torch.ones_like(ids_cal).tolist()})
-    recipe = QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=SCHEMES[scheme])
+    recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=ignore)
     oneshot(
         model=model,
         dataset=ds,
@@ -76,22 +99,29 @@ def make_one(outdir: Path, scheme: str) -> Path:
         traceback.print_exc()
 
     # the tool's own activation QDQ: forward_quantize on the input of layer 0 expert 0's gate_proj
-    qdq_module_name = None
+    # (NVFP4: with its calibrated input_global_scale; MX: dynamic E8M0 block scales)
+    qdq_module_name = qdq_module = None
     for name, mod in model.named_modules():
-        if name.endswith("mlp.experts.0.gate_proj") and hasattr(mod, "input_global_scale"):
+        qs = getattr(mod, "quantization_scheme", None)
+        if name.endswith("mlp.experts.0.gate_proj") and qs is not None and qs.input_activations is not None:
             qdq_module_name, qdq_module = name, mod
             break
-    if qdq_module_name is None:
+    if qdq_module is not None:
+        x = C.qdq_input(torch.bfloat16)
+        with torch.no_grad():
+            y = forward_quantize(qdq_module, x, "input", qdq_module.quantization_scheme.input_activations)
+        results["qdq.x"] = x
+        results["qdq.y"] = y
+        if hasattr(qdq_module, "input_global_scale"):
+            results["qdq.input_global_scale"] = qdq_module.input_global_scale.detach().float().reshape(())
+    else:
+        notes.append("qdq: weight-only preset, no activation quantization")
+
+    # the bf16 weights the tool quantized (layer 0 expert 0), for a writer comparison from the same input
+    if preset != "NVFP4":
         for name, mod in model.named_modules():
-            if hasattr(mod, "input_global_scale") and ".experts." in name:
-                qdq_module_name, qdq_module = name, mod
-                break
-    x = C.qdq_input(torch.bfloat16)
-    with torch.no_grad():
-        y = forward_quantize(qdq_module, x, "input", qdq_module.quantization_scheme.input_activations)
-    results["qdq.x"] = x
-    results["qdq.y"] = y
-    results["qdq.input_global_scale"] = qdq_module.input_global_scale.detach().float().reshape(())
+            if name.startswith("model.layers.0.mlp.experts.0.") and name.rsplit(".", 1)[-1] in C.PROJS:
+                results[f"weight.{name}"] = mod.weight.detach().clone()
 
     model.save_pretrained(str(ckpt), save_compressed=True)
     removed = C.clean_checkpoint(ckpt)
@@ -99,15 +129,16 @@ def make_one(outdir: Path, scheme: str) -> Path:
 
     shutil.rmtree(src)
 
-    wscheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    wscheme = preset_name_to_scheme(preset, ["Linear"])
+    first_key = _compressor(preset)[1][0]
     dequant_names = [f"model.layers.{L}.mlp.experts.{e}.{p}" for L, e in C.DEQUANT_EXPERTS for p in C.PROJS]
     files = sorted(ckpt.glob("*.safetensors"))
     for path in files:
         with safe_open(str(path), "pt") as f:
             keys = set(f.keys())
             for name in dequant_names:
-                if f"{name}.weight_packed" in keys:
-                    results[f"dequant.{name}"] = _dequant(f, name, wscheme)
+                if f"{name}.{first_key}" in keys:
+                    results[f"dequant.{name}"] = _dequant(f, name, wscheme, preset)
     missing = [n for n in dequant_names if f"dequant.{n}" not in results]
     if missing:
         notes.append(f"dequant: not found in the export: {missing}")
@@ -120,16 +151,16 @@ def make_one(outdir: Path, scheme: str) -> Path:
             scheme=scheme,
             format="compressed-tensors",
             versions=C.versions(["llmcompressor", "compressed-tensors", "datasets"]),
-            recipe=f"QuantizationModifier(targets='Linear', scheme='NVFP4', ignore={SCHEMES[scheme]!r})",
+            recipe=f"QuantizationModifier(targets='Linear', scheme={preset!r}, ignore={ignore!r})",
             dequant=dict(
-                function="compressed_tensors.compressors.nvfp4.base.NVFP4PackedCompressor.decompress("
-                "{weight_packed, weight_scale, weight_global_scale}, preset NVFP4)",
+                function=f"{_compressor(preset)[2]}.decompress({{{', '.join(_compressor(preset)[1])}}}, "
+                f"preset {preset})",
                 names=dequant_names,
             ),
             qdq=dict(
-                kind="nvfp4",
+                kind=preset.lower(),
                 function="compressed_tensors.quantization.lifecycle.forward.forward_quantize(module, x, "
-                "'input', args) (dynamic local block scales, input_global_scale as stored)",
+                "'input', args) (dynamic local block scales, input_global_scale as stored where NVFP4)",
                 module=qdq_module_name,
             ),
             removed_from_export=removed,

@@ -18,7 +18,38 @@ SCHEMES = {
     "w_mxfp4_a_fp8": ("mxfp4_fp8", True, False),
     "w_mxfp4_a_mxfp4_attn": ("mxfp4", True, True),
     "w_mxfp4_a_mxfp4_nopreprocess": ("mxfp4", False, False),
+    "w_mxfp8_a_mxfp8": ("mxfp8", True, False),
+    "w_mxfp4_a_mxfp8": ("mxfp4_mxfp8", True, False),
 }
+# schemes Quark 0.13's LLMTemplate does not list, registered from Quark's own OCP MX specs:
+# template scheme -> (weight spec, activation spec) class names in quark.torch.quantization.config.config
+CUSTOM_SCHEMES = {
+    "mxfp8": ("OCP_MXFP8E4M3Spec", "OCP_MXFP8E4M3Spec"),
+    "mxfp4_mxfp8": ("OCP_MXFP4Spec", "OCP_MXFP8E4M3Spec"),
+}
+
+
+def _register_custom(template_scheme: str) -> str | None:
+    """Register a ``CUSTOM_SCHEMES`` scheme with ``LLMTemplate.register_scheme`` as Quark's built-in MX
+    schemes are made (static weight spec, dynamic activation spec, ``ch_axis=-1``); returns a note."""
+    if template_scheme not in CUSTOM_SCHEMES:
+        return None
+    from quark.torch import LLMTemplate
+    from quark.torch.quantization.config import config as qcfg
+
+    w_cls, a_cls = (getattr(qcfg, n) for n in CUSTOM_SCHEMES[template_scheme])
+    layer = qcfg.QLayerConfig(
+        weight=w_cls(ch_axis=-1, is_dynamic=False).to_quantization_spec(),
+        input_tensors=a_cls(ch_axis=-1, is_dynamic=True).to_quantization_spec(),
+    )
+    LLMTemplate.register_scheme(template_scheme, config=layer)
+    w_name, a_name = CUSTOM_SCHEMES[template_scheme]
+    return (
+        f"scheme {template_scheme!r} registered with LLMTemplate.register_scheme: QLayerConfig(weight="
+        f"{w_name}(ch_axis=-1, is_dynamic=False), input_tensors={a_name}(ch_axis=-1, is_dynamic=True))"
+    )
+
+
 TEMPLATE_EXCLUDE = ["lm_head", "*.gate"]  # LLMTemplate.get("qwen3_moe")'s own list
 
 
@@ -50,6 +81,9 @@ def make_one(outdir: Path, scheme: str) -> Path:
             "made WITHOUT quark.torch.utils.llm.model_preparation.preprocess_for_quantization: "
             "transformers' fused experts stay unquantized"
         )
+    note = _register_custom(template_scheme)
+    if note:
+        notes.append(note)
     exclude = TEMPLATE_EXCLUDE if attention else [*TEMPLATE_EXCLUDE, "*self_attn*"]
     qconfig = LLMTemplate.get("qwen3_moe").get_config(scheme=template_scheme, exclude_layers=exclude)
     quantizer = ModelQuantizer(qconfig)
@@ -96,6 +130,9 @@ def make_one(outdir: Path, scheme: str) -> Path:
             _, mod = _find(model, name)
             if mod is not None and getattr(mod, "weight_quantizer", None) is not None:
                 results[f"dequant.{name}"] = mod.weight_quantizer(mod.weight.detach().float())
+                if template_scheme in CUSTOM_SCHEMES and name.startswith("model.layers.0.mlp.experts.0."):
+                    # the bf16 weight the tool quantized, for a writer comparison from the same input
+                    results[f"weight.{name}"] = mod.weight.detach().clone()
 
     model = quantizer.freeze(model)
     export_safetensors(model, str(ckpt))

@@ -24,7 +24,14 @@ is written in when the caller names none.
   ``layout``: the base class, the registry and exclude-list matching; ``scalars``: scalar scales.
 """
 
-from . import compressed_tensors_mxfp4, compressed_tensors_nvfp4, modelopt_mxfp8, modelopt_nvfp4, quark_ocp_mx
+from . import (
+    compressed_tensors_mxfp4,
+    compressed_tensors_mxfp8,
+    compressed_tensors_nvfp4,
+    modelopt_mxfp8,
+    modelopt_nvfp4,
+    quark_ocp_mx,
+)
 from .dummy import dummy_checkpoint_from_config
 from .inspect import InspectReport, inspect_checkpoint
 from .layout import (
@@ -74,6 +81,7 @@ __all__ = [
     "matches",
     "check_exclude_patterns",
     "compressed_tensors_mxfp4",
+    "compressed_tensors_mxfp8",
     "compressed_tensors_nvfp4",
     "modelopt_mxfp8",
     "modelopt_nvfp4",
@@ -87,6 +95,7 @@ for _layout in (
     compressed_tensors_nvfp4.LAYOUT,
     compressed_tensors_mxfp4.LAYOUT,
     modelopt_mxfp8.LAYOUT,
+    compressed_tensors_mxfp8.LAYOUT,
 ):
     register_layout(_layout)
 del _layout

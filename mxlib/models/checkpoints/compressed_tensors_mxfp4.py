@@ -15,13 +15,15 @@ scales come from each block's amax at run time). ``config.json``'s ``quantizatio
 symmetric true, dynamic false, scale_dtype torch.uint8``) and, for ``MXFP4``, ``input_activations``
 (the same with ``dynamic: true``), and ``ignore`` (module names or ``re:`` patterns).
 
-Scale rule: compressed-tensors' ``generate_mxfp4_scales`` rounds the bf16 block amax up at e2m1's
+Scale rule: compressed-tensors' ``generate_mx_scales`` rounds the bf16 block amax up at e2m1's
 mantissa width (``round_to_power_2``: half an ulp added to the bf16 bits, mantissa dropped), then
 takes ``floor(log2) - 2``: the E8M0 ``even`` rule (``mxlib.formats.SCALE_MODES``) on bf16 values,
 which is how the writer quantizes (``mxlib.moe.factory.quantize_expert_weights``) and how the
-activations are QDQ'd. Source: compressed-tensors ``quantization/quant_scheme.py`` (the presets),
-``quantization/utils/mxfp4_utils.py`` (the scales), ``compressors/quantized_compressors/fp4_quantized.py``
-(``MXFP4PackedCompressor``, the tensors).
+activations are QDQ'd. The stored byte is ``127 + floor(log2(scale))`` (``compress_mx_scale``), read
+as E8M0 as it is. Source: compressed-tensors 0.19 ``quantization/quant_scheme.py`` (the presets),
+``quantization/utils/mxfp_utils.py`` (the scales), ``compressors/mxfp4/base.py``
+(``MXFP4PackedCompressor``, the tensors) and ``compressors/mx_utils.py`` (the scale bytes); checked
+against llm-compressor's own exports in ``tests/test_interop_formats.py``.
 
 The NVFP4 compressed-tensors layout (``compressed_tensors_nvfp4``) shares the ``quant_method``; its
 config reader hands ``mxfp4-pack-quantized`` configs to this layout.

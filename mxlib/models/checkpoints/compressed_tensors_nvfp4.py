@@ -28,7 +28,8 @@ The writer quantizes with compressed-tensors' arithmetic: ``gs = bf16(2688 / ama
 scale ``s = e4m3(gs * amax_block / 6)`` (clamped to 448), codes ``e2m1(x / (s / gs))`` (an
 all-zero block, ``s = 0``, stores zero codes).
 
-``mxfp4-pack-quantized`` configs (the same ``quant_method``) are read by ``compressed_tensors_mxfp4``.
+``mxfp4-pack-quantized`` configs (the same ``quant_method``) are read by ``compressed_tensors_mxfp4``,
+``mxfp8-quantized`` ones by ``compressed_tensors_mxfp8``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from . import compressed_tensors_mxfp4
+from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
 from .layout import (
     PROJS,
     CheckpointDescription,
@@ -135,6 +136,8 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         fmt = qc.get("format")
         if fmt == compressed_tensors_mxfp4.FORMAT:  # the same quant_method, the MXFP4 layout's config
             return compressed_tensors_mxfp4.LAYOUT.read_config(qc)
+        if fmt == compressed_tensors_mxfp8.FORMAT:  # and the MXFP8 layout's
+            return compressed_tensors_mxfp8.LAYOUT.read_config(qc)
         if fmt != _FORMAT:
             raise CheckpointError(
                 f"quantization_config.format: the compressed-tensors layout supports {_FORMAT!r}, found {fmt!r}"

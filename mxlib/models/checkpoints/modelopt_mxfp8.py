@@ -15,7 +15,9 @@ No global scale and no ``input_scale``: ModelOpt's MXFP8 quantizes activations d
 ``quantization_config`` in ``config.json`` (``quant_method: modelopt``, ``quant_algo: MXFP8``,
 ``config_groups`` with 8-bit float weights and dynamic 8-bit float activations in groups of 32,
 ``ignore``) and ``hf_quant_config.json`` (``quantization.quant_algo``, ``exclude_modules``); the reader
-needs ``quant_algo`` and checks ``group_size`` and ``num_bits`` where given. The ModelOpt NVFP4 layout
+needs ``quant_algo`` and checks ``group_size`` and ``num_bits`` where given (ModelOpt 0.47.0's own export
+writes no ``config_groups`` for MXFP8: ``quant_method``, ``quant_algo``, ``producer``, ``ignore``; its
+tensors and block scales read bit-equal, ``tests/test_interop_formats.py``). The ModelOpt NVFP4 layout
 (``modelopt_nvfp4``) shares the ``quant_method`` and hands ``MXFP8`` configs to this layout.
 """
 
