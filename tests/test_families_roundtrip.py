@@ -313,6 +313,12 @@ def test_on_disk_names_are_the_familys(cls_name, built, tmp_path):
                 assert h.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
     report = inspect_checkpoint(path)
     assert report.layout_ok, report.problems
+    fam = families.family_of(model)
+    assert (report.num_experts, report.moe_intermediate_size) == (
+        fam.num_experts(model.config),
+        fam.intermediate_size(model.config),
+    )
+    assert sorted({r["layer"] for r in report.activation_scales}) == MOE_LAYERS[cls_name]  # per-expert input scales
 
 
 @pytest.mark.parametrize("cls_name", NAMES)
@@ -338,3 +344,28 @@ def test_loaded_routing_matches_a_direct_softmax(built, tmp_path):
     router = model.model.layers[0].mlp.gate
     logits, w, i = router(x)
     assert torch.equal(R.softmax_topk(F.linear(x, router.weight), 2, True)[1].long(), i)
+
+
+@pytest.mark.parametrize("cls_name", NAMES)
+def test_dummy_from_config_and_cli(cls_name, tmp_path):
+    """A family's own unquantized config.json (as its save_pretrained writes it) -> dummy checkpoint -> load."""
+    from mxlib.cli import main as cli_main
+    from mxlib.models.checkpoints import dummy_checkpoint_from_config
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    cfg = dict(_config(cls_name).to_dict(), architectures=[cls_name])
+    (folder / "config.json").write_text(json.dumps(cfg, default=str))
+    path = dummy_checkpoint_from_config(folder, tmp_path / "ckpt", scheme="w_mxfp4_a_mxfp4", calib_tokens=16)
+    stored = json.loads((path / "config.json").read_text())
+    assert stored["architectures"] == [cls_name] and stored["quantization_config"]["quant_method"] == "quark"
+    loaded, _ = load_quantized_moe(path, backend="torch")
+    assert type(loaded).__name__ == cls_name
+    assert torch.isfinite(_logits(loaded, torch.arange(8)[None])).all()
+    assert inspect_checkpoint(path).layout_ok
+    out = tmp_path / "cli.json"
+    argv = ["dummy-from-config", str(folder), str(tmp_path / "ckpt2"), "--scheme", "nvfp4", "--tokens", "8"]
+    assert cli_main([*argv, "--device", "cpu", "--backend", "torch", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    result = result.get("result", result)
+    assert result["architecture"] == cls_name and result["logits_finite"]
