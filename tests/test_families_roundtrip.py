@@ -369,3 +369,26 @@ def test_dummy_from_config_and_cli(cls_name, tmp_path):
     result = json.loads(out.read_text())
     result = result.get("result", result)
     assert result["architecture"] == cls_name and result["logits_finite"]
+
+
+@pytest.mark.parametrize("cls_name", ["DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"])
+def test_statistics_and_hessians_name_decoder_layers(cls_name, built):
+    """With dense MLP layers the MoE layers are not 0..n-1: every per-layer result names its decoder layer."""
+    from mxlib.models.hessians import collect_expert_hessians
+    from mxlib.models.routing_stats import routing_statistics
+
+    model, cal, ids, _ = built[cls_name]
+    assert cal.layer_indices == MOE_LAYERS[cls_name] and len(cal.layers) == len(MOE_LAYERS[cls_name])
+    stats = routing_statistics(model, ids)
+    assert [s["layer"] for s in stats] == MOE_LAYERS[cls_name]
+    want = _router_ids(model, ids)  # the oracle: transformers' routers' own ids
+    for s in stats:
+        counts = torch.bincount(want[s["layer"]].reshape(-1), minlength=s["num_experts"])
+        assert torch.equal(s["tokens_per_expert"], counts)
+        assert torch.equal(cal.layer(s["layer"]).tokens, counts)  # calibration saw the same routing
+    hess = collect_expert_hessians(model, ids)
+    assert sorted(hess.layers) == MOE_LAYERS[cls_name]
+    with pytest.raises(ValueError, match=r"layers: expected MoE layer indices of \[\d, \d\], got \[\d\]"):
+        collect_expert_hessians(model, ids, layers=[1 if cls_name == "Qwen2MoeForCausalLM" else 0])
+    with pytest.raises(ValueError, match="layer: expected a calibrated MoE layer"):
+        cal.layer(1 if cls_name == "Qwen2MoeForCausalLM" else 0)
