@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
@@ -107,7 +106,8 @@ def _emulated(model, scheme, cal):
 
     def make(i):
         w13, w2 = expert_weights(model, i)
-        s13, s2 = input_scales_from_amax(scheme, *(lambda lc: (lc.a1_amax, lc.a2_amax))(cal.layer(i)))
+        lc = cal.layer(i)
+        s13, s2 = input_scales_from_amax(scheme, lc.a1_amax, lc.a2_amax)
         return make_emulation_experts(scheme, quantize_expert_weights(w13, w2, scheme), s13, s2, backend="torch")
 
     saved = [m.experts for m in moe_layers(model)]
@@ -270,14 +270,16 @@ def test_round_trip(cls_name, scheme, layout, built, tmp_path):
     got_ids = _router_ids(loaded, ids)
     first = min(want_ids)
     assert torch.equal(got_ids[first], want_ids[first])  # the first MoE layer sees the same bf16 input
-    # bit for bit with mxlib's in-memory emulation of the same scheme
-    saved = _emulated(model, scheme if layout != "compressed-tensors" else scheme, cal)
-    try:
-        emu = _logits(model, ids)
-    finally:
-        _restore(model, saved)
-    if layout != "compressed-tensors":  # compressed-tensors stores encode global scales: other bits
+    # bit for bit with mxlib's in-memory emulation of the same scheme (compressed-tensors stores encode
+    # global scales, chosen by its own arithmetic: other bits, checked against bf16 only)
+    if layout != "compressed-tensors":
+        saved = _emulated(model, scheme, cal)
+        try:
+            emu = _logits(model, ids)
+        finally:
+            _restore(model, saved)
         assert torch.equal(got, emu), (got - emu).abs().max()
+        assert not torch.equal(emu, ref)  # the experts are quantized
     print(f"{cls_name} {scheme} {layout}: write+load {elapsed:.2f} s, max |logits - bf16| {diff:.4f}")
 
 
@@ -335,15 +337,6 @@ def test_round_trip_times(built):
     for n, (*_, seconds) in built.items():
         print(f"{n}: dummy + calibrate {seconds:.2f} s")
         assert seconds < 30, (n, seconds)
-
-
-def test_loaded_routing_matches_a_direct_softmax(built, tmp_path):
-    """The Mixtral router output equals ``softmax_topk`` on its own logits (family function in use)."""
-    model, cal, ids, _ = built["MixtralForCausalLM"]
-    x = torch.randn(10, 64, dtype=torch.bfloat16)
-    router = model.model.layers[0].mlp.gate
-    logits, w, i = router(x)
-    assert torch.equal(R.softmax_topk(F.linear(x, router.weight), 2, True)[1].long(), i)
 
 
 @pytest.mark.parametrize("cls_name", NAMES)
