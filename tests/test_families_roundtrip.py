@@ -385,3 +385,31 @@ def test_statistics_and_hessians_name_decoder_layers(cls_name, built):
         collect_expert_hessians(model, ids, layers=[1 if cls_name == "Qwen2MoeForCausalLM" else 0])
     with pytest.raises(ValueError, match="layer: expected a calibrated MoE layer"):
         cal.layer(1 if cls_name == "Qwen2MoeForCausalLM" else 0)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({n: h.get_tensor(n) for n in h.keys()})
+    return out
+
+
+@pytest.mark.parametrize("cls_name", NAMES)
+def test_loaded_model_saves_its_checkpoint_back(cls_name, built, tmp_path):
+    """``save_pretrained`` of a loaded model writes the checkpoint it was loaded from: the same names
+    (the family's own on disk), dtypes and bytes, and the same config."""
+    model, cal, ids, _ = built[cls_name]
+    path = write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    loaded, _ = load_quantized_moe(path, backend="torch")
+    loaded.save_pretrained(tmp_path / "again")
+    first, again = _tensors(path), _tensors(tmp_path / "again")
+    assert sorted(first) == sorted(again)
+    for n, t in first.items():
+        assert t.dtype == again[n].dtype and torch.equal(
+            t.reshape(-1).view(torch.uint8), again[n].reshape(-1).view(torch.uint8)
+        ), n
+    cfg = json.loads((path / "config.json").read_text())
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == cfg
+    back, _ = load_quantized_moe(tmp_path / "again", backend="torch")
+    assert torch.equal(_logits(back, ids), _logits(loaded, ids))
