@@ -27,6 +27,9 @@ It may have (the base class's defaults in brackets):
   (``amax / scale_divisor``) in the convention ``expert_tensors`` and ``linear_tensors`` take
   [as given]; ``global_scale_kind``: the kind of NVFP4 global scale it stores [``"decode"``];
   ``legacy_files``: the config files ``read_legacy`` reads [none];
+* ``add_excluded(qc, extra, names)``: the family's unquantized modules (routers, shared experts, dense
+  MLPs under their on-disk names) added to its exclude lists where its own patterns miss them [every
+  list under a key of ``exclude_keys``: ``ignore``, ``exclude``, ``exclude_modules``];
 * ``supports_linear`` [False]: True when it stores quantized ``nn.Linear`` layers outside the
   experts, with ``linear_tensors(scheme, weights, input_scale, name) -> {name: tensor}`` and
   ``read_linear(tensors, name, out_features, in_features, description) -> (LinearWeights,
@@ -105,8 +108,11 @@ class CheckpointDescription:
 
 
 class CheckpointLayout(abc.ABC):
-    """One on-disk layout of quantized Qwen3-MoE checkpoints: its config files, its config parser
-    and its tensor names (module docstring: what a layout must and may have).
+    """One on-disk layout of quantized MoE checkpoints: its config files, its config parser and its
+    tensor names (module docstring: what a layout must and may have). A layout names experts as
+    transformers' state dict does (``model.layers.L.mlp.experts.e.gate_proj``); the writer and the
+    loader translate to a family's own names on disk (``mxlib.models.families.MoEFamily.disk_name``:
+    Mixtral's ``block_sparse_moe.experts.e.w1``), so every layout stores every registered family.
 
     Subclasses set ``name`` and ``quant_method`` as class attributes and implement the abstract
     methods; ``register_layout(instance)`` makes the writer, the loader, the inspector and the
@@ -168,6 +174,27 @@ class CheckpointLayout(abc.ABC):
     def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
         """One quantized ``[out, in]`` linear weight; default ``mxlib.moe.factory.quantize_linear_weight``."""
         return quantize_linear_weight(weight, scheme)
+
+    # keys of a quantization config's (or an extra config file's) lists of unquantized module names
+    exclude_keys: tuple[str, ...] = ("ignore", "exclude", "exclude_modules")
+
+    def add_excluded(self, qc: dict, extra: dict[str, dict], names: list[str]) -> None:
+        """Add module names (on-disk names, each exact) the checkpoint stores unquantized to every exclude
+        list of ``qc`` and of the extra config files (ModelOpt's ``hf_quant_config.json``), in place, each
+        name only where the list's own names and patterns (``matches``) do not cover it already: a Qwen3-MoE
+        config stays as the layout writes it, a family's shared experts, dense MLPs and routers under other
+        names (Mixtral's ``block_sparse_moe.gate``) are named one by one."""
+
+        def walk(d):
+            for key, value in d.items():
+                if key in self.exclude_keys and isinstance(value, list):
+                    value.extend([n for n in names if not matches(n, value)])
+                elif isinstance(value, dict):
+                    walk(value)
+
+        walk(qc)
+        for content in extra.values():
+            walk(content)
 
     def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
         """Calibrated decode activation scales (``amax / scale_divisor``, fp32) in the convention
