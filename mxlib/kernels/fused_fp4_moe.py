@@ -338,7 +338,7 @@ def fused_fp4_moe_kernel(
             res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
         out = nm.cast_out(res, OUT_DTYPE)
     c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out, mask=token_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, out, mask=token_mask[:, None] & (offs_n < N)[None, :])  # offs_n: the logical columns
 
 
 # ----------------------------------------------------------------------------- wrapper
