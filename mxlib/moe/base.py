@@ -30,7 +30,8 @@ rotated experts on ``fused`` without the FP4 kernel run the ``triton`` path.
 Backends: ``"triton"`` (Triton kernels, vLLM's emulation design: dequantize all experts,
 then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
 ``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
-epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 run
+epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 (or
+zero-padded to them, ``mxlib.moe.emulation.FP4_PAD_MAX_FRACTION``: gpt-oss-20b's 2880) run
 ``mxlib.kernels.fused_fp4_moe`` on weights prepared once into its layout, with the a1 QDQ fused
 too; other weights run ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch
 reference MoE, ``mxlib.moe.reference_moe``, which dequantizes only the experts that received
