@@ -28,31 +28,32 @@ output row by its ``per_token_scale``, then by the weight's global scale (FlashI
 ``fused`` runs it on the FP4 kernel (a2 QDQ'd in a per-row pass: an epilogue tile never sees a whole
 row), else on the ``triton`` path (the generic fused kernel QDQs a2 tile by tile).
 
-FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
-the FP4 kernel's layout (``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once
-(at construction when the backend resolves to ``fused``, else at the first fused forward); only
-that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and the other backends) then get
-the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy. MXFP6 weights (H and I
-multiples of 256) run in the same kernel in ``mxlib.kernels.fp6_layout``'s layout, held and
-unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is
-``FP6_AUTO_FUSED``.
+FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128, or zero-padded to them where
+``FP4_PAD_MAX_FRACTION`` allows: exact, ``fp4_operands``) are held in the FP4 kernel's layout
+(``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once (at construction when the backend resolves to
+``fused``, else at the first fused forward); only that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and
+the other backends) then get the checkpoint layout back by ``unprepare_fp4_packed`` (and ``unpad_fp4_halves``), a
+temporary copy. MXFP6 weights (H and I multiples of 256) run in the same kernel in ``fp6_layout``'s layout, held
+and unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is ``FP6_AUTO_FUSED``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
+from torch.nn.functional import pad as _pad
 
 from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
 from ..formats import NVFP4, BlockScheme, Numerics, PerTensorScheme, get_numerics, get_scale_mode
+from ..kernels import fp4_layout as F4
 from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare_fp4_packed
 from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import prepare_packed_weights
 from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq, nvfp4_hw_qdq
+from .activations import SILU, MoEActivation
 from .base import TritonExperts, ops_for_backend, resolve_backend
+from .expert_weights import ExpertWeights, _check
 from .reference_moe import torch_moe
 from .scales import (
     ACTIVATION_SCALE_STRATEGIES,
@@ -71,58 +72,16 @@ __all__ = [
     "OCP_MXQuantizationEmulationTritonExperts",
 ]
 
-
-@dataclass
-class ExpertWeights:
-    """One layer's experts quantized in one block scheme (stacked over experts).
-
-    ``w13_weight`` uint8 packed ``[E, 2I, H * bits / 8]`` (gate rows, then up rows),
-    ``w13_weight_scale`` ``[E, 2I, H / block_size]`` (uint8 E8M0, or float8_e4m3fn for NVFP4),
-    ``w2_weight`` / ``w2_weight_scale`` likewise for ``[E, H, I]``; with a global scale
-    (NVFP4): ``w13_weight_scale_2`` fp32 ``[E]`` (or ``[E, 2]``: gate and up their own) and
-    ``w2_weight_scale_2`` fp32 ``[E]`` (ModelOpt's decode ``weight_scale_2``).
-    ``global_scale_kind``: ``"decode"`` (ModelOpt, multiplied) or ``"encode"``
-    (compressed-tensors' ``weight_global_scale``, a divisor, used as stored).
-    """
-
-    scheme: BlockScheme
-    w13_weight: torch.Tensor
-    w13_weight_scale: torch.Tensor
-    w2_weight: torch.Tensor
-    w2_weight_scale: torch.Tensor
-    w13_weight_scale_2: torch.Tensor | None = None
-    w2_weight_scale_2: torch.Tensor | None = None
-    global_scale_kind: str = "decode"
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors by name (the scheme and absent global scales left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def to(self, device) -> ExpertWeights:
-        moved = {k: v.to(device) for k, v in self.tensors().items()}
-        return ExpertWeights(self.scheme, **moved, global_scale_kind=self.global_scale_kind)
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13_weight.device
-
-
-def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    return t
-
-
 _PACKED = ("w13_weight", "w2_weight")
 _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
+# FP4 weights whose H or I is no multiple of the kernel's K tile (gpt-oss-20b: 2880) run the FP4 kernel on a copy
+# zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
+# (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
+FP4_PAD_MAX_FRACTION = 1 / 16
 
 
 class QuantizedExperts(TritonExperts):
@@ -144,18 +103,37 @@ class QuantizedExperts(TritonExperts):
 
     def fp4_kernel_applies(self) -> bool:
         """Whether the FP4 kernel can run these experts: bf16 activations and either 4-bit weight
-        elements (``mxfp4``, ``nvfp4``) with H and I multiples of its 128-element K tile, or MXFP6
-        weights (``mxfp6_e2m3``, ``mxfp6_e3m2``) with H and I multiples of the 256-element super tile."""
+        elements (``mxfp4``, ``nvfp4``) with H and I multiples of its 128-element K tile (or zero-padded to it:
+        ``FP4_PAD_MAX_FRACTION``, no rotation), or MXFP6 weights (``mxfp6_e2m3``, ``mxfp6_e3m2``) with H and I
+        multiples of the 256-element super tile."""
         s = self.weight_scheme
         if self.activation_dtype != torch.bfloat16:
             return False
+        h, i = self.hidden_size, self.intermediate_size
         if s.element.nbits == 4:
-            tile = K_TILE
-        elif s.element.nbits == 6 and not s.has_global_scale:
-            tile = SUPER_TILE
-        else:
-            return False
-        return self.hidden_size % tile == 0 and self.intermediate_size % tile == 0
+            hp, ip = self._fp4_dims()
+            pad_ok = hp - h <= FP4_PAD_MAX_FRACTION * h and ip - i <= FP4_PAD_MAX_FRACTION * i
+            return (hp, ip) == (h, i) or (pad_ok and self.rotation is None)
+        if s.element.nbits == 6 and not s.has_global_scale:
+            return h % SUPER_TILE == 0 and i % SUPER_TILE == 0
+        return False
+
+    def _fp4_dims(self) -> tuple[int, int]:
+        """(H, I) of the FP4 kernel's copy of 4-bit weights: each a multiple of the K tile (zero-padded)."""
+        return F4.padded_to_k_tile(self.hidden_size), F4.padded_to_k_tile(self.intermediate_size)
+
+    def _fp4_padded(self) -> bool:
+        return self.weight_scheme.element.nbits == 4 and self._fp4_dims() != (self.hidden_size, self.intermediate_size)
+
+    def fp4_operands(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The FP4 kernel's hidden states and GEMM1 bias, zero-padded to the padded H and I where the weights
+        are (``_fp4_padded``): padded a1 columns meet zero weight columns, padded gate / up columns give
+        ``act(0 + 0, 0 + 0) = 0`` (SiLU and SwiGLU-OAI) and meet zero w2 columns."""
+        if not self._fp4_padded():
+            return hidden_states, self.w13_bias
+        (hp, ip), (e, h, i) = self._fp4_dims(), self._dims
+        b = None if self.w13_bias is None else _pad(self.w13_bias.view(e, 2, i), (0, ip - i)).view(e, 2 * ip)
+        return _pad(hidden_states, (0, hp - h)), b
 
     def prefers_fused(self) -> bool:
         # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
@@ -164,8 +142,8 @@ class QuantizedExperts(TritonExperts):
         return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
 
     def _prepare_if_fused(self) -> None:
-        """Prepare the FP4 layout now when the forward will use it (construction time)."""
-        # (an unknown backend name is left for the forward to refuse, as before)
+        """Prepare the FP4 layout now when the forward will use it (construction time; an unknown backend
+        name is left for the forward to refuse)."""
         if (
             self.backend in ("fused", "auto")
             and self.fp4_kernel_applies()
@@ -177,7 +155,14 @@ class QuantizedExperts(TritonExperts):
         if not self.fp4_kernel_applies():
             return None
         if "w13_weight" + _PREPARED not in self._buffers:
+            hp, ip = self._fp4_dims()
             for name, pw in zip(_PACKED, QuantizedExperts.packed_weights(self)):
+                if self._fp4_padded():  # (halves, rows, K) of the padded copy; its scales held beside it
+                    halves, rows, k = (2, ip, hp) if name == "w13_weight" else (1, self.hidden_size, ip)
+                    pw.packed, pw.scales = F4.pad_fp4_halves(
+                        pw.packed, pw.scales, pw.scheme.block_size, halves, rows, k
+                    )
+                    self.register_buffer(name + "_scale" + _PREPARED, pw.scales, persistent=False)
                 prepared = prepare_packed_weights(pw).packed
                 del self._buffers[name]  # keep only the prepared copy
                 self.register_buffer(name + _PREPARED, prepared, persistent=False)
@@ -189,11 +174,12 @@ class QuantizedExperts(TritonExperts):
             )
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
         s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
+        one13, one2 = self._one_multiply("w13", s13, g13), self._one_multiply("w2", s2, g2)  # pad bytes 0 agree
+        s13 = self._buffers.get("w13_weight_scale" + _PREPARED, s13)
+        s2 = self._buffers.get("w2_weight_scale" + _PREPARED, s2)
         return (
-            FP4Weights(
-                self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, self._one_multiply("w13", s13, g13)
-            ),
-            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, self._one_multiply("w2", s2, g2)),
+            FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, one13),
+            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, one2),
         )
 
     def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
@@ -213,18 +199,24 @@ class QuantizedExperts(TritonExperts):
         prepared = self._buffers.get(name + _PREPARED)
         if prepared is None:
             return self._buffers[name][sel]
-        return self._unprepare(prepared[sel])
+        return self._unprepare(prepared[sel], name)
 
-    def _unprepare(self, prepared: torch.Tensor) -> torch.Tensor:
-        """Checkpoint layout of bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
+    def _unprepare(self, prepared: torch.Tensor, name: str) -> torch.Tensor:
+        """Checkpoint layout of weight ``name``'s bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
         el = self.weight_scheme.element
-        return unprepare_fp6_packed(prepared, el) if el.nbits == 6 else unprepare_fp4_packed(prepared)
+        if el.nbits == 6:
+            return unprepare_fp6_packed(prepared, el)
+        out = unprepare_fp4_packed(prepared)
+        if self._fp4_padded():
+            e, h, i = self._dims
+            out = F4.unpad_fp4_halves(out, *((2, i, h) if name == "w13_weight" else (1, h, i)))
+        return out
 
     def __getattr__(self, name: str):
         if name in _PACKED:
             buffers = self.__dict__.get("_buffers", {})
             if name not in buffers and name + _PREPARED in buffers:
-                return self._unprepare(buffers[name + _PREPARED])
+                return self._unprepare(buffers[name + _PREPARED], name)
         return super().__getattr__(name)
 
     def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:
@@ -282,6 +274,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
         activation_block_rule: a1 / a2 QDQ's ``"amax"`` (default, vLLM's) or ``"four_over_six"`` (``activation_rules``).
+        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -303,8 +296,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
         activation_block_rule: str = "amax",
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend)
+        super().__init__(backend=backend, activation=activation)
         self.activation_block_rule = check_activation_block_rule(activation_block_rule)
         if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
             got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
@@ -361,6 +357,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 "w2_input_scale": w2_input_scale,
             }
         )
+        self._set_biases(w13_bias, w2_bias)
         self.set_scale_strategy(scale_strategy)
         self._set_numerics(numerics)
         check_activation_block_rule(activation_block_rule, hardware=self._hardware())
@@ -520,6 +517,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 a1_per_pair,
                 output_scales=self.output_scales,
                 a1_row_scale=made[1],
+                **self.moe_arithmetic(),
             )
         return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
 
@@ -540,9 +538,10 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics``: the same operands
             for OCP MX (module docstring).
+        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
     Both activation points are quantized whenever the scheme names an activation format: the
-    layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
+    layer input a1 once per token, and the gated activation's output a2 once per (token, expert) pair.
 
     Source: vLLM ``OCP_MXQuantizationEmulationTritonExperts`` and ``QuarkOCP_MX_MoEMethod``.
     """
@@ -558,8 +557,11 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend)
+        super().__init__(backend=backend, activation=activation)
         self._set_numerics(numerics)
         self.scheme = get_moe_scheme(scheme)
         if not self.scheme.is_ocp_mx:
@@ -592,6 +594,7 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=False)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=False)
         self._register(w.tensors())
+        self._set_biases(w13_bias, w2_bias)
         self.activation_scale_mode = get_scale_mode(activation_scale_mode)
         if isinstance(self.activation_format, PerTensorScheme):
             if w13_input_scale is None or w2_input_scale is None:
