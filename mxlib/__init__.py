@@ -18,10 +18,13 @@ MoE experts (``mxlib.moe``):
     ``TritonExperts``                      the experts classes (vLLM's names)
     ``fused_topk``                         the router (softmax, top-k, renormalize)
 
-Models and checkpoints (``mxlib.models``, transformers' Qwen3-MoE):
+Models and checkpoints (``mxlib.models``, transformers' MoE families; Qwen3-MoE the default):
+    ``family_of``                          the ``MoEFamily`` of a model, config or ``config.json`` dict
     ``swap_experts``                       put mxlib experts into a transformers model
     ``write_quantized_checkpoint``         a bf16 model -> a quantized checkpoint folder
-    ``load_quantized_qwen3_moe``           a checkpoint (ModelOpt, Quark, compressed-tensors) -> model
+    ``load_quantized_moe``                 a checkpoint (ModelOpt, Quark, compressed-tensors) of any
+                                           registered family -> model
+    ``load_quantized_qwen3_moe``           the same, for Qwen3-MoE checkpoints
     ``inspect_checkpoint``                 describe a checkpoint from its configs and headers
 
 The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pure-PyTorch oracle;
@@ -60,8 +63,10 @@ _LAZY: dict[str, str] = {
     "TritonExperts": "mxlib.moe.base",
     "fused_topk": "mxlib.moe.routing",
     # models and checkpoints
+    "family_of": "mxlib.models.families",
     "swap_experts": "mxlib.models.qwen3",
     "write_quantized_checkpoint": "mxlib.models.checkpoints.writer",
+    "load_quantized_moe": "mxlib.models.checkpoints.loader",
     "load_quantized_qwen3_moe": "mxlib.models.checkpoints.loader",
     "inspect_checkpoint": "mxlib.models.checkpoints.inspect",
 }

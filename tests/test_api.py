@@ -69,6 +69,20 @@ def test_every_public_name_resolves_to_its_module_object_with_a_docstring(name):
     assert obj.__module__.startswith("mxlib."), obj.__module__
 
 
+def test_family_names_exported():
+    """The family registry and the family-generic loader sit beside the Qwen3-MoE loader."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    from mxlib.models import families
+    from mxlib.models.checkpoints import loader
+
+    assert {"family_of", "load_quantized_moe", "load_quantized_qwen3_moe"} <= set(mxlib.__all__)
+    assert mxlib.load_quantized_moe is loader.load_quantized_moe
+    assert mxlib.family_of is families.family_of
+    assert mxlib.family_of(Qwen3MoeConfig()).architecture == "Qwen3MoeForCausalLM"
+    assert mxlib.family_of(MixtralConfig()).architecture == "MixtralForCausalLM"
+
+
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'mxlib' has no attribute 'quantise_mx'"):
         mxlib.quantise_mx  # noqa: B018

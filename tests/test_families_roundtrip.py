@@ -352,6 +352,18 @@ def test_dummy_from_config_and_cli(cls_name, tmp_path):
     path = dummy_checkpoint_from_config(folder, tmp_path / "ckpt", scheme="w_mxfp4_a_mxfp4", calib_tokens=16)
     stored = json.loads((path / "config.json").read_text())
     assert stored["architectures"] == [cls_name] and stored["quantization_config"]["quant_method"] == "quark"
+    # Quark's importer takes names and globs, not re:: every bf16 2-D module of the shards, by exact name
+    headers = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            headers.update({k: h.get_slice(k).get_shape() for k in h.keys()})
+    bf16 = {
+        k[: -len(".weight")]
+        for k, shape in headers.items()
+        if k.endswith(".weight") and len(shape) == 2 and f"{k}_scale" not in headers and "embed_tokens" not in k
+    }
+    exclude = stored["quantization_config"]["exclude"]
+    assert sorted(exclude) == sorted(bf16) and len(exclude) == len(set(exclude)) and exclude[-1] == "lm_head"
     loaded, _ = load_quantized_moe(path, backend="torch")
     assert type(loaded).__name__ == cls_name
     assert torch.isfinite(_logits(loaded, torch.arange(8)[None])).all()

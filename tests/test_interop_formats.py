@@ -342,10 +342,9 @@ def test_quark_mxfp4_mxfp8_fp32_matches_tool_logits():
 
 # tools/interop/mxlib_roundtrip.py: mxlib's writer made these (one layer, attention bf16); each tool's
 # reader read them back (tool_read.safetensors, meta.json). ModelOpt has no reader of its HF exports.
-# Quark's importer matches exclude entries as names or fnmatch globs, not ``re:`` patterns: it refuses
-# mxlib's Quark checkpoint as written (the attention projections, excluded by ``re:.*self_attn.*``, look
-# quantized to it and their scales missing) and reads it once the exclude list names the modules
-# (test_quark_reads_mxlib_exclude).
+# Quark's importer matches exclude entries as exact names or fnmatch globs, not ``re:`` patterns: mxlib's
+# Quark layout names every bf16 module exactly, as Quark's own export does, and Quark reads the checkpoint
+# as written (test_quark_reads_mxlib_checkpoint_as_written).
 ROUNDTRIP = {
     "mxlib_compressed-tensors-mxfp4_w_mxfp4_a_mxfp4": ("compressed-tensors-mxfp4", "w_mxfp4_a_mxfp4", "e2m1"),
     "mxlib_compressed-tensors-mxfp8_w_mxfp8_a_mxfp8": ("compressed-tensors-mxfp8", "w_mxfp8_a_mxfp8", "e4m3"),
@@ -401,17 +400,44 @@ def test_roundtrip_checkpoint_is_the_writers(name):
         assert torch.equal(_weight_bytes(t), _weight_bytes(tensors[key])), f"{name} {key}"
 
 
-def test_quark_reads_mxlib_exclude():
-    """Quark 0.13's importer refuses mxlib's ``re:`` exclude list (recorded as ``error_as_written``) and reads
-    the checkpoint with the list expanded to module names, the form Quark exports."""
-    meta = json.loads((FIXTURES / "mxlib_quark_w_mxfp4_a_mxfp8" / "meta.json").read_text())
-    assert "self_attn.q_proj.weight_quantizer.scale" in meta["error_as_written"], meta["error_as_written"]
-    cfg = json.loads((FIXTURES / "mxlib_quark_w_mxfp4_a_mxfp8" / "checkpoint" / "config.json").read_text())
-    assert "re:.*self_attn.*" in cfg["quantization_config"]["exclude"]
-    assert "model.layers.0.self_attn.q_proj" in meta["exclude_rewritten"]
-    for name in ROUNDTRIP_PRESENT:
-        if not name.startswith("mxlib_quark"):
-            assert "error_as_written" not in json.loads((FIXTURES / name / "meta.json").read_text()), name
+def test_quark_reads_mxlib_checkpoint_as_written():
+    """Quark 0.13's importer reads mxlib's Quark checkpoint unchanged and rebuilds exactly the experts as
+    quantized modules (``quantized_modules``), the exclude list's bf16 modules left plain; the list holds
+    exact module names only, those of Quark's own export of the same model (layer 0 and lm_head of
+    ``quark_w_mxfp4_a_mxfp8``, a two-layer export)."""
+    name = "mxlib_quark_w_mxfp4_a_mxfp8"
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    exclude = json.loads((FIXTURES / name / "checkpoint" / "config.json").read_text())["quantization_config"]["exclude"]
+    assert meta["exclude_as_read"] == exclude
+    experts = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]
+    assert meta["quantized_modules"] == sorted(experts)
+    quark = json.loads((FIXTURES / "quark_w_mxfp4_a_mxfp8" / "checkpoint" / "config.json").read_text())
+    quark_exclude = [n for n in quark["quantization_config"]["exclude"] if not n.startswith("model.layers.1.")]
+    assert exclude == quark_exclude
+    for n in ROUNDTRIP_PRESENT:
+        assert "error_as_written" not in json.loads((FIXTURES / n / "meta.json").read_text()), n
+
+
+@pytest.mark.parametrize("name, attention", [("quark_w_mxfp4_a_mxfp4", False), ("quark_w_mxfp4_a_mxfp4_attn", True)])
+def test_quark_exclude_is_quarks_export(tmp_path, name, attention):
+    """mxlib's writer, on a model of the config Quark exported, writes Quark's own ``exclude`` list (the
+    same names in the same order), with attention bf16 or quantized."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mxlib.models.checkpoints import write_quantized_checkpoint
+
+    cfg = json.loads((FIXTURES / name / "checkpoint" / "config.json").read_text())
+    quark_exclude = cfg.pop("quantization_config")["exclude"]
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "cfg")).to(torch.bfloat16)
+    path = write_quantized_checkpoint(
+        model, "w_mxfp4_a_mxfp4", tmp_path / "ckpt", layout="quark", quantize_attention=attention
+    )
+    written = json.loads((path / "config.json").read_text())["quantization_config"]["exclude"]
+    assert written == quark_exclude
+    assert read_quant_config(path).exclude == quark_exclude
 
 
 def test_modelopt_w4a16_blocks_of_32_refused(tmp_path):

@@ -82,51 +82,20 @@ def _read_llmc(ckpt: Path) -> tuple[dict, dict]:
     }
 
 
-def _expanded_exclude(ckpt: Path, patterns: list[str]) -> list[str]:
-    """mxlib's ``re:`` exclude patterns expanded to the module names they match (as Quark exports them)."""
-    import re
-
-    from safetensors import safe_open
-
-    modules = set()
-    for path in ckpt.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            modules |= {k.rsplit(".", 1)[0] for k in f.keys() if k.endswith(".weight")}
-    out = []
-    for p in patterns:
-        if p.startswith("re:"):
-            out += sorted(m for m in modules if re.fullmatch(p[3:], m))
-        else:
-            out.append(p)
-    return out
-
-
 def _read_quark(ckpt: Path) -> tuple[dict, dict]:
-    """Quark's importer on mxlib's checkpoint; if it refuses the checkpoint as written, the refusal is
-    recorded and the importer is run on a copy whose ``exclude`` lists module names instead of ``re:``
-    patterns (Quark matches exclude entries as fnmatch globs or names)."""
-    import shutil
-    import tempfile
-
+    """Quark's importer on mxlib's checkpoint as written; the modules it rebuilt quantized are recorded
+    (``quantized_modules``: the experts only, the bf16 modules of ``exclude`` left ``nn.Linear``)."""
     import torch
     from quark.torch import import_model_from_safetensors
 
-    info = {"function": "quark.torch.import_model_from_safetensors, then each QParamsLinear's weight_quantizer"}
-    try:
-        model = import_model_from_safetensors(None, str(ckpt), device="cpu")
-    except Exception as err:  # noqa: BLE001  the tool's refusal is the result: recorded
-        info["error_as_written"] = f"{type(err).__name__}: {str(err).splitlines()[0][:400]}"
-        tmp = Path(tempfile.mkdtemp())
-        copy = tmp / "checkpoint"
-        shutil.copytree(ckpt, copy)
-        cfg = json.loads((copy / "config.json").read_text())
-        qc = cfg["quantization_config"]
-        qc["exclude"] = _expanded_exclude(copy, qc.get("exclude") or [])
-        (copy / "config.json").write_text(json.dumps(cfg, indent=2))
-        info["exclude_rewritten"] = qc["exclude"]
-        model = import_model_from_safetensors(None, str(copy), device="cpu")
-        shutil.rmtree(tmp)
+    model = import_model_from_safetensors(None, str(ckpt), device="cpu")
     modules = dict(model.named_modules())
+    quantized = sorted(n for n, m in modules.items() if getattr(m, "weight_quantizer", None) is not None)
+    info = {
+        "function": "quark.torch.import_model_from_safetensors, then each QParamsLinear's weight_quantizer",
+        "exclude_as_read": json.loads((ckpt / "config.json").read_text())["quantization_config"]["exclude"],
+        "quantized_modules": quantized,
+    }
     out = {}
     with torch.no_grad():
         for e in READ_EXPERTS:

@@ -49,7 +49,7 @@ from .headers import open_regular, read_json
 from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
 from .safetensors_io import SHARD_BYTES, atomic_folder, write_shards
-from .writer import attention_linears, unquantized_modules
+from .writer import unquantized_modules
 
 __all__ = [
     "dummy_checkpoint_from_config",
@@ -236,8 +236,8 @@ def dummy_checkpoint_from_config(
     config = model_config(cfg_dict, cfg_path, family)
 
     model = dummy_moe_model(config, seed=seed, expert_spread=expert_spread, where="dummy_checkpoint_from_config")
-    if files is not None:  # the chosen layout's config: the family's bf16 modules named in its exclude list
-        layout.add_excluded(files[0], files[1], unquantized_modules(model, family, attention_linears(model)))
+    if files is not None:  # the chosen layout's config (attention bf16): every bf16 module in its exclude list
+        layout.add_excluded(files[0], files[1], unquantized_modules(model, family, []))
         info = layout.read_config(files[0])
     ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
     if needs_hessians:

@@ -182,8 +182,10 @@ class CheckpointLayout(abc.ABC):
         """Add module names (on-disk names, each exact) the checkpoint stores unquantized to every exclude
         list of ``qc`` and of the extra config files (ModelOpt's ``hf_quant_config.json``), in place, each
         name only where the list's own names and patterns (``matches``) do not cover it already: a Qwen3-MoE
-        config stays as the layout writes it, a family's shared experts, dense MLPs and routers under other
-        names (Mixtral's ``block_sparse_moe.gate``) are named one by one."""
+        config of a layout with patterns (ModelOpt's globs, compressed-tensors' ``re:``) stays as the layout
+        writes it, a family's shared experts, dense MLPs and routers under other names (Mixtral's
+        ``block_sparse_moe.gate``) are named one by one; a layout whose list starts empty (Quark's, whose
+        importer takes no ``re:``) gets every name, in ``names``' order."""
 
         def walk(d):
             for key, value in d.items():

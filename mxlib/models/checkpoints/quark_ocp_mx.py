@@ -6,8 +6,15 @@ uint8 too), ``...e.p.weight_scale`` uint8 E8M0 ``[out, in/32]``, and
 ``...e.p.input_scale`` ``[]`` for static FP8 activations only (amd-quark 0.13 stores it as bf16:
 read widened to fp32 exactly; the writer writes fp32), with
 ``quantization_config.quant_method: quark`` (``global_quant_config`` weight / input_tensors,
-``exclude`` as names or ``re:`` patterns, ``export``). Real exports carry many more keys; the
-reader tolerates them and rejects what the emulation cannot honour, naming the field.
+``exclude``, ``export``). Real exports carry many more keys; the reader tolerates them and rejects
+what the emulation cannot honour, naming the field.
+
+``exclude``: the reader takes exact module names, fnmatch globs and ``re:<regex>`` patterns
+(``layout.matches``; vLLM's ``should_ignore_layer`` takes names and ``re:``). The writer lists every
+module it stores unquantized by its exact name, in the model's module order (per decoder layer the bf16
+``self_attn.{q,k,v,o}_proj``, the router, any shared expert or dense MLP; ``lm_head`` last), as Quark's own
+export does: amd-quark's importer (``import_model_from_safetensors``, 0.13) matches entries as names or
+fnmatch globs only, so a ``re:`` entry excludes nothing there and it takes the bf16 modules for quantized ones.
 
 MXFP8 is Quark's ``OCP_MXFP8E4M3Spec``: ``dtype: fp8_e4m3`` with ``qscheme: per_group``,
 ``group_size: 32``, ``scale_format: e8m0`` (the same dtype with ``qscheme: per_tensor`` is the static
@@ -50,8 +57,6 @@ _DTYPE = {
 }
 _FROM_DTYPE = {v: k for k, v in _DTYPE.items()}
 _FP8_DTYPE = "fp8_e4m3"  # per_group: MXFP8 (in _FROM_DTYPE); per_tensor: static FP8 activations
-_EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
-_EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
 _WEIGHT_SCALE_MODE = "even"
 
 
@@ -130,7 +135,8 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 "bias": None,
                 "target_device": None,
             },
-            "exclude": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
+            # exact names only, filled by add_excluded with every module the checkpoint stores bf16
+            "exclude": [],
             "layer_quant_config": {},
             "layer_type_quant_config": {},
             "kv_cache_quant_config": {},
