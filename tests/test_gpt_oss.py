@@ -1,0 +1,309 @@
+"""gpt-oss's native MXFP4 layout (``mxlib.models.checkpoints.gpt_oss_mxfp4``) against transformers' own reading of it.
+
+Oracles: transformers' ``integrations.mxfp4.convert_moe_packed_tensors`` (the dequantization its
+``Mxfp4Config(dequantize=True)`` loading runs) of the blocks and scales mxlib writes, and
+``GptOssForCausalLM.from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))`` of a
+checkpoint in the layout: its bf16 experts equal mxlib's dequantization bit for bit. transformers'
+``Mxfp4HfQuantizer`` cannot quantize on this CPU (it needs the ``kernels`` package and the Hub kernel
+``kernels-community/gpt-oss-triton-kernels``), so the checkpoints here are mxlib's.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from mxlib import reference as ref
+from mxlib.formats import BLOCK_SCHEMES
+from mxlib.models import checkpoints as C
+from mxlib.models.checkpoints.gpt_oss_mxfp4 import (
+    LAYOUT,
+    MODULES_TO_NOT_CONVERT,
+    deinterleave_gate_up,
+    interleave_gate_up,
+)
+from mxlib.models.checkpoints.safetensors_io import TensorReader
+from mxlib.moe.emulation import ExpertWeights
+from mxlib.moe.factory import quantize_expert_weights
+from mxlib.moe.schemes import MOE_SCHEMES
+
+from _util import assert_bits_equal
+
+PREFIX = "model.layers.0.mlp.experts"
+W_MXFP4 = MOE_SCHEMES["w_mxfp4"]
+
+
+def _experts(e, h, i, seed):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(torch.bfloat16)
+    b13 = (torch.randn(e, 2 * i, generator=g) * 0.01).to(torch.bfloat16)
+    b2 = (torch.randn(e, h, generator=g) * 0.01).to(torch.bfloat16)
+    return w13, w2, b13, b2
+
+
+def _random_bytes(e, h, i, seed):
+    """ExpertWeights of uniformly random bytes: every nibble pair, every finite E8M0 scale (0..254)."""
+    g = torch.Generator().manual_seed(seed)
+    u8 = torch.uint8
+
+    def rnd(*shape, high=256):
+        return torch.randint(0, high, shape, generator=g, dtype=torch.int32).to(u8)
+
+    return ExpertWeights(
+        BLOCK_SCHEMES["mxfp4"],
+        rnd(e, 2 * i, h // 2),
+        rnd(e, 2 * i, h // 32, high=255),
+        rnd(e, h, i // 2),
+        rnd(e, h, i // 32, high=255),
+    )
+
+
+def _mxlib_dequant(weights: ExpertWeights):
+    """mxlib's dequantization in transformers' orientation: ``gate_up [E, H, 2I]`` interleaved, ``down [E, I, H]``."""
+    w13 = ref.dequantize_mx(weights.w13_weight, weights.w13_weight_scale, dtype=torch.bfloat16)
+    w2 = ref.dequantize_mx(weights.w2_weight, weights.w2_weight_scale, dtype=torch.bfloat16)
+    return interleave_gate_up(w13, 1).transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------- interleave
+
+
+def test_interleave_order_and_round_trip():
+    # rows 0..3 gate, 4..7 up: interleaved 2j is gate j, 2j+1 is up j
+    t = torch.arange(2 * 8 * 3).reshape(2, 8, 3)
+    inter = interleave_gate_up(t, 1)
+    assert inter[:, 0::2].equal(t[:, :4]) and inter[:, 1::2].equal(t[:, 4:])
+    assert deinterleave_gate_up(inter, 1).equal(t)
+    b = torch.arange(10).reshape(1, 10)
+    assert interleave_gate_up(b, -1).tolist() == [[0, 5, 1, 6, 2, 7, 3, 8, 4, 9]]
+    with pytest.raises(ValueError, match="even size"):
+        interleave_gate_up(torch.zeros(2, 3), 1)
+
+
+# ----------------------------------------------------------------------------- transformers' dequantization
+
+
+@pytest.mark.parametrize(
+    "e, h, i, source",
+    [(3, 64, 32, "quantized"), (2, 96, 64, "random_bytes"), (1, 2880, 2880, "quantized")],
+    ids=["tiny", "tiny-every-byte", "gpt-oss-20b-expert"],
+)
+def test_blocks_match_transformers_dequantization(e, h, i, source):
+    """The blocks and scales mxlib writes, dequantized by transformers, equal mxlib's dequantization
+    bit for bit (rtol=0, atol=0); 2880 is gpt-oss-20b's hidden and expert intermediate size."""
+    if source == "quantized":
+        w13, w2, _, _ = _experts(e, h, i, seed=e + h)
+        weights = quantize_expert_weights(w13, w2, "w_mxfp4", ops=ref)
+    else:
+        weights = _random_bytes(e, h, i, seed=7)
+    t = LAYOUT.expert_tensors(W_MXFP4, weights, None, None, PREFIX)
+    assert t[f"{PREFIX}.gate_up_proj_blocks"].shape == (e, 2 * i, h // 32, 16)
+    assert t[f"{PREFIX}.gate_up_proj_scales"].shape == (e, 2 * i, h // 32)
+    assert t[f"{PREFIX}.down_proj_blocks"].shape == (e, h, i // 32, 16)
+    assert t[f"{PREFIX}.down_proj_scales"].shape == (e, h, i // 32)
+    hf13 = convert_moe_packed_tensors(t[f"{PREFIX}.gate_up_proj_blocks"], t[f"{PREFIX}.gate_up_proj_scales"])
+    hf2 = convert_moe_packed_tensors(t[f"{PREFIX}.down_proj_blocks"], t[f"{PREFIX}.down_proj_scales"])
+    mx13, mx2 = _mxlib_dequant(weights)
+    assert_bits_equal(hf13, mx13, "gate_up_proj")
+    assert_bits_equal(hf2, mx2, "down_proj")
+
+
+# ----------------------------------------------------------------------------- round trip and bad input
+
+
+def _save_layer(tmp_path, tensors, name="model.safetensors"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp_path / name))
+    return TensorReader(tmp_path)
+
+
+def test_write_read_round_trip_with_biases(tmp_path):
+    e, h, i = 4, 64, 32
+    w13, w2, b13, b2 = _experts(e, h, i, seed=1)
+    weights = quantize_expert_weights(w13, w2, W_MXFP4, ops=ref)
+    t = LAYOUT.expert_tensors(W_MXFP4, weights, None, None, PREFIX, w13_bias=b13, w2_bias=b2)
+    # the biases on disk are interleaved like the rows: transformers' GptOssExperts bias [E, 2I]
+    assert t[f"{PREFIX}.gate_up_proj_bias"].dtype == torch.bfloat16
+    assert t[f"{PREFIX}.gate_up_proj_bias"][:, 0::2].equal(b13[:, :i])
+    assert t[f"{PREFIX}.gate_up_proj_bias"][:, 1::2].equal(b13[:, i:])
+    assert t[f"{PREFIX}.gate_up_proj_scales"][:, 1::2].equal(weights.w13_weight_scale[:, i:])
+    reader = _save_layer(tmp_path, t)
+    back, in13, in2 = LAYOUT.read_experts(reader, PREFIX, e, h, i, LAYOUT.read_config(LAYOUT.config_files(W_MXFP4)[0]))
+    assert in13 is None and in2 is None
+    for name, want in weights.tensors().items():
+        assert_bits_equal(getattr(back, name), want, name)
+    rb13, rb2 = LAYOUT.read_expert_biases(reader, PREFIX, e, h, i)
+    assert_bits_equal(rb13, b13, "w13_bias")
+    assert_bits_equal(rb2, b2, "w2_bias")
+    # what was read, written again, is the stored bytes
+    again = LAYOUT.expert_tensors(W_MXFP4, back, None, None, PREFIX, w13_bias=rb13, w2_bias=rb2)
+    for name, want in t.items():
+        assert_bits_equal(again[name], want, name)
+
+
+def test_config_is_gpt_oss_20bs():
+    qc, extra = LAYOUT.config_files(W_MXFP4)
+    # openai/gpt-oss-20b config.json
+    assert qc == {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    assert extra == {} and qc["modules_to_not_convert"] == MODULES_TO_NOT_CONVERT
+    desc = LAYOUT.read_config(qc)
+    assert desc.format == "gpt-oss-mxfp4" and desc.scheme == W_MXFP4 and desc.activation_scale_mode is None
+    assert C.layout_for_method("mxfp4") is LAYOUT and C.LAYOUTS["gpt-oss-mxfp4"] is LAYOUT
+    assert C.matches("model.layers.3.mlp.router", desc.exclude) and not C.matches(PREFIX, desc.exclude)
+    assert LAYOUT.handles(W_MXFP4) and not LAYOUT.handles(MOE_SCHEMES["w_mxfp4_a_mxfp4"])
+
+
+def test_bad_config_named():
+    with pytest.raises(C.CheckpointError, match=r"quant_method: this layout reads 'mxfp4', found 'quark'"):
+        LAYOUT.read_config({"quant_method": "quark"})
+    with pytest.raises(C.CheckpointError, match=r"modules_to_not_convert: expected strings, found 3"):
+        LAYOUT.read_config({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head", 3]})
+    with pytest.raises(C.CheckpointError, match=r"dequantize: .* found True"):
+        LAYOUT.read_config({"quant_method": "mxfp4", "dequantize": True})
+    with pytest.raises(ValueError, match="quantize_attention: layout gpt-oss-mxfp4 keeps attention bf16"):
+        LAYOUT.config_files(W_MXFP4, quantize_attention=True)
+    with pytest.raises(ValueError, match="stores w_mxfp4 only, got w_mxfp4_a_mxfp4"):
+        LAYOUT.config_files(MOE_SCHEMES["w_mxfp4_a_mxfp4"])
+
+
+@pytest.mark.parametrize(
+    "name, bad, match",
+    [
+        ("gate_up_proj_blocks", None, r"missing tensor 'model.layers.0.mlp.experts.gate_up_proj_blocks'"),
+        (
+            "gate_up_proj_blocks",
+            lambda t: t.reshape(t.shape[0], t.shape[1], -1),
+            r"'model.layers.0.mlp.experts.gate_up_proj_blocks': expected shape \[2, 64, 2, 16\], found \[2, 64, 32\]",
+        ),
+        (
+            "down_proj_scales",
+            lambda t: t.to(torch.int8),
+            r"'model.layers.0.mlp.experts.down_proj_scales': expected dtype torch.uint8, found torch.int8",
+        ),
+        (
+            "gate_up_proj_scales",
+            lambda t: t.index_fill(2, torch.tensor([1]), 255),
+            r"'model.layers.0.mlp.experts.gate_up_proj_scales': invalid E8M0 block scale \(0xFF is NaN\)",
+        ),
+        (
+            "down_proj_bias",
+            lambda t: t.float(),
+            r"'model.layers.0.mlp.experts.down_proj_bias': expected dtype torch.bfloat16, found torch.float32",
+        ),
+        ("gate_up_proj_bias", None, r"missing tensor 'model.layers.0.mlp.experts.gate_up_proj_bias'"),
+    ],
+)
+def test_bad_tensors_named(tmp_path, name, bad, match):
+    e, h, i = 2, 64, 32
+    w13, w2, b13, b2 = _experts(e, h, i, seed=2)
+    t = LAYOUT.expert_tensors(W_MXFP4, quantize_expert_weights(w13, w2, W_MXFP4, ops=ref), None, None, PREFIX, b13, b2)
+    key = f"{PREFIX}.{name}"
+    if bad is None:
+        del t[key]
+    else:
+        t[key] = bad(t[key]).contiguous()
+    reader = _save_layer(tmp_path, t)
+    desc = LAYOUT.read_config(LAYOUT.config_files(W_MXFP4)[0])
+    with pytest.raises(C.CheckpointError, match=match):
+        LAYOUT.read_experts(reader, PREFIX, e, h, i, desc)
+        LAYOUT.read_expert_biases(reader, PREFIX, e, h, i)
+
+
+def test_bad_writer_arguments():
+    w13, w2, b13, b2 = _experts(2, 64, 32, seed=3)
+    weights = quantize_expert_weights(w13, w2, W_MXFP4, ops=ref)
+    with pytest.raises(ValueError, match=r"w13_bias: expected shape \[2, 64\] \(from w13_weight\), got \[2, 32\]"):
+        LAYOUT.expert_tensors(W_MXFP4, weights, None, None, PREFIX, w13_bias=b13[:, :32])
+    with pytest.raises(ValueError, match="stores none"):
+        LAYOUT.expert_tensors(W_MXFP4, weights, torch.ones(2), None, PREFIX)
+    nv = quantize_expert_weights(w13, w2, "nvfp4", ops=ref)
+    with pytest.raises(ValueError, match="stores w_mxfp4 only"):
+        LAYOUT.expert_tensors(MOE_SCHEMES["nvfp4"], nv, None, None, PREFIX)
+    with pytest.raises(C.CheckpointError, match="hidden_size: MXFP4 blocks of 32 need a multiple of 32, found 48"):
+        LAYOUT.read_experts(None, PREFIX, 2, 48, 32, None)
+
+
+# ----------------------------------------------------------------------------- transformers' from_pretrained
+
+TINY_GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    vocab_size=128,
+    sliding_window=8,
+    max_position_embeddings=256,
+)
+
+
+def _transformers_experts(model, layer):
+    """``(w13 [E, 2I, H] gate then up, w2 [E, H, I], w13_bias, w2_bias)`` of a transformers GptOssExperts."""
+    ex = model.model.layers[layer].mlp.experts
+    w13 = deinterleave_gate_up(ex.gate_up_proj.detach().transpose(1, 2), 1).contiguous()
+    return (
+        w13,
+        ex.down_proj.detach().transpose(1, 2).contiguous(),
+        deinterleave_gate_up(ex.gate_up_proj_bias.detach(), 1),
+        ex.down_proj_bias.detach(),
+    )
+
+
+def _write_native(model, path):
+    """A gpt-oss checkpoint of ``model`` in the layout: experts MXFP4 (mxlib), the rest bf16 by name."""
+    path.mkdir()
+    sd = {
+        k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if ".mlp.experts." not in k
+    }
+    weights = []
+    for layer in range(model.config.num_hidden_layers):
+        w13, w2, b13, b2 = _transformers_experts(model, layer)
+        w = quantize_expert_weights(w13, w2, W_MXFP4, ops=ref)
+        weights.append(w)
+        sd.update(LAYOUT.expert_tensors(W_MXFP4, w, None, None, f"model.layers.{layer}.mlp.experts", b13, b2))
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = LAYOUT.config_files(W_MXFP4)[0]
+    cfg["architectures"] = ["GptOssForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg, default=str))
+    return weights
+
+
+@torch.no_grad()
+def test_transformers_from_pretrained_dequantize_equals_mxlib(tmp_path):
+    """transformers' ``from_pretrained`` with ``Mxfp4Config(dequantize=True)`` of a checkpoint in the
+    layout: its bf16 experts equal mxlib's dequantization bit for bit, its biases the stored ones."""
+    torch.manual_seed(0)
+    cfg = GptOssConfig(**TINY_GPT_OSS)
+    model = GptOssForCausalLM(cfg).to(torch.bfloat16).eval()
+    for layer in model.model.layers:  # transformers initializes the expert tensors at 0.02
+        layer.mlp.experts.gate_up_proj_bias.normal_(0, 0.01)
+        layer.mlp.experts.down_proj_bias.normal_(0, 0.01)
+    weights = _write_native(model, tmp_path / "ckpt")
+    loaded = GptOssForCausalLM.from_pretrained(
+        tmp_path / "ckpt", quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
+    for layer, w in enumerate(weights):
+        ex, src = loaded.model.layers[layer].mlp.experts, model.model.layers[layer].mlp.experts
+        mx13, mx2 = _mxlib_dequant(w)
+        assert_bits_equal(ex.gate_up_proj.detach(), mx13, f"layer {layer} gate_up_proj")
+        assert_bits_equal(ex.down_proj.detach(), mx2, f"layer {layer} down_proj")
+        assert_bits_equal(ex.gate_up_proj_bias.detach(), src.gate_up_proj_bias.detach(), "gate_up_proj_bias")
+        assert_bits_equal(ex.down_proj_bias.detach(), src.down_proj_bias.detach(), "down_proj_bias")
+    # and the rest of the model as stored
+    assert_bits_equal(loaded.model.layers[1].mlp.router.bias.detach(), model.model.layers[1].mlp.router.bias.detach())
