@@ -1,12 +1,14 @@
 """Routing, the fused-MoE experts, their emulation subclasses, the factory and the reference MoE.
 
 ``schemes`` (weight + activation format of each MoE scheme), ``routing`` (Qwen3 top-k),
-``reference_moe`` (the pure-PyTorch MoE), ``scales`` (activation-scale strategies), ``base``
+``activations`` (the gated activations: SiLU, gpt-oss's SwiGLU-OAI), ``reference_moe`` (the pure-PyTorch
+MoE), ``scales`` (activation-scale strategies), ``base``
 (``TritonExperts`` and backends), ``emulation`` (the NVFP4 and OCP MX emulation experts),
 ``factory`` (quantize experts and build emulation experts: the one way to make them), ``linear``
 (``EmulatedLinear``: a quantized ``nn.Linear`` such as an attention projection, built by the factory).
 """
 
+from .activations import ACTIVATIONS, SILU, SWIGLUOAI, MoEActivation, activation_and_mul, get_activation  # noqa: F401
 from .base import BACKENDS, TransformersExperts, TritonExperts, ops_for_device  # noqa: F401
 from .emulation import (  # noqa: F401
     ExpertWeights,

@@ -1,0 +1,228 @@
+"""gpt-oss's MoE arithmetic: the SwiGLU-OAI activation (``mxlib.moe.activations``) and expert biases, in the
+reference MoE (``torch_moe``), the experts classes and their ``triton`` / ``fused`` backends.
+
+Oracles:
+
+* the activation: a float64 transcription of the formula (vLLM's ``swigluoai_and_mul``), and transformers'
+  ``GptOssExperts`` (its own module, on an interleaved copy of the weights);
+* ``torch_moe`` with biases: a float64 loop over (token, expert) pairs written here, rounding where the
+  reference says it rounds;
+* the backends: the ``torch`` backend (the reference); the activation function is one PyTorch function on
+  ``torch`` and ``triton`` (bits equal), the Triton epilogues compute it with Triton's ``exp`` (last-bit
+  differences, so a stated tolerance), and the GEMMs differ by fp32 accumulation order.
+
+Interpreter-sized shapes; ``tests/test_gpu_swigluoai.py`` runs the same comparisons at gpt-oss-20b and
+Qwen3-30B-A3B shapes on CUDA.
+"""
+
+import math
+
+import pytest
+import torch
+
+from mxlib.moe import (
+    SILU,
+    SWIGLUOAI,
+    MoEActivation,
+    activation_and_mul,
+    fused_topk,
+    get_activation,
+    silu_and_mul,
+    torch_moe,
+)
+
+from _util import assert_bits_equal
+
+
+def swigluoai_fp64(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+    """The formula in float64, gate columns first (vLLM's ``swigluoai_and_mul`` on de-interleaved columns)."""
+    d = x.shape[-1] // 2
+    g, u = x[..., :d].double(), x[..., d:].double()
+    if limit is not None:
+        g = torch.where(g > limit, torch.full_like(g, limit), g)
+        u = torch.where(u > limit, torch.full_like(u, limit), torch.where(u < -limit, torch.full_like(u, -limit), u))
+    return (u + 1) * g / (1 + torch.exp(-alpha * g))
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 step at each |x| (normal range)."""
+    e = torch.floor(torch.log2(x.abs().clamp(min=2.0**-126)))
+    return torch.exp2(e - 7)
+
+
+# ----------------------------------------------------------------------------- the activation
+
+
+def test_activation_table_and_names():
+    assert SWIGLUOAI == MoEActivation("swigluoai", alpha=1.702, limit=7.0)
+    assert SILU == MoEActivation("silu") and SILU.alpha == 1.0 and SILU.limit is None
+    assert get_activation("swigluoai") is SWIGLUOAI and get_activation("silu") is SILU
+    anchor = MoEActivation("swigluoai", alpha=1.0)
+    assert get_activation(anchor) is anchor and (SILU.kernel_id, SWIGLUOAI.kernel_id) == (0, 1)
+    with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'swigluoai'\], got 'gelu'"):
+        get_activation("gelu")
+    with pytest.raises(ValueError, match=r"act: expected one of"):
+        get_activation("relu", argname="act")
+    with pytest.raises(TypeError, match="activation: expected a MoEActivation or a name, got int"):
+        get_activation(3)
+    with pytest.raises(ValueError, match="name: expected one of"):
+        MoEActivation("swiglu")
+    with pytest.raises(ValueError, match="limit: expected a positive finite number or None, got -1.0"):
+        MoEActivation("swigluoai", limit=-1.0)
+    with pytest.raises(ValueError, match="alpha: expected a finite number, got nan"):
+        MoEActivation("swigluoai", alpha=math.nan)
+    with pytest.raises(ValueError, match="silu: takes alpha=1.0 and limit=None"):
+        MoEActivation("silu", limit=7.0)
+    with pytest.raises(ValueError, match=r"x: expected an even last dimension"):
+        activation_and_mul(torch.zeros(2, 3), SWIGLUOAI)
+    with pytest.raises(TypeError, match="activation: expected a MoEActivation"):
+        activation_and_mul(torch.zeros(2, 4), "swigluoai")
+
+
+def test_silu_default_is_silu_and_mul_bits():
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    assert_bits_equal(activation_and_mul(x), silu_and_mul(x))
+    assert_bits_equal(activation_and_mul(x, SILU), silu_and_mul(x))
+
+
+@pytest.mark.parametrize("act", [SWIGLUOAI, MoEActivation("swigluoai", alpha=1.0)], ids=["gpt-oss", "alpha1-noclamp"])
+def test_swigluoai_against_fp64(act):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 128, generator=g) * 6  # many values beyond the clamp of 7
+    # fp32 in and out: a few fp32 steps of the float64 value (exp / sigmoid are libm functions)
+    ref = swigluoai_fp64(x, act.alpha, act.limit)
+    out = activation_and_mul(x, act)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=4e-7 * 8, atol=1e-30)
+    # bf16 in and out: one rounding of the fp32 result, so within one bf16 step of the float64 value,
+    # equal to its bf16 rounding almost everywhere (where fp32 error crosses a bf16 tie, one step off)
+    xb = x.to(torch.bfloat16)
+    refb = swigluoai_fp64(xb, act.alpha, act.limit)
+    outb = activation_and_mul(xb, act)
+    assert outb.dtype == torch.bfloat16
+    assert ((outb.double() - refb).abs() <= bf16_ulp(refb)).all()
+    assert (outb == refb.to(torch.bfloat16)).float().mean() > 0.99
+
+
+def test_swigluoai_clamp_points_and_nan():
+    """Hand values: the gate is clamped from above only, up on both sides, NaN passes through."""
+    lim = 7.0
+    gate = torch.tensor([100.0, -100.0, 0.0, 7.0, 8.0, float("nan"), 1.0])
+    up = torch.tensor([100.0, 5.0, 3.0, -100.0, -1.0, 0.0, float("nan")])
+    out = activation_and_mul(torch.cat([gate, up])[None], SWIGLUOAI)[0].double()
+    sig = lambda v: 1 / (1 + math.exp(-1.702 * v))  # noqa: E731
+    want = [
+        (lim + 1) * lim * sig(lim),  # both clamped above
+        (5 + 1) * -100 * sig(-100),  # the gate is not clamped below
+        0.0,  # gate 0
+        (-lim + 1) * lim * sig(lim),  # up clamped below
+        0.0,  # up -1: (up + 1) = 0
+    ]
+    torch.testing.assert_close(out[:5], torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-30)
+    assert torch.isnan(out[5:]).all()
+    # without a limit nothing is clamped
+    free = activation_and_mul(torch.tensor([[100.0, 100.0]]), MoEActivation("swigluoai", alpha=1.702))
+    assert float(free) == pytest.approx(101 * 100 * sig(100), rel=1e-6)
+
+
+def _gpt_oss_experts(e, h, i, seed=0):
+    """transformers' ``GptOssExperts`` with random weights and biases, and the same experts in mxlib's
+    layout: ``w13 [E, 2I, H]`` gate rows then up rows (de-interleaved), ``w2 [E, H, I]``."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+    mod = GptOssExperts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        mod.gate_up_proj.copy_(torch.randn(e, h, 2 * i, generator=g) * 0.2)
+        mod.gate_up_proj_bias.copy_(torch.randn(e, 2 * i, generator=g))
+        mod.down_proj.copy_(torch.randn(e, i, h, generator=g) * 0.2)
+        mod.down_proj_bias.copy_(torch.randn(e, h, generator=g))
+    gu, gub = mod.gate_up_proj.detach(), mod.gate_up_proj_bias.detach()
+    w13 = torch.cat([gu[:, :, ::2], gu[:, :, 1::2]], dim=2).transpose(1, 2).contiguous()
+    b13 = torch.cat([gub[:, ::2], gub[:, 1::2]], dim=1).contiguous()
+    w2 = mod.down_proj.detach().transpose(1, 2).contiguous()
+    return mod, w13, b13, w2, mod.down_proj_bias.detach().clone(), (cfg.swiglu_alpha, cfg.swiglu_limit)
+
+
+def test_torch_moe_matches_transformers_gpt_oss_experts():
+    """fp32 everywhere: transformers' module and ``torch_moe`` compute the same function; they differ by fp32
+    summation order only (GEMM, top-k sum): rtol 1e-5."""
+    e, h, i, m, k = 4, 64, 32, 9, 2
+    mod, w13, b13, w2, b2, (alpha, limit) = _gpt_oss_experts(e, h, i)
+    assert (alpha, limit) == (SWIGLUOAI.alpha, SWIGLUOAI.limit)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(m, h, generator=g) * 2
+    tw, ti = fused_topk(torch.randn(m, e, generator=g), k)
+    with torch.no_grad():
+        want = mod(x, ti.long(), tw)
+    got = torch_moe(x, w13, w2, tw, ti, activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2)
+    # the clamp is reached (else the test would not see where it applies)
+    h1 = torch.einsum("mh,enh->emn", x, w13) + b13[:, None]
+    assert (h1 > limit).any() and (h1 < -limit).any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def moe_loop_fp64(x, w13, w2, tw, ti, act, b13=None, b2=None, store=torch.bfloat16):
+    """The MoE pair by pair in float64, rounded to ``store`` where ``torch_moe`` rounds (GEMM1 + bias, the
+    activation, GEMM2 + bias times the router weight) and summed over k in float64."""
+    m, k = ti.shape
+    i = w13.shape[1] // 2
+    out = torch.zeros(m, w2.shape[1], dtype=torch.float64)
+    for t in range(m):
+        for j in range(k):
+            e = int(ti[t, j])
+            h1 = w13[e].double() @ x[t].double()
+            if b13 is not None:
+                h1 = h1 + b13[e].double()
+            h1 = h1.to(store)
+            if act.kernel_id == 0:
+                g = h1[:i].double()
+                a = (g / (1 + torch.exp(-g)) * h1[i:].double()).to(store)
+            else:
+                a = swigluoai_fp64(h1, act.alpha, act.limit).to(store)
+            y = w2[e].double() @ a.double()
+            if b2 is not None:
+                y = y + b2[e].double()
+            out[t] += (y * float(tw[t, j])).to(store).double()
+    return out
+
+
+def _layer(e=8, h=64, i=32, m=7, k=2, seed=0, dtype=torch.bfloat16, bias_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, h, generator=g) * 2).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.2).to(dtype)
+    b13 = torch.randn(e, 2 * i, generator=g).to(bias_dtype)
+    b2 = torch.randn(e, h, generator=g).to(bias_dtype)
+    tw, ti = fused_topk(torch.randn(m, e, generator=g), k)
+    return x, w13, w2, b13, b2, tw, ti
+
+
+@pytest.mark.parametrize("act", [SILU, SWIGLUOAI], ids=["silu", "swigluoai"])
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+def test_torch_moe_with_biases_against_fp64_loop(act, bias_dtype):
+    x, w13, w2, b13, b2, tw, ti = _layer(bias_dtype=bias_dtype)
+    got = torch_moe(x, w13, w2, tw, ti, activation=act, w13_bias=b13, w2_bias=b2)
+    want = moe_loop_fp64(x, w13, w2, tw, ti, act, b13, b2)
+    # the rounding points are the same; fp32 vs float64 GEMMs move a rounded value by at most one bf16 step
+    err = (got.double() - want).norm() / want.norm()
+    assert err < 2e-3, err
+    # the biases matter: without them the result is far away
+    assert (torch_moe(x, w13, w2, tw, ti, activation=act).double() - want).norm() / want.norm() > 0.1
+    # SiLU without biases: the reference's bits as they are without the new arguments
+    if act is SILU:
+        assert_bits_equal(torch_moe(x, w13, w2, tw, ti, activation=SILU), torch_moe(x, w13, w2, tw, ti))
+
+
+def test_torch_moe_bias_placement_is_the_stated_one():
+    """GEMM1's bias goes before the rounding and the activation, GEMM2's before the router weight: a single
+    pair with router weight 0.5 against the hand-written order."""
+    x, w13, w2, b13, b2, _, _ = _layer(m=1, e=2)
+    tw, ti = torch.tensor([[0.5]]), torch.tensor([[1]])
+    h1 = ((x.float() @ w13[1].float().T) + b13[1]).to(torch.bfloat16)
+    a = activation_and_mul(h1, SWIGLUOAI)
+    y = (((a.float() @ w2[1].float().T) + b2[1]) * 0.5).to(torch.bfloat16)
+    assert_bits_equal(torch_moe(x, w13, w2, tw, ti, activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2), y)
