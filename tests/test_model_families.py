@@ -263,3 +263,35 @@ def test_qwen3_moe_round_trip_keeps_its_own_label(tmp_path):
     again = save_quantized_checkpoint(loaded, tmp_path / "again")
     assert json.loads((again / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     shutil.rmtree(tmp_path / "again")
+
+
+def test_registry_describes_qwen3_moe():
+    """The registry's Qwen3-MoE descriptor reads transformers' own config and names."""
+    fam = families.family_of(transformers.Qwen3MoeConfig(num_hidden_layers=3, num_experts=8, moe_intermediate_size=16))
+    assert fam is families.QWEN3_MOE and fam.architecture in families.SUPPORTED_ARCHITECTURES
+    cfg = transformers.Qwen3MoeConfig(
+        num_hidden_layers=4, num_experts=8, moe_intermediate_size=16, num_experts_per_tok=3
+    )
+    assert (fam.num_experts(cfg), fam.intermediate_size(cfg), fam.top_k(cfg)) == (8, 16, 3)
+    d = cfg.to_dict()  # transformers 5 writes num_experts as num_local_experts
+    assert (fam.num_experts(d), fam.intermediate_size(d), fam.top_k(d)) == (8, 16, 3)
+    assert fam.moe_layer_indices(cfg) == [0, 1, 2, 3]
+    sparse = transformers.Qwen3MoeConfig(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert fam.moe_layer_indices(sparse) == [1]  # transformers' Qwen3MoeDecoderLayer rule
+    assert (
+        fam.disk_name("model.layers.0.mlp.experts.3.gate_proj.weight")
+        == "model.layers.0.mlp.experts.3.gate_proj.weight"
+    )
+    assert families.family_of({"architectures": ["Qwen3MoeForCausalLM"]}) is fam
+    assert families.family_of({"model_type": "qwen3_moe"}) is fam
+
+
+def test_register_family_refuses_duplicates_and_bad_descriptors():
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM.*registered already"):
+        families.register_family(families.QWEN3_MOE)
+    with pytest.raises(TypeError, match="expected a MoEFamily, got dict"):
+        families.register_family({"architecture": "X"})
+    with pytest.raises(ValueError, match="experts_orientation: expected one of"):
+        families.MoEFamily("X", "x", "XConfig", experts_orientation="columns")
+    with pytest.raises(families.UnsupportedModelError, match="'LlamaForCausalLM' is not a registered family"):
+        families.family_for_architecture("LlamaForCausalLM")
