@@ -307,3 +307,39 @@ def test_transformers_from_pretrained_dequantize_equals_mxlib(tmp_path):
         assert_bits_equal(ex.down_proj_bias.detach(), src.down_proj_bias.detach(), "down_proj_bias")
     # and the rest of the model as stored
     assert_bits_equal(loaded.model.layers[1].mlp.router.bias.detach(), model.model.layers[1].mlp.router.bias.detach())
+
+
+# ----------------------------------------------------------------------------- config values
+
+
+def test_gpt_oss_20b_config_values():
+    from mxlib.models.gpt_oss import gpt_oss_20b_config, swiglu_activation
+    from mxlib.models.presets import GPT_OSS_PRESETS, preset_context, preset_layers, preset_model_type
+    from mxlib.moe.activations import SWIGLUOAI
+
+    cfg = gpt_oss_20b_config()  # openai/gpt-oss-20b config.json, cut to 4 layers
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok) == (
+        2880,
+        2880,
+        32,
+        4,
+    )
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (64, 8, 64, 201088)
+    assert cfg.num_hidden_layers == 4 and cfg.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert cfg.sliding_window == 128 and cfg.swiglu_limit == 7.0 and cfg.attention_bias is True
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 32.0
+    assert (
+        cfg.rope_parameters["rope_theta"] == 150000.0
+        and cfg.rope_parameters["original_max_position_embeddings"] == 4096
+    )
+    assert cfg.architectures == ["GptOssForCausalLM"] and cfg.model_type == "gpt_oss"
+    assert swiglu_activation(cfg) is SWIGLUOAI
+    assert swiglu_activation(gpt_oss_20b_config(swiglu_limit=5.0)).limit == 5.0
+    assert preset_layers("gpt-oss-20b") == 24 and preset_context("gpt-oss-20b") == 131072
+    assert preset_model_type("gpt-oss-tiny") == "gpt_oss" and preset_model_type("tiny") == "qwen3_moe"
+    tiny = gpt_oss_20b_config(2, **GPT_OSS_PRESETS["gpt-oss-tiny"])
+    assert tiny.hidden_size % 32 == 0 and tiny.intermediate_size % 32 == 0 and tiny.layer_types[1] == "full_attention"
+    with pytest.raises(ValueError, match=r"layer_types: expected 3 entries \(num_hidden_layers\), got 2"):
+        gpt_oss_20b_config(3, layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError, match="model_preset: expected one of"):
+        preset_layers("gpt-oss-200b")

@@ -1,0 +1,82 @@
+"""gpt-oss-20b on transformers' ``GptOssForCausalLM``, with mxlib experts swapped in.
+
+Shape legend: ``H`` hidden (2880), ``I`` expert intermediate (2880), ``E`` experts (32), ``k`` experts per token
+(4), ``L`` layers (24; the workbook uses 4).
+
+What differs from Qwen3-MoE (``mxlib.models.qwen3``), and where mxlib follows it:
+
+* experts: transformers' ``GptOssExperts`` holds ``gate_up_proj [E, H, 2I]`` with gate and up **columns
+  interleaved** (``gate = x @ W[..., ::2]``), ``down_proj [E, I, H]``, and biases ``gate_up_proj_bias [E, 2I]``
+  (interleaved too) and ``down_proj_bias [E, H]``. mxlib's experts take ``w13 [E, 2I, H]`` gate rows then up rows,
+  ``w2 [E, H, I]``, ``w13_bias [E, 2I]`` gate then up, ``w2_bias [E, H]``
+  (``mxlib.models.checkpoints.gpt_oss_mxfp4.deinterleave_gate_up``);
+* activation: SwiGLU-OAI with ``alpha = 1.702`` and the config's ``swiglu_limit`` (``swiglu_activation``);
+* router: ``mlp.router``, a linear layer with a bias; top-k of the logits, then a softmax over those k;
+* attention: sliding-window (128) and full layers alternating, learned sinks, q/k/v/o biases, YaRN RoPE;
+* checkpoint: gpt-oss's native MXFP4 layout (``gpt-oss-mxfp4``).
+
+Sources: transformers ``models/gpt_oss/modeling_gpt_oss.py`` and ``configuration_gpt_oss.py``;
+openai/gpt-oss-20b's ``config.json`` (``mxlib.models.presets.GPT_OSS_20B``).
+"""
+
+from __future__ import annotations
+
+from transformers import GptOssConfig
+
+from ..moe.activations import SWIGLUOAI, MoEActivation
+from .presets import GPT_OSS_20B, GPT_OSS_PRESETS
+
+__all__ = [
+    "GPT_OSS_20B",
+    "GPT_OSS_PRESETS",
+    "gpt_oss_20b_config",
+    "gpt_oss_preset_overrides",
+    "swiglu_activation",
+]
+
+
+def gpt_oss_preset_overrides(model_preset: str) -> dict:
+    """The ``gpt_oss_20b_config`` overrides of a ``GPT_OSS_PRESETS`` name (``"gpt-oss-20b"``, ``"gpt-oss-tiny"``).
+
+    Raises:
+        ValueError: ``model_preset`` is not a key of ``GPT_OSS_PRESETS``.
+    """
+    if model_preset not in GPT_OSS_PRESETS:
+        raise ValueError(f"model_preset: expected one of {list(GPT_OSS_PRESETS)}, got {model_preset!r}")
+    return dict(GPT_OSS_PRESETS[model_preset])
+
+
+def gpt_oss_20b_config(num_hidden_layers: int = 4, **overrides) -> GptOssConfig:
+    """gpt-oss-20b's configuration (``GPT_OSS_20B``), cut to ``num_hidden_layers`` (default 4).
+
+    ``layer_types`` keeps gpt-oss-20b's alternation (sliding, full, sliding, ...) cut to the layer count unless
+    given. Any other field can be overridden (tests use tiny sizes).
+
+    Raises:
+        ValueError: ``num_hidden_layers`` not a positive integer, or ``layer_types`` of another length.
+    """
+    if isinstance(num_hidden_layers, bool) or not isinstance(num_hidden_layers, int) or num_hidden_layers < 1:
+        raise ValueError(f"num_hidden_layers: expected a positive integer, got {num_hidden_layers!r}")
+    values = dict(GPT_OSS_20B, **overrides)
+    values["num_hidden_layers"] = num_hidden_layers
+    if "layer_types" not in overrides:
+        values["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(num_hidden_layers)]
+    if len(values["layer_types"]) != num_hidden_layers:
+        raise ValueError(
+            f"layer_types: expected {num_hidden_layers} entries (num_hidden_layers), got {len(values['layer_types'])}"
+        )
+    if "num_experts_per_tok" in overrides and "experts_per_token" not in overrides:
+        values["experts_per_token"] = overrides["num_experts_per_tok"]
+    cfg = GptOssConfig(**values)
+    cfg.architectures = ["GptOssForCausalLM"]
+    return cfg
+
+
+def swiglu_activation(config) -> MoEActivation:
+    """The experts' activation of a gpt-oss config: ``SWIGLUOAI`` with the config's ``swiglu_alpha`` (1.702) and
+    ``swiglu_limit`` (7.0), as transformers' ``GptOssExperts`` reads them."""
+    alpha = getattr(config, "swiglu_alpha", SWIGLUOAI.alpha)
+    limit = getattr(config, "swiglu_limit", SWIGLUOAI.limit)
+    if alpha == SWIGLUOAI.alpha and limit == SWIGLUOAI.limit:
+        return SWIGLUOAI
+    return MoEActivation("swigluoai", alpha=float(alpha), limit=None if limit is None else float(limit))
