@@ -248,7 +248,6 @@ TINY_GPT_OSS = dict(
     head_dim=32,
     vocab_size=128,
     sliding_window=8,
-    max_position_embeddings=256,
 )
 
 
@@ -343,3 +342,46 @@ def test_gpt_oss_20b_config_values():
         gpt_oss_20b_config(3, layer_types=["full_attention"] * 2)
     with pytest.raises(ValueError, match="model_preset: expected one of"):
         preset_layers("gpt-oss-200b")
+
+
+# ----------------------------------------------------------------------------- experts against transformers'
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@torch.no_grad()
+def test_reference_experts_match_transformers_gpt_oss_experts():
+    """mxlib's reference MoE (``torch_moe`` with SWIGLUOAI and the biases, on the de-interleaved weights) against
+    transformers' ``GptOssExperts`` on the same bf16 weights and routing. transformers rounds each GEMM, the bias
+    sum and the activation to bf16 where mxlib keeps fp32 until one rounding, so the two agree to bf16's
+    resolution, not bit for bit: relative error under 1e-2 between them, and mxlib's at most transformers' own
+    against a float64 evaluation of the same formula."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
+
+    from mxlib.moe.activations import SWIGLUOAI
+    from mxlib.moe.reference_moe import torch_moe
+
+    cfg = GptOssConfig(**TINY_GPT_OSS)
+    g = torch.Generator().manual_seed(5)
+    ex, router = GptOssExperts(cfg).to(torch.bfloat16), GptOssTopKRouter(cfg).to(torch.bfloat16)
+    for p in (*ex.parameters(), *router.parameters()):
+        p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
+    x = (torch.randn(48, cfg.hidden_size, generator=g) * 3).to(torch.bfloat16)
+    _, scores, ids = router(x)
+    hf = ex(x, ids, scores)
+    w13 = deinterleave_gate_up(ex.gate_up_proj.transpose(1, 2), 1)
+    w2 = ex.down_proj.transpose(1, 2)
+    b13, b2 = deinterleave_gate_up(ex.gate_up_proj_bias, 1), ex.down_proj_bias
+    mx = torch_moe(x, w13, w2, scores.float(), ids.to(torch.int32), activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2)
+    # float64: the formula of transformers' _apply_gate on the interleaved columns
+    gu = torch.einsum("mh,ehn->men", x.double(), ex.gate_up_proj.double()) + ex.gate_up_proj_bias.double()
+    gate, up = gu[..., ::2].clamp(max=7.0), gu[..., 1::2].clamp(-7.0, 7.0)
+    act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    out = torch.einsum("mei,eih->meh", act, ex.down_proj.double()) + ex.down_proj_bias.double()
+    f64 = (out.gather(1, ids[..., None].expand(-1, -1, cfg.hidden_size)) * scores.double()[..., None]).sum(1)
+    assert mx.dtype == hf.dtype == torch.bfloat16
+    assert _rel(mx, hf) < 1e-2, _rel(mx, hf)
+    assert _rel(mx, f64) <= _rel(hf, f64), (_rel(mx, f64), _rel(hf, f64))
+    assert (gu[..., ::2] > 7).any() and (gu[..., 1::2].abs() > 7).any()  # the clamps took part
