@@ -385,3 +385,15 @@ def test_reference_experts_match_transformers_gpt_oss_experts():
     assert _rel(mx, hf) < 1e-2, _rel(mx, hf)
     assert _rel(mx, f64) <= _rel(hf, f64), (_rel(mx, f64), _rel(hf, f64))
     assert (gu[..., ::2] > 7).any() and (gu[..., 1::2].abs() > 7).any()  # the clamps took part
+
+
+def test_scheme_support_names_why_a_scheme_is_skipped():
+    from mxlib.models.gpt_oss import gpt_oss_layout_for, scheme_support
+
+    rows = scheme_support()
+    assert [r["scheme"] for r in rows] == list(MOE_SCHEMES)
+    assert [r["scheme"] for r in rows if r["runs"]] == ["w_mxfp4"]
+    assert gpt_oss_layout_for("w_mxfp4") == ("gpt-oss-mxfp4", "")
+    layout, why = gpt_oss_layout_for("nvfp4")
+    assert layout is None and "expert biases in nvfp4's format" in why and "['w_mxfp4']" in why
+    assert all(r["skipped_because"] for r in rows if not r["runs"])

@@ -24,6 +24,8 @@ from __future__ import annotations
 from transformers import GptOssConfig
 
 from ..moe.activations import SWIGLUOAI, MoEActivation
+from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
+from .checkpoints.layout import LAYOUTS
 from .presets import GPT_OSS_20B, GPT_OSS_PRESETS
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "gpt_oss_20b_config",
     "gpt_oss_preset_overrides",
     "swiglu_activation",
+    "scheme_support",
+    "gpt_oss_layout_for",
 ]
 
 
@@ -80,3 +84,38 @@ def swiglu_activation(config) -> MoEActivation:
     if alpha == SWIGLUOAI.alpha and limit == SWIGLUOAI.limit:
         return SWIGLUOAI
     return MoEActivation("swigluoai", alpha=float(alpha), limit=None if limit is None else float(limit))
+
+
+def _bias_layouts() -> list:
+    return [lay for lay in LAYOUTS.values() if getattr(lay, "stores_expert_biases", False)]
+
+
+def gpt_oss_layout_for(scheme: str | MoEQuantScheme) -> tuple[str | None, str]:
+    """``(layout name, "")`` of the registered layout that stores a gpt-oss checkpoint of ``scheme``, or
+    ``(None, reason)``: gpt-oss's experts have biases, which only layouts with ``stores_expert_biases``
+    store (``gpt-oss-mxfp4``, its native layout: ``w_mxfp4`` only); the per-expert layouts (ModelOpt, Quark,
+    compressed-tensors) have no tensor for them.
+
+    Raises:
+        ValueError: an unknown scheme name.
+    """
+    scheme = get_moe_scheme(scheme)
+    fits = [lay for lay in _bias_layouts() if lay.handles(scheme)]
+    if fits:
+        return fits[0].name, ""
+    stored = sorted({s.name for lay in _bias_layouts() for s in MOE_SCHEMES.values() if lay.handles(s)})
+    return None, (
+        f"no checkpoint layout stores gpt-oss's expert biases in {scheme.name}'s format: the layouts that store "
+        f"them ({', '.join(lay.name for lay in _bias_layouts())}) take {stored} only"
+    )
+
+
+def scheme_support(schemes=None) -> list[dict]:
+    """One row per MoE scheme (``schemes``: names or ``MoEQuantScheme``; None: every scheme of ``MOE_SCHEMES``):
+    ``{"scheme", "layout", "runs", "skipped_because"}``, whether a gpt-oss checkpoint of it can be written and
+    read (``gpt_oss_layout_for``) and, when not, why."""
+    rows = []
+    for s in MOE_SCHEMES.values() if schemes is None else [get_moe_scheme(x) for x in schemes]:
+        layout, reason = gpt_oss_layout_for(s)
+        rows.append(dict(scheme=s.name, layout=layout or "-", runs=layout is not None, skipped_because=reason))
+    return rows

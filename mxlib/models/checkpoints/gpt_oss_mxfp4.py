@@ -83,6 +83,8 @@ class GptOssMxfp4Layout(CheckpointLayout):
     quant_method = QUANT_METHOD
     # one tensor per layer holding every expert (the other layouts store one tensor per expert)
     stacked_experts = True
+    # it stores the experts' biases (gate_up_proj_bias, down_proj_bias): read_expert_biases reads them
+    stores_expert_biases = True
 
     def handles(self, scheme: MoEQuantScheme) -> bool:
         return scheme == _SCHEME
