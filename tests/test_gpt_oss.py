@@ -397,3 +397,20 @@ def test_scheme_support_names_why_a_scheme_is_skipped():
     layout, why = gpt_oss_layout_for("nvfp4")
     assert layout is None and "expert biases in nvfp4's format" in why and "['w_mxfp4']" in why
     assert all(r["skipped_because"] for r in rows if not r["runs"])
+
+
+def test_projection_is_the_expert_rows_as_stored():
+    e, h, i = 3, 64, 32
+    w13, w2, _, _ = _experts(e, h, i, seed=4)
+    weights = quantize_expert_weights(w13, w2, W_MXFP4, ops=ref)
+    t = LAYOUT.expert_tensors(W_MXFP4, weights, None, None, PREFIX)
+    for proj, rows in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+        name, packed, scales = LAYOUT.projection(t.__getitem__, PREFIX, 1, proj)
+        assert name == f"{PREFIX}.gate_up_proj_blocks"
+        assert_bits_equal(packed, weights.w13_weight[1, rows])
+        assert_bits_equal(scales, weights.w13_weight_scale[1, rows])
+    _, packed, scales = LAYOUT.projection(t.__getitem__, PREFIX, 2, "down_proj")
+    assert_bits_equal(packed, weights.w2_weight[2])
+    assert_bits_equal(scales, weights.w2_weight_scale[2])
+    with pytest.raises(ValueError, match="proj: expected gate_proj, up_proj or down_proj, got 'w1'"):
+        LAYOUT.projection(t.__getitem__, PREFIX, 0, "w1")

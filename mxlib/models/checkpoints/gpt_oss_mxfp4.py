@@ -23,7 +23,8 @@ Activations are bf16 (no activation scale): the layout stores ``w_mxfp4`` only.
 Source: transformers ``integrations/mxfp4.py`` (``convert_moe_packed_tensors``: the low nibble is
 the even element, ``ldexp(value, byte - 127)``, blocks ``[E, R, G, 16]`` to ``[E, G*32, R]``),
 ``models/gpt_oss/modeling_gpt_oss.py`` (``GptOssExperts``: ``gate_up_proj [E, H, 2I]``,
-``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``), ``quantizers/quantizer_mxfp4.py``
+``gate = gate_up[..., ::2]``, ``up = gate_up[..., 1::2]``; vLLM's ``SwigluOAIAndMul`` in
+``model_executor/layers/activation.py`` reads the same interleaved columns), ``quantizers/quantizer_mxfp4.py``
 (the tensor names ``*_blocks`` / ``*_scales``), and openai/gpt-oss-20b's ``config.json``.
 """
 
@@ -231,6 +232,23 @@ class GptOssMxfp4Layout(CheckpointLayout):
         b13 = tensors.stack([f"{prefix}.gate_up_proj_bias"], (e, 2 * i), torch.bfloat16)[0]
         b2 = tensors.stack([f"{prefix}.down_proj_bias"], (e, h), torch.bfloat16)[0]
         return deinterleave_gate_up(b13).contiguous(), b2.contiguous()
+
+    def projection(self, read, prefix: str, expert: int, proj: str) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """One expert's ``gate_proj``, ``up_proj`` or ``down_proj`` as stored: ``(tensor name, packed uint8
+        [out, in/2], scales uint8 [out, in/32])``, the gate (even) or up (odd) rows of ``gate_up_proj_blocks``.
+
+        ``read(name) -> tensor`` reads a stored tensor (a safetensors file's ``get_tensor``).
+
+        Raises:
+            ValueError: ``proj`` is not one of the three.
+        """
+        if proj not in ("gate_proj", "up_proj", "down_proj"):
+            raise ValueError(f"proj: expected gate_proj, up_proj or down_proj, got {proj!r}")
+        stored = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        blocks, scales = read(f"{prefix}.{stored}_blocks")[expert], read(f"{prefix}.{stored}_scales")[expert]
+        rows = slice(None) if proj == "down_proj" else slice(proj == "up_proj", None, 2)
+        packed = blocks[rows]
+        return f"{prefix}.{stored}_blocks", packed.reshape(packed.shape[0], -1).contiguous(), scales[rows].contiguous()
 
 
 LAYOUT = GptOssMxfp4Layout()  # registered by the package's __init__
