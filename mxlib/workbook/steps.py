@@ -611,14 +611,17 @@ def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
 
 
 def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0) -> list[dict]:
-    """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers)."""
+    """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers); for a
+    layout storing whole layers (gpt-oss's ``gate_up_proj_blocks [E, ...]``) the layer's expert tensors."""
     from safetensors import safe_open
 
     path = Path(path)
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    prefix, layer_prefix = f"model.layers.{layer}.mlp.experts.{expert}.", f"model.layers.{layer}.mlp.experts."
+    names = [n for n in index if n.startswith(prefix)]
+    names = names or [n for n in index if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
     rows = []
-    for name in sorted(n for n in index if n.startswith(prefix)):
+    for name in sorted(names):
         with safe_open(str(path / index[name]), "pt") as f:
             sl = f.get_slice(name)
             rows.append({"tensor": name, "dtype": sl.get_dtype(), "shape": str(list(sl.get_shape()))})
