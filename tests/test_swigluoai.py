@@ -226,3 +226,155 @@ def test_torch_moe_bias_placement_is_the_stated_one():
     a = activation_and_mul(h1, SWIGLUOAI)
     y = (((a.float() @ w2[1].float().T) + b2[1]) * 0.5).to(torch.bfloat16)
     assert_bits_equal(torch_moe(x, w13, w2, tw, ti, activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2), y)
+
+
+# ----------------------------------------------------------------------------- the experts and their backends
+
+
+def _quantized_layer(scheme, e, h, i, m, k=2, seed=0):
+    """A layer quantized in ``scheme`` with biases, its routing and input (CPU)."""
+    from mxlib.moe import input_scales_from_amax, quantize_expert_weights
+
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.3).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.3).to(torch.bfloat16)
+    x = (torch.randn(m, h, generator=g) * 2).to(torch.bfloat16)
+    b13 = torch.randn(e, 2 * i, generator=g) * 2
+    b2 = torch.randn(e, h, generator=g)
+    tw, ti = fused_topk(torch.randn(m, e, generator=g), k)
+    q = quantize_expert_weights(w13, w2, scheme)
+    s13, s2 = input_scales_from_amax(
+        scheme, torch.full((e,), 2.0 * float(x.float().abs().amax())), torch.full((e,), 8.0)
+    )
+    return q, s13, s2, x, tw, ti, b13, b2
+
+
+def _make(scheme, q, s13, s2, backend, act, b13, b2):
+    from mxlib.moe import make_emulation_experts
+
+    return make_emulation_experts(scheme, q, s13, s2, backend=backend, activation=act, w13_bias=b13, w2_bias=b2)
+
+
+def test_experts_hold_activation_and_biases_and_check_them():
+    from mxlib.moe import TritonExperts
+
+    x, w13, w2, b13, b2, tw, ti = _layer()
+    ex = TritonExperts(w13, w2, backend="torch", activation="swigluoai", w13_bias=b13, w2_bias=b2)
+    assert ex.activation is SWIGLUOAI and ex.w13_bias is not None and ex.w2_bias is not None
+    assert torch.equal(ex.w13_bias, b13) and torch.equal(ex.w2_bias, b2)
+    plain = TritonExperts(w13, w2, backend="torch")
+    assert plain.activation is SILU and plain.w13_bias is None and plain.w2_bias is None
+    e, two_i = b13.shape
+    h = b2.shape[1]
+    with pytest.raises(
+        ValueError, match=rf"w13_bias: expected shape \[{e}, {two_i}\] \(\[E, 2I\]\), got \[{e}, {two_i // 2}\]"
+    ):
+        TritonExperts(w13, w2, w13_bias=b13[:, : two_i // 2])
+    with pytest.raises(ValueError, match=rf"w2_bias: expected shape \[{e}, {h}\] \(\[E, H\]\), got \[{h}\]"):
+        TritonExperts(w13, w2, w2_bias=b2[0])
+    with pytest.raises(
+        TypeError,
+        match=r"w13_bias: expected dtype torch.float32 or the activation dtype torch.bfloat16, got torch.float16",
+    ):
+        TritonExperts(w13, w2, w13_bias=b13.half())
+    with pytest.raises(TypeError, match="w2_bias: expected a tensor"):
+        TritonExperts(w13, w2, w2_bias=[0.0])
+    with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'swigluoai'\], got 'swiglu'"):
+        TritonExperts(w13, w2, activation="swiglu")
+    q, s13, s2, *_ = _quantized_layer("w_mxfp4_a_mxfp4", 4, 64, 32, 3)
+    with pytest.raises(ValueError, match=r"activation: expected one of"):
+        _make("w_mxfp4_a_mxfp4", q, s13, s2, "torch", "gelu", None, None)
+    with pytest.raises(ValueError, match=r"w2_bias: expected shape \[4, 64\]"):
+        _make("w_mxfp4_a_mxfp4", q, s13, s2, "torch", SWIGLUOAI, None, torch.zeros(4, 32))
+    with pytest.raises(TypeError, match="w13_bias: expected dtype"):
+        _make("w_mxfp4_a_mxfp4", q, s13, s2, "torch", SWIGLUOAI, torch.zeros(4, 64, dtype=torch.float64), None)
+
+
+@pytest.mark.parametrize("act", [SILU, SWIGLUOAI], ids=["silu", "swigluoai"])
+def test_bf16_experts_torch_backend_is_the_reference(act):
+    from mxlib.moe import TritonExperts
+
+    x, w13, w2, b13, b2, tw, ti = _layer()
+    ex = TritonExperts(w13, w2, backend="torch", activation=act, w13_bias=b13, w2_bias=b2)
+    assert_bits_equal(ex(x, tw, ti), torch_moe(x, w13, w2, tw, ti, activation=act, w13_bias=b13, w2_bias=b2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("act", [SILU, SWIGLUOAI], ids=["silu", "swigluoai"])
+def test_bf16_experts_triton_backend(act):
+    """bf16 GEMMs: the Triton kernel's fp32 sums in K tiles against the reference's: rel 5e-3 (bf16 outputs);
+    the SiLU default without biases gives the bits it gives without the new arguments."""
+    from mxlib.moe import TritonExperts
+
+    x, w13, w2, b13, b2, tw, ti = _layer()
+    want = TritonExperts(w13, w2, backend="torch", activation=act, w13_bias=b13, w2_bias=b2)(x, tw, ti)
+    got = TritonExperts(w13, w2, backend="triton", activation=act, w13_bias=b13, w2_bias=b2)(x, tw, ti)
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    assert err < 5e-3, err
+    if act is SILU:
+        assert_bits_equal(
+            TritonExperts(w13, w2, backend="triton", activation=SILU)(x, tw, ti),
+            TritonExperts(w13, w2, backend="triton")(x, tw, ti),
+        )
+
+
+# w_mxfp4_a_mxfp4: a1, a2 and the weights are e2m1 x 2**s, so every GEMM product and sum is exact in fp32
+# (few significant bits over a narrow exponent range) and the fp32 bias sum is one rounding: the backends
+# compute the same numbers wherever they call the same activation function.
+EXACT = "w_mxfp4_a_mxfp4"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "act", [SILU, SWIGLUOAI, MoEActivation("swigluoai", alpha=1.0)], ids=["silu", "swigluoai", "anchor"]
+)
+@pytest.mark.parametrize("shape", [(4, 256, 128), (4, 96, 64)], ids=["fp4-kernel", "dequant-kernel"])
+def test_emulation_backends_with_biases(act, shape):
+    """torch vs triton: bits equal (exact GEMMs, one PyTorch activation function). fused (the FP4 kernel for H, I
+    multiples of 128, else the dequantize-GEMM kernel): the activation in Triton's epilogue (Triton's exp), so
+    one bf16 step apart where an fp32 last bit crosses a rounding, and a2's MXFP4 QDQ may then move a value by
+    one e2m1 step: rel 2e-2 against torch, most values equal."""
+    e, h, i = shape
+    q, s13, s2, x, tw, ti, b13, b2 = _quantized_layer(EXACT, e, h, i, m=6)
+    ref = _make(EXACT, q, s13, s2, "torch", act, b13, b2)(x, tw, ti)
+    tri = _make(EXACT, q, s13, s2, "triton", act, b13, b2)(x, tw, ti)
+    assert_bits_equal(tri, ref)
+    fused = _make(EXACT, q, s13, s2, "fused", act, b13, b2)
+    assert (fused.fp4_weights() is not None) == (h % 128 == 0 and i % 128 == 0)
+    out = fused(x, tw, ti)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 2e-2, err
+    assert (out == ref).float().mean() > 0.9
+    # the biases and the activation reach every backend: without them each is far away
+    plain = _make(EXACT, q, s13, s2, "fused", SILU, None, None)(x, tw, ti)
+    assert ((plain.double() - ref.double()).norm() / ref.double().norm()).item() > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+def test_emulation_silu_default_unchanged(backend):
+    """SILU without biases, given explicitly, gives the bits of the experts built without the arguments."""
+    from mxlib.moe import make_emulation_experts
+
+    for scheme, shape in (("nvfp4", (4, 256, 128)), (EXACT, (4, 96, 64))):
+        q, s13, s2, x, tw, ti, _, _ = _quantized_layer(scheme, *shape, m=5)
+        a = make_emulation_experts(scheme, q, s13, s2, backend=backend)(x, tw, ti)
+        b = _make(scheme, q, s13, s2, backend, SILU, None, None)(x, tw, ti)
+        assert_bits_equal(a, b, scheme)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("numerics", ["vllm", "hardware"])
+def test_nvfp4_torch_and_fp4_kernel_with_biases(numerics):
+    """NVFP4 (both numerics; hardware: the biases after the per-tensor scales in both): the FP4 kernel against
+    the torch backend, rel 2e-2 (fp32 sums in another order and Triton's exp, then the a2 QDQ)."""
+    q, s13, s2, x, tw, ti, b13, b2 = _quantized_layer("nvfp4", 4, 256, 128, m=6)
+    from mxlib.moe import make_emulation_experts
+
+    kw = dict(activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2, numerics=numerics)
+    ref = make_emulation_experts("nvfp4", q, s13, s2, backend="torch", **kw)(x, tw, ti)
+    fused = make_emulation_experts("nvfp4", q, s13, s2, backend="fused", **kw)
+    assert fused.fp4_weights() is not None
+    out = fused(x, tw, ti)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 2e-2, err

@@ -40,8 +40,8 @@ kernel's warpgroup MMA does.
 Under ``TRITON_INTERPRET=1`` (no PTX) the same select/rotate/mask runs as Triton integer ops and
 the element value comes from the code bits read back out of ``r`` by ``_numerics``; the reshapes
 are the same, so the interpreter tests check the layout. ``decode_fp6_words`` returns the eight
-elements of every word pair; ``fused_fp4_moe._fp6_tile`` puts them in the dot operand's order
-with ``fp4_layout.mma_order`` (this module imports neither ``fp4_layout`` nor the kernel module).
+elements of every word pair; ``fp6_tile`` puts them in the dot operand's order with
+``fp4_layout.mma_order`` and ``to_logical_rows`` (this module does not import the kernel module).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import triton.language as tl
 from .. import reference as _ref
 from ..formats import ELEMENT_FORMATS, ElementFormat
 from . import _numerics as nm
+from . import fp4_layout as F4
 
 __all__ = [
     "FP6Weights",
@@ -65,6 +66,7 @@ __all__ = [
     "layout_table",
     "SUPER_TILE",
     "DECODE_INSTRUCTIONS",
+    "fp6_tile",
 ]
 
 SUPER_TILE = 256  # elements of K per prepared super tile (two 128-element K tiles)
@@ -414,3 +416,15 @@ def decode_fp6_words(n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.conste
                 return _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T0)
             else:
                 return _ptx_decode(n, p, s_lo, s_hi, _ASM_E3M2_T1)
+
+
+@triton.jit
+def fp6_tile(
+    n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr
+):
+    """MXFP6 weights: K tile ``T`` (0, 1) of super tile ``st`` [BLOCK_N, 128] in weight-row order, as
+    ``fp4_layout.decode_fp4_words`` gives an FP4 tile (``fp6_layout``: plane-T words ``n``, plane-2 words ``p``)."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = decode_fp6_words(n, p, s_rows, n_mask, st, T, EBITS, BLOCK_N)
+    lo = F4.mma_order(o0, o1, o2, o3, BLOCK_N)
+    hi = F4.mma_order(o4, o5, o6, o7, BLOCK_N)
+    return F4.to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)

@@ -14,10 +14,12 @@ left operand, held in registers (Hopper's wgmma takes A from registers), and the
 token count rides on the MMA's small dimension, which keeps tiny batches efficient.
 
 GEMM1 (``GATED``) computes the gate rows and the up rows of ``w13`` in two accumulators,
-rounds both to the activation dtype, applies SiLU-and-mul in fp32, rounds once more
-(as vLLM's separate ``silu_and_mul`` op does) and then quantize-dequantizes the
-result in the epilogue (a2: MX, NVFP4 or per-tensor FP8), writing ``a2`` once.
-GEMM2 multiplies by the router weight in fp32 before its one rounding. The layer
+adds the expert's bias (``w13_bias``, optional), rounds both to the activation dtype, applies
+the gated activation in fp32 (SiLU-and-mul or SwiGLU-OAI, ``moe_epilogue.gated_activation``),
+rounds once more (as vLLM's separate ``silu_and_mul`` / ``swigluoai_and_mul`` op does) and then
+quantize-dequantizes the result in the epilogue (a2: MX, NVFP4 or per-tensor FP8), writing ``a2``
+once. GEMM2 adds its bias (``w2_bias``) and multiplies by the router weight in fp32 before its one
+rounding. The layer
 input a1 is quantize-dequantized by the standalone kernel before GEMM1.
 """
 
@@ -34,6 +36,8 @@ from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting, kernel_format_args, select
 from .align import RoutingPlan, plan_routing
+from .dequant_tiles import _a_part, _fp6_part, _fp6_words, _weight_tile, _weight_tile_split
+from .moe_epilogue import activation_args, bias_args, gated_activation, load_bias
 from .tiles import TileConfig, pick_tiles
 
 __all__ = ["FUSED_CONFIGS", "get_fused_config", "invoke_fused_dequant_moe", "PackedWeights", "ActivationQDQ"]
@@ -72,133 +76,6 @@ def get_fused_config(num_tokens: int, num_experts: int, top_k: int, weight_bits:
 
 
 @triton.jit
-def _weight_tile(
-    w_rows,
-    s_rows,
-    n_mask,
-    g,
-    k0,
-    K,
-    W_EBITS: tl.constexpr,
-    W_MBITS: tl.constexpr,
-    W_SPECIALS: tl.constexpr,
-    W_BS: tl.constexpr,
-    W_NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of vLLM's dequant)."""
-    NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
-    codes = nm.load_codes(w_rows, n_mask, k0, K, NBITS, BLOCK_N, BLOCK_K)
-    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
-        tl.int32
-    )
-    w = nm.dequant_tile(codes, sb, g, W_EBITS, W_MBITS, W_SPECIALS, W_BS, W_NVFP4, BLOCK_N, BLOCK_K)
-    w = nm.cast_out(w, DOT_DTYPE)
-    if UPCAST:
-        return nm.to_fp32(w)
-    return w
-
-
-@triton.jit
-def _weight_tile_split(
-    w_rows,
-    s_rows,
-    n_mask,
-    g,
-    k0,
-    K,
-    W_BS: tl.constexpr,
-    W_NVFP4: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """FP4 weight tile as its even and odd elements, each [BLOCK_N, BLOCK_K // 2]: the low and
-    high nibbles of the packed bytes, used as they are (no interleaving shuffle)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    pcols = k0 // 2 + tl.arange(0, HALF)
-    b = tl.load(w_rows[:, None] + pcols[None, :], mask=n_mask[:, None] & (pcols < K // 2)[None, :], other=0).to(
-        tl.int32
-    )
-    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
-        tl.int32
-    )
-    if W_NVFP4:
-        block = nm.decode_e4m3(sb) * g
-    else:
-        block = nm.decode_e8m0(sb)
-    # byte j holds elements 2j (low) and 2j+1 (high); both sit in scale block 2j // W_BS
-    lo = nm.decode_element(b & 0xF, nm.FP4_EBITS, nm.FP4_MBITS, nm.FP4_SPECIALS)
-    hi = nm.decode_element(b >> 4, nm.FP4_EBITS, nm.FP4_MBITS, nm.FP4_SPECIALS)
-    lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
-    hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // W_BS, W_BS // 2)) * block[:, :, None]
-    lo = nm.cast_out(tl.reshape(lo, (BLOCK_N, HALF)), DOT_DTYPE)
-    hi = nm.cast_out(tl.reshape(hi, (BLOCK_N, HALF)), DOT_DTYPE)
-    if UPCAST:
-        return nm.to_fp32(lo), nm.to_fp32(hi)
-    return lo, hi
-
-
-@triton.jit
-def _fp6_words(w_rows, s_rows, n_mask, k0, K, W_BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """FP6 rows as 24-bit words of four codes (elements 4j .. 4j+3) and the E8M0 scale of each word."""
-    Q: tl.constexpr = BLOCK_K // 4
-    groups = k0 // 4 + tl.arange(0, Q)
-    m = n_mask[:, None] & (groups < K // 4)[None, :]
-    base = w_rows[:, None] + 3 * groups[None, :]
-    word = (
-        tl.load(base, mask=m, other=0).to(tl.int32)
-        | (tl.load(base + 1, mask=m, other=0).to(tl.int32) << 8)
-        | (tl.load(base + 2, mask=m, other=0).to(tl.int32) << 16)
-    )
-    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
-    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
-        tl.int32
-    )
-    return word, nm.decode_e8m0(sb)
-
-
-@triton.jit
-def _fp6_part(
-    word,
-    block,
-    t: tl.constexpr,
-    W_EBITS: tl.constexpr,
-    W_MBITS: tl.constexpr,
-    W_BS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """Dequantized elements 4j + t of an FP6 word tile, [BLOCK_N, BLOCK_K // 4]."""
-    v = nm.decode_element((word >> (6 * t)) & 0x3F, W_EBITS, W_MBITS, 0)
-    v = tl.reshape(v, (BLOCK_N, BLOCK_K // W_BS, W_BS // 4)) * block[:, :, None]
-    v = nm.cast_out(tl.reshape(v, (BLOCK_N, BLOCK_K // 4)), DOT_DTYPE)
-    if UPCAST:
-        return nm.to_fp32(v)
-    return v
-
-
-@triton.jit
-def _a_part(
-    a_rows, token_mask, k0, K, t: tl.constexpr, STRIDE: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr
-):
-    """Activation elements STRIDE * j + t of columns k0 ..., transposed: [BLOCK_K // STRIDE, BLOCK_M]."""
-    offs_k = k0 + STRIDE * tl.arange(0, BLOCK_K // STRIDE) + t
-    a = tl.load(a_rows[None, :] + offs_k[:, None], mask=token_mask[None, :] & (offs_k < K)[:, None], other=0.0)
-    if UPCAST:
-        return nm.to_fp32(a)
-    return a
-
-
-@triton.jit
 def fused_moe_dequant_kernel(
     # pointers
     a_ptr,
@@ -211,6 +88,7 @@ def fused_moe_dequant_kernel(
     expert_ids_ptr,
     num_tokens_post_padded_ptr,
     act_scale_ptr,
+    bias_ptr,
     # dimensions
     N,
     K,
@@ -226,6 +104,7 @@ def fused_moe_dequant_kernel(
     wg_stride_e,
     wg_stride_half,
     act_scale_stride_e,
+    stride_bias_e,
     # weight format
     W_EBITS: tl.constexpr,
     W_MBITS: tl.constexpr,
@@ -243,6 +122,11 @@ def fused_moe_dequant_kernel(
     A2_BS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     top_k: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_ALPHA: tl.constexpr,
+    ACT_CLAMP: tl.constexpr,
+    ACT_LIMIT: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -256,9 +140,11 @@ def fused_moe_dequant_kernel(
 
     A: [rows, K] activations (row ``pair // top_k``); W: [E, rows_w, K * bits / 8] packed,
     scales [E, rows_w, K / W_BS]; with GATED, rows_w = 2N (gate rows, then up rows) and C is
-    the QDQ'd SiLU-and-mul output [M * k, N]; otherwise rows_w = N and C = A @ W[e]^T
-    (times the router weight with MUL_ROUTED_WEIGHT). A2_KIND: A2_NONE, A2_MX (OCP MX),
-    A2_NVFP4 (encode scale act_scale[e]), A2_FP8 (per tensor, decode scale act_scale[0]).
+    the QDQ'd gated activation (ACT: ``moe_epilogue``) [M * k, N]; otherwise rows_w = N and
+    C = A @ W[e]^T (times the router weight with MUL_ROUTED_WEIGHT). HAS_BIAS: bias [E, rows_w]
+    added to the fp32 accumulators (gate and up columns; GEMM2's before the router weight).
+    A2_KIND: A2_NONE, A2_MX (OCP MX), A2_NVFP4 (encode scale act_scale[e]), A2_FP8 (per tensor,
+    decode scale act_scale[0]).
     """
     pid_m, pid_n = nm.grouped_pid(tl.program_id(axis=0), EM, N, BLOCK_M, BLOCK_N, GROUP_SIZE_M)
 
@@ -391,10 +277,16 @@ def fused_moe_dequant_kernel(
                 )
                 acc_up = tl.dot(w_up, a, acc_up)
 
+    res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    res_up = tl.trans(acc_up)
+    if HAS_BIAS:
+        res = res + load_bias(bias_ptr, expert, stride_bias_e, offs_n, n_mask)[None, :]
+        if GATED:
+            res_up = res_up + load_bias(bias_ptr, expert, stride_bias_e, N + offs_n, n_mask)[None, :]
     if GATED:
-        gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
-        up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
-        act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
+        gate = nm.to_fp32(nm.cast_out(res, OUT_DTYPE))
+        up = nm.to_fp32(nm.cast_out(res_up, OUT_DTYPE))
+        act = nm.to_fp32(nm.cast_out(gated_activation(gate, up, ACT, ACT_ALPHA, ACT_CLAMP, ACT_LIMIT), OUT_DTYPE))
         if A2_KIND == A2_MX:
             act = nm.mx_qdq_values(act, A2_EBITS, A2_MBITS, A2_EMAX, A2_MAX, A2_SCALE_MODE, A2_BS, BLOCK_M, BLOCK_N)
         elif A2_KIND == A2_NVFP4:
@@ -404,7 +296,6 @@ def fused_moe_dequant_kernel(
             act = nm.fp8_qdq_values(act, tl.load(act_scale_ptr))
         out = nm.cast_out(act, OUT_DTYPE)
     else:
-        res = tl.trans(acc)
         if MUL_ROUTED_WEIGHT:
             res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
         out = nm.cast_out(res, OUT_DTYPE)
@@ -463,6 +354,21 @@ class ActivationQDQ:
         return args
 
 
+def qdq_consts(q: ActivationQDQ | None, prefix: str) -> dict:
+    """The ``{prefix}_KIND, _EBITS, ...`` constexprs of an activation QDQ (``ActivationQDQ.kernel_args``) and
+    ``{prefix}_FOUR_OVER_SIX``: NVFP4's 4/6 block rule (``ActivationQDQ.block_rule``)."""
+    q = q or ActivationQDQ()
+    return {**q.kernel_args(prefix + "_"), f"{prefix}_FOUR_OVER_SIX": q.block_rule == "four_over_six"}
+
+
+def qdq_scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(scale tensor, expert stride)`` of an activation QDQ's scale (``dummy``, 0 without one)."""
+    if q is None or q.scale is None:
+        return dummy, 0
+    s = q.scale.float().reshape(-1)
+    return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
+
+
 # packed widths with a split-element variant (FP4 nibbles, FP6 words)
 SPLIT_NIBBLES_BITS = (4, 6)
 
@@ -481,9 +387,12 @@ def _launch(
     mul_routed_weight: bool,
     top_k: int,
     cfg: TileConfig,
+    bias: torch.Tensor | None = None,
+    activation=None,
 ):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``cfg.block_m`` pairs (``gated``: the
-    SiLU-and-mul of the gate and up halves, then ``qdq``), ``n`` output columns, ``k`` reduction."""
+    gated ``activation`` of the gate and up halves, then ``qdq``), ``n`` output columns, ``k`` reduction;
+    ``bias`` ``[E, rows of w]`` added to the fp32 products (or None)."""
     sorted_ids, expert_ids, num_post = plan.blocks(cfg.block_m)
     e = w.packed.shape[0]
     if w.global_scale is not None:
@@ -496,6 +405,8 @@ def _launch(
     em = sorted_ids.shape[0]
     grid = (triton.cdiv(em, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     weights = topk_weights if mul_routed_weight else c
+    bias_t, stride_bias_e = bias_args(bias, c, e, w.packed.shape[1], "w13_bias" if gated else "w2_bias")
+    act = activation_args(activation)
     kernel = fused_moe_dequant_kernel
     fmt_args = select(kernel, {**kernel_format_args(w.scheme, "W_"), **qdq.kernel_args()})
     kernel[grid](
@@ -509,6 +420,7 @@ def _launch(
         expert_ids,
         num_post,
         act_scale,
+        bias_t,
         n,
         k,
         em,
@@ -522,7 +434,10 @@ def _launch(
         wg_stride_e,
         wg_stride_half,
         act_stride,
+        stride_bias_e,
         **fmt_args,
+        **act,
+        HAS_BIAS=bias is not None,
         GATED=gated,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
@@ -549,6 +464,9 @@ def invoke_fused_dequant_moe(
     a1_per_pair: bool = False,
     config: TileConfig | None = None,
     plan: RoutingPlan | None = None,
+    activation=None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole expert computation with the fused kernel (a1 already QDQ'd).
 
@@ -561,9 +479,15 @@ def invoke_fused_dequant_moe(
         config: the tiles of both GEMMs; None picks from ``FUSED_CONFIGS`` by batch size.
         plan: the forward's ``RoutingPlan`` (``align.plan_routing``, aligned for ``config.block_m``;
             this kernel has no naive mode); None plans here.
+        activation: the gated activation (a ``mxlib.moe.activations.MoEActivation``; None: SiLU).
+        w13_bias, w2_bias: ``[E, 2I]`` / ``[E, H]`` expert biases (fp32 or ``a1``'s dtype) added to the fp32
+            GEMM products before their rounding (GEMM2's before the router weight), or None.
 
     Returns:
         ``[M, H]`` in ``a1.dtype``. No host synchronization: capturable in a CUDA graph.
+
+    Raises:
+        ValueError: a bias of another shape; a plan without alignment; a 4/6 block rule.
     """
     if a2_qdq.block_rule != "amax":
         raise ValueError(
@@ -592,6 +516,8 @@ def invoke_fused_dequant_moe(
         mul_routed_weight=False,
         top_k=1 if a1_per_pair else k,
         cfg=cfg,
+        bias=w13_bias,
+        activation=activation,
     )
     cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
     _launch(
@@ -607,5 +533,6 @@ def invoke_fused_dequant_moe(
         mul_routed_weight=True,
         top_k=1,
         cfg=cfg,
+        bias=w2_bias,
     )
     return torch.sum(cache3.view(m, k, h), dim=1, dtype=torch.float32).to(a1.dtype)

@@ -53,25 +53,18 @@ from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq, is_per_token
 from .fp4_layout import FP4Weights
 from .fp4_prepare import prepare_packed_weights
 from .fp4_tiles import FP4_CONFIGS, FP6_CONFIGS, NVFP4_CONFIGS, get_fp4_configs
+from .fp6_layout import fp6_tile as _fp6_tile
 from .fused_dequant_moe import A2_NONE, A2_NVFP4, ActivationQDQ
+from .fused_dequant_moe import qdq_consts as _qdq_consts
+from .fused_dequant_moe import qdq_scale_arg as _scale_arg
+from .moe_epilogue import activation_args, bias_args, gated_activation, load_bias
+from .moe_epilogue import sum_k_kernel as _sum_k_kernel
 from .quant import per_token_rows
 from .tiles import TileConfig
 
 __all__ = ["prepare_packed_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "FP6_CONFIGS"]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _fp6_tile(
-    n, p, s_rows, n_mask, st, T: tl.constexpr, EBITS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_WARPS: tl.constexpr
-):
-    """MXFP6 weights: K tile ``T`` (0, 1) of super tile ``st`` [BLOCK_N, 128] in weight-row order, as
-    ``F4.decode_fp4_words`` gives an FP4 tile (``fp6_layout``: plane-T words ``n``, plane-2 words ``p``)."""
-    o0, o1, o2, o3, o4, o5, o6, o7 = F6.decode_fp6_words(n, p, s_rows, n_mask, st, T, EBITS, BLOCK_N)
-    lo = F4.mma_order(o0, o1, o2, o3, BLOCK_N)
-    hi = F4.mma_order(o4, o5, o6, o7, BLOCK_N)
-    return F4.to_logical_rows(tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_N, 128)), BLOCK_N, NUM_WARPS)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -93,6 +86,7 @@ def fused_fp4_moe_kernel(
     c_scale_ptr,
     rot_signs_ptr,
     rot_scale,
+    bias_ptr,
     # dimensions
     N,
     K,
@@ -110,6 +104,7 @@ def fused_fp4_moe_kernel(
     a_scale_stride_e,
     a_scale_stride_row,
     c_scale_stride_e,
+    stride_bias_e,
     # weight format: KIND 0 MX, 1 NVFP4 vLLM, 2 NVFP4 hardware (``fp4_layout.W_*``); BS 32 or 16; ONE the
     # one-multiply decode (``fp4_one_multiply``); BITS 4 (``fp4_layout``) or 6 (MXFP6 in ``fp6_layout``'s
     # layout, element exponent bits EBITS); MODE the numerics (``Numerics.kernel_id``: 0 vLLM, 1 hardware)
@@ -146,6 +141,12 @@ def fused_fp4_moe_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     top_k: tl.constexpr,
     NAIVE: tl.constexpr,
+    # expert biases and the gated activation (``moe_epilogue``)
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ACT_ALPHA: tl.constexpr,
+    ACT_CLAMP: tl.constexpr,
+    ACT_LIMIT: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -157,9 +158,10 @@ def fused_fp4_moe_kernel(
 
     A: [rows, K] (row ``pair // top_k``); W: prepared FP4 [E, rows_w, K / 2], scales
     [E, rows_w, K / W_BS] (W_BITS 6: prepared MXFP6 [E, rows_w, 3K / 4], ``fp6_layout``);
-    GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (SiLU-and-mul, then
-    the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). NAIVE: block ``pid_m`` is
-    the single pair ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
+    GATED: rows_w = 2N (gate, up), C = a2 [M * k, N] (the gated activation ACT, then
+    the C_KIND QDQ); else rows_w = N, C = A @ W[e]^T (x router weight). HAS_BIAS: bias [E, rows_w]
+    on the fp32 accumulator after its scales (below). NAIVE: block ``pid_m`` is the single pair
+    ``pid_m`` (no alignment; ``expert_ids_ptr`` is the flat topk_ids).
     Hardware numerics: A_INV_OUT multiplies the fp32 accumulator by ``1 / a_scale`` (NVFP4 activation
     encode scale), W_GLOBAL_OUT by the weight's global scale, before the epilogue.
     A_PER_TOKEN: per-token NVFP4 activation scales, ``a_scale_ptr`` rows of ``(gs, per_token_scale)``
@@ -298,10 +300,16 @@ def fused_fp4_moe_kernel(
     if W_GLOBAL_OUT:  # the operands were e2m1 * ue4m3 / 2**9 (exact): 2**9 back, then the global scale
         acc = acc * 512.0 * g
         acc_up = acc_up * 512.0 * g_up
+    res = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    res_up = tl.trans(acc_up)
+    if HAS_BIAS:
+        res = res + load_bias(bias_ptr, expert, stride_bias_e, offs_n, offs_n < N)[None, :]
+        if GATED:
+            res_up = res_up + load_bias(bias_ptr, expert, stride_bias_e, N + offs_n, offs_n < N)[None, :]
     if GATED:
-        gate = nm.to_fp32(nm.cast_out(tl.trans(acc), OUT_DTYPE))  # [BLOCK_M, BLOCK_N]
-        up = nm.to_fp32(nm.cast_out(tl.trans(acc_up), OUT_DTYPE))
-        act = nm.to_fp32(nm.cast_out(gate / (1.0 + tl.exp(-gate)) * up, OUT_DTYPE))
+        gate = nm.to_fp32(nm.cast_out(res, OUT_DTYPE))
+        up = nm.to_fp32(nm.cast_out(res_up, OUT_DTYPE))
+        act = nm.to_fp32(nm.cast_out(gated_activation(gate, up, ACT, ACT_ALPHA, ACT_CLAMP, ACT_LIMIT), OUT_DTYPE))
         if ROT_BS != 0:  # rounded to OUT_DTYPE as ``block_hadamard``'s pass rounds it
             rot = HD.rotate_tile(act, rot_signs_ptr, offs_n, offs_n < N, rot_scale, ROT_BS, ROT_SIGNS, BLOCK_M, BLOCK_N)
             act = nm.to_fp32(nm.cast_out(rot, OUT_DTYPE))
@@ -326,7 +334,6 @@ def fused_fp4_moe_kernel(
         )
         out = nm.cast_out(act, OUT_DTYPE)
     else:
-        res = tl.trans(acc)
         if MUL_ROUTED_WEIGHT:
             res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
         out = nm.cast_out(res, OUT_DTYPE)
@@ -334,33 +341,7 @@ def fused_fp4_moe_kernel(
     tl.store(c_ptrs, out, mask=token_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _sum_k_kernel(x_ptr, out_ptr, H, top_k: tl.constexpr, BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """out[t, :] = sum_j x[t * k + j, :] in fp32 (j ascending), one rounding."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < H
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in range(top_k):
-        acc += nm.to_fp32(tl.load(x_ptr + (t * top_k + j) * H + cols, mask=m, other=0.0))
-    tl.store(out_ptr + t * H + cols, nm.cast_out(acc, OUT_DTYPE), mask=m)
-
-
 # ----------------------------------------------------------------------------- wrapper
-
-
-def _qdq_consts(q: ActivationQDQ | None, prefix: str) -> dict:
-    """The ``{prefix}_KIND, _EBITS, ...`` constexprs of an activation QDQ (``ActivationQDQ.kernel_args``) and
-    ``{prefix}_FOUR_OVER_SIX``: NVFP4's 4/6 block rule (``ActivationQDQ.block_rule``)."""
-    q = q or ActivationQDQ()
-    return {**q.kernel_args(prefix + "_"), f"{prefix}_FOUR_OVER_SIX": q.block_rule == "four_over_six"}
-
-
-def _scale_arg(q: ActivationQDQ | None, e: int, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if q is None or q.scale is None:
-        return dummy, 0
-    s = q.scale.float().reshape(-1)
-    return s, (1 if (q.kind == A2_NVFP4 and s.numel() == e) else 0)
 
 
 def _launch(
@@ -381,6 +362,8 @@ def _launch(
     tiles: TileConfig,
     a_rows: torch.Tensor | None = None,
     rotation: HD.BlockHadamard | None = None,
+    bias: torch.Tensor | None = None,
+    activation=None,
 ):
     """One GEMM: ``c = a @ w[e]^T`` over the plan's blocks of ``tiles.block_m`` pairs, ``n`` output
     columns (``gated``: the SiLU-and-mul of the gate and up halves, then the ``c_qdq`` QDQ; else times
@@ -389,7 +372,9 @@ def _launch(
     a_qdq: QDQ in the A load (or None); a_inv: NVFP4 activation encode scales whose reciprocal
     multiplies the accumulator (hardware numerics), or None; a_rows: per-token scales ``[rows of a, 2]``
     (``quant.per_token_rows``), which then replace ``a_qdq``'s and ``a_inv``'s scales row by row;
-    rotation: ``gated`` only, the epilogue rotates the SiLU-and-mul output by it (its ``signs_i``)."""
+    rotation: ``gated`` only, the epilogue rotates the activation's output by it (its ``signs_i``);
+    bias: ``[E, rows of w]`` added to the scaled fp32 accumulator, or None; activation: ``gated`` only
+    (``moe_epilogue.activation_args``)."""
     sorted_ids, expert_ids, num_post = plan.blocks(tiles.block_m)
     e = w.packed.shape[0]
     # pointer arguments the kernel does not read (no scale of that kind): any fp32 tensor, no new
@@ -405,6 +390,7 @@ def _launch(
     if a_rows is not None:
         a_scale, a_stride = a_rows, 0
     c_scale, c_stride = _scale_arg(c_qdq, e, unread)
+    bias_t, stride_bias_e = bias_args(bias, unread, e, w.packed.shape[1], "w13_bias" if gated else "w2_bias")
     w_kind = F4.W_MX if not w.nvfp4 else (F4.W_NVFP4_VLLM if numerics is Numerics.VLLM else F4.W_NVFP4_HW)
     fp6 = isinstance(w, F6.FP6Weights)
     wp = w.packed.view(torch.int32)  # rows of K/8 words (K/2 bytes; FP6: 3K/16 words)
@@ -431,6 +417,7 @@ def _launch(
         c_scale,
         unread if rotation is None or rotation.signs_i is None else rotation.signs_i,
         1.0 if rotation is None else HD.hadamard_scale(rotation.block_size),
+        bias_t,
         n,
         w.k,
         em,
@@ -446,6 +433,7 @@ def _launch(
         a_stride,
         0 if a_rows is None else a_rows.stride(0),
         c_stride,
+        stride_bias_e,
         W_KIND=w_kind,
         W_BS=w.block_size,
         MODE=numerics.kernel_id,
@@ -462,6 +450,8 @@ def _launch(
         MUL_ROUTED_WEIGHT=mul_routed_weight,
         top_k=top_k,
         NAIVE=plan.naive,
+        HAS_BIAS=bias is not None,
+        **activation_args(activation),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         GROUP_SIZE_M=tiles.group_m,
@@ -485,6 +475,9 @@ def fused_fp4_moe(
     configs: tuple[TileConfig, TileConfig] | None = None,
     plan: RoutingPlan | None = None,
     rotation: HD.BlockHadamard | None = None,
+    activation=None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The whole MoE expert computation on prepared FP4 weights, activation QDQ fused.
 
@@ -509,6 +502,9 @@ def fused_fp4_moe(
         rotation: the block Hadamard rotation of a rotated checkpoint (``hadamard.BlockHadamard``) or
             None: a1 rotated along H in one pass (``block_hadamard``) before its QDQ, a2 along I in
             GEMM1's epilogue before its QDQ (GEMM1's ``block_n`` raised to the block size if smaller).
+        activation: GEMM1's gated activation (a ``mxlib.moe.activations.MoEActivation``; None: SiLU).
+        w13_bias, w2_bias: ``[E, 2I]`` / ``[E, H]`` expert biases (fp32 or bf16) added to the fp32 accumulator
+            after its scales (hardware numerics), before its rounding and GEMM2's router weight; or None.
 
     Returns:
         ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
@@ -603,6 +599,8 @@ def fused_fp4_moe(
         tiles=c1,
         a_rows=a1_rows if (a1q is not None or a1_inv is not None) else None,  # read in the A load or the output
         rotation=rotation,
+        bias=w13_bias,
+        activation=activation,
     )
     a2_rows = None
     if a2_per_token:  # a2's rows QDQ'd in place, each with its own scale (an epilogue tile sees part of a row)
@@ -626,6 +624,7 @@ def fused_fp4_moe(
         top_k=1,
         tiles=c2,
         a_rows=a2_rows if hardware else None,  # vLLM numerics: a2 holds its dequantized values
+        bias=w2_bias,
     )
     out = torch.empty(m, h, dtype=hidden_states.dtype, device=dev)
     block = 1024

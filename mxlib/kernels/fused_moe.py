@@ -1,8 +1,9 @@
 """Fused-MoE grouped GEMM (Triton): the bf16 path every emulation runs on.
 
 ``fused_moe_kernel`` computes, for each block of expert-sorted (token, k) pairs,
-``C[pair] = A[row(pair)] @ B[expert]^T`` with fp32 accumulation, optionally times
-the pair's router weight (in fp32, before the one rounding to the output dtype).
+``C[pair] = A[row(pair)] @ B[expert]^T`` with fp32 accumulation, optionally plus the
+expert's bias and times the pair's router weight (in fp32, in that order, before the one
+rounding to the output dtype).
 It follows vLLM's ``fused_moe_kernel``; pairs come from
 ``mxlib.kernels.align.moe_align_block_size``.
 
@@ -20,6 +21,7 @@ import triton.language as tl
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting
+from .moe_epilogue import bias_args, load_bias
 from .tiles import TileConfig, pick_tiles
 
 __all__ = ["BF16_CONFIGS", "get_moe_config", "invoke_fused_moe_kernel", "interpreting"]
@@ -58,6 +60,7 @@ def fused_moe_kernel(
     sorted_token_ids_ptr,
     expert_ids_ptr,
     num_tokens_post_padded_ptr,
+    bias_ptr,
     # dimensions
     N,
     K,
@@ -71,6 +74,7 @@ def fused_moe_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_bias_e,
     # meta-parameters
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -81,12 +85,14 @@ def fused_moe_kernel(
     UPCAST: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     NAIVE: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Grouped GEMM over expert-sorted pairs.
 
     A: [rows, K] (rows = M with top_k = k, or M * k with top_k = 1), B: [E, N, K],
     C: [M * k, N] (a view of [M, k, N]), topk_weights: [M * k] fp32,
-    sorted_token_ids: [EM], expert_ids: [EM / BLOCK_SIZE_M], num_tokens_post_padded: [1].
+    sorted_token_ids: [EM], expert_ids: [EM / BLOCK_SIZE_M], num_tokens_post_padded: [1],
+    bias: [E, N] (HAS_BIAS: added to the fp32 accumulator before the router weight).
     NAIVE (tiny batches, no alignment): block ``pid_m`` is the single pair ``pid_m`` (row 0 of the
     block live), ``expert_ids`` the flat topk_ids, EM = pairs * BLOCK_SIZE_M; the sorted ids and
     the padded count are not read.
@@ -121,6 +127,8 @@ def fused_moe_kernel(
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
 
+    if HAS_BIAS:
+        accumulator = accumulator + load_bias(bias_ptr, off_expert, stride_bias_e, offs_bn, offs_bn < N)[None, :]
     if MUL_ROUTED_WEIGHT:
         moe_weight = tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)
         accumulator = accumulator * moe_weight[:, None]
@@ -142,6 +150,7 @@ def invoke_fused_moe_kernel(
     top_k: int,
     config: TileConfig,
     naive: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Launch ``fused_moe_kernel``: ``C[M*k, N] = A @ B[e]^T`` for every (token, k) pair.
 
@@ -156,6 +165,8 @@ def invoke_fused_moe_kernel(
         naive: no alignment (``naive_block_assignment``): ``expert_ids`` is the flat ``[M * k]``
             topk_ids, ``sorted_token_ids`` and ``num_tokens_post_padded`` are not read (the grid
             has one block per pair).
+        bias: ``[E, N]`` expert biases (fp32 or ``C``'s dtype) added to the fp32 products before the
+            router weight and the rounding, or None.
     """
     if A.dtype != B.dtype:
         raise TypeError(f"A and B must share a dtype, got A {A.dtype} and B {B.dtype}")
@@ -168,6 +179,7 @@ def invoke_fused_moe_kernel(
     num_valid = topk_weights.numel() if topk_weights is not None else c2.shape[0]
     weights = topk_weights.reshape(-1).float().contiguous() if mul_routed_weight else c2
     n, k = B.shape[1], B.shape[2]
+    bias_t, stride_bias_e = bias_args(bias, c2, B.shape[0], n, "bias")
     grid = (triton.cdiv(em, config.block_m) * triton.cdiv(n, config.block_n),)
     fused_moe_kernel[grid](
         A,
@@ -177,6 +189,7 @@ def invoke_fused_moe_kernel(
         sorted_token_ids,
         expert_ids,
         num_tokens_post_padded,
+        bias_t,
         n,
         k,
         em,
@@ -188,6 +201,7 @@ def invoke_fused_moe_kernel(
         B.stride(2),
         c2.stride(0),
         c2.stride(1),
+        stride_bias_e,
         BLOCK_SIZE_M=config.block_m,
         BLOCK_SIZE_N=config.block_n,
         BLOCK_SIZE_K=config.block_k,
@@ -197,6 +211,7 @@ def invoke_fused_moe_kernel(
         UPCAST=interpreting(),
         OUT_DTYPE=_TL_DTYPE[C.dtype],
         NAIVE=naive,
+        HAS_BIAS=bias is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -6,11 +6,14 @@ Shapes: ``M`` tokens, ``H`` hidden size, ``I`` expert intermediate size, ``E`` e
 
 ``TritonExperts`` runs the MoE function
 
-    out[t] = sum_j  w_tj * w2[e_tj] @ (silu(gate) * up),   [gate; up] = w13[e_tj] @ a1[t]
+    out[t] = sum_j  w_tj * (w2[e_tj] @ act(gate, up) + b2[e_tj]),   [gate; up] = w13[e_tj] @ a1[t] + b13[e_tj]
 
 as two grouped GEMMs (``mxlib.kernels.fused_moe``), fp32 accumulation, with the
-GEMM outputs rounded to the activation dtype, SiLU-and-mul in fp32, and the router
-weight applied in fp32 inside the second GEMM. Subclasses (``mxlib.moe.emulation``)
+GEMM outputs (plus the optional expert biases ``w13_bias [E, 2I]``, ``w2_bias [E, H]``, added in
+fp32 before the rounding) rounded to the activation dtype, the gated activation ``act`` in fp32
+(``activation``: ``SILU``, ``silu(gate) * up``, by default; ``SWIGLUOAI`` for gpt-oss;
+``mxlib.moe.activations``), and the router weight applied in fp32 inside the second GEMM, after
+its bias. Subclasses (``mxlib.moe.emulation``)
 override four hooks: ``dequantized_weights`` / ``dequantized_expert`` (weights in the
 activation dtype), ``quantize_input`` (a1) and ``quantize_intermediate`` (a2); those that
 hold packed weights also set ``supports_fused`` and give ``packed_weights`` and ``a2_qdq``.
@@ -64,7 +67,8 @@ from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, get_fused_
 from ..kernels.fused_fp4_moe import fused_fp4_moe, get_fp4_configs
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
 from ..kernels.hadamard import BlockHadamard
-from .reference_moe import silu_and_mul, torch_moe
+from .activations import SILU, MoEActivation, activation_and_mul, get_activation
+from .reference_moe import torch_moe
 
 __all__ = [
     "BACKENDS",
@@ -132,6 +136,17 @@ class TritonExperts(torch.nn.Module):
     Args:
         w13: ``[E, 2I, H]`` gate-then-up weights; w2: ``[E, H, I]``; same dtype (bf16/fp16/fp32).
         backend: ``auto`` / ``triton`` / ``torch`` (module docstring).
+        activation: the gated activation, a ``MoEActivation`` or its name (``"silu"``, the default;
+            ``"swigluoai"``: gpt-oss's alpha 1.702, limit 7.0).
+        w13_bias: ``[E, 2I]`` expert biases of GEMM1 (gate columns, then up columns, as w13's rows), fp32 or
+            the activation dtype, on the weights' device; or None. w2_bias: ``[E, H]`` likewise for GEMM2.
+
+    Every subclass takes ``activation``, ``w13_bias`` and ``w2_bias`` too; the properties of the same
+    names return them (the biases as given, None without).
+
+    Raises:
+        ValueError: an unknown activation name; a bias of another shape; a bias on another device.
+        TypeError: a bias that is not a tensor, or of another dtype.
 
     ``forward(hidden_states [M, H], topk_weights [M, k], topk_ids [M, k]) -> [M, H]``.
     """
@@ -151,12 +166,23 @@ class TritonExperts(torch.nn.Module):
     # The rotation's block size (``rotation``; its signs are buffers), None without a rotation.
     _rotation_block_size: int | None = None
 
-    def __init__(self, w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, backend: str = "auto"):
+    def __init__(
+        self,
+        w13: torch.Tensor | None = None,
+        w2: torch.Tensor | None = None,
+        backend: str = "auto",
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         if backend not in BACKENDS:  # refused here, not at the first forward
             raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self._handle = _register_experts(self)
+        self._activation = get_activation(activation)
+        self.register_buffer("w13_bias", None, persistent=False)
+        self.register_buffer("w2_bias", None, persistent=False)
         if w13 is not None:
             if w13.ndim != 3 or w2.ndim != 3:
                 raise ValueError(
@@ -171,6 +197,42 @@ class TritonExperts(torch.nn.Module):
             self.register_buffer("w2", w2, persistent=False)
             self._dims = (e, h, two_i // 2)
             self.activation_dtype = w13.dtype
+            self._set_biases(w13_bias, w2_bias)
+        elif w13_bias is not None or w2_bias is not None:
+            raise ValueError("w13_bias/w2_bias: given without w13 and w2 (a subclass passes them to _set_biases)")
+
+    @property
+    def activation(self) -> MoEActivation:
+        """The gated activation between the GEMMs (``mxlib.moe.activations``)."""
+        return self._activation
+
+    def _set_biases(self, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> None:
+        """Check and hold the expert biases (class docstring); call once the sizes, the activation dtype and
+        the weights (their device) are set."""
+        e, h, i = self._dims
+        device = self._device()
+        for name, t, shape, what in (
+            ("w13_bias", w13_bias, (e, 2 * i), "[E, 2I]"),
+            ("w2_bias", w2_bias, (e, h), "[E, H]"),
+        ):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor {what} or None, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {list(t.shape)}")
+            if t.dtype not in (torch.float32, self.activation_dtype):
+                raise TypeError(
+                    f"{name}: expected dtype torch.float32 or the activation dtype {self.activation_dtype}, "
+                    f"got {t.dtype}"
+                )
+            if t.device != device:
+                raise ValueError(f"{name}: expected a tensor on the weights' device {device}, got {t.device}")
+            self.register_buffer(name, t.contiguous(), persistent=False)
+
+    def moe_arithmetic(self) -> dict:
+        """``torch_moe``'s ``activation``, ``w13_bias``, ``w2_bias`` arguments of these experts."""
+        return dict(activation=self.activation, w13_bias=self.w13_bias, w2_bias=self.w2_bias)
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -292,8 +354,8 @@ class TritonExperts(torch.nn.Module):
             topk_ids: ``[M, k]`` int32 / int64 expert ids, each in ``[0, E)``.
 
         Returns:
-            ``[M, H]`` in the activation dtype: ``sum_j topk_weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ a1[t])``
-            with ``e = topk_ids[t, j]``, GEMM outputs rounded to the activation dtype (module docstring).
+            ``[M, H]`` in the activation dtype: ``sum_j topk_weights[t, j] * (w2[e] @ act(w13[e] @ a1[t] + b13[e])
+            + b2[e])`` with ``e = topk_ids[t, j]``, GEMM outputs rounded to the activation dtype (module docstring).
 
         Raises:
             ValueError: shapes that do not match ``[M, H]`` / ``[M, k]``; an expert id out of range
@@ -333,6 +395,9 @@ class TritonExperts(torch.nn.Module):
                 configs=tiles,
                 plan=plan,
                 rotation=self.rotation,
+                activation=self.activation,
+                w13_bias=self.w13_bias,
+                w2_bias=self.w2_bias,
             )
         if self.rotation is not None:
             hidden_states = self.rotation.rotate_h(hidden_states, triton=backend != "torch")
@@ -347,7 +412,7 @@ class TritonExperts(torch.nn.Module):
             tiles = self.fused_config or get_fused_config(m, self.num_experts, k, w13p.nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles.block_m,), naive_ok=False)
             return invoke_fused_dequant_moe(
-                a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair, tiles, plan
+                a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair, tiles, plan, **self.moe_arithmetic()
             )
         if backend == "torch" and torch.compiler.is_compiling():
             return _torch_experts_apply(a1, topk_weights, topk_ids, a1_per_pair, self._handle)
@@ -361,6 +426,7 @@ class TritonExperts(torch.nn.Module):
                 qi,
                 a1_per_pair,
                 output_scales=self.output_scales,
+                **self.moe_arithmetic(),
             )
         w13, w2 = self.dequantized_weights()
         num_experts, two_i, h = w13.shape
@@ -378,11 +444,21 @@ class TritonExperts(torch.nn.Module):
             1 if a1_per_pair else k,
             config,
             plan.naive,
+            bias=self.w13_bias,
         )
-        cache2 = qi(silu_and_mul(cache1), topk_ids.reshape(-1))
+        cache2 = qi(activation_and_mul(cache1, self.activation), topk_ids.reshape(-1))
         cache3 = torch.empty(m * k, h, dtype=a1.dtype, device=a1.device)
         invoke_fused_moe_kernel(
-            cache2, w2, cache3, topk_weights, *plan.blocks(config2.block_m), True, 1, config2, plan.naive
+            cache2,
+            w2,
+            cache3,
+            topk_weights,
+            *plan.blocks(config2.block_m),
+            True,
+            1,
+            config2,
+            plan.naive,
+            bias=self.w2_bias,
         )
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
 

@@ -40,8 +40,6 @@ unprepared the same way, when the backend is ``fused``; whether ``auto`` picks i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from .. import reference as _ref
@@ -52,7 +50,9 @@ from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
 from ..kernels.fused_fp4_moe import prepare_packed_weights
 from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq, nvfp4_hw_qdq
+from .activations import SILU, MoEActivation
 from .base import TritonExperts, ops_for_backend, resolve_backend
+from .expert_weights import ExpertWeights, _check
 from .reference_moe import torch_moe
 from .scales import (
     ACTIVATION_SCALE_STRATEGIES,
@@ -70,51 +70,6 @@ __all__ = [
     "Nvfp4QuantizationEmulationTritonExperts",
     "OCP_MXQuantizationEmulationTritonExperts",
 ]
-
-
-@dataclass
-class ExpertWeights:
-    """One layer's experts quantized in one block scheme (stacked over experts).
-
-    ``w13_weight`` uint8 packed ``[E, 2I, H * bits / 8]`` (gate rows, then up rows),
-    ``w13_weight_scale`` ``[E, 2I, H / block_size]`` (uint8 E8M0, or float8_e4m3fn for NVFP4),
-    ``w2_weight`` / ``w2_weight_scale`` likewise for ``[E, H, I]``; with a global scale
-    (NVFP4): ``w13_weight_scale_2`` fp32 ``[E]`` (or ``[E, 2]``: gate and up their own) and
-    ``w2_weight_scale_2`` fp32 ``[E]`` (ModelOpt's decode ``weight_scale_2``).
-    ``global_scale_kind``: ``"decode"`` (ModelOpt, multiplied) or ``"encode"``
-    (compressed-tensors' ``weight_global_scale``, a divisor, used as stored).
-    """
-
-    scheme: BlockScheme
-    w13_weight: torch.Tensor
-    w13_weight_scale: torch.Tensor
-    w2_weight: torch.Tensor
-    w2_weight_scale: torch.Tensor
-    w13_weight_scale_2: torch.Tensor | None = None
-    w2_weight_scale_2: torch.Tensor | None = None
-    global_scale_kind: str = "decode"
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors by name (the scheme and absent global scales left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def to(self, device) -> ExpertWeights:
-        moved = {k: v.to(device) for k, v in self.tensors().items()}
-        return ExpertWeights(self.scheme, **moved, global_scale_kind=self.global_scale_kind)
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13_weight.device
-
-
-def _check(t: torch.Tensor, name: str, shape, dtypes) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    return t
 
 
 _PACKED = ("w13_weight", "w2_weight")
@@ -282,6 +237,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
         activation_block_rule: a1 / a2 QDQ's ``"amax"`` (default, vLLM's) or ``"four_over_six"`` (``activation_rules``).
+        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -303,8 +259,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
         activation_block_rule: str = "amax",
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend)
+        super().__init__(backend=backend, activation=activation)
         self.activation_block_rule = check_activation_block_rule(activation_block_rule)
         if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
             got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
@@ -361,6 +320,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 "w2_input_scale": w2_input_scale,
             }
         )
+        self._set_biases(w13_bias, w2_bias)
         self.set_scale_strategy(scale_strategy)
         self._set_numerics(numerics)
         check_activation_block_rule(activation_block_rule, hardware=self._hardware())
@@ -520,6 +480,7 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 a1_per_pair,
                 output_scales=self.output_scales,
                 a1_row_scale=made[1],
+                **self.moe_arithmetic(),
             )
         return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
 
@@ -540,9 +501,10 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
         numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics``: the same operands
             for OCP MX (module docstring).
+        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
     Both activation points are quantized whenever the scheme names an activation format: the
-    layer input a1 once per token, and the SiLU-and-mul output a2 once per (token, expert) pair.
+    layer input a1 once per token, and the gated activation's output a2 once per (token, expert) pair.
 
     Source: vLLM ``OCP_MXQuantizationEmulationTritonExperts`` and ``QuarkOCP_MX_MoEMethod``.
     """
@@ -558,8 +520,11 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend)
+        super().__init__(backend=backend, activation=activation)
         self._set_numerics(numerics)
         self.scheme = get_moe_scheme(scheme)
         if not self.scheme.is_ocp_mx:
@@ -592,6 +557,7 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=False)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=False)
         self._register(w.tensors())
+        self._set_biases(w13_bias, w2_bias)
         self.activation_scale_mode = get_scale_mode(activation_scale_mode)
         if isinstance(self.activation_format, PerTensorScheme):
             if w13_input_scale is None or w2_input_scale is None:

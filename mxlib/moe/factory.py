@@ -19,6 +19,7 @@ import torch
 
 from ..formats import BlockScheme, PerTensorScheme
 from ..kernels.hadamard import BlockHadamard
+from .activations import SILU, MoEActivation, get_activation
 from .base import ops_for_device
 from .emulation import (
     ExpertWeights,
@@ -97,6 +98,9 @@ def make_emulation_experts(
     numerics: str = "vllm",
     activation_block_rule: str = "amax",
     rotation: BlockHadamard | None = None,
+    activation: MoEActivation | str = SILU,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -117,10 +121,16 @@ def make_emulation_experts(
             ``four_over_six`` (``Nvfp4QuantizationEmulationTritonExperts``); other schemes take ``amax`` only.
         rotation: the online block Hadamard rotation of weights rotated offline (``TritonExperts.rotation``,
             ``mxlib.recovery.hadamard``), or None.
+        activation: the gated activation, a ``MoEActivation`` or its name (``"silu"``, the default, or
+            ``"swigluoai"``, gpt-oss's; ``mxlib.moe.activations``).
+        w13_bias, w2_bias: ``[E, 2I]`` (gate, then up) and ``[E, H]`` expert biases, fp32 or the activation
+            dtype, added to the fp32 GEMM outputs before their rounding (``TritonExperts``); or None.
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
-            input scales; a block rule other than ``amax`` for a scheme without NVFP4 activations.
+            input scales; a block rule other than ``amax`` for a scheme without NVFP4 activations;
+            an unknown activation name; a bias of another shape or device.
+        TypeError: a bias of another dtype.
     """
     s = get_moe_scheme(scheme)
     if weights.scheme != s.weight:
@@ -132,9 +142,10 @@ def make_emulation_experts(
         raise ValueError(
             f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
         )
+    arith = dict(activation=get_activation(activation), w13_bias=w13_bias, w2_bias=w2_bias)
     if s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
         experts = Nvfp4WeightOnlyEmulationTritonExperts(
-            weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics
+            weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics, **arith
         )
     elif s.weight.has_global_scale:
         experts = Nvfp4QuantizationEmulationTritonExperts(
@@ -146,6 +157,7 @@ def make_emulation_experts(
             backend=backend,
             numerics=numerics,
             activation_block_rule=activation_block_rule,
+            **arith,
         )
     else:
         kw = {}
@@ -159,6 +171,7 @@ def make_emulation_experts(
             backend=backend,
             numerics=numerics,
             **kw,
+            **arith,
         )
     if rotation is not None:
         experts.rotation = rotation

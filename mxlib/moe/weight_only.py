@@ -24,6 +24,7 @@ import torch
 
 from ..formats import Numerics
 from ..kernels.fused_dequant_moe import ActivationQDQ
+from .activations import SILU, MoEActivation
 from .emulation import ExpertWeights, Nvfp4QuantizationEmulationTritonExperts
 from .schemes import W4A16_NVFP4
 
@@ -40,6 +41,7 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``fused``: the FP4 kernel with no
             activation QDQ, for bf16 activations and H, I multiples of 128);
         numerics: ``"vllm"`` (default) or ``"hardware"`` (module docstring).
+        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
     Raises:
         TypeError / ValueError: as ``Nvfp4QuantizationEmulationTritonExperts`` for the weights.
@@ -55,6 +57,9 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
         numerics: str | Numerics = Numerics.VLLM,
+        activation: MoEActivation | str = SILU,
+        w13_bias: torch.Tensor | None = None,
+        w2_bias: torch.Tensor | None = None,
     ):
         super().__init__(
             weights,
@@ -64,6 +69,9 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
             activation_dtype=activation_dtype,
             backend=backend,
             numerics=numerics,
+            activation=activation,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
         )
 
     def set_scale_strategy(self, strategy: str) -> None:
