@@ -1,9 +1,10 @@
-"""Models and configs of MoE families mxlib does not quantize are refused at every public entry.
+"""Models and configs of families mxlib does not quantize are refused at every public entry.
 
-Each foreign family is transformers' own class (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, gpt-oss, and
-the dense Qwen3) built at a tiny size; every entry that takes a model, a config or a checkpoint folder
-must refuse it in under a second, the message naming the entry, the class (or the config's
-``architectures``) and ``Qwen3MoeForCausalLM``. A Qwen3-MoE model still goes through calibrate ->
+Each foreign class is transformers' own (the dense Qwen3 and Llama, and JetMoE, an MoE family mxlib
+does not register) built at a tiny size; every entry that takes a model, a config or a checkpoint
+folder must refuse it in under a second, the message naming the entry, the class (or the config's
+``architectures``) and the supported classes (``Qwen3MoeForCausalLM`` and the other registered
+families: Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3). A Qwen3-MoE model still goes through calibrate ->
 write -> load -> inspect, stored under its own class name.
 """
 
@@ -38,46 +39,19 @@ LIMIT_S = 1.0  # a refusal answers before any work: well under a second even on 
 
 _COMMON = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
 
-# transformers' own classes of the families mxlib does not quantize, at tiny sizes
+# transformers' own classes mxlib does not quantize, at tiny sizes: a dense model of a supported MoE
+# family's line, a dense Llama, and an MoE family with its own expert layout (JetMoE's mixture of
+# attention heads and its fused input_linear / output_linear experts)
 FOREIGN = {
-    "MixtralForCausalLM": (
-        "MixtralConfig",
-        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2),
-    ),
-    "OlmoeForCausalLM": ("OlmoeConfig", dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2)),
-    "Qwen2MoeForCausalLM": (
-        "Qwen2MoeConfig",
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-        ),
-    ),
-    "DeepseekV3ForCausalLM": (
-        "DeepseekV3Config",
-        dict(
-            intermediate_size=64,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=0,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-        ),
-    ),
-    "GptOssForCausalLM": (
-        "GptOssConfig",
-        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=32),
-    ),
     "Qwen3ForCausalLM": ("Qwen3Config", dict(intermediate_size=64, head_dim=32)),
+    "LlamaForCausalLM": ("LlamaConfig", dict(intermediate_size=64)),
+    "JetMoeForCausalLM": (
+        "JetMoeConfig",
+        dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, kv_channels=32),
+    ),
 }
+# the supported families besides Qwen3-MoE: every entry takes them (tests/test_families_roundtrip.py)
+SUPPORTED_OTHERS = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
 NAMES = sorted(FOREIGN)
 
 
@@ -110,15 +84,28 @@ def _refused(call, error, *names):
         call()
     elapsed = time.perf_counter() - t0
     assert elapsed < LIMIT_S, f"refusal took {elapsed:.3f} s"
-    for n in (*names, "Qwen3MoeForCausalLM"):
+    for n in (*names, "Qwen3MoeForCausalLM", *SUPPORTED_OTHERS):
         assert n in str(info.value), (n, str(info.value))
     return info.value
 
 
 def test_supported_names_are_transformers_own():
-    # the oracle: transformers' class and config, not mxlib's constants
-    assert families.SUPPORTED_ARCHITECTURES == (transformers.Qwen3MoeForCausalLM.__name__,)
-    assert families.SUPPORTED_MODEL_TYPES == (transformers.Qwen3MoeConfig.model_type,)
+    # the oracle: transformers' classes and configs, not mxlib's constants
+    want = [
+        (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig),
+        (transformers.MixtralForCausalLM, transformers.MixtralConfig),
+        (transformers.OlmoeForCausalLM, transformers.OlmoeConfig),
+        (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig),
+        (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config),
+    ]
+    assert families.SUPPORTED_ARCHITECTURES[0] == "Qwen3MoeForCausalLM"  # the default, first
+    for model_cls, config_cls in want:
+        assert model_cls.__name__ in families.SUPPORTED_ARCHITECTURES
+        assert config_cls.model_type in families.SUPPORTED_MODEL_TYPES
+        fam = families.FAMILIES[model_cls.__name__]
+        assert (fam.model_type, fam.config_class) == (config_cls.model_type, config_cls.__name__)
+        assert fam.load_class() is model_cls and fam.load_config_class() is config_cls
+    assert len(families.SUPPORTED_ARCHITECTURES) == len(families.SUPPORTED_MODEL_TYPES)
     assert issubclass(families.UnsupportedModelError, TypeError)
 
 
@@ -201,23 +188,24 @@ def test_checkpoint_readers_refuse_foreign_config_json(cls_name, quantized, fore
 def test_cli_refuses_foreign_config_json(tmp_path):
     from mxlib.cli import main
 
-    folder = _config_folder(tmp_path, "MixtralForCausalLM", quantized=False)
+    folder = _config_folder(tmp_path, "JetMoeForCausalLM", quantized=False)
     err = io.StringIO()
     with redirect_stderr(err), pytest.raises(SystemExit) as info:
         main(["dummy-from-config", str(folder), str(tmp_path / "out"), "--scheme", "w_mxfp4_a_mxfp4"])
     assert info.value.code == 2
     text = err.getvalue()
-    assert "MixtralForCausalLM" in text and "Qwen3MoeForCausalLM" in text and "moe_intermediate_size" not in text, text
+    assert "JetMoeForCausalLM" in text and "Qwen3MoeForCausalLM" in text and "moe_intermediate_size" not in text, text
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(
     "cfg, found",
     [
-        ({"architectures": ["MixtralForCausalLM"]}, "MixtralForCausalLM"),
-        ({"model_type": "olmoe"}, "'olmoe'"),
-        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "mixtral"}, "'mixtral'"),
-        ({"architectures": ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"]}, "Qwen2MoeForCausalLM"),
+        ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
+        ({"model_type": "jetmoe"}, "'jetmoe'"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "llama"}, "'llama'"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "mixtral"}, "'mixtral' of another family"),
+        ({"architectures": ["Qwen3MoeForCausalLM", "Qwen3ForCausalLM"]}, "Qwen3ForCausalLM"),
         ({"architectures": "Qwen3MoeForCausalLM"}, "expected a list of class names"),
     ],
 )

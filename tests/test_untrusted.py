@@ -267,7 +267,7 @@ def test_the_allocators_error_names_the_file_and_fields(copy, monkeypatch):
     def refuse(*a, **k):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8796093022208 bytes")
 
-    monkeypatch.setattr(L, "empty_qwen3_moe", refuse)
+    monkeypatch.setattr(L, "empty_moe_model", refuse)
     folder = copy()
     with pytest.raises(CheckpointError, match=r"config\.json: the model its sizes describe cannot be allocated"):
         load_quantized_qwen3_moe(folder)

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from ..formats import BlockScheme, PerTensorScheme, get_activation_format
 from ..moe.reference_moe import torch_moe
-from .families import check_supported_model
-from .qwen3 import expert_weights, moe_layers
+from .families import check_supported_model, family_of
+from .moe_models import expert_weights, moe_blocks
 
 __all__ = ["LayerCalibration", "Calibration", "calibrate"]
 
@@ -50,18 +50,41 @@ class LayerCalibration:
 
 @dataclass
 class Calibration:
+    """Per MoE layer statistics (``layers``, in layer order) over ``num_tokens`` calibration tokens.
+
+    ``layer_indices``: the decoder layer of each entry of ``layers`` (a family with dense MLP layers,
+    DeepSeek-V3's first ``first_k_dense_replace``, has fewer MoE layers than decoder layers); None
+    means ``layers[i]`` is decoder layer ``i`` (every layer an MoE layer).
+    """
+
     layers: list[LayerCalibration] = field(default_factory=list)
     num_tokens: int = 0
+    layer_indices: list[int] | None = None
+
+    def layer(self, layer: int) -> LayerCalibration:
+        """The statistics of decoder layer ``layer``.
+
+        Raises:
+            ValueError: ``layer`` is not a calibrated MoE layer.
+        """
+        if self.layer_indices is None:
+            if not 0 <= layer < len(self.layers):
+                raise ValueError(f"layer: expected a calibrated layer in [0, {len(self.layers)}), got {layer!r}")
+            return self.layers[layer]
+        if layer not in self.layer_indices:
+            raise ValueError(f"layer: expected a calibrated MoE layer of {self.layer_indices}, got {layer!r}")
+        return self.layers[self.layer_indices.index(layer)]
 
     def input_scales(
         self, layer: int, activation: BlockScheme | PerTensorScheme | str = "nvfp4"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13_input_scale [E], w2_input_scale [E])`` decode scales for an activation format with a
-        static scale: NVFP4 (``amax / 2688``) or per-tensor FP8 (``amax / 448``; name ``fp8``)."""
+        """``(w13_input_scale [E], w2_input_scale [E])`` decode scales of decoder layer ``layer`` for an
+        activation format with a static scale: NVFP4 (``amax / 2688``) or per-tensor FP8 (``amax / 448``;
+        name ``fp8``)."""
         fmt = get_activation_format(activation)
         if fmt is None or not fmt.static_scale:
             raise ValueError(f"activation: {fmt} has no static input scale")
-        lc = self.layers[layer]
+        lc = self.layer(layer) if self.layer_indices is not None else self.layers[layer]
         return lc.a1_amax / fmt.scale_divisor, lc.a2_amax / fmt.scale_divisor
 
 
@@ -108,7 +131,8 @@ def calibrate(
 ) -> Calibration:
     """Record per-expert amax of a1 and a2 in every MoE layer over ``token_ids [B, T]``.
 
-    The model must hold its bf16 experts (transformers' ``Qwen3MoeExperts``); they are
+    The model (any registered family, ``mxlib.models.families``) must hold its bf16 experts
+    (transformers' ``Qwen3MoeExperts``, ``MixtralExperts``, ...); they are
     swapped for recording twins during the run and restored afterwards. ``progress``: a tqdm bar
     on stderr, one step per MoE layer of each batch of ``batch_size`` sequences.
 
@@ -119,18 +143,21 @@ def calibrate(
     check_supported_model(model, "calibrate")
     if token_ids.ndim != 2:
         raise ValueError(f"token_ids: expected [batch, seq], got shape {list(token_ids.shape)}")
-    layers = moe_layers(model)
-    originals = [mlp.experts for mlp in layers]
-    num_experts = model.config.num_experts
+    family = family_of(model, "calibrate")
+    blocks = moe_blocks(model, "calibrate")
+    layers = [mlp for _, mlp in blocks]
+    attr = family.experts_attr
+    originals = [getattr(mlp, attr) for mlp in layers]
+    num_experts = family.num_experts(model.config)
     batches = range(0, token_ids.shape[0], batch_size)
     logger.info("calibrating %d MoE layers on %d token ids %s", len(layers), token_ids.numel(), list(token_ids.shape))
     bar = tqdm(total=len(batches) * len(layers), desc="calibrating", unit="layer", disable=not progress)
     recorders = []
-    for i, mlp in enumerate(layers):
+    for i, mlp in blocks:
         w13, w2 = expert_weights(model, i)
         rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar)
         recorders.append(rec)
-        mlp.experts = rec
+        setattr(mlp, attr, rec)
     try:
         dev = next(model.parameters()).device
         for b in batches:
@@ -138,8 +165,11 @@ def calibrate(
     finally:
         bar.close()
         for mlp, orig in zip(layers, originals):
-            mlp.experts = orig
-    out = Calibration(num_tokens=token_ids.numel())
+            setattr(mlp, attr, orig)
+    indices = [i for i, _ in blocks]
+    out = Calibration(
+        num_tokens=token_ids.numel(), layer_indices=None if indices == list(range(len(indices))) else indices
+    )
     for rec in recorders:
         kept = {k: (torch.cat(v) if v else None) for k, v in rec.kept.items()}
         out.layers.append(LayerCalibration(rec.a1_amax, rec.a2_amax, rec.tokens, **kept))

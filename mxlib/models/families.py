@@ -46,6 +46,10 @@ __all__ = [
     "MoEFamily",
     "FAMILIES",
     "QWEN3_MOE",
+    "MIXTRAL",
+    "OLMOE",
+    "QWEN2_MOE",
+    "DEEPSEEK_V3",
     "register_family",
     "family_of",
     "family_for_architecture",
@@ -237,6 +241,52 @@ QWEN3_MOE = register_family(
         config_class="Qwen3MoeConfig",
         layer_rule=sparse_step_layers,
         dense_modules="dense MLP layers only where decoder_sparse_step / mlp_only_layers make them",
+    )
+)
+
+
+MIXTRAL = register_family(
+    MoEFamily(
+        architecture="MixtralForCausalLM",
+        model_type="mixtral",
+        config_class="MixtralConfig",
+        num_experts_fields=("num_local_experts", "num_experts"),
+        intermediate_size_fields=("intermediate_size",),
+        disk_block="block_sparse_moe",
+        disk_projs=("w1", "w3", "w2"),
+        dense_modules="none: every layer's MLP is the routed experts",
+    )
+)
+OLMOE = register_family(
+    MoEFamily(
+        architecture="OlmoeForCausalLM",
+        model_type="olmoe",
+        config_class="OlmoeConfig",
+        intermediate_size_fields=("intermediate_size",),
+        dense_modules="none: every layer's MLP is the routed experts",
+    )
+)
+QWEN2_MOE = register_family(
+    MoEFamily(
+        architecture="Qwen2MoeForCausalLM",
+        model_type="qwen2_moe",
+        config_class="Qwen2MoeConfig",
+        layer_rule=sparse_step_layers,
+        dense_modules="a sigmoid-gated shared expert in every MoE block (mlp.shared_expert, mlp.shared_expert_gate); "
+        "dense MLP layers where decoder_sparse_step / mlp_only_layers make them",
+    )
+)
+DEEPSEEK_V3 = register_family(
+    MoEFamily(
+        architecture="DeepseekV3ForCausalLM",
+        model_type="deepseek_v3",
+        config_class="DeepseekV3Config",
+        num_experts_fields=("n_routed_experts", "num_local_experts"),
+        layer_rule=first_k_dense_layers,
+        routing="grouped_topk",
+        fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+        dense_modules="n_shared_experts shared experts in every MoE block (mlp.shared_experts); dense MLPs in "
+        "the first first_k_dense_replace layers",
     )
 )
 

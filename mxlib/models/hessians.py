@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 from ..moe.base import TransformersExperts
 from ..moe.reference_moe import torch_moe
-from .qwen3 import expert_weights, moe_layers
+from .families import family_of
+from .moe_models import expert_weights, moe_blocks
 
 __all__ = ["LayerHessians", "ExpertHessians", "collect_expert_hessians"]
 
@@ -131,10 +132,11 @@ def collect_expert_hessians(
     afterwards; the routing is the model's own (its router's ``top_k_index``).
 
     Args:
-        model: transformers ``Qwen3MoeForCausalLM`` holding its bf16 experts (``Qwen3MoeExperts``).
+        model: a transformers model of a registered family (``mxlib.models.families``) holding its bf16
+            experts (``Qwen3MoeExperts``, ``MixtralExperts``, ...).
         token_ids: int ``[B, T]`` calibration token ids.
         batch_size: sequences per forward.
-        layers: decoder layer indices to collect (default: every layer).
+        layers: decoder layer indices of MoE layers to collect (default: every MoE layer).
         progress: a tqdm bar on stderr, one step per collected layer of each batch.
 
     Returns:
@@ -149,25 +151,30 @@ def collect_expert_hessians(
         raise ValueError(f"token_ids: expected an integer tensor [batch, seq], got {got}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
-    blocks = moe_layers(model)
-    chosen = list(range(len(blocks))) if layers is None else list(layers)
-    bad = [i for i in chosen if not isinstance(i, int) or not 0 <= i < len(blocks)]
+    family = family_of(model, "collect_expert_hessians")
+    attr = family.experts_attr
+    blocks = dict(moe_blocks(model, "collect_expert_hessians"))  # decoder layer index -> MoE block
+    chosen = list(blocks) if layers is None else list(layers)
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or i not in blocks]
     if bad:
-        raise ValueError(f"layers: expected indices in [0, {len(blocks)}), got {bad}")
-    quantized = [i for i, mlp in enumerate(blocks) if isinstance(mlp.experts, TransformersExperts)]
+        if list(blocks) == list(range(len(blocks))):
+            raise ValueError(f"layers: expected indices in [0, {len(blocks)}), got {bad}")
+        raise ValueError(f"layers: expected MoE layer indices of {list(blocks)}, got {bad}")
+    quantized = [i for i, mlp in blocks.items() if isinstance(getattr(mlp, attr), TransformersExperts)]
     if quantized:
         raise ValueError(
             f"model: layers {quantized} hold emulation (quantized) experts; collect Hessians on the bf16 model"
         )
-    num_experts = model.config.num_experts
+    num_experts = family.num_experts(model.config)
     batches = range(0, token_ids.shape[0], batch_size)
     logger.info("collecting expert Hessians of %d layers on %d token ids", len(chosen), token_ids.numel())
     bar = tqdm(total=len(batches) * len(chosen), desc="expert Hessians", unit="layer", disable=not progress)
-    originals = {i: mlp.experts for i, mlp in enumerate(blocks)}
+    originals = {i: getattr(mlp, attr) for i, mlp in blocks.items()}
     recorders = {}
-    for i, mlp in enumerate(blocks):
+    for i, mlp in blocks.items():
         w13, w2 = expert_weights(model, i)
-        recorders[i] = mlp.experts = _HessianExperts(w13, w2, num_experts, i in chosen, bar if i in chosen else None)
+        recorders[i] = _HessianExperts(w13, w2, num_experts, i in chosen, bar if i in chosen else None)
+        setattr(mlp, attr, recorders[i])
     try:
         dev = next(model.parameters()).device
         for b in batches:
@@ -175,7 +182,7 @@ def collect_expert_hessians(
     finally:
         bar.close()
         for i, orig in originals.items():
-            blocks[i].experts = orig
+            setattr(blocks[i], attr, orig)
     out = ExpertHessians(num_tokens=token_ids.numel())
     for i in chosen:
         rec = recorders[i]

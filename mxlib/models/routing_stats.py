@@ -1,7 +1,7 @@
-"""Per-layer routing statistics of a transformers Qwen3-MoE model on a token batch.
+"""Per-layer routing statistics of a transformers MoE model (any registered family) on a token batch.
 
 ``routing_statistics`` runs the model once on token ids with a forward hook on every
-router (``layer.mlp.gate``), reads which experts each token was sent to, and summarizes
+router (``layer.mlp.gate``, the family's ``router_attr``), reads which experts each token was sent to, and summarizes
 each layer: how many experts received any token, the largest and smallest expert's share
 of the ``T * k`` assignments, the entropy of the expert-load distribution, and the tokens
 per expert. The model is not changed (hooks are removed afterwards), whichever experts
@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from .families import check_supported_model
-from .qwen3 import moe_layers
+from .families import check_supported_model, family_of
+from .moe_models import moe_blocks
 
 __all__ = ["routing_statistics", "summarize_counts", "routing_rows", "routing_figure"]
 
@@ -44,13 +44,13 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
     """Run ``model`` on ``token_ids`` and summarize each MoE layer's routing.
 
     Args:
-        model: a transformers ``Qwen3MoeForCausalLM`` (``mxlib.models.families``), its
-            ``model.model.layers[i].mlp.gate`` routers hooked.
+        model: a transformers model of a registered family (``mxlib.models.families``), its
+            MoE layers' ``model.model.layers[i].mlp.gate`` routers hooked.
         token_ids: int64 ``[batch, seq]`` or ``[seq]`` token ids (moved to the model's device).
 
     Returns:
-        One dict per layer, in layer order, with keys:
-        ``layer`` (int); ``num_experts`` E; ``top_k`` k; ``assignments`` ``T * k`` (int);
+        One dict per MoE layer, in layer order, with keys:
+        ``layer`` (int, the decoder layer); ``num_experts`` E; ``top_k`` k; ``assignments`` ``T * k`` (int);
         ``experts_hit`` (experts that received at least one token); ``max_share`` and
         ``min_share`` (largest and smallest expert's fraction of the assignments);
         ``uniform_share`` ``1 / E``; ``max_over_uniform`` ``max_share * E``;
@@ -73,11 +73,13 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
         )
     if token_ids.dim() == 1:
         token_ids = token_ids[None]
-    layers = moe_layers(model)
+    family = family_of(model, "routing_statistics")
+    blocks = moe_blocks(model, "routing_statistics")
+    layers = [mlp for _, mlp in blocks]
     if not layers:
         raise ValueError("model has no MoE layers (model.model.layers is empty)")
-    num_experts = int(model.config.num_experts)
-    top_k = int(model.config.num_experts_per_tok)
+    num_experts = family.num_experts(model.config)
+    top_k = family.top_k(model.config)
     counts: dict[int, torch.Tensor] = {}
 
     def hook_for(i):
@@ -88,7 +90,7 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
 
         return hook
 
-    handles = [mlp.gate.register_forward_hook(hook_for(i)) for i, mlp in enumerate(layers)]
+    handles = [getattr(mlp, family.router_attr).register_forward_hook(hook_for(i)) for i, mlp in enumerate(layers)]
     try:
         device = next(model.parameters()).device
         model.model(input_ids=token_ids.to(device), use_cache=False)
@@ -96,7 +98,10 @@ def routing_statistics(model, token_ids: torch.Tensor) -> list[dict]:
         for h in handles:
             h.remove()
 
-    return summarize_counts([counts[i] for i in range(len(layers))], top_k)
+    stats = summarize_counts([counts[i] for i in range(len(layers))], top_k)
+    for row, (index, _) in zip(stats, blocks):
+        row["layer"] = index
+    return stats
 
 
 def summarize_counts(tokens_per_expert: list[torch.Tensor], top_k: int) -> list[dict]:

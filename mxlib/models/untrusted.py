@@ -23,7 +23,7 @@ import os
 import stat
 from pathlib import Path
 
-from .families import check_supported_model
+from .families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
 from .presets import MODEL_PRESETS
 
 __all__ = [
@@ -113,7 +113,8 @@ def read_json(
     return value
 
 
-# config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts)
+# config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts);
+# another family's are family_int_fields(family)
 MODEL_INT_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
@@ -126,6 +127,30 @@ MODEL_INT_FIELDS = (
 )
 
 
+def family_int_fields(family: MoEFamily) -> tuple:
+    """``MODEL_INT_FIELDS`` of a family: its expert count and expert intermediate size under its own config
+    names (``MoEFamily.num_experts_fields`` / ``intermediate_size_fields``), the others as Qwen3-MoE's."""
+    if family is QWEN3_MOE:
+        return MODEL_INT_FIELDS
+    return (
+        "hidden_size",
+        "num_hidden_layers",
+        family.num_experts_fields,
+        "num_experts_per_tok",
+        family.intermediate_size_fields,
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
+
+
+def _config_family(cfg) -> MoEFamily:
+    """The family a checked config dict names (Qwen3-MoE when it names none)."""
+    if cfg.get("architectures") or cfg.get("model_type") is not None:
+        return family_of(cfg)
+    return QWEN3_MOE
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
@@ -135,21 +160,25 @@ def check_model_fields(cfg: dict, source, error=ValueError) -> dict[str, int]:
     a multiple of ``num_key_value_heads``, ``head_dim`` (when given) a positive integer.
 
     Returns:
-        ``{field: value}`` (``num_experts`` under that name whichever the config uses).
+        ``{field: value}``: ``num_experts`` and ``moe_intermediate_size`` under those names whichever
+        the config uses (Mixtral's ``num_local_experts`` / ``intermediate_size``, DeepSeek-V3's
+        ``n_routed_experts``: ``family_int_fields``); the error names the config's own field.
 
     Raises:
         error: naming ``source`` (a file, or what changed it), the field and the value found; first of
             all a config of a family mxlib does not quantize (``mxlib.models.families``).
     """
     check_supported_model(cfg, "config", name=str(source), error=error)
+    family = _config_family(cfg)
     out = {}
-    for keys in MODEL_INT_FIELDS:
+    for keys, canonical in zip(family_int_fields(family), MODEL_INT_FIELDS):
         keys = (keys,) if isinstance(keys, str) else keys
+        canonical = canonical if isinstance(canonical, str) else canonical[0]
         key = next((k for k in keys if k in cfg), keys[0])
         v = cfg.get(key)
         if not _positive_int(v):
             raise error(f"{source}: {key}: expected a positive integer, found {v!r}")
-        out[keys[0]] = v
+        out[canonical] = v
     if out["num_experts_per_tok"] > out["num_experts"]:
         raise error(
             f"{source}: num_experts_per_tok: expected at most num_experts={out['num_experts']}, found "
@@ -174,7 +203,8 @@ MAX_DUMMY_LAYERS = 512
 def model_bytes(cfg: dict) -> int:
     """bf16 bytes of the Qwen3-MoE a checked config dict describes (embedding, head unless tied, every
     layer's attention, router, experts and norms)."""
-    h, e, i = cfg["hidden_size"], cfg.get("num_experts", cfg.get("num_local_experts")), cfg["moe_intermediate_size"]
+    family = _config_family(cfg)
+    h, e, i = cfg["hidden_size"], family.num_experts(cfg), family.intermediate_size(cfg)
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     per_layer = 2 * h * q + 2 * h * kv + e * h + 3 * e * h * i + 2 * h + 2 * hd

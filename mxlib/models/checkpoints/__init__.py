@@ -1,4 +1,4 @@
-"""Quantized Qwen3-MoE checkpoints in the real on-disk layouts: the writer, the loader, the inspector.
+"""Quantized MoE checkpoints of every registered family in the on-disk layouts: writer, loader, inspector.
 
 One module per layout, each a ``layout.CheckpointLayout`` owning its config writing, its config
 reading (into a typed ``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA
@@ -11,7 +11,8 @@ is written in when the caller names none.
 
 * ``writer``: ``write_quantized_checkpoint`` (a bf16 model's experts, and optionally attention,
   quantized and streamed into shards; an atomic folder write);
-* ``loader``: ``read_quant_config`` and ``load_quantized_qwen3_moe`` (emulation experts, and
+* ``loader``: ``read_quant_config`` and ``load_quantized_moe`` (any registered family; under Qwen3-MoE's
+  name ``load_quantized_qwen3_moe``) (emulation experts, and
   ``mxlib.moe.linear.EmulatedLinear`` for quantized linear layers outside the experts);
 * ``saving``: ``attach_checkpoint_layout`` and ``save_quantized_checkpoint``: a model's
   ``state_dict``, ``load_state_dict`` and ``save_pretrained`` in its checkpoint layout;
@@ -48,7 +49,7 @@ from .layout import (
     matches,
     register_layout,
 )
-from .loader import load_quantized_qwen3_moe, read_quant_config
+from .loader import load_quantized_moe, load_quantized_qwen3_moe, read_quant_config
 from .safetensors_io import SHARD_BYTES, ShardWriter, TensorReader, atomic_folder, checkpoint_size_bytes, read_json
 from .saving import CheckpointSource, attach_checkpoint_layout, save_quantized_checkpoint
 from .writer import ATTENTION_PROJS, write_quantized_checkpoint
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointDescription",
     "CheckpointLayout",
     "write_quantized_checkpoint",
+    "load_quantized_moe",
     "load_quantized_qwen3_moe",
     "read_quant_config",
     "attach_checkpoint_layout",

@@ -28,10 +28,10 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
 from .. import untrusted
+from ..families import QWEN3_MOE, MoEFamily
 from ..untrusted import MODEL_INT_FIELDS
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
 from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
@@ -54,12 +54,15 @@ def check_model_fields(cfg: dict, source) -> dict[str, int]:
     return untrusted.check_model_fields(cfg, source, CheckpointError)
 
 
-def model_config(cfg: dict, source) -> Qwen3MoeConfig:
-    """transformers' config from a checked config dict; its own validation errors as ``CheckpointError``."""
+def model_config(cfg: dict, source, family: MoEFamily = QWEN3_MOE):
+    """The family's transformers config (``Qwen3MoeConfig``, ``MixtralConfig``, ...) from a checked config
+    dict; its own validation errors as ``CheckpointError``."""
     try:
-        return Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k not in _NOT_CONFIG_KEYS})
+        return family.load_config_class()(**{k: v for k, v in cfg.items() if k not in _NOT_CONFIG_KEYS})
     except Exception as err:  # noqa: BLE001  transformers validates fields with various error types
-        raise CheckpointError(f"{source}: not a valid Qwen3-MoE config ({type(err).__name__}: {err})") from None
+        raise CheckpointError(
+            f"{source}: not a valid {family.config_class} ({family.architecture}) config ({type(err).__name__}: {err})"
+        ) from None
 
 
 def layers_on_disk(headers: SafetensorsHeaders) -> set[int]:
@@ -83,11 +86,14 @@ def check_model_config(
     headers: SafetensorsHeaders,
     info: CheckpointDescription | None,
     every_layer: bool = True,
-) -> Qwen3MoeConfig:
+    family: MoEFamily = QWEN3_MOE,
+):
     """The module docstring's rules on ``cfg`` (``config.json``'s dict, ``num_hidden_layers`` possibly cut)
-    against ``headers``; the checked ``Qwen3MoeConfig``. With ``info`` None (a config the layouts refuse)
-    step 5 is skipped; ``every_layer=False`` checks the first quantized layer only (the loader, whose own
-    per-layer reads check the others with their own messages, each before it allocates).
+    against ``headers`` (under state-dict names: ``SafetensorsHeaders.as_module_names`` of the family's
+    ``module_name``); the checked config of ``family`` (``Qwen3MoeConfig``, ...). With ``info`` None (a
+    config the layouts refuse) step 5 is skipped; ``every_layer=False`` checks the first quantized layer
+    only (the loader, whose own per-layer reads check the others with their own messages, each before it
+    allocates).
 
     Raises:
         CheckpointError: the first rule broken, naming the file and field or the tensor.
@@ -103,46 +109,44 @@ def check_model_config(
         )
     h, e = f["hidden_size"], f["num_experts"]
     _shape_of(headers, "model.embed_tokens.weight", cfg_path, "[vocab_size, hidden_size]", (f["vocab_size"], h))
-    router = next(
-        (
-            f"model.layers.{x}.mlp.gate.weight"
-            for x in range(layers)
-            if f"model.layers.{x}.mlp.gate.weight" in headers.where
-        ),
-        None,
-    )
+    routers = [f"model.layers.{x}.{family.block_attr}.{family.router_attr}.weight" for x in range(layers)]
+    router = next((n for n in routers if n in headers.where), None)
     if router is not None:
         _shape_of(headers, router, cfg_path, "[num_experts, hidden_size]", (e, h))
-    config = model_config(cfg, cfg_path)
+    config = model_config(cfg, cfg_path, family)
     with torch.device("meta"):
-        meta = Qwen3MoeForCausalLM(config)
+        meta = family.load_class()(config)
+    experts_part = f".{family.block_attr}.{family.experts_attr}."
     for name, p in meta.named_parameters():
         module = name.rsplit(".", 1)[0]
-        if ".mlp.experts." in name or f"{module}.weight_scale" in headers.where:
+        if experts_part in name or f"{module}.weight_scale" in headers.where:
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         _shape_of(headers, name, cfg_path, f"{name}'s shape", tuple(p.shape))
     del meta
     if info is not None:
-        _check_experts(headers, info, cfg_path, layers, e, h, f["moe_intermediate_size"], every_layer)
+        moe = family.moe_layer_indices(config)
+        _check_experts(headers, info, cfg_path, moe, e, h, f["moe_intermediate_size"], every_layer, family)
     return config
 
 
-def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int, every_layer: bool) -> None:
+def _check_experts(
+    headers, info, cfg_path, moe: list[int], e: int, h: int, i: int, every_layer: bool, family: MoEFamily
+) -> None:
     quantized = [
         layer
-        for layer in range(layers)
-        if not all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
+        for layer in moe
+        if not all(matches(family.disk_name(f"{family.experts_prefix(layer)}.0.{p}"), info.exclude) for p in PROJS)
     ]
     reader = HeaderTensorReader(headers)
-    for layer in set(range(layers)) - set(quantized):
-        prefix = f"model.layers.{layer}.mlp.experts"
+    for layer in sorted(set(moe) - set(quantized)):
+        prefix = family.experts_prefix(layer)
         for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             reader.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
     if not quantized:
         return
-    prefix = f"model.layers.{quantized[0]}.mlp.experts"
+    prefix = family.experts_prefix(quantized[0])
     if not every_layer and any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
         return  # the loader refuses these with its own message
     # the rows of expert 0's weights (packed or not) are the sizes a layout allocates with: bounded first
@@ -158,7 +162,7 @@ def _check_experts(headers, info, cfg_path, layers: int, e: int, h: int, i: int,
     layout = LAYOUTS[info.format]
     for layer in quantized if every_layer else quantized[:1]:
         try:
-            layout.read_experts(reader, f"model.layers.{layer}.mlp.experts", e, h, i, info)
+            layout.read_experts(reader, family.experts_prefix(layer), e, h, i, info)
         except RuntimeError as err:  # the allocator, for sizes the headers contradict
             raise CheckpointError(f"{cfg_path}: the experts of layer {layer} cannot be allocated ({err})") from None
 

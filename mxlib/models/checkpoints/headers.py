@@ -303,6 +303,35 @@ class SafetensorsHeaders:
                         f"found in that file)"
                     )
 
+    def as_module_names(self, module_name) -> SafetensorsHeaders:
+        """These headers with every tensor under its state-dict name ``module_name(file name)`` (a family's
+        ``MoEFamily.module_name``: Mixtral's ``block_sparse_moe.experts.e.w1`` read as
+        ``mlp.experts.e.gate_proj``), in place; ``file_name`` maps a name back to the one the shard stores.
+
+        Raises:
+            CheckpointError: two stored names that map to one state-dict name (naming both).
+        """
+        renamed = {}
+        for n in self.where:
+            m = module_name(n)
+            if m in renamed:
+                raise CheckpointError(
+                    f"checkpoint {self.folder}: tensors {renamed[m]!r} and {n!r} are both read as {m!r}"
+                )
+            renamed[m] = n
+        back = {m: n for m, n in renamed.items()}
+        self.where = {m: self.where[n] for m, n in back.items()}
+        self.dtype = {m: self.dtype[n] for m, n in back.items()}
+        self.shape = {m: self.shape[n] for m, n in back.items()}
+        self.span = {m: self.span[n] for m, n in back.items()}
+        self._data = {}
+        self._file_names = {m: n for m, n in back.items() if m != n}
+        return self
+
+    def file_name(self, name: str) -> str:
+        """The name a shard stores tensor ``name`` under (``as_module_names``; else ``name``)."""
+        return getattr(self, "_file_names", {}).get(name, name)
+
     def read_small(self, names: list[str]) -> dict[str, bytes]:
         """The raw bytes of the named tensors, each shard opened once and read in data order; each tensor
         is read once (kept for later calls) and counted once."""

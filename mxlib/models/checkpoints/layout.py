@@ -169,6 +169,27 @@ class CheckpointLayout(abc.ABC):
         """One quantized ``[out, in]`` linear weight; default ``mxlib.moe.factory.quantize_linear_weight``."""
         return quantize_linear_weight(weight, scheme)
 
+    # keys of a quantization config's (or an extra config file's) lists of unquantized module names
+    exclude_keys: tuple[str, ...] = ("ignore", "exclude", "exclude_modules")
+
+    def add_excluded(self, qc: dict, extra: dict[str, dict], names: list[str]) -> None:
+        """Add module names (on-disk names, each exact) the checkpoint stores unquantized to every exclude
+        list of ``qc`` and of the extra config files (ModelOpt's ``hf_quant_config.json``), in place, each
+        name only where the list's own names and patterns (``matches``) do not cover it already: a Qwen3-MoE
+        config stays as the layout writes it, a family's shared experts, dense MLPs and routers under other
+        names (Mixtral's ``block_sparse_moe.gate``) are named one by one."""
+
+        def walk(d):
+            for key, value in d.items():
+                if key in self.exclude_keys and isinstance(value, list):
+                    value.extend([n for n in names if not matches(n, value)])
+                elif isinstance(value, dict):
+                    walk(value)
+
+        walk(qc)
+        for content in extra.values():
+            walk(content)
+
     def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
         """Calibrated decode activation scales (``amax / scale_divisor``, fp32) in the convention
         ``expert_tensors`` and ``linear_tensors`` take (and ``read_experts`` returns); default: as given."""

@@ -1,10 +1,12 @@
-"""Reading a quantized Qwen3-MoE checkpoint of any registered layout: its config, then the model.
+"""Reading a quantized MoE checkpoint (any registered family and layout): its config, then the model.
 
 ``read_quant_config(folder)`` parses and validates the quantization config through the layout of
-its ``quant_method`` (``layout.layout_for_method``); ``load_quantized_qwen3_moe(path)`` builds
-transformers' ``Qwen3MoeForCausalLM``, loads every bf16 tensor (``safetensors_io.TensorReader``:
-every tensor checked, every error a ``CheckpointError`` naming the file and the tensor) and
-gives each layer the scheme's emulation experts built from the tensors the layout reads.
+its ``quant_method`` (``layout.layout_for_method``); ``load_quantized_moe(path)`` builds the
+transformers class of the family ``config.json`` names (``mxlib.models.families``: Qwen3-MoE,
+Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3), reads every tensor under the family's on-disk name
+(``MoEFamily.disk_name``: Mixtral's ``block_sparse_moe.experts.e.w1``), loads every bf16 tensor
+(``safetensors_io.TensorReader``: every tensor checked, every error a ``CheckpointError`` naming
+the file and the tensor) and gives each layer the scheme's emulation experts built from the tensors the layout reads.
 Quantized ``nn.Linear`` modules outside the experts (attention projections not in the ignore
 list) become ``mxlib.moe.linear.EmulatedLinear``.
 """
@@ -23,8 +25,8 @@ from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...recovery import RECOVERY_CONFIG_KEY
 from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
 from ...recovery.hadamard import rotation_from_config
-from ..families import check_supported_checkpoint
-from ..qwen3 import empty_qwen3_moe, swap_experts
+from ..families import MoEFamily, check_supported_checkpoint
+from ..moe_models import empty_moe_model, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
     LAYOUTS,
@@ -38,7 +40,7 @@ from .layout import (
 from .safetensors_io import SafetensorsHeaders, TensorReader, read_json
 from .saving import _attach, read_checkpoint_source
 
-__all__ = ["read_quant_config", "load_quantized_qwen3_moe", "check_scale_strategy"]
+__all__ = ["read_quant_config", "load_quantized_moe", "load_quantized_qwen3_moe", "check_scale_strategy"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,13 +102,13 @@ def _read_model_config(cfg_path: Path) -> dict:
     return cfg
 
 
-def _experts_excluded(exclude: list[str], layer: int) -> bool:
-    names = [f"model.layers.{layer}.mlp.experts.0.{p}" for p in PROJS]
-    return all(matches(n, exclude) for n in names)
+def _experts_excluded(exclude: list[str], layer: int, family: MoEFamily) -> bool:
+    """Whether the exclude list (of on-disk names) leaves decoder layer ``layer``'s experts bf16."""
+    return all(matches(family.disk_name(f"{family.experts_prefix(layer)}.0.{p}"), exclude) for p in PROJS)
 
 
 @torch.no_grad()
-def load_quantized_qwen3_moe(
+def load_quantized_moe(
     path: str | os.PathLike,
     num_hidden_layers: int | None = None,
     device: str | torch.device = "cpu",
@@ -115,11 +117,14 @@ def load_quantized_qwen3_moe(
     activation_dtype: torch.dtype = torch.bfloat16,
     progress: bool = False,
     gate_up_scale: str = "per_half",
+    where: str = "load_quantized_moe",
 ):
-    """Load a quantized Qwen3-MoE checkpoint (any registered layout) with emulation experts.
+    """Load a quantized MoE checkpoint (any registered family and layout) with emulation experts.
 
     Reads ``config.json`` (and legacy config files), validates the quantization config,
-    builds transformers' ``Qwen3MoeForCausalLM`` (``num_hidden_layers`` overrides the
+    builds the transformers class of the family its ``architectures`` name
+    (``mxlib.models.families.family_of``; ``Qwen3MoeForCausalLM`` when it names none;
+    ``num_hidden_layers`` overrides the
     checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
     layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
     from the per-expert tensors the layout reads. ``progress``: a tqdm bar on stderr, one step per
@@ -148,6 +153,11 @@ def load_quantized_qwen3_moe(
             an unknown ``scale_strategy`` (checked before anything is read), or a ``scale_strategy`` other
             than ``max`` for a scheme whose experts cannot apply it (``check_scale_strategy``).
 
+    The family's own routers, shared experts (Qwen2-MoE's gated ``shared_expert``, DeepSeek-V3's
+    ``shared_experts``) and dense MLP layers are loaded as stored (bf16, or float32 where the family
+    keeps them so: DeepSeek-V3's router weight and ``e_score_correction_bias``); only the routed
+    experts of the MoE layers (``MoEFamily.moe_layer_indices``) become emulation experts.
+
     Every size of ``config.json`` is checked against the safetensors headers before any tensor is
     allocated (``bounds.check_model_config``): a config naming more layers, a larger hidden size or
     more experts than the files hold is refused in milliseconds, naming the field. With
@@ -163,7 +173,7 @@ def load_quantized_qwen3_moe(
         raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
     check_scale_strategy(scale_strategy)
     folder = Path(path)
-    check_supported_checkpoint(folder, "load_quantized_qwen3_moe", read_json, CheckpointError)
+    family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
     info = read_quant_config(folder)
     check_scale_strategy(scale_strategy, info.scheme)
     layout = LAYOUTS[info.format]
@@ -176,8 +186,8 @@ def load_quantized_qwen3_moe(
             raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
         cfg_dict["num_hidden_layers"] = num_hidden_layers
     # every size of the config against the files, before anything is allocated (bounds.py)
-    headers = SafetensorsHeaders(folder)
-    config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False)
+    headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
+    config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False, family=family)
     source = read_checkpoint_source(folder, info, headers)  # the other config files, read before the build
     device = torch.device(device)
     logger.info(
@@ -191,11 +201,11 @@ def load_quantized_qwen3_moe(
     # Parameters are allocated but never written (no pages touched) until loaded below;
     # the experts' fused bf16 parameters are replaced without ever being paged in.
     try:
-        model = empty_qwen3_moe(config, torch.bfloat16, "cpu")
+        model = empty_moe_model(config, torch.bfloat16, "cpu", where=where)
     except RuntimeError as err:  # the allocator's "you tried to allocate ..."
         raise CheckpointError(
             f"{cfg_path}: the model its sizes describe cannot be allocated (hidden_size={config.hidden_size}, "
-            f"num_experts={config.num_experts}, moe_intermediate_size={config.moe_intermediate_size}, "
+            f"num_experts={family.num_experts(config)}, moe_intermediate_size={family.intermediate_size(config)}, "
             f"vocab_size={config.vocab_size}, num_hidden_layers={config.num_hidden_layers}): {err}"
         ) from None
     tensors = TensorReader(folder, headers)
@@ -203,11 +213,12 @@ def load_quantized_qwen3_moe(
 
     modules = dict(model.named_modules())
     quantized_linears = []
+    experts_part = f".{family.block_attr}.{family.experts_attr}."
     for name, p in model.named_parameters():
-        if ".mlp.experts." in name:
+        if experts_part in name:
             continue
         module = name.rsplit(".", 1)[0]
-        if f"{module}.weight_scale" in tensors and not matches(module, exclude):
+        if f"{module}.weight_scale" in tensors and not matches(family.disk_name(module), exclude):
             if not isinstance(modules[module], torch.nn.Linear) or not layout.supports_linear:
                 raise CheckpointError(
                     f"{module} is quantized in this checkpoint; mxlib emulates quantized experts and linear layers "
@@ -216,9 +227,13 @@ def load_quantized_qwen3_moe(
             if name.endswith(".weight"):
                 quantized_linears.append(module)
                 continue
-        p.data = tensors.get(name, tuple(p.shape), torch.bfloat16).to(device)
+        dtype = torch.float32 if family.keeps_fp32(name) else torch.bfloat16
+        p.data = tensors.get(name, tuple(p.shape), dtype).to(device)
+    for name, b in model.named_buffers():  # persistent buffers a checkpoint stores (DeepSeek-V3's router bias)
+        if name in tensors and experts_part not in name:
+            b.data = tensors.get(name, tuple(b.shape), b.dtype).to(device)
 
-    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    e, h, i = family.num_experts(config), config.hidden_size, family.intermediate_size(config)
     rotation = None  # a rotated checkpoint's online rotation (``mxlib.recovery.hadamard``)
     if isinstance(qc, dict) and RECOVERY_CONFIG_KEY in qc:
         try:
@@ -227,9 +242,9 @@ def load_quantized_qwen3_moe(
             raise CheckpointError(f"{cfg_path}: quantization_config.{err}") from None
 
     def make(layer: int):
-        prefix = f"model.layers.{layer}.mlp.experts"
+        prefix = family.experts_prefix(layer)
         _refuse_fused_unquantized(tensors, prefix)
-        if _experts_excluded(exclude, layer):
+        if _experts_excluded(exclude, layer, family):
             return _bf16_experts(tensors, prefix, e, h, i, device, backend)
         weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
         weights = reconcile_gate_up(weights, gate_up_scale)
@@ -246,14 +261,16 @@ def load_quantized_qwen3_moe(
             rotation=rotation,
         )
 
-    with tqdm(total=config.num_hidden_layers, desc="loading experts", unit="layer", disable=not progress) as bar:
+    with tqdm(
+        total=len(family.moe_layer_indices(config)), desc="loading experts", unit="layer", disable=not progress
+    ) as bar:
 
         def make_and_count(layer: int):
             experts = make(layer)
             bar.update()
             return experts
 
-        swap_experts(model, make_and_count)
+        swap_experts(model, make_and_count, where=where)
     for module in quantized_linears:
         lin = modules[module]
         weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)
@@ -277,6 +294,31 @@ def load_quantized_qwen3_moe(
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
     _attach(model, source)
     return model.to(device).eval(), info
+
+
+def load_quantized_qwen3_moe(
+    path: str | os.PathLike,
+    num_hidden_layers: int | None = None,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+    scale_strategy: str = "max",
+    activation_dtype: torch.dtype = torch.bfloat16,
+    progress: bool = False,
+    gate_up_scale: str = "per_half",
+):
+    """``load_quantized_moe`` under Qwen3-MoE's name (same arguments, returns and errors; a checkpoint
+    of any registered family loads as that family's class)."""
+    return load_quantized_moe(
+        path,
+        num_hidden_layers=num_hidden_layers,
+        device=device,
+        backend=backend,
+        scale_strategy=scale_strategy,
+        activation_dtype=activation_dtype,
+        progress=progress,
+        gate_up_scale=gate_up_scale,
+        where="load_quantized_qwen3_moe",
+    )
 
 
 def _refuse_fused_unquantized(tensors: TensorReader, prefix: str) -> None:

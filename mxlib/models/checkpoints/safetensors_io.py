@@ -230,7 +230,7 @@ class TensorReader:
         fname = self.weight_map[name]
         f = self._open(fname)
         try:
-            return f.get_tensor(name)
+            return f.get_tensor(self.headers.file_name(name))
         except Exception as err:  # noqa: BLE001  safetensors raises its own error types
             raise CheckpointError(f"{self.folder / fname}: cannot read tensor {name!r} ({err})") from None
 

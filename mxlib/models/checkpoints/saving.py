@@ -1,5 +1,6 @@
-"""Saving a Qwen3-MoE that holds mxlib's quantized experts: ``state_dict``, ``load_state_dict`` and
-``save_pretrained`` in a checkpoint layout (ModelOpt NVFP4, Quark OCP MX, compressed-tensors NVFP4).
+"""Saving an MoE model (any registered family) that holds mxlib's quantized experts: ``state_dict``,
+``load_state_dict`` and ``save_pretrained`` in a checkpoint layout (ModelOpt NVFP4, Quark OCP MX,
+compressed-tensors NVFP4).
 
 mxlib's experts keep their packed weights and scales in non-persistent buffers, and transformers'
 ``save_pretrained`` writes ``state_dict()`` and ``config.json`` only: on its own it would write a
@@ -62,8 +63,8 @@ from ...moe.emulation import ExpertWeights, QuantizedExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...moe.linear import EmulatedLinear, LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ..families import check_supported_model
-from ..qwen3 import BoundToModel, tied_parameter_names
+from ..families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
+from ..moe_models import BoundToModel, tied_parameter_names
 from .headers import MAX_JSON_BYTES, open_regular, read_json
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
 from .safetensors_io import (
@@ -74,7 +75,7 @@ from .safetensors_io import (
     TensorReader,
     atomic_folder,
 )
-from .writer import ATTENTION_PROJS, _config_dict
+from .writer import _config_dict, attention_linears, unquantized_modules
 
 __all__ = [
     "CheckpointSource",
@@ -150,20 +151,21 @@ class _StateDictTensors(TensorReader):
         return self._tensors[name]
 
 
-def _excluded(prefix: str, description: CheckpointDescription) -> bool:
-    """Whether the config leaves the experts under ``prefix`` (``model.layers.L.mlp.experts.``) bf16."""
-    return all(matches(f"{prefix}0.{p}", description.exclude) for p in PROJS)
+def _excluded(prefix: str, description: CheckpointDescription, family: MoEFamily = QWEN3_MOE) -> bool:
+    """Whether the config leaves the experts under ``prefix`` (``model.layers.L.mlp.experts.``) bf16
+    (the exclude list names on-disk modules: ``MoEFamily.disk_name``)."""
+    return all(matches(family.disk_name(f"{prefix}0.{p}"), description.exclude) for p in PROJS)
 
 
 def _scheme_of(ex: QuantizedExperts) -> MoEQuantScheme:
     return getattr(ex, "scheme", None) or get_moe_scheme(ex.weight_scheme.name)
 
 
-def _check_experts(ex, prefix: str, description: CheckpointDescription) -> None:
+def _check_experts(ex, prefix: str, description: CheckpointDescription, family: MoEFamily = QWEN3_MOE) -> None:
     """Raise when experts cannot be stored as the description says (naming the layer and why)."""
     where = f"{prefix[:-1]} ({type(ex).__name__})"
     quantized = isinstance(ex, QuantizedExperts)
-    if _excluded(prefix, description) == quantized:
+    if _excluded(prefix, description, family) == quantized:
         said = "leaves them bf16 (excluded)" if quantized else "quantizes them"
         raise CheckpointError(
             f"{where}: the {description.format} quantization config {said}; the experts held are "
@@ -195,7 +197,7 @@ def _experts_tensors(module: TransformersExperts, prefix: str) -> dict[str, torc
     """``{checkpoint name: tensor}`` of one layer's experts (module docstring)."""
     description = module.checkpoint_description
     ex = module.experts
-    _check_experts(ex, prefix, description)
+    _check_experts(ex, prefix, description, getattr(module, "checkpoint_family", QWEN3_MOE))
     if not isinstance(ex, QuantizedExperts):  # bf16 experts of an excluded layer, per-expert names
         i = ex.intermediate_size
         out = {}
@@ -342,9 +344,11 @@ def _linear_load_hook(module, state_dict, prefix, local_metadata, strict, missin
 
 def _attach(model, source: CheckpointSource) -> None:
     """Hooks on every experts and emulated linear module, the source record and ``save_pretrained``."""
+    family = family_of(model, "attach_checkpoint_layout")
     for module in model.modules():
         if isinstance(module, (TransformersExperts, EmulatedLinear)):
             module.checkpoint_description = source.description
+            module.checkpoint_family = family
             if not getattr(module, "_checkpoint_hooks", False):
                 experts = isinstance(module, TransformersExperts)
                 module.register_state_dict_post_hook(_experts_state_dict_hook if experts else _linear_state_dict_hook)
@@ -378,7 +382,7 @@ def _pick_layout(scheme: MoEQuantScheme, kind: str, layout: str | None) -> Check
 
 
 def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDescription:
-    """Give a Qwen3-MoE holding mxlib's quantized experts a checkpoint layout, so that its
+    """Give an MoE model (any registered family) holding mxlib's quantized experts a checkpoint layout, so that its
     ``state_dict()`` carries the experts under the layout's tensor names, ``load_state_dict``
     restores them and ``save_pretrained`` writes the checkpoint (module docstring).
 
@@ -387,9 +391,11 @@ def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDesc
     experts anew.
 
     Args:
-        model: transformers ``Qwen3MoeForCausalLM`` whose every layer holds ``TransformersExperts``
-            of one quantized scheme (``mxlib.moe.factory.make_emulation_experts``); quantized
-            attention, if any, as ``EmulatedLinear`` in every ``self_attn.{q,k,v,o}_proj``.
+        model: a transformers model of a registered family whose every MoE layer holds
+            ``TransformersExperts`` of one quantized scheme (``mxlib.moe.factory.make_emulation_experts``);
+            quantized attention, if any, as ``EmulatedLinear`` in every ``nn.Linear`` of ``self_attn``.
+            The exclude list names the family's bf16 routers, shared experts and dense MLPs
+            (``writer.unquantized_modules``).
         layout: a registered layout name; None picks the one ``DEFAULT_LAYOUT`` names for the
             scheme's weight format among the layouts storing the experts' kind of global scale
             (compressed-tensors' encode scales: ``compressed-tensors``).
@@ -404,9 +410,10 @@ def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDesc
         UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
     check_supported_model(model, "attach_checkpoint_layout")
+    family = family_of(model, "attach_checkpoint_layout")
     experts = {n: m.experts for n, m in model.named_modules() if isinstance(m, TransformersExperts)}
     quantized = {n: ex for n, ex in experts.items() if isinstance(ex, QuantizedExperts)}
-    if not quantized or len(quantized) != len(model.model.layers):
+    if not quantized or len(quantized) != len(family.moe_layer_indices(model.config)):
         bf16 = sorted(set(experts) - set(quantized)) or ["(no mxlib experts at all)"]
         raise ValueError(
             f"model: every layer must hold quantized mxlib experts (swap_experts with make_emulation_experts); "
@@ -419,7 +426,7 @@ def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDesc
     scheme, kind = schemes.pop(), kinds.pop()
     chosen = _pick_layout(scheme, kind, layout)
     linears = sorted(n for n, m in model.named_modules() if isinstance(m, EmulatedLinear))
-    attention = [f"model.layers.{i}.self_attn.{p}" for i in range(len(model.model.layers)) for p in ATTENTION_PROJS]
+    attention = attention_linears(model)
     if linears and linears != sorted(attention):
         odd = sorted(set(linears) ^ set(attention))
         raise ValueError(
@@ -429,6 +436,7 @@ def attach_checkpoint_layout(model, layout: str | None = None) -> CheckpointDesc
     if linears and not chosen.supports_linear:
         raise ValueError(f"layout: {chosen.name} stores no quantized linear layers; the model has {len(linears)}")
     qc, extra = chosen.config_files(scheme, bool(linears))
+    chosen.add_excluded(qc, extra, unquantized_modules(model, family, linears))
     description = chosen.read_config(qc)
     _attach(model, CheckpointSource(description, qc, {n: json.dumps(c, indent=2) for n, c in extra.items()}))
     return description
@@ -507,6 +515,7 @@ def save_quantized_checkpoint(
         UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
     check_supported_model(model, "save_quantized_checkpoint")
+    family = family_of(model, "save_quantized_checkpoint")
     source = getattr(model, "checkpoint_source", None)
     if not isinstance(source, CheckpointSource):
         raise ValueError(
@@ -532,7 +541,7 @@ def save_quantized_checkpoint(
                     f"state_dict[{n!r}]: expected {own[n].dtype} {list(own[n].shape)}, got {t.dtype} {list(t.shape)}"
                 )
         own = state_dict
-    plain = {n for n, _ in model.named_parameters()}
+    plain = {n for n, _ in model.named_parameters() if not family.keeps_fp32(n)}
     recorded = source.tensors or {}
     tied = tied_parameter_names(model)  # stored once, under the embedding's name (transformers' save_pretrained)
     state = {n: _conform(n, t, recorded.get(n), n in plain) for n, t in own.items() if n not in tied}
@@ -550,8 +559,8 @@ def save_quantized_checkpoint(
             )
     with atomic_folder(path, overwrite=overwrite) as tmp:
         shards = ShardWriter(tmp, shard_bytes)
-        for n, t in state.items():
-            shards.add(n, t)
+        for n, t in state.items():  # under the family's on-disk names (Mixtral's block_sparse_moe.*)
+            shards.add(family.disk_name(n), t)
         shards.close()
         if source.config is not None:  # the source's config.json, cut to the layers the model holds
             cfg = dict(source.config, num_hidden_layers=num_layers)

@@ -1,10 +1,17 @@
-"""Writing a quantized Qwen3-MoE checkpoint from a bf16 model, in any registered layout.
+"""Writing a quantized MoE checkpoint (any registered family) from a bf16 model, in any registered layout.
 
 ``write_quantized_checkpoint(model, scheme, path, calibration)`` quantizes the experts (and, with
 ``quantize_attention``, the attention projections) and writes them with the tensor names and
 config files of the layout (``layout.CheckpointLayout``): the one ``DEFAULT_LAYOUT`` names for
 the scheme's weight format, or the one the caller names. Everything the emulation does not
-quantize is bf16 under its usual transformers name and listed in the ignore / exclude list.
+quantize is bf16 under the family's on-disk name (``MoEFamily.disk_name``: transformers' names, or
+Mixtral's ``block_sparse_moe.*``) and listed in the ignore / exclude list: the routers, and the
+shared experts (Qwen2-MoE's ``mlp.shared_expert`` and ``mlp.shared_expert_gate``, DeepSeek-V3's
+``mlp.shared_experts``) and dense MLP layers (DeepSeek-V3's first ``first_k_dense_replace``,
+Qwen2-MoE's ``mlp_only_layers``), which are stored as the layouts store every other unquantized
+linear layer: bf16 (``float32`` where the family keeps them so: DeepSeek-V3's router weight and
+``e_score_correction_bias``), named one by one in the exclude list where the layout's own patterns
+do not cover them. ``config.json`` is the model's own (its ``architectures`` and ``model_type``).
 Experts are quantized one at a time and streamed into shards (``safetensors_io.ShardWriter``);
 the folder is written under a temporary name and renamed into place at the end
 (``safetensors_io.atomic_folder``), so a failed write leaves no half-written checkpoint.
@@ -22,12 +29,13 @@ import torch
 from tqdm import tqdm
 
 from ...moe.factory import quantize_expert_weights
+from ...moe.linear import EmulatedLinear
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
 from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from ..calibration import Calibration
-from ..families import check_supported_model
-from ..qwen3 import expert_weights, tied_parameter_names
+from ..families import MoEFamily, check_supported_model, family_of
+from ..moe_models import expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
 
@@ -39,13 +47,40 @@ logger = logging.getLogger(__name__)
 def _config_dict(model, num_hidden_layers: int) -> dict:
     cfg = model.config.to_dict()
     cfg["num_hidden_layers"] = num_hidden_layers
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = [family_of(model, "config").architecture]
     cfg["torch_dtype"] = "bfloat16"
     cfg.pop("quantization_config", None)
     return cfg
 
 
 ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def attention_linears(model) -> list[str]:
+    """Module names of every ``nn.Linear`` (or ``EmulatedLinear`` in its place) under a decoder layer's
+    ``self_attn``, in layer and module order (Qwen3-MoE's ``q_proj, k_proj, v_proj, o_proj``;
+    DeepSeek-V3's low-rank ``q_a_proj``, ...)."""
+    return [
+        f"model.layers.{i}.self_attn.{n}"
+        for i, layer in enumerate(model.model.layers)
+        for n, m in layer.self_attn.named_modules()
+        if isinstance(m, (torch.nn.Linear, EmulatedLinear))
+    ]
+
+
+def unquantized_modules(model, family: MoEFamily, quantized: list[str]) -> list[str]:
+    """On-disk names of the modules a checkpoint stores bf16 besides the experts: every router and every
+    ``nn.Linear`` not in ``quantized`` (shared experts, dense MLPs, unquantized attention, ``lm_head``)."""
+    experts_part = f".{family.block_attr}.{family.experts_attr}"
+    skip = set(quantized)
+    names = []
+    for n, m in model.named_modules():
+        if experts_part in n or n in skip:
+            continue
+        is_router = n.endswith(f".{family.block_attr}.{family.router_attr}")
+        if is_router or isinstance(m, torch.nn.Linear):
+            names.append(family.disk_name(n))
+    return names
 
 
 def write_quantized_checkpoint(
@@ -67,7 +102,8 @@ def write_quantized_checkpoint(
     writer holds at most one shard of quantized tensors besides the model.
 
     Args:
-        model: transformers ``Qwen3MoeForCausalLM`` holding bf16 experts.
+        model: a transformers model of a registered family (``mxlib.models.families``: Qwen3-MoE,
+            Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3) holding bf16 experts.
         scheme: ``nvfp4`` (ModelOpt layout) or a Quark OCP MX scheme (Quark layout); the layout is
             the one ``layout.DEFAULT_LAYOUT`` names for the scheme's weight format.
         path: the checkpoint folder: absent, empty, or an earlier mxlib checkpoint (replaced
@@ -77,8 +113,9 @@ def write_quantized_checkpoint(
         shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
             takes the scheme's default (``DEFAULT_LAYOUT``: ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``).
-        quantize_attention: also quantize ``self_attn.{q,k,v,o}_proj`` (as ModelOpt's default NVFP4
-            config and llm-compressor's NVFP4 scheme do) instead of leaving them bf16 and ignored.
+        quantize_attention: also quantize every ``nn.Linear`` of ``self_attn`` (``{q,k,v,o}_proj``; as
+            ModelOpt's default NVFP4 config and llm-compressor's NVFP4 scheme do) instead of leaving
+            them bf16 and ignored.
         linear_input_amax: ``{module name: amax}`` of those projections' inputs
             (``mxlib.moe.linear.linear_input_amax``), needed with ``quantize_attention`` by schemes
             with static activation scales.
@@ -103,6 +140,7 @@ def write_quantized_checkpoint(
         UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
     """
     check_supported_model(model, "write_quantized_checkpoint")
+    family = family_of(model, "write_quantized_checkpoint")
     scheme = get_moe_scheme(scheme)
     technique = None if technique is None else get_technique(technique)
     if layout is None:
@@ -115,11 +153,7 @@ def write_quantized_checkpoint(
             raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
-    attn = (
-        [f"model.layers.{layer}.self_attn.{p}" for layer in range(len(model.model.layers)) for p in ATTENTION_PROJS]
-        if quantize_attention
-        else []
-    )
+    attn = attention_linears(model) if quantize_attention else []
     if attn and scheme.static_activation_scale:
         missing = [n for n in attn if linear_input_amax is None or n not in linear_input_amax]
         if missing:
@@ -133,10 +167,12 @@ def write_quantized_checkpoint(
         num_layers = len(model.model.layers)
         shards = ShardWriter(tmp, shard_bytes)
         tied = tied_parameter_names(model)  # lm_head.weight of tied embeddings: stored once, as embed_tokens
+        experts_part = f".{family.block_attr}.{family.experts_attr}."
         for name, t in model.state_dict().items():
-            if ".mlp.experts." in name or name.rsplit(".", 1)[0] in attn or name in tied:
+            if experts_part in name or name.rsplit(".", 1)[0] in attn or name in tied:
                 continue
-            shards.add(name, t.detach().to(torch.bfloat16))
+            dtype = torch.float32 if family.keeps_fp32(name) else torch.bfloat16
+            shards.add(family.disk_name(name), t.detach().to(dtype))
         modules = dict(model.named_modules())
         for name in attn:  # quantized attention projections, one at a time
             w = modules[name].weight.detach()
@@ -146,8 +182,9 @@ def write_quantized_checkpoint(
                     linear_input_amax[name].float().reshape(()) / scheme.activation.scale_divisor
                 )
             for n, t in layout.linear_tensors(scheme, layout.quantize_linear(w, scheme), ins, name).items():
-                shards.add(n, t, copy=True)
-        for layer in tqdm(range(num_layers), desc="quantizing experts", unit="layer", disable=not progress):
+                shards.add(family.disk_name(n), t, copy=True)
+        moe = family.moe_layer_indices(model.config)
+        for layer in tqdm(moe, desc="quantizing experts", unit="layer", disable=not progress):
             w13, w2 = expert_weights(model, layer)
             # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
             # layer; without one (None) the experts are quantized one at a time below
@@ -158,7 +195,7 @@ def write_quantized_checkpoint(
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
-            prefix = f"model.layers.{layer}.mlp.experts"
+            prefix = family.experts_prefix(layer)
             for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
                 if layer_weights is None:
                     weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
@@ -172,12 +209,13 @@ def write_quantized_checkpoint(
                     prefix,
                 )
                 for name, t in one.items():  # the layout names the single expert 0
-                    shards.add(f"{prefix}.{x}." + name[len(prefix) + 3 :], t, copy=True)
+                    shards.add(family.disk_name(f"{prefix}.{x}." + name[len(prefix) + 3 :]), t, copy=True)
                 del weights, one
             del layer_weights
         shards.close()
         cfg = _config_dict(model, num_layers)
         qc, extra = layout.config_files(scheme, quantize_attention)
+        layout.add_excluded(qc, extra, unquantized_modules(model, family, attn))
         if technique is not None and technique.config():
             qc = {**qc, RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()}}
         cfg["quantization_config"] = qc
