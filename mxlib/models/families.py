@@ -50,6 +50,7 @@ __all__ = [
     "OLMOE",
     "QWEN2_MOE",
     "DEEPSEEK_V3",
+    "GPT_OSS",
     "register_family",
     "family_of",
     "family_for_architecture",
@@ -287,6 +288,26 @@ DEEPSEEK_V3 = register_family(
         fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
         dense_modules="n_shared_experts shared experts in every MoE block (mlp.shared_experts); dense MLPs in "
         "the first first_k_dense_replace layers",
+    )
+)
+
+# gpt-oss (mxlib.models.gpt_oss): GptOssExperts [E, H, 2I] with gate/up columns interleaved and biases,
+# SwiGLU-OAI, a biased router whose top-k logits are softmaxed, stored in gpt-oss's native MXFP4 layout
+GPT_OSS = register_family(
+    MoEFamily(
+        architecture="GptOssForCausalLM",
+        model_type="gpt_oss",
+        config_class="GptOssConfig",
+        num_experts_fields=("num_local_experts", "num_experts"),
+        intermediate_size_fields=("intermediate_size",),
+        top_k_fields=("num_experts_per_tok", "experts_per_token"),
+        router_attr="router",
+        experts_orientation="interleaved_columns",
+        expert_biases=True,
+        activation="swigluoai",
+        routing="topk_softmax",
+        checkpoint_layout="gpt-oss-mxfp4",
+        dense_modules="attention with learned sinks and q/k/v/o biases, sliding-window and full layers alternating",
     )
 )
 
