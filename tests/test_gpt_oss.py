@@ -414,3 +414,124 @@ def test_projection_is_the_expert_rows_as_stored():
     assert_bits_equal(scales, weights.w2_weight_scale[2])
     with pytest.raises(ValueError, match="proj: expected gate_proj, up_proj or down_proj, got 'w1'"):
         LAYOUT.projection(t.__getitem__, PREFIX, 0, "w1")
+
+
+# ----------------------------------------------------------------------------- the family round trip
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss():
+    from mxlib.models.gpt_oss import dummy_gpt_oss, gpt_oss_20b_config
+    from mxlib.models.presets import GPT_OSS_PRESETS
+
+    cfg = gpt_oss_20b_config(2, **GPT_OSS_PRESETS["gpt-oss-tiny"])
+    model = dummy_gpt_oss(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+@torch.no_grad()
+def _w_mxfp4_in_memory(model):
+    """The model with mxlib's W_MXFP4 emulation experts swapped in, quantized in memory (no checkpoint)."""
+    import copy
+
+    from mxlib.models.moe_models import expert_activation, expert_biases, expert_weights, swap_experts
+    from mxlib.moe.factory import make_emulation_experts
+
+    m = copy.deepcopy(model)
+
+    def make(i):
+        w13, w2 = expert_weights(model, i)
+        b13, b2 = expert_biases(model, i)
+        weights = quantize_expert_weights(w13, w2, W_MXFP4)
+        return make_emulation_experts(
+            W_MXFP4, weights, activation=expert_activation(model), w13_bias=b13, w2_bias=b2, backend="torch"
+        )
+
+    swap_experts(m, make)
+    return m
+
+
+def test_gpt_oss_family_registered():
+    from mxlib.models.families import GPT_OSS, family_of
+    from mxlib.models.gpt_oss import gpt_oss_20b_config
+
+    cfg = gpt_oss_20b_config()
+    assert family_of(cfg) is GPT_OSS and GPT_OSS.architecture == "GptOssForCausalLM"
+    assert (GPT_OSS.num_experts(cfg), GPT_OSS.intermediate_size(cfg), GPT_OSS.top_k(cfg)) == (32, 2880, 4)
+    assert GPT_OSS.moe_layer_indices(cfg) == [0, 1, 2, 3] and GPT_OSS.router_attr == "router"
+    assert GPT_OSS.experts_orientation == "interleaved_columns" and GPT_OSS.expert_biases
+    assert GPT_OSS.activation == "swigluoai" and GPT_OSS.checkpoint_layout == "gpt-oss-mxfp4"
+
+
+@torch.no_grad()
+def test_swapped_bf16_experts_match_transformers(tiny_gpt_oss):
+    """mxlib's experts holding the bf16 weights (no quantization), SWIGLUOAI and the biases, in the place of
+    transformers' GptOssExperts: the model's logits within bf16's resolution of transformers' own (SQNR > 35 dB,
+    the same top-1 on at least 95% of the tokens)."""
+    import copy
+
+    from mxlib import analysis as A
+    from mxlib.models.moe_models import expert_activation, expert_biases, expert_weights, swap_experts
+    from mxlib.moe.base import TritonExperts
+
+    model, ids = tiny_gpt_oss
+    m = copy.deepcopy(model)
+
+    def make(i):
+        w13, w2 = expert_weights(model, i)
+        b13, b2 = expert_biases(model, i)
+        return TritonExperts(
+            w13.clone(), w2.clone(), backend="torch", activation=expert_activation(model), w13_bias=b13, w2_bias=b2
+        )
+
+    swap_experts(m, make)
+    ref_logits = model(input_ids=ids).logits.float()
+    mx_logits = m(input_ids=ids).logits.float()
+    sqnr = A.sqnr_db(mx_logits, ref_logits)
+    top1 = (mx_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    assert sqnr > 35.0 and top1 >= 0.95, (sqnr, top1)
+
+
+@torch.no_grad()
+def test_family_round_trip_native_mxfp4(tiny_gpt_oss, tmp_path):
+    """calibrate, write gpt-oss's native MXFP4 (the family's own layout, by default), load: the same logits as
+    the in-memory W_MXFP4 model bit for bit; transformers' from_pretrained (Mxfp4Config(dequantize=True)) of the
+    same checkpoint: its experts are the same dequantized bf16 weights, run by transformers' own (bf16-rounding)
+    GptOssExperts, so its logits agree within bf16's resolution (SQNR > 35 dB)."""
+    from mxlib import analysis as A
+    from mxlib.models.calibration import calibrate
+    from mxlib.models.checkpoints import inspect_checkpoint, load_quantized_qwen3_moe, write_quantized_checkpoint
+
+    model, ids = tiny_gpt_oss
+    cal = calibrate(model, ids)
+    assert all(int(lc.tokens.sum()) == ids.numel() * model.config.num_experts_per_tok for lc in cal.layers)
+    path = write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt", cal)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization_config"] == LAYOUT.config_files(W_MXFP4)[0] and cfg["architectures"] == [
+        "GptOssForCausalLM"
+    ]
+    report = inspect_checkpoint(path)
+    assert report.layout_ok and report.scheme == "w_mxfp4", report.problems
+    loaded, info = load_quantized_qwen3_moe(path, backend="torch")
+    assert info["format"] == "gpt-oss-mxfp4" and type(loaded).__name__ == "GptOssForCausalLM"
+    mem = _w_mxfp4_in_memory(model)
+    got, want = loaded(input_ids=ids).logits, mem(input_ids=ids).logits
+    assert_bits_equal(got, want, "logits")
+    hf = GptOssForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
+    hf_logits = hf(input_ids=ids).logits.float()
+    sqnr = A.sqnr_db(hf_logits, got.float())
+    assert sqnr > 35.0, sqnr
+    # the negative control: the bf16 model is further from the loaded one than transformers' reading is
+    assert A.sqnr_db(model(input_ids=ids).logits.float(), got.float()) < sqnr
+
+
+def test_writer_refuses_a_layout_without_expert_biases(tiny_gpt_oss, tmp_path):
+    from mxlib.models.checkpoints import write_quantized_checkpoint
+
+    model, _ = tiny_gpt_oss
+    with pytest.raises(ValueError, match=r"layout: quark stores no expert biases, which GptOssForCausalLM's experts"):
+        write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "x")
+    with pytest.raises(ValueError, match=r"layout: modelopt stores no expert biases"):
+        write_quantized_checkpoint(model, "nvfp4", tmp_path / "y", layout="modelopt")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

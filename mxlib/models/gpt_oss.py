@@ -21,11 +21,13 @@ openai/gpt-oss-20b's ``config.json`` (``mxlib.models.presets.GPT_OSS_20B``).
 
 from __future__ import annotations
 
+import torch
 from transformers import GptOssConfig
 
 from ..moe.activations import SWIGLUOAI, MoEActivation
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 from .checkpoints.layout import LAYOUTS
+from .moe_models import dummy_moe_model
 from .presets import GPT_OSS_20B, GPT_OSS_PRESETS
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "GPT_OSS_PRESETS",
     "gpt_oss_20b_config",
     "gpt_oss_preset_overrides",
+    "dummy_gpt_oss",
     "swiglu_activation",
     "scheme_support",
     "gpt_oss_layout_for",
@@ -74,6 +77,21 @@ def gpt_oss_20b_config(num_hidden_layers: int = 4, **overrides) -> GptOssConfig:
     cfg = GptOssConfig(**values)
     cfg.architectures = ["GptOssForCausalLM"]
     return cfg
+
+
+def dummy_gpt_oss(config: GptOssConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):
+    """A seeded random-weight gpt-oss (``mxlib.models.moe_models.dummy_moe_model``): every weight, bias
+    (experts', router's, attention's) and sink ``N(0, initializer_range)``, norms 1, and the balanced-routing
+    warm-up the Qwen3 dummy gets (``kwargs``: ``expert_spread``, ``balanced_routing``, ...).
+
+    Raises:
+        UnsupportedModelError: ``config`` is not a gpt-oss config.
+    """
+    if getattr(config, "model_type", None) != "gpt_oss":
+        from .families import UnsupportedModelError
+
+        raise UnsupportedModelError(f"dummy_gpt_oss: config: expected a GptOssConfig, got {type(config).__name__}")
+    return dummy_moe_model(config, seed=seed, dtype=dtype, device=device, where="dummy_gpt_oss", **kwargs)
 
 
 def swiglu_activation(config) -> MoEActivation:

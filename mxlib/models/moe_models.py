@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..moe.activations import MoEActivation, get_activation
 from ..moe.base import TransformersExperts, TritonExperts
 from .families import MoEFamily, check_supported_model, family_of
 
@@ -32,6 +33,7 @@ __all__ = [
     "moe_blocks",
     "expert_weights",
     "expert_biases",
+    "expert_activation",
     "swap_experts",
     "BoundToModel",
     "WARMUP_SEED_OFFSET",
@@ -395,6 +397,21 @@ def expert_biases(model, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None
     if family.experts_orientation == "interleaved_columns":
         b = torch.cat([b[:, 0::2], b[:, 1::2]], 1)
     return b, ex.down_proj_bias.data
+
+
+def expert_activation(model_or_config) -> MoEActivation:
+    """The experts' activation of a model or config of a registered family: ``MoEFamily.activation`` by name
+    (``SILU``), SwiGLU-OAI with the config's ``swiglu_alpha`` / ``swiglu_limit`` where it carries them (gpt-oss,
+    as transformers' ``GptOssExperts`` reads them; 1.702 and 7.0)."""
+    family = family_of(model_or_config, "expert_activation")
+    config = getattr(model_or_config, "config", model_or_config)
+    act = get_activation(family.activation)
+    if act.name != "swigluoai":
+        return act
+    alpha, limit = getattr(config, "swiglu_alpha", act.alpha), getattr(config, "swiglu_limit", act.limit)
+    if (alpha, limit) == (act.alpha, act.limit):
+        return act
+    return MoEActivation("swigluoai", alpha=float(alpha), limit=None if limit is None else float(limit))
 
 
 class BoundToModel:

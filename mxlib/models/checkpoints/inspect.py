@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...moe.scales import SCALE_STRATEGIES
-from ..families import check_supported_model
+from ..families import check_supported_model, family_of
 from .bounds import check_model_config, check_scale_strategy
 from .headers import read_json
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
@@ -295,8 +295,14 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     if headers.unindexed:
         notes.append(f"{headers.unindexed} tensors of the shards are not in the index; the loader does not see them")
     try:
+        family = family_of(cfg, "inspect_checkpoint", name=str(cfg_path))  # the loader's names and checks
         check_model_config(
-            {k: v for k, v in cfg.items() if k != "quantization_config"}, cfg_path, headers, info, every_layer=True
+            {k: v for k, v in cfg.items() if k != "quantization_config"},
+            cfg_path,
+            headers.as_module_names(family.module_name),
+            info,
+            every_layer=True,
+            family=family,
         )
         report.layout_ok = info is not None and not problems  # no config file refused either
     except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
