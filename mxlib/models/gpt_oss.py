@@ -80,9 +80,11 @@ def gpt_oss_20b_config(num_hidden_layers: int = 4, **overrides) -> GptOssConfig:
 
 
 def dummy_gpt_oss(config: GptOssConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):
-    """A seeded random-weight gpt-oss (``mxlib.models.moe_models.dummy_moe_model``): every weight, bias
-    (experts', router's, attention's) and sink ``N(0, initializer_range)``, norms 1, and the balanced-routing
-    warm-up the Qwen3 dummy gets (``kwargs``: ``expert_spread``, ``balanced_routing``, ...).
+    """A seeded random-weight gpt-oss (``mxlib.models.moe_models.dummy_moe_model``): every weight, the router's
+    and attention's biases and the sinks ``N(0, initializer_range)``, the experts' biases ``N(0, expert_bias_std)``
+    (default ``initializer_range / 10``: small beside the expert GEMMs' outputs, so that the experts' weights, not
+    their biases, carry the MoE block's output), norms 1, and the balanced-routing warm-up the Qwen3 dummy gets
+    (``kwargs``: ``expert_spread``, ``balanced_routing``, ...).
 
     Raises:
         UnsupportedModelError: ``config`` is not a gpt-oss config.
@@ -91,6 +93,7 @@ def dummy_gpt_oss(config: GptOssConfig, seed: int = 0, dtype: torch.dtype = torc
         from .families import UnsupportedModelError
 
         raise UnsupportedModelError(f"dummy_gpt_oss: config: expected a GptOssConfig, got {type(config).__name__}")
+    kwargs.setdefault("expert_bias_std", config.initializer_range / 10)
     return dummy_moe_model(config, seed=seed, dtype=dtype, device=device, where="dummy_gpt_oss", **kwargs)
 
 
