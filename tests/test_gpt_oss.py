@@ -467,8 +467,11 @@ def test_gpt_oss_family_registered():
 @torch.no_grad()
 def test_swapped_bf16_experts_match_transformers(tiny_gpt_oss):
     """mxlib's experts holding the bf16 weights (no quantization), SWIGLUOAI and the biases, in the place of
-    transformers' GptOssExperts: the model's logits within bf16's resolution of transformers' own (SQNR > 35 dB,
-    the same top-1 on at least 95% of the tokens)."""
+    transformers' GptOssExperts: every MoE block (router + experts) on the block input the bf16 model gives it
+    agrees with transformers' own block within bf16's resolution (SQNR > 40 dB; measured 44 dB) and is at least
+    as close to the block in float32 (measured 48 dB against transformers' 45: mxlib rounds once where
+    transformers rounds each GEMM and the bias sum). Compared block by block: through the whole model one
+    near-tied router logit (a gap of 2**-11) is enough to send a token to another expert in a later layer."""
     import copy
 
     from mxlib import analysis as A
@@ -476,7 +479,7 @@ def test_swapped_bf16_experts_match_transformers(tiny_gpt_oss):
     from mxlib.moe.base import TritonExperts
 
     model, ids = tiny_gpt_oss
-    m = copy.deepcopy(model)
+    m, f32 = copy.deepcopy(model), copy.deepcopy(model).float()
 
     def make(i):
         w13, w2 = expert_weights(model, i)
@@ -486,11 +489,16 @@ def test_swapped_bf16_experts_match_transformers(tiny_gpt_oss):
         )
 
     swap_experts(m, make)
-    ref_logits = model(input_ids=ids).logits.float()
-    mx_logits = m(input_ids=ids).logits.float()
-    sqnr = A.sqnr_db(mx_logits, ref_logits)
-    top1 = (mx_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    assert sqnr > 35.0 and top1 >= 0.95, (sqnr, top1)
+    for li, layer in enumerate(model.model.layers):
+        seen = []
+        handle = layer.mlp.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+        model(input_ids=ids)
+        handle.remove()
+        x = seen[0]
+        hf, mx = layer.mlp(x)[0].float(), m.model.layers[li].mlp(x)[0].float()
+        ref32 = f32.model.layers[li].mlp(x.float())[0]
+        assert A.sqnr_db(mx, hf) > 40.0, (li, A.sqnr_db(mx, hf))
+        assert A.sqnr_db(mx, ref32) >= A.sqnr_db(hf, ref32), (li, A.sqnr_db(mx, ref32), A.sqnr_db(hf, ref32))
 
 
 @torch.no_grad()
