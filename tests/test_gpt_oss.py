@@ -543,3 +543,33 @@ def test_writer_refuses_a_layout_without_expert_biases(tiny_gpt_oss, tmp_path):
     with pytest.raises(ValueError, match=r"layout: modelopt stores no expert biases"):
         write_quantized_checkpoint(model, "nvfp4", tmp_path / "y", layout="modelopt")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_e2e_parameters_refuse_a_skipped_scheme_for_gpt_oss():
+    from mxlib.workbook.steps import check_e2e_parameters
+
+    p = check_e2e_parameters(scheme="w_mxfp4", model_preset="gpt-oss-tiny")
+    assert p.model_preset == "gpt-oss-tiny" and p.scheme == W_MXFP4
+    with pytest.raises(ValueError, match=r"scheme: nvfp4 is skipped for gpt-oss: no checkpoint layout stores"):
+        check_e2e_parameters(scheme="nvfp4", model_preset="gpt-oss-20b")
+    with pytest.raises(ValueError, match=r"model_preset: expected one of \[.*'gpt-oss-20b', 'gpt-oss-tiny'\]"):
+        check_e2e_parameters(scheme="w_mxfp4", model_preset="gpt-oss-120b")
+
+
+@torch.no_grad()
+def test_loader_names_a_missing_bias(tiny_gpt_oss, tmp_path):
+    from safetensors.torch import load_file
+
+    from mxlib.models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+
+    model, _ = tiny_gpt_oss
+    path = write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.experts.down_proj_bias"
+    shard = path / index["weight_map"].pop(name)
+    tensors = load_file(str(shard))
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(C.CheckpointError, match=r"missing tensor 'model.layers.1.mlp.experts.down_proj_bias'"):
+        load_quantized_qwen3_moe(path, backend="torch")

@@ -112,7 +112,11 @@ def write_quantized_checkpoint(
             needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
         shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
-            takes the scheme's default (``DEFAULT_LAYOUT``: ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``).
+            takes the family's own layout where it stores the scheme (``MoEFamily.checkpoint_layout``:
+            gpt-oss's ``gpt-oss-mxfp4`` for ``w_mxfp4``), else the scheme's default (``DEFAULT_LAYOUT``:
+            ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``). A family with expert biases (gpt-oss) needs a
+            layout that stores them (``stores_expert_biases``); a layout of whole-layer tensors
+            (``stacked_experts``) gets each layer's experts and biases in one call.
         quantize_attention: also quantize every ``nn.Linear`` of ``self_attn`` (``{q,k,v,o}_proj``; as
             ModelOpt's default NVFP4 config and llm-compressor's NVFP4 scheme do) instead of leaving
             them bf16 and ignored.
@@ -132,7 +136,8 @@ def write_quantized_checkpoint(
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
 
     Raises:
-        ValueError: a static-activation-scale scheme without ``calibration`` (or without
+        ValueError: a layout without expert biases for a family that has them; a static-activation-scale
+            scheme without ``calibration`` (or without
             ``linear_input_amax`` for quantized attention); a layout that does not store the scheme;
             a technique that cannot produce the layout's kind of NVFP4 global scale.
         FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
