@@ -573,3 +573,30 @@ def test_loader_names_a_missing_bias(tiny_gpt_oss, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(C.CheckpointError, match=r"missing tensor 'model.layers.1.mlp.experts.down_proj_bias'"):
         load_quantized_qwen3_moe(path, backend="torch")
+
+
+@torch.no_grad()
+def test_loaded_model_saves_in_the_native_layout(tiny_gpt_oss, tmp_path):
+    """save_pretrained of a loaded gpt-oss model writes the checkpoint it was loaded from, tensor for tensor
+    (the biases included), and that loads to the same logits."""
+    from safetensors.torch import load_file
+
+    from mxlib.models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+
+    model, ids = tiny_gpt_oss
+    path = write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt")
+    loaded, _ = load_quantized_qwen3_moe(path, backend="torch")
+    loaded.save_pretrained(tmp_path / "saved")
+
+    def tensors(folder):
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    a, b = tensors(path), tensors(tmp_path / "saved")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert_bits_equal(b[name], a[name], name)
+    again, _ = load_quantized_qwen3_moe(tmp_path / "saved", backend="torch")
+    assert_bits_equal(again(input_ids=ids).logits, loaded(input_ids=ids).logits, "logits")
