@@ -173,7 +173,7 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
         ),
         (
             lambda q: q.update(quant_method="awq"),
-            "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'",
+            "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors' or 'mxfp4', found 'awq'",
         ),
         (
             lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False),
@@ -242,7 +242,14 @@ def test_layout_registry_dispatch(tiny, tmp_path):
     from mxlib.models.checkpoints.layout import layout_for_scheme
     from mxlib.moe import MOE_SCHEMES
 
-    assert list(LAYOUTS) == ["modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8"]
+    assert list(LAYOUTS) == [
+        "modelopt",
+        "quark",
+        "compressed-tensors",
+        "compressed-tensors-mxfp4",
+        "modelopt-mxfp8",
+        "gpt-oss-mxfp4",
+    ]
     for name, s in MOE_SCHEMES.items():
         expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT
         assert layout_for_scheme(s) is expected, name

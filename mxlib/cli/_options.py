@@ -66,7 +66,7 @@ SCHEME_ALIASES = (
 )
 STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
 BACKENDS = ("auto", "triton", "fused", "torch")
-LAYOUTS = ("modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8")
+LAYOUTS = ("modelopt", "quark", "compressed-tensors", "compressed-tensors-mxfp4", "modelopt-mxfp8", "gpt-oss-mxfp4")
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
 TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse", "gptq", "hadamard")
