@@ -39,9 +39,17 @@ from mxlib.kernels import fused_fp4_moe as P  # noqa: E402
 from mxlib.kernels import fused_moe as F  # noqa: E402
 from mxlib.kernels import quant as Q  # noqa: E402
 from mxlib.kernels._bridge import kernel_format_args, select  # noqa: E402
+from mxlib.kernels.moe_epilogue import activation_args  # noqa: E402
 from mxlib.kernels.tiles import TileConfig  # noqa: E402
+from mxlib.moe.activations import SWIGLUOAI  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def arith(gpt_oss: bool) -> dict:
+    """The epilogue constexprs of an expert arithmetic: gpt-oss's (expert biases, SwiGLU-OAI with its clamp)
+    or the default (no bias, SiLU)."""
+    return dict(HAS_BIAS=gpt_oss, **activation_args(SWIGLUOAI if gpt_oss else None))
 
 
 def compile_kernel(fn, pointer_types: dict, constexprs: dict, num_warps=4, divisible=(), num_stages=3):
@@ -145,7 +153,7 @@ def nvfp4_kernels(divide):
     )
 
 
-def fused_moe(mul_routed_weight, naive=False):
+def fused_moe(mul_routed_weight, naive=False, gpt_oss=False):
     k = compile_kernel(
         F.fused_moe_kernel,
         {
@@ -156,8 +164,10 @@ def fused_moe(mul_routed_weight, naive=False):
             "sorted_token_ids_ptr": "*i32",
             "expert_ids_ptr": "*i32",
             "num_tokens_post_padded_ptr": "*i32",
+            "bias_ptr": "*fp32",
         },
         dict(
+            HAS_BIAS=gpt_oss,
             BLOCK_SIZE_M=64,
             BLOCK_SIZE_N=64,
             BLOCK_SIZE_K=64,
@@ -173,7 +183,7 @@ def fused_moe(mul_routed_weight, naive=False):
     assert "wgmma" in k.asm["ptx"], "no warpgroup MMA in the fused-MoE kernel's PTX"
 
 
-def fused_dequant(weight, gated, a2, split=False):
+def fused_dequant(weight, gated, a2, split=False, gpt_oss=False):
     """``weight``: a block scheme name; ``a2``: the activation format of GEMM1's epilogue (or None)."""
     ptrs = {
         "a_ptr": "*bf16",
@@ -186,6 +196,7 @@ def fused_dequant(weight, gated, a2, split=False):
         "expert_ids_ptr": "*i32",
         "num_tokens_post_padded_ptr": "*i32",
         "act_scale_ptr": "*fp32",
+        "bias_ptr": "*fp32",
     }
     kernel = D.fused_moe_dequant_kernel
     fmt = {
@@ -197,6 +208,7 @@ def fused_dequant(weight, gated, a2, split=False):
         ptrs,
         dict(
             select(kernel, fmt),
+            **arith(gpt_oss),
             GATED=gated,
             MUL_ROUTED_WEIGHT=not gated,
             top_k=8,
@@ -215,12 +227,13 @@ def fused_dequant(weight, gated, a2, split=False):
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
 
 
-def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_token=False):
+def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_token=False, gpt_oss=False):
     """The FP4 kernel: ``weight`` mxfp4 / nvfp4 (or mxfp6_*: the FP6 layout's K loop), ``numerics``
     vllm / hardware, ``a`` the activation format of the A-load QDQ (GEMM1) and of the epilogue QDQ
     (GEMM1) or None; PTX decode (the compiled path); ``one``: the one-multiply decode
     (``fp4_one_multiply``). ``cfg``: a ``TileConfig`` (default 16 x 64, 4 warps, 3 stages).
-    ``per_token``: per-token NVFP4 activation scales read row by row (``A_PER_TOKEN``; GEMM2 too)."""
+    ``per_token``: per-token NVFP4 activation scales read row by row (``A_PER_TOKEN``; GEMM2 too).
+    ``gpt_oss``: expert biases and SwiGLU-OAI in the epilogue (``arith``)."""
     cfg = cfg or TileConfig(16, 64, None, 1, 4, 3)
     nw = max(1, min(cfg.num_warps, cfg.block_n // 16))  # as ``_launch``
     w = BLOCK_SCHEMES[weight]
@@ -241,6 +254,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_
         "a_scale_ptr": "*fp32",
         "c_scale_ptr": "*fp32",
         "rot_signs_ptr": "*fp32",
+        "bias_ptr": "*fp32",
     }
     kernel = P.fused_fp4_moe_kernel
     qdq = {**P._qdq_consts(q if gated else None, "A"), **P._qdq_consts(q if gated else None, "C")}
@@ -250,6 +264,7 @@ def fused_fp4(weight, numerics, gated, a, naive=False, one=False, cfg=None, per_
         ptrs,
         dict(
             select(kernel, qdq),
+            **arith(gpt_oss),
             W_KIND=w_kind,
             W_BS=w.block_size,
             MODE=numerics.kernel_id,
@@ -343,6 +358,7 @@ JOBS = [
 ]
 JOBS += [(nvfp4_kernels, (d,)) for d in (False, True)] + [(fused_moe, (m,)) for m in (False, True)]
 JOBS += [(fused_moe, (True, True)), (align, (True,)), (align, (False,))]
+JOBS += [(fused_moe, (m, False, True)) for m in (False, True)]  # gpt-oss: expert biases
 JOBS += [
     (fused_fp4, a)
     for a in [
@@ -368,6 +384,11 @@ JOBS += [
         ("nvfp4", "hardware", True, "nvfp4", False, False, None, True),
         ("nvfp4", "hardware", False, None, False, False, None, True),
         ("nvfp4", "hardware", True, None, True, False, None, True),
+        # gpt-oss's expert arithmetic: biases on both GEMMs, SwiGLU-OAI in GEMM1's epilogue
+        ("mxfp4", "vllm", True, None, False, False, None, False, True),
+        ("mxfp4", "vllm", False, None, False, False, None, False, True),
+        ("mxfp4", "vllm", True, "mxfp4", False, False, None, False, True),
+        ("nvfp4", "hardware", True, "nvfp4", False, False, None, False, True),
     ]
 ]
 # every FP6 tile of the table (GEMM1 gated, GEMM2 plain): it compiles and fits in shared memory
@@ -389,6 +410,8 @@ JOBS += [
         ("mxfp4", False, None, True),
         ("mxfp6_e3m2", True, "mxfp6_e3m2", True),
         ("mxfp6_e2m3", False, None, True),
+        ("mxfp4", True, "mxfp4", False, True),  # gpt-oss: biases, SwiGLU-OAI
+        ("mxfp4", False, None, False, True),
     ]
 ]
 

@@ -15,6 +15,10 @@ Rows (``path``), all through the experts classes as a user runs them:
 * ``mxlib_bf16``: ``TritonExperts`` on the bf16 weights (Triton alignment, its tile table);
 * ``mxlib_fused_<scheme>`` for ``w_mxfp4``, ``w_mxfp4_a_mxfp4``, ``nvfp4`` (seed numerics) and
   ``mxlib_fused_nvfp4_hw`` (hardware numerics): the ``fused`` backend, i.e. the FP4 kernel;
+* ``mxlib_fused_w_mxfp4_swigluoai``, ``mxlib_fused_w_mxfp4_a_mxfp4_swigluoai``: the same FP4 kernel with gpt-oss's
+  activation in the form of the anchor's ``tk_mxfp4`` row (``ANCHOR_SWIGLU``: SwiGLU-OAI with alpha 1.0 and no
+  clamp, no expert biases) on the same Qwen3 layer, so that ``fused w_mxfp4 swigluoai / tk_mxfp4`` compares
+  the same arithmetic; a check per M gives each row's relative L2 distance to the ``torch`` backend;
 * with extras (default): ``mxlib_triton_nvfp4`` (dequantize-then-GEMM: dequantize all experts, bf16 GEMMs),
   ``mxlib_fused_w_mxfp6_e3m2`` and ``mxlib_triton_w_mxfp6_e3m2`` (FP6 weights: the FP4 kernel in the MXFP6 layout
   and dequantize-then-GEMM).
@@ -38,6 +42,7 @@ import time
 
 import torch
 
+from ..moe.activations import MoEActivation
 from ..moe.base import TritonExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
@@ -55,6 +60,10 @@ FP6_SCHEME = "w_mxfp6_e3m2"
 # MXFP8 schemes, each on the ``fused`` backend (the FP4 kernel for FP4 weights, the dequantize-GEMM kernel else)
 EXTRA_SCHEMES = ("w4a16_nvfp4", "w_mxfp4_a_mxfp8", "w_mxfp8_a_mxfp8", "w_mxfp8")
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
+# the anchor's ``tk_mxfp4`` row: triton_kernels' fused swiglu of gpt-oss's form with alpha 1.0 and no clamp
+TK_SWIGLU, ANCHOR_SWIGLU = "tk_mxfp4", MoEActivation("swigluoai", alpha=1.0)
+SWIGLU_SUFFIX = "_swigluoai"
+SWIGLU_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")
 # The W4A16 rows vLLM serves each weight format with on Hopper (its Humming backend first, then Marlin) and
 # triton_kernels' path with Qwen3's activation: a scheme is measured against the fastest of its format's.
 FORMAT_ANCHORS = {
@@ -103,7 +112,9 @@ def packed_bytes_per_expert(scheme: str) -> int:
     return int(n * w.bits_per_element) // 8
 
 
-def build(w13, w2, x_cal, extra: bool) -> dict:
+def build(w13, w2, x_cal, extra: bool, refs: dict | None = None) -> dict:
+    """The timed experts by row name; ``refs`` (if given) receives the ``torch``-backend twin of each SwiGLU-OAI
+    row, the reference of its check."""
     in13 = torch.full((E,), float(x_cal.abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE)
     h_cal = (x_cal[:512].float() @ w13[0].float().T).to(torch.bfloat16)
     in2 = torch.full(
@@ -115,6 +126,11 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
         q = quantize_expert_weights(w13, w2, s)
         scales = (in13, in2) if s.static_activation_scale else (None, None)
         paths[f"mxlib_fused_{name}"] = make_emulation_experts(s, q, *scales, backend="fused")
+        if name in SWIGLU_SCHEMES:
+            for backend, into in (("fused", paths), ("torch", refs if refs is not None else {})):
+                into[f"mxlib_fused_{name}{SWIGLU_SUFFIX}"] = make_emulation_experts(
+                    s, q, *scales, backend=backend, activation=ANCHOR_SWIGLU
+                )
         if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
             paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(
                 s, q, *scales, backend="fused", numerics="hardware"
@@ -127,6 +143,7 @@ def build(w13, w2, x_cal, extra: bool) -> dict:
 
 
 def _scheme_of(path: str) -> str | None:
+    path = path.removesuffix(SWIGLU_SUFFIX)
     for name in sorted(FP4_SCHEMES + (FP6_SCHEME, *EXTRA_SCHEMES), key=len, reverse=True):
         if path.endswith(name) or path.endswith(name + "_hw"):
             return name
@@ -138,7 +155,8 @@ def run(tokens, extra: bool = True, log=print) -> dict:
     result = {"env": env(), "copy_gbs": copy_bandwidth(), "rows": [], "checks": [], "errors": []}
     t0 = time.time()
     w13, w2, x_cal = anchor_layer()
-    paths = build(w13, w2, x_cal, extra)
+    refs: dict = {}
+    paths = build(w13, w2, x_cal, extra, refs)
     log(f"# {result['env']} copy {result['copy_gbs']:.0f} GB/s; setup {time.time() - t0:.0f}s")
     bps = result["copy_gbs"] * 1e9
     for m in tokens:
@@ -163,6 +181,11 @@ def run(tokens, extra: bool = True, log=print) -> dict:
                 ref_vllm = out
             if path == "mxlib_fused_nvfp4":
                 fused_vllm = out
+            if path in refs:  # the FP4 kernel's SwiGLU-OAI against the torch backend's
+                a, b = out.double(), refs[path](x, tw, ti).double()
+                result["checks"].append(
+                    dict(M=m, what=f"{path} vs the torch backend, relative L2", rel=((a - b).norm() / b.norm()).item())
+                )
         if ref_vllm is not None and fused_vllm is not None:
             a, b = fused_vllm.double(), ref_vllm.double()
             result["checks"].append(
@@ -200,6 +223,10 @@ def ratios(result: dict, anchor: dict) -> dict:
         tk, vb = t(anc, TK, m), t(anc, VLLM_BF16, m)
         bf16 = t(mine, "mxlib_bf16", m)
         d = {"mxlib_bf16 / vllm_bf16": ratio(bf16, vb)}
+        for name in SWIGLU_SCHEMES:
+            d[f"fused {name} swigluoai / {TK_SWIGLU}"] = ratio(
+                t(mine, f"mxlib_fused_{name}{SWIGLU_SUFFIX}", m), t(anc, TK_SWIGLU, m)
+            )
         for name in FP4_SCHEMES:
             d[f"fused {name} / {TK}"] = ratio(t(mine, f"mxlib_fused_{name}", m), tk)
             d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))

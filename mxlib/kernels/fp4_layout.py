@@ -56,6 +56,9 @@ __all__ = [
     "prepare_fp4_weights",
     "unprepare_fp4_weights",
     "unprepare_fp4_packed",
+    "padded_to_k_tile",
+    "pad_fp4_halves",
+    "unpad_fp4_halves",
     "decode_fp4_words",
     "load_rows",
     "mma_order",
@@ -234,6 +237,37 @@ def unprepare_fp4_weights(w: FP4Weights) -> torch.Tensor:
     """The checkpoint-layout packed bytes of ``w`` (inverse of ``prepare_fp4_weights``): what the
     other backends and checkpoint writers need when only the prepared copy is kept."""
     return unprepare_fp4_packed(w.packed)
+
+
+def padded_to_k_tile(n: int) -> int:
+    """``n`` rounded up to a multiple of ``K_TILE`` (the size a K or gated N extent is padded to)."""
+    return -(-n // K_TILE) * K_TILE
+
+
+def pad_fp4_halves(
+    packed: torch.Tensor, scales: torch.Tensor, block_size: int, halves: int, rows_to: int, k_to: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero padding of checkpoint-layout FP4 weights ``[E, halves * R, K / 2]`` (``halves`` 2: w13's gate rows,
+    then up rows, each padded on its own; 1: w2) and their scale bytes ``[E, halves * R, K / block_size]`` to
+    ``[E, halves * rows_to, k_to / 2]`` and ``[E, halves * rows_to, k_to / block_size]``.
+
+    Exact: a padded element is the code 0 with scale byte 0, so it decodes to +0 whatever the format, and adds
+    nothing to a dot product; a padded row gives a zero output column.
+    """
+    e, rows, kb = packed.shape
+    r = rows // halves
+    p = packed.new_zeros(e, halves, rows_to, k_to // 2)
+    p[:, :, :r, :kb] = packed.view(e, halves, r, kb)
+    sc = scales.new_zeros(e, halves, rows_to, k_to // block_size)
+    sc[:, :, :r, : scales.shape[2]] = scales.reshape(e, halves, r, scales.shape[2])
+    return p.view(e, halves * rows_to, k_to // 2), sc.view(e, halves * rows_to, k_to // block_size)
+
+
+def unpad_fp4_halves(packed: torch.Tensor, halves: int, rows: int, k: int) -> torch.Tensor:
+    """The inverse of ``pad_fp4_halves`` on the packed bytes: ``[E, halves * rows_to, k_to / 2]`` ->
+    ``[E, halves * rows, k / 2]`` (a copy)."""
+    e, rows_p, kb = packed.shape
+    return packed.view(e, halves, rows_p // halves, kb)[:, :, :rows, : k // 2].reshape(e, halves * rows, k // 2)
 
 
 def unprepare_fp4_packed(packed: torch.Tensor) -> torch.Tensor:

@@ -338,7 +338,7 @@ def fused_fp4_moe_kernel(
             res = res * tl.load(topk_weights_ptr + offs_token, mask=token_mask, other=0)[:, None]
         out = nm.cast_out(res, OUT_DTYPE)
     c_ptrs = c_ptr + offs_token[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out, mask=token_mask[:, None] & n_mask[None, :])
+    tl.store(c_ptrs, out, mask=token_mask[:, None] & (offs_n < N)[None, :])  # offs_n: the logical columns
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -507,7 +507,9 @@ def fused_fp4_moe(
             after its scales (hardware numerics), before its rounding and GEMM2's router weight; or None.
 
     Returns:
-        ``[M, H]`` in ``hidden_states.dtype``. No host synchronization; capturable in a CUDA graph.
+        ``[M, H]`` in ``hidden_states.dtype``, H = w2's rows (weights zero-padded along K,
+        ``fp4_layout.pad_fp4_halves``, take hidden states zero-padded alike). No host synchronization; capturable in
+        a CUDA graph.
 
     Raises:
         ValueError: unknown numerics, mismatched shapes or formats (experts, H, I, element format),
@@ -548,7 +550,7 @@ def fused_fp4_moe(
     i = two_i // 2
     if w2.k != i:
         raise ValueError(f"w2: expected K = I = {i}, got {w2.k}")
-    if w2.packed.shape[0] != e or h != hidden_states.shape[1]:
+    if w2.packed.shape[0] != e or hidden_states.shape[1] not in (h, F4.padded_to_k_tile(h)):  # K: H or padded H
         raise ValueError(
             f"w2: expected [E={e}, H={hidden_states.shape[1]}, ...] as w13 and hidden_states, got "
             f"{list(w2.packed.shape)}"

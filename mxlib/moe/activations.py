@@ -9,7 +9,9 @@ it is read). Two activations, each a ``MoEActivation`` (``name``, ``alpha``, ``l
   ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, then
   ``(up + 1) * (gate * sigmoid(alpha * gate))`` with ``alpha = 1.702``, ``limit = 7.0``. The gate is clamped
   from above only; ``limit=None`` clamps neither (``MoEActivation("swigluoai", alpha=1.0)`` is the anchor
-  harness's ``tk_mxfp4`` row: gpt-oss's formula, alpha 1, no clamp).
+  harness's ``tk_mxfp4`` row: gpt-oss's formula, alpha 1, no clamp). vLLM's ``swigluoai`` op reads the gate
+  and up columns interleaved (gpt-oss's checkpoint order); on halves, as here, the same formula is vLLM's
+  ``MoEActivation.SWIGLUOAI_UNINTERLEAVE`` (whose ``beta`` is the ``+ 1`` on up, 1 here).
 
 ``activation_and_mul(x, activation)`` applies one in fp32 and rounds once to ``x.dtype`` (as vLLM's ops do: their
 CUDA kernels read bf16, compute in fp32, write bf16). The steps in fp32, in order (the Triton epilogues of

@@ -30,7 +30,8 @@ rotated experts on ``fused`` without the FP4 kernel run the ``triton`` path.
 Backends: ``"triton"`` (Triton kernels, vLLM's emulation design: dequantize all experts,
 then bf16 GEMMs; on the CPU only under ``TRITON_INTERPRET=1``), ``"fused"`` (subclasses with
 ``supports_fused``: packed weights dequantized tile by tile inside the GEMM, a2 QDQ in its
-epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 run
+epilogue: FP4 weights (``mxfp4``, ``nvfp4``) with bf16 activations and H, I multiples of 128 (or
+zero-padded to them, ``mxlib.moe.emulation.FP4_PAD_MAX_FRACTION``: gpt-oss-20b's 2880) run
 ``mxlib.kernels.fused_fp4_moe`` on weights prepared once into its layout, with the a1 QDQ fused
 too; other weights run ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pure-PyTorch
 reference MoE, ``mxlib.moe.reference_moe``, which dequantizes only the experts that received
@@ -324,6 +325,11 @@ class TritonExperts(torch.nn.Module):
         """``(w13, w2)`` in the FP4 kernel's layout, or None where that kernel does not apply."""
         return None
 
+    def fp4_operands(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The FP4 kernel's ``(hidden_states, w13_bias)``: as they are, unless the kernel's weight copy is
+        padded (``mxlib.moe.emulation``)."""
+        return hidden_states, self.w13_bias
+
     def prefers_fused(self) -> bool:
         """Whether ``auto`` picks the ``fused`` backend on CUDA."""
         return False
@@ -383,8 +389,9 @@ class TritonExperts(torch.nn.Module):
             m, k = topk_ids.shape
             tiles = self.fp4_config or get_fp4_configs(m, self.num_experts, k, fp4[0].nvfp4, fp4[0].nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles[0].block_m, tiles[1].block_m))
+            a1, w13_bias = self.fp4_operands(hidden_states)
             return fused_fp4_moe(
-                hidden_states,
+                a1,
                 fp4[0],
                 fp4[1],
                 topk_weights,
@@ -396,7 +403,7 @@ class TritonExperts(torch.nn.Module):
                 plan=plan,
                 rotation=self.rotation,
                 activation=self.activation,
-                w13_bias=self.w13_bias,
+                w13_bias=w13_bias,
                 w2_bias=self.w2_bias,
             )
         if self.rotation is not None:

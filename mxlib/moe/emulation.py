@@ -28,23 +28,24 @@ output row by its ``per_token_scale``, then by the weight's global scale (FlashI
 ``fused`` runs it on the FP4 kernel (a2 QDQ'd in a per-row pass: an epilogue tile never sees a whole
 row), else on the ``triton`` path (the generic fused kernel QDQs a2 tile by tile).
 
-FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128) are held in
-the FP4 kernel's layout (``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once
-(at construction when the backend resolves to ``fused``, else at the first fused forward); only
-that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and the other backends) then get
-the checkpoint layout back by ``unprepare_fp4_packed``, a temporary copy. MXFP6 weights (H and I
-multiples of 256) run in the same kernel in ``mxlib.kernels.fp6_layout``'s layout, held and
-unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is
-``FP6_AUTO_FUSED``.
+FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128, or zero-padded to them where
+``FP4_PAD_MAX_FRACTION`` allows: exact, ``fp4_operands``) are held in the FP4 kernel's layout
+(``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once (at construction when the backend resolves to
+``fused``, else at the first fused forward); only that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and
+the other backends) then get the checkpoint layout back by ``unprepare_fp4_packed`` (and ``unpad_fp4_halves``), a
+temporary copy. MXFP6 weights (H and I multiples of 256) run in the same kernel in ``fp6_layout``'s layout, held
+and unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is ``FP6_AUTO_FUSED``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.functional import pad as _pad
 
 from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
 from ..formats import NVFP4, BlockScheme, Numerics, PerTensorScheme, get_numerics, get_scale_mode
+from ..kernels import fp4_layout as F4
 from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare_fp4_packed
 from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
@@ -71,13 +72,16 @@ __all__ = [
     "OCP_MXQuantizationEmulationTritonExperts",
 ]
 
-
 _PACKED = ("w13_weight", "w2_weight")
 _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
+# FP4 weights whose H or I is no multiple of the kernel's K tile (gpt-oss-20b: 2880) run the FP4 kernel on a copy
+# zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
+# (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
+FP4_PAD_MAX_FRACTION = 1 / 16
 
 
 class QuantizedExperts(TritonExperts):
@@ -99,18 +103,37 @@ class QuantizedExperts(TritonExperts):
 
     def fp4_kernel_applies(self) -> bool:
         """Whether the FP4 kernel can run these experts: bf16 activations and either 4-bit weight
-        elements (``mxfp4``, ``nvfp4``) with H and I multiples of its 128-element K tile, or MXFP6
-        weights (``mxfp6_e2m3``, ``mxfp6_e3m2``) with H and I multiples of the 256-element super tile."""
+        elements (``mxfp4``, ``nvfp4``) with H and I multiples of its 128-element K tile (or zero-padded to it:
+        ``FP4_PAD_MAX_FRACTION``, no rotation), or MXFP6 weights (``mxfp6_e2m3``, ``mxfp6_e3m2``) with H and I
+        multiples of the 256-element super tile."""
         s = self.weight_scheme
         if self.activation_dtype != torch.bfloat16:
             return False
+        h, i = self.hidden_size, self.intermediate_size
         if s.element.nbits == 4:
-            tile = K_TILE
-        elif s.element.nbits == 6 and not s.has_global_scale:
-            tile = SUPER_TILE
-        else:
-            return False
-        return self.hidden_size % tile == 0 and self.intermediate_size % tile == 0
+            hp, ip = self._fp4_dims()
+            pad_ok = hp - h <= FP4_PAD_MAX_FRACTION * h and ip - i <= FP4_PAD_MAX_FRACTION * i
+            return (hp, ip) == (h, i) or (pad_ok and self.rotation is None)
+        if s.element.nbits == 6 and not s.has_global_scale:
+            return h % SUPER_TILE == 0 and i % SUPER_TILE == 0
+        return False
+
+    def _fp4_dims(self) -> tuple[int, int]:
+        """(H, I) of the FP4 kernel's copy of 4-bit weights: each a multiple of the K tile (zero-padded)."""
+        return F4.padded_to_k_tile(self.hidden_size), F4.padded_to_k_tile(self.intermediate_size)
+
+    def _fp4_padded(self) -> bool:
+        return self.weight_scheme.element.nbits == 4 and self._fp4_dims() != (self.hidden_size, self.intermediate_size)
+
+    def fp4_operands(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The FP4 kernel's hidden states and GEMM1 bias, zero-padded to the padded H and I where the weights
+        are (``_fp4_padded``): padded a1 columns meet zero weight columns, padded gate / up columns give
+        ``act(0 + 0, 0 + 0) = 0`` (SiLU and SwiGLU-OAI) and meet zero w2 columns."""
+        if not self._fp4_padded():
+            return hidden_states, self.w13_bias
+        (hp, ip), (e, h, i) = self._fp4_dims(), self._dims
+        b = None if self.w13_bias is None else _pad(self.w13_bias.view(e, 2, i), (0, ip - i)).view(e, 2 * ip)
+        return _pad(hidden_states, (0, hp - h)), b
 
     def prefers_fused(self) -> bool:
         # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
@@ -119,8 +142,8 @@ class QuantizedExperts(TritonExperts):
         return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
 
     def _prepare_if_fused(self) -> None:
-        """Prepare the FP4 layout now when the forward will use it (construction time)."""
-        # (an unknown backend name is left for the forward to refuse, as before)
+        """Prepare the FP4 layout now when the forward will use it (construction time; an unknown backend
+        name is left for the forward to refuse)."""
         if (
             self.backend in ("fused", "auto")
             and self.fp4_kernel_applies()
@@ -132,7 +155,14 @@ class QuantizedExperts(TritonExperts):
         if not self.fp4_kernel_applies():
             return None
         if "w13_weight" + _PREPARED not in self._buffers:
+            hp, ip = self._fp4_dims()
             for name, pw in zip(_PACKED, QuantizedExperts.packed_weights(self)):
+                if self._fp4_padded():  # (halves, rows, K) of the padded copy; its scales held beside it
+                    halves, rows, k = (2, ip, hp) if name == "w13_weight" else (1, self.hidden_size, ip)
+                    pw.packed, pw.scales = F4.pad_fp4_halves(
+                        pw.packed, pw.scales, pw.scheme.block_size, halves, rows, k
+                    )
+                    self.register_buffer(name + "_scale" + _PREPARED, pw.scales, persistent=False)
                 prepared = prepare_packed_weights(pw).packed
                 del self._buffers[name]  # keep only the prepared copy
                 self.register_buffer(name + _PREPARED, prepared, persistent=False)
@@ -144,11 +174,12 @@ class QuantizedExperts(TritonExperts):
             )
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
         s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
+        one13, one2 = self._one_multiply("w13", s13, g13), self._one_multiply("w2", s2, g2)  # pad bytes 0 agree
+        s13 = self._buffers.get("w13_weight_scale" + _PREPARED, s13)
+        s2 = self._buffers.get("w2_weight_scale" + _PREPARED, s2)
         return (
-            FP4Weights(
-                self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, self._one_multiply("w13", s13, g13)
-            ),
-            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, self._one_multiply("w2", s2, g2)),
+            FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, one13),
+            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, one2),
         )
 
     def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
@@ -168,18 +199,24 @@ class QuantizedExperts(TritonExperts):
         prepared = self._buffers.get(name + _PREPARED)
         if prepared is None:
             return self._buffers[name][sel]
-        return self._unprepare(prepared[sel])
+        return self._unprepare(prepared[sel], name)
 
-    def _unprepare(self, prepared: torch.Tensor) -> torch.Tensor:
-        """Checkpoint layout of bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
+    def _unprepare(self, prepared: torch.Tensor, name: str) -> torch.Tensor:
+        """Checkpoint layout of weight ``name``'s bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
         el = self.weight_scheme.element
-        return unprepare_fp6_packed(prepared, el) if el.nbits == 6 else unprepare_fp4_packed(prepared)
+        if el.nbits == 6:
+            return unprepare_fp6_packed(prepared, el)
+        out = unprepare_fp4_packed(prepared)
+        if self._fp4_padded():
+            e, h, i = self._dims
+            out = F4.unpad_fp4_halves(out, *((2, i, h) if name == "w13_weight" else (1, h, i)))
+        return out
 
     def __getattr__(self, name: str):
         if name in _PACKED:
             buffers = self.__dict__.get("_buffers", {})
             if name not in buffers and name + _PREPARED in buffers:
-                return self._unprepare(buffers[name + _PREPARED])
+                return self._unprepare(buffers[name + _PREPARED], name)
         return super().__getattr__(name)
 
     def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:

@@ -39,7 +39,7 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
             and dtypes; ``w13_weight_scale_2`` ``[E]`` or ``[E, 2]``).
         activation_dtype: bf16 (default), fp16 or fp32;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``fused``: the FP4 kernel with no
-            activation QDQ, for bf16 activations and H, I multiples of 128);
+            activation QDQ, for bf16 activations and H, I multiples of 128 or padded to them);
         numerics: ``"vllm"`` (default) or ``"hardware"`` (module docstring).
         activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
 
