@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 
@@ -107,7 +106,8 @@ def _emulated(model, scheme, cal):
 
     def make(i):
         w13, w2 = expert_weights(model, i)
-        s13, s2 = input_scales_from_amax(scheme, *(lambda lc: (lc.a1_amax, lc.a2_amax))(cal.layer(i)))
+        lc = cal.layer(i)
+        s13, s2 = input_scales_from_amax(scheme, lc.a1_amax, lc.a2_amax)
         return make_emulation_experts(scheme, quantize_expert_weights(w13, w2, scheme), s13, s2, backend="torch")
 
     saved = [m.experts for m in moe_layers(model)]
@@ -270,14 +270,16 @@ def test_round_trip(cls_name, scheme, layout, built, tmp_path):
     got_ids = _router_ids(loaded, ids)
     first = min(want_ids)
     assert torch.equal(got_ids[first], want_ids[first])  # the first MoE layer sees the same bf16 input
-    # bit for bit with mxlib's in-memory emulation of the same scheme
-    saved = _emulated(model, scheme if layout != "compressed-tensors" else scheme, cal)
-    try:
-        emu = _logits(model, ids)
-    finally:
-        _restore(model, saved)
-    if layout != "compressed-tensors":  # compressed-tensors stores encode global scales: other bits
+    # bit for bit with mxlib's in-memory emulation of the same scheme (compressed-tensors stores encode
+    # global scales, chosen by its own arithmetic: other bits, checked against bf16 only)
+    if layout != "compressed-tensors":
+        saved = _emulated(model, scheme, cal)
+        try:
+            emu = _logits(model, ids)
+        finally:
+            _restore(model, saved)
         assert torch.equal(got, emu), (got - emu).abs().max()
+        assert not torch.equal(emu, ref)  # the experts are quantized
     print(f"{cls_name} {scheme} {layout}: write+load {elapsed:.2f} s, max |logits - bf16| {diff:.4f}")
 
 
@@ -313,6 +315,12 @@ def test_on_disk_names_are_the_familys(cls_name, built, tmp_path):
                 assert h.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
     report = inspect_checkpoint(path)
     assert report.layout_ok, report.problems
+    fam = families.family_of(model)
+    assert (report.num_experts, report.moe_intermediate_size) == (
+        fam.num_experts(model.config),
+        fam.intermediate_size(model.config),
+    )
+    assert sorted({r["layer"] for r in report.activation_scales}) == MOE_LAYERS[cls_name]  # per-expert input scales
 
 
 @pytest.mark.parametrize("cls_name", NAMES)
@@ -331,10 +339,77 @@ def test_round_trip_times(built):
         assert seconds < 30, (n, seconds)
 
 
-def test_loaded_routing_matches_a_direct_softmax(built, tmp_path):
-    """The Mixtral router output equals ``softmax_topk`` on its own logits (family function in use)."""
-    model, cal, ids, _ = built["MixtralForCausalLM"]
-    x = torch.randn(10, 64, dtype=torch.bfloat16)
-    router = model.model.layers[0].mlp.gate
-    logits, w, i = router(x)
-    assert torch.equal(R.softmax_topk(F.linear(x, router.weight), 2, True)[1].long(), i)
+@pytest.mark.parametrize("cls_name", NAMES)
+def test_dummy_from_config_and_cli(cls_name, tmp_path):
+    """A family's own unquantized config.json (as its save_pretrained writes it) -> dummy checkpoint -> load."""
+    from mxlib.cli import main as cli_main
+    from mxlib.models.checkpoints import dummy_checkpoint_from_config
+
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    cfg = dict(_config(cls_name).to_dict(), architectures=[cls_name])
+    (folder / "config.json").write_text(json.dumps(cfg, default=str))
+    path = dummy_checkpoint_from_config(folder, tmp_path / "ckpt", scheme="w_mxfp4_a_mxfp4", calib_tokens=16)
+    stored = json.loads((path / "config.json").read_text())
+    assert stored["architectures"] == [cls_name] and stored["quantization_config"]["quant_method"] == "quark"
+    loaded, _ = load_quantized_moe(path, backend="torch")
+    assert type(loaded).__name__ == cls_name
+    assert torch.isfinite(_logits(loaded, torch.arange(8)[None])).all()
+    assert inspect_checkpoint(path).layout_ok
+    out = tmp_path / "cli.json"
+    argv = ["dummy-from-config", str(folder), str(tmp_path / "ckpt2"), "--scheme", "nvfp4", "--tokens", "8"]
+    assert cli_main([*argv, "--device", "cpu", "--backend", "torch", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    result = result.get("result", result)
+    assert result["architecture"] == cls_name and result["logits_finite"]
+
+
+@pytest.mark.parametrize("cls_name", ["DeepseekV3ForCausalLM", "Qwen2MoeForCausalLM"])
+def test_statistics_and_hessians_name_decoder_layers(cls_name, built):
+    """With dense MLP layers the MoE layers are not 0..n-1: every per-layer result names its decoder layer."""
+    from mxlib.models.hessians import collect_expert_hessians
+    from mxlib.models.routing_stats import routing_statistics
+
+    model, cal, ids, _ = built[cls_name]
+    assert cal.layer_indices == MOE_LAYERS[cls_name] and len(cal.layers) == len(MOE_LAYERS[cls_name])
+    stats = routing_statistics(model, ids)
+    assert [s["layer"] for s in stats] == MOE_LAYERS[cls_name]
+    want = _router_ids(model, ids)  # the oracle: transformers' routers' own ids
+    for s in stats:
+        counts = torch.bincount(want[s["layer"]].reshape(-1), minlength=s["num_experts"])
+        assert torch.equal(s["tokens_per_expert"], counts)
+        assert torch.equal(cal.layer(s["layer"]).tokens, counts)  # calibration saw the same routing
+    hess = collect_expert_hessians(model, ids)
+    assert sorted(hess.layers) == MOE_LAYERS[cls_name]
+    with pytest.raises(ValueError, match=r"layers: expected MoE layer indices of \[\d, \d\], got \[\d\]"):
+        collect_expert_hessians(model, ids, layers=[1 if cls_name == "Qwen2MoeForCausalLM" else 0])
+    with pytest.raises(ValueError, match="layer: expected a calibrated MoE layer"):
+        cal.layer(1 if cls_name == "Qwen2MoeForCausalLM" else 0)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({n: h.get_tensor(n) for n in h.keys()})
+    return out
+
+
+@pytest.mark.parametrize("cls_name", NAMES)
+def test_loaded_model_saves_its_checkpoint_back(cls_name, built, tmp_path):
+    """``save_pretrained`` of a loaded model writes the checkpoint it was loaded from: the same names
+    (the family's own on disk), dtypes and bytes, and the same config."""
+    model, cal, ids, _ = built[cls_name]
+    path = write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
+    loaded, _ = load_quantized_moe(path, backend="torch")
+    loaded.save_pretrained(tmp_path / "again")
+    first, again = _tensors(path), _tensors(tmp_path / "again")
+    assert sorted(first) == sorted(again)
+    for n, t in first.items():
+        assert t.dtype == again[n].dtype and torch.equal(
+            t.reshape(-1).view(torch.uint8), again[n].reshape(-1).view(torch.uint8)
+        ), n
+    cfg = json.loads((path / "config.json").read_text())
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == cfg
+    back, _ = load_quantized_moe(tmp_path / "again", backend="torch")
+    assert torch.equal(_logits(back, ids), _logits(loaded, ids))

@@ -20,12 +20,13 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from mxlib.models import calibration, evaluation, families, qwen3, routing_stats, untrusted
+from mxlib.models import calibration, evaluation, families, hessians, moe_models, qwen3, routing_stats, untrusted
 from mxlib.models.checkpoints import (
     CheckpointError,
     attach_checkpoint_layout,
     dummy_checkpoint_from_config,
     inspect_checkpoint,
+    load_quantized_moe,
     load_quantized_qwen3_moe,
     save_quantized_checkpoint,
     write_quantized_checkpoint,
@@ -117,6 +118,9 @@ def _model_entries(tmp_path):
         "calibrate": lambda m: calibration.calibrate(m, ids),
         "swap_experts": lambda m: qwen3.swap_experts(m, lambda i: None),
         "moe_layers": lambda m: qwen3.moe_layers(m),
+        "moe_layer_indices": lambda m: moe_models.moe_layer_indices(m),
+        "expert_weights": lambda m: moe_models.expert_weights(m, 0),
+        "collect_expert_hessians": lambda m: hessians.collect_expert_hessians(m, ids),
         "routing_statistics": lambda m: routing_stats.routing_statistics(m, ids),
         "evaluate": lambda m: evaluation.evaluate(m, d),
         "greedy_decode": lambda m: evaluation.greedy_decode(m, ids, 1),
@@ -154,6 +158,9 @@ def test_config_entries_refuse_foreign_configs(cls_name):
     for where, call in {
         "empty_qwen3_moe": lambda: qwen3.empty_qwen3_moe(config),
         "dummy_qwen3_moe": lambda: qwen3.dummy_qwen3_moe(config),
+        "empty_moe_model": lambda: moe_models.empty_moe_model(config),
+        "dummy_moe_model": lambda: moe_models.dummy_moe_model(config),
+        "family_of": lambda: families.family_of(config),
     }.items():
         _refused(call, families.UnsupportedModelError, where, type(config).__name__, repr(config.model_type))
 
@@ -172,6 +179,7 @@ def test_checkpoint_readers_refuse_foreign_config_json(cls_name, quantized, fore
     }
     if quantized:  # the loader reads quantized checkpoints only
         entries["load_quantized_qwen3_moe"] = lambda: load_quantized_qwen3_moe(folder)
+        entries["load_quantized_moe"] = lambda: load_quantized_moe(folder)
     for where, call in entries.items():
         err = _refused(call, CheckpointError, where, cls_name, str(folder / "config.json"))
         assert "moe_intermediate_size" not in str(err)

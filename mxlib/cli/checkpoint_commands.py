@@ -18,10 +18,11 @@ from ..models.checkpoints import (
     CheckpointError,
     dummy_checkpoint_from_config,
     inspect_checkpoint,
-    load_quantized_qwen3_moe,
+    load_quantized_moe,
 )
 from ..models.checkpoints.dummy import dummy_quantization
 from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
+from ..models.families import family_of
 from ..workbook import steps as W
 
 __all__ = ["COMMANDS"]
@@ -103,13 +104,14 @@ def dummy_from_config(args) -> dict:
     dev = args.params_device
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, info = load_quantized_qwen3_moe(path, device=dev, backend=args.backend, progress=args.progress)
+        model, info = load_quantized_moe(path, device=dev, backend=args.backend, progress=args.progress)
+    num_experts = family_of(model, "dummy-from-config").num_experts(model.config)
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())
     print(
-        f"[dummy-from-config] {path}: layout {info.format}, scheme {info.scheme.name}, technique {args.technique}, "
-        f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts, hidden "
+        f"[dummy-from-config] {path}: {type(model).__name__}, layout {info.format}, scheme {info.scheme.name}, "
+        f"technique {args.technique}, {model.config.num_hidden_layers} layers, {num_experts} experts, hidden "
         f"{model.config.hidden_size}; written in {t_write:.1f} s; forward of {args.tokens} tokens on {dev}: "
         f"logits {'finite' if finite else 'NOT finite'}"
     )
@@ -120,7 +122,8 @@ def dummy_from_config(args) -> dict:
         technique=args.technique,
         preset=args.preset,
         layers=model.config.num_hidden_layers,
-        num_experts=model.config.num_experts,
+        architecture=type(model).__name__,
+        num_experts=num_experts,
         hidden_size=model.config.hidden_size,
         logits_finite=finite,
         seconds_write=t_write,

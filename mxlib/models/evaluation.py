@@ -59,7 +59,7 @@ import torch
 from ..moe import TritonExperts, input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
 from .calibration import Calibration, LayerCalibration, calibrate
-from .families import check_supported_model
+from .families import check_supported_model, family_of
 from .qwen3 import expert_weights, moe_layers, swap_experts
 from .tasks import TOKENIZER, Dataset
 
@@ -456,7 +456,7 @@ def calibrate_tasks(model, datasets, keep_activations: bool = False) -> Calibrat
     check_supported_model(model, "calibrate_tasks")
     datasets = _datasets(datasets)
     cals = [calibrate(model, torch.cat([d.prompts, d.answers], 1), keep_activations) for d in datasets]
-    out = Calibration(num_tokens=sum(c.num_tokens for c in cals))
+    out = Calibration(num_tokens=sum(c.num_tokens for c in cals), layer_indices=cals[0].layer_indices if cals else None)
     for layer in zip(*(c.layers for c in cals)):
         kept = {}
         if keep_activations:
@@ -500,7 +500,7 @@ def emulated_experts(model, scheme, calibration: Calibration | None = None, back
         weights = quantize_expert_weights(w13, w2, s)
         s13 = s2 = None
         if calibration is not None:
-            lc = calibration.layers[i]
+            lc = calibration.layer(i)  # decoder layer i (a family with dense layers: not the i-th entry)
             s13, s2 = (
                 None if t is None else t.to(w13.device) for t in input_scales_from_amax(s, lc.a1_amax, lc.a2_amax)
             )
@@ -574,7 +574,7 @@ def expert_counts(model, dataset: Dataset, batch_size: int = 250) -> torch.Tenso
     check_supported_model(model, "expert_counts")
     (dataset,) = _datasets(dataset)
     ids = torch.cat([dataset.prompts, dataset.answers[:, :-1]], 1)
-    num_layers, e = len(moe_layers(model)), model.config.num_experts
+    num_layers, e = len(moe_layers(model)), family_of(model, "expert_counts").num_experts(model.config)
     counts = torch.zeros(ids.shape[0], num_layers, e, dtype=torch.int64)
     rows = slice(0, 0)
 

@@ -119,6 +119,8 @@ class MoEFamily:
         fp32_tensors: state-dict name suffixes kept in float32 on disk and in memory.
         checkpoint_layout: a layout own to the family, or None.
         dense_modules: what the family has besides routed experts and attention, in words (docs, errors).
+        preset_skips: fields of ``mxlib.models.presets.MODEL_PRESETS`` a preset leaves as the config has
+            them (DeepSeek-V3's ``head_dim`` follows its own ``qk_rope_head_dim``).
     """
 
     architecture: str
@@ -140,6 +142,7 @@ class MoEFamily:
     fp32_tensors: tuple[str, ...] = ()
     checkpoint_layout: str | None = None
     dense_modules: str = ""
+    preset_skips: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.experts_orientation not in ORIENTATIONS:
@@ -286,6 +289,7 @@ DEEPSEEK_V3 = register_family(
         layer_rule=first_k_dense_layers,
         routing="grouped_topk",
         fp32_tensors=(".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"),
+        preset_skips=("head_dim", "intermediate_size"),
         dense_modules="n_shared_experts shared experts in every MoE block (mlp.shared_experts); dense MLPs in "
         "the first first_k_dense_replace layers",
     )

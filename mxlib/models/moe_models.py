@@ -55,7 +55,8 @@ def empty_moe_model(config, dtype: torch.dtype = torch.bfloat16, device="cpu", w
     """The family's transformers ``*ForCausalLM`` with uninitialized parameters (no init cost, and
     pages are only touched when written, so experts replaced before use cost no memory).
 
-    ``config``: a transformers config object of a registered family. Tensors a family keeps in
+    ``config``: a transformers config object of a registered family; ``where``: the public entry a
+    refusal names (wrappers such as ``mxlib.models.qwen3.empty_qwen3_moe`` pass their own). Tensors a family keeps in
     float32 (``MoEFamily.fp32_tensors``: DeepSeek-V3's router weight and correction bias) are
     float32, as transformers builds them; everything else is ``dtype``.
 
@@ -224,6 +225,8 @@ def dummy_moe_model(
 
     a1 (the w13 input, the normalized residual) does not depend on the spread; its ratio
     comes from the routing alone.
+
+    ``where`` is the public entry a refusal names (``dummy_qwen3_moe`` passes its own).
 
     **Other families.** The same three steps run on every registered family's MoE layers
     (``mxlib.models.families``); a layer that is a dense MLP (DeepSeek-V3's first
@@ -455,6 +458,7 @@ def swap_experts(model, make_experts, where: str = "swap_experts") -> None:
             replaced in every MoE layer ``i``; routers, shared experts and dense MLPs stay).
         make_experts: ``decoder layer index -> TritonExperts`` (an emulation subclass, e.g. from
             ``make_emulation_experts(scheme, quantize_expert_weights(*expert_weights(model, i), scheme))``).
+        where: the public entry a refusal names.
 
     Raises:
         TypeError: ``make_experts`` returned something other than a ``TritonExperts``.

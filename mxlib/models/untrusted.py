@@ -229,6 +229,9 @@ def dummy_config(
     """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
     is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
 
+    A preset's ``num_experts`` / ``moe_intermediate_size`` are set under the family's own field names
+    (Mixtral's ``num_local_experts`` / ``intermediate_size``, ``mxlib.models.families``).
+
     The rules: the model fields positive integers, ``num_experts_per_tok <= num_experts``, heads a
     multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
     ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
@@ -255,6 +258,17 @@ def dummy_config(
     if model_preset is not None and model_preset not in MODEL_PRESETS:
         raise ValueError(f"model_preset: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
     changes = dict(MODEL_PRESETS[model_preset]) if model_preset is not None else {}
+    try:
+        family = _config_family(cfg_dict)
+    except (TypeError, ValueError):  # another family, or malformed names: check_model_fields below says which
+        family = QWEN3_MOE
+    if family is not QWEN3_MOE:  # the preset's Qwen3-MoE field names as the family's own
+        renames = {
+            "num_experts": family.num_experts_fields[0],
+            "moe_intermediate_size": family.intermediate_size_fields[0],
+        }
+        skips = set(family.preset_skips) | ({"intermediate_size"} & set(renames.values()))  # Mixtral's is the experts'
+        changes = {renames.get(k, k): v for k, v in changes.items() if k not in skips}
     changes.update(overrides or {})
     cfg_dict.update(changes)
     where = f"{cfg_path}" + (" with the preset's and overrides' sizes" if changes else "")

@@ -3,7 +3,8 @@
 vLLM tested its emulation of this feature by loading the real model's repository with dummy
 weights: the real ``config.json`` (and ``hf_quant_config.json``), random tensors. Here the same:
 ``dummy_checkpoint_from_config(config_dir, out_dir)`` reads only the config files, builds mxlib's
-seeded dummy Qwen3-MoE at the config's sizes (``mxlib.models.qwen3.dummy_qwen3_moe``), calibrates
+seeded dummy model of the config's family at its sizes (``mxlib.models.moe_models.dummy_moe_model``;
+Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3: ``mxlib.models.families``), calibrates
 it when the scheme has static activation scales, quantizes its experts and writes them with the
 tensors of the layout the config names (looked up in the layout registry by ``quant_method``, so
 every registered layout works, the ones added later included). Linear layers the config quantizes
@@ -39,15 +40,16 @@ from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from .. import untrusted
 from ..calibration import calibrate
-from ..families import check_supported_checkpoint
+from ..families import MoEFamily, check_supported_checkpoint
 from ..hessians import collect_expert_hessians
-from ..qwen3 import dummy_qwen3_moe, expert_weights, tied_parameter_names
+from ..moe_models import dummy_moe_model, expert_weights, tied_parameter_names
 from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
 from .bounds import model_config
 from .headers import open_regular, read_json
 from .inspect import config_description
 from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
 from .safetensors_io import SHARD_BYTES, atomic_folder, write_shards
+from .writer import attention_linears, unquantized_modules
 
 __all__ = [
     "dummy_checkpoint_from_config",
@@ -85,18 +87,15 @@ def dummy_config(
     return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError)
 
 
-def _linear_modules(model) -> list[str]:
-    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, ``lm_head`` unless it
-    is the tied embedding)."""
+def _linear_modules(model, family: MoEFamily) -> list[str]:
+    """Non-expert modules stored as 2-D ``.weight`` (attention projections, routers, shared experts, dense
+    MLPs, ``lm_head`` unless it is the tied embedding)."""
     tied = tied_parameter_names(model)
+    experts_part = f".{family.block_attr}.{family.experts_attr}."
     return [
         n[: -len(".weight")]
         for n, p in model.state_dict().items()
-        if n.endswith(".weight")
-        and p.ndim == 2
-        and ".mlp.experts." not in n
-        and "embed_tokens" not in n
-        and n not in tied
+        if n.endswith(".weight") and p.ndim == 2 and experts_part not in n and "embed_tokens" not in n and n not in tied
     ]
 
 
@@ -197,7 +196,7 @@ def dummy_checkpoint_from_config(
         overrides: further config fields to replace (e.g. ``{"num_experts": 8}``); win over the preset.
         calib_tokens: token ids that calibrate static activation scales (NVFP4, ``_a_fp8``) and give GPTQ its
             per-expert Hessians (``technique="gptq"``).
-        expert_spread: ``dummy_qwen3_moe``'s per-expert scale spread.
+        expert_spread: ``dummy_moe_model``'s per-expert scale spread.
         shard_bytes: safetensors shard size.
         scheme, layout: the scheme (and layout) of an unquantized config (``dummy_quantization``).
         progress: tqdm bars on stderr for calibrating and quantizing the experts.
@@ -205,7 +204,7 @@ def dummy_checkpoint_from_config(
             ``write_quantized_checkpoint``'s); None is the layout's round-to-nearest.
 
     Returns:
-        ``out_dir`` as a ``Path``, loadable with ``load_quantized_qwen3_moe``. Its ``config.json``
+        ``out_dir`` as a ``Path``, loadable with ``load_quantized_moe``. Its ``config.json``
         is the source's with ``num_hidden_layers`` and the overrides applied; of the other files of
         ``config_dir`` only the layouts' legacy config files and ``COPIED_FILES`` are copied, unchanged
         (regular files of at most 64 MiB; anything else there is left out), and for an unquantized
@@ -226,7 +225,7 @@ def dummy_checkpoint_from_config(
             ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
     config_dir = Path(config_dir)
-    check_supported_checkpoint(config_dir, "dummy_checkpoint_from_config", read_json, CheckpointError)
+    family = check_supported_checkpoint(config_dir, "dummy_checkpoint_from_config", read_json, CheckpointError)
     info, files = dummy_quantization(config_dir, scheme, layout)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
@@ -234,15 +233,18 @@ def dummy_checkpoint_from_config(
     needs_hessians = isinstance(technique, str) and technique.split("+")[0] == "gptq"
     technique = None if technique is None or needs_hessians else get_technique(technique)
     cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
-    config = model_config(cfg_dict, cfg_path)
+    config = model_config(cfg_dict, cfg_path, family)
 
-    model = dummy_qwen3_moe(config, seed=seed, expert_spread=expert_spread)
+    model = dummy_moe_model(config, seed=seed, expert_spread=expert_spread, where="dummy_checkpoint_from_config")
+    if files is not None:  # the chosen layout's config: the family's bf16 modules named in its exclude list
+        layout.add_excluded(files[0], files[1], unquantized_modules(model, family, attention_linears(model)))
+        info = layout.read_config(files[0])
     ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
     if needs_hessians:
         technique = get_technique(technique, hessians=collect_expert_hessians(model, ids, progress=progress))
     technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     modules = dict(model.named_modules())
-    quantized_linears = [m for m in _linear_modules(model) if not matches(m, info.exclude)]
+    quantized_linears = [m for m in _linear_modules(model, family) if not matches(family.disk_name(m), info.exclude)]
     # a layout that stores quantized linear layers (attention) has supports_linear; their weights are
     # quantized by the layout's quantize_linear (default: the factory's quantize_linear_weight)
     not_linear = [m for m in quantized_linears if not isinstance(modules.get(m), torch.nn.Linear)]
@@ -257,10 +259,11 @@ def dummy_checkpoint_from_config(
             f"{cfg_path}: the quantization config quantizes {len(quantized_linears)} modules outside the MoE experts "
             f"(not in its ignore/exclude list: {what})"
         )
+    moe = family.moe_layer_indices(config)
     excluded_layers = [
         layer
-        for layer in range(config.num_hidden_layers)
-        if all(matches(f"model.layers.{layer}.mlp.experts.0.{p}", info.exclude) for p in PROJS)
+        for layer in moe
+        if all(matches(family.disk_name(f"{family.experts_prefix(layer)}.0.{p}"), info.exclude) for p in PROJS)
     ]
     calibration = None
     linear_amax = {m: torch.zeros((), dtype=torch.float32) for m in quantized_linears}
@@ -276,10 +279,11 @@ def dummy_checkpoint_from_config(
 
     tied = tied_parameter_names(model)  # lm_head.weight of tied embeddings: stored once, as transformers does
     with atomic_folder(out_dir) as tmp:
-        state = {
-            n: t.detach().to(torch.bfloat16).contiguous()
+        experts_part = f".{family.block_attr}.{family.experts_attr}."
+        state = {  # under the state dict's names here, the family's on-disk names when written
+            n: t.detach().to(torch.float32 if family.keeps_fp32(n) else torch.bfloat16).contiguous()
             for n, t in model.state_dict().items()
-            if ".mlp.experts." not in n and n.rsplit(".", 1)[0] not in linear_amax and n not in tied
+            if experts_part not in n and n.rsplit(".", 1)[0] not in linear_amax and n not in tied
         }
         for m in quantized_linears:
             ins = None
@@ -289,10 +293,9 @@ def dummy_checkpoint_from_config(
                 layout.linear_tensors(scheme, layout.quantize_linear(modules[m].weight.detach(), scheme), ins, m)
             )
         logger.info("writing dummy %s checkpoint (%s layout) to %s", scheme.name, layout.name, out_dir)
-        layers = range(config.num_hidden_layers)
-        for layer in tqdm(layers, desc="quantizing experts", unit="layer", disable=not progress):
+        for layer in tqdm(moe, desc="quantizing experts", unit="layer", disable=not progress):
             w13, w2 = expert_weights(model, layer)
-            prefix = f"model.layers.{layer}.mlp.experts"
+            prefix = family.experts_prefix(layer)
             if layer in excluded_layers:  # bf16 experts under their per-expert names
                 i = w2.shape[2]
                 for x in range(w13.shape[0]):
@@ -310,12 +313,12 @@ def dummy_checkpoint_from_config(
             if calibration is not None:
                 in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
             state.update(layout.expert_tensors(scheme, weights, in13, in2, prefix))
-        write_shards(state, tmp, shard_bytes)
+        write_shards({family.disk_name(n): t for n, t in state.items()}, tmp, shard_bytes)
         out_cfg = dict(source)
         out_cfg["num_hidden_layers"] = config.num_hidden_layers
         out_cfg.update(changes)
         extra = {}
-        if files is not None:  # an unquantized config: the chosen scheme's quantization config
+        if files is not None:  # an unquantized config: the chosen scheme's quantization config (family excludes added)
             out_cfg["quantization_config"], extra = files
         if technique is not None and technique.config():
             out_cfg["quantization_config"] = {

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...moe.scales import SCALE_STRATEGIES
-from ..families import check_supported_model, family_of
+from ..families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from .bounds import check_model_config, check_scale_strategy
 from .headers import read_json
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
@@ -230,7 +230,12 @@ def _positive_int(v) -> int | None:
 
 
 def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> InspectReport:
-    """Describe a quantized Qwen3-MoE checkpoint from its configs, headers and scale scalars.
+    """Describe a quantized MoE checkpoint (any registered family) from its configs, headers and scale scalars.
+
+    A family storing other names than transformers' state dict (Mixtral's
+    ``block_sparse_moe.experts.e.w1``) is read under the state-dict names
+    (``SafetensorsHeaders.as_module_names``): the tables show ``mlp.experts.*.gate_proj``, and a note
+    says so; the exclude list is matched with the names on disk.
 
     Args:
         path: the checkpoint folder (``config.json``, ``model.safetensors`` or shards with
@@ -271,10 +276,17 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
             except CheckpointError as err:
                 problems.append(f"config: {err}")
     report.producer = _producer(folder, qc)
-    layers, e = cfg.get("num_hidden_layers"), cfg.get("num_experts", cfg.get("num_local_experts"))
+    family = QWEN3_MOE
+    try:
+        check_supported_model(cfg, "inspect_checkpoint", name=str(cfg_path), error=CheckpointError)
+        if cfg.get("architectures") or cfg.get("model_type") is not None:
+            family = family_of(cfg, "inspect_checkpoint", name=str(cfg_path))
+    except CheckpointError:
+        pass  # reported below
+    layers, e = cfg.get("num_hidden_layers"), config_value(cfg, family.num_experts_fields)
     report.num_hidden_layers, report.num_experts = _positive_int(layers), _positive_int(e)
     report.hidden_size = _positive_int(cfg.get("hidden_size"))
-    report.moe_intermediate_size = _positive_int(cfg.get("moe_intermediate_size"))
+    report.moe_intermediate_size = _positive_int(config_value(cfg, family.intermediate_size_fields))
     try:
         check_supported_model(cfg, "inspect_checkpoint", name=str(cfg_path), error=CheckpointError)
         info = config_description(folder)
@@ -287,19 +299,24 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     elif isinstance(qc, dict) and isinstance(qc.get("ignore"), list):
         report.exclude = [str(x)[:200] for x in qc["ignore"][:10000]]
     try:
-        headers = SafetensorsHeaders(folder)
+        headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
     except CheckpointError as err:
         problems.append(f"files: {err}")
         return _done(report, t0)
+    if family.disk_block != family.block_attr or family.disk_projs != ("gate_proj", "up_proj", "down_proj"):
+        notes.append(
+            f"{family.architecture} stores layers.L.{family.disk_block}.experts.E.{{{','.join(family.disk_projs)}}}; "
+            f"the tables name them as transformers' state dict does (layers.L.{family.block_attr}.experts.E."
+            f"{{gate_proj,up_proj,down_proj}})"
+        )
     report.tensors_total = len(headers.where)
     if headers.unindexed:
         notes.append(f"{headers.unindexed} tensors of the shards are not in the index; the loader does not see them")
     try:
-        family = family_of(cfg, "inspect_checkpoint", name=str(cfg_path))  # the loader's names and checks
         check_model_config(
             {k: v for k, v in cfg.items() if k != "quantization_config"},
             cfg_path,
-            headers.as_module_names(family.module_name),
+            headers,
             info,
             every_layer=True,
             family=family,
@@ -307,7 +324,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         report.layout_ok = info is not None and not problems  # no config file refused either
     except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
         problems.append(f"layout: {err}")
-    _tables(report, headers, info, strategies)
+    _tables(report, headers, info, strategies, family)
     report.tensors_read, report.bytes_read = headers.tensors_read, headers.bytes_read
     return _done(report, t0)
 
@@ -317,7 +334,7 @@ def _done(report: InspectReport, t0: float) -> InspectReport:
     return report
 
 
-def _tables(report: InspectReport, headers: SafetensorsHeaders, info, strategies) -> None:
+def _tables(report: InspectReport, headers: SafetensorsHeaders, info, strategies, family: MoEFamily) -> None:
     """The module, scale and strategy tables of a report, from checked headers."""
     problems, notes = report.problems, report.notes
     quantized, unquantized, quantized_names = module_tables(headers)
@@ -331,7 +348,7 @@ def _tables(report: InspectReport, headers: SafetensorsHeaders, info, strategies
     if info is not None:
         for kind in ("attention", "other"):
             names = quantized_names[kind]
-            listed = [n for n in names if matches(n, info.exclude)]
+            listed = [n for n in names if matches(family.disk_name(n), info.exclude)]
             if len(listed) < len(names):
                 notes.append(
                     f"{len(names) - len(listed)} {kind} modules outside the experts are quantized (not in the "

@@ -131,6 +131,7 @@ def load_quantized_moe(
     layer of experts read. ``gate_up_scale``: how NVFP4 gate and up halves with different
     ``weight_scale_2`` are run (``mxlib.recovery.gate_up``): ``per_half`` (each its own), ``gate`` (vLLM's),
     ``requantize_max``; with the last two the experts hold, and ``save_pretrained`` writes, the reconciled scales.
+    ``where``: the public entry a refusal names (``load_quantized_qwen3_moe`` passes its own).
 
     Returns:
         ``(model, info)`` where ``info`` is the ``CheckpointDescription``. The model carries its
