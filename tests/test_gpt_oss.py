@@ -521,6 +521,10 @@ def test_family_round_trip_native_mxfp4(tiny_gpt_oss, tmp_path):
     ]
     report = inspect_checkpoint(path)
     assert report.layout_ok and report.scheme == "w_mxfp4", report.problems
+    assert [r["pattern"] for r in report.quantized["experts"]] == [
+        "model.layers.*.mlp.experts.down_proj",
+        "model.layers.*.mlp.experts.gate_up_proj",
+    ]
     loaded, info = load_quantized_qwen3_moe(path, backend="torch")
     assert info["format"] == "gpt-oss-mxfp4" and type(loaded).__name__ == "GptOssForCausalLM"
     mem = _w_mxfp4_in_memory(model)
