@@ -173,7 +173,7 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
         ),
         (
             lambda q: q.update(quant_method="awq"),
-            "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors', found 'awq'",
+            "quant_method: expected 'modelopt' or 'quark' or 'compressed-tensors' or 'mxfp4', found 'awq'",
         ),
         (
             lambda q: q["global_quant_config"]["input_tensors"].update(is_dynamic=False),
@@ -249,6 +249,7 @@ def test_layout_registry_dispatch(tiny, tmp_path):
         "compressed-tensors-mxfp4",
         "modelopt-mxfp8",
         "compressed-tensors-mxfp8",
+        "gpt-oss-mxfp4",
     ]
     for name, s in MOE_SCHEMES.items():
         expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT

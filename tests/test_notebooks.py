@@ -45,6 +45,8 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         calib_tokens=64,
         checkpoint_path="interop/quark_w_mxfp4_a_mxfp4/checkpoint",
     ),
+    # a dummy gpt-oss at the tiny gpt-oss preset, in its native MXFP4 layout (weight-only: its one scheme)
+    "01_end_to_end-gptoss": dict(scheme="w_mxfp4", model_preset="gpt-oss-tiny", num_tokens=16, calib_tokens=64),
     "02_microscaling_formats": dict(num_rows=16, row_length=1024),
     "03_scheme_comparison": dict(model_preset="tiny", calib_tokens=64),
     # 16 experts x 4 layers draw too few per-expert scales for sigma 1 to reach r < 2**-6 / 448: the tiny
@@ -134,6 +136,22 @@ def test_01_end_to_end(scheme, executed_notebook):
     own = res["own_checkpoint"]  # section 6 on a producer-made checkpoint: ModelOpt's NVFP4, Quark's MXFP4
     assert own["scheme"] == {"nvfp4": "nvfp4", "mxfp4": "w_mxfp4_a_mxfp4"}[scheme] and own["num_layers"] == 2
     assert all(8.0 < r["sqnr_db"] < 30.0 for r in own["layers"]), own["layers"]
+
+
+def test_01_end_to_end_gpt_oss(executed_notebook):
+    """Notebook 01 on the dummy gpt-oss (expert biases, SWIGLUOAI) in gpt-oss's own MXFP4 layout: its checks
+    cell passed, and its results restated here."""
+    res = run_notebook("01_end_to_end-gptoss", executed_notebook)
+    assert res["model_preset"] == "gpt-oss-tiny" and res["scheme"] == "w_mxfp4" and res["num_hidden_layers"] == 4
+    logit = res["logits"]
+    assert 15.0 < logit["sqnr_db"] < 60.0 and logit["top1_agreement"] >= 0.6, logit
+    assert len(res["layers"]) == 4 and all(15.0 < r["sqnr_db"] < 60.0 for r in res["layers"]), res["layers"]
+    moe = res["moe_block_0_sqnr_db"]  # the negative control catches scrambled expert weights under intact biases
+    assert moe["swapped nibbles"] < 3.0 and moe["working"] > moe["swapped nibbles"] + 8.0, moe
+    # weight-only OCP MX: the same operands in vLLM's numerics and the hardware's, the same bits
+    assert all(r["max_abs_diff"] == 0.0 for r in res["numerics_modes"]["sets"]), res["numerics_modes"]["sets"]
+    skipped = res["skipped_schemes"]  # every other scheme listed, with its reason
+    assert "w_mxfp4" not in skipped and "nvfp4" in skipped and "expert biases" in skipped["nvfp4"]
 
 
 def test_02_microscaling_formats(executed_notebook):

@@ -73,6 +73,7 @@ LAYOUTS = (
     "compressed-tensors-mxfp4",
     "modelopt-mxfp8",
     "compressed-tensors-mxfp8",
+    "gpt-oss-mxfp4",
 )
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)

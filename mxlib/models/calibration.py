@@ -21,9 +21,10 @@ import torch
 from tqdm import tqdm
 
 from ..formats import BlockScheme, PerTensorScheme, get_activation_format
+from ..moe.activations import SILU
 from ..moe.reference_moe import torch_moe
 from .families import check_supported_model, family_of
-from .moe_models import expert_weights, moe_blocks
+from .moe_models import expert_activation, expert_biases, expert_weights, moe_blocks
 
 __all__ = ["LayerCalibration", "Calibration", "calibrate"]
 
@@ -89,9 +90,10 @@ class Calibration:
 
 
 class _RecordingExperts(torch.nn.Module):
-    def __init__(self, w13, w2, num_experts, keep, bar=None):
+    def __init__(self, w13, w2, num_experts, keep, bar=None, activation=SILU, biases=None):
         super().__init__()
         self.w13, self.w2, self.keep, self.bar = w13, w2, keep, bar
+        self.activation, (self.w13_bias, self.w2_bias) = activation, biases or (None, None)
         self.a1_amax = torch.zeros(num_experts)
         self.a2_amax = torch.zeros(num_experts)
         self.tokens = torch.zeros(num_experts, dtype=torch.int64)
@@ -114,7 +116,17 @@ class _RecordingExperts(torch.nn.Module):
                 a2_rows[pairs] = act.detach().cpu()
             return act
 
-        out = torch_moe(hidden_states, self.w13, self.w2, top_k_weights.float(), top_k_index, record)
+        out = torch_moe(
+            hidden_states,
+            self.w13,
+            self.w2,
+            top_k_weights.float(),
+            top_k_index,
+            record,
+            activation=self.activation,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+        )
         if self.keep:
             self.kept["a1"].append(hidden_states.detach().cpu())
             self.kept["a2"].append(a2_rows)
@@ -155,7 +167,8 @@ def calibrate(
     recorders = []
     for i, mlp in blocks:
         w13, w2 = expert_weights(model, i)
-        rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar)
+        act, biases = expert_activation(model), expert_biases(model, i)  # gpt-oss: SWIGLUOAI and biases
+        rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar, act, biases)
         recorders.append(rec)
         setattr(mlp, attr, rec)
     try:

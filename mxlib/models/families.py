@@ -50,6 +50,7 @@ __all__ = [
     "OLMOE",
     "QWEN2_MOE",
     "DEEPSEEK_V3",
+    "GPT_OSS",
     "register_family",
     "family_of",
     "family_for_architecture",
@@ -291,6 +292,26 @@ DEEPSEEK_V3 = register_family(
         preset_skips=("head_dim", "intermediate_size"),
         dense_modules="n_shared_experts shared experts in every MoE block (mlp.shared_experts); dense MLPs in "
         "the first first_k_dense_replace layers",
+    )
+)
+
+# gpt-oss (mxlib.models.gpt_oss): GptOssExperts [E, H, 2I] with gate/up columns interleaved and biases,
+# SwiGLU-OAI, a biased router whose top-k logits are softmaxed, stored in gpt-oss's native MXFP4 layout
+GPT_OSS = register_family(
+    MoEFamily(
+        architecture="GptOssForCausalLM",
+        model_type="gpt_oss",
+        config_class="GptOssConfig",
+        num_experts_fields=("num_local_experts", "num_experts"),
+        intermediate_size_fields=("intermediate_size",),
+        top_k_fields=("num_experts_per_tok", "experts_per_token"),
+        router_attr="router",
+        experts_orientation="interleaved_columns",
+        expert_biases=True,
+        activation="swigluoai",
+        routing="topk_softmax",
+        checkpoint_layout="gpt-oss-mxfp4",
+        dense_modules="attention with learned sinks and q/k/v/o biases, sliding-window and full layers alternating",
     )
 )
 

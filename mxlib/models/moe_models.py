@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..moe.activations import MoEActivation, get_activation
 from ..moe.base import TransformersExperts, TritonExperts
 from .families import MoEFamily, check_supported_model, family_of
 
@@ -32,6 +33,7 @@ __all__ = [
     "moe_blocks",
     "expert_weights",
     "expert_biases",
+    "expert_activation",
     "swap_experts",
     "BoundToModel",
     "WARMUP_SEED_OFFSET",
@@ -121,6 +123,7 @@ def dummy_moe_model(
     attn_update_ratio: float = 0.25,
     moe_update_ratio: float | None = 0.25,
     where: str = "dummy_moe_model",
+    expert_bias_std: float | None = None,
 ):
     """A seeded random-weight model: the workbook's "dummy checkpoint" in bf16.
 
@@ -233,6 +236,10 @@ def dummy_moe_model(
     scales as one. DeepSeek-V3's router ``e_score_correction_bias`` (a buffer) is drawn
     ``N(0, initializer_range)`` too, so that the correction takes part in the routing.
 
+    **Expert biases** (gpt-oss's ``gate_up_proj_bias``, ``down_proj_bias``): ``N(0, expert_bias_std)``
+    (None: ``initializer_range``, as every other weight; the same draws either way, scaled), and step 3 scales
+    ``down_proj_bias`` with w2, so that the block stays linear in what it scales.
+
     Raises:
         ValueError: ``attn_update_ratio`` or ``moe_update_ratio`` not positive.
         UnsupportedModelError: a config of a family mxlib does not quantize (``mxlib.models.families``).
@@ -248,6 +255,8 @@ def dummy_moe_model(
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif expert_bias_std is not None and name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+            p.normal_(0.0, expert_bias_std, generator=gen)
         else:
             p.normal_(0.0, std, generator=gen)
     for name, b in model.named_buffers():
@@ -321,6 +330,9 @@ def _balance_routing(
             # size and made this the e2e run's resident peak; same bits
             for x in range(w2.shape[0]):
                 w2[x].copy_((w2[x].float() * gain).to(w2.dtype))
+            b2 = getattr(getattr(module, family.experts_attr), "down_proj_bias", None)  # gpt-oss: the bias too
+            if b2 is not None:
+                b2.copy_((b2.float() * gain).to(b2.dtype))
             for lin in _shared_down_projs(module, family):  # the block is linear in every down_proj
                 lin.weight.copy_((lin.weight.float() * gain).to(lin.weight.dtype))
             y = (y.float() * gain).to(y.dtype)  # the block is linear in w2 (up to w2's bf16 rounding)
@@ -398,6 +410,21 @@ def expert_biases(model, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None
     if family.experts_orientation == "interleaved_columns":
         b = torch.cat([b[:, 0::2], b[:, 1::2]], 1)
     return b, ex.down_proj_bias.data
+
+
+def expert_activation(model_or_config) -> MoEActivation:
+    """The experts' activation of a model or config of a registered family: ``MoEFamily.activation`` by name
+    (``SILU``), SwiGLU-OAI with the config's ``swiglu_alpha`` / ``swiglu_limit`` where it carries them (gpt-oss,
+    as transformers' ``GptOssExperts`` reads them; 1.702 and 7.0)."""
+    family = family_of(model_or_config, "expert_activation")
+    config = getattr(model_or_config, "config", model_or_config)
+    act = get_activation(family.activation)
+    if act.name != "swigluoai":
+        return act
+    alpha, limit = getattr(config, "swiglu_alpha", act.alpha), getattr(config, "swiglu_limit", act.limit)
+    if (alpha, limit) == (act.alpha, act.limit):
+        return act
+    return MoEActivation("swigluoai", alpha=float(alpha), limit=None if limit is None else float(limit))
 
 
 class BoundToModel:

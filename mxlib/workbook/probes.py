@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from .. import reference as R
 from ..formats import BlockScheme
-from ..models.checkpoints import read_quant_config
+from ..models.checkpoints import LAYOUTS, read_quant_config
 from ..moe.schemes import MoEQuantScheme, get_weight_format
 
 __all__ = ["stored_shapes", "stored_block", "swapped_nibbles", "captured_output", "relative_paths", "short_warnings"]
@@ -82,8 +82,9 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
     """One block of one stored expert weight, read from the checkpoint's safetensors and decoded.
 
     Args:
-        path: a checkpoint folder written by ``write_quantized_checkpoint`` (ModelOpt NVFP4 or Quark
-            OCP MX layout; its ``config.json`` names the scheme).
+        path: a checkpoint folder written by ``write_quantized_checkpoint`` (ModelOpt NVFP4, Quark OCP MX or
+            gpt-oss MXFP4 layout, where an expert's rows of the layer's blocks are read; its ``config.json``
+            names the scheme).
         layer, expert: which expert; ``proj``: ``gate_proj``, ``up_proj`` or ``down_proj``.
         row: the output row; ``block``: the block index along the input dimension.
 
@@ -101,9 +102,12 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
     if proj not in ("gate_proj", "up_proj", "down_proj"):
         raise ValueError(f"proj: expected gate_proj, up_proj or down_proj, got {proj!r}")
     path = Path(path)
-    bs = read_quant_config(path).scheme.weight
+    info = read_quant_config(path)
+    bs, layout = info.scheme.weight, LAYOUTS[info.format]
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+    if getattr(layout, "stacked_experts", False):  # gpt-oss: the expert's rows of the layer's blocks
+        name = f"model.layers.{layer}.mlp.experts.{'down' if proj == 'down_proj' else 'gate_up'}_proj_blocks"
     if name not in index:
         raise ValueError(f"layer={layer}, expert={expert}: {name} is not in the checkpoint")
 
@@ -111,7 +115,10 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
         with safe_open(str(path / index[tensor]), "pt") as f:
             return f.get_tensor(tensor)
 
-    w, sc = read(name), read(name + "_scale")
+    if getattr(layout, "stacked_experts", False):
+        name, w, sc = layout.projection(read, f"model.layers.{layer}.mlp.experts", expert, proj)
+    else:
+        w, sc = read(name), read(name + "_scale")
     if not 0 <= row < w.shape[0]:
         raise ValueError(f"row: expected an integer in [0, {w.shape[0]}), got {row}")
     if not 0 <= block < sc.shape[1]:

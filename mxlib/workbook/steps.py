@@ -36,6 +36,7 @@ from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
@@ -192,8 +193,10 @@ def check_e2e_parameters(
         s = get_moe_scheme(scheme)
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{_name(names, 'scheme')}: {err}") from None
-    if model_preset not in MODEL_PRESETS:
-        raise ValueError(f"{_name(names, 'model_preset')}: expected one of {list(MODEL_PRESETS)}, got {model_preset!r}")
+    if model_preset not in (presets := [*MODEL_PRESETS, *GPT_OSS_PRESETS]):
+        raise ValueError(f"{_name(names, 'model_preset')}: expected one of {presets}, got {model_preset!r}")
+    if model_preset in GPT_OSS_PRESETS and gpt_oss_layout_for(s)[0] is None:  # the reason: no layout stores it
+        raise ValueError(f"{_name(names, 'scheme')}: {s.name} is skipped for gpt-oss: {gpt_oss_layout_for(s)[1]}")
     for param, value in (
         ("num_hidden_layers", num_hidden_layers),
         ("num_tokens", num_tokens),
@@ -425,15 +428,17 @@ def dummy_model(
     model_preset: str = "qwen3-30b-a3b",
     **overrides,
 ):
-    """The seeded bf16 dummy Qwen3-30B-A3B (``mxlib.models.qwen3.dummy_qwen3_moe``), at the size of
-    ``model_preset`` (a key of ``mxlib.models.qwen3.MODEL_PRESETS``; ``overrides`` win over it)."""
+    """The seeded bf16 dummy model of ``model_preset`` (``overrides`` win over its sizes): Qwen3-30B-A3B
+    (``qwen3.dummy_qwen3_moe``, ``MODEL_PRESETS``) or gpt-oss-20b (``gpt_oss.dummy_gpt_oss``, ``GPT_OSS_PRESETS``)."""
     check_positive_int(num_hidden_layers, "num_hidden_layers")
     if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
         raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
-    cfg = qwen3_30b_a3b_config(
-        num_hidden_layers=num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides}
-    )
-    model = dummy_qwen3_moe(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
+    if model_preset in GPT_OSS_PRESETS:  # a dummy gpt-oss-20b (mxlib.models.gpt_oss), GPT_OSS_PRESETS sizes
+        cfg = gpt_oss_20b_config(num_hidden_layers, **{**GPT_OSS_PRESETS[model_preset], **overrides})
+    else:
+        cfg = qwen3_30b_a3b_config(num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
+    build = dummy_gpt_oss if model_preset in GPT_OSS_PRESETS else dummy_qwen3_moe
+    model = build(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
     release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
     return model
 
@@ -611,14 +616,17 @@ def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
 
 
 def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0) -> list[dict]:
-    """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers)."""
+    """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers); for a
+    layout storing whole layers (gpt-oss's ``gate_up_proj_blocks [E, ...]``) the layer's expert tensors."""
     from safetensors import safe_open
 
     path = Path(path)
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    prefix, layer_prefix = f"model.layers.{layer}.mlp.experts.{expert}.", f"model.layers.{layer}.mlp.experts."
+    names = [n for n in index if n.startswith(prefix)]
+    names = names or [n for n in index if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
     rows = []
-    for name in sorted(n for n in index if n.startswith(prefix)):
+    for name in sorted(names):
         with safe_open(str(path / index[name]), "pt") as f:
             sl = f.get_slice(name)
             rows.append({"tensor": name, "dtype": sl.get_dtype(), "shape": str(list(sl.get_shape()))})

@@ -4,7 +4,8 @@ One module per layout, each a ``layout.CheckpointLayout`` owning its config writ
 reading (into a typed ``CheckpointDescription``) and its tensor names: ``modelopt_nvfp4`` (NVIDIA
 ModelOpt NVFP4), ``quark_ocp_mx`` (AMD Quark OCP MX) and ``compressed_tensors_nvfp4``
 (llm-compressor's ``nvfp4-pack-quantized``, encode global scales used as stored) and
-``compressed_tensors_mxfp4`` (its ``mxfp4-pack-quantized``) and ``modelopt_mxfp8`` (ModelOpt's MXFP8). They are
+``compressed_tensors_mxfp4`` (its ``mxfp4-pack-quantized``) and ``modelopt_mxfp8`` (ModelOpt's MXFP8) and
+``gpt_oss_mxfp4`` (gpt-oss's native MXFP4 experts, whole layers with biases). They are
 registered below, in the order ``LAYOUTS`` lists them; ``DEFAULT_LAYOUT`` names the one a scheme
 is written in when the caller names none.
 
@@ -29,6 +30,7 @@ from . import (
     compressed_tensors_mxfp4,
     compressed_tensors_mxfp8,
     compressed_tensors_nvfp4,
+    gpt_oss_mxfp4,
     modelopt_mxfp8,
     modelopt_nvfp4,
     quark_ocp_mx,
@@ -85,6 +87,7 @@ __all__ = [
     "compressed_tensors_mxfp4",
     "compressed_tensors_mxfp8",
     "compressed_tensors_nvfp4",
+    "gpt_oss_mxfp4",
     "modelopt_mxfp8",
     "modelopt_nvfp4",
     "quark_ocp_mx",
@@ -98,6 +101,7 @@ for _layout in (
     compressed_tensors_mxfp4.LAYOUT,
     modelopt_mxfp8.LAYOUT,
     compressed_tensors_mxfp8.LAYOUT,
+    gpt_oss_mxfp4.LAYOUT,
 ):
     register_layout(_layout)
 del _layout

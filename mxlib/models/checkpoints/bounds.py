@@ -149,8 +149,12 @@ def _check_experts(
     prefix = family.experts_prefix(quantized[0])
     if not every_layer and any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
         return  # the loader refuses these with its own message
+    layout = LAYOUTS[info.format]
     # the rows of expert 0's weights (packed or not) are the sizes a layout allocates with: bounded first
-    for proj, rows, field in (("gate_proj", i, "moe_intermediate_size"), ("down_proj", h, "hidden_size")):
+    # (a layout of whole-layer tensors, gpt-oss's, checks every header before it allocates)
+    sized = () if getattr(layout, "stacked_experts", False) else (("gate_proj", i), ("down_proj", h))
+    for proj, rows in sized:
+        field = "moe_intermediate_size" if proj == "gate_proj" else "hidden_size"
         name = next((n for n in (f"{prefix}.0.{proj}.{w}" for w in ("weight", "weight_packed")) if n in reader), None)
         if name is None:
             raise CheckpointError(f"checkpoint {headers.folder} is missing tensor '{prefix}.0.{proj}.weight'")
@@ -159,7 +163,6 @@ def _check_experts(
                 f"{cfg_path}: {field} = {rows}, but tensor {name!r} has shape {list(headers.shape[name])} "
                 f"(in {headers.where[name]})"
             )
-    layout = LAYOUTS[info.format]
     for layer in quantized if every_layer else quantized[:1]:
         try:
             layout.read_experts(reader, family.experts_prefix(layer), e, h, i, info)

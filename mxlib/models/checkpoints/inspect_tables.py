@@ -1,6 +1,7 @@
 """The tables ``inspect_checkpoint`` builds from the safetensors headers and the scale scalars.
 
-* ``module_tables``: quantized modules (those with a ``weight_scale``) and unquantized 2-D float
+* ``module_tables``: quantized modules (those with a ``weight_scale``, or gpt-oss's ``<proj>_blocks`` beside
+  ``<proj>_scales``) and unquantized 2-D float
   weights, as rows of name patterns (layer and expert numbers as ``*``), merged where they differ
   only in the last name;
 * ``expert_scales`` and ``layer_rows``: the per-expert activation decode scales (``a1``: the max
@@ -62,6 +63,16 @@ def module_tables(h: SafetensorsHeaders) -> tuple[dict[str, list[dict]], list[di
         elif "weight" in suffixes and len(h.shape[wname]) == 2 and wdtype in ("BF16", "F16", "F32"):
             row = plain.setdefault(_pattern(module), dict(pattern=_pattern(module), modules=0, weight_dtype=wdtype))
             row["modules"] += 1
+        for stem in sorted(x[: -len("_blocks")] for x in suffixes if x.endswith("_blocks")):
+            if f"{stem}_scales" in suffixes:  # gpt-oss's whole-layer experts: <proj>_blocks, _scales, _bias
+                name = f"{module}.{stem}"
+                tensors = sorted(x for x in suffixes if x.startswith(f"{stem}_"))
+                row = quant[_kind(name)].setdefault(
+                    _pattern(name),
+                    dict(pattern=_pattern(name), modules=0, tensors=tensors, weight_dtype=h.dtype[f"{name}_blocks"]),
+                )
+                row["modules"] += 1
+                names[_kind(name)].append(name)
         if module.endswith(".mlp.experts"):  # transformers 5's fused 3-D expert parameters, stored as they are
             for fused in sorted(suffixes & set(_FUSED_EXPERTS)):
                 name = f"{module}.{fused}"

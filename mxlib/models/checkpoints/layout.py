@@ -30,6 +30,11 @@ It may have (the base class's defaults in brackets):
 * ``add_excluded(qc, extra, names)``: the family's unquantized modules (routers, shared experts, dense
   MLPs under their on-disk names) added to its exclude lists where its own patterns miss them [every
   list under a key of ``exclude_keys``: ``ignore``, ``exclude``, ``exclude_modules``];
+* ``stacked_experts`` [False]: True when its tensors hold a whole layer's experts (gpt-oss's
+  ``gate_up_proj_blocks [E, ...]``): ``expert_tensors`` then takes all ``E`` experts of a layer, and
+  ``w13_bias`` / ``w2_bias``; ``stores_expert_biases`` [False]: True when it stores the experts' biases,
+  read by ``read_expert_biases(tensors, prefix, e, h, i) -> (w13_bias, w2_bias)`` (the writer refuses a
+  family with expert biases for any other layout);
 * ``supports_linear`` [False]: True when it stores quantized ``nn.Linear`` layers outside the
   experts, with ``linear_tensors(scheme, weights, input_scale, name) -> {name: tensor}`` and
   ``read_linear(tensors, name, out_features, in_features, description) -> (LinearWeights,
@@ -112,7 +117,8 @@ class CheckpointLayout(abc.ABC):
     tensor names (module docstring: what a layout must and may have). A layout names experts as
     transformers' state dict does (``model.layers.L.mlp.experts.e.gate_proj``); the writer and the
     loader translate to a family's own names on disk (``mxlib.models.families.MoEFamily.disk_name``:
-    Mixtral's ``block_sparse_moe.experts.e.w1``), so every layout stores every registered family.
+    Mixtral's ``block_sparse_moe.experts.e.w1``), so every layout stores every registered family whose
+    experts have no biases (gpt-oss's need ``stores_expert_biases``).
 
     Subclasses set ``name`` and ``quant_method`` as class attributes and implement the abstract
     methods; ``register_layout(instance)`` makes the writer, the loader, the inspector and the

@@ -26,7 +26,7 @@ from ...recovery import RECOVERY_CONFIG_KEY
 from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
 from ...recovery.hadamard import rotation_from_config
 from ..families import MoEFamily, check_supported_checkpoint
-from ..moe_models import empty_moe_model, swap_experts
+from ..moe_models import empty_moe_model, expert_activation, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
 from .layout import (
     LAYOUTS,
@@ -250,6 +250,13 @@ def load_quantized_moe(
         weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
         weights = reconcile_gate_up(weights, gate_up_scale)
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
+        b13 = b2 = None
+        if family.expert_biases:  # gpt-oss: read beside the experts, in the layout's own names
+            if not getattr(layout, "stores_expert_biases", False):
+                raise CheckpointError(
+                    f"{cfg_path}: layout {layout.name} stores no expert biases, which {family.architecture} needs"
+                )
+            b13, b2 = (b.to(activation_dtype) for b in layout.read_expert_biases(tensors, prefix, e, h, i))
         return make_emulation_experts(
             info.scheme,
             weights.to(device),
@@ -260,6 +267,9 @@ def load_quantized_moe(
             activation_scale_mode=info.activation_scale_mode or "even",
             activation_dtype=activation_dtype,
             rotation=rotation,
+            activation=expert_activation(config),
+            w13_bias=to(b13),
+            w2_bias=to(b2),
         )
 
     with tqdm(

@@ -216,7 +216,11 @@ def _experts_tensors(module: TransformersExperts, prefix: str) -> dict[str, torc
         global_scale_kind=getattr(ex, "global_scale_kind", "decode"),
     )
     in13, in2 = getattr(ex, "w13_input_scale", None), getattr(ex, "w2_input_scale", None)
-    return LAYOUTS[description.format].expert_tensors(description.scheme, weights, in13, in2, prefix[:-1])
+    layout = LAYOUTS[description.format]
+    if getattr(layout, "stores_expert_biases", False):  # gpt-oss: the biases beside the experts
+        biases = {"w13_bias": getattr(ex, "w13_bias", None), "w2_bias": getattr(ex, "w2_bias", None)}
+        return layout.expert_tensors(description.scheme, weights, in13, in2, prefix[:-1], **biases)
+    return layout.expert_tensors(description.scheme, weights, in13, in2, prefix[:-1])
 
 
 def _experts_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:

@@ -35,7 +35,7 @@ from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ...recovery.base import technique_global_scale_kw
 from ..calibration import Calibration
 from ..families import MoEFamily, check_supported_model, family_of
-from ..moe_models import expert_weights, tied_parameter_names
+from ..moe_models import expert_biases, expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
 
@@ -112,7 +112,11 @@ def write_quantized_checkpoint(
             needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
         shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
-            takes the scheme's default (``DEFAULT_LAYOUT``: ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``).
+            takes the family's own layout where it stores the scheme (``MoEFamily.checkpoint_layout``:
+            gpt-oss's ``gpt-oss-mxfp4`` for ``w_mxfp4``), else the scheme's default (``DEFAULT_LAYOUT``:
+            ``nvfp4`` -> ``modelopt``, OCP MX -> ``quark``). A family with expert biases (gpt-oss) needs a
+            layout that stores them (``stores_expert_biases``); a layout of whole-layer tensors
+            (``stacked_experts``) gets each layer's experts and biases in one call.
         quantize_attention: also quantize every ``nn.Linear`` of ``self_attn`` (``{q,k,v,o}_proj``; as
             ModelOpt's default NVFP4 config and llm-compressor's NVFP4 scheme do) instead of leaving
             them bf16 and ignored.
@@ -132,7 +136,8 @@ def write_quantized_checkpoint(
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
 
     Raises:
-        ValueError: a static-activation-scale scheme without ``calibration`` (or without
+        ValueError: a layout without expert biases for a family that has them; a static-activation-scale
+            scheme without ``calibration`` (or without
             ``linear_input_amax`` for quantized attention); a layout that does not store the scheme;
             a technique that cannot produce the layout's kind of NVFP4 global scale.
         FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
@@ -143,14 +148,21 @@ def write_quantized_checkpoint(
     family = family_of(model, "write_quantized_checkpoint")
     scheme = get_moe_scheme(scheme)
     technique = None if technique is None else get_technique(technique)
+    own = LAYOUTS.get(family.checkpoint_layout) if family.checkpoint_layout else None
     if layout is None:
-        layout = layout_for_scheme(scheme)
+        layout = own if own is not None and own.handles(scheme) else layout_for_scheme(scheme)
     else:
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
         layout = LAYOUTS[layout]
         if not layout.handles(scheme):
             raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
+    if family.expert_biases and not getattr(layout, "stores_expert_biases", False):
+        raise ValueError(
+            f"layout: {layout.name} stores no expert biases, which {family.architecture}'s experts have "
+            f"(gate_up_proj_bias, down_proj_bias); layouts that store them: "
+            f"{[n for n, lay in LAYOUTS.items() if getattr(lay, 'stores_expert_biases', False)]}"
+        )
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
     attn = attention_linears(model) if quantize_attention else []
@@ -196,6 +208,13 @@ def write_quantized_checkpoint(
             if scheme.static_activation_scale:
                 in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
             prefix = family.experts_prefix(layer)
+            if getattr(layout, "stacked_experts", False):  # one tensor per layer (gpt-oss), its biases beside
+                weights = layer_weights if layer_weights is not None else quantize_expert_weights(w13, w2, scheme)
+                biases = expert_biases(model, layer) or (None, None)
+                for name, t in layout.expert_tensors(scheme, weights, in13, in2, prefix, *biases).items():
+                    shards.add(family.disk_name(name), t, copy=True)
+                del weights, layer_weights
+                continue
             for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
                 if layer_weights is None:
                     weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
