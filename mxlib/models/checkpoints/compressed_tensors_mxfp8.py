@@ -35,31 +35,24 @@ config reader hands ``mxfp8-quantized`` configs to this layout.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ... import reference as _ref
 from ...formats import BLOCK_SCHEMES, E8M0_BIAS, E8M0_NAN_BYTE
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
-from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
+from ...moe.schemes import MOE_SCHEMES
+from .compressed_tensors_mxfp4 import CompressedTensorsMxLayout
 
 __all__ = ["LAYOUT", "FORMAT", "ct_mxfp8_scale", "quantize_ct_mxfp8"]
 
 FORMAT = "mxfp8-quantized"
 _MXFP8 = BLOCK_SCHEMES["mxfp8_e4m3"]
 _STORED = getattr(torch, _MXFP8.element.ml_dtypes_name)  # float8_e4m3fn
-_EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
-_EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
-_SCALE_DTYPE = "torch.uint8"
 _ACTIVATION_SCALE_MODE = "rceil"  # the registered rule nearest compressed-tensors' (module docstring)
 # compressed-tensors' element offset for FP8, floor(log2(448)), and its rounding width (e2m1's mantissa)
 _OFFSET = 8
 _ROUND_MBITS = 1
-_GROUP = {"num_bits": _MXFP8.element.nbits, "type": "float", "strategy": "group", "group_size": _MXFP8.block_size}
-_SCHEMES = (MOE_SCHEMES["w_mxfp8"], MOE_SCHEMES["w_mxfp8_a_mxfp8"])
 
 
 def ct_mxfp8_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -106,107 +99,18 @@ def quantize_ct_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.reshape(x.shape), byte
 
 
-def _args(dynamic: bool) -> dict:
-    return {
-        **_GROUP,
-        "symmetric": True,
-        "block_structure": None,
-        "dynamic": dynamic,
-        "actorder": None,
-        "scale_dtype": _SCALE_DTYPE,
-        "zp_dtype": None,
-        "observer": None if dynamic else "memoryless_minmax",
-        "observer_kwargs": {},
-    }
-
-
-class CompressedTensorsMxfp8Layout(CheckpointLayout):
+class CompressedTensorsMxfp8Layout(CompressedTensorsMxLayout):
     name = "compressed-tensors-mxfp8"
-    quant_method = "compressed-tensors"
-    supports_linear = True
-
-    def handles(self, scheme: MoEQuantScheme) -> bool:
-        return scheme in _SCHEMES
-
-    # ----------------------------------------------------------------------------- config
-
-    def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
-        group = {
-            "targets": ["Linear"],
-            "format": FORMAT,
-            "weights": _args(dynamic=False),
-            "input_activations": None if scheme.weight_only else _args(dynamic=True),
-            "output_activations": None,
-        }
-        qc = {
-            "quant_method": self.quant_method,
-            "format": FORMAT,
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": group},
-            "ignore": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
-            "kv_cache_scheme": None,
-            "sparsity_config": {},
-            "transform_config": {},
-            "global_compression_ratio": None,
-            "version": "mxlib-dummy",
-        }
-        return qc, {}
-
-    def read_legacy(self, folder: Path) -> dict | None:
-        return None
-
-    @staticmethod
-    def _check_args(args: dict, where: str) -> None:
-        for key, want in _GROUP.items():
-            if args.get(key) != want:
-                raise CheckpointError(f"{where}.{key}: MXFP8 uses {want!r}, found {args.get(key)!r}")
-        if args.get("symmetric", True) is not True:
-            raise CheckpointError(f"{where}.symmetric: MXFP8 is symmetric (true), found {args.get('symmetric')!r}")
-        if args.get("scale_dtype", _SCALE_DTYPE) not in (_SCALE_DTYPE, "uint8", None):
-            raise CheckpointError(
-                f"{where}.scale_dtype: MXFP8 stores E8M0 scales as {_SCALE_DTYPE!r}, found {args.get('scale_dtype')!r}"
-            )
-
-    def read_config(self, qc: dict) -> CheckpointDescription:
-        fmt = qc.get("format")
-        if fmt != FORMAT:
-            raise CheckpointError(f"quantization_config.format: this layout reads {FORMAT!r}, found {fmt!r}")
-        groups = qc.get("config_groups") or {}
-        if not groups:
-            raise CheckpointError("quantization_config.config_groups: missing")
-        schemes = set()
-        for gname, group in groups.items():
-            where = f"quantization_config.config_groups.{gname}"
-            if group.get("format", FORMAT) != FORMAT:
-                raise CheckpointError(f"{where}.format: expected {FORMAT!r}, found {group.get('format')!r}")
-            w = group.get("weights")
-            if not w:
-                raise CheckpointError(f"{where}.weights: MXFP8 needs it, found {w!r}")
-            self._check_args(w, f"{where}.weights")
-            if w.get("dynamic"):
-                raise CheckpointError(f"{where}.weights.dynamic: expected false, found {w['dynamic']!r}")
-            a = group.get("input_activations")
-            if a:
-                self._check_args(a, f"{where}.input_activations")
-                if a.get("dynamic") is not True:
-                    raise CheckpointError(
-                        f"{where}.input_activations.dynamic: MXFP8 activations are dynamic (true), "
-                        f"found {a.get('dynamic')!r}"
-                    )
-            schemes.add(_SCHEMES[1] if a else _SCHEMES[0])
-        if len(schemes) > 1:
-            raise CheckpointError(
-                "quantization_config.config_groups: groups with and without input_activations; the emulation "
-                "runs one scheme per model"
-            )
-        status = qc.get("quantization_status", "compressed")
-        if status != "compressed":
-            raise CheckpointError(f"quantization_config.quantization_status: expected 'compressed', found {status!r}")
-        scheme = schemes.pop()
-        mode = None if scheme.weight_only else _ACTIVATION_SCALE_MODE
-        return CheckpointDescription(self.name, scheme, list(qc.get("ignore") or []), mode)
-
-    # ----------------------------------------------------------------------------- tensors
+    format = FORMAT
+    label = "MXFP8"
+    block = _MXFP8
+    # the schemes the layout stores: weight-only (MXFP8A16) and W8A8 (MXFP8)
+    schemes = (MOE_SCHEMES["w_mxfp8"], MOE_SCHEMES["w_mxfp8_a_mxfp8"])
+    weight_name = "weight"
+    stored_dtype = _STORED
+    activation_mode = _ACTIVATION_SCALE_MODE
+    zp_dtype = None
+    observer = "memoryless_minmax"
 
     def quantize_experts(self, w13: torch.Tensor, w2: torch.Tensor, scheme) -> ExpertWeights:
         """One layer's experts with compressed-tensors' scale rule (``quantize_ct_mxfp8``)."""
@@ -217,57 +121,6 @@ class CompressedTensorsMxfp8Layout(CheckpointLayout):
     def quantize_linear(self, weight: torch.Tensor, scheme) -> LinearWeights:
         p, s = quantize_ct_mxfp8(weight)
         return LinearWeights(_MXFP8, p, s)
-
-    def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
-        out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight"] = p[x, rows].contiguous().cpu().view(_STORED)
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
-        return out
-
-    def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
-        bs, u8, blocks = _MXFP8.block_size, torch.uint8, block_scale_check(e4m3=False)
-        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-        def names(proj, what):
-            return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
-
-        w = {p: tensors.stack(names(p, "weight"), rows[p], _STORED).view(u8) for p in PROJS}
-        s = {p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), u8, blocks) for p in PROJS}
-        weights = ExpertWeights(
-            _MXFP8,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1),
-            torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"],
-            s["down_proj"],
-        )
-        return weights, None, None
-
-    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        return {
-            f"{name}.weight": weights.weight.contiguous().cpu().view(_STORED),
-            f"{name}.weight_scale": weights.weight_scale.contiguous().cpu(),
-        }
-
-    def read_linear(self, tensors, name: str, out_features: int, in_features: int, description: CheckpointDescription):
-        """``(LinearWeights, None)`` of a quantized linear layer ``name`` (dynamic activations)."""
-        w = tensors.get(f"{name}.weight", (out_features, in_features), _STORED).view(torch.uint8)
-        s = tensors.stack(
-            [f"{name}.weight_scale"],
-            (out_features, in_features // _MXFP8.block_size),
-            torch.uint8,
-            block_scale_check(e4m3=False),
-        )[0]
-        return LinearWeights(_MXFP8, w, s), None
 
 
 LAYOUT = CompressedTensorsMxfp8Layout()  # registered by the package's __init__
