@@ -116,3 +116,25 @@ def chromium_binary() -> str:
         if path:
             return path
     pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
+
+
+def edited_checkpoint(tiny, folder, layout, scheme, edit_config=None, edit_tensor=None):
+    """``tiny``'s model written in ``layout`` at ``folder``, then its ``quantization_config`` passed to
+    ``edit_config(qc)`` (edited in place) and each stored tensor replaced by ``edit_tensor(name, tensor)``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mxlib.models import checkpoints as C
+
+    model, cal, _ = tiny
+    path = C.write_quantized_checkpoint(model, scheme, folder, cal, layout=layout)
+    if edit_config is not None:
+        cfg = json.loads((path / "config.json").read_text())
+        edit_config(cfg["quantization_config"])
+        (path / "config.json").write_text(json.dumps(cfg))
+    if edit_tensor is not None:
+        for f in path.glob("*.safetensors"):
+            t = load_file(str(f))
+            save_file({k: edit_tensor(k, v) for k, v in t.items()}, str(f), metadata={"format": "pt"})
+    return path

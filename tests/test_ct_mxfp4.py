@@ -15,14 +15,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts
 
-from _util import TINY_QWEN3
+from _util import TINY_QWEN3, edited_checkpoint
 from oracles import mx_scale_exponent
 
 LAYOUT = "compressed-tensors-mxfp4"
@@ -133,17 +133,7 @@ def test_load_resave_and_same_arithmetic_as_quark(tiny, tmp_path, scheme):
 
 
 def _edited(tiny, tmp_path, edit_config=None, edit_tensor=None, scheme="w_mxfp4_a_mxfp4"):
-    model, cal, _ = tiny
-    path = C.write_quantized_checkpoint(model, scheme, tmp_path / "bad", cal, layout=LAYOUT)
-    if edit_config is not None:
-        cfg = json.loads((path / "config.json").read_text())
-        edit_config(cfg["quantization_config"])
-        (path / "config.json").write_text(json.dumps(cfg))
-    if edit_tensor is not None:
-        for f in path.glob("*.safetensors"):
-            t = load_file(str(f))
-            save_file({k: edit_tensor(k, v) for k, v in t.items()}, str(f), metadata={"format": "pt"})
-    return path
+    return edited_checkpoint(tiny, tmp_path / "bad", LAYOUT, scheme, edit_config, edit_tensor)
 
 
 def _group(q):

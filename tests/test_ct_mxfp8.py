@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mxlib import reference as R
 from mxlib.models import checkpoints as C
@@ -23,7 +23,7 @@ from mxlib.models.checkpoints.compressed_tensors_mxfp8 import ct_mxfp8_scale
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts
 
-from _util import TINY_QWEN3
+from _util import TINY_QWEN3, edited_checkpoint
 
 LAYOUT = "compressed-tensors-mxfp8"
 SCHEMES = ["w_mxfp8", "w_mxfp8_a_mxfp8"]
@@ -138,17 +138,7 @@ def test_load_and_resave(tiny, tmp_path, scheme):
 
 
 def _edited(tiny, tmp_path, edit_config=None, edit_tensor=None, scheme="w_mxfp8_a_mxfp8"):
-    model, cal, _ = tiny
-    path = C.write_quantized_checkpoint(model, scheme, tmp_path / "bad", cal, layout=LAYOUT)
-    if edit_config is not None:
-        cfg = json.loads((path / "config.json").read_text())
-        edit_config(cfg["quantization_config"])
-        (path / "config.json").write_text(json.dumps(cfg))
-    if edit_tensor is not None:
-        for f in path.glob("*.safetensors"):
-            t = load_file(str(f))
-            save_file({k: edit_tensor(k, v) for k, v in t.items()}, str(f), metadata={"format": "pt"})
-    return path
+    return edited_checkpoint(tiny, tmp_path / "bad", LAYOUT, scheme, edit_config, edit_tensor)
 
 
 def _group(q):
