@@ -19,7 +19,6 @@ the same quantized operands (``fp64_moe``), and the logits of the two modes agai
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import warnings
 
@@ -361,15 +360,17 @@ def _run_recording_a2(experts, x, topk_weights, topk_ids):
 
 @contextlib.contextmanager
 def _experts_dequantized_once(experts: list):
-    """Each expert's weights dequantized once while the context lasts (the ``torch`` backend's
-    forward dequantizes an expert's w13 and w2 for each of the two GEMMs, on every call)."""
+    """Each expert's weights dequantized once while the context lasts (``keep_dequantized``), then let go."""
+    before = [ex.keep_dequantized for ex in experts]
     for ex in experts:
-        ex.dequantized_expert = functools.lru_cache(maxsize=None)(ex.dequantized_expert)
+        ex.keep_dequantized = True
     try:
         yield
     finally:
-        for ex in experts:
-            del ex.dequantized_expert
+        for ex, b in zip(experts, before):
+            ex.keep_dequantized = b
+            if not b:
+                ex._kept_dequantized = None
 
 
 @torch.no_grad()
