@@ -90,7 +90,28 @@ def test_a_switch_of_numerics_and_a_replaced_buffer_are_seen():
 def test_turning_it_off_lets_go():
     _, kept, args = _experts("w_mxfp4_a_mxfp4")
     kept(*args)
-    assert kept._kept_dequantized is not None
+    assert kept.kept_dequantized is not None and kept.kept_dequantized.experts
     kept.keep_dequantized = False
     kept(*args)
-    assert kept._kept_dequantized is None
+    assert kept.kept_dequantized is None
+
+
+def test_experts_of_the_same_weights_share_what_is_kept(monkeypatch):
+    """Schemes that differ in their activations only (w_mxfp4, w_mxfp4_a_mxfp4) share one KeptDequantized:
+    the second dequantizes nothing, and each gives the bits of its own experts with nothing kept."""
+    from mxlib.moe.emulation import KeptDequantized
+
+    plain, kept, args = _experts("w_mxfp4_a_mxfp4")
+    shared = KeptDequantized()
+    kept.kept_dequantized = shared
+    kept(*args)
+    weights = mxlib.moe.ExpertWeights(
+        kept.weight_scheme, kept.w13_weight, kept.w13_weight_scale, kept.w2_weight, kept.w2_weight_scale
+    )
+    w_only = mxlib.make_emulation_experts("w_mxfp4", weights, backend="torch")
+    w_only_plain = mxlib.make_emulation_experts("w_mxfp4", weights, backend="torch")
+    w_only.keep_dequantized, w_only.kept_dequantized = True, shared
+    calls = _count_dequantize(monkeypatch, w_only)
+    assert torch.equal(w_only(*args), w_only_plain(*args))
+    assert calls == []
+    assert torch.equal(kept(*args), plain(*args))

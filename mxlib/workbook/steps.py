@@ -39,6 +39,7 @@ from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpo
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
+from ..moe.emulation import QuantizedExperts
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -337,11 +338,13 @@ def set_numerics(model, numerics: str | Numerics) -> int:
 
 
 @torch.no_grad()
-def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
+def compare_numerics(model, token_sets: list[torch.Tensor], refs: list, known_runs: dict | None = None) -> dict:
     """A loaded quantized model run in both numerics on every token set (notebook 01, section 5).
 
     Each set runs with ``numerics="vllm"`` and ``"hardware"`` (``set_numerics``; the model's own
     numerics are restored afterwards). ``refs``: the bf16 model's ``RunOutput`` of each set.
+    ``known_runs``: ``{numerics name: the model's own RunOutput of each set}`` for a numerics already run
+    (used instead of running the sets again: the same model, weights and numerics give the same bits).
 
     Returns:
         ``{"sets": rows, "layers": rows}``. ``sets``, one row per token set: ``set``,
@@ -357,13 +360,17 @@ def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
     """
     if len(token_sets) != len(refs):
         raise ValueError(f"refs: expected one per token set ({len(token_sets)}), got {len(refs)}")
+    known_runs = {get_numerics(k).value: list(v) for k, v in (known_runs or {}).items()}
+    if any(len(v) != len(token_sets) for v in known_runs.values()):
+        raise ValueError(f"known_runs: expected one run per token set ({len(token_sets)}) for each numerics")
     first = next(ex for mlp in moe_layers(model) for ex in [getattr(mlp.experts, "experts", None)] if ex is not None)
     restore = first.numerics.value
-    runs = {}
+    runs = dict(known_runs)
     try:
         for mode in NUMERICS:
-            set_numerics(model, mode)
-            runs[mode] = [run_model(model, ids) for ids in token_sets]
+            if mode not in runs:
+                set_numerics(model, mode)
+                runs[mode] = [run_model(model, ids) for ids in token_sets]
     finally:
         set_numerics(model, restore)
     sets, per_layer = [], []
@@ -555,10 +562,39 @@ def write_checkpoint(p: E2EParameters, model, progress: bool = False) -> Path:
 def load_checkpoint(p: E2EParameters, path: str | os.PathLike, progress: bool = False):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
     (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
-    backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
-    return load_quantized_qwen3_moe(
+    backend, each layer's experts keeping their dequantized weights where they run on the ``torch``
+    backend (``keep_dequantized``: the notebook runs the same weights many times). Returns ``(model, info)``;
+    raises what the loader raises (``CheckpointError``)."""
+    model, info = load_quantized_qwen3_moe(
         path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend, progress=progress
     )
+    keep_dequantized(model)
+    return model, info
+
+
+def emulation_experts_of(model) -> list:
+    """The emulation experts (``QuantizedExperts``) of every MoE layer of ``model`` that has them."""
+    found = []
+    for mlp in moe_layers(model):
+        ex = getattr(mlp.experts, "experts", None)
+        if isinstance(ex, QuantizedExperts):
+            found.append(ex)
+    return found
+
+
+def keep_dequantized(model_or_experts, keep: bool = True) -> int:
+    """Set ``keep_dequantized`` (``mxlib.moe.emulation.QuantizedExperts``) on every emulation experts module
+    of a model (or of a list of experts) that runs on the ``torch`` backend: each expert's weights are then
+    dequantized once and kept while the weights, the numerics and the dtype stay the same, with outputs bit
+    for bit those of dequantizing at each forward. ``keep=False`` turns it off and lets the weights go.
+    Returns the number of modules set."""
+    experts = model_or_experts if isinstance(model_or_experts, list) else emulation_experts_of(model_or_experts)
+    n = 0
+    for ex in experts:
+        if ex.resolved_backend(ex._device()) == "torch" or not keep:
+            ex.keep_dequantized = keep
+            n += 1
+    return n
 
 
 def calibrate_model(
