@@ -64,6 +64,8 @@ __all__ = [
     "AccuracyParameters",
     "check_accuracy_parameters",
     "trained_model",
+    "choose_tasks",
+    "HARDEST_TASK",
     "evaluation_sets",
     "calibration_sets",
     "calibrate_on_training_mix",
@@ -178,6 +180,28 @@ def check_accuracy_parameters(
 
 
 # ----------------------------------------------------------------------------- model and data
+
+
+# The task the studies single out when a parameter says "auto": addition, where 4 bits cost the most (notebook 06),
+# when the recipe trains it, else the recipe's first task.
+HARDEST_TASK = "add"
+
+
+def choose_tasks(value, tasks, param: str) -> list[str]:
+    """Tasks a notebook parameter names among ``tasks`` (the recipe's): ``"auto"`` gives ``[HARDEST_TASK]``
+    where the recipe trains it, else the recipe's first task (so the ``test`` recipe's quick run works on
+    every default); a name or a list of names is checked against ``tasks``.
+
+    Raises:
+        ValueError: naming ``param``, the allowed tasks and the value.
+    """
+    tasks = list(tasks)
+    if value == "auto":
+        return [HARDEST_TASK] if HARDEST_TASK in tasks else tasks[:1]
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or any(n not in tasks for n in names):
+        raise ValueError(f"{param}: expected \"auto\" or task names among {tasks}, got {value!r}")
+    return list(names)
 
 
 def trained_model(p: AccuracyParameters, cache_dir=None, log=print, log_every: int = 500, retrain: bool = False):
