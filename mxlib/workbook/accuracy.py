@@ -200,7 +200,7 @@ def choose_tasks(value, tasks, param: str) -> list[str]:
         return [HARDEST_TASK] if HARDEST_TASK in tasks else tasks[:1]
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or any(n not in tasks for n in names):
-        raise ValueError(f"{param}: expected \"auto\" or task names among {tasks}, got {value!r}")
+        raise ValueError(f'{param}: expected "auto" or task names among {tasks}, got {value!r}')
     return list(names)
 
 

@@ -91,8 +91,8 @@ def compare_schemes(
 
     ``schemes``: ``MoEQuantScheme`` objects (``steps.check_schemes`` resolves names). Weights are
     quantized once per weight format and shared by the schemes that use it; on the ``torch`` backend so are
-    their dequantized weights (``steps.keep_dequantized``: the outputs are those of dequantizing each time). ``calibration``
-    provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes. ``token_ids``: one
+    their dequantized weights (``steps.keep_dequantized``: the outputs are those of dequantizing each time).
+    ``calibration`` provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes. ``token_ids``: one
     ``[1, T]`` tensor, or a list of them (token sets, ``steps.evaluation_token_sets``): each
     scheme runs on every set. ``numerics``: ``"vllm"`` or ``"hardware"`` (``mxlib.moe.emulation``;
     the hardware numerics run on the ``torch`` or ``fused`` backend).
