@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -445,9 +446,84 @@ def dummy_model(
     else:
         cfg = qwen3_30b_a3b_config(num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
     build = dummy_gpt_oss if model_preset in GPT_OSS_PRESETS else dummy_qwen3_moe
-    model = build(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
-    release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+    dev = resolve_device(str(device))
+    folder = _dummy_cache_folder(cfg, seed, expert_spread) if dev.type == "cpu" else None
+    model = _load_cached_dummy(folder, cfg) if folder is not None else None
+    if model is None:
+        model = build(cfg, seed=seed, expert_spread=expert_spread, device=dev)
+        release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+        if folder is not None:
+            _write_cached_dummy(model, folder)
     return model
+
+
+# The dummy models the workbook builds at the real shape (3 B parameters: 35 s of random draws and a warm-up pass
+# on 2 cores) are kept in the checkpoint cache beside the checkpoints and read back in seconds; smaller ones are
+# built each time.
+DUMMY_CACHE_MIN_PARAMETERS = 100_000_000
+
+
+def _dummy_cache_folder(cfg, seed: int, expert_spread: float) -> Path | None:
+    """``<cache>/dummy-<model_type>-L<layers>-<hash>`` for a model of ``DUMMY_CACHE_MIN_PARAMETERS`` or more, else
+    None. The hash covers the config, the seed, the spread, the torch and transformers versions and the source of
+    the modules that build the dummy (a change to how it is built is a new folder)."""
+    import transformers
+
+    from ..models import gpt_oss, moe_models, qwen3
+
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    if cfg.num_hidden_layers * experts * 3 * cfg.hidden_size * inter < DUMMY_CACHE_MIN_PARAMETERS:
+        return None
+    conf = {k: v for k, v in cfg.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    key = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    key.update(f"{seed}|{float(expert_spread)!r}|{torch.__version__}|{transformers.__version__}".encode())
+    for module in (moe_models, qwen3, gpt_oss):
+        key.update(Path(module.__file__).read_bytes())
+    return default_cache_dir() / f"dummy-{cfg.model_type}-L{cfg.num_hidden_layers}-{key.hexdigest()[:20]}"
+
+
+def _load_cached_dummy(folder: Path, cfg):
+    """The model kept in ``folder`` (parameters and persistent buffers copied into an empty model of ``cfg``), or
+    None when the folder is absent or incomplete."""
+    from safetensors import safe_open
+
+    from ..models.moe_models import empty_moe_model
+
+    if not (folder / "complete").is_file():
+        return None
+    model = empty_moe_model(cfg)
+    state = model.state_dict()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f, torch.no_grad():
+        if set(f.keys()) != {n for n in state if n not in _tied_names(model)}:
+            return None
+        for name in f.keys():
+            state[name].copy_(f.get_tensor(name))
+    return model
+
+
+def _tied_names(model) -> set[str]:
+    from ..models.moe_models import tied_parameter_names
+
+    return tied_parameter_names(model)
+
+
+def _write_cached_dummy(model, folder: Path) -> None:
+    """Keep ``model``'s state in ``folder`` (written beside it, then renamed into place; a marker file last)."""
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        tied = _tied_names(model)
+        state = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in tied}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "complete").write_text("ok\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except OSError:  # a full disk or a race with another writer: the model is built, the cache is only a saving
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_model(p: E2EParameters):
