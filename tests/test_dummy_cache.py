@@ -24,7 +24,7 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt-oss-tiny"])
 def test_a_kept_dummy_is_the_built_one_bit_for_bit(cache, preset, monkeypatch):
-    built = W.dummy_model(2, seed=3, expert_spread=0.5, model_preset=preset)
+    built = W.dummy_model(2, seed=3, model_preset=preset)
     folders = [p for p in cache.iterdir() if p.name.startswith("dummy-")]
     assert len(folders) == 1 and (folders[0] / "complete").is_file()
 
@@ -32,7 +32,7 @@ def test_a_kept_dummy_is_the_built_one_bit_for_bit(cache, preset, monkeypatch):
         raise AssertionError("built although the cache holds the model")
 
     monkeypatch.setattr(W, "dummy_gpt_oss" if preset.startswith("gpt") else "dummy_qwen3_moe", no_build)
-    again = W.dummy_model(2, seed=3, expert_spread=0.5, model_preset=preset)
+    again = W.dummy_model(2, seed=3, model_preset=preset)
     a, b = built.state_dict(), again.state_dict()
     assert a.keys() == b.keys()
     for name in a:
@@ -51,7 +51,9 @@ def test_another_seed_or_an_incomplete_folder_builds_again(cache):
     assert (seed0 / "complete").is_file()
 
 
-def test_small_models_are_not_kept(tmp_path, monkeypatch):
+def test_small_models_and_spread_ones_are_not_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("MXLIB_CACHE", str(tmp_path))
-    W.dummy_model(1, model_preset="tiny")
-    assert not any(p.name.startswith("dummy-") for p in tmp_path.iterdir()) if tmp_path.exists() else True
+    W.dummy_model(1, model_preset="tiny")  # under the size threshold
+    monkeypatch.setattr(W, "DUMMY_CACHE_MIN_PARAMETERS", 1)
+    W.dummy_model(1, model_preset="tiny", expert_spread=1.0)  # a spread model: built once by the notebook that asks
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("dummy-")]
