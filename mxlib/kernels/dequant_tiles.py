@@ -2,7 +2,8 @@
 
 Packed weights (two FP4 codes a byte, four FP6 codes in three bytes) and their block scales are decoded in
 registers with the arithmetic of ``mxlib.reference`` (``_numerics``), so the tile the dot reads holds vLLM's
-dequantized bf16 weights bit for bit: ``_weight_tile`` (any element, one tile), ``_weight_tile_split`` (FP4 as
+dequantized bf16 weights bit for bit: ``_weight_tile`` (any element, one tile; compiled MX FP8 weights through
+``_fp8_weight_tile``, the hardware FP8 conversion times the E8M0 scale, the same bits), ``_weight_tile_split`` (FP4 as
 its low and high nibbles), ``_fp6_words`` / ``_fp6_part`` (FP6 as 24-bit words, one element of four at a
 time) and ``_a_part`` (the activation columns that pair with a split tile).
 """
