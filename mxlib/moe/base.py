@@ -37,7 +37,8 @@ too; other weights run ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pu
 reference MoE, ``mxlib.moe.reference_moe``, which dequantizes only the experts that received
 tokens: it serves full-size CPU runs), ``"auto"`` (on CUDA: ``fused`` for experts whose
 ``prefers_fused()`` says so, the FP4-weight emulations, faster there at every batch size on the
-H200; ``triton`` otherwise; ``torch`` on the CPU). All give the same QDQ bits; the GEMMs agree
+H200, and the MX FP8-weight ones, faster at every batch size on an H100; ``triton`` otherwise; ``torch``
+on the CPU). All give the same QDQ bits; the GEMMs agree
 within fp32-accumulation tolerance.
 
 Routing plan: each forward picks the tiles of the GEMM path that runs (``TileConfig`` from
