@@ -232,7 +232,13 @@ class _RecordingExperts(torch.nn.Module):
 
 @torch.no_grad()
 def calibrate(
-    model, token_ids, keep_activations: bool = False, batch_size: int = 8, progress: bool = False
+    model,
+    token_ids,
+    keep_activations: bool = False,
+    batch_size: int = 8,
+    progress: bool = False,
+    *,
+    name: str = "token_ids",
 ) -> Calibration:
     """Record per-expert amax of a1 and a2 in every MoE layer over a calibration set.
 
@@ -245,7 +251,8 @@ def calibrate(
     The model (any registered family, ``mxlib.models.families``) must hold its bf16 experts
     (transformers' ``Qwen3MoeExperts``, ``MixtralExperts``, ...); they are
     swapped for recording twins during the run and restored afterwards. ``progress``: a tqdm bar
-    on stderr, one step per MoE layer of each batch.
+    on stderr, one step per MoE layer of each batch. ``name``: the argument an error names (``quantize_`` passes
+    ``calibration``).
 
     Returns:
         The ``Calibration``: per MoE layer, fp32 ``a1_amax`` / ``a2_amax`` ``[E]`` and int64 ``tokens`` ``[E]``;
@@ -258,7 +265,7 @@ def calibrate(
     """
     check_supported_model(model, "calibrate")
     if isinstance(token_ids, torch.Tensor) and token_ids.ndim != 2:
-        raise ValueError(f"token_ids: expected [batch, seq], got shape {list(token_ids.shape)}")
+        raise ValueError(f"{name}: expected [batch, seq], got shape {list(token_ids.shape)}")
     family = family_of(model, "calibrate")
     blocks = moe_blocks(model, "calibrate")
     layers = [mlp for _, mlp in blocks]
@@ -278,7 +285,7 @@ def calibrate(
         setattr(mlp, attr, rec)
     num_tokens = 0
     try:
-        for ids, mask in calibration_batches(token_ids, batch_size, "token_ids"):
+        for ids, mask in calibration_batches(token_ids, batch_size, name):
             num_tokens += run_calibration_forward(model, ids, mask, recorders)
     finally:
         bar.close()

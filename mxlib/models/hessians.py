@@ -33,7 +33,13 @@ from .calibration import calibration_batches, num_calibration_batches, run_calib
 from .families import family_of
 from .moe_models import expert_weights, moe_blocks
 
-__all__ = ["LayerHessians", "ExpertHessians", "collect_expert_hessians"]
+__all__ = [
+    "LayerHessians",
+    "ExpertHessians",
+    "collect_expert_hessians",
+    "technique_needs_hessians",
+    "technique_from_calibration",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +139,8 @@ def collect_expert_hessians(
     batch_size: int = 8,
     layers: Sequence[int] | None = None,
     progress: bool = False,
+    *,
+    name: str = "token_ids",
 ) -> ExpertHessians:
     """Run the bf16 model on ``token_ids`` and sum, per MoE layer and expert, ``x xᵀ`` of w13's and w2's inputs.
 
@@ -149,6 +157,7 @@ def collect_expert_hessians(
         batch_size: sequences per forward.
         layers: decoder layer indices of MoE layers to collect (default: every MoE layer).
         progress: a tqdm bar on stderr, one step per collected layer of each batch.
+        name: the argument an error names (``quantize_`` passes ``calibration``).
 
     Returns:
         ``ExpertHessians`` with fp32 sums on the model's device and int64 token counts on the CPU.
@@ -158,7 +167,7 @@ def collect_expert_hessians(
             layer index out of range; a model whose experts are already quantized (emulation experts).
     """
     if isinstance(token_ids, torch.Tensor) and (token_ids.ndim != 2 or token_ids.is_floating_point()):
-        raise ValueError(f"token_ids: expected an integer tensor [batch, seq], got {list(token_ids.shape)}")
+        raise ValueError(f"{name}: expected an integer tensor [batch, seq], got {list(token_ids.shape)}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
     family = family_of(model, "collect_expert_hessians")
@@ -188,7 +197,7 @@ def collect_expert_hessians(
         setattr(mlp, attr, recorders[i])
     num_tokens = 0
     try:
-        for ids, mask in calibration_batches(token_ids, batch_size, "token_ids"):
+        for ids, mask in calibration_batches(token_ids, batch_size, name):
             num_tokens += run_calibration_forward(model, ids, mask, list(recorders.values()))
     finally:
         bar.close()
@@ -199,3 +208,39 @@ def collect_expert_hessians(
         rec = recorders[i]
         out.layers[i] = LayerHessians(rec.h13, rec.h2, rec.tokens)
     return out
+
+
+def technique_needs_hessians(technique) -> bool:
+    """Whether a technique name asks for per-expert Hessians (GPTQ, alone or inside a rotation: ``gptq+hadamard``)."""
+    return isinstance(technique, str) and technique.split("+")[0] == "gptq"
+
+
+def technique_from_calibration(
+    model, technique, calibration=None, batch_size: int = 8, progress: bool = False, where: str = "technique"
+):
+    """The ``WeightTechnique`` a name (or a built one) stands for, with GPTQ's Hessians collected from calibration.
+
+    ``technique``: None (round-to-nearest: None is returned), a name of ``mxlib.recovery.TECHNIQUES`` or a
+    composition (``"gptq+hadamard"``), or a built technique (returned as it is). A name that needs Hessians
+    (``technique_needs_hessians``) gets them from ``collect_expert_hessians(model, calibration)``: ``calibration``
+    is then token ids, a dict with ``input_ids`` / ``attention_mask`` or an iterable of batches.
+
+    Raises:
+        ValueError: naming ``where``: GPTQ without calibration batches (None, or a ``Calibration`` of amax only, which
+            holds no Hessians), with what to pass instead; an unknown technique name (``get_technique``).
+    """
+    from ..recovery import get_technique
+
+    if technique is None:
+        return None
+    if not technique_needs_hessians(technique):
+        return get_technique(technique)
+    if calibration is None or hasattr(calibration, "layers") and hasattr(calibration, "input_scales"):
+        got = "none" if calibration is None else "a Calibration (per-expert amax, no Hessians)"
+        raise ValueError(
+            f"{where}: {technique!r} chooses codes from per-expert Hessians of calibration tokens; got {got}. Pass "
+            f"calibration token ids / batches, or a built technique: "
+            f"get_technique('gptq', hessians=collect_expert_hessians(model, token_ids))"
+        )
+    hessians = collect_expert_hessians(model, calibration, batch_size=batch_size, progress=progress, name="calibration")
+    return get_technique(technique, hessians=hessians)

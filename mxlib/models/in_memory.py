@@ -26,24 +26,19 @@ from tqdm import tqdm
 from ..moe.base import TransformersExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
-from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
+from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique
 from ..recovery.base import technique_global_scale_kw
 from ..recovery.hadamard import rotation_from_config
 from .calibration import Calibration, calibrate
 from .checkpoints.layout import LAYOUTS, layout_for_scheme
 from .checkpoints.saving import _StateDictTensors, attach_checkpoint_layout
 from .families import check_supported_model, family_of
-from .hessians import collect_expert_hessians
+from .hessians import technique_from_calibration, technique_needs_hessians
 from .moe_models import expert_activation, expert_biases, expert_weights, moe_blocks, swap_experts
 
-__all__ = ["quantize_", "technique_needs_hessians"]
+__all__ = ["quantize_"]
 
 logger = logging.getLogger(__name__)
-
-
-def technique_needs_hessians(technique) -> bool:
-    """Whether a technique name asks for per-expert Hessians (GPTQ, alone or inside a rotation: ``gptq+hadamard``)."""
-    return isinstance(technique, str) and technique.split("+")[0] == "gptq"
 
 
 def _pick_layout(model, family, scheme: MoEQuantScheme, layout: str | None):
@@ -128,19 +123,13 @@ def quantize_(
     if needs_calibration and calibration is None:
         why = f"{scheme.name} has static activation scales" if scheme.static_activation_scale else "GPTQ needs Hessians"
         raise ValueError(f"calibration: {why}; pass calibration= token ids, batches or a data loader")
-    if gptq and isinstance(calibration, Calibration):
-        raise ValueError("calibration: technique 'gptq' collects Hessians from token ids, not from a Calibration")
-    if gptq:
-        hessians = collect_expert_hessians(model, calibration, batch_size=batch_size, progress=progress)
-        technique = get_technique(technique, hessians=hessians)
-    elif technique is not None:
-        technique = get_technique(technique)
+    technique = technique_from_calibration(model, technique, calibration, batch_size, progress, "technique")
     cal = None
     if scheme.static_activation_scale:
         cal = (
             calibration
             if isinstance(calibration, Calibration)
-            else calibrate(model, calibration, batch_size=batch_size, progress=progress)
+            else calibrate(model, calibration, batch_size=batch_size, progress=progress, name="calibration")
         )
     qc, _ = chosen.config_files(scheme, False)
     description = chosen.read_config(qc)
