@@ -31,10 +31,10 @@ from ..recovery.base import technique_global_scale_kw
 from ..recovery.hadamard import rotation_from_config
 from .calibration import Calibration, calibrate
 from .checkpoints.layout import LAYOUTS, layout_for_scheme
-from .checkpoints.saving import _StateDictTensors, attach_checkpoint_layout
+from .checkpoints.saving import _StateDictTensors, attach_checkpoint_layout, save_pretrained
 from .families import check_supported_model, family_of
 from .hessians import technique_from_calibration, technique_needs_hessians
-from .moe_models import expert_activation, expert_biases, expert_weights, moe_blocks, swap_experts
+from .moe_models import BoundToModel, expert_activation, expert_biases, expert_weights, moe_blocks, swap_experts
 
 __all__ = ["quantize_"]
 
@@ -205,5 +205,28 @@ def quantize_(
         source = model.checkpoint_source
         source.quantization_config = {**source.quantization_config, RECOVERY_CONFIG_KEY: recovery}
     model.mxlib_info = info
+    model.save_pretrained = BoundToModel(_save_pretrained, model)
     logger.info("quantized %d MoE layers of %s to %s (%s)", len(layers), family.architecture, scheme.name, chosen.name)
     return model.eval()
+
+
+def _save_pretrained(model, save_directory, *args, layout: str | None = None, **kwargs) -> None:
+    """transformers' ``save_pretrained`` of a ``quantize_``'d model (``checkpoints.saving.save_pretrained``), with
+    ``layout``: a registered layout name to write instead of the one the experts are held in (the model keeps the
+    new one). NVFP4 experts hold the global-scale kind of one family of layouts (decode for ModelOpt, encode for
+    compressed-tensors): between those, pass ``layout=`` to ``quantize_``.
+
+    Raises:
+        ValueError: a layout that cannot store the experts as they are (``attach_checkpoint_layout``), naming why;
+            nothing is written and the model keeps its layout. As ``save_pretrained`` otherwise.
+    """
+    source = model.checkpoint_source
+    if layout is not None and layout != source.description.format:
+        recovery = (source.quantization_config or {}).get(RECOVERY_CONFIG_KEY)
+        attach_checkpoint_layout(model, layout)
+        if recovery is not None:
+            new = model.checkpoint_source
+            new.quantization_config = {**new.quantization_config, RECOVERY_CONFIG_KEY: recovery}
+        model.mxlib_info = model.checkpoint_source.description
+        model.save_pretrained = BoundToModel(_save_pretrained, model)
+    save_pretrained(model, save_directory, *args, **kwargs)

@@ -63,7 +63,6 @@ from ...moe.emulation import ExpertWeights, QuantizedExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...moe.linear import EmulatedLinear, LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ...recovery import RECOVERY_CONFIG_KEY
 from ..families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
 from ..moe_models import BoundToModel, tied_parameter_names
 from .headers import MAX_JSON_BYTES, open_regular, read_json
@@ -592,7 +591,6 @@ def save_pretrained(
     distributed_checkpoint: bool = False,
     safe_serialization: bool = True,
     overwrite: bool = False,
-    layout: str | None = None,
     **kwargs,
 ) -> None:
     """transformers' ``save_pretrained`` for a model with an attached checkpoint layout: writes the
@@ -601,10 +599,7 @@ def save_pretrained(
 
     Honoured: ``save_directory``, ``is_main_process`` (False writes nothing), ``state_dict``,
     ``max_shard_size`` (``parse_shard_size``), ``save_peft_format`` (no adapters: nothing to
-    rename), ``overwrite`` (mxlib's: replace a folder that is not an mxlib checkpoint), ``layout`` (mxlib's: a
-    registered layout name to write instead of the one attached; a model loaded from a checkpoint writes its
-    source's layout only, and NVFP4 experts hold the global-scale kind of one family of layouts: decode for
-    ModelOpt, encode for compressed-tensors, so ``mxlib.quantize_(..., layout=...)`` picks between those).
+    rename), ``overwrite`` (mxlib's: replace a folder that is not an mxlib checkpoint).
 
     Raises:
         ValueError: an argument this writer cannot honour, naming it: ``push_to_hub=True`` (push
@@ -632,21 +627,6 @@ def save_pretrained(
     if kwargs:
         raise TypeError(f"save_pretrained: unexpected keyword arguments {sorted(kwargs)} for a quantized mxlib model")
     shard_bytes = parse_shard_size(max_shard_size)
-    source = getattr(self, "checkpoint_source", None)
-    if layout is not None and isinstance(source, CheckpointSource) and layout != source.description.format:
-        if source.tensors is not None:
-            raise ValueError(
-                f"save_pretrained: layout={layout!r}: this model was loaded from a {source.description.format} "
-                f"checkpoint and writes that layout (its source's tensors and config); got {layout!r}"
-            )
-        recovery = (source.quantization_config or {}).get(RECOVERY_CONFIG_KEY)
-        attach_checkpoint_layout(self, layout)  # ValueError naming why where the layout cannot store these experts
-        if recovery is not None:
-            self.checkpoint_source.quantization_config = {
-                **self.checkpoint_source.quantization_config,
-                RECOVERY_CONFIG_KEY: recovery,
-            }
-        self.mxlib_info = self.checkpoint_source.description
     if not is_main_process:
         return None
     save_quantized_checkpoint(self, save_directory, shard_bytes, overwrite=overwrite, state_dict=state_dict)
