@@ -329,10 +329,10 @@ def check_device(device, name: str = "device") -> torch.device:
         raise ValueError(f"{name}: expected a torch.device, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA device visible"
+            why = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device"
             raise ValueError(
-                f"{name}: {device!r} asked for, but this torch {torch.__version__} has {why}; use device='cpu' (the "
-                f"'torch' backend runs everything there) or install a CUDA build of torch"
+                f"{name}: {device!r} asked for, but this torch {torch.__version__} {why}; use 'cpu' (the 'torch' "
+                f"backend runs everything there) or install a CUDA build of torch"
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"{name}: {device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")

@@ -7,8 +7,8 @@ interop``) and a tiny gpt-oss written by mxlib in gpt-oss's native layout. For e
   ``state_dict()`` byte-equal to the loaded ones (the independent side: the tensors as loaded, compared as bytes);
 * fp16 and fp32 forwards run end to end, in that dtype, with finite logits;
 * ``.float()`` then ``.to(torch.bfloat16)`` gives the logits of the model cast to bf16 directly, bit for bit
-  (bf16 -> fp32 -> bf16 is exact), and ``save_pretrained`` after ``.float()`` writes the same tensors, byte for byte, as the save of the
-  model as loaded.
+  (bf16 -> fp32 -> bf16 is exact), and ``save_pretrained`` after ``.float()`` writes the same tensors, byte for
+  byte, as the save of the model as loaded, its scales the source's own bytes.
 """
 
 import json
@@ -154,3 +154,37 @@ def test_from_pretrained_dtype(dtype):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert model(input_ids=ids).logits.dtype == dtype
+
+
+def test_from_pretrained_keywords():
+    from mxlib.models.checkpoints.pretrained import resolve_device_map, resolve_dtype
+
+    path = INTEROP / FIXTURES["modelopt"] / "checkpoint"
+    assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("float16") == torch.float16
+    assert resolve_dtype("torch.float32") == torch.float32 and resolve_dtype(torch.bfloat16) == torch.bfloat16
+    with pytest.raises(TypeError, match="dtype"):
+        resolve_dtype(torch.float64)
+    assert resolve_device_map({"": "cpu"}) == torch.device("cpu") and resolve_device_map(None).type == "cpu"
+    with pytest.raises(ValueError, match="one device"):
+        resolve_device_map({"model.embed_tokens": 0, "lm_head": 1})
+    with pytest.raises(ValueError, match="splits"):
+        resolve_device_map("balanced")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'quantization_config'"):
+        mxlib.from_pretrained(path, quantization_config={})
+    with pytest.raises(ValueError, match="trust_remote_code=True cannot be honoured"):
+        mxlib.from_pretrained(path, trust_remote_code=True)
+    with pytest.raises(FileNotFoundError, match="snapshot_download"):
+        mxlib.from_pretrained("nvidia/Qwen3-30B-A3B-NVFP4")
+    model = mxlib.from_pretrained(path, torch_dtype=torch.float32, device_map={"": "cpu"})
+    assert model.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_cuda_on_a_cpu_only_torch_is_named():
+    path = INTEROP / FIXTURES["modelopt"] / "checkpoint"
+    for call in (
+        lambda: mxlib.from_pretrained(path, device_map="cuda"),
+        lambda: mxlib.load_quantized_moe(path, device="cuda"),
+    ):
+        with pytest.raises(ValueError, match="'cuda' asked for, but this torch"):
+            call()
