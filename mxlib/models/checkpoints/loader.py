@@ -340,7 +340,11 @@ def load_quantized_qwen3_moe(
     gate_up_scale: str = "per_half",
 ):
     """``load_quantized_moe`` under Qwen3-MoE's name (same arguments, returns and errors; a checkpoint
-    of any registered family loads as that family's class)."""
+    of any registered family loads as that family's class).
+
+    Kept because code and notebooks were written against it when Qwen3-MoE was the one family; it is the same
+    load, so it does not refuse other families (a Mixtral checkpoint gives ``MixtralForCausalLM``). New code uses
+    ``mxlib.from_pretrained`` (transformers' keywords) or ``load_quantized_moe``, the names for every family."""
     return load_quantized_moe(
         path,
         num_hidden_layers=num_hidden_layers,
