@@ -192,3 +192,18 @@ def test_writer_refuses_a_silent_cast_and_states_its_dtype(tmp_path):
     with pytest.raises(ValueError, match="embed_tokens.*float32.*bfloat16"):
         write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "inexact")
     assert not (tmp_path / "inexact").exists()
+
+
+def test_cli_dummy_from_config_gptq_entry(tmp_path):
+    import json
+
+    from mxlib.cli import main as cli_main
+
+    configs = Path(__file__).parent / "fixtures" / "configs"
+    out = tmp_path / "result.json"
+    argv = ["dummy-from-config", str(configs / "modelopt-nvfp4-qwen3-30b-a3b"), str(tmp_path / "ckpt")]
+    argv += ["--layers", "1", "--preset", "tiny", "--device", "cpu", "--backend", "torch", "--technique", "gptq"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["technique"] == "gptq" and result["logits_finite"]
+    assert load_quantized_moe(tmp_path / "ckpt")[1].scheme.name == "nvfp4"  # GPTQ stores no config of its own
