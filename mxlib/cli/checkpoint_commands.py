@@ -32,6 +32,7 @@ def _steps():
 
     return steps
 
+
 __all__ = ["COMMANDS"]
 
 
