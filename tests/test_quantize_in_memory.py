@@ -207,3 +207,35 @@ def test_cli_dummy_from_config_gptq_entry(tmp_path):
     result = json.loads(out.read_text())
     assert result["technique"] == "gptq" and result["logits_finite"]
     assert load_quantized_moe(tmp_path / "ckpt")[1].scheme.name == "nvfp4"  # GPTQ stores no config of its own
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+@torch.no_grad()
+def test_other_families_equal_the_writer_then_the_loader(tmp_path, family):
+    from transformers import MixtralConfig
+
+    from mxlib.models.gpt_oss import dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_preset_overrides
+    from mxlib.models.moe_models import dummy_moe_model
+
+    if family == "gpt_oss":  # its own layout, expert biases, SwiGLU-OAI
+        cfg = gpt_oss_20b_config(num_hidden_layers=2, **gpt_oss_preset_overrides("gpt-oss-tiny"))
+        build, scheme, calibration = (lambda: dummy_gpt_oss(cfg, seed=0)), "w_mxfp4", None
+    else:
+        cfg = MixtralConfig(
+            hidden_size=64,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            head_dim=16,
+        )
+        build, scheme, calibration = (lambda: dummy_moe_model(cfg, seed=0)), "nvfp4", IDS
+    ref = load_quantized_moe(write_quantized_checkpoint(build(), scheme, tmp_path / "w", calibration=calibration))[0]
+    model = mxlib.quantize_(build(), scheme, calibration=calibration, progress=False)
+    assert_bits_equal(model(input_ids=IDS).logits, ref(input_ids=IDS).logits)
+    model.save_pretrained(tmp_path / "s")
+    assert_bits_equal(mxlib.from_pretrained(tmp_path / "s")(input_ids=IDS).logits, ref(input_ids=IDS).logits)
