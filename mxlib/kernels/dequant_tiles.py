@@ -10,10 +10,8 @@ time) and ``_a_part`` (the activation columns that pair with a split tile).
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from . import _numerics as nm
+from ._triton import tl, triton
 
 __all__: list[str] = []
 

@@ -28,13 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from ..formats import BLOCK_SCHEMES, BlockScheme, PerTensorScheme
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting, kernel_format_args, select
+from ._triton import tl, triton
 from .align import RoutingPlan, plan_routing
 from .dequant_tiles import _a_part, _fp6_part, _fp6_words, _weight_tile, _weight_tile_split
 from .moe_epilogue import activation_args, bias_args, gated_activation, load_bias
