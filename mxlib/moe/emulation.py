@@ -54,6 +54,7 @@ from .activation_rules import block_rule_global_scale, check_activation_block_ru
 from .activations import SILU, MoEActivation
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .expert_weights import ExpertWeights, _check
+from .kept_weights import KeptDequantized
 from .reference_moe import torch_moe
 from .scales import (
     ACTIVATION_SCALE_STRATEGIES,
@@ -87,41 +88,6 @@ FP8_AUTO_FUSED = True
 # zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
 # (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
 FP4_PAD_MAX_FRACTION = 1 / 16
-
-
-class KeptDequantized:
-    """Dequantized expert weights kept across forwards (``QuantizedExperts.keep_dequantized``).
-
-    An entry is valid while the experts asking for it are of the same class, numerics and activation
-    dtype as the ones it was made for, and hold the same weight tensors (``w13_weight*`` / ``w2_weight*``
-    buffers: the packed bytes, the block scales, the global scales, the same tensor objects at the same
-    ``_version``: an in-place write bumps it); any other request empties it first. So experts built from
-    the same ``ExpertWeights`` (schemes that differ in their activations only) can share one.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.inputs: list[tuple[torch.Tensor, int]] = []
-        self.experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, owner: QuantizedExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``e``'s ``(w13, w2)`` of ``owner``: kept, or dequantized now and kept."""
-        inputs = [
-            (t, t._version)
-            for name, t in owner._buffers.items()
-            if t is not None and name.startswith(("w13_weight", "w2_weight"))
-        ]
-        key = (type(owner), owner.numerics, owner.activation_dtype, len(inputs))
-        if (
-            key != self.key
-            or len(inputs) != len(self.inputs)
-            or any(a is not b or va != vb for (a, va), (b, vb) in zip(self.inputs, inputs))
-        ):
-            self.key, self.inputs, self.experts = key, inputs, {}
-        if e not in self.experts:
-            w13, w2 = owner._dequantize(_ref, slice(e, e + 1))
-            self.experts[e] = (w13[0], w2[0])
-        return self.experts[e]
 
 
 class QuantizedExperts(TritonExperts):
