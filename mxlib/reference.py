@@ -999,12 +999,14 @@ def _nvfp4_variant(scheme) -> BlockScheme:
     return s
 
 
-def nvfp4_variant_global_scale(x: torch.Tensor, scheme) -> torch.Tensor | None:
+def nvfp4_variant_global_scale(x: torch.Tensor, scheme, two_level: bool | None = None) -> torch.Tensor | None:
     """The decode global scale an NVFP4-style scheme derives from ``x``: ``amax(x) / (6 * scale.max)``
     over each 2D matrix (``[E]`` for 3D ``x``, ``[]`` for 2D), as ``nvfp4_weight_scale_2`` with the scheme's
-    block-scale maximum (448 for ue4m3, 114688 for ue5m3); None for a one-level scheme (``nvfp4_ue5m3``)."""
+    block-scale maximum (448 for ue4m3, 114688 for ue5m3), over the finite values, clamped to
+    ``[2**-126, 2**126]``, 1 for an all-zero matrix. ``two_level``: None follows the scheme (None for the
+    one-level ``nvfp4_ue5m3``); True computes it for ``nvfp4_ue5m3`` too (the explicit two-level option)."""
     s = _nvfp4_variant(scheme)
-    if not s.has_global_scale:
+    if not (s.has_global_scale if two_level is None else two_level):
         return None
     x3 = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])
     num = x3.shape[0]

@@ -179,3 +179,72 @@ def test_ue5m3_needs_no_global_scale_where_ue4m3_does():
 def test_bad_input_is_refused(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+# ----------------------------------------------------------------------------- the MoE schemes
+
+
+def _moe_case(seed=0, e=4, h=64, i=64, m=6, k=2):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.05
+    w2 = torch.randn(e, h, i, generator=g) * 0.05
+    x = torch.randn(m, h, generator=g).bfloat16()
+    topk_weights, topk_ids = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k)
+    return w13, w2, x, topk_weights.float(), topk_ids
+
+
+def _oracle_qdq(t, s, g):
+    return torch.from_numpy(oracles.nvfp4_variant_qdq(t.float().numpy(), s.block_size, s.scale.name, g)).to(t.dtype)
+
+
+@pytest.mark.parametrize("name", ["nvfp4_ue5m3", "nvfp4_b32", "NVFP4_E5M3"])
+def test_variant_experts_match_the_oracle_bit_for_bit(name):
+    from mxlib.moe import factory as F
+    from mxlib.moe.reference_moe import torch_moe
+    from mxlib.moe.schemes import NVFP4_VARIANT_SCHEMES, get_moe_scheme
+
+    scheme = get_moe_scheme(name)
+    assert scheme in NVFP4_VARIANT_SCHEMES.values() and not scheme.is_ocp_mx and scheme.precision == "W4A4"
+    s = scheme.weight
+    w13, w2, x, tw, ti = _moe_case()
+    weights = F.quantize_expert_weights(w13, w2, scheme)
+    a1_scale, a2_scale = F.input_scales_from_amax(scheme, torch.tensor([3.0, 4.0, 2.0, 1.0]), torch.full((4,), 0.5))
+    assert (a1_scale is None) == (not s.has_global_scale)
+    experts = F.make_emulation_experts(scheme, weights, a1_scale, a2_scale)
+    got = experts(x, tw, ti)
+    # oracle: weights and activations QDQ'd by numpy + ml_dtypes / the hand UE5M3 grid, the same fp32 GEMMs
+    g13 = g2 = None
+    if s.has_global_scale:
+        g13 = [float(np.float32(w13[j].abs().max()) / np.float32(2688.0)) for j in range(4)]
+        g2 = [float(np.float32(w2[j].abs().max()) / np.float32(2688.0)) for j in range(4)]
+    dq13 = torch.stack([_oracle_qdq(w13[j], s, g13 and g13[j]).bfloat16() for j in range(4)])
+    dq2 = torch.stack([_oracle_qdq(w2[j], s, g2 and g2[j]).bfloat16() for j in range(4)])
+    ga1 = float(a1_scale.max()) if s.has_global_scale else None
+    ga2 = float(a2_scale.max()) if s.has_global_scale else None
+    want = torch_moe(_oracle_qdq(x, s, ga1), dq13, dq2, tw, ti, lambda a2, _: _oracle_qdq(a2, s, ga2), False)
+    assert torch.equal(got, want)
+
+
+def test_variant_experts_two_level_option_and_refusals():
+    from mxlib.moe import factory as F
+    from mxlib.moe.nvfp4_variants import Nvfp4VariantEmulationExperts
+
+    w13, w2, x, tw, ti = _moe_case(1)
+    w = F.quantize_expert_weights(w13, w2, "nvfp4_ue5m3")
+    one = Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w)
+    two = Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, activation_global_scale=True)
+    assert one.scale_strategy == "none" and two.scale_strategy == "per_tensor"
+    assert torch.isfinite(two(x, tw, ti).float()).all()
+    for backend in ("triton", "fused"):
+        with pytest.raises(ValueError, match="'torch' backend only"):
+            F.make_emulation_experts("nvfp4_ue5m3", w, backend=backend)
+        with pytest.raises(ValueError, match="'torch' backend only"):
+            Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, backend=backend)(x, tw, ti)
+    with pytest.raises(ValueError, match="need w13_input_scale"):
+        F.make_emulation_experts("nvfp4_b32", F.quantize_expert_weights(w13, w2, "nvfp4_b32"))
+    with pytest.raises(ValueError, match="numerics"):
+        Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, numerics="hardware")
+    with pytest.raises(ValueError, match="quantized as nvfp4_ue5m3"):
+        F.make_emulation_experts("nvfp4_b32", w, torch.ones(4), torch.ones(4))
+    with pytest.raises(ValueError, match="expected one of"):
+        Nvfp4VariantEmulationExperts("nvfp4", F.quantize_expert_weights(w13, w2, "nvfp4"))
