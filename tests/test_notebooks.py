@@ -126,6 +126,10 @@ def test_01_end_to_end(scheme, executed_notebook):
     assert moe["swapped nibbles"] < 3.0 and moe["working"] > moe["swapped nibbles"] + 8.0, moe
     assert res["swapped_nibbles_logits"]["sqnr_db"] < logit["sqnr_db"], res["swapped_nibbles_logits"]
     assert res["bf16_rounding_sqnr_db"] > 40.0
+    # what ran: every layer's experts in the checkpoint's scheme, a1 and a2 each QDQ'd once in the forward
+    ran = res["what_ran"]
+    assert [r["module"] for r in ran] == [f"model.layers.{i}.mlp.experts" for i in range(4)], ran
+    assert all((r["scheme"], r["a1_passes"], r["a2_passes"]) == (res["scheme"], 1, 1) for r in ran), ran
     # section 5: the same checkpoint in vLLM's numerics and the hardware's
     modes = res["numerics_modes"]
     assert res["numerics"] == "vllm" and len(modes["sets"]) == 3 and len(modes["layers"]) == 4
