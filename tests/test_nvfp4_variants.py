@@ -248,3 +248,25 @@ def test_variant_experts_two_level_option_and_refusals():
         F.make_emulation_experts("nvfp4_b32", w, torch.ones(4), torch.ones(4))
     with pytest.raises(ValueError, match="expected one of"):
         Nvfp4VariantEmulationExperts("nvfp4", F.quantize_expert_weights(w13, w2, "nvfp4"))
+
+
+def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
+    from mxlib.models import checkpoints as C
+    from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+    from mxlib.moe import factory as F
+    from mxlib.moe.linear import EmulatedLinear, LinearWeights
+    from mxlib.recovery.gptq import gptq_quantize
+
+    from _util import TINY_QWEN3
+
+    for name in NVFP4_VARIANTS:
+        with pytest.raises(ValueError, match=f"{name} is an NVFP4 variant ahead of hardware; quantize_linear_weight"):
+            F.quantize_linear_weight(torch.ones(4, 32), name)
+        with pytest.raises(ValueError, match="not in linear layers"):
+            w = LinearWeights(get_block_scheme(name), torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1))
+            EmulatedLinear(name, w, torch.ones(1))
+        with pytest.raises(ValueError, match="ahead of hardware; gptq"):
+            gptq_quantize(torch.ones(1, 4, 32), torch.eye(32).expand(1, 32, 32), name)
+    model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=1, **TINY_QWEN3), seed=3)
+    with pytest.raises(ValueError, match="no checkpoint layout stores scheme nvfp4_ue5m3"):
+        C.write_quantized_checkpoint(model, "nvfp4_ue5m3", tmp_path / "x")

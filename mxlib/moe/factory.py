@@ -31,7 +31,7 @@ from .emulation import (
 from .linear import EmulatedLinear, LinearWeights
 from .nvfp4_variants import Nvfp4VariantEmulationExperts
 from .scales import PER_TOKEN
-from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
+from .schemes import MoEQuantScheme, checkpoint_weight_format, get_moe_scheme, get_weight_format
 from .weight_only import Nvfp4WeightOnlyEmulationTritonExperts
 
 __all__ = [
@@ -204,7 +204,7 @@ def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockS
     """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
     ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
     ``weight_scale_2``; OCP MX: E8M0 ``even``)."""
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "quantize_linear_weight")
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
     ops = ops or ops_for_device(weight.device)

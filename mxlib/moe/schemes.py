@@ -77,6 +77,7 @@ __all__ = [
     "W4A16_NVFP4",
     "get_moe_scheme",
     "get_weight_format",
+    "checkpoint_weight_format",
     "vllm_emulated_scheme",
     "FP8_PER_TENSOR",
     "SCHEME_ALIASES",
@@ -261,6 +262,23 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
         return get_block_scheme(scheme)
+
+
+def checkpoint_weight_format(scheme: str | MoEQuantScheme | BlockScheme, where: str) -> BlockScheme:
+    """``get_weight_format`` for code that handles only the formats checkpoints store (``BLOCK_SCHEMES``): the
+    writer's layouts, the recovery techniques, ``EmulatedLinear``.
+
+    Raises:
+        ValueError: an NVFP4 variant ahead of hardware (``nvfp4_ue5m3``, ``nvfp4_b32``), naming ``where``; or as
+            ``get_weight_format``.
+    """
+    fmt = get_weight_format(scheme)
+    if fmt.name in NVFP4_VARIANTS:
+        raise ValueError(
+            f"scheme: {fmt.name} is an NVFP4 variant ahead of hardware; {where} takes the formats checkpoints store "
+            f"({list(BLOCK_SCHEMES)}); the variants run in mxlib.moe.nvfp4_variants only"
+        )
+    return fmt
 
 
 # What vLLM's emulation experts compute for a checkpoint of a scheme, where that is another scheme
