@@ -57,6 +57,12 @@ block scale of an all-zero block (``zero_block_scale="one"``, the default);
 ``"zero"`` stores 0. ``dequantize_to_dtype`` is vLLM's:
 ``e2m1 * (fp32(block_scale) * weight_scale_2)`` in fp32, then one cast.
 
+NVFP4 variants ahead of hardware (``quantize_nvfp4_variant``, ``dequantize_nvfp4_variant``,
+``quant_dequant_nvfp4_variant``; ``mxlib.formats.NVFP4_VARIANTS``): ``nvfp4_ue5m3`` (unsigned e5m3 block scales,
+no global scale unless one is passed) and ``nvfp4_b32`` (e4m3 scales per 32 elements). One arithmetic, ModelOpt's
+decode-scale form, for weights and activations: ``s = scale_format(amax_block / (6 * g))``,
+``e = e2m1(x / (s * g))``, ``dq = e * (s * g)``; block scales stored as uint8 codes.
+
 Packing: FP4 two codes per byte, the even element in the low nibble; FP6 four
 codes ``v0..v3`` in three bytes as ``v0 | v1 << 6 | v2 << 12 | v3 << 18``,
 little-endian (AMD Quark's layout); FP8 one code per byte.
