@@ -270,3 +270,22 @@ def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
     model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=1, **TINY_QWEN3), seed=3)
     with pytest.raises(ValueError, match="no checkpoint layout stores scheme nvfp4_ue5m3"):
         C.write_quantized_checkpoint(model, "nvfp4_ue5m3", tmp_path / "x")
+
+
+def test_what_the_global_scale_buys_on_a_models_tensors():
+    from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+    from mxlib.workbook import variant_lessons as V
+
+    from _util import TINY_QWEN3
+
+    model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3), seed=3)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    tensors = V.model_tensors(model, ids)
+    k = model.config.num_experts_per_tok
+    assert tensors["L1.w13"].shape == (4, 64, 64) and tensors["L0.a1"].shape == (16, 64)
+    assert tensors["L0.a2"].shape == (16 * k, 32)
+    rows = {r["tensor"]: r for r in V.global_scale_on_tensors(tensors)}
+    assert set(rows) == {f"L{i}.{t}" for i in range(2) for t in ("w13", "w2", "a1", "a2")}
+    for r in rows.values():  # two-level UE5M3 scales are NVFP4's times 2**8 while no UE4M3 scale is subnormal
+        assert math.isfinite(r["ue5m3"]) and r["gs_buys_db"] == r["ue5m3_gs"] - r["ue5m3"]
+    assert rows["L0.w13"]["ue5m3_gs"] == rows["L0.w13"]["nvfp4"]

@@ -12,6 +12,10 @@ buy against NVFP4 and MXFP4, and what a per-tensor global scale still buys with 
   an ordering holds only where the interval excludes 0 (the project's statistics rule).
 * ``global_scale_sweep(x, amaxes)``: ``x`` rescaled to each tensor amax, SQNR of UE5M3 with and without the global
   scale and of NVFP4 with and without its own: where the global scale buys anything.
+* ``model_tensors(model, input_ids)`` and ``global_scale_on_tensors(tensors)``: the same question on a model's own
+  tensors: every MoE layer's expert weights (``w13``, ``w2``: one global scale per expert) and the activations a
+  forward gives them (``a1``: the layer input; ``a2``: the gated activation of each routed (token, expert) pair;
+  one global scale per tensor).
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from ..analysis import sample, sqnr_db
 from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_B32, NVFP4_UE5M3
 from ..models.evaluation import paired_bootstrap_interval
 
-__all__ = ["VARIANT_ROWS", "variant_sqnr", "variant_draws", "variant_orderings", "global_scale_sweep"]
+__all__ = [
+    "VARIANT_ROWS",
+    "variant_sqnr",
+    "variant_draws",
+    "variant_orderings",
+    "global_scale_sweep",
+    "model_tensors",
+    "global_scale_on_tensors",
+]
 
 # name: what it is (the notebook's row labels)
 VARIANT_ROWS: dict[str, str] = {
@@ -109,5 +121,56 @@ def global_scale_sweep(x: torch.Tensor, amaxes=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e
                 nvfp4=sqnr_db(R.quant_dequant_nvfp4_variant(y, NVFP4), y),
                 nvfp4_no_gs=sqnr_db(R.quant_dequant_nvfp4_variant(y, NVFP4, 1.0), y),
             )
+        )
+    return rows
+
+
+@torch.no_grad()
+def model_tensors(model, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"L<i>.w13": [E, 2I, H], "L<i>.w2": [E, H, I], "L<i>.a1": [M, H], "L<i>.a2": [M * k, I]}`` of every MoE layer
+    of a bf16 model (any registered family with bf16 experts), fp32: the weights as stored, the activations of one
+    forward of ``input_ids`` (a2 computed from a1 and the routed experts' weights, as the MoE computes it)."""
+    from ..models.moe_models import expert_activation, expert_weights, moe_blocks
+    from ..moe.activations import activation_and_mul
+
+    captured, handles = {}, []
+    for i, block in moe_blocks(model, "model_tensors"):
+        experts = block.experts
+
+        def hook(module, args, i=i):
+            captured[i] = (args[0].detach(), args[1].detach())  # hidden_states [M, H], top_k_index [M, k]
+
+        handles.append(experts.register_forward_pre_hook(hook))
+    try:
+        model(input_ids=input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    act = expert_activation(model)
+    out = {}
+    for i, (a1, ids) in sorted(captured.items()):
+        w13, w2 = expert_weights(model, i)
+        rows = [
+            activation_and_mul((a1[ids[:, j] == e].float() @ w13[e].float().T).to(a1.dtype), act)
+            for j in range(ids.shape[1])
+            for e in torch.unique(ids[:, j]).tolist()
+        ]
+        out[f"L{i}.w13"], out[f"L{i}.w2"] = w13.float(), w2.float()
+        out[f"L{i}.a1"], out[f"L{i}.a2"] = a1.float(), torch.cat(rows).float()
+    return out
+
+
+def global_scale_on_tensors(tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """Rows ``{"tensor", "amax", "ue5m3", "ue5m3_gs", "gs_buys_db", "nvfp4"}``: SQNR (dB) of each tensor in
+    ``nvfp4_ue5m3`` without and with the per-tensor global scale (per expert for a 3D stack) and in NVFP4."""
+    rows = []
+    for name, x in tensors.items():
+        one = sqnr_db(R.quant_dequant_nvfp4_variant(x, NVFP4_UE5M3), x)
+        two = sqnr_db(
+            R.quant_dequant_nvfp4_variant(x, NVFP4_UE5M3, R.nvfp4_variant_global_scale(x, NVFP4_UE5M3, True)), x
+        )
+        nv = sqnr_db(R.quant_dequant_nvfp4_variant(x, NVFP4), x)
+        rows.append(
+            dict(tensor=name, amax=x.abs().max().item(), ue5m3=one, ue5m3_gs=two, gs_buys_db=two - one, nvfp4=nv)
         )
     return rows
