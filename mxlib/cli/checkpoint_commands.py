@@ -1,4 +1,5 @@
-"""The checkpoint commands: ``inspect PATH`` (configs and scale tensors only) and ``dummy-from-config
+"""The checkpoint commands: ``inspect PATH`` (configs and scale tensors only; ``--ran``: also the loaded model's
+executed semantics, ``mxlib.models.what_ran``) and ``dummy-from-config
 CONFIG_DIR OUT_DIR`` (dummy weights in the layout a checkpoint's config files describe, loaded and run).
 
 A command's ``check`` runs before any work (a ValueError or FileNotFoundError names the option); its
@@ -52,7 +53,31 @@ def inspect_cmd(args) -> dict:
     if unread and report.tensors_total == 0:  # nothing of the checkpoint could be read: the user's error line
         raise CheckpointError(unread[0].split(": ", 1)[1])
     print(report.table())
-    return report.to_dict()
+    result = report.to_dict()
+    if getattr(args, "ran", False):
+        result["ran"] = _ran(args.path, args.backend)
+    return result
+
+
+def _ran(path: str, backend: str) -> dict:
+    """``inspect --ran``: load the model, report what ran in one forward (``mxlib.models.what_ran``) and check it
+    against the checkpoint's scheme; ``{"rows", "ok", "problems"}``."""
+    from ..models.what_ran import RanMismatch, assert_runs_as, what_ran
+
+    model, info = load_quantized_moe(path, backend=backend)
+    report = what_ran(model)
+    print()
+    print(f"what ran (one forward of 16 tokens; the checkpoint asks {info.scheme.name}, {info.scheme.precision}):")
+    print(report.table())
+    try:
+        assert_runs_as(model, info, report=report)
+        problems = []
+    except RanMismatch as err:
+        problems = err.problems
+    print("runs as the checkpoint asks" if not problems else "DIFFERS from what the checkpoint asks:")
+    for p in problems:
+        print(f"  {p}")
+    return {"rows": report.to_dicts(), "ok": not problems, "problems": problems}
 
 
 def check_dummy_from_config(args) -> None:

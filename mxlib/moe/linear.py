@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._checks import check_global_scale
-from ..formats import BlockScheme, PerTensorScheme, get_scale_mode
+from ..formats import NVFP4_VARIANTS, BlockScheme, PerTensorScheme, get_scale_mode
 from .base import keep_dtype_on_cast, ops_for_backend, resolve_backend
 from .schemes import MoEQuantScheme, get_moe_scheme
 
@@ -112,6 +112,11 @@ class EmulatedLinear(torch.nn.Module):
         if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise TypeError(f"activation_dtype: expected bfloat16, float16 or float32, got {activation_dtype}")
         fmt = self.scheme.weight
+        if fmt.name in NVFP4_VARIANTS:
+            raise ValueError(
+                f"scheme: {self.scheme.name} is an NVFP4 variant ahead of hardware; mxlib emulates it in MoE experts "
+                f"only (mxlib.moe.nvfp4_variants), not in linear layers"
+            )
         out, k = weights.out_features, weights.in_features
         scale_dtype = torch.float8_e4m3fn if fmt.has_global_scale else torch.uint8
         for name, t, shape, dtype in (

@@ -19,7 +19,14 @@ w_mxfp8                        mxfp8_e4m3     bf16 (W8A16: what vLLM's MXFP8 emu
 w_mxfp8_a_mxfp8                mxfp8_e4m3     mxfp8_e4m3, dynamic (W8A8, the checkpoint's scheme)
 nvfp4                          nvfp4          nvfp4 (two-level, static global scale)
 w4a16_nvfp4                    nvfp4          bf16 (W4A16: Marlin / Humming on Hopper)
+nvfp4_ue5m3                    nvfp4_ue5m3    nvfp4_ue5m3, dynamic (no global scale)
+nvfp4_b32                      nvfp4_b32      nvfp4_b32 (static global scale)
 =============================  =============  ===================================
+
+The last two are NVFP4 variants ahead of hardware (``NVFP4_VARIANT_SCHEMES``, ``mxlib.formats.NVFP4_VARIANTS``):
+UE5M3 block scales per 16 elements (AutoRound's ``NVFP4_E5M3`` is accepted for it) and 32-element NVFP4
+blocks. They are not in ``MOE_SCHEMES`` (no checkpoint stores them); ``get_moe_scheme`` finds them, and
+``mxlib.moe.nvfp4_variants`` runs them on the ``torch`` backend.
 
 A scheme name says what is quantized: ``w_<weight format>`` (weight-only) or
 ``w_<weight format>_a_<activation format>`` (AMD Quark's export names, which vLLM's
@@ -55,6 +62,7 @@ from ..formats import (
     BLOCK_SCHEMES,
     FP8_E4M3_PER_TENSOR,
     NVFP4,
+    NVFP4_VARIANTS,
     BlockScheme,
     PerTensorScheme,
     get_activation_format,
@@ -64,11 +72,13 @@ from ..formats import (
 __all__ = [
     "MoEQuantScheme",
     "MOE_SCHEMES",
+    "NVFP4_VARIANT_SCHEMES",
     "OCP_MX_SCHEMES",
     "NVFP4_MOE",
     "W4A16_NVFP4",
     "get_moe_scheme",
     "get_weight_format",
+    "checkpoint_weight_format",
     "vllm_emulated_scheme",
     "FP8_PER_TENSOR",
     "SCHEME_ALIASES",
@@ -119,8 +129,8 @@ class MoEQuantScheme:
 
     @property
     def is_ocp_mx(self) -> bool:
-        """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4."""
-        return not self.weight.has_global_scale
+        """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4 and its variants."""
+        return self.weight.scale_is_power_of_two
 
 
 # Quark's short names in scheme names: ``mxfp8`` is the e4m3 MXFP8 format
@@ -159,6 +169,14 @@ NVFP4_MOE: MoEQuantScheme = MOE_SCHEMES[NVFP4.name]
 W4A16_NVFP4_NAME = "w4a16_nvfp4"
 MOE_SCHEMES[W4A16_NVFP4_NAME] = MoEQuantScheme(W4A16_NVFP4_NAME, NVFP4, None)
 W4A16_NVFP4: MoEQuantScheme = MOE_SCHEMES[W4A16_NVFP4_NAME]
+# NVFP4 variants ahead of hardware (``mxlib.formats.NVFP4_VARIANTS``), W4A4 in the variant: weights and both
+# activation points in the same format. Kept out of ``MOE_SCHEMES`` (the schemes checkpoints store and the
+# studies sweep); ``get_moe_scheme`` finds them; ``mxlib.moe.nvfp4_variants`` runs them.
+NVFP4_VARIANT_SCHEMES: dict[str, MoEQuantScheme] = {
+    name: MoEQuantScheme(name, fmt, fmt) for name, fmt in NVFP4_VARIANTS.items()
+}
+# Other tools' names of the NVFP4 variants: AutoRound's NVFP4 with UE5M3 block scales (intel/auto-round#2123)
+NVFP4_VARIANT_ALIASES: dict[str, str] = {"NVFP4_E5M3": "nvfp4_ue5m3", "nvfp4_e5m3": "nvfp4_ue5m3"}
 # Other tools' scheme names -> the canonical name (docs/api-mapping.md gives the sources).
 SCHEME_ALIASES: dict[str, str] = {
     # NVFP4 weights and activations, said the w_*_a_* way; vLLM's method name for ModelOpt NVFP4
@@ -245,6 +263,9 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     key = SCHEME_ALIASES.get(name, name)
     if key in MOE_SCHEMES:
         return MOE_SCHEMES[key]
+    key = NVFP4_VARIANT_ALIASES.get(key, key)
+    if key in NVFP4_VARIANT_SCHEMES:
+        return NVFP4_VARIANT_SCHEMES[key]
     if name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS:
         meaning = _FORMAT_NAME_MEANINGS.get(
             name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
@@ -263,8 +284,8 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     near = difflib.get_close_matches(name.casefold(), list(_CASEFOLDED), n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(_SPELLING[n]) for n in near)}? " if near else ""
     raise ValueError(
-        f"scheme: unknown MoE scheme {name!r}; {hint}supported: {list(MOE_SCHEMES)} "
-        f"(other tools' names: {list(SCHEME_ALIASES)})"
+        f"scheme: unknown MoE scheme {name!r}; {hint}supported: {list(MOE_SCHEMES)}, NVFP4 variants ahead of "
+        f"hardware {list(NVFP4_VARIANT_SCHEMES)} (other tools' names: {list(SCHEME_ALIASES)})"
     )
 
 
@@ -290,12 +311,29 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return scheme.weight
     if isinstance(scheme, BlockScheme):
         return scheme
-    if isinstance(scheme, str) and scheme in BLOCK_SCHEMES:
-        return BLOCK_SCHEMES[scheme]  # a tensor format names the weight format itself
+    if isinstance(scheme, str) and (scheme in BLOCK_SCHEMES or scheme in NVFP4_VARIANTS):
+        return get_block_scheme(scheme)  # a tensor format names the weight format itself
     try:
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
         return get_block_scheme(scheme)
+
+
+def checkpoint_weight_format(scheme: str | MoEQuantScheme | BlockScheme, where: str) -> BlockScheme:
+    """``get_weight_format`` for code that handles only the formats checkpoints store (``BLOCK_SCHEMES``): the
+    writer's layouts, the recovery techniques, ``EmulatedLinear``.
+
+    Raises:
+        ValueError: an NVFP4 variant ahead of hardware (``nvfp4_ue5m3``, ``nvfp4_b32``), naming ``where``; or as
+            ``get_weight_format``.
+    """
+    fmt = get_weight_format(scheme)
+    if fmt.name in NVFP4_VARIANTS:
+        raise ValueError(
+            f"scheme: {fmt.name} is an NVFP4 variant ahead of hardware; {where} takes the formats checkpoints store "
+            f"({list(BLOCK_SCHEMES)}); the variants run in mxlib.moe.nvfp4_variants only"
+        )
+    return fmt
 
 
 # What vLLM's emulation experts compute for a checkpoint of a scheme, where that is another scheme

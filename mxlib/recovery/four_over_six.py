@@ -38,7 +38,7 @@ from .. import reference as _ref
 from .._checks import GLOBAL_SCALE_MIN, check_float
 from ..formats import NVFP4
 from ..moe.emulation import ExpertWeights
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 
 __all__ = [
     "E4M3_MAX_FOUR_OVER_SIX",
@@ -212,7 +212,7 @@ def experts_nvfp4(
     """``ExpertWeights`` of one layer from an NVFP4 quantizer ``quantize(x [E, n, k], which) ->
     (packed, block_scale, global_scale [E])`` (``which``: 0 for w13, 1 for w2); gate and up share
     one global scale per expert (ModelOpt's ``weight_scale_2``, as round-to-nearest)."""
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "four_over_six")
     if not fmt.has_global_scale:
         raise ValueError(f"scheme: {technique} quantizes NVFP4 weights only, got {fmt.name}")
     p13, s13, g13 = quantize(w13, 0)

@@ -49,7 +49,7 @@ from .. import reference as _ref
 from ..formats import BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 
 __all__ = ["DAMP", "LAZY_BLOCK", "HessianSource", "gptq_quantize", "GPTQ"]
 
@@ -194,7 +194,7 @@ def gptq_quantize(
     Raises:
         ValueError: wrong shapes, non-finite values, a negative ``damp``, a non-positive ``lazy_block``.
     """
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "gptq")
     _check_options(damp, lazy_block)
     _check_args(w, hessian, "w")
     packed, bs, gs, failed = _gptq(w, hessian, fmt, damp, lazy_block)
@@ -239,7 +239,7 @@ class GPTQ:
     def quantize_experts(
         self, w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme, *, layer: int
     ) -> ExpertWeights:
-        fmt = get_weight_format(scheme)
+        fmt = checkpoint_weight_format(scheme, "gptq")
         h13, h2 = self.hessians.w13(layer), self.hessians.w2(layer)
         _check_args(w13, h13, "w13")
         _check_args(w2, h2, "w2")

@@ -28,7 +28,7 @@ from .. import reference as _ref
 from ..formats import E8M0_BIAS, NVFP4, BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 from .four_over_six import (
     CHUNK_BLOCKS,
     E4M3_MAX_FOUR_OVER_SIX,
@@ -158,7 +158,7 @@ def search_mx_scales(
     Raises:
         ValueError: an NVFP4 scheme, a negative radius, non-finite weights, a bad k.
     """
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "the scale search")
     if fmt.has_global_scale:
         raise ValueError(f"scheme: expected an OCP MX format, got {fmt.name} (use search_nvfp4_scales)")
     if not isinstance(radius, int) or radius < 0:
@@ -241,7 +241,7 @@ class MSEScaleSearch:
         self, w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme, *, layer: int, global_scale_kind="decode"
     ) -> ExpertWeights:
         weights = _importance(self.importance, layer, w13, w2)
-        fmt = get_weight_format(scheme)
+        fmt = checkpoint_weight_format(scheme, "the scale search")
         if fmt.has_global_scale:
 
             def quantize(x, which):
