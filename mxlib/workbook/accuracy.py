@@ -85,12 +85,15 @@ __all__ = [
     "training_summary",
 ]
 
-# bf16 exact match every task must reach on its held-out prompts (the trained model's bar)
-BF16_BAR = 0.95
+# The low end of the bf16 exact-match interval every task must reach on its held-out prompts (the trained model's
+# bar). Measured on the shipped default model, 400 prompts a task: lows 0.9525 (add) to 1.0 (reverse); the bar
+# leaves 0.05 (20 prompts) below the lowest.
+BF16_BAR = 0.9
 # The noise floor's stated bound: the largest |delta| a change that should not matter may cause,
 # per task (exact match: fraction of prompts; NLL: nats per answer token).
 NOISE_FLOOR_BOUND = {"exact_match": 0.01, "nll_per_token": 0.005}
-# the reciprocal-global-scale control collapses when every task's exact match falls below this
+# The reciprocal-global-scale control collapses when the high end of every task's exact-match interval falls below
+# this. Measured on the shipped default model (100 prompts a task): highs 0.0 (add, sort, reverse) and 0.17 (count).
 COLLAPSE_BAR = 0.5
 # routing differs from uniform when its KL interval's low end exceeds this quantile of uniform routing's KL
 ROUTING_NULL_QUANTILE = 0.999
