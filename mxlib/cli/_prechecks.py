@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models import untrusted
-from ..models.atomic_write import is_mxlib_checkpoint
+from ..models.atomic_write import describe_destination, is_mxlib_checkpoint
 from ..models.presets import preset_context, preset_layers
 
 __all__ = ["precheck"]
@@ -74,8 +74,8 @@ def _dummy_from_config(args) -> None:
         out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
     ):  # the writer's rule (atomic_write.atomic_folder)
         raise ValueError(
-            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
-            f"or empty folder, or an mxlib checkpoint to replace"
+            f"out_dir: {args.out_dir!r} is {describe_destination(out)}; expected an absent or empty folder, or an "
+            f"mxlib checkpoint to replace"
         )
     parent = next((q for q in out.parents if q.exists()), None)
     if parent is not None and not parent.is_dir():
