@@ -194,8 +194,8 @@ class ElementFormat:
         bits = k * self.nbits
         if bits % 8:
             raise ValueError(
-                f"{self.name}: {what}={k} elements of {self.nbits} bits do not fill whole bytes; {what} must be a "
-                f"multiple of {8 // math.gcd(8, self.nbits)}"
+                f"{self.name}: {what}={k} elements do not fill whole bytes; {what} must be a multiple of "
+                f"{8 // math.gcd(8, self.nbits)} ({self.nbits}-bit elements)"
             )
         return bits // 8
 

@@ -29,7 +29,7 @@ def test_a_block_size_that_does_not_pack_is_named_as_block_size(impl, element, k
     with pytest.raises(ValueError) as err:
         impl(x, element, 2)
     assert str(err.value) == (
-        f"{element}: block_size=2 elements of 6 bits do not fill whole bytes; block_size must be a multiple of 4"
+        f"{element}: block_size=2 elements do not fill whole bytes; block_size must be a multiple of 4 (6-bit elements)"
     )
 
 
@@ -39,7 +39,7 @@ def test_a_k_that_does_not_pack_is_named_as_k(element, k, multiple):
     with pytest.raises(ValueError) as err:
         R.pack_codes(torch.zeros(2, k, dtype=torch.uint8), element)
     assert str(err.value) == (
-        f"{element}: k={k} elements of {bits} bits do not fill whole bytes; k must be a multiple of {multiple}"
+        f"{element}: k={k} elements do not fill whole bytes; k must be a multiple of {multiple} ({bits}-bit elements)"
     )
 
 
