@@ -34,7 +34,7 @@ from ..analysis import compare_logits, compare_tensors
 from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
-from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from ..models.checkpoints.safetensors_io import WRITER_VERSION, SafetensorsHeaders, is_mxlib_checkpoint
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
 from ..models.parameters import check_parameters
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
@@ -616,19 +616,12 @@ def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
 def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0) -> list[dict]:
     """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers); for a
     layout storing whole layers (gpt-oss's ``gate_up_proj_blocks [E, ...]``) the layer's expert tensors."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    headers = SafetensorsHeaders(Path(path))  # the loader's header reader: every shard read once, as one checkpoint
+    headers.close()
     prefix, layer_prefix = f"model.layers.{layer}.mlp.experts.{expert}.", f"model.layers.{layer}.mlp.experts."
-    names = [n for n in index if n.startswith(prefix)]
-    names = names or [n for n in index if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
-    rows = []
-    for name in sorted(names):
-        with safe_open(str(path / index[name]), "pt") as f:
-            sl = f.get_slice(name)
-            rows.append({"tensor": name, "dtype": sl.get_dtype(), "shape": str(list(sl.get_shape()))})
-    return rows
+    names = [n for n in headers.where if n.startswith(prefix)]
+    names = names or [n for n in headers.where if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
+    return [{"tensor": n, "dtype": headers.dtype[n], "shape": str(list(headers.shape[n]))} for n in sorted(names)]
 
 
 def save_results(results: dict, path: str | os.PathLike) -> None:
