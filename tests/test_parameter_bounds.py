@@ -8,6 +8,8 @@ failure: nothing may be built or run) and the notebooks' checks (``steps.check_e
 ``recovery.check_recovery_parameters``).
 """
 
+from pathlib import Path
+
 import pytest
 
 from mxlib import cli
@@ -219,3 +221,37 @@ def test_notebook_07_recovery_parameters(name, entry, side):
     _refuses(
         lambda: RC.check_recovery_parameters(recipe="test", dummy_preset="qwen3-30b-a3b", **kw), name, value, bound
     )
+
+
+@pytest.mark.parametrize("alias", sorted(PARAMETER_ALIASES))
+def test_every_alias_is_checked_by_its_entry_and_named_as_itself(alias):
+    entry = PARAMETER_ALIASES[alias]
+    for value, bound in _outside(entry):
+        _refuses(lambda: W.check_parameters(PRESET, **{alias: value}), alias, value, bound)
+
+
+def _notebook_checks(path):
+    """``(bounded parameters of the notebook's parameters cell, identifiers passed to check_* calls in the first
+    code cell after it)``."""
+    import json
+    import re
+
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    at = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
+    params = {m[1] for m in re.finditer(r"^(\w+) = ", "".join(cells[at]["source"]), re.M)}
+    bounded = {p for p in params if p in PARAMETER_BOUNDS or p in PARAMETER_ALIASES}
+    checked = set()
+    for call in re.finditer(r"check_\w+\((.*?)\)\s*(?:#|$)", "".join(cells[at + 1]["source"]), re.S | re.M):
+        checked |= set(re.findall(r"\w+", call[1]))
+    return bounded, checked
+
+
+NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_bounded_notebook_parameter_is_checked_right_after_the_parameters(path):
+    bounded, checked = _notebook_checks(path)
+    if path.stem.startswith(("00", "02")):  # no model: their sizes are example tensors' (no table entry)
+        bounded -= {"seed"}
+    assert bounded <= checked, f"{path.stem}: {sorted(bounded - checked)} not checked after the parameters cell"

@@ -93,6 +93,12 @@ PARAMETER_ALIASES: dict[str, str] = {
     "dummy_tokens": "num_tokens",
     "dummy_calib_tokens": "calib_tokens",
     "dummy_experts": "num_experts",
+    "check_tokens": "num_tokens",
+    "hw_layers": "num_hidden_layers",
+    "hw_tokens": "num_tokens",
+    "hw_calib_tokens": "calib_tokens",
+    "attribution_dummy_layers": "num_hidden_layers",
+    "attribution_dummy_tokens": "num_tokens",
 }
 
 
