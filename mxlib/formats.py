@@ -197,13 +197,19 @@ class ElementFormat:
         """Packed elements per byte: 2 for FP4, 4/3 for FP6, 1 for FP8."""
         return Fraction(8, self.nbits)
 
-    def packed_size(self, k: int) -> int:
-        """Bytes that ``k`` packed elements take (``k`` must fill whole bytes)."""
+    def packed_size(self, k: int, what: str = "k") -> int:
+        """Bytes that ``k`` packed elements take (``k`` must fill whole bytes).
+
+        ``what``: the argument ``k`` is, for the message (``block_size`` where a block must pack alone).
+
+        Raises:
+            ValueError: ``k`` elements do not fill whole bytes, naming ``what``, its value and the multiple needed.
+        """
         bits = k * self.nbits
         if bits % 8:
             raise ValueError(
-                f"{self.name}: k={k} elements do not fill whole bytes; k must be a multiple of "
-                f"{8 // math.gcd(8, self.nbits)}"
+                f"{self.name}: {what}={k} elements do not fill whole bytes; {what} must be a multiple of "
+                f"{8 // math.gcd(8, self.nbits)} ({self.nbits}-bit elements)"
             )
         return bits // 8
 

@@ -484,7 +484,7 @@ def quantize_mx(
     check_storage_dtype(scale_dtype, E8M0_DTYPES, "scale_dtype")
     _check_float(x, "x")
     _check_block(x.shape[-1], block_size, "x")
-    fmt.packed_size(block_size)
+    fmt.packed_size(block_size, "block_size")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k)
     packed = torch.empty(x2.shape[0], fmt.packed_size(k), dtype=torch.uint8, device=x.device)

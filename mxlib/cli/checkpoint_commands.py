@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.atomic_write import describe_destination
 from ..models.checkpoints import (
     CheckpointError,
     dummy_checkpoint_from_config,
@@ -104,8 +105,8 @@ def check_dummy_from_config(args) -> None:
         out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
     ):  # the writer's rule (safetensors_io.atomic_folder), checked before the model is built
         raise ValueError(
-            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
-            f"or empty folder, or an mxlib checkpoint to replace"
+            f"out_dir: {args.out_dir!r} is {describe_destination(out)}; expected an absent or empty folder, or an "
+            f"mxlib checkpoint to replace"
         )
     names = {"scheme": "--scheme", "layout": "--layout"}
     try:

@@ -369,7 +369,7 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
     get_scale_mode(scale_mode)
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
-    fmt.packed_size(block_size)
+    fmt.packed_size(block_size, "block_size")
     x2 = _rows(x)
     r, k = x2.shape
     packed = torch.empty((r, fmt.packed_size(k)), dtype=torch.uint8, device=x.device)

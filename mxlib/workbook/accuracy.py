@@ -53,7 +53,7 @@ from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme
 from .accuracy_figures import amax_figure, interval_figure, usage_figure
 from .probes import swapped_nibbles
-from .steps import check_backend, check_positive_int, check_schemes, default_cache_dir, prepare_checkpoint
+from .steps import check_backend, check_parameters, check_schemes, default_cache_dir, prepare_checkpoint
 from .studies import unification_study
 
 __all__ = [
@@ -144,8 +144,8 @@ def check_accuracy_parameters(
 
     Raises:
         ValueError: an unknown recipe preset, task, scheme or strategy; a task the recipe does not
-            train; a size or ``resamples`` that is not a positive int; ``seed`` not an int; an
-            unknown backend. The message names the parameter.
+            train; a prompt count, ``resamples`` or ``seed`` outside its bounds (``steps.check_parameters``:
+            ``mxlib.models.parameters.PARAMETER_BOUNDS``); an unknown backend. The message names the parameter.
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {list(RECIPES)}, got {recipe!r}")
@@ -164,10 +164,7 @@ def check_accuracy_parameters(
     bad = [s for s in strategies if s not in ACTIVATION_SCALE_STRATEGIES]
     if bad:
         raise ValueError(f"strategies: {bad} unknown; expected names of {list(ACTIVATION_SCALE_STRATEGIES)}")
-    for name, v in (("eval_prompts", eval_prompts), ("calib_prompts", calib_prompts), ("resamples", resamples)):
-        check_positive_int(v, name)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed: expected an int, got {seed!r}")
+    check_parameters(eval_prompts=eval_prompts, calib_prompts=calib_prompts, resamples=resamples, seed=seed)
     return AccuracyParameters(
         recipe,
         r,

@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from queue import Empty
 
+from ..models.atomic_write import describe_destination
 from ..models.presets import MODEL_PRESETS
 
 # the notebook stack, imported when a notebook runs (``pm`` and the others below), so that the options are
@@ -296,7 +297,9 @@ def _check_options(args) -> Path:
         raise _OptionError(f"--model-preset: expected one of {list(MODEL_PRESETS)}, got {args.model_preset!r}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise _OptionError(f"--out: expected a folder (created if absent), got {args.out!r} (a file)")
+        raise _OptionError(
+            f"--out: expected a folder (created if absent), got {args.out!r} ({describe_destination(out)})"
+        )
     above = next((q for q in out.parents if q.exists()), None)
     if above is not None and not above.is_dir():
         raise _OptionError(

@@ -23,7 +23,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -36,8 +35,9 @@ from ..analysis import compare_logits, compare_tensors
 from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
-from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from ..models.checkpoints.safetensors_io import WRITER_VERSION, SafetensorsHeaders, is_mxlib_checkpoint
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
+from ..models.parameters import check_parameters
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
 from ..moe.emulation import QuantizedExperts
@@ -48,6 +48,7 @@ __all__ = [
     "check_e2e_parameters",
     "check_schemes",
     "check_positive_int",
+    "check_parameters",
     "check_device",
     "check_backend",
     "prepare_results_path",
@@ -199,17 +200,15 @@ def check_e2e_parameters(
         raise ValueError(f"{_name(names, 'model_preset')}: expected one of {presets}, got {model_preset!r}")
     if model_preset in GPT_OSS_PRESETS and gpt_oss_layout_for(s)[0] is None:  # the reason: no layout stores it
         raise ValueError(f"{_name(names, 'scheme')}: {s.name} is skipped for gpt-oss: {gpt_oss_layout_for(s)[1]}")
-    for param, value in (
-        ("num_hidden_layers", num_hidden_layers),
-        ("num_tokens", num_tokens),
-        ("calib_tokens", calib_tokens),
-        ("repeats", repeats),
-    ):
-        check_positive_int(value, param, names)
-    if repeats > 10:
-        raise ValueError(f"{_name(names, 'repeats')}: expected an integer from 1 to 10, got {repeats!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
+    check_parameters(
+        model_preset,
+        names,
+        num_hidden_layers=num_hidden_layers,
+        num_tokens=num_tokens,
+        calib_tokens=calib_tokens,
+        repeats=repeats,
+        seed=seed,
+    )
     return E2EParameters(
         scheme=s,
         model_preset=model_preset,
@@ -438,9 +437,8 @@ def dummy_model(
 ):
     """The seeded bf16 dummy model of ``model_preset`` (``overrides`` win over its sizes): Qwen3-30B-A3B
     (``qwen3.dummy_qwen3_moe``, ``MODEL_PRESETS``) or gpt-oss-20b (``gpt_oss.dummy_gpt_oss``, ``GPT_OSS_PRESETS``)."""
-    check_positive_int(num_hidden_layers, "num_hidden_layers")
-    if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
-        raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
+    preset = model_preset if model_preset in (*MODEL_PRESETS, *GPT_OSS_PRESETS) else None
+    check_parameters(preset, num_hidden_layers=num_hidden_layers, seed=seed, expert_spread=expert_spread)
     if model_preset in GPT_OSS_PRESETS:  # a dummy gpt-oss-20b (mxlib.models.gpt_oss), GPT_OSS_PRESETS sizes
         cfg = gpt_oss_20b_config(num_hidden_layers, **{**GPT_OSS_PRESETS[model_preset], **overrides})
     else:
@@ -613,10 +611,10 @@ def prepare_checkpoint(
     resolved here once). ``progress``: tqdm bars on stderr for calibrating and writing.
 
     Raises:
-        ValueError: ``calib_tokens`` not a positive integer, or an unknown scheme.
+        ValueError: ``calib_tokens`` or ``seed`` outside its bounds (``check_parameters``), or an unknown scheme.
     """
     s = get_moe_scheme(scheme)
-    check_positive_int(calib_tokens, "calib_tokens")
+    check_parameters(calib_tokens=calib_tokens, seed=seed)
     layers = len(model.model.layers)
     key = checkpoint_cache_key(s, model, seed, calib_tokens, calibration)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -679,7 +677,7 @@ def calibrate_model(
 ) -> Calibration:
     """Calibration over ``calib_tokens`` seeded token ids in sequences of 256 (seed ``seed + 1000``);
     ``progress``: a tqdm bar on stderr (``mxlib.models.calibration.calibrate``)."""
-    check_positive_int(calib_tokens, "calib_tokens")
+    check_parameters(calib_tokens=calib_tokens, seed=seed)
     seq = min(256, calib_tokens)
     ids = random_token_ids(seq, seed + 1000, model.config.vocab_size, batch=max(1, calib_tokens // seq))
     return calibrate(model, ids, keep_activations=keep_activations, progress=progress)
@@ -731,19 +729,12 @@ def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
 def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0) -> list[dict]:
     """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers); for a
     layout storing whole layers (gpt-oss's ``gate_up_proj_blocks [E, ...]``) the layer's expert tensors."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    headers = SafetensorsHeaders(Path(path))  # the loader's header reader: every shard read once, as one checkpoint
+    headers.close()
     prefix, layer_prefix = f"model.layers.{layer}.mlp.experts.{expert}.", f"model.layers.{layer}.mlp.experts."
-    names = [n for n in index if n.startswith(prefix)]
-    names = names or [n for n in index if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
-    rows = []
-    for name in sorted(names):
-        with safe_open(str(path / index[name]), "pt") as f:
-            sl = f.get_slice(name)
-            rows.append({"tensor": name, "dtype": sl.get_dtype(), "shape": str(list(sl.get_shape()))})
-    return rows
+    names = [n for n in headers.where if n.startswith(prefix)]
+    names = names or [n for n in headers.where if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
+    return [{"tensor": n, "dtype": headers.dtype[n], "shape": str(list(headers.shape[n]))} for n in sorted(names)]
 
 
 def save_results(results: dict, path: str | os.PathLike) -> None:

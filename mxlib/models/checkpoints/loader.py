@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from ...recovery.hadamard import rotation_from_config
 from ..families import MoEFamily, check_supported_checkpoint
 from ..moe_models import empty_moe_model, expert_activation, swap_experts
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
+from .headers import UnusedTensorsWarning, describe_unused, folder_identity
 from .layout import (
     LAYOUTS,
     PROJS,
@@ -176,6 +178,12 @@ def load_quantized_moe(
     keeps them so: DeepSeek-V3's router weight and ``e_score_correction_bias``); only the routed
     experts of the MoE layers (``MoEFamily.moe_layer_indices``) become emulation experts.
 
+    Every tensor of the checkpoint is used, or named: tensors the config does not account for (an expert
+    index past ``num_experts``, a layer past ``num_hidden_layers``, a suffix the layout does not read, a
+    tensor a shard stores that the index leaves out) are not loaded, and an ``UnusedTensorsWarning`` names them
+    (layers cut off by a ``num_hidden_layers`` override excepted). The files are read as one checkpoint even
+    while the folder is replaced (``SafetensorsHeaders``): the old model, or a ``CheckpointError``.
+
     Every size of ``config.json`` is checked against the safetensors headers before any tensor is
     allocated (``bounds.check_model_config``): a config naming more layers, a larger hidden size or
     more experts than the files hold is refused in milliseconds, naming the field. With
@@ -196,6 +204,7 @@ def load_quantized_moe(
             f"activation_dtype: expected one of {[str(d) for d in ACTIVATION_DTYPES]}, got {activation_dtype!r}"
         )
     folder = Path(path)
+    since = folder_identity(folder)  # every file read below must come from this folder (SafetensorsHeaders)
     family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
     info = read_quant_config(folder)
     check_scale_strategy(scale_strategy, info.scheme)
@@ -209,9 +218,10 @@ def load_quantized_moe(
             raise CheckpointError(f"num_hidden_layers={num_hidden_layers} exceeds the checkpoint's {ckpt_layers}")
         cfg_dict["num_hidden_layers"] = num_hidden_layers
     # every size of the config against the files, before anything is allocated (bounds.py)
-    headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
-    config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False, family=family)
+    headers = SafetensorsHeaders(folder, since=since).as_module_names(family.module_name)
     source = read_checkpoint_source(folder, info, headers)  # the other config files, read before the build
+    headers.check_unchanged("its config files")  # every file read so far from the folder whose shards are open
+    config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False, family=family)
     logger.info(
         "loading %s (%s layout, scheme %s, %d layers) on %s",
         folder,
@@ -323,6 +333,16 @@ def load_quantized_moe(
         parent, _, child = module.rpartition(".")
         setattr(modules[parent], child, em)
     tensors.close()
+    # every tensor of the checkpoint is read, or named here (an expert, a layer, a suffix the config does not
+    # account for); layers cut off by a num_hidden_layers override are skipped on purpose
+    unused = headers.unused(skipped_layers=range(config.num_hidden_layers, ckpt_layers))
+    if unused:
+        warnings.warn(
+            f"{folder}: {len(unused)} tensors of the checkpoint are not used by the model its config describes "
+            f"and were not loaded: {describe_unused(unused)}",
+            UnusedTensorsWarning,
+            stacklevel=2,
+        )
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
     _attach(model, source)
     model.mxlib_info = info
