@@ -312,13 +312,12 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     else:
         table = torch.tensor(bounds, dtype=torch.float32, device=a.device)
         mag = torch.bucketize(a, table, right=False).to(torch.uint8)
-    nan = torch.isnan(a)
-    if nan.any():
-        if fmt.has_nan_code:
-            mag = torch.where(nan, fmt.nan_code, mag)
-        else:  # +0, whatever the sign
-            mag = torch.where(nan, 0, mag)
-            x = torch.where(nan, 0.0, x)
+    nan = torch.isnan(a)  # (no branch on whether any is NaN: the function traces into one graph)
+    if fmt.has_nan_code:
+        mag = torch.where(nan, fmt.nan_code, mag)
+    else:  # +0, whatever the sign
+        mag = torch.where(nan, 0, mag)
+        x = torch.where(nan, 0.0, x)
     if not fmt.signed:
         return mag
     return mag.add_(torch.signbit(x), alpha=1 << (fmt.ebits + fmt.mbits))
@@ -1054,9 +1053,9 @@ def nvfp4_variant_global_scale(x: torch.Tensor, scheme, two_level: bool | None =
     s = _nvfp4_variant(scheme)
     if not (s.has_global_scale if two_level is None else two_level):
         return None
-    x3 = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])
+    x3 = x if x.ndim == 3 else x.reshape(1, math.prod(x.shape[:-1]), x.shape[-1])  # an empty x too
     num = x3.shape[0]
-    a = x3.detach().float().abs().reshape(num, -1)
+    a = x3.detach().float().abs().reshape(num, x3.shape[1] * x3.shape[2])
     amax = torch.where(torch.isfinite(a), a, 0.0).amax(dim=-1) if a.shape[1] else a.new_zeros(num)
     div = torch.tensor(s.element.max * s.scale.element.max, dtype=torch.float32, device=x.device)
     g = torch.where(amax > 0, (amax / div).clamp(GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX), torch.ones_like(amax))

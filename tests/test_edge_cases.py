@@ -339,6 +339,25 @@ EMPTY_CASES = {
         (lambda m: m.quant_dequant_fp8_per_tensor(_z(0, 8), 1.0), [((0, 8), F32)]),
         (lambda m: m.quant_dequant_fp8_per_tensor(_z(3, 0, dtype=torch.bfloat16), 1.0), [((3, 0), torch.bfloat16)]),
     ],
+    "quantize_nvfp4_variant": [
+        (lambda m: m.quantize_nvfp4_variant(_z(0, 32), "nvfp4_b32"), [((0, 16), U8), ((0, 1), U8), ((), F32)]),
+        (lambda m: m.quantize_nvfp4_variant(_z(3, 0), "nvfp4_b32"), [((3, 0), U8), ((3, 0), U8), ((), F32)]),
+    ],
+    "dequantize_nvfp4_variant": [
+        (
+            lambda m: m.dequantize_nvfp4_variant(
+                torch.zeros(0, 16, dtype=U8), torch.zeros(0, 2, dtype=U8), "nvfp4_ue5m3", dtype=F32
+            ),
+            [((0, 32), F32)],
+        ),
+    ],
+    "quant_dequant_nvfp4_variant": [
+        (lambda m: m.quant_dequant_nvfp4_variant(_z(0, 32), "nvfp4_ue5m3"), [((0, 32), F32)]),
+        (lambda m: m.quant_dequant_nvfp4_variant(_z(3, 0), "nvfp4_b32"), [((3, 0), F32)]),
+    ],
+    "nvfp4_variant_global_scale": [
+        (lambda m: m.nvfp4_variant_global_scale(_z(0, 32), "nvfp4_b32"), [((), F32)]),
+    ],
     "quant_dequant": [
         (lambda m: m.quant_dequant(_z(0, 32), "nvfp4"), [((0, 32), F32)]),
         (lambda m: m.quant_dequant(_z(3, 0), "nvfp4"), [((3, 0), F32)]),

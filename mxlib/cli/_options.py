@@ -63,6 +63,11 @@ SCHEME_ALIASES = (
     "NVFP4A16",
     "nvfp4_w4a16",
     "w_nvfp4",
+    "NVFP4",
+    "MXFP4A16",
+    "MXFP4",
+    "MXFP8A16",
+    "MXFP8",
 )
 STRATEGIES = ("max", "per_expert", "mean", "median", "p90", "p75", "p50")
 BACKENDS = ("auto", "triton", "fused", "torch")

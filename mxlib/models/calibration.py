@@ -273,7 +273,10 @@ def calibrate(
     originals = [getattr(mlp, attr) for mlp in layers]
     num_experts = family.num_experts(model.config)
     count = num_calibration_batches(token_ids, batch_size)
-    logger.info("calibrating %d MoE layers on %s batches", len(layers), count if count is not None else "the")
+    if isinstance(token_ids, torch.Tensor):
+        logger.info("calibrating %d MoE layers on %d token ids", len(layers), token_ids.numel())
+    else:
+        logger.info("calibrating %d MoE layers on %s batches", len(layers), count if count is not None else "the")
     total = None if count is None else count * len(layers)
     bar = tqdm(total=total, desc="calibrating", unit="layer", disable=not progress)
     recorders = []
