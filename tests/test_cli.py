@@ -31,7 +31,7 @@ from mxlib.workbook import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
-COMMANDS = ["e2e", "compare", "unify", "routing", "inspect", "dummy-from-config", "workbook"]
+COMMANDS = ["e2e", "compare", "unify", "routing", "inspect", "dummy-from-config", "quantize", "workbook"]
 MODEL_COMMANDS = ["e2e", "compare", "unify", "routing", "dummy-from-config"]
 
 

@@ -26,7 +26,7 @@ from ..moe.reference_moe import torch_moe
 from .families import check_supported_model, family_of
 from .moe_models import expert_activation, expert_biases, expert_weights, moe_blocks
 
-__all__ = ["LayerCalibration", "Calibration", "calibrate"]
+__all__ = ["LayerCalibration", "Calibration", "calibrate", "recording_experts"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,28 @@ class _RecordingExperts(torch.nn.Module):
             self.bar.update()
         return out
 
+    def statistics(self) -> LayerCalibration:
+        """What this twin recorded, as ``calibrate`` returns it for its layer."""
+        kept = {k: (torch.cat(v) if v else None) for k, v in self.kept.items()}
+        return LayerCalibration(self.a1_amax, self.a2_amax, self.tokens, **kept)
+
+
+def recording_experts(model, layer: int, keep_activations: bool = False, bar=None) -> torch.nn.Module:
+    """The recording twin ``calibrate`` swaps in for decoder layer ``layer``'s experts: it runs the reference
+    MoE on the layer's bf16 experts (``expert_weights``, with the family's activation and expert biases) and
+    records per-expert a1 / a2 amax and token counts; ``.statistics()`` gives its ``LayerCalibration``.
+    Swapping it in and out is the caller's (``setattr(block, family.experts_attr, twin)``); the streaming
+    quantizer (``mxlib.models.checkpoints.streaming``) calibrates one loaded layer at a time with it.
+
+    Raises:
+        ValueError: ``layer`` is not an MoE layer.
+        UnsupportedModelError: a model of a family mxlib does not quantize.
+    """
+    family = family_of(model, "recording_experts")
+    w13, w2 = expert_weights(model, layer)
+    act, biases = expert_activation(model), expert_biases(model, layer)  # gpt-oss: SWIGLUOAI and biases
+    return _RecordingExperts(w13, w2, family.num_experts(model.config), keep_activations, bar, act, biases)
+
 
 @torch.no_grad()
 def calibrate(
@@ -160,15 +182,12 @@ def calibrate(
     layers = [mlp for _, mlp in blocks]
     attr = family.experts_attr
     originals = [getattr(mlp, attr) for mlp in layers]
-    num_experts = family.num_experts(model.config)
     batches = range(0, token_ids.shape[0], batch_size)
     logger.info("calibrating %d MoE layers on %d token ids %s", len(layers), token_ids.numel(), list(token_ids.shape))
     bar = tqdm(total=len(batches) * len(layers), desc="calibrating", unit="layer", disable=not progress)
     recorders = []
     for i, mlp in blocks:
-        w13, w2 = expert_weights(model, i)
-        act, biases = expert_activation(model), expert_biases(model, i)  # gpt-oss: SWIGLUOAI and biases
-        rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar, act, biases)
+        rec = recording_experts(model, i, keep_activations, bar)
         recorders.append(rec)
         setattr(mlp, attr, rec)
     try:
@@ -183,7 +202,5 @@ def calibrate(
     out = Calibration(
         num_tokens=token_ids.numel(), layer_indices=None if indices == list(range(len(indices))) else indices
     )
-    for rec in recorders:
-        kept = {k: (torch.cat(v) if v else None) for k, v in rec.kept.items()}
-        out.layers.append(LayerCalibration(rec.a1_amax, rec.a2_amax, rec.tokens, **kept))
+    out.layers.extend(rec.statistics() for rec in recorders)
     return out
