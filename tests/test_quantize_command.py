@@ -13,6 +13,9 @@ expert intermediate 768) and measures the command's peak resident memory in a se
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +187,208 @@ def _umask() -> int:
     m = os.umask(0o022)
     os.umask(m)
     return m
+
+
+# ----------------------------------------------------------------------------- every layout (Qwen3-MoE)
+
+# (scheme, layout, technique): every layout the Qwen3-MoE family is written in (gpt-oss's own above), each
+# with calibration text, which the static-activation-scale schemes use and the others ignore
+LAYOUT_WRITES = [
+    ("w4a16_nvfp4", "modelopt", "rtn"),
+    ("nvfp4", "modelopt", "four_over_six"),
+    ("w_mxfp4_a_mxfp4", "quark", "rtn"),
+    ("w_mxfp6_e2m3_a_fp8", "quark", "mse"),
+    ("nvfp4", "compressed-tensors", "rtn"),
+    ("w_mxfp4_a_mxfp4", "compressed-tensors-mxfp4", "rtn"),
+    ("w_mxfp8_a_mxfp8", "modelopt-mxfp8", "rtn"),
+    ("w_mxfp8", "compressed-tensors-mxfp8", "rtn"),
+]
+
+
+@pytest.mark.parametrize("scheme, layout, technique", LAYOUT_WRITES)
+def test_every_layout_equals_the_in_memory_writer(scheme, layout, technique, sources, tmp_path):
+    """Per layout (and a technique): the command's tensors and quantization config are the in-memory writer's,
+    and the output loads to the same logits as the in-memory writer's checkpoint (bit for bit)."""
+    model, src = sources["Qwen3MoeForCausalLM"]
+    text = tmp_path / "calib.txt"
+    text.write_text(calibration_text(40, seed=3))
+    dst = tmp_path / "q"
+    argv = ["quantize", str(src), str(dst), "--scheme", scheme, "--layout", layout, "--technique", technique]
+    assert cli_main([*argv, "--calibration", str(text), "--calib-seq-len", "16"]) == 0
+    ids = calibration_token_ids(src, text.read_text(), seq_len=16)
+    assert list(ids.shape) == [2, 16]  # 40 tokens: two whole sequences, the last 8 left out
+    cal = calibrate(model, ids, batch_size=len(ids))
+    tech = None if technique == "rtn" else technique
+    want = write_quantized_checkpoint(model, scheme, tmp_path / "want", cal, layout=layout, technique=tech)
+    assert_same_tensors(dst, want)
+    qc = [json.loads((p / "config.json").read_text())["quantization_config"] for p in (dst, want)]
+    assert qc[0] == qc[1]
+    eval_ids = torch.arange(3, 19)[None]
+    got = logits(load_quantized_moe(dst, backend="torch")[0], eval_ids)
+    assert torch.equal(got, logits(load_quantized_moe(want, backend="torch")[0], eval_ids))
+    if layout == "modelopt" and technique == "rtn":  # and the in-memory emulation itself, without any checkpoint
+        assert torch.equal(got, emulated_logits(model, scheme, None, eval_ids))
+
+
+def test_without_calibration_and_overwrite(sources, tmp_path):
+    """A dynamic-activation scheme needs no calibration; --overwrite replaces an existing folder atomically,
+    and the summary says what was written where."""
+    model, src = sources["MixtralForCausalLM"]
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("mine")
+    argv = ["quantize", str(src), str(dst), "--scheme", "w_mxfp4_a_mxfp4", "--json", str(tmp_path / "r.json")]
+    assert cli_main([*argv, "--overwrite"]) == 0
+    assert not (dst / "notes.txt").exists()
+    want = write_quantized_checkpoint(model, "w_mxfp4_a_mxfp4", tmp_path / "want")
+    assert_same_tensors(dst, want)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["layout"] == "quark" and result["calibration_tokens"] == 0 and result["path"] == str(dst)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "r.json", "want"]  # no temporary left
+
+
+def test_the_summary_is_readable(sources, tmp_path, capsys):
+    _, src = sources["OlmoeForCausalLM"]
+    text = tmp_path / "c.txt"
+    text.write_text(calibration_text(20))
+    assert cli_main(["quantize", str(src), str(tmp_path / "q"), "--scheme", "nvfp4", "--calibration", str(text)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("[quantize] OlmoeForCausalLM, 2 layers (2 MoE, 4 experts each): scheme nvfp4, layout ")
+    assert "calibrated on 20 tokens (1 x 20)" in out[0]
+    assert out[1].startswith("read ") and out[1].endswith(f"to {tmp_path / 'q'}") and "{" not in "".join(out)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _refused(argv, capsys) -> str:
+    """The command's one-line error (exit code 2)."""
+    capsys.readouterr()  # what came before (transformers' progress bars)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mxlib quantize: error: "), err
+    return err
+
+
+def _nothing_written(parent: Path, name: str) -> None:
+    assert not (parent / name).exists()
+    assert not list(parent.glob(f".{name}.tmp-*")), "a temporary was left"
+
+
+def test_bad_sources_are_refused(sources, tmp_path, capsys):
+    _, src = sources["Qwen3MoeForCausalLM"]
+    dst = tmp_path / "q"
+    base = ["--scheme", "w_mxfp4"]
+    assert "src: " in _refused(["quantize", str(tmp_path / "absent"), str(dst), *base], capsys)
+    assert "does not exist" in _refused(["quantize", str(tmp_path / "absent"), str(dst), *base], capsys)
+    (tmp_path / "file").write_text("x")
+    assert "is not a folder" in _refused(["quantize", str(tmp_path / "file"), str(dst), *base], capsys)
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in _refused(["quantize", str(tmp_path / "empty"), str(dst), *base], capsys)
+    # an fp32 checkpoint: refused, naming the tensor and the dtype
+    f32 = tmp_path / "f32"
+    dummy_moe_model(tiny_config("Qwen3MoeForCausalLM"), seed=0, dtype=torch.float32).save_pretrained(f32)
+    err = _refused(["quantize", str(f32), str(dst), *base], capsys)
+    assert "src: " in err and "experts.0.gate_proj.weight" in err
+    assert "expected dtype torch.bfloat16, found torch.float32" in err
+    # a quantized checkpoint
+    q = write_quantized_checkpoint(sources["Qwen3MoeForCausalLM"][0], "w_mxfp4", tmp_path / "quantized")
+    assert "quantized already" in _refused(["quantize", str(q), str(dst), *base], capsys)
+    # a missing shard
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in src.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    next(broken.glob("model-0000[2-9]-*.safetensors")).unlink()
+    assert "src: " in _refused(["quantize", str(broken), str(dst), *base], capsys)
+    _nothing_written(tmp_path, "q")
+
+
+def test_an_unsupported_family_is_refused_at_once(tmp_path):
+    """A folder of another class: refused before torch is imported, naming the class (a fresh process)."""
+    src = tmp_path / "llama"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    argv = [sys.executable, "-m", "mxlib", "quantize", str(src), str(tmp_path / "q"), "--scheme", "nvfp4"]
+    t0 = time.perf_counter()
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    seconds = time.perf_counter() - t0
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "LlamaForCausalLM" in out.stderr and "Qwen3MoeForCausalLM" in out.stderr
+    assert seconds < 1.0, seconds
+    _nothing_written(tmp_path, "q")
+
+
+def test_bad_options_are_refused(sources, tmp_path, capsys):
+    _, src = sources["Qwen3MoeForCausalLM"]
+    dst = tmp_path / "q"
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "nvfp5"], capsys)
+    assert "invalid choice: 'nvfp5'" in err and "nvfp4" in err and "w_mxfp4" in err
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "nvfp4", "--layout", "gguf"], capsys)
+    assert "invalid choice: 'gguf'" in err and "modelopt" in err and "compressed-tensors" in err
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "nvfp4", "--layout", "quark"], capsys)
+    assert "--layout: quark does not store scheme nvfp4" in err and "modelopt" in err
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "nvfp4"], capsys)
+    assert "--calibration: scheme nvfp4 stores static activation scales" in err
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "w_mxfp4", "--technique", "gptq"], capsys)
+    assert "--technique: gptq needs every expert's Hessian" in err
+    for content in ("", "  \n\t\n"):
+        (tmp_path / "calib.txt").write_text(content)
+        argv = ["quantize", str(src), str(dst), "--scheme", "nvfp4", "--calibration", str(tmp_path / "calib.txt")]
+        assert "--calibration: " in _refused(argv, capsys) and "is empty" in _refused(argv, capsys)
+    argv = ["quantize", str(src), str(dst), "--scheme", "nvfp4", "--calibration", str(tmp_path / "none.txt")]
+    assert "--calibration: " in _refused(argv, capsys)
+    (tmp_path / "calib.txt").write_text("w1 w2 w3")
+    gptoss = sources["GptOssForCausalLM"][1]
+    err = _refused(
+        ["quantize", str(gptoss), str(dst), "--scheme", "nvfp4", "--calibration", str(tmp_path / "calib.txt")], capsys
+    )
+    assert "stores no expert biases" in err
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for p in src.iterdir():
+        if not p.name.startswith(("tokenizer", "special_tokens")):
+            (no_tok / p.name).write_bytes(p.read_bytes())
+    err = _refused(
+        ["quantize", str(no_tok), str(dst), "--scheme", "nvfp4", "--calibration", str(tmp_path / "calib.txt")], capsys
+    )
+    assert "--calibration: " in err and "has no tokenizer" in err
+    _nothing_written(tmp_path, "q")
+
+
+def test_an_existing_destination_needs_overwrite(sources, tmp_path, capsys):
+    _, src = sources["Qwen3MoeForCausalLM"]
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    err = _refused(["quantize", str(src), str(dst), "--scheme", "w_mxfp4"], capsys)
+    assert "dst: " in err and "--overwrite" in err
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "mine"
+    assert "is SRC itself" in _refused(["quantize", str(src), str(src), "--scheme", "w_mxfp4", "--overwrite"], capsys)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty folder is written into
+    assert cli_main(["quantize", str(src), str(empty), "--scheme", "w_mxfp4"]) == 0
+    assert (empty / "config.json").is_file()
+
+
+def test_a_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
+    """An error while the second layer is written: no destination, no temporary (the atomic folder write)."""
+    from mxlib.models.checkpoints import streaming
+
+    _, src = sources["Qwen3MoeForCausalLM"]
+    calls = []
+
+    def fail_on_second(*args, **kwargs):
+        calls.append(args[4])
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return write_layer(*args, **kwargs)
+
+    write_layer = streaming.write_layer_experts
+    monkeypatch.setattr(streaming, "write_layer_experts", fail_on_second)
+    with pytest.raises(OSError, match="No space left"):
+        streaming.quantize_checkpoint(src, tmp_path / "q", "w_mxfp4")
+    assert calls == [0, 1]
+    _nothing_written(tmp_path, "q")

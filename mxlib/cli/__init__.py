@@ -314,7 +314,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         help="how the experts' scales and codes are chosen (mxlib.recovery; gptq is refused: it needs every "
         "expert's Hessian, which only in-memory quantization collects) (default: rtn, the layout's round-to-nearest)",
     )
-    qz.add_argument("--overwrite", action="store_true", help="replace DST if it exists (default: refuse an existing, non-empty DST)")
+    qz.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it exists (default: refuse an existing, non-empty DST)"
+    )
     qz.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON here (default: none)")
 
     wb = command(

@@ -106,7 +106,7 @@ def _quantize(args) -> None:
         check_supported_checkpoint(src, "quantize", untrusted.read_json)
         cfg = untrusted.read_json(cfg_path, "a transformers model config")
     except (UnsupportedModelError, ValueError) as err:
-        raise ValueError(f"src: {err}") from None
+        raise ValueError(f"src: {str(err).removeprefix('quantize: ')}") from None
     if cfg.get("quantization_config") is not None:
         raise ValueError(
             f"src: {cfg_path} has a quantization_config: the checkpoint is quantized already; expected a bf16 one"

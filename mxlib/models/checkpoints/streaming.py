@@ -184,30 +184,37 @@ def read_source(src: str | os.PathLike, where: str = "quantize_checkpoint"):
             f"save_pretrained writes it"
         )
     family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
-    cfg = read_json(cfg_path, "a transformers model config")
-    if cfg.get("quantization_config") is not None:
-        qc = cfg["quantization_config"]
-        method = qc.get("quant_method") if isinstance(qc, dict) else None
-        raise CheckpointError(
-            f"{where}: src: {cfg_path} has a quantization_config (quant_method {method!r}): the checkpoint is "
-            f"quantized already; expected a bf16 checkpoint"
-        )
-    cfg.pop("quantization_config", None)
-    headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
-    config = check_model_config(cfg, cfg_path, headers, None, family=family)
-    reader = HeaderTensorReader(headers)
-    e, h, i = family.num_experts(config), config.hidden_size, family.intermediate_size(config)
-    for layer in family.moe_layer_indices(config):
-        prefix = family.experts_prefix(layer)
-        if family.experts_orientation == "gate_up_rows":
-            for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-                reader.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
-        else:  # whole-layer tensors (gpt-oss): the names and shapes transformers' module has
+    try:
+        cfg = read_json(cfg_path, "a transformers model config")
+        if cfg.get("quantization_config") is not None:
+            qc = cfg["quantization_config"]
+            method = qc.get("quant_method") if isinstance(qc, dict) else None
+            raise CheckpointError(
+                f"{where}: src: {cfg_path} has a quantization_config (quant_method {method!r}): the checkpoint is "
+                f"quantized already; expected a bf16 checkpoint"
+            )
+        cfg.pop("quantization_config", None)
+        headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
+        config = check_model_config(cfg, cfg_path, headers, None, family=family)
+        reader = HeaderTensorReader(headers)
+        e, h, i = family.num_experts(config), config.hidden_size, family.intermediate_size(config)
+        meta = None
+        if family.experts_orientation != "gate_up_rows":
             with torch.device("meta"):
-                experts = family.load_class()(config).model.layers[layer]
-            experts = getattr(getattr(experts, family.block_attr), family.experts_attr)
-            for name, p in experts.named_parameters():
-                reader.get(f"{prefix}.{name}", tuple(p.shape), torch.bfloat16)
+                meta = family.load_class()(config)
+        for layer in family.moe_layer_indices(config):
+            prefix = family.experts_prefix(layer)
+            if family.experts_orientation == "gate_up_rows":
+                for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                    reader.stack([f"{prefix}.{x}.{proj}.weight" for x in range(e)], shape, torch.bfloat16)
+            else:  # whole-layer tensors (gpt-oss): the names and shapes transformers' module has
+                experts = getattr(getattr(meta.model.layers[layer], family.block_attr), family.experts_attr)
+                for name, p in experts.named_parameters():
+                    reader.get(f"{prefix}.{name}", tuple(p.shape), torch.bfloat16)
+    except CheckpointError as err:
+        if str(err).startswith(f"{where}: "):
+            raise
+        raise CheckpointError(f"{where}: src: {err}") from None
     return family, config, headers
 
 
