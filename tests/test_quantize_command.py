@@ -10,6 +10,8 @@ The memory test writes a two-layer checkpoint of Qwen3-30B-A3B's layer shape (hi
 expert intermediate 768) and measures the command's peak resident memory in a separate process.
 """
 
+import ctypes
+import ctypes.util
 import json
 import os
 import stat
@@ -392,3 +394,136 @@ def test_a_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
         streaming.quantize_checkpoint(src, tmp_path / "q", "w_mxfp4")
     assert calls == [0, 1]
     _nothing_written(tmp_path, "q")
+
+
+# ----------------------------------------------------------------------------- peak memory, Qwen3-30B-A3B's layer shape
+
+
+def random_bf16(shape, generator) -> torch.Tensor:
+    """Random bf16 values of magnitude 2**-11 to 2**-7 with random signs and mantissas, from random bits (fast:
+    a normal draw of 1.2 G values takes tens of seconds on one core)."""
+    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
+    return ((bits & -32257) | 0x3A00).view(torch.bfloat16)  # keep sign, 2 exponent bits, mantissa; exponent >= 116
+
+
+def write_bf16_checkpoint(config, folder: Path, seed: int = 0) -> int:
+    """A sharded bf16 checkpoint with transformers' names for ``config`` (Qwen3-MoE): one shard per decoder layer
+    (the experts per expert, as ``save_pretrained`` stores them) and one for the rest, with the index, written
+    one layer at a time. Returns the largest layer's bytes."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    with torch.device("meta"):
+        meta = transformers.Qwen3MoeForCausalLM(config)
+    g = torch.Generator().manual_seed(seed)
+    groups: dict[str, dict[str, tuple]] = {}
+    for name, p in meta.state_dict().items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        groups.setdefault(layer, {})[name] = tuple(p.shape)
+    weight_map, layer_bytes, total = {}, 0, 0
+    for x, (group, shapes) in enumerate(groups.items()):
+        state = {}
+        for name, shape in shapes.items():
+            if name.endswith("experts.gate_up_proj"):  # [E, 2I, H] in memory, per expert on disk
+                i = shape[1] // 2
+                prefix = name[: -len("gate_up_proj")]
+                for e in range(shape[0]):
+                    state[f"{prefix}{e}.gate_proj.weight"] = random_bf16((i, shape[2]), g)
+                    state[f"{prefix}{e}.up_proj.weight"] = random_bf16((i, shape[2]), g)
+            elif name.endswith("experts.down_proj"):
+                prefix = name[: -len("down_proj")]
+                for e in range(shape[0]):
+                    state[f"{prefix}{e}.down_proj.weight"] = random_bf16(shape[1:], g)
+            elif name.endswith("norm.weight"):
+                state[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                state[name] = random_bf16(shape, g)
+        fname = f"model-{x + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(state, str(folder / fname), metadata={"format": "pt"})
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        total += nbytes
+        if group != "rest":
+            layer_bytes = max(layer_bytes, nbytes)
+        weight_map.update({n: fname for n in state})
+        del state
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)  # the freed layer back to the system
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(folder)
+    return layer_bytes
+
+
+def _peak_rss_bytes(argv: list[str]) -> tuple[int, subprocess.CompletedProcess]:
+    """Peak resident memory of the process ``argv`` (``getrusage(RUSAGE_CHILDREN).ru_maxrss`` of a small wrapper
+    whose only child it is: file-backed pages mapped from the shards count too). Not measured in a direct child of
+    the test: Linux starts a child's ``ru_maxrss`` at its parent's resident size (the large test process's)."""
+    wrapper = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)"
+    )
+    out = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, cwd=ROOT)
+    return int(out.stdout.strip().splitlines()[-1]) * 1024, out
+
+
+@pytest.mark.slow
+def test_peak_memory_stays_near_one_layer(tmp_path):
+    """Two decoder layers of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, expert intermediate 768; a 4096-token
+    vocabulary): ``python -m mxlib quantize`` with NVFP4 and calibration text holds about one layer, not two.
+
+    The bound: the interpreter with everything the command imports (measured, ``baseline``) + one layer's bf16
+    tensors (``layer``: 128 x 3 x 768 x 2048 x 2 B = 1.21 GB of experts + 38 MB of attention) + the embedding
+    and output head (2 x 4096 x 2048 x 2 B = 34 MB) + one shard of quantized tensors being written
+    (``SHARD_BYTES``, 256 MiB) + 300 MB for the quantization's and calibration's temporaries and the allocator.
+    That is about baseline + 1.83 GB, while the bf16 checkpoint is 2.49 GB: a command that held both layers
+    would exceed it. The expert weights of the written checkpoint, loaded with mxlib's loader, dequantize to what
+    the in-memory quantization of the same bf16 tensors gives, bit for bit (sampled experts of each layer).
+    """
+    from mxlib.models.checkpoints.safetensors_io import SHARD_BYTES
+
+    config = qwen3_30b_a3b_config(2, vocab_size=4096, bos_token_id=1, eos_token_id=2)
+    src = tmp_path / "bf16"
+    t0 = time.perf_counter()
+    layer = write_bf16_checkpoint(config, src)
+    save_tokenizer(src, config.vocab_size)
+    seconds_write = time.perf_counter() - t0
+    total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert len(list(src.glob("*.safetensors"))) == 3 and layer > 1.2e9 and total > 2 * layer
+    embed = 2 * config.vocab_size * config.hidden_size * 2
+    (tmp_path / "calib.txt").write_text(calibration_text(256))
+    imports = (
+        "import torch, transformers, mxlib.cli.checkpoint_commands, mxlib.models.checkpoints.streaming; "
+        "from transformers import AutoTokenizer, Qwen3MoeForCausalLM"
+    )
+    baseline, base = _peak_rss_bytes([sys.executable, "-c", imports])
+    assert base.returncode == 0, base.stderr[-2000:]
+    dst = tmp_path / "nvfp4"
+    argv = [sys.executable, "-m", "mxlib", "quantize", str(src), str(dst), "--scheme", "nvfp4"]
+    t0 = time.perf_counter()
+    peak, out = _peak_rss_bytes([*argv, "--calibration", str(tmp_path / "calib.txt"), "--calib-seq-len", "128"])
+    seconds = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr[-3000:]
+    bound = baseline + layer + embed + SHARD_BYTES + 300e6
+    print(
+        f"source {total / 1e9:.2f} GB ({seconds_write:.0f} s to write), layer {layer / 1e9:.3f} GB; baseline "
+        f"{baseline / 1e9:.3f} GB, peak {peak / 1e9:.3f} GB (baseline + {(peak - baseline) / 1e9:.3f}), bound "
+        f"{bound / 1e9:.3f} GB; quantized in {seconds:.0f} s\n{out.stdout}"
+    )
+    assert peak < bound, (peak, bound)
+    assert peak < baseline + total  # holding the whole checkpoint would exceed the bound anyway
+    # the experts as mxlib loads them against the in-memory quantization of the same bf16 tensors
+    loaded, info = load_quantized_moe(dst, backend="torch")
+    assert info.format == "modelopt" and info.scheme.name == "nvfp4"
+    with safe_open(str(next(src.glob("model-00001-*.safetensors"))), "pt") as h:
+        for layer_index in (0, 1):
+            if layer_index == 1:
+                h = safe_open(str(next(src.glob("model-00002-*.safetensors"))), "pt")
+            experts = moe_layers(loaded)[layer_index].experts.experts
+            for e in (0, 77, 127):
+                prefix = f"model.layers.{layer_index}.mlp.experts.{e}"
+                w13 = torch.cat([h.get_tensor(f"{prefix}.{p}.weight") for p in ("gate_proj", "up_proj")])[None]
+                w2 = h.get_tensor(f"{prefix}.down_proj.weight")[None]
+                ones = torch.ones(1)
+                want = make_emulation_experts("nvfp4", quantize_expert_weights(w13, w2, "nvfp4"), ones, ones)
+                for got_w, want_w in zip(experts.dequantized_expert(e), want.dequantized_expert(0)):
+                    assert torch.equal(got_w.view(torch.int16), want_w.view(torch.int16)), (layer_index, e)
