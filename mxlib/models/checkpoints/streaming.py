@@ -32,7 +32,9 @@ and drops it. The statistics are ``calibrate``'s on the same token ids in one ba
 the same inputs), so the checkpoint equals ``write_quantized_checkpoint(model, scheme, path,
 calibrate(model, ids, batch_size=len(ids)))`` bit for bit. Calibration text is tokenized by the
 checkpoint's own tokenizer (``transformers.AutoTokenizer``, local files only, no remote code) and cut into
-sequences of ``seq_len`` tokens (``calibration_token_ids``).
+sequences of ``seq_len`` tokens (``calibration_token_ids``). A scheme without static activation scales (weight-only,
+or block-scaled activations quantized per block at run time) needs none: calibration given to it is checked and
+not used (a warning; the summary says so).
 
 Without calibration, a scheme with static activation scales is refused: no layout can say "per-token
 activation scales" for NVFP4 or static FP8 (ModelOpt's ``input_scale`` and compressed-tensors'
@@ -106,7 +108,8 @@ class QuantizeResult:
         scheme, layout, technique: the names written (``technique`` ``"rtn"`` for round-to-nearest).
         calibration_tokens: tokens the model was calibrated on (0: none); ``calibration_shape``
             ``[sequences, tokens]``; ``uncalibrated``: ``{layer: [expert, ...]}`` of experts no calibration token
-            was routed to (their input scale is 0, "never calibrated": vLLM takes the largest of a layer's).
+            was routed to (their input scale is 0, "never calibrated": vLLM takes the largest of a layer's);
+            ``calibration_unused``: calibration was given to a scheme without static activation scales.
         bytes_read: bytes of the source tensors read; ``bytes_written``: bytes of the safetensors files written.
         copied: the model files copied beside the shards (tokenizer, generation config, chat template).
         seconds: wall time.
@@ -123,6 +126,7 @@ class QuantizeResult:
     calibration_tokens: int = 0
     calibration_shape: list[int] | None = None
     uncalibrated: dict[int, list[int]] = field(default_factory=dict)
+    calibration_unused: bool = False
     bytes_read: int = 0
     bytes_written: int = 0
     copied: list[str] = field(default_factory=list)
@@ -138,6 +142,8 @@ class QuantizeResult:
     def summary(self) -> str:
         """Two lines a person reads: what was written where, and what it cost."""
         calib = "no calibration"
+        if self.calibration_unused:
+            calib = f"calibration not used (scheme {self.scheme} has no static activation scales)"
         if self.calibration_tokens:
             n = sum(len(v) for v in self.uncalibrated.values())
             calib = (
@@ -283,8 +289,8 @@ class _LayerLoader:
         self.reader, self.family, self.config = reader, family, config
         self.bytes_read = 0
 
-    def _get(self, name: str) -> torch.Tensor:
-        t = self.reader.get(name)
+    def _get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self.reader.get(name, shape)
         self.reader.close()  # unmap the shard: its pages would otherwise stay resident
         self.bytes_read += t.numel() * t.element_size()
         return t
@@ -296,10 +302,10 @@ class _LayerLoader:
         i = self.family.intermediate_size(self.config)
         for x in range(p.shape[0]):
             if pname == "gate_up_proj":
-                out[x, :i].copy_(self._get(f"{prefix}.{x}.gate_proj.weight"))
-                out[x, i:].copy_(self._get(f"{prefix}.{x}.up_proj.weight"))
+                out[x, :i].copy_(self._get(f"{prefix}.{x}.gate_proj.weight", (i, out.shape[2])))
+                out[x, i:].copy_(self._get(f"{prefix}.{x}.up_proj.weight", (i, out.shape[2])))
             else:
-                out[x].copy_(self._get(f"{prefix}.{x}.down_proj.weight"))
+                out[x].copy_(self._get(f"{prefix}.{x}.down_proj.weight", tuple(out.shape[1:])))
         return out
 
     def load(self, module: torch.nn.Module, prefix: str, skip: tuple[str, ...] = ()) -> None:
@@ -314,11 +320,11 @@ class _LayerLoader:
             if mod == experts and self.family.experts_orientation == "gate_up_rows":
                 p.data = self._experts(mod, pname, p)
             else:
-                p.data = self._get(full).to(p.dtype)
+                p.data = self._get(full, tuple(p.shape)).to(p.dtype)
         for name, b in module.named_buffers():
             full = f"{prefix}.{name}" if prefix else name
             if full in self.reader and not full.startswith(skip):
-                b.data = self._get(full).to(b.dtype)
+                b.data = self._get(full, tuple(b.shape)).to(b.dtype)
 
     @staticmethod
     def drop(module: torch.nn.Module) -> None:
@@ -334,7 +340,8 @@ class QuantizePlan:
     ``headers`` (the source's ``SafetensorsHeaders`` under state-dict names), ``src_config`` (its
     ``config.json`` dict), ``scheme`` (``MoEQuantScheme``), ``layout`` (``CheckpointLayout``), ``technique``
     (a ``WeightTechnique`` or None for round-to-nearest), ``token_ids`` (calibration ``[sequences, tokens]``
-    int64 or None), ``overwrite``.
+    int64 or None), ``overwrite``, ``calibration_unused`` (calibration given to a scheme without static activation
+    scales: checked, not used).
     """
 
     src: Path
@@ -348,6 +355,7 @@ class QuantizePlan:
     technique: WeightTechnique | None
     token_ids: torch.Tensor | None
     overwrite: bool
+    calibration_unused: bool = False
 
     def run(self, shard_bytes: int = SHARD_BYTES, progress: bool = False) -> QuantizeResult:
         """Write the checkpoint (module docstring); ``quantize_checkpoint``'s Args, Returns and Raises."""
@@ -397,7 +405,12 @@ def check_quantization(
         if not dst.is_dir() or dst.is_symlink() or any(dst.iterdir()):
             raise FileExistsError(f"dst: {str(dst)!r} exists and is not empty; pass overwrite=True to replace it")
     ids = None
-    if calibration is not None:
+    unused = calibration is not None and not scheme.static_activation_scale
+    if unused:  # still checked, so that a mistake in it is not silent
+        if isinstance(calibration, str):
+            check_calibration_text(calibration)
+        logger.warning("scheme %s has no static activation scales: the calibration text is not used", scheme.name)
+    elif calibration is not None:
         if isinstance(calibration, str):
             ids = calibration_token_ids(src, calibration, seq_len, max_tokens, config.vocab_size)
         else:
@@ -409,7 +422,9 @@ def check_quantization(
                 )
             if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
                 raise ValueError(f"calibration: token ids must lie in [0, {config.vocab_size}) (vocab_size)")
-    return QuantizePlan(Path(src), dst, family, config, headers, src_cfg, scheme, layout_obj, tech, ids, overwrite)
+    return QuantizePlan(
+        Path(src), dst, family, config, headers, src_cfg, scheme, layout_obj, tech, ids, overwrite, unused
+    )
 
 
 def quantize_checkpoint(
@@ -556,6 +571,7 @@ def _run(plan: QuantizePlan, shard_bytes: int, progress: bool) -> QuantizeResult
         calibration_tokens=0 if ids is None else ids.numel(),
         calibration_shape=None if ids is None else list(ids.shape),
         uncalibrated=uncalibrated,
+        calibration_unused=plan.calibration_unused,
         bytes_read=loader.bytes_read,
         bytes_written=written,
         copied=copied,
