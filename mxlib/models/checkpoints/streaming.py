@@ -93,7 +93,7 @@ CALIBRATION_MAX_TOKENS = 4096  # calibration tokens used at most (the rest of th
 MAX_CALIBRATION_BYTES = 64 * 2**20
 # files of which one marks a folder that AutoTokenizer can read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# the techniques that need nothing but the weights (GPTQ needs Hessians: module docstring)
+# the technique names that need nothing but the weights (GPTQ needs Hessians: module docstring)
 STREAMING_TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse", "hadamard")
 
 
@@ -381,15 +381,13 @@ def check_quantization(
     src_cfg = read_json(Path(src) / "config.json", "a transformers model config")  # written back as it is
     scheme = get_moe_scheme(scheme)
     layout_obj = resolve_layout(family, scheme, layout)
-    if isinstance(technique, str) and technique not in STREAMING_TECHNIQUES:
-        if technique == "gptq":
-            raise ValueError(
-                "technique: gptq needs every expert's Hessian of a layer, which quantizing a checkpoint folder "
-                "layer by layer does not collect; quantize in memory (write_quantized_checkpoint with "
-                f"technique=GPTQ(hessians)) or choose one of {list(STREAMING_TECHNIQUES)}"
-            )
-        raise ValueError(f"technique: expected one of {list(STREAMING_TECHNIQUES)}, got {technique!r}")
-    tech = None if technique in (None, "rtn") else get_technique(technique)
+    if isinstance(technique, str) and "gptq" in technique.split("+"):
+        raise ValueError(
+            f"technique: {technique} needs every expert's Hessian of a layer, which quantizing a checkpoint folder "
+            "layer by layer does not collect; quantize in memory (write_quantized_checkpoint with "
+            f"technique=GPTQ(hessians)) or choose one of {list(STREAMING_TECHNIQUES)}"
+        )
+    tech = None if technique in (None, "rtn") else get_technique(technique)  # its ValueError names the valid ones
     if tech is not None:
         technique_global_scale_kw(tech, scheme, layout_obj.global_scale_kind)  # refuses before anything is written
     if scheme.static_activation_scale and calibration is None:
@@ -452,7 +450,9 @@ def quantize_checkpoint(
             default (``writer.resolve_layout``).
         calibration: calibration text (a ``str``: tokenized by ``src``'s tokenizer, ``calibration_token_ids``)
             or token ids ``[sequences, tokens]`` int64; needed by schemes with static activation scales.
-        technique: a name of ``STREAMING_TECHNIQUES`` or a built ``WeightTechnique``; None is round-to-nearest.
+        technique: a name of ``STREAMING_TECHNIQUES`` (or a composition ``"X+hadamard"``:
+            ``mxlib.recovery.get_technique``) or a built ``WeightTechnique`` (a ``GPTQ`` built with the model's
+            Hessians included); None is round-to-nearest.
         overwrite: replace a non-empty ``dst``.
         seq_len, max_tokens: how calibration text is cut (``calibration_token_ids``).
         shard_bytes: safetensors shard size of ``dst`` (also the most quantized bytes held in memory).
