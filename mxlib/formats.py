@@ -24,10 +24,17 @@ Scale formats:
   is ``2**-127`` (an fp32 subnormal, *not* zero).
 * ``ue4m3``: NVFP4's block scale, an e4m3 value that is non-negative in
   practice, combined with one fp32 global scale per tensor (per expert in MoE).
+* ``ue5m3``: an unsigned 8-bit float (``UE5M3``: no sign bit, 5 exponent bits, bias 15, 3 mantissa
+  bits), the block scale of NVFP4 on hardware after Blackwell: largest value ``0xFE = 1.75 * 2**16 =
+  114688``, smallest normal ``2**-14``, smallest subnormal ``2**-17``, ``0xFF`` its only NaN, no Inf;
+  round to nearest, ties to even, saturating (PTX ISA "alternate floating-point data formats";
+  TransformerEngine#3325; AutoRound's ``NVFP4_E5M3``, intel/auto-round#2123 and #2302).
 
 Schemes (the block formats a tensor is stored in): ``mxfp4``, ``mxfp6_e2m3``,
 ``mxfp6_e3m2``, ``mxfp8_e4m3``, ``mxfp8_e5m2`` (E8M0 scale per 32 elements)
-and ``nvfp4`` (ue4m3 scale per 16 elements plus an fp32 global scale).
+and ``nvfp4`` (ue4m3 scale per 16 elements plus an fp32 global scale). NVFP4 variants ahead of
+hardware (``NVFP4_VARIANTS``, emulated before any GPU runs them): ``nvfp4_ue5m3`` (ue5m3 scale per 16
+elements, no global scale) and ``nvfp4_b32`` (ue4m3 scale per 32 elements plus the global scale).
 
 Per-tensor formats: ``fp8_e4m3`` (one static fp32 decode scale ``amax / 448`` per
 tensor, vLLM's ``scaled_fp8_quant``), the activation format of Quark's ``_a_fp8``
@@ -62,6 +69,10 @@ __all__ = [
     "PER_TENSOR_SCHEMES",
     "FP8_E4M3_PER_TENSOR",
     "NVFP4",
+    "NVFP4_VARIANTS",
+    "NVFP4_UE5M3",
+    "NVFP4_B32",
+    "UE5M3",
     "NVFP4_SCALE_DIVISOR",
     "NVFP4_SUBNORMAL_RATIO",
     "NVFP4_FLUSH_RATIO",
@@ -111,15 +122,18 @@ class ElementFormat:
     ``specials`` says which codes are not finite numbers:
     ``"none"`` (FP4 and FP6: every code is a number), ``"fn"`` (e4m3fn: only
     S.1111.111 is NaN, no Inf) or ``"ieee"`` (e5m2: the all-ones exponent is
-    Inf or NaN).
+    Inf or NaN). ``signed=False`` is an unsigned format (``ue5m3``): no sign bit, ``nbits`` is
+    ``ebits + mbits``, and rounding clamps negative values to zero.
+    ``ml_dtypes_name`` is None for a format ml_dtypes does not have (``ue5m3``).
     """
 
     name: str
     ebits: int
     mbits: int
     specials: str
-    ml_dtypes_name: str
+    ml_dtypes_name: str | None
     aliases: tuple[str, ...] = ()
+    signed: bool = True
     # derived in __post_init__
     nbits: int = field(init=False)
     bias: int = field(init=False)
@@ -145,7 +159,7 @@ class ElementFormat:
             top_exp -= 1  # the all-ones exponent is Inf/NaN
         max_value = Fraction(2) ** (top_exp - bias) * (1 + Fraction(top_mant, 2**self.mbits))
         set_ = object.__setattr__
-        set_(self, "nbits", 1 + self.ebits + self.mbits)
+        set_(self, "nbits", int(self.signed) + self.ebits + self.mbits)
         set_(self, "bias", bias)
         set_(self, "max", float(max_value))
         set_(self, "emax", math.floor(math.log2(max_value)))
@@ -183,13 +197,19 @@ class ElementFormat:
         """Packed elements per byte: 2 for FP4, 4/3 for FP6, 1 for FP8."""
         return Fraction(8, self.nbits)
 
-    def packed_size(self, k: int) -> int:
-        """Bytes that ``k`` packed elements take (``k`` must fill whole bytes)."""
+    def packed_size(self, k: int, what: str = "k") -> int:
+        """Bytes that ``k`` packed elements take (``k`` must fill whole bytes).
+
+        ``what``: the argument ``k`` is, for the message (``block_size`` where a block must pack alone).
+
+        Raises:
+            ValueError: ``k`` elements do not fill whole bytes, naming ``what``, its value and the multiple needed.
+        """
         bits = k * self.nbits
         if bits % 8:
             raise ValueError(
-                f"{self.name}: k={k} elements do not fill whole bytes; k must be a multiple of "
-                f"{8 // math.gcd(8, self.nbits)}"
+                f"{self.name}: {what}={k} elements do not fill whole bytes; {what} must be a multiple of "
+                f"{8 // math.gcd(8, self.nbits)} ({self.nbits}-bit elements)"
             )
         return bits // 8
 
@@ -197,7 +217,7 @@ class ElementFormat:
         """The value of one code, straight from the bit fields (``nan``/``inf`` for specials)."""
         if not 0 <= code < self.num_codes:
             raise ValueError(f"{self.name}: code must be in [0, {self.num_codes}), got {code}")
-        sign = -1.0 if code >> (self.ebits + self.mbits) else 1.0
+        sign = -1.0 if self.signed and code >> (self.ebits + self.mbits) else 1.0
         exp_field = (code >> self.mbits) & (2**self.ebits - 1)
         mant = code & (2**self.mbits - 1)
         if self.specials == "fn" and exp_field == 2**self.ebits - 1 and mant == 2**self.mbits - 1:
@@ -252,6 +272,11 @@ class BlockScheme:
         return self.name
 
     @property
+    def scale_is_power_of_two(self) -> bool:
+        """Whether the block scale is E8M0 (OCP MX), as opposed to a float scale (ue4m3, ue5m3)."""
+        return self.scale.element is None
+
+    @property
     def static_scale(self) -> bool:
         """Whether an activation in this format needs a calibrated (checkpoint) scale."""
         return self.has_global_scale
@@ -273,9 +298,18 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
     )
 }
 
+# UE5M3: an unsigned 8-bit float, 5 exponent bits (bias 15) and 3 mantissa bits, no sign bit. Code 0xFF is its
+# only NaN, there is no Inf; the largest value is 0xFE = 2**16 * 1.75 = 114688, the smallest normal 2**-14 (0x08),
+# the smallest subnormal 2**-17 (0x01); conversions round to nearest, ties to even, and saturate. Sources: the PTX
+# ISA's "alternate floating-point data formats" (ue5m3: no infinity, NaN only 0xFF; as quoted in
+# MurrellGroup/Microfloats.jl#29), NVIDIA TransformerEngine#3325 (``kFloat8UE5M3`` NVFP4 block scales), and
+# AutoRound's ``float_to_e5m3_frexp`` / ``FLOAT8_UE5M3_MAX = 114688`` (intel/auto-round#2123, #2302).
+UE5M3: ElementFormat = ElementFormat("ue5m3", 5, 3, "fn", None, signed=False)
+
 SCALE_FORMATS: dict[str, ScaleFormat] = {
     "e8m0": ScaleFormat("e8m0", 8, "unsigned power of two 2**(b-127), 0xFF is NaN"),
     "ue4m3": ScaleFormat("ue4m3", 8, "non-negative e4m3 value, with an fp32 global scale", ELEMENT_FORMATS["e4m3"]),
+    "ue5m3": ScaleFormat("ue5m3", 8, "unsigned e5m3 value (bias 15, max 114688), 0xFF is NaN", UE5M3),
 }
 
 BLOCK_SCHEMES: dict[str, BlockScheme] = {
@@ -291,6 +325,22 @@ BLOCK_SCHEMES: dict[str, BlockScheme] = {
 }
 
 NVFP4: BlockScheme = BLOCK_SCHEMES["nvfp4"]
+
+# NVFP4 variants ahead of hardware: e2m1 elements like NVFP4, another scale format or block size. Kept out of
+# ``BLOCK_SCHEMES`` (the formats the checkpoints and kernels take); ``get_block_scheme`` finds them by name.
+#   nvfp4_ue5m3: ue5m3 block scales per 16 elements, one level (no global scale: ue5m3's range, 2**-17 to
+#                114688, holds a block scale of amax / 6 for any amax from about 1e-5 to 6.9e5); a global
+#                scale stays an explicit option of the reference functions (``mxlib.reference.quantize_nvfp4_variant``).
+#   nvfp4_b32:   NVFP4 with 32-element blocks (ue4m3 scale, fp32 global scale), the block size of OCP MX.
+NVFP4_VARIANTS: dict[str, BlockScheme] = {
+    s.name: s
+    for s in (
+        BlockScheme("nvfp4_ue5m3", ELEMENT_FORMATS["e2m1"], NVFP4_BLOCK_SIZE, SCALE_FORMATS["ue5m3"], False),
+        BlockScheme("nvfp4_b32", ELEMENT_FORMATS["e2m1"], MX_BLOCK_SIZE, SCALE_FORMATS["ue4m3"], True),
+    )
+}
+NVFP4_UE5M3: BlockScheme = NVFP4_VARIANTS["nvfp4_ue5m3"]
+NVFP4_B32: BlockScheme = NVFP4_VARIANTS["nvfp4_b32"]
 # amax -> NVFP4 decode global scale (ModelOpt weight_scale_2 / input_scale): amax / (6 * 448)
 NVFP4_SCALE_DIVISOR: float = NVFP4.scale_divisor
 
@@ -401,7 +451,7 @@ def get_element_format(element: str | ElementFormat) -> ElementFormat:
 
 
 def get_block_scheme(scheme: str | BlockScheme) -> BlockScheme:
-    """Look up a block scheme (``mxfp4`` ... ``nvfp4``).
+    """Look up a block scheme (``mxfp4`` ... ``nvfp4``, or an NVFP4 variant: ``nvfp4_ue5m3``, ``nvfp4_b32``).
 
     Raises:
         ValueError: the name is unknown, or a dtype was given (``torch.float4_e2m1fn_x2`` is the
@@ -416,9 +466,12 @@ def get_block_scheme(scheme: str | BlockScheme) -> BlockScheme:
             f"{list(BLOCK_SCHEMES)}"
         )
     try:
-        return BLOCK_SCHEMES[scheme]
+        return BLOCK_SCHEMES[scheme] if scheme in BLOCK_SCHEMES else NVFP4_VARIANTS[scheme]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown scheme {scheme!r}; expected one of {list(BLOCK_SCHEMES)}") from None
+        raise ValueError(
+            f"unknown scheme {scheme!r}; expected one of {list(BLOCK_SCHEMES)} (or a variant ahead of hardware: "
+            f"{list(NVFP4_VARIANTS)})"
+        ) from None
 
 
 def get_scale_mode(scale_mode: str) -> str:
@@ -442,6 +495,8 @@ def get_activation_format(fmt: str | BlockScheme | PerTensorScheme | None) -> Bl
         return fmt
     if fmt in BLOCK_SCHEMES:
         return BLOCK_SCHEMES[fmt]
+    if fmt in NVFP4_VARIANTS:
+        return NVFP4_VARIANTS[fmt]
     if fmt in PER_TENSOR_SCHEMES:
         return PER_TENSOR_SCHEMES[fmt]
     if fmt in _ACTIVATION_ALIASES:

@@ -57,6 +57,12 @@ block scale of an all-zero block (``zero_block_scale="one"``, the default);
 ``"zero"`` stores 0. ``dequantize_to_dtype`` is vLLM's:
 ``e2m1 * (fp32(block_scale) * weight_scale_2)`` in fp32, then one cast.
 
+NVFP4 variants ahead of hardware (``quantize_nvfp4_variant``, ``dequantize_nvfp4_variant``,
+``quant_dequant_nvfp4_variant``; ``mxlib.formats.NVFP4_VARIANTS``): ``nvfp4_ue5m3`` (unsigned e5m3 block scales,
+no global scale unless one is passed) and ``nvfp4_b32`` (e4m3 scales per 32 elements). One arithmetic, ModelOpt's
+decode-scale form, for weights and activations: ``s = scale_format(amax_block / (6 * g))``,
+``e = e2m1(x / (s * g))``, ``dq = e * (s * g)``; block scales stored as uint8 codes.
+
 Packing: FP4 two codes per byte, the even element in the low nibble; FP6 four
 codes ``v0..v3`` in three bytes as ``v0 | v1 << 6 | v2 << 12 | v3 << 18``,
 little-endian (AMD Quark's layout); FP8 one code per byte.
@@ -116,6 +122,8 @@ from .formats import (
     NVFP4,
     NVFP4_BLOCK_SIZE,
     NVFP4_SCALE_DIVISOR,
+    NVFP4_VARIANTS,
+    BlockScheme,
     ElementFormat,
     Numerics,
     get_block_scheme,
@@ -150,6 +158,10 @@ __all__ = [
     "nvfp4_unswizzle_scales",
     "quant_dequant_fp8_per_tensor",
     "quant_dequant",
+    "nvfp4_variant_global_scale",
+    "quantize_nvfp4_variant",
+    "dequantize_nvfp4_variant",
+    "quant_dequant_nvfp4_variant",
 ]
 
 _E2M1 = NVFP4.element  # e2m1
@@ -207,7 +219,8 @@ def round_to_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Ten
     Returns:
         fp32 tensor of the same shape whose values all lie on the format's grid.
         Finite values beyond ``max`` and +-Inf saturate to +-max (PTX
-        ``cvt.rn.satfinite`` semantics); NaN stays NaN; the sign of zero is kept.
+        ``cvt.rn.satfinite`` semantics); NaN stays NaN; the sign of zero is kept. An unsigned
+        format (``ue5m3``) clamps negative values (and -0, -Inf) to +0.
 
     Method, on ``a = |x|`` (first clamped to ``2 * max`` so that Inf is finite):
     in the format's normal range the fp32 mantissa is rounded to ``mbits`` bits on
@@ -218,6 +231,8 @@ def round_to_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Ten
     """
     fmt = get_element_format(element)
     x = x.float()
+    if not fmt.signed:  # an unsigned format (ue5m3): negative values clamp to +0
+        x = torch.where(x > 0, x, torch.where(torch.isnan(x), x, 0.0))
     a = torch.clamp(x.abs(), max=2.0 * fmt.max)
     shift = 23 - fmt.mbits
     bits = a.view(torch.int32)
@@ -243,30 +258,70 @@ def decode_element(codes: torch.Tensor, element: str | ElementFormat) -> torch.T
     return table[codes.to(torch.int32)]
 
 
-def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
-    """Round fp32 values to a format (``round_to_element``) and return their codes (uint8).
+def rounding_boundaries(element: str | ElementFormat) -> tuple[float, ...]:
+    """The fp32 boundaries between consecutive non-negative finite codes of a format.
 
-    NaN becomes the format's NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E,
-    sign kept); FP4 and FP6 have no NaN code, so NaN encodes as +0 (in MX a
-    block holding NaN carries it in its 0xFF scale instead).
+    Magnitude code ``i`` (the codes ``0, 1, ...`` in increasing value, up to ``max``) holds the values
+    ``a`` with ``b[i-1] < a <= b[i]``: ``b[i]`` is the midpoint of the values of codes ``i`` and ``i+1``
+    where a tie goes to code ``i`` (the even one), and the fp32 number just below that midpoint where a
+    tie goes to code ``i+1``. So round to nearest, ties to even, is "count the boundaries below ``a``".
+    Every midpoint is exact in fp32 (the values have at most 4 significant bits).
     """
     fmt = get_element_format(element)
-    r = round_to_element(x, fmt)
-    bits = r.view(torch.int32)
-    sign = torch.bitwise_right_shift(bits, 31) & 1
-    a = r.abs()
-    # normal: the fp32 exponent and top mantissa bits, re-biased; subnormal: a / min_subnormal
-    normal_code = torch.bitwise_right_shift(a.view(torch.int32), 23 - fmt.mbits) - ((127 - fmt.bias) << fmt.mbits)
-    sub_code = (a * (2.0 ** (fmt.bias - 1 + fmt.mbits))).to(torch.int32)
-    mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
-    nan = torch.isnan(r)
-    if fmt.has_nan_code:
-        mag = torch.where(nan, fmt.nan_code, mag)
+    return _rounding_boundaries(fmt)
+
+
+_BOUNDARIES: dict[str, tuple[float, ...]] = {}
+
+
+def _rounding_boundaries(fmt: ElementFormat) -> tuple[float, ...]:
+    if fmt.name not in _BOUNDARIES:
+        magnitudes = fmt.num_codes // 2 if fmt.signed else fmt.num_codes  # the codes of the values >= 0
+        values = [v for v in (fmt.code_value(c) for c in range(magnitudes)) if math.isfinite(v)]
+        bounds = []
+        for i in range(len(values) - 1):
+            mid = torch.tensor((values[i] + values[i + 1]) / 2, dtype=torch.float32)
+            if (i + 1) % 2 == 0:  # the upper code is the even one: a tie goes up
+                mid = torch.nextafter(mid, torch.tensor(0.0))
+            bounds.append(float(mid))
+        _BOUNDARIES[fmt.name] = tuple(bounds)
+    return _BOUNDARIES[fmt.name]
+
+
+def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Round fp32 values to a format and return their codes (uint8): the codes of
+    ``round_to_element(x)`` (nearest, ties to even, saturating to +-max, the sign of zero kept).
+
+    The magnitude code of ``a = |x|`` is the number of ``rounding_boundaries`` below ``a``: a
+    comparison per boundary for FP4 (7 of them), a sorted search (``torch.bucketize``) for wider
+    formats; +-Inf and values beyond ``max`` get the largest finite code. NaN becomes the format's
+    NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E, sign kept; ue5m3: 0xFF); FP4 and FP6 have no NaN
+    code, so NaN encodes as +0 (in MX a block holding NaN carries it in its 0xFF scale instead). An
+    unsigned format (``ue5m3``) clamps negative values (and -0, -Inf) to +0.
+    """
+    fmt = get_element_format(element)
+    x = x.float()
+    if not fmt.signed:  # an unsigned format (ue5m3): negative values (and -0, -Inf) clamp to +0
+        x = torch.where(x > 0, x, torch.where(torch.isnan(x), x, 0.0))
+    a = x.abs()
+    bounds = _rounding_boundaries(fmt)
+    if len(bounds) <= 8:
+        mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+        for b in bounds:
+            mag += a > b
     else:
-        mag = torch.where(nan, 0, mag)
-        sign = torch.where(nan, 0, sign)
-    code = torch.bitwise_left_shift(sign, fmt.ebits + fmt.mbits) | mag
-    return code.to(torch.uint8)
+        table = torch.tensor(bounds, dtype=torch.float32, device=a.device)
+        mag = torch.bucketize(a, table, right=False).to(torch.uint8)
+    nan = torch.isnan(a)
+    if nan.any():
+        if fmt.has_nan_code:
+            mag = torch.where(nan, fmt.nan_code, mag)
+        else:  # +0, whatever the sign
+            mag = torch.where(nan, 0, mag)
+            x = torch.where(nan, 0.0, x)
+    if not fmt.signed:
+        return mag
+    return mag.add_(torch.signbit(x), alpha=1 << (fmt.ebits + fmt.mbits))
 
 
 # ----------------------------------------------------------------------------- E8M0 scales
@@ -429,7 +484,7 @@ def quantize_mx(
     check_storage_dtype(scale_dtype, E8M0_DTYPES, "scale_dtype")
     _check_float(x, "x")
     _check_block(x.shape[-1], block_size, "x")
-    fmt.packed_size(block_size)
+    fmt.packed_size(block_size, "block_size")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), k)
     packed = torch.empty(x2.shape[0], fmt.packed_size(k), dtype=torch.uint8, device=x.device)
@@ -977,6 +1032,155 @@ def check_global_scale_kind(kind: str) -> bool:
     return kind == "encode"
 
 
+# ----------------------------------------------------------------------------- NVFP4 variants
+
+
+def _nvfp4_variant(scheme) -> BlockScheme:
+    """The ``BlockScheme`` of an NVFP4 variant (``nvfp4_ue5m3``, ``nvfp4_b32``) or of NVFP4 itself."""
+    s = get_block_scheme(scheme)
+    if s.scale_is_power_of_two or s.element is not _E2M1:
+        raise ValueError(
+            f"scheme: expected e2m1 elements with a float block scale (nvfp4, {list(NVFP4_VARIANTS)}), got {s.name}"
+        )
+    return s
+
+
+def nvfp4_variant_global_scale(x: torch.Tensor, scheme, two_level: bool | None = None) -> torch.Tensor | None:
+    """The decode global scale an NVFP4-style scheme derives from ``x``: ``amax(x) / (6 * scale.max)``
+    over each 2D matrix (``[E]`` for 3D ``x``, ``[]`` for 2D), as ``nvfp4_weight_scale_2`` with the scheme's
+    block-scale maximum (448 for ue4m3, 114688 for ue5m3), over the finite values, clamped to
+    ``[2**-126, 2**126]``, 1 for an all-zero matrix. ``two_level``: None follows the scheme (None for the
+    one-level ``nvfp4_ue5m3``); True computes it for ``nvfp4_ue5m3`` too (the explicit two-level option)."""
+    s = _nvfp4_variant(scheme)
+    if not (s.has_global_scale if two_level is None else two_level):
+        return None
+    x3 = x if x.ndim == 3 else x.reshape(1, -1, x.shape[-1])
+    num = x3.shape[0]
+    a = x3.detach().float().abs().reshape(num, -1)
+    amax = torch.where(torch.isfinite(a), a, 0.0).amax(dim=-1) if a.shape[1] else a.new_zeros(num)
+    div = torch.tensor(s.element.max * s.scale.element.max, dtype=torch.float32, device=x.device)
+    g = torch.where(amax > 0, (amax / div).clamp(GLOBAL_SCALE_MIN, GLOBAL_SCALE_MAX), torch.ones_like(amax))
+    return g if x.ndim == 3 else g[0]
+
+
+def _variant_blocks(x: torch.Tensor, s: BlockScheme, global_scale):
+    """fp32 blocks ``[..., nb, bs]``, the block scale values ``[..., nb]`` on the scale grid and the decode
+    global scale broadcast to ``[..., 1]`` (ones for a one-level scheme)."""
+    _check_float(x, "x")
+    _check_block(x.shape[-1], s.block_size, "x")
+    if global_scale is None:
+        global_scale = nvfp4_variant_global_scale(x, s)
+    if global_scale is None:
+        g = torch.ones((), dtype=torch.float32, device=x.device)
+    else:
+        g = _global_scale_view(global_scale, x, "global_scale")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // s.block_size, s.block_size)
+    amax = xb.abs().amax(dim=-1)
+    bs = round_to_element(amax / (_E2M1.max * g.squeeze(-1)), s.scale.element)
+    return xb, bs, g, global_scale
+
+
+def _variant_elements(xb: torch.Tensor, bs: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x / (s * g)`` (0 where ``s * g`` is 0) and ``s * g``, both broadcast to the blocks."""
+    denom = bs.unsqueeze(-1) * g
+    return torch.where(denom == 0, 0.0, xb / torch.where(denom == 0, 1.0, denom)), denom
+
+
+def quantize_nvfp4_variant(
+    x: torch.Tensor, scheme, global_scale: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize to an NVFP4-style scheme: e2m1 elements, a float block scale (ue4m3 or ue5m3), an optional
+    fp32 decode global scale. For ``nvfp4`` itself this is ``quantize_nvfp4``'s arithmetic with
+    ``zero_block_scale="zero"``; it serves the variants ahead of hardware (``mxlib.formats.NVFP4_VARIANTS``).
+
+    Arithmetic (fp32, ModelOpt's decode-scale form, used for weights and activations alike)::
+
+        g  = global_scale                         # decode scale; 1 for a one-level scheme
+        s  = scale_format(amax_block / (6 * g))   # RNE on the ue4m3 / ue5m3 grid, saturating
+        e  = e2m1(x / (s * g))                    # RNE, saturating at 6; 0 where s * g == 0
+        dq = e * (s * g)                          # (dequantize_nvfp4_variant), one cast
+
+    ``global_scale``: None derives it (``nvfp4_variant_global_scale``: ``amax / (6 * scale.max)`` per 2D
+    matrix) for a two-level scheme (``nvfp4``, ``nvfp4_b32``) and uses none for ``nvfp4_ue5m3``; a value
+    (one element, ``[E]`` for 3D ``x``, or one per leading index) is used as given, for either kind, so that
+    ue5m3 with a global scale is an explicit option. A NaN in a block makes its scale NaN (ue5m3 code 0xFF,
+    e4m3 0x7F) and the block dequantizes to NaN; an Inf saturates the block scale to the format's max.
+
+    Args:
+        x: ``[..., k]`` float32 / bfloat16 / float16 (2D ``[m, k]`` or 3D ``[E, m, k]``).
+        scheme: ``nvfp4_ue5m3``, ``nvfp4_b32`` or ``nvfp4`` (a name or a ``BlockScheme``).
+        global_scale: fp32 decode scale(s) in ``[2**-126, 2**126]``, or None (above).
+
+    Returns:
+        ``(packed, block_scale, global_scale)``: uint8 ``[..., k/2]`` (even element in the low nibble),
+        uint8 ``[..., k / block_size]`` block-scale codes (ue4m3: the e4m3 byte; ue5m3: the ue5m3 byte), and
+        the fp32 global scale used (None where none was).
+
+    Raises:
+        TypeError / ValueError: a non-float ``x``; ``k`` not a multiple of the block size; a scheme that is
+            not NVFP4-style; a ``global_scale`` of the wrong shape or outside ``[2**-126, 2**126]``.
+    """
+    s = _nvfp4_variant(scheme)
+    xb, bs, g, used = _variant_blocks(x, s, global_scale)
+    scaled, _ = _variant_elements(xb, bs, g)
+    codes = encode_element(scaled.abs(), _E2M1) | (scaled < 0).to(torch.uint8) << 3
+    packed = pack_codes(codes.reshape(*x.shape[:-1], x.shape[-1]), _E2M1)
+    return packed, encode_element(bs, s.scale.element), used
+
+
+def dequantize_nvfp4_variant(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    scheme,
+    global_scale: torch.Tensor | float | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dequantize ``quantize_nvfp4_variant``'s output: ``e2m1 * (s * g)`` in fp32, one cast to ``dtype``.
+
+    Args:
+        packed: uint8 ``[..., k/2]``; block_scale: uint8 codes ``[..., k / block_size]`` of the scheme's scale
+            format; global_scale: the decode scale used at quantization, or None for none; dtype: output dtype.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes or shapes, naming the argument.
+    """
+    s = _nvfp4_variant(scheme)
+    _check_out_dtype(dtype)
+    packed = _as_uint8(packed, "packed", packed_dtypes(_E2M1))
+    block_scale = _as_uint8(block_scale, "block_scale", ())
+    k = packed.shape[-1] * 2
+    if block_scale.shape != (*packed.shape[:-1], k // s.block_size) or k % s.block_size:
+        raise ValueError(
+            f"block_scale: expected shape {[*packed.shape[:-1], k // s.block_size]} for packed "
+            f"{list(packed.shape)} and block_size={s.block_size}, got {list(block_scale.shape)}"
+        )
+    values = decode_element(unpack_codes(packed, _E2M1), _E2M1)
+    sv = decode_element(block_scale, s.scale.element)
+    if global_scale is None:
+        step = sv.unsqueeze(-1)
+    else:
+        step = sv.unsqueeze(-1) * _global_scale_view(global_scale, values, "global_scale")
+    v = values.reshape(*packed.shape[:-1], k // s.block_size, s.block_size) * step
+    return v.reshape(*packed.shape[:-1], k).to(dtype)
+
+
+def quant_dequant_nvfp4_variant(
+    x: torch.Tensor, scheme, global_scale: torch.Tensor | float | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """QDQ in an NVFP4-style scheme without packing; bit for bit
+    ``dequantize_nvfp4_variant(*quantize_nvfp4_variant(x, scheme, global_scale), scheme, ...)`` (arguments and
+    rules as there). Returns a tensor shaped like ``x`` of ``dtype`` (default ``x.dtype``)."""
+    s = _nvfp4_variant(scheme)
+    dtype = x.dtype if dtype is None else dtype
+    _check_out_dtype(dtype)
+    xb, bs, g, _ = _variant_blocks(x, s, global_scale)
+    scaled, denom = _variant_elements(xb, bs, g)
+    mag = round_to_element(scaled.abs(), _E2M1)
+    e = torch.where(scaled < 0, -mag, mag)  # the sign as quantize stores it: -0.0 in, +0 out
+    e = torch.where(torch.isnan(scaled), 0.0, e)  # NaN has no e2m1 code: stored as 0 (the NaN scale carries it)
+    return (e * denom).reshape(x.shape).to(dtype)
+
+
 # ----------------------------------------------------------------------------- FP8 per tensor
 
 
@@ -1010,7 +1214,9 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
     """QDQ of one tensor by block-format name: ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``, ``mxfp8_e4m3``,
     ``mxfp8_e5m2`` (keyword ``scale_mode``, default ``even``), or ``nvfp4`` (``global_scale``: the
     fp32 *encode* scale ``1 / input_scale`` of ``ref_nvfp4_quant_dequant``; ``None`` uses
-    ``2688 / amax(x)``, the value calibration on ``x`` gives).
+    ``2688 / amax(x)``, the value calibration on ``x`` gives), or an NVFP4 variant ahead of hardware
+    (``nvfp4_ue5m3``, ``nvfp4_b32``: ``quant_dequant_nvfp4_variant``, whose ``global_scale`` is a *decode*
+    scale; ``None`` derives one for ``nvfp4_b32`` and uses none for ``nvfp4_ue5m3``).
 
     ``scheme`` names how this one tensor is stored (``mxlib.formats.BLOCK_SCHEMES``), not a MoE
     scheme: ``mxfp4`` here is the MXFP4 format, whatever quantizes the other tensors of a layer.
@@ -1032,6 +1238,8 @@ def quant_dequant(x: torch.Tensor, scheme: str, global_scale=None, **kwargs) -> 
         ValueError: unknown format name; ``global_scale`` given for an OCP MX format.
     """
     s = get_block_scheme(scheme)
+    if s.name in NVFP4_VARIANTS:
+        return quant_dequant_nvfp4_variant(x, s, global_scale, **kwargs)
     if s.has_global_scale:
         if global_scale is None:
             a = x.detach().float().abs()

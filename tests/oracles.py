@@ -204,3 +204,70 @@ def moe_fp64(a1, w13, w2, topk_weights, topk_ids, *, per_pair=False, store_dtype
             act = a2_fn(act if store_dtype is not None else act.float(), e)
         pairs_out[pairs] = (act.double() @ w2[e].double().T) * topk_weights.reshape(-1)[pairs, None].double()
     return pairs_out.view(m, k, -1).sum(1)
+
+
+# ----------------------------------------------------------------------------- UE5M3 and the NVFP4 variants
+
+
+def ue5m3_grid() -> list[float]:
+    """Every UE5M3 code's value in float64, straight from the bit fields (no sign bit; 5 exponent bits, bias 15;
+    3 mantissa bits; exponent field 0 is subnormal; 0xFF is NaN): index = code."""
+    out = []
+    for code in range(256):
+        e, m = code >> 3, code & 7
+        if code == 0xFF:
+            out.append(math.nan)
+        elif e == 0:
+            out.append(m / 8 * 2.0 ** (1 - 15))
+        else:
+            out.append((1 + m / 8) * 2.0 ** (e - 15))
+    return out
+
+
+def ue5m3_round(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, values)``: round float64 ``x`` to the UE5M3 grid by searching the list of ``ue5m3_grid``:
+    nearest value, a tie to the even code, saturating at the largest finite value, negative values to 0, NaN to
+    0xFF."""
+    grid = np.array(ue5m3_grid()[:255])  # the finite codes, ascending
+    x = np.asarray(x, dtype=np.float64)
+    codes = np.zeros(x.shape, dtype=np.int64)
+    flat = x.reshape(-1)
+    out = codes.reshape(-1)
+    for i, v in enumerate(flat):
+        if math.isnan(v):
+            out[i] = 0xFF
+            continue
+        v = min(max(v, 0.0), grid[-1])
+        hi = int(np.searchsorted(grid, v))  # grid[hi - 1] < v <= grid[hi]
+        if hi == 0 or grid[hi] == v:
+            out[i] = hi
+            continue
+        lo = hi - 1
+        d_lo, d_hi = v - grid[lo], grid[hi] - v
+        out[i] = lo if d_lo < d_hi else hi if d_hi < d_lo else (lo if lo % 2 == 0 else hi)
+    values = np.array(ue5m3_grid())[codes]
+    return codes.astype(np.uint8), values
+
+
+def nvfp4_variant_qdq(x: np.ndarray, block_size: int, scale: str, global_scale: float | None) -> np.ndarray:
+    """NVFP4-style QDQ in numpy float32 with ml_dtypes casts (e2m1, e4m3) or ``ue5m3_round``::
+
+    s = scale(amax / (6 * g)), e = e2m1(x / (s * g)) (0 where s * g is 0), dq = e * (s * g); g = 1 without a
+    global scale. ``x`` is 2D float32 ``[m, k]``.
+    """
+    f32 = np.float32
+    m, k = x.shape
+    xb = x.astype(f32).reshape(m, k // block_size, block_size)
+    g = f32(1.0) if global_scale is None else f32(global_scale)
+    amax = np.abs(xb).max(axis=-1)
+    raw = (amax / (f32(6.0) * g)).astype(f32)
+    if scale == "ue4m3":
+        s = round_elements(raw, "e4m3")
+    else:
+        s = ue5m3_round(raw.astype(np.float64))[1].astype(f32)
+    denom = (s * g).astype(f32)[..., None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scaled = np.where(denom == 0, f32(0.0), xb / np.where(denom == 0, f32(1.0), denom)).astype(f32)
+    e = round_elements(np.abs(scaled), "e2m1")
+    e = np.where(scaled < 0, -e, e).astype(f32)
+    return (e * denom).astype(f32).reshape(m, k)

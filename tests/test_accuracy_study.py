@@ -41,9 +41,9 @@ def test_parameters_resolve_and_refuse():
         (dict(schemes="int3"), "schemes: 'int3' is not a scheme"),
         (dict(strategies=["max", "p33x"]), "strategies: .* unknown"),
         (dict(strategies="max"), "strategies: expected a non-empty list"),
-        (dict(eval_prompts=0), "eval_prompts: expected a positive integer"),
-        (dict(resamples=2.5), "resamples: expected a positive integer"),
-        (dict(seed="0"), "seed: expected an int"),
+        (dict(eval_prompts=0), "eval_prompts: expected an integer from 1 to 100000 prompts; 0 is below the lower"),
+        (dict(resamples=2.5), "resamples: expected an integer from 1 to 100000 bootstrap resamples, got 2.5"),
+        (dict(seed="0"), r"seed: expected an integer from 0 to 4294967295 \(a random seed\), got '0'"),
         (dict(experts_backend="cuda"), "experts_backend: expected one of"),
     ]
     for kwargs, match in bad:

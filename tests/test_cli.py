@@ -224,11 +224,11 @@ MISTAKES = [
     ),
     (
         ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), str(CONFIGS / "README.md")],
-        "out_dir: ",
+        "README.md' is a file; expected an absent or empty folder",
     ),
     (
         ["dummy-from-config", str(CONFIGS / "modelopt-nvfp4-qwen3-30b-a3b"), str(CONFIGS)],
-        "is a file or a folder that is not an mxlib checkpoint",
+        "is a folder that is not an mxlib checkpoint; expected an absent or empty folder",
     ),
 ]
 

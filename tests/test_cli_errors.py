@@ -138,7 +138,11 @@ def test_dummy_from_config_file_errors(tmp_path):
     src = _config(tmp_path)
     _check(*_run(["dummy-from-config", str(src), out, "--layers", "49"]), "--layers", "48")
     (tmp_path / "a_file").write_text("")
-    _check(*_run(["dummy-from-config", str(src), str(tmp_path / "a_file")]), "out_dir", "not an mxlib checkpoint")
+    _check(*_run(["dummy-from-config", str(src), str(tmp_path / "a_file")]), "out_dir", "a_file' is a file; expected")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "x").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    _check(*_run(["dummy-from-config", str(src), str(tmp_path / "link")]), "out_dir", "is a symbolic link to")
     assert not (tmp_path / "out").exists()
 
 

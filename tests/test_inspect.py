@@ -97,6 +97,9 @@ class _Recorder:
     def __exit__(self, *exc):
         self._f.close()
 
+    def close(self):
+        self._f.close()
+
     def seek(self, pos, whence=0):
         return self._f.seek(pos, whence)
 

@@ -126,6 +126,10 @@ def test_01_end_to_end(scheme, executed_notebook):
     assert moe["swapped nibbles"] < 3.0 and moe["working"] > moe["swapped nibbles"] + 8.0, moe
     assert res["swapped_nibbles_logits"]["sqnr_db"] < logit["sqnr_db"], res["swapped_nibbles_logits"]
     assert res["bf16_rounding_sqnr_db"] > 40.0
+    # what ran: every layer's experts in the checkpoint's scheme, a1 and a2 each QDQ'd once in the forward
+    ran = res["what_ran"]
+    assert [r["module"] for r in ran] == [f"model.layers.{i}.mlp.experts" for i in range(4)], ran
+    assert all((r["scheme"], r["a1_passes"], r["a2_passes"]) == (res["scheme"], 1, 1) for r in ran), ran
     # section 5: the same checkpoint in vLLM's numerics and the hardware's
     modes = res["numerics_modes"]
     assert res["numerics"] == "vllm" and len(modes["sets"]) == 3 and len(modes["layers"]) == 4
@@ -163,6 +167,14 @@ def test_02_microscaling_formats(executed_notebook):
     assert g["mxfp8_e4m3"] > g["mxfp6_e3m2"] > g["mxfp4"] and g["mxfp6_e2m3"] > g["mxfp4"] + 8, g
     assert g["nvfp4"] > g["mxfp4"], g
     assert 17 < g["mxfp4"] < 22, g  # 1 mantissa bit
+    # the NVFP4 variants: a row each beside NVFP4 and MXFP4, orderings only where the paired interval says so
+    v = {r["distribution"]: r for r in res["nvfp4_variants"]}
+    assert set(v) == {"gaussian", "laplace", "outliers"}
+    assert all("nvfp4_ue5m3" in r and "nvfp4_b32" in r for r in v.values()), v
+    b32 = [r for r in res["nvfp4_variant_orderings"] if (r["a"], r["b"]) == ("nvfp4", "nvfp4_b32")]
+    assert b32 and all(r["holds"] and r["high"] < 0 for r in b32), b32
+    mid = [r for r in res["ue5m3_global_scale"] if 1e-3 <= r["amax"] <= 1e4]
+    assert mid and all(abs(r["gs_buys_db"]) < 0.05 for r in mid), mid
 
 
 def test_03_scheme_comparison(executed_notebook):

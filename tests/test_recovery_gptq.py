@@ -119,6 +119,8 @@ def _textbook_codes(w, hess, step, fmt, damp=0.01):
     n, k = w.shape
     h = hess.astype(np.float64).copy()
     d = np.diag(h).copy()
+    h /= d[d > 0].mean()  # the Hessian's own scale
+    d = np.diag(h).copy()
     d[d == 0] = 1.0
     h[np.arange(k), np.arange(k)] = d
     h[np.arange(k), np.arange(k)] += damp * np.mean(np.diag(h))

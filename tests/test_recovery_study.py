@@ -229,7 +229,7 @@ def test_technique_names_resolve_against_the_registry(monkeypatch):
         RC.check_recovery_parameters(techniques="rtn", dummy_experts=2, dummy_top_k=4)
     with pytest.raises(ValueError, match=r"dummy_preset: expected one of \[.*'tiny'.*got 'huge'"):
         RC.check_recovery_parameters(techniques="rtn", dummy_preset="huge")
-    with pytest.raises(ValueError, match="dummy_tokens: expected a positive integer"):
+    with pytest.raises(ValueError, match="dummy_tokens: expected an integer from 1 to 40960 tokens .*0 is below"):
         RC.check_recovery_parameters(techniques="rtn", dummy_tokens=0)
     p = RC.check_recovery_parameters(recipe="test", techniques="negated")
     assert p.techniques == ("rtn", "negated") and [s.name for s in p.schemes] == ["nvfp4", "w_mxfp4_a_mxfp4"]

@@ -83,6 +83,7 @@ def test_the_wheel_holds_the_package_the_notebooks_and_the_license(dist):
         package = {n for n in names if not n.startswith(info + "/")}
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib").rglob("*.py")}
         expected |= {"mxlib/py.typed", "mxlib/notebooks/__init__.py"} | {f"mxlib/notebooks/{n}" for n in NOTEBOOKS}
+        expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib/models/trained").glob("*/*")}
         assert package == expected, f"missing {sorted(expected - package)}, unexpected {sorted(package - expected)}"
         assert NOTEBOOKS and all(n[:2].isdigit() for n in NOTEBOOKS), NOTEBOOKS
         for name in NOTEBOOKS:
@@ -108,7 +109,8 @@ def test_the_wheel_metadata_keeps_the_notebook_stack_in_extras(dist):
     }
     bad = sorted(n for n in core if n.startswith(EXTRA_ONLY) or n.startswith("pytest"))
     assert bad == [], f"the core requirements of the wheel hold {bad}; they belong in an extra"
-    assert {"torch", "triton", "numpy", "safetensors"} <= core, core
+    assert {"torch", "numpy", "safetensors"} <= core, core
+    assert "triton" not in core and "triton" in in_extras["triton"] and "triton" in in_extras["gpu"], in_extras
     assert {"jupyterlab", "papermill", "nbval", "nbconvert", "ipykernel"} <= in_extras["workbook"], in_extras
     assert "pytest" in in_extras["test"], in_extras
 
@@ -119,6 +121,7 @@ def test_the_sdist_holds_what_the_wheel_is_built_from(dist):
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     needed = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "mxlib/py.typed", "notebooks/__init__.py"}
     needed |= {f"notebooks/{n}" for n in NOTEBOOKS}
+    needed |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib/models/trained").glob("*/*")}
     assert needed <= names, sorted(needed - names)
     assert not [n for n in names if n.startswith(("build/", ".venv/", ".git/", ".ci/"))], sorted(names)
 

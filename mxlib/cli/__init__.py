@@ -5,6 +5,7 @@
   mxlib unify --spread 1.0                     notebook 04: NVFP4 activation-scale unification
   mxlib routing --preset tiny                  notebook 04: routing statistics per layer
   mxlib inspect CHECKPOINT_DIR                 a checkpoint's configs and scale tensors only
+  mxlib inspect --ran CHECKPOINT_DIR           ... and what ran per module in one forward of the loaded model
   mxlib dummy-from-config CONFIG_DIR OUT_DIR   dummy weights in the layout of a config (--scheme if unquantized)
   mxlib quantize SRC DST --scheme SCHEME       a bf16 checkpoint folder quantized layer by layer
   mxlib workbook --out DIR                     run the workbook's notebooks (mxlib.workbook.runner)
@@ -224,6 +225,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         default=list(STRATEGIES),
         metavar="LIST",
         help=f"comma-separated scale strategies out of {', '.join(STRATEGIES)}",
+    )
+    ins.add_argument(
+        "--ran",
+        action="store_true",
+        help="also load the model, run one forward and print what ran per module (scheme, formats, QDQ passes of "
+        "a1 / a2, scale strategy, numerics, backend, kernel), checked against what the checkpoint asks (default: off)",
+    )
+    ins.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="experts backend of the loaded model, with --ran (default: auto)",
     )
     ins.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON here (default: none)")
 

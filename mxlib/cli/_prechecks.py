@@ -2,10 +2,14 @@
 mistake is answered at once (one line, exit code 2): the standard library and mxlib's torch-free rules only
 (``mxlib.models.presets``, ``mxlib.models.untrusted``, ``mxlib.models.atomic_write``).
 
-* the model commands (``e2e``, ``compare``, ``unify``, ``routing``): ``--layers`` at most the preset's layers
-  (48), ``--tokens`` at most its context (``max_position_embeddings``, 40960);
+* the model commands (``e2e``, ``compare``, ``unify``, ``routing``): every bounded option (``--layers``,
+  ``--tokens``, ``--calib-tokens``, ``--seed``, ``--output-layers``, ``--spread(s)``) within its bounds of
+  ``mxlib.models.parameters.PARAMETER_BOUNDS``, the table the notebooks' checks read (``--layers`` at most the
+  preset's layers, 48; ``--tokens`` at most its context, 40960; ``--calib-tokens`` at most 2^20; ``--seed``
+  below 2^32);
 * ``inspect``: ``PATH`` an existing folder (the inspector reports everything about its contents);
-* ``dummy-from-config``: ``CONFIG_DIR`` a folder whose ``config.json`` is a regular file holding a JSON object
+* ``dummy-from-config``: ``--seed`` and ``--tokens`` within the same bounds; ``CONFIG_DIR`` a folder whose
+  ``config.json`` is a regular file holding a JSON object
   whose sizes, with ``--preset`` and ``--layers`` applied, pass the loader's rules, the dummy layer cap and this
   machine's memory (``untrusted.dummy_config``); ``OUT_DIR`` absent, an empty folder or an mxlib checkpoint;
 * ``quantize``: ``SRC`` a folder whose ``config.json`` names a supported family
@@ -19,12 +23,13 @@ Each raises ``ValueError`` naming the option; the command's own ``check`` then d
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from ..models import untrusted
-from ..models.atomic_write import is_mxlib_checkpoint
+from ..models.atomic_write import describe_destination, is_mxlib_checkpoint
 from ..models.families import UnsupportedModelError, check_supported_checkpoint
-from ..models.presets import preset_context, preset_layers
+from ..models.parameters import check_parameter
 
 __all__ = ["precheck"]
 
@@ -42,16 +47,29 @@ def _json_path(value) -> None:
         raise ValueError(f"--json: {value!r} lies under {str(parent)!r}, which is a file; expected a file path")
 
 
+# option -> (its attribute, the PARAMETER_BOUNDS entry): every bounded option of every command
+_BOUNDED_OPTIONS = (
+    ("--layers", "layers", "num_hidden_layers"),
+    ("--tokens", "tokens", "num_tokens"),
+    ("--calib-tokens", "calib_tokens", "calib_tokens"),
+    ("--seed", "seed", "seed"),
+    ("--output-layers", "output_layers", "output_layers"),
+    ("--spread", "spread", "expert_spread"),
+    ("--spreads", "spreads", "expert_spread"),
+)
+
+
+def _bounded(args, preset: str | None) -> None:
+    """Every bounded option the command has, against ``mxlib.models.parameters.PARAMETER_BOUNDS`` (the table the
+    notebooks' checks read)."""
+    for option, attr, name in _BOUNDED_OPTIONS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            check_parameter(name, value, option, preset)
+
+
 def _model_sizes(args) -> None:
-    layers = preset_layers(args.preset)
-    if args.layers > layers:
-        raise ValueError(f"--layers: expected 1 to {layers} (the layers of preset {args.preset}), got {args.layers}")
-    tokens = getattr(args, "tokens", None)
-    if tokens is not None and tokens > preset_context(args.preset):
-        raise ValueError(
-            f"--tokens: expected 1 to {preset_context(args.preset)} (the context of preset {args.preset}: "
-            f"max_position_embeddings), got {tokens}"
-        )
+    _bounded(args, args.preset)
 
 
 def _inspect(args) -> None:
@@ -63,6 +81,7 @@ def _inspect(args) -> None:
 
 
 def _dummy_from_config(args) -> None:
+    _bounded(argparse.Namespace(seed=args.seed, tokens=args.tokens), args.preset)  # --layers: the config's, below
     config_dir = Path(args.config_dir)
     if not config_dir.is_dir():
         raise ValueError(f"config_dir: {args.config_dir!r} is not a folder; expected the checkpoint's config folder")
@@ -79,8 +98,8 @@ def _dummy_from_config(args) -> None:
         out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
     ):  # the writer's rule (atomic_write.atomic_folder)
         raise ValueError(
-            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
-            f"or empty folder, or an mxlib checkpoint to replace"
+            f"out_dir: {args.out_dir!r} is {describe_destination(out)}; expected an absent or empty folder, or an "
+            f"mxlib checkpoint to replace"
         )
     parent = next((q for q in out.parents if q.exists()), None)
     if parent is not None and not parent.is_dir():

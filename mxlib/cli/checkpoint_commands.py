@@ -1,7 +1,7 @@
-"""The checkpoint commands: ``inspect PATH`` (configs and scale tensors only), ``dummy-from-config
-CONFIG_DIR OUT_DIR`` (dummy weights in the layout a checkpoint's config files describe, loaded and run) and
-``quantize SRC DST`` (a bf16 checkpoint folder quantized layer by layer:
-``mxlib.models.checkpoints.streaming.quantize_checkpoint``).
+"""The checkpoint commands: ``inspect PATH`` (configs and scale tensors only; ``--ran``: also the loaded model's
+executed semantics, ``mxlib.models.what_ran``), ``dummy-from-config CONFIG_DIR OUT_DIR`` (dummy weights in the
+layout a checkpoint's config files describe, loaded and run) and ``quantize SRC DST`` (a bf16 checkpoint folder
+quantized layer by layer: ``mxlib.models.checkpoints.streaming.quantize_checkpoint``).
 
 A command's ``check`` runs before any work (a ValueError or FileNotFoundError names the option); its
 ``run`` prints a summary on stdout and returns the JSON result.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.atomic_write import describe_destination
 from ..models.checkpoints import (
     CheckpointError,
     dummy_checkpoint_from_config,
@@ -26,7 +27,15 @@ from ..models.checkpoints.dummy import dummy_quantization
 from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
 from ..models.checkpoints.streaming import check_quantization
 from ..models.families import family_of
-from ..workbook import steps as W
+
+
+def _steps():
+    """``mxlib.workbook.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
+    configs and headers only) never does."""
+    from ..workbook import steps
+
+    return steps
+
 
 __all__ = ["COMMANDS"]
 
@@ -34,7 +43,8 @@ __all__ = ["COMMANDS"]
 def check_inspect(args) -> None:
     if not Path(args.path).exists():
         raise FileNotFoundError(f"path: {args.path!r} does not exist; expected a checkpoint folder")
-    W.prepare_results_path(args.json, "--json")
+    if args.json:  # the results path's checks live with the workbook's steps (which import transformers)
+        _steps().prepare_results_path(args.json, "--json")
 
 
 def inspect_cmd(args) -> dict:
@@ -46,7 +56,31 @@ def inspect_cmd(args) -> dict:
     if unread and report.tensors_total == 0:  # nothing of the checkpoint could be read: the user's error line
         raise CheckpointError(unread[0].split(": ", 1)[1])
     print(report.table())
-    return report.to_dict()
+    result = report.to_dict()
+    if getattr(args, "ran", False):
+        result["ran"] = _ran(args.path, args.backend)
+    return result
+
+
+def _ran(path: str, backend: str) -> dict:
+    """``inspect --ran``: load the model, report what ran in one forward (``mxlib.models.what_ran``) and check it
+    against the checkpoint's scheme; ``{"rows", "ok", "problems"}``."""
+    from ..models.what_ran import RanMismatch, assert_runs_as, what_ran
+
+    model, info = load_quantized_moe(path, backend=backend)
+    report = what_ran(model)
+    print()
+    print(f"what ran (one forward of 16 tokens; the checkpoint asks {info.scheme.name}, {info.scheme.precision}):")
+    print(report.table())
+    try:
+        assert_runs_as(model, info, report=report)
+        problems = []
+    except RanMismatch as err:
+        problems = err.problems
+    print("runs as the checkpoint asks" if not problems else "DIFFERS from what the checkpoint asks:")
+    for p in problems:
+        print(f"  {p}")
+    return {"rows": report.to_dicts(), "ok": not problems, "problems": problems}
 
 
 def check_dummy_from_config(args) -> None:
@@ -73,8 +107,8 @@ def check_dummy_from_config(args) -> None:
         out.is_dir() and not out.is_symlink() and (not any(out.iterdir()) or is_mxlib_checkpoint(out))
     ):  # the writer's rule (safetensors_io.atomic_folder), checked before the model is built
         raise ValueError(
-            f"out_dir: {args.out_dir!r} is a file or a folder that is not an mxlib checkpoint; expected an absent "
-            f"or empty folder, or an mxlib checkpoint to replace"
+            f"out_dir: {args.out_dir!r} is {describe_destination(out)}; expected an absent or empty folder, or an "
+            f"mxlib checkpoint to replace"
         )
     names = {"scheme": "--scheme", "layout": "--layout"}
     try:
@@ -85,8 +119,8 @@ def check_dummy_from_config(args) -> None:
             if text.startswith(f"{param}: "):
                 text = f"{option}: {text[len(param) + 2 :]}"
         raise type(err)(text) from None
-    args.params_device = W.check_device(args.device, "--device")
-    W.prepare_results_path(args.json, "--json")
+    args.params_device = _steps().check_device(args.device, "--device")
+    _steps().prepare_results_path(args.json, "--json")
 
 
 def dummy_from_config(args) -> dict:
@@ -109,6 +143,7 @@ def dummy_from_config(args) -> dict:
         warnings.simplefilter("ignore")
         model, info = load_quantized_moe(path, device=dev, backend=args.backend, progress=args.progress)
     num_experts = family_of(model, "dummy-from-config").num_experts(model.config)
+    W = _steps()
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())
@@ -162,7 +197,7 @@ def check_quantize(args) -> None:
             if text.startswith(f"{param}: "):
                 text = f"{option}: {text[len(param) + 2 :]}"
         raise ValueError(text) from None
-    W.prepare_results_path(args.json, "--json")
+    _steps().prepare_results_path(args.json, "--json")
 
 
 def quantize_cmd(args) -> dict:

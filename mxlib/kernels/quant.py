@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference as _ref
 from .._checks import (
@@ -45,6 +43,7 @@ from . import _bridge
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import kernel_format_args, launch_opts, select, tiles
+from ._triton import tl, triton
 
 __all__ = [
     "quant_dequant_mx",
@@ -370,7 +369,7 @@ def quantize_mx(x, element="e2m1", block_size=MX_BLOCK_SIZE, scale_mode="even"):
     get_scale_mode(scale_mode)
     check_float(x, "x")
     check_block(x.shape[-1], block_size, "x")
-    fmt.packed_size(block_size)
+    fmt.packed_size(block_size, "block_size")
     x2 = _rows(x)
     r, k = x2.shape
     packed = torch.empty((r, fmt.packed_size(k)), dtype=torch.uint8, device=x.device)

@@ -59,6 +59,7 @@ __all__ = [
     "WRITE_MARKER",
     "WRITER_VERSION",
     "atomic_folder",
+    "describe_destination",
     "is_mxlib_checkpoint",
     "recover_interrupted",
 ]
@@ -174,6 +175,35 @@ def is_mxlib_checkpoint(path: Path) -> bool:
     )
 
 
+def describe_destination(path: Path) -> str:
+    """What an existing destination is, in words, for a refusal: ``a file``, ``a FIFO``, ``a folder that is not
+    an mxlib checkpoint``, or ``a symbolic link to TARGET (an mxlib checkpoint)`` (a link is described by what it
+    points to: a checkpoint, a folder, a file, or nothing)."""
+    if path.is_symlink():
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        if not path.exists():
+            what = "nothing: a dangling link"
+        else:
+            what = describe_destination(path.resolve())
+        return (
+            f"a symbolic link to {target} ({what}; overwrite=True replaces the link itself, not its target: "
+            f"to replace the target, write to its own path)"
+        )
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "an entry that cannot be read"
+    if stat.S_ISDIR(mode):
+        return "an mxlib checkpoint" if is_mxlib_checkpoint(path) else "a folder that is not an mxlib checkpoint"
+    if stat.S_ISREG(mode):
+        return "a file"
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
 def _check_destination(path: Path, overwrite: bool) -> None:
     if not (path.exists() or path.is_symlink()):
         return
@@ -181,7 +211,7 @@ def _check_destination(path: Path, overwrite: bool) -> None:
         return
     if overwrite or is_mxlib_checkpoint(path):
         return
-    what = "a file" if not path.is_dir() or path.is_symlink() else "a folder that is not an mxlib checkpoint"
+    what = describe_destination(path)
     raise FileExistsError(
         f"{path}: the destination is {what} (an mxlib checkpoint holds {CHECKPOINT_MARKER} and only the files "
         f"it lists); refusing to replace it. Choose another path, empty it, or pass overwrite=True to replace it."

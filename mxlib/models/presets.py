@@ -12,6 +12,7 @@ __all__ = [
     "GPT_OSS_PRESETS",
     "preset_layers",
     "preset_context",
+    "preset_experts",
     "preset_model_type",
 ]
 
@@ -159,6 +160,14 @@ def preset_context(model_preset: str) -> int:
     """The longest sequence a preset's model takes (``max_position_embeddings``: 40960, gpt-oss's 131072)."""
     base, over = _preset(model_preset)
     return over.get("max_position_embeddings", base["max_position_embeddings"])
+
+
+def preset_experts(model_preset: str) -> int:
+    """The routed experts per layer of a preset's model (128 for Qwen3-30B-A3B, 16 for ``small``, 32 for
+    gpt-oss-20b)."""
+    base, over = _preset(model_preset)
+    merged = {**base, **over}
+    return merged.get("num_experts", merged.get("num_local_experts"))
 
 
 def preset_model_type(model_preset: str) -> str:

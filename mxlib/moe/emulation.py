@@ -54,6 +54,7 @@ from .activation_rules import block_rule_global_scale, check_activation_block_ru
 from .activations import SILU, MoEActivation
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .expert_weights import ExpertWeights, _check
+from .kept_weights import KeptDequantized
 from .reference_moe import torch_moe
 from .scales import (
     ACTIVATION_SCALE_STRATEGIES,
@@ -67,6 +68,7 @@ from .schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
     "ExpertWeights",
+    "KeptDequantized",
     "QuantizedExperts",
     "Nvfp4QuantizationEmulationTritonExperts",
     "OCP_MXQuantizationEmulationTritonExperts",
@@ -78,6 +80,10 @@ _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (F
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
+# Whether ``backend="auto"`` runs MX FP8 weights (``w_mxfp8``, ``w_mxfp8_a_mxfp8``) on the dequantize-GEMM kernel on
+# CUDA. Measured on an H100 (benchmarks/h100_mxfp8_auto.json, Qwen3-30B-A3B layer, M = 1..4096): 0.08-0.65x the
+# dequantize-then-GEMM path's time at every M, with the same output bits.
+FP8_AUTO_FUSED = True
 # FP4 weights whose H or I is no multiple of the kernel's K tile (gpt-oss-20b: 2880) run the FP4 kernel on a copy
 # zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
 # (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
@@ -137,9 +143,12 @@ class QuantizedExperts(TritonExperts):
 
     def prefers_fused(self) -> bool:
         # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
-        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; FP8 weights stay dequantize-then-GEMM
-        # (the generic fused kernel is slower there)
-        return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
+        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; H100 (FP8_AUTO_FUSED): so does the
+        # dequantize-GEMM kernel for MX FP8 weights with bf16 activations
+        s = self.weight_scheme
+        if s.element.nbits == 8 and not s.has_global_scale:
+            return FP8_AUTO_FUSED and self.activation_dtype == torch.bfloat16
+        return self.fp4_kernel_applies() and (s.element.nbits == 4 or FP6_AUTO_FUSED)
 
     def _prepare_if_fused(self) -> None:
         """Prepare the FP4 layout now when the forward will use it (construction time; an unknown backend
@@ -235,9 +244,27 @@ class QuantizedExperts(TritonExperts):
         backend = resolve_backend(self.backend, self._device())
         return self._dequantize(ops_for_backend("torch" if backend == "torch" else "triton"), slice(None))
 
+    keep_dequantized = False  # the class default: a library user's experts dequantize at each forward
+    kept_dequantized: KeptDequantized | None = None  # where kept weights go (made at the first use)
+
     def dequantized_expert(self, e: int):
-        w13, w2 = self._dequantize(_ref, slice(e, e + 1))
-        return w13[0], w2[0]
+        """Expert ``e``'s ``(w13 [2I, H], w2 [H, I])`` in the activation dtype, dequantized by the
+        reference (``mxlib.reference``) in the experts' numerics.
+
+        With ``keep_dequantized`` set (``experts.keep_dequantized = True``; off by default: it holds the
+        dequantized weights, 4.8 GB for the 4-layer Qwen3-30B-A3B dummy's experts, beside the packed ones), the
+        result is kept in ``kept_dequantized`` (a ``KeptDequantized``; experts made from the same quantized
+        tensors may share one) and handed out again while it is valid (``KeptDequantized.get``); otherwise it
+        is dequantized anew. A kept result is always the one dequantizing now would give, bit for bit. The CPU
+        studies of the workbook set it: their forwards run the same weights many times.
+        """
+        if not self.keep_dequantized:
+            self.kept_dequantized = None  # turned off: what was kept is let go
+            w13, w2 = self._dequantize(_ref, slice(e, e + 1))
+            return w13[0], w2[0]
+        if self.kept_dequantized is None:
+            self.kept_dequantized = KeptDequantized()
+        return self.kept_dequantized.get(self, e)
 
     def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
         """(w13, w2) as ``PackedWeights`` (checkpoint layout) for the generic fused kernel."""
@@ -507,10 +534,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             made = self.__dict__.pop("_a1_row_scale", None)
             if made is None or made[0] is not a1:
                 raise RuntimeError("a1: per-token hardware numerics take the a1 that quantize_input made")
+            w13_of, w2_of = self.expert_weight_getters()
             return torch_moe(
                 a1,
-                lambda e: self.dequantized_expert(e)[0],
-                lambda e: self.dequantized_expert(e)[1],
+                w13_of,
+                w2_of,
                 topk_weights,
                 topk_ids,
                 self.intermediate_qdq(backend),

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import BlockScheme, PerTensorScheme
+from .. import reference as _ref
+from ..formats import NVFP4, NVFP4_VARIANTS, BlockScheme, PerTensorScheme
 from ..kernels.hadamard import BlockHadamard
 from .activations import SILU, MoEActivation, get_activation
 from .base import ops_for_device
@@ -28,8 +29,9 @@ from .emulation import (
     QuantizedExperts,
 )
 from .linear import EmulatedLinear, LinearWeights
+from .nvfp4_variants import Nvfp4VariantEmulationExperts
 from .scales import PER_TOKEN
-from .schemes import MoEQuantScheme, get_moe_scheme, get_weight_format
+from .schemes import MoEQuantScheme, checkpoint_weight_format, get_moe_scheme, get_weight_format
 from .weight_only import Nvfp4WeightOnlyEmulationTritonExperts
 
 __all__ = [
@@ -63,6 +65,10 @@ def quantize_expert_weights(
     """
     fmt = get_weight_format(scheme)
     ops = ops or ops_for_device(w13.device)
+    if fmt.name in NVFP4_VARIANTS:  # the reference arithmetic (no kernel reads these formats)
+        p13, s13, g13 = _ref.quantize_nvfp4_variant(w13, fmt)
+        p2, s2, g2 = _ref.quantize_nvfp4_variant(w2, fmt)
+        return ExpertWeights(fmt, p13, s13, p2, s2, g13, g2)
     if fmt.has_global_scale:
         p13, s13, g13 = ops.quantize_nvfp4(w13, block_size=fmt.block_size)
         p2, s2, g2 = ops.quantize_nvfp4(w2, block_size=fmt.block_size)
@@ -138,12 +144,28 @@ def make_emulation_experts(
     static = s.static_activation_scale
     if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
-    if activation_block_rule != "amax" and not (s.weight.has_global_scale and not s.weight_only):
+    if activation_block_rule != "amax" and not (s.weight is NVFP4 and not s.weight_only):
         raise ValueError(
             f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
         )
     arith = dict(activation=get_activation(activation), w13_bias=w13_bias, w2_bias=w2_bias)
-    if s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
+    if s.weight.name in NVFP4_VARIANTS:
+        if backend not in ("auto", "torch"):
+            raise ValueError(
+                f"backend: {s.name} runs on the 'torch' backend only (no Triton kernel reads its block scales); "
+                f"got {backend!r}"
+            )
+        experts = Nvfp4VariantEmulationExperts(
+            s,
+            weights,
+            w13_input_scale,
+            w2_input_scale,
+            activation_dtype=activation_dtype,
+            backend=backend,
+            numerics=numerics,
+            **arith,
+        )
+    elif s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
         experts = Nvfp4WeightOnlyEmulationTritonExperts(
             weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics, **arith
         )
@@ -182,7 +204,7 @@ def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockS
     """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
     ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
     ``weight_scale_2``; OCP MX: E8M0 ``even``)."""
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "quantize_linear_weight")
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
     ops = ops or ops_for_device(weight.device)

@@ -19,7 +19,14 @@ w_mxfp8                        mxfp8_e4m3     bf16 (W8A16: what vLLM's MXFP8 emu
 w_mxfp8_a_mxfp8                mxfp8_e4m3     mxfp8_e4m3, dynamic (W8A8, the checkpoint's scheme)
 nvfp4                          nvfp4          nvfp4 (two-level, static global scale)
 w4a16_nvfp4                    nvfp4          bf16 (W4A16: Marlin / Humming on Hopper)
+nvfp4_ue5m3                    nvfp4_ue5m3    nvfp4_ue5m3, dynamic (no global scale)
+nvfp4_b32                      nvfp4_b32      nvfp4_b32 (static global scale)
 =============================  =============  ===================================
+
+The last two are NVFP4 variants ahead of hardware (``NVFP4_VARIANT_SCHEMES``, ``mxlib.formats.NVFP4_VARIANTS``):
+UE5M3 block scales per 16 elements (AutoRound's ``NVFP4_E5M3`` is accepted for it) and 32-element NVFP4
+blocks. They are not in ``MOE_SCHEMES`` (no checkpoint stores them); ``get_moe_scheme`` finds them, and
+``mxlib.moe.nvfp4_variants`` runs them on the ``torch`` backend.
 
 A scheme name says what is quantized: ``w_<weight format>`` (weight-only) or
 ``w_<weight format>_a_<activation format>`` (AMD Quark's export names, which vLLM's
@@ -48,12 +55,14 @@ activations). The error names the candidates. ``docs/api-mapping.md`` has the ta
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from ..formats import (
     BLOCK_SCHEMES,
     FP8_E4M3_PER_TENSOR,
     NVFP4,
+    NVFP4_VARIANTS,
     BlockScheme,
     PerTensorScheme,
     get_activation_format,
@@ -63,11 +72,13 @@ from ..formats import (
 __all__ = [
     "MoEQuantScheme",
     "MOE_SCHEMES",
+    "NVFP4_VARIANT_SCHEMES",
     "OCP_MX_SCHEMES",
     "NVFP4_MOE",
     "W4A16_NVFP4",
     "get_moe_scheme",
     "get_weight_format",
+    "checkpoint_weight_format",
     "vllm_emulated_scheme",
     "FP8_PER_TENSOR",
     "SCHEME_ALIASES",
@@ -118,8 +129,8 @@ class MoEQuantScheme:
 
     @property
     def is_ocp_mx(self) -> bool:
-        """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4."""
-        return not self.weight.has_global_scale
+        """OCP MX weights (E8M0 block scales, no global scale), as opposed to NVFP4 and its variants."""
+        return self.weight.scale_is_power_of_two
 
 
 # Quark's short names in scheme names: ``mxfp8`` is the e4m3 MXFP8 format
@@ -158,6 +169,14 @@ NVFP4_MOE: MoEQuantScheme = MOE_SCHEMES[NVFP4.name]
 W4A16_NVFP4_NAME = "w4a16_nvfp4"
 MOE_SCHEMES[W4A16_NVFP4_NAME] = MoEQuantScheme(W4A16_NVFP4_NAME, NVFP4, None)
 W4A16_NVFP4: MoEQuantScheme = MOE_SCHEMES[W4A16_NVFP4_NAME]
+# NVFP4 variants ahead of hardware (``mxlib.formats.NVFP4_VARIANTS``), W4A4 in the variant: weights and both
+# activation points in the same format. Kept out of ``MOE_SCHEMES`` (the schemes checkpoints store and the
+# studies sweep); ``get_moe_scheme`` finds them; ``mxlib.moe.nvfp4_variants`` runs them.
+NVFP4_VARIANT_SCHEMES: dict[str, MoEQuantScheme] = {
+    name: MoEQuantScheme(name, fmt, fmt) for name, fmt in NVFP4_VARIANTS.items()
+}
+# Other tools' names of the NVFP4 variants: AutoRound's NVFP4 with UE5M3 block scales (intel/auto-round#2123)
+NVFP4_VARIANT_ALIASES: dict[str, str] = {"NVFP4_E5M3": "nvfp4_ue5m3", "nvfp4_e5m3": "nvfp4_ue5m3"}
 # Other tools' scheme names -> the canonical name (docs/api-mapping.md gives the sources).
 SCHEME_ALIASES: dict[str, str] = {
     # NVFP4 weights and activations, said the w_*_a_* way; vLLM's method name for ModelOpt NVFP4
@@ -180,6 +199,34 @@ SCHEME_ALIASES: dict[str, str] = {
     "NVFP4A16": "w4a16_nvfp4",
     "nvfp4_w4a16": "w4a16_nvfp4",
     "w_nvfp4": "w4a16_nvfp4",
+    # llm-compressor / compressed-tensors preset names (compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES)
+    # that are microscaling schemes: NVFP4 tensor_group 16 weights and activations (static global scale, dynamic
+    # "local" block scales); MXFP4 / MXFP8 group-32 E8M0 weights, with dynamic group-32 activations or A16
+    "NVFP4": "nvfp4",
+    "MXFP4A16": "w_mxfp4",
+    "MXFP4": "w_mxfp4_a_mxfp4",
+    "MXFP8A16": "w_mxfp8",
+    "MXFP8": "w_mxfp8_a_mxfp8",
+}
+
+# llm-compressor preset names that are no microscaling scheme: why each is refused, and the nearest mxlib scheme
+NOT_MICROSCALING: dict[str, str] = {
+    "W4A16": "llm-compressor's W4A16 is INT4 weights in groups of 128 with bf16 activations (GPTQ-style); the "
+    "microscaling 4-bit weight-only schemes are 'NVFP4A16' (w4a16_nvfp4) and 'MXFP4A16' (w_mxfp4)",
+    "W4A16_ASYM": "llm-compressor's W4A16_ASYM is asymmetric INT4 weights; nearest: 'NVFP4A16' or 'MXFP4A16'",
+    "W8A16": "llm-compressor's W8A16 is INT8 weights; the microscaling 8-bit weight-only scheme: 'MXFP8A16'",
+    "W8A8": "llm-compressor's W8A8 is INT8 weights and activations; nearest microscaling scheme: 'MXFP8'",
+    "INT8": "llm-compressor's INT8 is INT8 weights and activations; nearest microscaling scheme: 'MXFP8'",
+    "W4A8": "llm-compressor's W4A8 is INT4 weights with INT8 activations; nearest: 'w_mxfp4_a_mxfp8'",
+    "W4AFP8": "llm-compressor's W4AFP8 is INT4 weights with per-token FP8 activations; nearest: 'w_mxfp4_a_mxfp8'",
+    "FP8": "llm-compressor's FP8 is per-tensor FP8 weights and activations; nearest: 'w_mxfp8_a_mxfp8' (MXFP8)",
+    "FP8_DYNAMIC": "llm-compressor's FP8_DYNAMIC is per-channel FP8 weights, per-token activations; nearest: 'MXFP8'",
+    "FP8_BLOCK": "llm-compressor's FP8_BLOCK is 128x128-block FP8 weights; nearest: 'MXFP8' (32-element blocks)",
+    "NVFP4_46": "llm-compressor's NVFP4_46 is NVFP4 with the four-over-six observer: scheme 'nvfp4' with "
+    "technique='four_over_six'",
+    "NVFP4A16_46": "llm-compressor's NVFP4A16_46 is weight-only NVFP4 with the four-over-six observer: scheme "
+    "'w4a16_nvfp4' with technique='four_over_six'",
+    "UNQUANTIZED": "llm-compressor's UNQUANTIZED quantizes nothing; keep the bf16 model",
 }
 
 # A tensor-format name given where a MoE scheme is expected: what it could mean.
@@ -194,33 +241,62 @@ _FORMAT_NAME_MEANINGS = {
 def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     """Look up a MoE scheme by its canonical name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2``, ``nvfp4``, ...)
     or another tool's name for it (``SCHEME_ALIASES``: ``w_fp4_a_fp4``, ``modelopt_fp4``,
-    ``mxfp4_fp8``, ...).
+    ``mxfp4_fp8``, llm-compressor's presets ``NVFP4``, ``NVFP4A16``, ``MXFP4``, ``MXFP4A16``, ``MXFP8``,
+    ``MXFP8A16``, ...), in any letter case (``nvfp4a16``, ``W_MXFP4``). The exact lower-case tensor-format names
+    ``mxfp4`` and ``mxfp8`` stay refused: they are formats, and vLLM's ``quantization="mxfp4"`` (weights only)
+    and llm-compressor's ``MXFP4`` (weights and activations) mean different schemes by them.
 
     Call it once, where a name enters (a notebook's parameters, a CLI option, a checkpoint's
     config); pass the object below that.
 
     Raises:
-        ValueError: unknown name, the supported schemes listed; a bare tensor-format name such as
-            ``mxfp4`` (it does not say whether activations are quantized: the message names the
+        ValueError: unknown name, the supported schemes listed and the nearest names ("did you mean", ``difflib``);
+            an llm-compressor preset that is no microscaling scheme (``NOT_MICROSCALING``: ``W4A16`` is INT4,
+            ``FP8`` per-tensor, ...), naming what it is and the nearest mxlib scheme; a bare tensor-format name
+            such as ``mxfp4`` (it does not say whether activations are quantized: the message names the
             schemes it could mean).
     """
     if isinstance(name, MoEQuantScheme):
         return name
-    key = SCHEME_ALIASES.get(name, name) if isinstance(name, str) else name
+    if not isinstance(name, str):
+        raise ValueError(f"scheme: expected a MoE scheme name or a MoEQuantScheme, got {type(name).__name__}")
+    key = SCHEME_ALIASES.get(name, name)
     if key in MOE_SCHEMES:
         return MOE_SCHEMES[key]
-    if isinstance(name, str) and (name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS):
+    key = NVFP4_VARIANT_ALIASES.get(key, key)
+    if key in NVFP4_VARIANT_SCHEMES:
+        return NVFP4_VARIANT_SCHEMES[key]
+    if name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS:
         meaning = _FORMAT_NAME_MEANINGS.get(
             name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
         )
         raise ValueError(
             f"scheme: {name!r} is a tensor format, not a MoE scheme (it does not say whether activations are "
-            f"quantized); name one of {meaning}"
+            f"quantized); name one of {meaning} (llm-compressor's upper-case preset names say it: "
+            f"{[n for n, v in SCHEME_ALIASES.items() if n.isupper() and n.lower().startswith(name)]})"
         )
+    folded = _CASEFOLDED.get(name.casefold())
+    if folded is not None:
+        return MOE_SCHEMES[folded]
+    refused = {n.casefold(): why for n, why in NOT_MICROSCALING.items()}.get(name.casefold())
+    if refused is not None:
+        raise ValueError(f"scheme: {name!r} is not a microscaling scheme: {refused}")
+    near = difflib.get_close_matches(name.casefold(), list(_CASEFOLDED), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(_SPELLING[n]) for n in near)}? " if near else ""
     raise ValueError(
-        f"scheme: unknown MoE scheme {name!r}; supported: {list(MOE_SCHEMES)} "
-        f"(other tools' names: {list(SCHEME_ALIASES)})"
+        f"scheme: unknown MoE scheme {name!r}; {hint}supported: {list(MOE_SCHEMES)}, NVFP4 variants ahead of "
+        f"hardware {list(NVFP4_VARIANT_SCHEMES)} (other tools' names: {list(SCHEME_ALIASES)})"
     )
+
+
+# Case-insensitive lookup (``get_moe_scheme``): every canonical and alias name folded -> the canonical name; the
+# folded name -> its spelling in the tables (for "did you mean"). The bare lower-case tensor-format names ``mxfp4`` /
+# ``mxfp8`` are refused before this table is read (they do not say whether activations are quantized).
+_CASEFOLDED: dict[str, str] = {
+    **{n.casefold(): n for n in MOE_SCHEMES},
+    **{a.casefold(): c for a, c in SCHEME_ALIASES.items()},
+}
+_SPELLING: dict[str, str] = {**{n.casefold(): n for n in MOE_SCHEMES}, **{a.casefold(): a for a in SCHEME_ALIASES}}
 
 
 def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme:
@@ -235,12 +311,29 @@ def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme
         return scheme.weight
     if isinstance(scheme, BlockScheme):
         return scheme
-    if isinstance(scheme, str) and scheme in BLOCK_SCHEMES:
-        return BLOCK_SCHEMES[scheme]  # a tensor format names the weight format itself
+    if isinstance(scheme, str) and (scheme in BLOCK_SCHEMES or scheme in NVFP4_VARIANTS):
+        return get_block_scheme(scheme)  # a tensor format names the weight format itself
     try:
         return get_moe_scheme(scheme).weight
     except (ValueError, TypeError):
         return get_block_scheme(scheme)
+
+
+def checkpoint_weight_format(scheme: str | MoEQuantScheme | BlockScheme, where: str) -> BlockScheme:
+    """``get_weight_format`` for code that handles only the formats checkpoints store (``BLOCK_SCHEMES``): the
+    writer's layouts, the recovery techniques, ``EmulatedLinear``.
+
+    Raises:
+        ValueError: an NVFP4 variant ahead of hardware (``nvfp4_ue5m3``, ``nvfp4_b32``), naming ``where``; or as
+            ``get_weight_format``.
+    """
+    fmt = get_weight_format(scheme)
+    if fmt.name in NVFP4_VARIANTS:
+        raise ValueError(
+            f"scheme: {fmt.name} is an NVFP4 variant ahead of hardware; {where} takes the formats checkpoints store "
+            f"({list(BLOCK_SCHEMES)}); the variants run in mxlib.moe.nvfp4_variants only"
+        )
+    return fmt
 
 
 # What vLLM's emulation experts compute for a checkpoint of a scheme, where that is another scheme

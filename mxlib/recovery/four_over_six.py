@@ -38,7 +38,7 @@ from .. import reference as _ref
 from .._checks import GLOBAL_SCALE_MIN, check_float
 from ..formats import NVFP4
 from ..moe.emulation import ExpertWeights
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 
 __all__ = [
     "E4M3_MAX_FOUR_OVER_SIX",
@@ -133,6 +133,41 @@ def block_error(
     return e.sum(dim=-1)
 
 
+def error_weights(weight: torch.Tensor | None, shape, name: str = "weight") -> torch.Tensor | None:
+    """The per-element error weights of a search, checked and broadcast to ``shape`` as float64 (None stays None).
+
+    A search minimises the weighted error, so a negative weight would make it maximise that element's error, and a
+    NaN would make every candidate's error NaN: both are refused, so that a search is never worse than
+    round-to-nearest in its own weighted error. Zero weights are allowed (an element that does not count).
+
+    Raises:
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` does not broadcast to ``shape``, or holds a negative, NaN or Inf value (naming
+            ``name``, the count and the first offending value).
+    """
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of non-negative error weights, got {type(weight).__name__}")
+    if weight.is_complex() or weight.dtype == torch.bool:
+        raise ValueError(f"{name}: expected real error weights, got dtype {weight.dtype}")
+    try:
+        w = torch.broadcast_to(weight, tuple(shape))
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: shape {list(weight.shape)} does not broadcast to the weights' {list(shape)}"
+        ) from None
+    given = weight.double()
+    bad = ~torch.isfinite(given) | (given < 0)
+    if bool(bad.any()):
+        first = given[bad].flatten()[0].item()
+        raise ValueError(
+            f"{name}: expected finite, non-negative error weights, found {int(bad.sum())} negative, NaN or Inf "
+            f"values of {given.numel()} (e.g. {first})"
+        )
+    return w.double()
+
+
 def codes_of(values: torch.Tensor) -> torch.Tensor:
     """uint8 e2m1 codes (sign in bit 3, from the sign bit: -0.0 is code 8) of signed e2m1 values."""
     return _ref.encode_element(values.abs(), _E2M1) | torch.signbit(values).to(torch.uint8) << 3
@@ -164,7 +199,8 @@ def quantize_nvfp4_four_over_six(
 
     Raises:
         ValueError: a bad metric or kind, non-finite weights, k not a multiple of 16, a global
-            scale of the wrong shape.
+            scale of the wrong shape; a ``weight`` that does not broadcast or holds a negative, NaN or Inf value
+            (``error_weights``).
     """
     check_choice(metric, FOUR_OVER_SIX_METRICS, "metric")
     check_choice(global_scale_kind, GLOBAL_SCALE_KINDS, "global_scale_kind")
@@ -177,7 +213,7 @@ def quantize_nvfp4_four_over_six(
         if g_all.numel() != num:
             raise ValueError(f"global_scale: expected {num} values (one per matrix), got {g_all.numel()}")
     nb = k // NVFP4.block_size
-    w3 = None if weight is None else torch.broadcast_to(weight, x3.shape).double()
+    w3 = error_weights(weight, x3.shape)
     codes = torch.empty(num, n, k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num, n, nb, dtype=torch.float32, device=x.device)
     four = torch.empty(num, n, nb, dtype=torch.bool, device=x.device)
@@ -212,7 +248,7 @@ def experts_nvfp4(
     """``ExpertWeights`` of one layer from an NVFP4 quantizer ``quantize(x [E, n, k], which) ->
     (packed, block_scale, global_scale [E])`` (``which``: 0 for w13, 1 for w2); gate and up share
     one global scale per expert (ModelOpt's ``weight_scale_2``, as round-to-nearest)."""
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "four_over_six")
     if not fmt.has_global_scale:
         raise ValueError(f"scheme: {technique} quantizes NVFP4 weights only, got {fmt.name}")
     p13, s13, g13 = quantize(w13, 0)

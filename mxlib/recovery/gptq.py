@@ -4,8 +4,11 @@ Algorithm (Frantar et al., "GPTQ: Accurate Post-Training Quantization for Genera
 Transformers", ICLR 2023, Algorithm 1), for one weight ``W [N, K]`` (rows independent, columns ``K``
 the reduction axis) and the Hessian ``H = sum x xᵀ [K, K]`` of its calibration inputs:
 
-1. Dead inputs (``H[j, j] == 0``: no calibration token has a nonzero value in channel ``j``) get
-   ``H[j, j] = 1``; then damping ``H += damp * mean(diag H) * I`` (``damp`` 0.01, the paper's 1%).
+1. ``H`` is divided by ``m``, the mean of its live diagonal (channels with ``H[j, j] > 0``); dead inputs
+   (``H[j, j] == 0``: no calibration token has a nonzero value in channel ``j``) then get ``H[j, j] = 1``
+   (the mean live diagonal); then damping ``H += damp * mean(diag H) * I`` (``damp`` 0.01, the paper's 1%).
+   Every constant is relative to the Hessian's own scale, so the codes depend on ``H`` only through
+   ``H / m`` (the scale of ``H`` is arbitrary: a sum or a mean over tokens, any units).
 2. ``U = cholesky(H⁻¹)ᵀ``, the upper Cholesky factor of the inverse (``cholesky``,
    ``cholesky_inverse``, ``cholesky(upper=True)``, as the paper's section 3 "Cholesky reformulation").
 3. Columns in order, in lazy batches of ``lazy_block`` (``B = 128``): column ``j`` is quantized,
@@ -33,6 +36,14 @@ are round-to-nearest's bit for bit (tested).
 An expert whose Cholesky factorization fails even after damping, or (technique) that received no
 calibration token, keeps its round-to-nearest codes, with a warning naming the layer and the experts.
 
+**What holds under a rescaled Hessian.** ``H`` and ``c * H`` (``c > 0``) give the same codes bit for bit
+when ``c`` is a power of two (without overflow or underflow every float64 operation of the normalisation
+scales exactly, so ``H / m`` is the same matrix). For any other ``c`` the normalised matrices differ by the
+rounding of ``c * H`` (and of its division by ``m``): at most a few units in the last place of the dtype
+``c * H`` was formed in; codes can then differ only where a feedback-corrected weight lies that close to a
+rounding threshold of the element grid (none in the tests' cases at ``c`` = 1e-6 and 1e6, with and
+without dead channels).
+
 Shapes: ``E`` experts, ``N`` output rows, ``K`` input columns; w13 ``[E, 2I, H]`` uses the w13
 Hessian ``[E, H, H]``, w2 ``[E, H, I]`` the w2 Hessian ``[E, I, I]``.
 """
@@ -49,7 +60,7 @@ from .. import reference as _ref
 from ..formats import BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 
 __all__ = ["DAMP", "LAZY_BLOCK", "HessianSource", "gptq_quantize", "GPTQ"]
 
@@ -96,7 +107,13 @@ def _inverse_factor(hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, t
     round-to-nearest's)."""
     h = hessian.double().clone()
     diag = torch.diagonal(h, dim1=-2, dim2=-1)
-    diag[diag == 0] = 1.0  # dead input channels
+    live, dead = diag > 0, diag == 0
+    n_live = live.sum(dim=-1)
+    m = torch.where(live, diag, 0.0).sum(dim=-1) / n_live.clamp(min=1)
+    m = torch.where(n_live > 0, m, 1.0)  # an all-dead Hessian: nothing to normalise by
+    h /= m[:, None, None]  # the Hessian's own scale: every constant below is relative to it
+    diag = torch.diagonal(h, dim1=-2, dim2=-1)
+    diag[dead] = 1.0  # dead input channels: the mean live diagonal
     diag += damp * diag.mean(dim=-1, keepdim=True)
     low, info = torch.linalg.cholesky_ex(h)
     u, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(low), upper=True)
@@ -179,10 +196,11 @@ def gptq_quantize(
 
     Args:
         w: ``[E, N, K]`` bf16 / fp16 / fp32 weights (w13 ``[E, 2I, H]`` or w2 ``[E, H, I]``), finite.
-        hessian: ``[E, K, K]`` float: ``sum x xᵀ`` of each expert's inputs (any positive scale).
+        hessian: ``[E, K, K]`` float: ``sum x xᵀ`` of each expert's inputs, at any positive scale (the
+            damping is relative to it; what holds bit for bit: module docstring, "rescaled Hessian").
         scheme: the weight format (``nvfp4``, ``mxfp4``, ``mxfp6_e2m3``, ``mxfp6_e3m2``), a ``BlockScheme``
             or a ``MoEQuantScheme`` (its weight format).
-        damp: fraction of the mean Hessian diagonal added to the diagonal (0.01).
+        damp: fraction of the mean (normalised) Hessian diagonal added to the diagonal (0.01).
         lazy_block: columns per lazy batch (128); the codes do not depend on it beyond float64 rounding.
 
     Returns:
@@ -194,7 +212,7 @@ def gptq_quantize(
     Raises:
         ValueError: wrong shapes, non-finite values, a negative ``damp``, a non-positive ``lazy_block``.
     """
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "gptq")
     _check_options(damp, lazy_block)
     _check_args(w, hessian, "w")
     packed, bs, gs, failed = _gptq(w, hessian, fmt, damp, lazy_block)
@@ -239,7 +257,7 @@ class GPTQ:
     def quantize_experts(
         self, w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme, *, layer: int
     ) -> ExpertWeights:
-        fmt = get_weight_format(scheme)
+        fmt = checkpoint_weight_format(scheme, "gptq")
         h13, h2 = self.hessians.w13(layer), self.hessians.w2(layer)
         _check_args(w13, h13, "w13")
         _check_args(w2, h2, "w2")

@@ -34,6 +34,8 @@ activation statistics needs them rotated too (``rotate_second_moments``).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..kernels.hadamard import BlockHadamard, block_hadamard, check_rotation_block, ref_block_hadamard
@@ -145,7 +147,8 @@ class HadamardRotation:
     """Block Hadamard rotation around an inner technique (``get_technique("X+hadamard")`` builds it).
 
     Args:
-        inner: the ``WeightTechnique`` that quantizes the rotated weights (None: ``RoundToNearest()``).
+        inner: the ``WeightTechnique`` that quantizes the rotated weights (None: ``RoundToNearest()``). It is
+            never changed: its calibration statistics are rotated on a shallow copy, per call.
         block_size: ``b``, a power of two dividing H and I; None: the scheme's weight block size
             (16 NVFP4, 32 OCP MX), fixed at the first ``quantize_experts``.
         signs: None (plain block Hadamard) or ``"random"`` (one ±1 vector per axis from ``seed``).
@@ -200,11 +203,21 @@ class HadamardRotation:
         sh, si = (None if s is None else s.to(w13.device) for s in (r.signs_h, r.signs_i))
         w13r = ref_block_hadamard(w13, r.block_size, sh, out_dtype=torch.float32)
         w2r = ref_block_hadamard(w2, r.block_size, si, out_dtype=torch.float32)
-        for attr in _STATISTICS:  # an inner technique's statistics follow its weights into the rotated basis
-            source = getattr(self.inner, attr, None)
-            if source is not None and not isinstance(source, RotatedSecondMoments):
-                setattr(self.inner, attr, RotatedSecondMoments(source, r.block_size, r.signs_h, r.signs_i))
-        return self.inner.quantize_experts(w13r, w2r, scheme, layer=layer)
+        return self._rotated_inner(r).quantize_experts(w13r, w2r, scheme, layer=layer)
+
+    def _rotated_inner(self, r: BlockHadamard) -> WeightTechnique:
+        """A shallow copy of the inner technique whose calibration statistics (``hessians``, ``importance``)
+        are seen in the rotated basis (``RotatedSecondMoments``); ``self.inner`` itself is never changed, so a
+        technique passed in can be used again, alone or wrapped, and gives the codes it gave before. Made per
+        call, so statistics replaced on ``self.inner`` are followed."""
+        stats = {a: getattr(self.inner, a, None) for a in _STATISTICS}
+        stats = {a: v for a, v in stats.items() if v is not None and not isinstance(v, RotatedSecondMoments)}
+        if not stats:
+            return self.inner
+        inner = copy.copy(self.inner)
+        for attr, source in stats.items():
+            setattr(inner, attr, RotatedSecondMoments(source, r.block_size, r.signs_h, r.signs_i))
+        return inner
 
     def config(self) -> dict:
         """The rotation a loader applies (module docstring), with the inner technique's name and config.

@@ -28,7 +28,7 @@ from .. import reference as _ref
 from ..formats import E8M0_BIAS, NVFP4, BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
-from ..moe.schemes import MoEQuantScheme, get_weight_format
+from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
 from .four_over_six import (
     CHUNK_BLOCKS,
     E4M3_MAX_FOUR_OVER_SIX,
@@ -38,6 +38,7 @@ from .four_over_six import (
     check_choice,
     codes_of,
     e2m1_for_step,
+    error_weights,
     experts_nvfp4,
     global_scale_from_amax,
     nvfp4_weights3,
@@ -85,14 +86,15 @@ def search_nvfp4_scales(
         normalization: the e4m3 block scale the tensor amax maps to: 448 (round-to-nearest's,
             ModelOpt's ``weight_scale_2``) or 256 (4/6's, ``FourOverSixMSE``).
         global_scale_kind: ``decode`` or ``encode`` (``four_over_six.quantize_nvfp4_four_over_six``).
-        weight: optional per-element error weights broadcasting to ``[E, n, k]``.
+        weight: optional per-element error weights broadcasting to ``[E, n, k]``: finite and non-negative.
 
     Returns:
         ``(packed uint8 [..., k/2], block_scale float8_e4m3fn [..., k/16], global_scale fp32 [E] or [],
         error float64 [..., k/16])``: the chosen block's error.
 
     Raises:
-        ValueError: non-finite weights, k not a multiple of 16, a bad kind or global-scale shape.
+        ValueError: non-finite weights, k not a multiple of 16, a bad kind or global-scale shape; a ``weight``
+            that does not broadcast or holds a negative, NaN or Inf value (``four_over_six.error_weights``).
     """
     check_choice(global_scale_kind, GLOBAL_SCALE_KINDS, "global_scale_kind")
     x3 = nvfp4_weights3(x)
@@ -106,7 +108,7 @@ def search_nvfp4_scales(
             raise ValueError(f"global_scale: expected {num} values (one per matrix), got {g_all.numel()}")
     nb = k // NVFP4.block_size
     cand = nvfp4_scale_candidates(x.device)
-    w3 = None if weight is None else torch.broadcast_to(weight, x3.shape).double()
+    w3 = error_weights(weight, x3.shape)
     codes = torch.empty(num, n, k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(num, n, nb, dtype=torch.float32, device=x.device)
     errors = torch.empty(num, n, nb, dtype=torch.float64, device=x.device)
@@ -150,15 +152,16 @@ def search_mx_scales(
         x: ``[..., k]`` float weights, finite; k a multiple of the scheme's block size.
         scheme: an OCP MX ``BlockScheme`` or its name (``mxfp4``, ``mxfp6_e2m3``, ...).
         radius: neighbours tried on each side (bytes clamped to 0..254).
-        weight: optional per-element error weights broadcasting to ``x``.
+        weight: optional per-element error weights broadcasting to ``x``: finite and non-negative.
 
     Returns:
         ``(packed uint8 [..., k * bits / 8], scale uint8 [..., k / 32], error float64 [..., k / 32])``.
 
     Raises:
-        ValueError: an NVFP4 scheme, a negative radius, non-finite weights, a bad k.
+        ValueError: an NVFP4 scheme, a negative radius, non-finite weights, a bad k; a ``weight`` that does
+            not broadcast or holds a negative, NaN or Inf value (``four_over_six.error_weights``).
     """
-    fmt = get_weight_format(scheme)
+    fmt = checkpoint_weight_format(scheme, "the scale search")
     if fmt.has_global_scale:
         raise ValueError(f"scheme: expected an OCP MX format, got {fmt.name} (use search_nvfp4_scales)")
     if not isinstance(radius, int) or radius < 0:
@@ -171,7 +174,7 @@ def search_mx_scales(
     lead, k = x.shape[:-1], x.shape[-1]
     nb = k // bsz
     x2 = x.reshape(-1, k)
-    w2 = None if weight is None else torch.broadcast_to(weight, x.shape).reshape(-1, k).double()
+    w2 = None if weight is None else error_weights(weight, x.shape).reshape(-1, k)
     offsets = torch.tensor(_mx_offsets(radius), dtype=torch.int32, device=x.device)
     codes = torch.empty(x2.shape[0], k, dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], nb, dtype=torch.uint8, device=x.device)
@@ -205,8 +208,7 @@ def _importance(importance, layer: int, w13: torch.Tensor, w2: torch.Tensor):
     for t, name, shape in ((a1, "a1", (e, h)), (a2, "a2", (e, i))):
         if tuple(t.shape) != shape:
             raise ValueError(f"importance.diagonal({layer}): {name} expected shape {list(shape)}, got {list(t.shape)}")
-        if not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
-            raise ValueError(f"importance.diagonal({layer}): {name} must be finite and non-negative")
+        error_weights(t, shape, f"importance.diagonal({layer}): {name}")
     return a1.double().unsqueeze(1).to(w13.device), a2.double().unsqueeze(1).to(w2.device)
 
 
@@ -241,7 +243,7 @@ class MSEScaleSearch:
         self, w13: torch.Tensor, w2: torch.Tensor, scheme: MoEQuantScheme, *, layer: int, global_scale_kind="decode"
     ) -> ExpertWeights:
         weights = _importance(self.importance, layer, w13, w2)
-        fmt = get_weight_format(scheme)
+        fmt = checkpoint_weight_format(scheme, "the scale search")
         if fmt.has_global_scale:
 
             def quantize(x, which):

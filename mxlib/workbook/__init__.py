@@ -11,6 +11,8 @@ module                what it holds
                       ``rows_table`` (an HTML table of dict rows)
 ``probes``            what a written checkpoint stores (shapes, one block decoded); notebook 01's
                       swapped-nibbles negative control and captured module outputs
+``variant_lessons``   notebook 02's NVFP4 variants ahead of hardware (UE5M3 scales, 32-element blocks)
+                      beside NVFP4 and MXFP4, and what a global scale buys UE5M3
 ``checks``            the counted ``Checks`` of an assert cell, the exercises and their checkers,
                       the tables of notebooks 04 and 05 (strategy summary, floors, the anchor
                       tables)

@@ -17,17 +17,16 @@ All decoding goes through ``mxlib.reference``; these functions add no rounding o
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .. import reference as R
 from ..formats import BlockScheme
 from ..models.checkpoints import LAYOUTS, read_quant_config
+from ..models.checkpoints.safetensors_io import TensorReader
 from ..moe.schemes import MoEQuantScheme, get_weight_format
 
 __all__ = ["stored_shapes", "stored_block", "swapped_nibbles", "captured_output", "relative_paths", "short_warnings"]
@@ -104,7 +103,8 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
     path = Path(path)
     info = read_quant_config(path)
     bs, layout = info.scheme.weight, LAYOUTS[info.format]
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = TensorReader(path)  # every shard opened once: a checkpoint replaced meanwhile is not mixed in
+    index = tensors.weight_map
     name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
     if getattr(layout, "stacked_experts", False):  # gpt-oss: the expert's rows of the layer's blocks
         name = f"model.layers.{layer}.mlp.experts.{'down' if proj == 'down_proj' else 'gate_up'}_proj_blocks"
@@ -112,8 +112,7 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
         raise ValueError(f"layer={layer}, expert={expert}: {name} is not in the checkpoint")
 
     def read(tensor):
-        with safe_open(str(path / index[tensor]), "pt") as f:
-            return f.get_tensor(tensor)
+        return tensors.get(tensor)
 
     if getattr(layout, "stacked_experts", False):
         name, w, sc = layout.projection(read, f"model.layers.{layer}.mlp.experts", expert, proj)
@@ -140,6 +139,7 @@ def stored_block(path, layer: int = 0, expert: int = 0, proj: str = "gate_proj",
         block_scale = float(R.decode_e8m0(torch.tensor([scale_byte], dtype=torch.uint8))[0])
         ws2 = None
         values = elements * block_scale
+    tensors.close()
     return {
         "scheme": bs.name,
         "tensor": name,

@@ -51,7 +51,7 @@ from ..moe.schemes import MoEQuantScheme
 from ..recovery import TECHNIQUES, get_technique
 from .accuracy import AccuracyParameters, check_accuracy_parameters, result_rows
 from .recovery_measures import MeasuredTechnique, ScaleStepUp, SwappedNibbles, block_changes, kernel_path
-from .steps import check_positive_int, compare_runs, run_model
+from .steps import check_parameters, check_positive_int, compare_runs, run_model
 
 __all__ = [
     "DEFAULT_TECHNIQUES",
@@ -185,8 +185,10 @@ def check_recovery_parameters(
     """Every parameter checked and every name resolved once, before anything runs.
 
     ``recipe`` .. ``experts_backend``: as ``accuracy.check_accuracy_parameters``; ``techniques``: as
-    ``technique_names``; ``dummy_preset`` a key of ``MODEL_PRESETS``; the other ``dummy_*`` sizes
-    positive ints, ``dummy_top_k <= dummy_experts``.
+    ``technique_names``; ``dummy_preset`` a key of ``MODEL_PRESETS``; the other ``dummy_*`` sizes within
+    the bounds of ``mxlib.models.parameters.PARAMETER_BOUNDS`` (``PARAMETER_ALIASES``: layers, tokens,
+    calibration tokens and experts, the first and the last up to the preset's model), ``dummy_top_k`` from 1 to
+    ``dummy_experts``.
 
     Raises:
         ValueError: naming the parameter (an unknown recipe, task, scheme, technique or backend; a size).
@@ -204,8 +206,9 @@ def check_recovery_parameters(
         dummy_tokens=dummy_tokens,
         dummy_calib_tokens=dummy_calib_tokens,
     )
-    for k, v in sizes.items():
-        check_positive_int(v, k)
+    check_positive_int(dummy_top_k, "dummy_top_k")
+    # each a quantity of PARAMETER_BOUNDS (PARAMETER_ALIASES), bounded by the preset's model
+    check_parameters(dummy_preset, **{k: v for k, v in sizes.items() if k != "dummy_top_k"})
     if dummy_top_k > dummy_experts:
         raise ValueError(f"dummy_top_k: expected at most dummy_experts={dummy_experts}, got {dummy_top_k}")
     return RecoveryParameters(acc, names, dummy_preset, **sizes)

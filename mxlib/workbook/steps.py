@@ -23,8 +23,8 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +35,12 @@ from ..analysis import compare_logits, compare_tensors
 from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
 from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
-from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpoint
+from ..models.checkpoints.safetensors_io import WRITER_VERSION, SafetensorsHeaders, is_mxlib_checkpoint
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
+from ..models.parameters import check_parameters
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
+from ..moe.emulation import QuantizedExperts
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "check_e2e_parameters",
     "check_schemes",
     "check_positive_int",
+    "check_parameters",
     "check_device",
     "check_backend",
     "prepare_results_path",
@@ -197,17 +200,15 @@ def check_e2e_parameters(
         raise ValueError(f"{_name(names, 'model_preset')}: expected one of {presets}, got {model_preset!r}")
     if model_preset in GPT_OSS_PRESETS and gpt_oss_layout_for(s)[0] is None:  # the reason: no layout stores it
         raise ValueError(f"{_name(names, 'scheme')}: {s.name} is skipped for gpt-oss: {gpt_oss_layout_for(s)[1]}")
-    for param, value in (
-        ("num_hidden_layers", num_hidden_layers),
-        ("num_tokens", num_tokens),
-        ("calib_tokens", calib_tokens),
-        ("repeats", repeats),
-    ):
-        check_positive_int(value, param, names)
-    if repeats > 10:
-        raise ValueError(f"{_name(names, 'repeats')}: expected an integer from 1 to 10, got {repeats!r}")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"{_name(names, 'seed')}: expected an integer >= 0, got {seed!r}")
+    check_parameters(
+        model_preset,
+        names,
+        num_hidden_layers=num_hidden_layers,
+        num_tokens=num_tokens,
+        calib_tokens=calib_tokens,
+        repeats=repeats,
+        seed=seed,
+    )
     return E2EParameters(
         scheme=s,
         model_preset=model_preset,
@@ -337,11 +338,13 @@ def set_numerics(model, numerics: str | Numerics) -> int:
 
 
 @torch.no_grad()
-def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
+def compare_numerics(model, token_sets: list[torch.Tensor], refs: list, known_runs: dict | None = None) -> dict:
     """A loaded quantized model run in both numerics on every token set (notebook 01, section 5).
 
     Each set runs with ``numerics="vllm"`` and ``"hardware"`` (``set_numerics``; the model's own
     numerics are restored afterwards). ``refs``: the bf16 model's ``RunOutput`` of each set.
+    ``known_runs``: ``{numerics name: the model's own RunOutput of each set}`` for a numerics already run
+    (used instead of running the sets again: the same model, weights and numerics give the same bits).
 
     Returns:
         ``{"sets": rows, "layers": rows}``. ``sets``, one row per token set: ``set``,
@@ -357,13 +360,17 @@ def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
     """
     if len(token_sets) != len(refs):
         raise ValueError(f"refs: expected one per token set ({len(token_sets)}), got {len(refs)}")
+    known_runs = {get_numerics(k).value: list(v) for k, v in (known_runs or {}).items()}
+    if any(len(v) != len(token_sets) for v in known_runs.values()):
+        raise ValueError(f"known_runs: expected one run per token set ({len(token_sets)}) for each numerics")
     first = next(ex for mlp in moe_layers(model) for ex in [getattr(mlp.experts, "experts", None)] if ex is not None)
     restore = first.numerics.value
-    runs = {}
+    runs = dict(known_runs)
     try:
         for mode in NUMERICS:
-            set_numerics(model, mode)
-            runs[mode] = [run_model(model, ids) for ids in token_sets]
+            if mode not in runs:
+                set_numerics(model, mode)
+                runs[mode] = [run_model(model, ids) for ids in token_sets]
     finally:
         set_numerics(model, restore)
     sets, per_layer = [], []
@@ -430,17 +437,92 @@ def dummy_model(
 ):
     """The seeded bf16 dummy model of ``model_preset`` (``overrides`` win over its sizes): Qwen3-30B-A3B
     (``qwen3.dummy_qwen3_moe``, ``MODEL_PRESETS``) or gpt-oss-20b (``gpt_oss.dummy_gpt_oss``, ``GPT_OSS_PRESETS``)."""
-    check_positive_int(num_hidden_layers, "num_hidden_layers")
-    if not (isinstance(expert_spread, (int, float)) and math.isfinite(expert_spread) and expert_spread >= 0):
-        raise ValueError(f"expert_spread: expected a finite number >= 0, got {expert_spread!r}")
+    preset = model_preset if model_preset in (*MODEL_PRESETS, *GPT_OSS_PRESETS) else None
+    check_parameters(preset, num_hidden_layers=num_hidden_layers, seed=seed, expert_spread=expert_spread)
     if model_preset in GPT_OSS_PRESETS:  # a dummy gpt-oss-20b (mxlib.models.gpt_oss), GPT_OSS_PRESETS sizes
         cfg = gpt_oss_20b_config(num_hidden_layers, **{**GPT_OSS_PRESETS[model_preset], **overrides})
     else:
         cfg = qwen3_30b_a3b_config(num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
     build = dummy_gpt_oss if model_preset in GPT_OSS_PRESETS else dummy_qwen3_moe
-    model = build(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
-    release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+    dev = resolve_device(str(device))
+    folder = _dummy_cache_folder(cfg, seed, expert_spread) if dev.type == "cpu" and expert_spread == 0 else None
+    model = _load_cached_dummy(folder, cfg) if folder is not None else None
+    if model is None:
+        model = build(cfg, seed=seed, expert_spread=expert_spread, device=dev)
+        release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+        if folder is not None:
+            _write_cached_dummy(model, folder)
     return model
+
+
+# The plain (``expert_spread`` 0) dummy models the workbook builds at the real shape (3 B parameters: 35 s of random
+# draws and a warm-up pass on 2 cores; notebooks 01, twice, and 03 build the same one) are kept in the checkpoint
+# cache beside the checkpoints and read back in seconds; smaller ones, and those with a spread (each built once),
+# are built each time.
+DUMMY_CACHE_MIN_PARAMETERS = 100_000_000
+
+
+def _dummy_cache_folder(cfg, seed: int, expert_spread: float) -> Path | None:
+    """``<cache>/dummy-<model_type>-L<layers>-<hash>`` for a model of ``DUMMY_CACHE_MIN_PARAMETERS`` or more, else
+    None. The hash covers the config, the seed, the spread, the torch and transformers versions and the source of
+    the modules that build the dummy (a change to how it is built is a new folder)."""
+    import transformers
+
+    from ..models import gpt_oss, moe_models, qwen3
+
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    if cfg.num_hidden_layers * experts * 3 * cfg.hidden_size * inter < DUMMY_CACHE_MIN_PARAMETERS:
+        return None
+    conf = {k: v for k, v in cfg.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    key = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    key.update(f"{seed}|{float(expert_spread)!r}|{torch.__version__}|{transformers.__version__}".encode())
+    for module in (moe_models, qwen3, gpt_oss):
+        key.update(Path(module.__file__).read_bytes())
+    return default_cache_dir() / f"dummy-{cfg.model_type}-L{cfg.num_hidden_layers}-{key.hexdigest()[:20]}"
+
+
+def _load_cached_dummy(folder: Path, cfg):
+    """The model kept in ``folder`` (parameters and persistent buffers copied into an empty model of ``cfg``), or
+    None when the folder is absent or incomplete."""
+    from safetensors import safe_open
+
+    from ..models.moe_models import empty_moe_model
+
+    if not (folder / "complete").is_file():
+        return None
+    model = empty_moe_model(cfg)
+    state = model.state_dict()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f, torch.no_grad():
+        if set(f.keys()) != {n for n in state if n not in _tied_names(model)}:
+            return None
+        for name in f.keys():
+            state[name].copy_(f.get_tensor(name))
+    return model
+
+
+def _tied_names(model) -> set[str]:
+    from ..models.moe_models import tied_parameter_names
+
+    return tied_parameter_names(model)
+
+
+def _write_cached_dummy(model, folder: Path) -> None:
+    """Keep ``model``'s state in ``folder`` (written beside it, then renamed into place; a marker file last)."""
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        tied = _tied_names(model)
+        state = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in tied}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "complete").write_text("ok\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except OSError:  # a full disk or a race with another writer: the model is built, the cache is only a saving
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_model(p: E2EParameters):
@@ -529,10 +611,10 @@ def prepare_checkpoint(
     resolved here once). ``progress``: tqdm bars on stderr for calibrating and writing.
 
     Raises:
-        ValueError: ``calib_tokens`` not a positive integer, or an unknown scheme.
+        ValueError: ``calib_tokens`` or ``seed`` outside its bounds (``check_parameters``), or an unknown scheme.
     """
     s = get_moe_scheme(scheme)
-    check_positive_int(calib_tokens, "calib_tokens")
+    check_parameters(calib_tokens=calib_tokens, seed=seed)
     layers = len(model.model.layers)
     key = checkpoint_cache_key(s, model, seed, calib_tokens, calibration)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -555,10 +637,39 @@ def write_checkpoint(p: E2EParameters, model, progress: bool = False) -> Path:
 def load_checkpoint(p: E2EParameters, path: str | os.PathLike, progress: bool = False):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
     (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
-    backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
-    return load_quantized_qwen3_moe(
+    backend, each layer's experts keeping their dequantized weights where they run on the ``torch``
+    backend (``keep_dequantized``: the notebook runs the same weights many times). Returns ``(model, info)``;
+    raises what the loader raises (``CheckpointError``)."""
+    model, info = load_quantized_qwen3_moe(
         path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend, progress=progress
     )
+    keep_dequantized(model)
+    return model, info
+
+
+def emulation_experts_of(model) -> list:
+    """The emulation experts (``QuantizedExperts``) of every MoE layer of ``model`` that has them."""
+    found = []
+    for mlp in moe_layers(model):
+        ex = getattr(mlp.experts, "experts", None)
+        if isinstance(ex, QuantizedExperts):
+            found.append(ex)
+    return found
+
+
+def keep_dequantized(model_or_experts, keep: bool = True) -> int:
+    """Set ``keep_dequantized`` (``mxlib.moe.emulation.QuantizedExperts``) on every emulation experts module
+    of a model (or of a list of experts) that runs on the ``torch`` backend: each expert's weights are then
+    dequantized once and kept while the weights, the numerics and the dtype stay the same, with outputs bit
+    for bit those of dequantizing at each forward. ``keep=False`` turns it off and lets the weights go.
+    Returns the number of modules set."""
+    experts = model_or_experts if isinstance(model_or_experts, list) else emulation_experts_of(model_or_experts)
+    n = 0
+    for ex in experts:
+        if ex.resolved_backend(ex._device()) == "torch" or not keep:
+            ex.keep_dequantized = keep
+            n += 1
+    return n
 
 
 def calibrate_model(
@@ -566,7 +677,7 @@ def calibrate_model(
 ) -> Calibration:
     """Calibration over ``calib_tokens`` seeded token ids in sequences of 256 (seed ``seed + 1000``);
     ``progress``: a tqdm bar on stderr (``mxlib.models.calibration.calibrate``)."""
-    check_positive_int(calib_tokens, "calib_tokens")
+    check_parameters(calib_tokens=calib_tokens, seed=seed)
     seq = min(256, calib_tokens)
     ids = random_token_ids(seq, seed + 1000, model.config.vocab_size, batch=max(1, calib_tokens // seq))
     return calibrate(model, ids, keep_activations=keep_activations, progress=progress)
@@ -618,19 +729,12 @@ def compare_runs(test: RunOutput, ref: RunOutput) -> dict:
 def checkpoint_summary(path: str | os.PathLike, layer: int = 0, expert: int = 0) -> list[dict]:
     """Name, dtype and shape of one expert's tensors as stored (read from the safetensors headers); for a
     layout storing whole layers (gpt-oss's ``gate_up_proj_blocks [E, ...]``) the layer's expert tensors."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    headers = SafetensorsHeaders(Path(path))  # the loader's header reader: every shard read once, as one checkpoint
+    headers.close()
     prefix, layer_prefix = f"model.layers.{layer}.mlp.experts.{expert}.", f"model.layers.{layer}.mlp.experts."
-    names = [n for n in index if n.startswith(prefix)]
-    names = names or [n for n in index if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
-    rows = []
-    for name in sorted(names):
-        with safe_open(str(path / index[name]), "pt") as f:
-            sl = f.get_slice(name)
-            rows.append({"tensor": name, "dtype": sl.get_dtype(), "shape": str(list(sl.get_shape()))})
-    return rows
+    names = [n for n in headers.where if n.startswith(prefix)]
+    names = names or [n for n in headers.where if n.startswith(layer_prefix) and "." not in n[len(layer_prefix) :]]
+    return [{"tensor": n, "dtype": headers.dtype[n], "shape": str(list(headers.shape[n]))} for n in sorted(names)]
 
 
 def save_results(results: dict, path: str | os.PathLike) -> None:

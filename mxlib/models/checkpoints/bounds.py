@@ -73,6 +73,7 @@ def layers_on_disk(headers: SafetensorsHeaders) -> set[int]:
 def _shape_of(headers: SafetensorsHeaders, name: str, source, fields: str, want: tuple[int, ...]) -> None:
     if name not in headers.where:
         raise CheckpointError(f"checkpoint {headers.folder} is missing tensor {name!r}")
+    headers.mark_used(name)
     got = headers.shape[name]
     if got != want:
         raise CheckpointError(
@@ -117,18 +118,43 @@ def check_model_config(
     with torch.device("meta"):
         meta = family.load_class()(config)
     experts_part = f".{family.block_attr}.{family.experts_attr}."
+    modules = dict(meta.named_modules())
+    quantized_linears = []
     for name, p in meta.named_parameters():
         module = name.rsplit(".", 1)[0]
-        if experts_part in name or f"{module}.weight_scale" in headers.where:
+        if experts_part in name:
+            continue
+        if f"{module}.weight_scale" in headers.where:
+            if name.endswith(".weight") and isinstance(modules[module], torch.nn.Linear):
+                quantized_linears.append(module)
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         _shape_of(headers, name, cfg_path, f"{name}'s shape", tuple(p.shape))
-    del meta
+    for name, b in meta.named_buffers():  # persistent buffers a checkpoint stores (DeepSeek-V3's router bias)
+        if name in headers.where and experts_part not in name:
+            _shape_of(headers, name, cfg_path, f"{name}'s shape", tuple(b.shape))
+    if every_layer and info is not None:  # the loader's reads of quantized linear layers, on headers
+        _check_linears(headers, info, family, quantized_linears, modules)
+    del meta, modules
     if info is not None:
         moe = family.moe_layer_indices(config)
         _check_experts(headers, info, cfg_path, moe, e, h, f["moe_intermediate_size"], every_layer, family)
     return config
+
+
+def _check_linears(headers, info, family: MoEFamily, names: list[str], modules: dict) -> None:
+    """The layout's ``read_linear`` (and the bias) of every quantized linear layer the loader would read, on
+    headers: the same checks, and every tensor it reads marked used."""
+    layout = LAYOUTS[info.format]
+    reader = HeaderTensorReader(headers)
+    for module in names:
+        if matches(family.disk_name(module), info.exclude) or not layout.supports_linear:
+            continue  # the loader refuses these with its own message
+        lin = modules[module]
+        layout.read_linear(reader, module, lin.out_features, lin.in_features, info)
+        if lin.bias is not None:
+            reader.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16)
 
 
 def _check_experts(
@@ -166,6 +192,8 @@ def _check_experts(
     for layer in quantized if every_layer else quantized[:1]:
         try:
             layout.read_experts(reader, family.experts_prefix(layer), e, h, i, info)
+            if every_layer and family.expert_biases and getattr(layout, "stores_expert_biases", False):
+                layout.read_expert_biases(reader, family.experts_prefix(layer), e, h, i)
         except RuntimeError as err:  # the allocator, for sizes the headers contradict
             raise CheckpointError(f"{cfg_path}: the experts of layer {layer} cannot be allocated ({err})") from None
 

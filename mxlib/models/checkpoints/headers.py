@@ -18,7 +18,8 @@ safetensors header reader for the loader and the inspector.
 * ``SafetensorsHeaders(folder)``: every shard's header, and across shards: every name of the index in
   the header of the shard the index names, no name in two shards. The loader's ``TensorReader`` and
   the inspector both read through it, so the inspector's reports are built only from what the loader
-  accepts.
+  accepts. Every shard is opened once, there, and all its data is read through that open file, so a
+  checkpoint replaced while it is read is read whole (the old one) or refused, never mixed.
 
 Every refusal is a ``CheckpointError`` naming the file (and the tensor or field).
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -48,6 +50,10 @@ __all__ = [
     "check_shard_name",
     "read_weight_map",
     "read_safetensors_header",
+    "folder_identity",
+    "layer_of",
+    "UnusedTensorsWarning",
+    "describe_unused",
     "SafetensorsHeaders",
 ]
 
@@ -136,6 +142,38 @@ def check_shard_name(fname, source: str) -> str:
     return fname
 
 
+class UnusedTensorsWarning(UserWarning):
+    """A checkpoint stores tensors that the model its config describes does not use (the loader names them)."""
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer ``L`` of a ``model.layers.L.`` tensor name, else None."""
+    m = _LAYER.match(name)
+    return int(m[1]) if m else None
+
+
+def describe_unused(names: list[str], limit: int = 8) -> str:
+    """``names`` listed for a warning or a problem line: the first ``limit`` and how many more."""
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def folder_identity(folder: str | os.PathLike) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of the folder ``folder`` names now (links followed): a folder swapped into its place
+    (an atomic replace) has another.
+
+    Raises:
+        CheckpointError: ``folder`` cannot be ``stat``ed (naming it)."""
+    try:
+        st = os.stat(folder)
+    except OSError as err:
+        raise CheckpointError(f"{folder}: cannot be read ({err.strerror})") from None
+    return st.st_dev, st.st_ino
+
+
 def _check_regular(path: Path, what: str) -> None:
     try:
         st = os.stat(path)
@@ -190,20 +228,24 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, dict], i
     """
     path = Path(path)
     with open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(
-                f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)"
-            )
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER_BYTES:
-            raise CheckpointError(
-                f"{path}: not a safetensors file: header length {n} exceeds safetensors' limit {MAX_HEADER_BYTES}"
-            )
-        if not 2 <= n <= size - 8:
-            raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-        raw = f.read(n)
+        return _read_header(f, path)
+
+
+def _read_header(f, path: Path) -> tuple[dict[str, dict], int]:
+    """``read_safetensors_header`` of the open file ``f`` (``path`` names it in messages)."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{path}: not a safetensors file: header length {n} exceeds safetensors' limit {MAX_HEADER_BYTES}"
+        )
+    if not 2 <= n <= size - 8:
+        raise CheckpointError(f"{path}: not a safetensors file (header length {n}, file size {size})")
+    raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -258,28 +300,49 @@ class SafetensorsHeaders:
     ``{name: safetensors dtype string}`` (``"F32"``), ``shape`` ``{name: tuple}``, ``span``
     ``{name: (begin, end)}`` absolute byte range of the data in its file.
 
+    **One checkpoint, even while it is replaced.** Every shard is opened once, here, and stays open until
+    ``close()``: its header and every byte of data later read (``read_small``, and the loader's
+    ``TensorReader`` through ``reading_path``) come from that same open file, so a folder replaced after this
+    point (mxlib's own writer with ``overwrite=True`` swaps the whole folder) cannot mix the new shards into
+    the old checkpoint: the old one is read to the end. Everything read before the shards were opened (the
+    index, a caller's ``config.json``) is checked to come from the same folder: the folder's identity (device
+    and inode, ``folder_identity``) taken at ``since`` (the caller's first read; default: here) must still
+    be the folder's after every shard is open, and ``check_unchanged`` repeats the check after later reads
+    of the folder's other files. A replaced folder is refused with a ``CheckpointError`` saying so.
+
     Raises:
         CheckpointError: as ``read_weight_map`` and ``read_safetensors_header``; a name in two shards; a
-            name of the index missing from the header of its shard (each naming the files).
+            name of the index missing from the header of its shard (each naming the files); the folder
+            replaced since ``since``.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, since: tuple[int, int] | None = None):
         folder = Path(folder)
+        self.folder = folder
+        self.identity = since if since is not None else folder_identity(folder)
+        self._open: dict[str, object] = {}
         weight_map = read_weight_map(folder)
         files = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
-        self.folder = folder
         self.files = files
         self.where: dict[str, str] = {}
         self.dtype: dict[str, str] = {}
         self.shape: dict[str, tuple[int, ...]] = {}
         self.span: dict[str, tuple[int, int]] = {}
         self.unindexed = 0
+        self.unindexed_names: list[str] = []
+        self.used: set[str] = set()  # names a reader checked or read (``mark_used``, ``unused``)
         self.tensors_read = 0
         self.bytes_read = 0
         self._data: dict[str, bytes] = {}
         seen: dict[str, str] = {}
         for fname in files:
-            header, start = read_safetensors_header(folder / fname)
+            f = open_regular(folder / fname)
+            self._open[fname] = f
+            try:
+                header, start = _read_header(f, folder / fname)
+            except BaseException:
+                self.close()
+                raise
             for name, meta in header.items():
                 if name in seen:
                     raise CheckpointError(
@@ -289,6 +352,7 @@ class SafetensorsHeaders:
                 seen[name] = fname
                 if weight_map is not None and weight_map.get(name) != fname:
                     self.unindexed += 1
+                    self.unindexed_names.append(name)
                     continue
                 self.where[name] = fname
                 self.dtype[name] = meta["dtype"]
@@ -298,10 +362,80 @@ class SafetensorsHeaders:
         if weight_map is not None:
             for name, fname in weight_map.items():
                 if name not in self.where:
+                    self.close()
                     raise CheckpointError(
                         f"checkpoint {folder} is missing tensor {name!r} (listed in {INDEX_NAME} for {fname}, not "
                         f"found in that file)"
                     )
+        self.check_unchanged("its safetensors files")
+
+    def mark_used(self, name: str) -> None:
+        """Record that a reader checked tensor ``name`` against what it needs (its dtype and shape) and reads it."""
+        self.used.add(name)
+
+    def unused(self, skipped_layers=()) -> list[str]:
+        """The tensors no reader marked used (``mark_used``): names of the index, and names a shard stores that
+        the index leaves out (``unindexed_names``), except those of decoder layers the caller skips on purpose
+        (``skipped_layers``: a ``num_hidden_layers`` override). Each is a tensor the config does not account
+        for (an expert, a layer, a suffix beyond its sizes and layout), which a loader must name rather than
+        drop in silence."""
+        skipped = set(skipped_layers)
+        out = [n for n in self.where if n not in self.used and layer_of(n) not in skipped]
+        return out + [n for n in self.unindexed_names if layer_of(n) not in skipped]
+
+    def check_unchanged(self, what: str = "its files") -> None:
+        """The folder is still the one whose files were read (``folder_identity`` against ``identity``).
+
+        Raises:
+            CheckpointError: the folder was replaced (or removed) while ``what`` was being read.
+        """
+        try:
+            now = folder_identity(self.folder)
+        except CheckpointError:
+            now = None
+        if now != self.identity:
+            self.close()
+            raise CheckpointError(
+                f"{self.folder}: the folder was replaced while {what} were being read (another writer, e.g. a save "
+                f"with overwrite=True); nothing of the new checkpoint is mixed in: load it again"
+            )
+
+    def close(self) -> None:
+        """Close the shards opened by the constructor (a later read raises ``CheckpointError``)."""
+        opened, self._open = self._open, {}
+        for f in opened.values():
+            f.close()
+
+    def opened(self, fname: str):
+        """The open file of shard ``fname`` (opened by the constructor).
+
+        Raises:
+            CheckpointError: after ``close()``."""
+        f = self._open.get(fname)
+        if f is None:
+            raise CheckpointError(f"{self.folder / fname}: the checkpoint's files were closed; read it again")
+        return f
+
+    def reading_path(self, fname: str) -> str:
+        """A path that opens the very file the constructor opened for shard ``fname``, even after the folder was
+        replaced: ``/proc/self/fd/N`` (Linux) or ``/dev/fd/N``. Where neither exists, the shard's own path,
+        checked to name the same file (device and inode) as the open one.
+
+        Raises:
+            CheckpointError: the shard's path no longer names the file that was opened (the folder replaced)."""
+        fd = self.opened(fname).fileno()
+        for base in ("/proc/self/fd", "/dev/fd"):
+            if os.path.isdir(base):
+                return f"{base}/{fd}"
+        st, now = os.fstat(fd), None
+        try:
+            now = os.stat(self.folder / fname)
+        except OSError:
+            pass
+        if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            self.check_unchanged("its tensors")
+            raise CheckpointError(f"{self.folder / fname}: the file changed after its header was read; load it again")
+        return str(self.folder / fname)
 
     def as_module_names(self, module_name) -> SafetensorsHeaders:
         """These headers with every tensor under its state-dict name ``module_name(file name)`` (a family's
@@ -341,16 +475,16 @@ class SafetensorsHeaders:
                 by_file.setdefault(self.where[n], []).append(n)
         out = self._data
         for fname, group in by_file.items():
-            with open_regular(self.folder / fname) as f:
-                for n in sorted(group, key=lambda x: self.span[x][0]):
-                    begin, end = self.span[n]
-                    f.seek(begin)
-                    data = f.read(end - begin)
-                    if len(data) != end - begin:
-                        raise CheckpointError(f"{self.folder / fname}: tensor {n!r}: the file ends inside its data")
-                    self.tensors_read += 1
-                    self.bytes_read += len(data)
-                    out[n] = data
+            f = self.opened(fname)
+            for n in sorted(group, key=lambda x: self.span[x][0]):
+                begin, end = self.span[n]
+                f.seek(begin)
+                data = f.read(end - begin)
+                if len(data) != end - begin:
+                    raise CheckpointError(f"{self.folder / fname}: tensor {n!r}: the file ends inside its data")
+                self.tensors_read += 1
+                self.bytes_read += len(data)
+                out[n] = data
         return {n: out[n] for n in names}
 
     def read_scalars(self, names: list[str]) -> dict[str, float]:

@@ -19,8 +19,11 @@ What it reads:
 
 The layout check is the loader's ``bounds.check_model_config``: the config's sizes against the headers,
 then the layout's own ``read_experts`` on every quantized layer's headers (weights as PyTorch ``meta``
-tensors, scalar scales read and value-checked), so it checks what the loader checks. Every fault of the
-checkpoint is a line of ``problems``; nothing about the checkpoint raises.
+tensors, scalar scales read and value-checked), its ``read_linear`` on every quantized linear layer and
+``read_expert_biases`` where the family has them, so it checks what the loader checks. A tensor none of these
+reads (an expert, a layer or a suffix the config does not account for, a tensor the index leaves out) is a
+problem naming it, as the loader warns of it. Every fault of the checkpoint is a line of ``problems``;
+nothing about the checkpoint raises.
 
 Scale conventions, by tensor name: ``input_scale`` / ``weight_scale_2`` are *decode* scales
 (ModelOpt NVFP4 ``amax / (6 * 448)``; Quark's static FP8 ``amax / 448``); ``*global_scale`` are
@@ -45,7 +48,7 @@ from pathlib import Path
 from ...moe.scales import SCALE_STRATEGIES
 from ..families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from .bounds import check_model_config, check_scale_strategy
-from .headers import read_json
+from .headers import describe_unused, folder_identity, read_json
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
 from .inspect_tables import expert_scales, layer_rows, module_tables
 from .layout import LAYOUTS, CheckpointDescription, CheckpointError, layout_for_method, matches
@@ -264,6 +267,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     problems, notes = report.problems, report.notes
     cfg_path = folder / "config.json"
     try:
+        since = folder_identity(folder)  # what is read below must come from this folder (SafetensorsHeaders)
         cfg = read_json(cfg_path, "a transformers model config")
     except CheckpointError as err:
         problems.append(f"config: {err}")
@@ -299,7 +303,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     elif isinstance(qc, dict) and isinstance(qc.get("ignore"), list):
         report.exclude = [str(x)[:200] for x in qc["ignore"][:10000]]
     try:
-        headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
+        headers = SafetensorsHeaders(folder, since=since).as_module_names(family.module_name)
     except CheckpointError as err:
         problems.append(f"files: {err}")
         return _done(report, t0)
@@ -321,10 +325,17 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
             every_layer=True,
             family=family,
         )
+        unused = headers.unused()
+        if unused and info is not None:  # every tensor is read by the loader, or named
+            problems.append(
+                f"tensors: {len(unused)} tensors are not used by the model config.json describes (the loader "
+                f"ignores them with a warning): {describe_unused(unused)}"
+            )
         report.layout_ok = info is not None and not problems  # no config file refused either
     except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
         problems.append(f"layout: {err}")
     _tables(report, headers, info, strategies, family)
+    headers.close()
     report.tensors_read, report.bytes_read = headers.tensors_read, headers.bytes_read
     return _done(report, t0)
 

@@ -14,8 +14,10 @@ safetensors checks it, names unique across shards) before any tensor data is rea
 tensor's dtype and shape against its header before reading its data, ``stack`` checks every tensor of
 the stack before allocating it, so a config that names sizes the files do not hold allocates nothing.
 Every error (a missing or corrupt shard, a missing tensor, a wrong dtype or shape, an invalid value) is
-a ``CheckpointError`` naming the file and the tensor. A shard is opened at most one at a time (the
+a ``CheckpointError`` naming the file and the tensor. A shard is mapped at most one at a time (the
 previous one is closed), so memory-mapped pages of the whole checkpoint are never all resident at once.
+Its data comes from the file ``SafetensorsHeaders`` opened when it read the header
+(``SafetensorsHeaders.reading_path``), so a folder replaced in between is not mixed in.
 
 Reading headers only (``HeaderTensorReader``, for the inspector and the loader's checks before a model
 is built): a ``TensorReader`` whose tensors are ``meta`` tensors of the header's dtype and shape, except
@@ -197,15 +199,23 @@ class TensorReader:
     def _open(self, fname: str):
         if self._name != fname:
             self._handle = None  # close the previous shard (its mapped pages go with it)
+            path = self.headers.reading_path(fname)  # the file the headers were read from, never a replacement
             try:
-                self._handle = safe_open(str(self.folder / fname), "pt")
+                self._handle = safe_open(path, "pt")
             except Exception as err:  # noqa: BLE001  safetensors raises its own error types
                 raise CheckpointError(f"{self.folder / fname}: not a readable safetensors file ({err})") from None
             self._name = fname
         return self._handle
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Drop the open shard (its memory-mapped pages go with it) and keep the headers' files open: the next
+        read opens its shard again (the streaming quantizer reads one tensor at a time this way)."""
         self._handle, self._name = None, None
+
+    def close(self) -> None:
+        """Drop the open shard and close the headers' files (``SafetensorsHeaders.close``)."""
+        self._handle, self._name = None, None
+        self.headers.close()
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -214,6 +224,7 @@ class TensorReader:
         """Dtype and shape of ``name`` from its header, before any data is read."""
         if name not in self.weight_map:
             raise CheckpointError(f"checkpoint {self.folder} is missing tensor {name!r}")
+        self.headers.mark_used(name)
         fname = self.weight_map[name]
         stored = SAFETENSORS_DTYPES.get(self.headers.dtype[name])
         if stored is None:

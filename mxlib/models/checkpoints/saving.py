@@ -125,7 +125,9 @@ def read_checkpoint_source(
             read_json(folder / n)  # a regular file, bounded, a JSON object
             with open_regular(folder / n) as f:
                 files[n] = f.read(MAX_JSON_BYTES).decode("utf-8")
-    headers = headers if headers is not None else SafetensorsHeaders(folder)
+    if headers is None:
+        headers = SafetensorsHeaders(folder)
+        headers.close()  # the headers are all that is read here
     tensors = {n: (SAFETENSORS_DTYPES.get(d), headers.shape[n]) for n, d in headers.dtype.items()}
     return CheckpointSource(description, cfg.get("quantization_config"), files, tensors, cfg)
 

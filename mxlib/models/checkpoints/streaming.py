@@ -202,6 +202,17 @@ def read_source(src: str | os.PathLike, where: str = "quantize_checkpoint"):
         cfg.pop("quantization_config", None)
         headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
         config = check_model_config(cfg, cfg_path, headers, None, family=family)
+        # the writer stores every other tensor in bf16 (float32 where the family keeps it so) and never rounds
+        # silently: a tensor stored wider is refused, not rounded
+        experts_part = f".{family.block_attr}.{family.experts_attr}."
+        for name, stored in headers.dtype.items():
+            target = "F32" if family.keeps_fp32(name) else "BF16"
+            if experts_part not in name and stored in ("F32", "F16", "F64") and (stored, target) != ("F32", "F32"):
+                raise CheckpointError(
+                    f"tensor {name!r}: expected dtype {'float32' if target == 'F32' else 'bfloat16'}, found "
+                    f"{stored} (in {headers.where[name]}); mxlib quantize reads bf16 checkpoints and stores the "
+                    f"unquantized tensors in bf16 without rounding: convert the checkpoint to bf16 first"
+                )
         reader = HeaderTensorReader(headers)
         e, h, i = family.num_experts(config), config.hidden_size, family.intermediate_size(config)
         meta = None
@@ -291,7 +302,7 @@ class _LayerLoader:
 
     def _get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         t = self.reader.get(name, shape)
-        self.reader.close()  # unmap the shard: its pages would otherwise stay resident
+        self.reader.release()  # unmap the shard: its pages would otherwise stay resident
         self.bytes_read += t.numel() * t.element_size()
         return t
 
