@@ -485,7 +485,7 @@ def test_peak_memory_stays_near_one_layer(tmp_path):
     and output head (2 x 4096 x 2048 x 2 B = 34 MB) + one shard of quantized tensors being written
     (``SHARD_BYTES``, 256 MiB) + 300 MB for the quantization's and calibration's temporaries and the allocator.
     That is about baseline + 1.85 GB, while the bf16 checkpoint is 2.53 GB: a command that held both layers
-    would exceed it. Measured: baseline 0.457 GB, peak 2.059 GB (baseline + 1.60 GB). The run takes about four
+    would exceed it. Measured: baseline 0.455 GB, peak 2.081 GB (baseline + 1.63 GB). The run takes over four and a half
     minutes of CPU time (the NVFP4 quantization of 2 x 128 full-size experts in pure PyTorch dominates).
     The expert weights of the written checkpoint, loaded with mxlib's loader, dequantize to what
     the in-memory quantization of the same bf16 tensors gives, bit for bit (sampled experts of each layer).
