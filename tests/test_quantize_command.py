@@ -485,8 +485,9 @@ def test_peak_memory_stays_near_one_layer(tmp_path):
     and output head (2 x 4096 x 2048 x 2 B = 34 MB) + one shard of quantized tensors being written
     (``SHARD_BYTES``, 256 MiB) + 300 MB for the quantization's and calibration's temporaries and the allocator.
     That is about baseline + 1.85 GB, while the bf16 checkpoint is 2.53 GB: a command that held both layers
-    would exceed it. Measured: baseline 0.455 GB, peak 2.081 GB (baseline + 1.63 GB). The run takes over four and a half
-    minutes of CPU time (the NVFP4 quantization of 2 x 128 full-size experts in pure PyTorch dominates).
+    would exceed it. Measured: baseline 0.455 GB, peak 2.05 to 2.08 GB (baseline + 1.59 to 1.63 GB) in three
+    runs. The command took 38 s on a quiet run; the whole test about 135 s (writing and checking the 2.5 GB source
+    included).
     The expert weights of the written checkpoint, loaded with mxlib's loader, dequantize to what
     the in-memory quantization of the same bf16 tensors gives, bit for bit (sampled experts of each layer).
     """
