@@ -31,7 +31,7 @@ from mxlib.workbook import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
-COMMANDS = ["e2e", "compare", "unify", "routing", "inspect", "dummy-from-config", "workbook"]
+COMMANDS = ["e2e", "compare", "unify", "routing", "inspect", "dummy-from-config", "quantize", "workbook"]
 MODEL_COMMANDS = ["e2e", "compare", "unify", "routing", "dummy-from-config"]
 
 
@@ -340,7 +340,10 @@ def test_e2e_on_the_preset_it_is_given(tmp_path, monkeypatch, capsys):
     assert cli.main([*argv, "--device", "cpu", "--backend", "torch", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["preset"] == "tiny" and data["scheme"] == "nvfp4" and len(data["layers_metrics"]) == 1
-    assert "[e2e] nvfp4 tiny L1 cpu" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "[e2e] nvfp4 tiny L1 cpu" in printed and "{" not in printed  # lines, not a dict
+    assert f"checkpoint: {data['checkpoint']} (" in printed and Path(data["checkpoint"]).is_dir()
+    assert f"SQNR {data['logits']['sqnr_db']:.2f} dB, top-1 agreement" in printed
 
 
 def test_compare_takes_a_preset_and_a_scheme_list(tmp_path, capsys):

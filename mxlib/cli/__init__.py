@@ -7,12 +7,13 @@
   mxlib inspect CHECKPOINT_DIR                 a checkpoint's configs and scale tensors only
   mxlib inspect --ran CHECKPOINT_DIR           ... and what ran per module in one forward of the loaded model
   mxlib dummy-from-config CONFIG_DIR OUT_DIR   dummy weights in the layout of a config (--scheme if unquantized)
+  mxlib quantize SRC DST --scheme SCHEME       a bf16 checkpoint folder quantized layer by layer
   mxlib workbook --out DIR                     run the workbook's notebooks (mxlib.workbook.runner)
 
-``python -m mxlib.cli`` is the same command. The model commands build the seeded dummy Qwen3-30B-A3B at
-the size of ``--preset``: ``small`` by default (``e2e``: about 35 s of CPU time and 0.5 GB of memory),
-``qwen3-30b-a3b`` for the full-size model (5.8 GB of bf16 weights at 4 layers). ``--json PATH`` writes the
-command's result.
+``python -m mxlib`` and ``python -m mxlib.cli`` are the same command. The model commands build the seeded
+dummy Qwen3-30B-A3B at the size of ``--preset``: ``small`` by default (``e2e``: about 35 s of CPU time and
+0.5 GB of memory), ``qwen3-30b-a3b`` for the full-size model (5.8 GB of bf16 weights at 4 layers). ``--json
+PATH`` writes the command's result.
 
 Errors: every option is checked before anything is built. A user's mistake ends with ``mxlib CMD: error:
 MESSAGE`` (one line) on stderr and exit code 2, without a traceback: argparse's own checks (types, choices);
@@ -26,7 +27,7 @@ stderr is a terminal and ``-q`` is not given.
 
 Imports: only argparse and the standard library at import time, so that ``--help`` answers at once;
 each command's module (``runs``: e2e, compare, unify, routing; ``checkpoint_commands``: inspect,
-dummy-from-config) and torch are imported when the command runs.
+dummy-from-config, quantize) and torch are imported when the command runs.
 """
 
 from __future__ import annotations
@@ -283,6 +284,54 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     dfc.add_argument("--backend", choices=BACKENDS, default="auto", help="experts backend of the loaded model")
     dfc.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON here (default: none)")
 
+    qz = command(
+        "quantize",
+        "quantize a bf16 checkpoint folder's experts, layer by layer, into a checkpoint folder",
+        "Read SRC (a bf16 checkpoint folder of a supported family, as transformers' save_pretrained writes it) one "
+        "decoder layer at a time, quantize each layer's experts in SCHEME and write DST in LAYOUT, with SRC's "
+        "tokenizer, generation config and chat template beside it. Peak memory stays near one layer's tensors plus "
+        "the embeddings. Schemes with static activation scales (nvfp4, *_a_fp8) need --calibration.",
+    )
+    qz.add_argument("src", help="the bf16 checkpoint folder (config.json, safetensors shards)")
+    qz.add_argument("dst", help="the folder to write (absent or empty; --overwrite replaces it)")
+    qz.add_argument(
+        "--scheme",
+        required=True,
+        choices=SCHEMES + SCHEME_ALIASES,
+        metavar="SCHEME",
+        help=f"MoE scheme (required, no default): {', '.join(SCHEMES)}; other tools' names are mapped "
+        f"(docs/api-mapping.md)",
+    )
+    qz.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=None,
+        help="checkpoint layout (default: the family's own where it stores the scheme, else the scheme's: "
+        "nvfp4 -> modelopt, OCP MX -> quark)",
+    )
+    qz.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE",
+        help="a UTF-8 text file to calibrate activation scales on, tokenized by SRC's own tokenizer (default: none; "
+        "needed by schemes with static activation scales)",
+    )
+    qz.add_argument("--calib-seq-len", type=positive_int, default=512, help="tokens per calibration sequence")
+    qz.add_argument(
+        "--calib-tokens", type=positive_int, default=4096, help="calibration tokens used at most (the rest is left out)"
+    )
+    qz.add_argument(
+        "--technique",
+        choices=TECHNIQUES,
+        default="rtn",
+        help="how the experts' scales and codes are chosen (mxlib.recovery; gptq is refused: it needs every "
+        "expert's Hessian, which only in-memory quantization collects) (default: rtn, the layout's round-to-nearest)",
+    )
+    qz.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it exists (default: refuse an existing, non-empty DST)"
+    )
+    qz.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON here (default: none)")
+
     wb = command(
         "workbook",
         "run the workbook's notebooks (mxlib.workbook.runner; needs mxlib[workbook])",
@@ -295,7 +344,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
 
 def _command(cmd: str):
     """``(check, run)`` of a command; its module (and torch) is imported here."""
-    if cmd in ("inspect", "dummy-from-config"):
+    if cmd in ("inspect", "dummy-from-config", "quantize"):
         from .checkpoint_commands import COMMANDS
     else:
         from .runs import COMMANDS

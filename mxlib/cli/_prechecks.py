@@ -12,6 +12,10 @@ mistake is answered at once (one line, exit code 2): the standard library and mx
   ``config.json`` is a regular file holding a JSON object
   whose sizes, with ``--preset`` and ``--layers`` applied, pass the loader's rules, the dummy layer cap and this
   machine's memory (``untrusted.dummy_config``); ``OUT_DIR`` absent, an empty folder or an mxlib checkpoint;
+* ``quantize``: ``SRC`` a folder whose ``config.json`` names a supported family
+  (``families.check_supported_checkpoint``: an unsupported class is refused in milliseconds, naming it) and
+  has no ``quantization_config``; ``DST`` not ``SRC``, absent or empty unless ``--overwrite``, not under a
+  file; ``--calibration`` a regular file of UTF-8 text that is not empty;
 * every ``--json``: not a folder, its folder not a file.
 
 Each raises ``ValueError`` naming the option; the command's own ``check`` then does the rest.
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from ..models import untrusted
 from ..models.atomic_write import describe_destination, is_mxlib_checkpoint
+from ..models.families import UnsupportedModelError, check_supported_checkpoint
 from ..models.parameters import check_parameter
 
 __all__ = ["precheck"]
@@ -101,6 +106,56 @@ def _dummy_from_config(args) -> None:
         raise ValueError(f"out_dir: {args.out_dir!r} lies under {str(parent)!r}, which is a file")
 
 
+MAX_CALIBRATION_BYTES = 64 * 2**20
+
+
+def _quantize(args) -> None:
+    src = Path(args.src)
+    if not src.exists():
+        raise ValueError(f"src: {args.src!r} does not exist; expected a bf16 checkpoint folder")
+    if not src.is_dir():
+        raise ValueError(f"src: {args.src!r} is not a folder; expected a bf16 checkpoint folder")
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(
+            f"src: {args.src!r} has no config.json; expected a checkpoint folder as transformers' save_pretrained "
+            f"writes it"
+        )
+    try:
+        check_supported_checkpoint(src, "quantize", untrusted.read_json)
+        cfg = untrusted.read_json(cfg_path, "a transformers model config")
+    except (UnsupportedModelError, ValueError) as err:
+        raise ValueError(f"src: {str(err).removeprefix('quantize: ')}") from None
+    if cfg.get("quantization_config") is not None:
+        raise ValueError(
+            f"src: {cfg_path} has a quantization_config: the checkpoint is quantized already; expected a bf16 one"
+        )
+    dst = Path(args.dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"dst: {args.dst!r} is SRC itself; expected another folder")
+    if (dst.exists() or dst.is_symlink()) and not args.overwrite:
+        if not dst.is_dir() or dst.is_symlink() or any(dst.iterdir()):
+            raise ValueError(f"dst: {args.dst!r} exists; pass --overwrite to replace it, or choose another folder")
+    parent = next((q for q in dst.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"dst: {args.dst!r} lies under {str(parent)!r}, which is a file")
+    if args.calibration is not None:
+        try:
+            with untrusted.open_regular(args.calibration) as f:
+                data = f.read(MAX_CALIBRATION_BYTES + 1)
+        except ValueError as err:
+            raise ValueError(f"--calibration: {err}") from None
+        if len(data) > MAX_CALIBRATION_BYTES:
+            raise ValueError(f"--calibration: {args.calibration!r} is larger than {MAX_CALIBRATION_BYTES} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--calibration: {args.calibration!r} is not UTF-8 text ({err})") from None
+        if not text.strip():
+            raise ValueError(f"--calibration: {args.calibration!r} is empty; expected text to calibrate on")
+        args.calibration_text = text
+
+
 def precheck(args) -> None:
     """The torch-free checks of ``args.cmd``'s options (module docstring). Raises ``ValueError`` naming one."""
     if args.cmd in _MODEL_COMMANDS:
@@ -109,4 +164,6 @@ def precheck(args) -> None:
         _inspect(args)
     elif args.cmd == "dummy-from-config":
         _dummy_from_config(args)
+    elif args.cmd == "quantize":
+        _quantize(args)
     _json_path(getattr(args, "json", None))

@@ -1,6 +1,7 @@
 """The checkpoint commands: ``inspect PATH`` (configs and scale tensors only; ``--ran``: also the loaded model's
-executed semantics, ``mxlib.models.what_ran``) and ``dummy-from-config
-CONFIG_DIR OUT_DIR`` (dummy weights in the layout a checkpoint's config files describe, loaded and run).
+executed semantics, ``mxlib.models.what_ran``), ``dummy-from-config CONFIG_DIR OUT_DIR`` (dummy weights in the
+layout a checkpoint's config files describe, loaded and run) and ``quantize SRC DST`` (a bf16 checkpoint folder
+quantized layer by layer: ``mxlib.models.checkpoints.streaming.quantize_checkpoint``).
 
 A command's ``check`` runs before any work (a ValueError or FileNotFoundError names the option); its
 ``run`` prints a summary on stdout and returns the JSON result.
@@ -24,6 +25,7 @@ from ..models.checkpoints import (
 )
 from ..models.checkpoints.dummy import dummy_quantization
 from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
+from ..models.checkpoints.streaming import check_quantization
 from ..models.families import family_of
 
 
@@ -168,8 +170,46 @@ def dummy_from_config(args) -> dict:
     )
 
 
+_QUANTIZE_OPTIONS = dict(scheme="--scheme", layout="--layout", calibration="--calibration", technique="--technique")
+
+
+def check_quantize(args) -> None:
+    """Everything ``quantize_checkpoint`` checks before it reads a tensor (``streaming.check_quantization``: SRC's
+    tensors against its config, the scheme, layout and technique together, calibration text through SRC's
+    tokenizer, a static-activation-scale scheme without ``--calibration``); each error a ValueError naming the
+    option. The checked plan is ``args.plan``."""
+    try:
+        args.plan = check_quantization(
+            args.src,
+            args.dst,
+            args.scheme,
+            layout=args.layout,
+            calibration=getattr(args, "calibration_text", None),
+            technique=args.technique,
+            overwrite=args.overwrite,
+            seq_len=args.calib_seq_len,
+            max_tokens=args.calib_tokens,
+            where="quantize",
+        )
+    except (ValueError, FileExistsError) as err:
+        text = str(err).removeprefix("quantize: ")
+        for param, option in _QUANTIZE_OPTIONS.items():
+            if text.startswith(f"{param}: "):
+                text = f"{option}: {text[len(param) + 2 :]}"
+        raise ValueError(text) from None
+    _steps().prepare_results_path(args.json, "--json")
+
+
+def quantize_cmd(args) -> dict:
+    """``quantize SRC DST``: the checked plan written (``QuantizePlan.run``) and its summary on stdout."""
+    result = args.plan.run(progress=args.progress)
+    print(f"[quantize] {result.summary()}")
+    return result.to_dict()
+
+
 # command -> (check before any work, run)
 COMMANDS = {
     "inspect": (check_inspect, inspect_cmd),
     "dummy-from-config": (check_dummy_from_config, dummy_from_config),
+    "quantize": (check_quantize, quantize_cmd),
 }

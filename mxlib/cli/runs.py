@@ -101,13 +101,30 @@ def e2e(args) -> dict:
         seconds_build=t_model,
         seconds_checkpoint=t_ckpt,
         checkpoint_bytes=checkpoint_size_bytes(ckpt),
+        checkpoint=str(ckpt),
     )
-    print(
-        f"[e2e] {scheme.name} {p.model_preset} L{args.layers} {dev}: logits {res['logits']}, forward bf16 "
-        f"{ref.seconds:.3f} s, emulated {out.seconds:.3f} s; layers "
-        + ", ".join(f"{r['sqnr_db']:.2f}" for r in res["layers"])
-    )
+    print(e2e_summary(result, ckpt))
     return result
+
+
+def e2e_summary(result: dict, checkpoint) -> str:
+    """``e2e``'s result in lines a person reads: the run, where the checkpoint is, the logits and layers against
+    bf16, the times."""
+    lg = result["logits"]
+    lines = [
+        f"[e2e] {result['scheme']} {result['preset']} L{result['layers']} {result['device']}: the bf16 dummy's experts "
+        f"quantized, written, loaded and run on {result['tokens']} tokens (backend {result['backend']})",
+        f"  checkpoint: {checkpoint} ({result['checkpoint_bytes'] / 1e6:.2f} MB of shards)",
+        f"  logits against bf16: SQNR {lg['sqnr_db']:.2f} dB, top-1 agreement {lg['top1_agreement']:.3f}, "
+        f"KL divergence {lg['kl_divergence']:.2e}, relative error {lg['rel_error']:.4f}",
+        "  layer outputs SQNR: " + ", ".join(f"{r['sqnr_db']:.2f}" for r in result["layers_metrics"]) + " dB",
+        f"  forward: bf16 {result['seconds_bf16']:.3f} s, emulated {result['seconds_emulated']:.3f} s"
+        + (f", emulated fused {result['seconds_emulated_fused']:.3f} s" if result["seconds_emulated_fused"] else "")
+        + f"; model built in {result['seconds_build']:.1f} s, checkpoint ready in {result['seconds_checkpoint']:.1f} s",
+    ]
+    if result.get("fused_logits"):
+        lines.insert(3, f"  fused experts' logits against bf16: SQNR {result['fused_logits']['sqnr_db']:.2f} dB")
+    return "\n".join(lines)
 
 
 def compare(args) -> dict:

@@ -312,6 +312,23 @@ def _fsync_tree(folder: Path) -> None:
     _fsync(folder)
 
 
+def _umask() -> int:
+    """The process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _share_files(folder: Path) -> None:
+    """Give every regular file of ``folder`` the mode an ordinary new file gets, ``0o666`` less the umask
+    (``0644`` under the usual umask 022): safetensors creates its files ``0600``, which a server running as
+    another user (vLLM in a container) cannot read."""
+    mode = 0o666 & ~_umask()
+    for p in folder.iterdir():
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
 def _new_temporary(path: Path) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -333,7 +350,10 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
     which destinations are accepted, the steps and what a crash after each leaves), on any error it is
     removed and ``path`` is left as it was.
 
-    The caller writes its files into the folder; ``CHECKPOINT_MARKER`` listing them is added here.
+    The caller writes its files into the folder; ``CHECKPOINT_MARKER`` listing them is added here, and
+    every file is given the mode an ordinary new file gets (``0o666`` less the umask: ``0644`` under umask
+    022), whatever mode its writer created it with (safetensors' ``0600``), so that a server running as
+    another user can read the checkpoint. The folder itself is made ``0o777`` less the umask.
 
     Raises:
         FileExistsError: ``path`` is a file or a non-empty folder that is not an mxlib checkpoint, and
@@ -353,6 +373,7 @@ def atomic_folder(path: str | os.PathLike, overwrite: bool = False):
         (tmp / CHECKPOINT_MARKER).write_text(
             json.dumps({"writer": "mxlib", "writer_version": WRITER_VERSION, "files": files}, indent=1)
         )
+        _share_files(tmp)
         _fsync_tree(tmp)
         _check_destination(path, overwrite)  # again: it may have changed while writing
         if not (path.exists() or path.is_symlink()):

@@ -27,7 +27,14 @@ from ..moe.reference_moe import torch_moe
 from .families import check_supported_model, family_of
 from .moe_models import expert_activation, expert_biases, expert_weights, moe_blocks
 
-__all__ = ["LayerCalibration", "Calibration", "calibrate", "calibration_batches", "num_calibration_batches"]
+__all__ = [
+    "LayerCalibration",
+    "Calibration",
+    "calibrate",
+    "calibration_batches",
+    "num_calibration_batches",
+    "recording_experts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +236,28 @@ class _RecordingExperts(torch.nn.Module):
             self.bar.update()
         return out
 
+    def statistics(self) -> LayerCalibration:
+        """What this twin recorded, as ``calibrate`` returns it for its layer."""
+        kept = {k: (torch.cat(v) if v else None) for k, v in self.kept.items()}
+        return LayerCalibration(self.a1_amax, self.a2_amax, self.tokens, **kept)
+
+
+def recording_experts(model, layer: int, keep_activations: bool = False, bar=None) -> torch.nn.Module:
+    """The recording twin ``calibrate`` swaps in for decoder layer ``layer``'s experts: it runs the reference
+    MoE on the layer's bf16 experts (``expert_weights``, with the family's activation and expert biases) and
+    records per-expert a1 / a2 amax and token counts; ``.statistics()`` gives its ``LayerCalibration``.
+    Swapping it in and out is the caller's (``setattr(block, family.experts_attr, twin)``); the streaming
+    quantizer (``mxlib.models.checkpoints.streaming``) calibrates one loaded layer at a time with it.
+
+    Raises:
+        ValueError: ``layer`` is not an MoE layer.
+        UnsupportedModelError: a model of a family mxlib does not quantize.
+    """
+    family = family_of(model, "recording_experts")
+    w13, w2 = expert_weights(model, layer)
+    act, biases = expert_activation(model), expert_biases(model, layer)  # gpt-oss: SWIGLUOAI and biases
+    return _RecordingExperts(w13, w2, family.num_experts(model.config), keep_activations, bar, act, biases)
+
 
 @torch.no_grad()
 def calibrate(
@@ -271,7 +300,6 @@ def calibrate(
     layers = [mlp for _, mlp in blocks]
     attr = family.experts_attr
     originals = [getattr(mlp, attr) for mlp in layers]
-    num_experts = family.num_experts(model.config)
     count = num_calibration_batches(token_ids, batch_size)
     if isinstance(token_ids, torch.Tensor):
         logger.info("calibrating %d MoE layers on %d token ids", len(layers), token_ids.numel())
@@ -281,9 +309,7 @@ def calibrate(
     bar = tqdm(total=total, desc="calibrating", unit="layer", disable=not progress)
     recorders = []
     for i, mlp in blocks:
-        w13, w2 = expert_weights(model, i)
-        act, biases = expert_activation(model), expert_biases(model, i)  # gpt-oss: SWIGLUOAI and biases
-        rec = _RecordingExperts(w13, w2, num_experts, keep_activations, bar, act, biases)
+        rec = recording_experts(model, i, keep_activations, bar)
         recorders.append(rec)
         setattr(mlp, attr, rec)
     num_tokens = 0
@@ -296,7 +322,5 @@ def calibrate(
             setattr(mlp, attr, orig)
     indices = [i for i, _ in blocks]
     out = Calibration(num_tokens=num_tokens, layer_indices=None if indices == list(range(len(indices))) else indices)
-    for rec in recorders:
-        kept = {k: (torch.cat(v) if v else None) for k, v in rec.kept.items()}
-        out.layers.append(LayerCalibration(rec.a1_amax, rec.a2_amax, rec.tokens, **kept))
+    out.layers.extend(rec.statistics() for rec in recorders)
     return out

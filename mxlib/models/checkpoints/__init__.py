@@ -21,6 +21,8 @@ is written in when the caller names none.
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
   scalars only (``inspect_tables``, ``inspect_loss``: its tables and its predicted losses);
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
+* ``streaming``: ``quantize_checkpoint``, a bf16 checkpoint folder quantized one decoder layer at a time
+  (``mxlib quantize``);
 * ``safetensors_io``: shards written and read (``TensorReader``, ``HeaderTensorReader``); ``headers``: the
   checked index and safetensors headers, regular files only (``mxlib.models.untrusted``); ``bounds``: a
   config's sizes against the headers before anything is allocated; the atomic folder write is

@@ -56,6 +56,7 @@ __all__ = [
     "dummy_quantization",
     "dummy_config",
     "COPIED_FILES",
+    "copy_model_files",
     "MAX_DUMMY_LAYERS",
     "model_bytes",
 ]
@@ -73,8 +74,33 @@ COPIED_FILES = (
     "vocab.json",
     "merges.txt",
     "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.txt",
 )
 MAX_COPIED_BYTES = 64 * 2**20
+
+
+def copy_model_files(src: Path, dst: Path, names: tuple[str, ...] | None = None) -> list[str]:
+    """Copy ``names`` (default ``COPIED_FILES`` and the layouts' legacy config files) that ``src`` holds and
+    ``dst`` does not, unchanged; returns the names copied.
+
+    Raises:
+        CheckpointError: one of them is not a regular file or is larger than ``MAX_COPIED_BYTES`` (naming it).
+    """
+    if names is None:
+        names = (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files))
+    copied = []
+    for name in names:
+        f = Path(src) / name
+        if (f.exists() or f.is_symlink()) and not (Path(dst) / name).exists():
+            with open_regular(f) as fh:  # a regular file only, of at most MAX_COPIED_BYTES
+                data = fh.read(MAX_COPIED_BYTES + 1)
+            if len(data) > MAX_COPIED_BYTES:
+                raise CheckpointError(f"{f}: larger than {MAX_COPIED_BYTES} bytes; not copied")
+            (Path(dst) / name).write_bytes(data)
+            copied.append(name)
+    return copied
 
 
 def dummy_config(
@@ -327,14 +353,8 @@ def dummy_checkpoint_from_config(
                 RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()},
             }
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2))
-        for name in (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files)):
-            f = config_dir / name
-            if name not in extra and (f.exists() or f.is_symlink()) and not (tmp / name).exists():
-                with open_regular(f) as src:  # a regular file only, of at most MAX_COPIED_BYTES
-                    data = src.read(MAX_COPIED_BYTES + 1)
-                if len(data) > MAX_COPIED_BYTES:
-                    raise CheckpointError(f"{f}: larger than {MAX_COPIED_BYTES} bytes; not copied")
-                (tmp / name).write_bytes(data)
+        names = (*COPIED_FILES, *(f for lay in LAYOUTS.values() for f in lay.legacy_files))
+        copy_model_files(config_dir, tmp, tuple(n for n in names if n not in extra))
         for fname, content in extra.items():
             (tmp / fname).write_text(json.dumps(content, indent=2))
     return Path(out_dir)

@@ -207,6 +207,11 @@ class TensorReader:
             self._name = fname
         return self._handle
 
+    def release(self) -> None:
+        """Drop the open shard (its memory-mapped pages go with it) and keep the headers' files open: the next
+        read opens its shard again (the streaming quantizer reads one tensor at a time this way)."""
+        self._handle, self._name = None, None
+
     def close(self) -> None:
         """Drop the open shard and close the headers' files (``SafetensorsHeaders.close``)."""
         self._handle, self._name = None, None

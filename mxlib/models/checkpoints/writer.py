@@ -37,22 +37,36 @@ from ..calibration import Calibration, calibrate
 from ..families import MoEFamily, check_supported_model, family_of
 from ..hessians import technique_from_calibration
 from ..moe_models import expert_biases, expert_weights, tied_parameter_names
-from .layout import LAYOUTS, layout_for_scheme
+from .layout import LAYOUTS, CheckpointLayout, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
 
-__all__ = ["write_quantized_checkpoint", "ATTENTION_PROJS"]
+__all__ = [
+    "write_quantized_checkpoint",
+    "ATTENTION_PROJS",
+    "resolve_layout",
+    "write_layer_experts",
+    "write_config_files",
+    "stored_config",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def _config_dict(model, num_hidden_layers: int) -> dict:
-    cfg = model.config.to_dict()
+def stored_config(cfg: dict, family: MoEFamily, num_hidden_layers: int) -> dict:
+    """The ``config.json`` of a quantized checkpoint from a model's config dict: its own fields, the family's
+    class in ``architectures``, ``dtype`` and ``torch_dtype`` bfloat16 (the unquantized tensors' dtype), no
+    ``quantization_config`` (``write_config_files`` adds the layout's)."""
+    cfg = dict(cfg)
     cfg["num_hidden_layers"] = num_hidden_layers
-    cfg["architectures"] = [family_of(model, "config").architecture]
+    cfg["architectures"] = [family.architecture]
     # the dtype every unquantized tensor is stored in (transformers 5 reads ``dtype``, older releases ``torch_dtype``)
     cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
     cfg.pop("quantization_config", None)
     return cfg
+
+
+def _config_dict(model, num_hidden_layers: int) -> dict:
+    return stored_config(model.config.to_dict(), family_of(model, "config"), num_hidden_layers)
 
 
 ATTENTION_PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -175,21 +189,7 @@ def write_quantized_checkpoint(
     scheme = get_moe_scheme(scheme)
     batches = None if calibration is None or isinstance(calibration, Calibration) else calibration
     technique = technique_from_calibration(model, technique, batches if batches is not None else calibration)
-    own = LAYOUTS.get(family.checkpoint_layout) if family.checkpoint_layout else None
-    if layout is None:
-        layout = own if own is not None and own.handles(scheme) else layout_for_scheme(scheme)
-    else:
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
-        layout = LAYOUTS[layout]
-        if not layout.handles(scheme):
-            raise ValueError(f"layout: {layout.name} does not store scheme {scheme.name}")
-    if family.expert_biases and not getattr(layout, "stores_expert_biases", False):
-        raise ValueError(
-            f"layout: {layout.name} stores no expert biases, which {family.architecture}'s experts have "
-            f"(gate_up_proj_bias, down_proj_bias); layouts that store them: "
-            f"{[n for n, lay in LAYOUTS.items() if getattr(lay, 'stores_expert_biases', False)]}"
-        )
+    layout = resolve_layout(family, scheme, layout)
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
     if scheme.static_activation_scale and batches is not None:
@@ -202,7 +202,8 @@ def write_quantized_checkpoint(
                 f"quantize_attention with {scheme.name} needs linear_input_amax for every projection "
                 f"(mxlib.moe.linear.linear_input_amax); missing {missing[:2]}"
             )
-    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
+    if technique is not None:  # refuses a technique that cannot give the layout's global scales, before any write
+        technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     logger.info("writing %s checkpoint (%s layout) to %s", scheme.name, layout.name, path)
     with atomic_folder(path, overwrite=overwrite) as tmp:
         num_layers = len(model.model.layers)
@@ -227,47 +228,124 @@ def write_quantized_checkpoint(
         moe = family.moe_layer_indices(model.config)
         for layer in tqdm(moe, desc="quantizing experts", unit="layer", disable=not progress):
             w13, w2 = expert_weights(model, layer)
-            # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
-            # layer; without one (None) the experts are quantized one at a time below
-            if technique is None:
-                layer_weights = layout.quantize_experts(w13, w2, scheme)
-            else:
-                layer_weights = technique.quantize_experts(w13, w2, scheme, layer=layer, **technique_kw)
             in13 = in2 = None
             if scheme.static_activation_scale:
-                in13, in2 = (layout.stored_input_scale(t) for t in calibration.input_scales(layer, scheme.activation))
-            prefix = family.experts_prefix(layer)
-            if getattr(layout, "stacked_experts", False):  # one tensor per layer (gpt-oss), its biases beside
-                weights = layer_weights if layer_weights is not None else quantize_expert_weights(w13, w2, scheme)
-                biases = expert_biases(model, layer) or (None, None)
-                for name, t in layout.expert_tensors(scheme, weights, in13, in2, prefix, *biases).items():
-                    shards.add(family.disk_name(name), t, copy=True)
-                del weights, layer_weights
-                continue
-            for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
-                if layer_weights is None:
-                    weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
-                else:  # expert x of the layout's whole-layer quantization
-                    weights = replace(layer_weights, **{k: v[x : x + 1] for k, v in layer_weights.tensors().items()})
-                one = layout.expert_tensors(
-                    scheme,
-                    weights,
-                    None if in13 is None else in13[x : x + 1],
-                    None if in2 is None else in2[x : x + 1],
-                    prefix,
-                )
-                for name, t in one.items():  # the layout names the single expert 0
-                    shards.add(family.disk_name(f"{prefix}.{x}." + name[len(prefix) + 3 :]), t, copy=True)
-                del weights, one
-            del layer_weights
+                in13, in2 = calibration.input_scales(layer, scheme.activation)
+            write_layer_experts(
+                shards, family, layout, scheme, layer, w13, w2, expert_biases(model, layer), in13, in2, technique
+            )
         shards.close()
         cfg = _config_dict(model, num_layers)
-        qc, extra = layout.config_files(scheme, quantize_attention)
-        layout.add_excluded(qc, extra, unquantized_modules(model, family, attn))
-        if technique is not None and technique.config():
-            qc = {**qc, RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()}}
-        cfg["quantization_config"] = qc
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-        for fname, content in extra.items():
-            (tmp / fname).write_text(json.dumps(content, indent=2))
+        write_config_files(
+            tmp, cfg, layout, scheme, unquantized_modules(model, family, attn), technique, quantize_attention
+        )
     return Path(path)
+
+
+def resolve_layout(family: MoEFamily, scheme: MoEQuantScheme, layout: str | None) -> CheckpointLayout:
+    """The layout a checkpoint of ``scheme`` is written in: ``layout`` by name, or (None) the family's own
+    where it stores the scheme (``MoEFamily.checkpoint_layout``), else the scheme's default
+    (``layout.DEFAULT_LAYOUT``).
+
+    Raises:
+        ValueError: an unknown layout name (naming the registered ones); a layout that does not store
+            ``scheme``; a layout without expert biases for a family whose experts have them.
+    """
+    own = LAYOUTS.get(family.checkpoint_layout) if family.checkpoint_layout else None
+    if layout is None:
+        chosen = own if own is not None and own.handles(scheme) else layout_for_scheme(scheme)
+    else:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {list(LAYOUTS)}, got {layout!r}")
+        chosen = LAYOUTS[layout]
+        if not chosen.handles(scheme):
+            stores = [n for n, lay in LAYOUTS.items() if lay.handles(scheme)]
+            raise ValueError(f"layout: {chosen.name} does not store scheme {scheme.name} (layouts that do: {stores})")
+    if family.expert_biases and not getattr(chosen, "stores_expert_biases", False):
+        raise ValueError(
+            f"layout: {chosen.name} stores no expert biases, which {family.architecture}'s experts have "
+            f"(gate_up_proj_bias, down_proj_bias); layouts that store them: "
+            f"{[n for n, lay in LAYOUTS.items() if getattr(lay, 'stores_expert_biases', False)]}"
+        )
+    return chosen
+
+
+def write_layer_experts(
+    shards: ShardWriter,
+    family: MoEFamily,
+    layout: CheckpointLayout,
+    scheme: MoEQuantScheme,
+    layer: int,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    technique: WeightTechnique | None = None,
+) -> None:
+    """Quantize one MoE layer's experts and add their tensors to ``shards`` under the family's on-disk
+    names: what ``write_quantized_checkpoint`` does for each layer, and ``mxlib.models.checkpoints.streaming``
+    for each layer it reads.
+
+    Args:
+        shards: the open ``ShardWriter`` (tensors are copied into its shard buffer).
+        family, layout, scheme: the model's family, the resolved layout (``resolve_layout``), the scheme.
+        layer: the decoder layer index (``model.layers.L``; a technique's per-layer state).
+        w13, w2: bf16 ``[E, 2I, H]`` (gate rows, then up rows) and ``[E, H, I]`` (``expert_weights``).
+        biases: ``(w13_bias [E, 2I], w2_bias [E, H])`` of a family with expert biases, else None.
+        w13_input_scale, w2_input_scale: fp32 ``[E]`` decode activation scales (``amax / scale_divisor``:
+            ``Calibration.input_scales``) of a scheme with static activation scales, else None.
+        technique: a built ``WeightTechnique`` or None (round-to-nearest through the layout's arithmetic).
+    """
+    technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
+    # a layout's own expert quantization (compressed-tensors' encode scales) runs once per
+    # layer; without one (None) the experts are quantized one at a time below
+    if technique is None:
+        layer_weights = layout.quantize_experts(w13, w2, scheme)
+    else:
+        layer_weights = technique.quantize_experts(w13, w2, scheme, layer=layer, **technique_kw)
+    in13 = in2 = None
+    if scheme.static_activation_scale:
+        in13, in2 = (layout.stored_input_scale(t) for t in (w13_input_scale, w2_input_scale))
+    prefix = family.experts_prefix(layer)
+    if getattr(layout, "stacked_experts", False):  # one tensor per layer (gpt-oss), its biases beside
+        weights = layer_weights if layer_weights is not None else quantize_expert_weights(w13, w2, scheme)
+        for name, t in layout.expert_tensors(scheme, weights, in13, in2, prefix, *(biases or (None, None))).items():
+            shards.add(family.disk_name(name), t, copy=True)
+        return
+    for x in range(w13.shape[0]):  # expert by expert: temporaries of one expert only
+        if layer_weights is None:
+            weights = quantize_expert_weights(w13[x : x + 1], w2[x : x + 1], scheme)
+        else:  # expert x of the layout's whole-layer quantization
+            weights = replace(layer_weights, **{k: v[x : x + 1] for k, v in layer_weights.tensors().items()})
+        one = layout.expert_tensors(
+            scheme,
+            weights,
+            None if in13 is None else in13[x : x + 1],
+            None if in2 is None else in2[x : x + 1],
+            prefix,
+        )
+        for name, t in one.items():  # the layout names the single expert 0
+            shards.add(family.disk_name(f"{prefix}.{x}." + name[len(prefix) + 3 :]), t, copy=True)
+        del weights, one
+
+
+def write_config_files(
+    folder: Path,
+    cfg: dict,
+    layout: CheckpointLayout,
+    scheme: MoEQuantScheme,
+    unquantized: list[str],
+    technique: WeightTechnique | None = None,
+    quantize_attention: bool = False,
+) -> None:
+    """Write ``config.json`` (``cfg`` with the layout's ``quantization_config``, its exclude lists naming
+    ``unquantized``, the on-disk names of the bf16 modules) and the layout's extra config files into ``folder``."""
+    qc, extra = layout.config_files(scheme, quantize_attention)
+    layout.add_excluded(qc, extra, unquantized)
+    if technique is not None and technique.config():
+        qc = {**qc, RECOVERY_CONFIG_KEY: {"technique": technique.name, **technique.config()}}
+    cfg = {**cfg, "quantization_config": qc}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    for fname, content in extra.items():
+        (folder / fname).write_text(json.dumps(content, indent=2))
