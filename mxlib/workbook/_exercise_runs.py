@@ -149,7 +149,10 @@ def check_nvfp4_bits_32(answer, **_):
         return "an e4m3 scale takes 8 bits, not 4"
     if v == _E4M3.nbits / 32:
         return "add the element's own 4 bits to the scale's share"
-    return "bits per weight = element bits + scale bits / block size"
+    return (
+        f"{v:g} bits is not what one weight costs: count the bits that one block of 32 weights stores, its codes "
+        "and its one scale, and share them among its weights"
+    )
 
 
 def solve_nvfp4_bits_32(**_):
@@ -182,7 +185,10 @@ def check_packed_bytes(answer, **_):
     ):
         if abs(ratio / factor - 1) <= 0.01:
             return hint
-    return "bytes = 128 experts * weights per expert * (1/2 byte for the code + 1/16 byte for the scale)"
+    return (
+        "count one expert's weights (w13 and w2), what each costs in NVFP4 (its code and its share of a block "
+        "scale), then the layer's 128 experts"
+    )
 
 
 def solve_packed_bytes(**_):
