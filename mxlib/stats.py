@@ -213,7 +213,7 @@ def paired_draws(a, b, weights=None) -> Estimate:
 
 
 def largest_difference(*pairs) -> float:
-    """A measured noise floor: the largest ``|mean(x - y)|`` over pairs ``(x, y)`` of runs that should agree
+    """A measured noise level: the largest ``|mean(x - y)|`` over pairs ``(x, y)`` of runs that should agree
     (the same model twice on another backend, another batch size, the same scheme under another seed), each a
     pair of equal-length 1-D series of one metric. Pass it as ``smallest``.
 
@@ -387,7 +387,7 @@ class ComparisonFamily:
             metric: what is compared (e.g. ``"SQNR (dB)"``); higher_is_better: the metric's direction.
             over: ``"draws"`` (the unit of replication is the draw) or ``"units"`` (the units of one draw).
             smallest: the smallest difference worth reporting, >= 0, in the metric's unit (a measured noise
-                floor: ``largest_difference``).
+                level: ``largest_difference``).
             weights: per-unit weights for a ratio mean (see ``paired_units``), or None.
             unit_name: what a replicate is, for the verdict's text (``"token sets"``, ``"prompts"``); default
                 ``over``.
