@@ -190,6 +190,24 @@ def test_equivalent_number_forms_and_nothing_else():
         assert as_number(text) is None, text
 
 
+def test_dequant_wins_at_reads_the_verdicts_when_given(capsys):
+    # M = 256: the lower time, but not beyond the noise; M = 1024: decided faster
+    verdicts = [
+        dict(a="nvfp4 fused", b="nvfp4 dequant", M=m, verdict=v)
+        for m, v in (
+            (1, "nvfp4 fused faster"),
+            (16, "nvfp4 fused faster"),
+            (256, "cannot be told apart"),
+            (1024, "nvfp4 dequant faster"),
+        )
+    ]
+    assert exercises.show_solution("05.dequant_wins_at", rows=ROWS_05, verdicts=verdicts) == 1024
+    capsys.readouterr()
+    assert not checks.check_exercise("05.dequant_wins_at", 256, rows=ROWS_05, verdicts=verdicts)
+    assert "beyond the timing noise" in capsys.readouterr().out
+    assert checks.check_exercise("05.dequant_wins_at", 1024, rows=ROWS_05, verdicts=verdicts)
+
+
 def test_outlier_gap_answer_is_the_smallest_qualifying_magnitude():
     from mxlib.workbook import explorers
 

@@ -68,8 +68,9 @@ EXERCISES: dict[str, str] = {
     "expert is flushed under the unified scale.",
     "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
     "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
-    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on does vLLM's emulation design "
-    "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
+    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on is vLLM's emulation design "
+    "(dequantize-then-GEMM) faster than the fused path for nvfp4, beyond the timing noise (CUDA-graph times, the "
+    "notebook's verdicts)? Answer the smallest such M.",
 }
 
 _CHECKERS = {
@@ -104,7 +105,7 @@ def check_exercise(name: str, answer, **context) -> bool:
         answer: the learner's answer, in any equivalent form (module docstring); a block of numbers
             for the block exercises.
         context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``,
-            ``05.dequant_wins_at``).
+            ``05.dequant_wins_at``, which also takes ``verdicts=`` from ``mxlib.workbook.timing.faster_rows``).
 
     The hint never contains the expected answer; ``show_solution(name)`` gives it.
 
