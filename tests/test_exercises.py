@@ -190,6 +190,22 @@ def test_equivalent_number_forms_and_nothing_else():
         assert as_number(text) is None, text
 
 
+def test_best_4bit_accepts_every_scheme_that_cannot_be_told_from_the_best(capsys):
+    # three token sets: w_mxfp4 and nvfp4_like within noise of each other, both decided above w_mxfp4_a_mxfp4
+    rows = [
+        dict(scheme="w_mxfp4", bits_per_weight=4.25, sqnr_db=21.0, sqnr_db_repeats=[21.0, 22.0, 20.0]),
+        dict(scheme="w_mxfp4_a_mxfp6_e2m3", bits_per_weight=4.25, sqnr_db=20.9, sqnr_db_repeats=[21.1, 21.8, 19.8]),
+        dict(scheme="w_mxfp4_a_mxfp4", bits_per_weight=4.25, sqnr_db=17.0, sqnr_db_repeats=[17.0, 18.0, 16.0]),
+        dict(scheme="w_mxfp6_e2m3", bits_per_weight=6.25, sqnr_db=30.0, sqnr_db_repeats=[30.0, 31.0, 29.0]),
+    ]
+    assert checks.check_exercise("03.best_4bit", "w_mxfp4", rows=rows)
+    assert checks.check_exercise("03.best_4bit", "w_mxfp4_a_mxfp6_e2m3", rows=rows)  # the lower mean, tied
+    capsys.readouterr()
+    assert not checks.check_exercise("03.best_4bit", "w_mxfp4_a_mxfp4", rows=rows)
+    assert "decided better" in capsys.readouterr().out
+    assert exercises.show_solution("03.best_4bit", rows=rows) == "w_mxfp4"
+
+
 def test_dequant_wins_at_reads_the_verdicts_when_given(capsys):
     # M = 256: the lower time, but not beyond the noise; M = 1024: decided faster
     verdicts = [

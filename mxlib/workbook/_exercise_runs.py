@@ -13,6 +13,7 @@ import torch
 
 from .. import reference as R
 from ..formats import get_element_format
+from ..stats import ComparisonFamily
 from . import probes
 from ._exercise_formats import as_int, as_number, as_tuple
 
@@ -104,29 +105,55 @@ def solve_decode_byte(**_):
     )
 
 
-def check_best_4bit(answer, rows=(), **_):
+SQNR_METRIC = "logits SQNR (dB)"
+
+
+def _four_bit(rows):
+    return [r for r in rows if r["bits_per_weight"] == 4.25]
+
+
+def _tied_with_best(rows, decisions=None) -> list[str]:
+    """The 4.25-bit schemes that cannot be told from the best on the logits SQNR, best mean first: by the notebook's
+    ``decisions`` (``mxlib.stats.Decisions`` holding every pair of them on ``SQNR_METRIC``) where given, else by a
+    family of every pair over the rows' token sets (``sqnr_db_repeats``, at least two), else the one highest
+    ``sqnr_db`` (a run of one token set cannot tell more)."""
+    four = sorted(_four_bit(rows), key=lambda r: -r["sqnr_db"])
+    names = [r["scheme"] for r in four]
+    if decisions is not None:
+        return decisions.not_beaten(names, SQNR_METRIC)
+    if len(four) > 1 and all(len(r.get("sqnr_db_repeats", ())) >= 2 for r in four):
+        family = ComparisonFamily("03.best_4bit: every pair of 4.25-bit schemes")
+        family.add_pairs(
+            {r["scheme"]: r["sqnr_db_repeats"] for r in four}, metric=SQNR_METRIC, higher_is_better=True, over="draws"
+        )
+        return family.decide().not_beaten(names, SQNR_METRIC)
+    return names[:1]
+
+
+def check_best_4bit(answer, rows=(), decisions=None, **_):
     by = {r["scheme"]: r for r in rows}
     answer = str(answer).strip()
     if answer not in by:
         return "not a scheme of this run's table: copy a name from its scheme column"
-    four = [r for r in rows if r["bits_per_weight"] == 4.25]
-    best = max(four, key=lambda r: r["sqnr_db"])["scheme"]
-    if answer == best:
-        return None
     if by[answer]["bits_per_weight"] != 4.25:
         return (
             f"that scheme costs {by[answer]['bits_per_weight']} bits per weight; the question asks among the "
             "4.25-bit ones"
         )
-    return "a 4.25-bit scheme, but another 4.25-bit row has a higher sqnr_db: sort those rows by sqnr_db"
+    if answer in _tied_with_best(rows, decisions):
+        return None
+    return (
+        "a 4.25-bit scheme, but another 4.25-bit scheme is decided better than it over the token sets (the verdict "
+        "table): look for the ones no other scheme is decided better than"
+    )
 
 
-def solve_best_4bit(rows=(), **_):
-    four = [r for r in rows if r["bits_per_weight"] == 4.25]
-    best = max(four, key=lambda r: r["sqnr_db"])
-    return best["scheme"], (
-        f"Among the 4.25-bit rows ({', '.join(r['scheme'] for r in four)}), the largest sqnr_db is {best['scheme']}'s "
-        f"({best['sqnr_db']:.2f} dB)."
+def solve_best_4bit(rows=(), decisions=None, **_):
+    tied = _tied_with_best(rows, decisions)
+    return tied[0], (
+        f"Among the 4.25-bit rows ({', '.join(r['scheme'] for r in _four_bit(rows))}), no other scheme is decided "
+        f"better than {', '.join(tied)} on the logits SQNR over the token sets: any of them passes; "
+        f"{tied[0]} has the highest mean ({max(r['sqnr_db'] for r in _four_bit(rows)):.2f} dB)."
     )
 
 
