@@ -93,6 +93,29 @@ class Estimate:
     n: int
     over: str
 
+    @classmethod
+    def from_interval(
+        cls, estimate: float, low: float, high: float, n: int, level: float = 0.95, over: str = "units"
+    ) -> Estimate:
+        """An ``Estimate`` read from a paired interval ``[low, high]`` at ``level`` over ``n`` units (a paired
+        bootstrap interval, e.g. ``mxlib.models.evaluation.compare``'s): ``se = (high - low) / (2 t)``, ``t`` the
+        Student quantile at ``(1 + level) / 2`` with ``n - 1`` degrees of freedom. An approximation: the interval is
+        read as a symmetric normal one, which a percentile bootstrap interval over hundreds of prompts nearly is.
+
+        Raises:
+            ValueError: ``low > high``, ``n < 2``, ``level`` outside (0, 1), or a non-finite bound.
+        """
+        if not all(math.isfinite(v) for v in (estimate, low, high)):
+            raise ValueError(f"low, high: expected finite bounds, got [{low}, {high}] around {estimate}")
+        if low > high:
+            raise ValueError(f"low, high: expected low <= high, got [{low}, {high}]")
+        if n < 2:
+            raise ValueError(f"n: expected at least 2 units, got {n}")
+        if not 0.0 < level < 1.0:
+            raise ValueError(f"level: expected a value in (0, 1), got {level}")
+        t = float(_st.t.ppf((1.0 + level) / 2.0, n - 1))
+        return cls(mean=float(estimate), se=(high - low) / (2.0 * t), df=n - 1, n=n, over=over)
+
     def p_value(self, smallest: float = 0.0) -> float:
         """Two-sided p-value of the null hypothesis ``|Delta| <= smallest`` (see the module docstring)."""
         excess = abs(self.mean) - smallest

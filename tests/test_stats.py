@@ -157,6 +157,19 @@ def test_not_beaten_over_all_pairs():
     assert dec.not_beaten(list(values), "SQNR") == ["best", "close"]
 
 
+def test_estimate_from_interval_inverts_the_t_interval():
+    rng = np.random.default_rng(4)
+    d = rng.normal(0.1, 1.0, size=300)
+    est = paired_units(d, np.zeros(300))
+    lo, hi = est.interval(0.95)
+    back = Estimate.from_interval(est.mean, lo, hi, n=300, level=0.95)
+    assert (back.se, back.df) == pytest.approx((est.se, est.df))
+    with pytest.raises(ValueError, match="expected low <= high"):
+        Estimate.from_interval(0.0, 1.0, -1.0, n=10)
+    with pytest.raises(ValueError, match="n: expected at least 2"):
+        Estimate.from_interval(0.0, -1.0, 1.0, n=1)
+
+
 def test_largest_difference():
     x = np.array([1.0, 2.0, 3.0])
     assert largest_difference((x, x + 0.1), (x, x - 0.3)) == pytest.approx(0.3)
