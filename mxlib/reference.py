@@ -243,30 +243,65 @@ def decode_element(codes: torch.Tensor, element: str | ElementFormat) -> torch.T
     return table[codes.to(torch.int32)]
 
 
-def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
-    """Round fp32 values to a format (``round_to_element``) and return their codes (uint8).
+def rounding_boundaries(element: str | ElementFormat) -> tuple[float, ...]:
+    """The fp32 boundaries between consecutive non-negative finite codes of a format.
 
-    NaN becomes the format's NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E,
-    sign kept); FP4 and FP6 have no NaN code, so NaN encodes as +0 (in MX a
-    block holding NaN carries it in its 0xFF scale instead).
+    Magnitude code ``i`` (the codes ``0, 1, ...`` in increasing value, up to ``max``) holds the values
+    ``a`` with ``b[i-1] < a <= b[i]``: ``b[i]`` is the midpoint of the values of codes ``i`` and ``i+1``
+    where a tie goes to code ``i`` (the even one), and the fp32 number just below that midpoint where a
+    tie goes to code ``i+1``. So round to nearest, ties to even, is "count the boundaries below ``a``".
+    Every midpoint is exact in fp32 (the values have at most 4 significant bits).
     """
     fmt = get_element_format(element)
-    r = round_to_element(x, fmt)
-    bits = r.view(torch.int32)
-    sign = torch.bitwise_right_shift(bits, 31) & 1
-    a = r.abs()
-    # normal: the fp32 exponent and top mantissa bits, re-biased; subnormal: a / min_subnormal
-    normal_code = torch.bitwise_right_shift(a.view(torch.int32), 23 - fmt.mbits) - ((127 - fmt.bias) << fmt.mbits)
-    sub_code = (a * (2.0 ** (fmt.bias - 1 + fmt.mbits))).to(torch.int32)
-    mag = torch.where(a >= fmt.min_normal, normal_code, sub_code)
-    nan = torch.isnan(r)
-    if fmt.has_nan_code:
-        mag = torch.where(nan, fmt.nan_code, mag)
+    return _rounding_boundaries(fmt)
+
+
+_BOUNDARIES: dict[str, tuple[float, ...]] = {}
+
+
+def _rounding_boundaries(fmt: ElementFormat) -> tuple[float, ...]:
+    if fmt.name not in _BOUNDARIES:
+        half = fmt.num_codes // 2
+        values = [v for v in (fmt.code_value(c) for c in range(half)) if math.isfinite(v)]
+        bounds = []
+        for i in range(len(values) - 1):
+            mid = torch.tensor((values[i] + values[i + 1]) / 2, dtype=torch.float32)
+            if (i + 1) % 2 == 0:  # the upper code is the even one: a tie goes up
+                mid = torch.nextafter(mid, torch.tensor(0.0))
+            bounds.append(float(mid))
+        _BOUNDARIES[fmt.name] = tuple(bounds)
+    return _BOUNDARIES[fmt.name]
+
+
+def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tensor:
+    """Round fp32 values to a format and return their codes (uint8): the codes of
+    ``round_to_element(x)`` (nearest, ties to even, saturating to +-max, the sign of zero kept).
+
+    The magnitude code of ``a = |x|`` is the number of ``rounding_boundaries`` below ``a``: a
+    comparison per boundary for FP4 (7 of them), a sorted search (``torch.bucketize``) for wider
+    formats; +-Inf and values beyond ``max`` get the largest finite code. NaN becomes the format's
+    NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E, sign kept); FP4 and FP6 have no NaN code, so
+    NaN encodes as +0 (in MX a block holding NaN carries it in its 0xFF scale instead).
+    """
+    fmt = get_element_format(element)
+    x = x.float()
+    a = x.abs()
+    bounds = _rounding_boundaries(fmt)
+    if len(bounds) <= 8:
+        mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+        for b in bounds:
+            mag += a > b
     else:
-        mag = torch.where(nan, 0, mag)
-        sign = torch.where(nan, 0, sign)
-    code = torch.bitwise_left_shift(sign, fmt.ebits + fmt.mbits) | mag
-    return code.to(torch.uint8)
+        table = torch.tensor(bounds, dtype=torch.float32, device=a.device)
+        mag = torch.bucketize(a, table, right=False).to(torch.uint8)
+    nan = torch.isnan(a)
+    if nan.any():
+        if fmt.has_nan_code:
+            mag = torch.where(nan, fmt.nan_code, mag)
+        else:  # +0, whatever the sign
+            mag = torch.where(nan, 0, mag)
+            x = torch.where(nan, 0.0, x)
+    return mag.add_(torch.signbit(x), alpha=1 << (fmt.ebits + fmt.mbits))
 
 
 # ----------------------------------------------------------------------------- E8M0 scales

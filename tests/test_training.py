@@ -31,13 +31,13 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(cache_dir):
-    return tr.train(RECIPE, cache_dir)
+    return tr.train(RECIPE, cache_dir, retrain=True)  # trained here, not the shipped model
 
 
 def test_train_returns_a_bf16_eval_model_and_a_complete_entry(trained, cache_dir):
     assert not trained.training and trained.dtype == torch.bfloat16
     info = trained.mxlib_training
-    assert not info["cache_hit"] and info["key"] == tr.recipe_key(RECIPE)
+    assert not info["cache_hit"] and info["key"] == tr.recipe_key(RECIPE) and "shipped" not in info
     entry = cache_dir / info["key"]
     assert sorted(p.name for p in entry.iterdir()) == sorted(tr.ENTRY_FILES)
     assert tr.TrainRecipe.from_dict(json.loads((entry / "recipe.json").read_text())) == RECIPE
@@ -58,7 +58,7 @@ def test_second_call_loads_without_training(trained, cache_dir, monkeypatch):
         raise AssertionError("train() trained although a complete entry was cached")
 
     monkeypatch.setattr(tr, "train_fp32", no_training)
-    again = tr.train(RECIPE, cache_dir)
+    again = tr.train(RECIPE, cache_dir, retrain=True)
     assert again.mxlib_training["cache_hit"]
     for (name, a), (_, b) in zip(trained.state_dict().items(), again.state_dict().items()):
         assert_bits_equal(a, b, name)
@@ -94,7 +94,7 @@ def test_a_damaged_entry_is_not_reused(trained, cache_dir, tmp_path, monkeypatch
     assert tr.load_entry(entry, RECIPE) is None
     calls = []
     monkeypatch.setattr(tr, "train_fp32", _fake_training(calls))
-    model = tr.train(RECIPE, tmp_path)
+    model = tr.train(RECIPE, tmp_path, retrain=True)
     assert calls == [RECIPE] and not model.mxlib_training["cache_hit"]
     assert tr.load_entry(entry, RECIPE) is not None  # replaced by a complete entry
 
@@ -108,7 +108,7 @@ def test_an_interrupted_write_leaves_no_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tr, "save_file", broken_save)
     with pytest.raises(KeyboardInterrupt):
-        tr.train(RECIPE, tmp_path)
+        tr.train(RECIPE, tmp_path, retrain=True)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -158,3 +158,48 @@ def test_teacher_forced_exact_match_is_greedy_decoding(trained):
         for t in fast.tasks:
             assert torch.equal(fast.tasks[t].correct, slow.tasks[t].correct), t
             assert torch.equal(fast.tasks[t].nll, slow.tasks[t].nll), t
+
+
+def test_the_retrained_test_recipe_reaches_the_shipped_accuracy(trained):
+    """The test recipe trained here reaches the accuracy recorded for the shipped model (tools/ship_trained.py)
+    within its intervals, on the same held-out prompts; with the torch and transformers versions it was
+    trained with, it is the shipped model bit for bit."""
+    shipped = tr.load_shipped(RECIPE)
+    manifest = shipped.mxlib_training
+    acc = manifest["accuracy"]
+    sets = [make_dataset(t, acc["eval_prompts"], acc["seed"], "heldout") for t in RECIPE.tasks]
+    results = evaluate(trained, sets, seed=acc["seed"])
+    for t, r in results.tasks.items():
+        rec = acc["tasks"][t]
+        for m, v in (("exact_match", r.exact_match), ("nll_per_token", r.nll_per_token)):
+            assert v.low <= rec[m]["high"] and rec[m]["low"] <= v.high, (t, m, str(v), rec[m])  # intervals meet
+        assert r.exact_match.estimate >= rec["exact_match"]["low"], (t, str(r.exact_match), rec)
+    if (manifest["torch"], manifest["transformers"]) == (torch.__version__, tr.transformers.__version__):
+        mine = {k: v.to(torch.bfloat16) for k, v in trained.state_dict().items()}
+        ship = shipped.state_dict()
+        assert mine.keys() == ship.keys()
+        for k in mine:
+            assert_bits_equal(mine[k], ship[k])
+
+
+@pytest.mark.parametrize("name", sorted(tr.RECIPES))
+def test_every_recipe_ships_a_model_that_train_returns(name, tmp_path):
+    model = tr.train(name, tmp_path)  # nothing trained, nothing written to the cache
+    info = model.mxlib_training
+    assert info["shipped"] and info["cache_hit"] and info["weights_dtype"] == "bfloat16"
+    assert list(tmp_path.iterdir()) == []
+    assert set(info["accuracy"]["tasks"]) == set(tr.get_recipe(name).tasks)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not model.training
+
+
+def test_a_damaged_shipped_model_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(tr.SHIPPED_DIR / "test", tmp_path / "test")
+    monkeypatch.setattr(tr, "SHIPPED_DIR", tmp_path)
+    data = bytearray((tmp_path / "test" / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (tmp_path / "test" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="SHA-256 differs"):
+        tr.load_shipped("test")

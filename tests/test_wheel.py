@@ -83,6 +83,7 @@ def test_the_wheel_holds_the_package_the_notebooks_and_the_license(dist):
         package = {n for n in names if not n.startswith(info + "/")}
         expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib").rglob("*.py")}
         expected |= {"mxlib/py.typed", "mxlib/notebooks/__init__.py"} | {f"mxlib/notebooks/{n}" for n in NOTEBOOKS}
+        expected |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib/models/trained").glob("*/*")}
         assert package == expected, f"missing {sorted(expected - package)}, unexpected {sorted(package - expected)}"
         assert NOTEBOOKS and all(n[:2].isdigit() for n in NOTEBOOKS), NOTEBOOKS
         for name in NOTEBOOKS:
@@ -119,6 +120,7 @@ def test_the_sdist_holds_what_the_wheel_is_built_from(dist):
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     needed = {"pyproject.toml", "setup.py", "README.md", "LICENSE", "mxlib/py.typed", "notebooks/__init__.py"}
     needed |= {f"notebooks/{n}" for n in NOTEBOOKS}
+    needed |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "mxlib/models/trained").glob("*/*")}
     assert needed <= names, sorted(needed - names)
     assert not [n for n in names if n.startswith(("build/", ".venv/", ".git/", ".ci/"))], sorted(names)
 

@@ -71,6 +71,10 @@ __all__ = [
     "train_fp32",
     "train",
     "load_entry",
+    "SHIPPED_DIR",
+    "shipped_entry",
+    "load_shipped",
+    "write_shipped",
     "ENTRY_FILES",
 ]
 
@@ -413,20 +417,100 @@ def _write_entry(model, recipe: TrainRecipe, entry: Path) -> None:
         raise
 
 
+# The models mxlib ships: ``trained/<recipe name>/`` beside this module holds each ``RECIPES`` entry's weights
+# as trained by ``train_fp32`` and cast to bf16 (``model.safetensors``), its ``config.json``, ``recipe.json``
+# and ``manifest.json`` (the cache key it was trained under, the torch and transformers versions, the
+# SHA-256 of the weights, the training time, and the bf16 accuracy measured on held-out prompts).
+SHIPPED_DIR = Path(__file__).parent / "trained"
+
+
+def shipped_entry(recipe: TrainRecipe | str) -> Path | None:
+    """The shipped folder of ``recipe`` (a ``RECIPES`` name, or a recipe equal to one), or None."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    for name, r in RECIPES.items():
+        if r == recipe and (SHIPPED_DIR / name / "manifest.json").is_file():
+            return SHIPPED_DIR / name
+    return None
+
+
+def load_shipped(recipe: TrainRecipe | str, dtype: torch.dtype = torch.bfloat16):
+    """The shipped model of ``recipe`` in ``dtype`` (its weights are bf16: ``float32`` holds the same values),
+    eval mode, or None where none is shipped for it. The same model on every machine, whatever torch and
+    transformers versions run it (those it was trained with are in its manifest).
+
+    The model carries ``mxlib_training``: the manifest, ``cache_hit`` (True), ``shipped`` (True) and ``path``.
+
+    Raises:
+        RuntimeError: a shipped entry whose weights fail their SHA-256 or do not load (a damaged install).
+    """
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    entry = shipped_entry(recipe)
+    if entry is None:
+        return None
+    manifest = json.loads((entry / "manifest.json").read_text())
+    stored = TrainRecipe.from_dict(json.loads((entry / "recipe.json").read_text()))
+    if stored != recipe:
+        raise RuntimeError(f"{entry}: recipe.json does not hold the recipe it is shipped for")
+    if manifest.get("sha256") != _sha256(entry / "model.safetensors"):
+        raise RuntimeError(f"{entry / 'model.safetensors'}: SHA-256 differs from its manifest (a damaged install)")
+    config = Qwen3MoeConfig.from_json_file(str(entry / "config.json"))
+    model = Qwen3MoeForCausalLM(config)
+    model.load_state_dict(load_file(str(entry / "model.safetensors")), strict=True)
+    model = model.to(dtype).eval()
+    model.mxlib_training = dict(manifest, cache_hit=True, shipped=True, path=str(entry))
+    return model
+
+
+def write_shipped(model, recipe: TrainRecipe, name: str, accuracy: dict, folder: Path | None = None) -> Path:
+    """Write ``model`` (trained by ``train_fp32`` on ``recipe``; its weights cast to bf16) as the shipped
+    entry ``name`` under ``folder`` (default ``SHIPPED_DIR``), ``accuracy`` (its measured bf16 accuracy) in
+    the manifest. ``tools/ship_trained.py`` runs it. Returns the folder."""
+    folder = Path(folder) if folder is not None else SHIPPED_DIR
+    entry = folder / name
+    entry.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(entry / "model.safetensors"))
+    os.chmod(entry / "model.safetensors", 0o644)
+    model.config.to_json_file(str(entry / "config.json"))
+    (entry / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=1, sort_keys=True) + "\n")
+    info = getattr(model, "mxlib_training", {})
+    manifest = dict(
+        key=recipe_key(recipe),
+        training_version=TRAINING_VERSION,
+        torch=info.get("torch", torch.__version__),
+        transformers=info.get("transformers", transformers.__version__),
+        sha256=_sha256(entry / "model.safetensors"),
+        train_seconds=info.get("train_seconds"),
+        weights_dtype="bfloat16",
+        accuracy=accuracy,
+    )
+    (entry / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return entry
+
+
 def train(
-    recipe: TrainRecipe | str, cache_dir, log: Callable[[dict], None] | None = None, dtype: torch.dtype = torch.bfloat16
+    recipe: TrainRecipe | str,
+    cache_dir,
+    log: Callable[[dict], None] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    retrain: bool = False,
 ):
     """The trained model of ``recipe`` (a ``TrainRecipe`` or a ``RECIPES`` name) in ``dtype`` (bf16:
-    cast after training), eval mode, from ``cache_dir/<recipe_key>`` when a complete entry is there,
-    else trained (``train_fp32``) and cached first.
+    cast after training), eval mode: the shipped one (``load_shipped``: the same on every machine) unless
+    ``retrain``; else from ``cache_dir/<recipe_key>`` when a complete entry is there, else trained
+    (``train_fp32``) and cached first.
 
     The model carries ``mxlib_training``: the manifest (``key``, versions, ``sha256``,
-    ``train_seconds``), ``cache_hit`` and ``path``.
+    ``train_seconds``), ``cache_hit``, ``path`` and, for a shipped model, ``shipped``.
 
     Raises:
         ValueError: an unknown recipe name.
     """
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if not retrain:
+        shipped = load_shipped(recipe, dtype)
+        if shipped is not None:
+            return shipped
     entry = Path(cache_dir) / recipe_key(recipe)
     model = load_entry(entry, recipe, dtype)
     if model is not None:

@@ -297,6 +297,19 @@ class TritonExperts(torch.nn.Module):
         """All experts' ``(w13, w2)`` in the activation dtype."""
         return self.w13, self.w2
 
+    def expert_weight_getters(self):
+        """``(w13_of, w2_of)``: ``e -> w13[e]`` and ``e -> w2[e]`` for ``torch_moe``'s loop over the experts,
+        which asks for an expert's w13 and then its w2: each expert is dequantized once per forward (the last
+        one asked for is held until the next), not once per weight."""
+        last: list = [None, None]
+
+        def both(e: int):
+            if last[0] != e:
+                last[0], last[1] = e, self.dequantized_expert(e)
+            return last[1]
+
+        return (lambda e: both(e)[0]), (lambda e: both(e)[1])
+
     def dequantized_expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's ``(w13[e], w2[e])`` in the activation dtype."""
         return self.w13[e], self.w2[e]
@@ -424,10 +437,11 @@ class TritonExperts(torch.nn.Module):
         if backend == "torch" and torch.compiler.is_compiling():
             return _torch_experts_apply(a1, topk_weights, topk_ids, a1_per_pair, self._handle)
         if backend == "torch":
+            w13_of, w2_of = self.expert_weight_getters()
             return torch_moe(
                 a1,
-                lambda e: self.dequantized_expert(e)[0],
-                lambda e: self.dequantized_expert(e)[1],
+                w13_of,
+                w2_of,
                 topk_weights,
                 topk_ids,
                 qi,

@@ -67,6 +67,7 @@ from .schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = [
     "ExpertWeights",
+    "KeptDequantized",
     "QuantizedExperts",
     "Nvfp4QuantizationEmulationTritonExperts",
     "OCP_MXQuantizationEmulationTritonExperts",
@@ -82,6 +83,41 @@ FP6_AUTO_FUSED = True
 # zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
 # (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
 FP4_PAD_MAX_FRACTION = 1 / 16
+
+
+class KeptDequantized:
+    """Dequantized expert weights kept across forwards (``QuantizedExperts.keep_dequantized``).
+
+    An entry is valid while the experts asking for it are of the same class, numerics and activation
+    dtype as the ones it was made for, and hold the same weight tensors (``w13_weight*`` / ``w2_weight*``
+    buffers: the packed bytes, the block scales, the global scales, the same tensor objects at the same
+    ``_version``: an in-place write bumps it); any other request empties it first. So experts built from
+    the same ``ExpertWeights`` (schemes that differ in their activations only) can share one.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.inputs: list[tuple[torch.Tensor, int]] = []
+        self.experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, owner: QuantizedExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s ``(w13, w2)`` of ``owner``: kept, or dequantized now and kept."""
+        inputs = [
+            (t, t._version)
+            for name, t in owner._buffers.items()
+            if t is not None and name.startswith(("w13_weight", "w2_weight"))
+        ]
+        key = (type(owner), owner.numerics, owner.activation_dtype, len(inputs))
+        if (
+            key != self.key
+            or len(inputs) != len(self.inputs)
+            or any(a is not b or va != vb for (a, va), (b, vb) in zip(self.inputs, inputs))
+        ):
+            self.key, self.inputs, self.experts = key, inputs, {}
+        if e not in self.experts:
+            w13, w2 = owner._dequantize(_ref, slice(e, e + 1))
+            self.experts[e] = (w13[0], w2[0])
+        return self.experts[e]
 
 
 class QuantizedExperts(TritonExperts):
@@ -235,9 +271,27 @@ class QuantizedExperts(TritonExperts):
         backend = resolve_backend(self.backend, self._device())
         return self._dequantize(ops_for_backend("torch" if backend == "torch" else "triton"), slice(None))
 
+    keep_dequantized = False  # the class default: a library user's experts dequantize at each forward
+    kept_dequantized: KeptDequantized | None = None  # where kept weights go (made at the first use)
+
     def dequantized_expert(self, e: int):
-        w13, w2 = self._dequantize(_ref, slice(e, e + 1))
-        return w13[0], w2[0]
+        """Expert ``e``'s ``(w13 [2I, H], w2 [H, I])`` in the activation dtype, dequantized by the
+        reference (``mxlib.reference``) in the experts' numerics.
+
+        With ``keep_dequantized`` set (``experts.keep_dequantized = True``; off by default: it holds the
+        dequantized weights, 4.8 GB for the 4-layer Qwen3-30B-A3B dummy's experts, beside the packed ones), the
+        result is kept in ``kept_dequantized`` (a ``KeptDequantized``; experts made from the same quantized
+        tensors may share one) and handed out again while it is valid (``KeptDequantized.get``); otherwise it
+        is dequantized anew. A kept result is always the one dequantizing now would give, bit for bit. The CPU
+        studies of the workbook set it: their forwards run the same weights many times.
+        """
+        if not self.keep_dequantized:
+            self.kept_dequantized = None  # turned off: what was kept is let go
+            w13, w2 = self._dequantize(_ref, slice(e, e + 1))
+            return w13[0], w2[0]
+        if self.kept_dequantized is None:
+            self.kept_dequantized = KeptDequantized()
+        return self.kept_dequantized.get(self, e)
 
     def packed_weights(self) -> tuple[PackedWeights, PackedWeights]:
         """(w13, w2) as ``PackedWeights`` (checkpoint layout) for the generic fused kernel."""
@@ -507,10 +561,11 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             made = self.__dict__.pop("_a1_row_scale", None)
             if made is None or made[0] is not a1:
                 raise RuntimeError("a1: per-token hardware numerics take the a1 that quantize_input made")
+            w13_of, w2_of = self.expert_weight_getters()
             return torch_moe(
                 a1,
-                lambda e: self.dequantized_expert(e)[0],
-                lambda e: self.dequantized_expert(e)[1],
+                w13_of,
+                w2_of,
                 topk_weights,
                 topk_ids,
                 self.intermediate_qdq(backend),

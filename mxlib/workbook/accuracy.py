@@ -10,7 +10,8 @@ The steps, in the notebook's order:
 
 1. ``check_accuracy_parameters``: the notebook's parameters checked and resolved (recipe preset,
    tasks, schemes, strategies, sizes) before anything runs.
-2. ``trained_model``: the recipe trained, or read from the cache (``default_cache_dir()/trained``).
+2. ``trained_model``: the model mxlib ships for the recipe, or (``retrain``) trained, or read from the cache
+   (``default_cache_dir()/trained``).
 3. ``noise_floor_study``: the same bf16 model on other batch compositions and another experts
    backend (``evaluation.noise_floor``); a quantization delta counts only beyond it.
 4. ``scheme_study``: every scheme written as a checkpoint in its real layout (ModelOpt for NVFP4,
@@ -63,6 +64,8 @@ __all__ = [
     "AccuracyParameters",
     "check_accuracy_parameters",
     "trained_model",
+    "choose_tasks",
+    "HARDEST_TASK",
     "evaluation_sets",
     "calibration_sets",
     "calibrate_on_training_mix",
@@ -179,20 +182,46 @@ def check_accuracy_parameters(
 # ----------------------------------------------------------------------------- model and data
 
 
-def trained_model(p: AccuracyParameters, cache_dir=None, log=print, log_every: int = 500):
-    """The bf16 model of ``p.recipe`` (``mxlib.models.training.train``): from the cache under
-    ``cache_dir`` (default ``default_cache_dir() / "trained"``), else trained there first, its
-    progress passed to ``log`` every ``log_every`` steps. The model carries ``mxlib_training``."""
+# The task the studies single out when a parameter says "auto": addition, where 4 bits cost the most (notebook 06),
+# when the recipe trains it, else the recipe's first task.
+HARDEST_TASK = "add"
+
+
+def choose_tasks(value, tasks, param: str) -> list[str]:
+    """Tasks a notebook parameter names among ``tasks`` (the recipe's): ``"auto"`` gives ``[HARDEST_TASK]``
+    where the recipe trains it, else the recipe's first task (so the ``test`` recipe's quick run works on
+    every default); a name or a list of names is checked against ``tasks``.
+
+    Raises:
+        ValueError: naming ``param``, the allowed tasks and the value.
+    """
+    tasks = list(tasks)
+    if value == "auto":
+        return [HARDEST_TASK] if HARDEST_TASK in tasks else tasks[:1]
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or any(n not in tasks for n in names):
+        raise ValueError(f'{param}: expected "auto" or task names among {tasks}, got {value!r}')
+    return list(names)
+
+
+def trained_model(p: AccuracyParameters, cache_dir=None, log=print, log_every: int = 500, retrain: bool = False):
+    """The bf16 model of ``p.recipe`` (``mxlib.models.training.train``): the model mxlib ships for it (the
+    same on every machine), or with ``retrain`` (or a recipe nothing is shipped for) from the cache under
+    ``cache_dir`` (default ``default_cache_dir() / "trained"``), else trained there first, its progress
+    passed to ``log`` every ``log_every`` steps. The model carries ``mxlib_training``."""
+    if not isinstance(retrain, bool):
+        raise ValueError(f"retrain: expected True or False, got {retrain!r}")
     cache = Path(cache_dir) if cache_dir else default_cache_dir() / "trained"
 
     def progress(r: dict) -> None:
         if r["step"] % log_every == 0 or r["step"] == p.recipe.steps - 1:
             log(f"[train] step {r['step']}: loss {r['loss']:.4f}, {r['seconds']:.0f} s")
 
-    model = train(p.recipe, cache, log=progress if log else None)
+    model = train(p.recipe, cache, log=progress if log else None, retrain=retrain)
     info = model.mxlib_training
     if log:
-        log(f"[train] {'cached' if info['cache_hit'] else 'trained'} {info['key']} ({info['train_seconds']:.0f} s)")
+        how = "shipped" if info.get("shipped") else ("cached" if info["cache_hit"] else "trained")
+        log(f"[train] {how} {info['key']} (trained in {info['train_seconds']:.0f} s with torch {info['torch']})")
     return model
 
 

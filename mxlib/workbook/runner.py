@@ -225,6 +225,7 @@ def run(
             str(executed),
             parameters=params,
             kernel_name="python3",
+            engine_name=_progress_engine(name, t0),
             cwd=str(out),
             progress_bar=False,
             execution_timeout=CELL_TIMEOUT_S,
@@ -235,6 +236,35 @@ def run(
         done.append((name, seconds))
         print(f"[workbook] {name}: done in {seconds:.0f} s -> {executed} and {name}.html", flush=True)
     return done
+
+
+def _progress_engine(name: str, t0: float) -> str:
+    """Register and name a papermill engine that prints one line per executed code cell: the run's name,
+    the cell's index and first source line, its seconds and the notebook's elapsed seconds (papermill's
+    own progress bar redraws one line, which a CI log shows as noise)."""
+    from papermill.engines import NBClientEngine, papermill_engines
+
+    class ProgressEngine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, **kwargs):
+            complete = nb_man.cell_complete
+
+            def cell_complete(cell, cell_index=None, **kw):
+                complete(cell, cell_index=cell_index, **kw)
+                if cell.cell_type == "code":
+                    seconds = (cell.metadata.get("papermill") or {}).get("duration") or 0.0
+                    first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")[:60]
+                    print(
+                        f"[workbook] {name}: cell {cell_index} {seconds:6.1f} s, {time.perf_counter() - t0:6.0f} s in"
+                        f"  | {first}",
+                        flush=True,
+                    )
+
+            nb_man.cell_complete = cell_complete
+            return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+    papermill_engines.register("mxlib-progress", ProgressEngine)
+    return "mxlib-progress"
 
 
 class _OptionError(ValueError):

@@ -18,11 +18,11 @@ import torch
 from ..models.calibration import Calibration
 from ..models.qwen3 import expert_weights, moe_layers
 from ..moe.base import TransformersExperts
-from ..moe.emulation import ExpertWeights
+from ..moe.emulation import ExpertWeights, KeptDequantized
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
 from .repeats import spread
-from .steps import check_numerics, compare_runs, run_model
+from .steps import check_numerics, compare_runs, keep_dequantized, run_model
 
 __all__ = ["emulation_experts", "experts_swapped", "checkpoint_tensor_bytes", "compare_schemes", "LOGIT_METRICS"]
 
@@ -90,8 +90,9 @@ def compare_schemes(
     """Every scheme on the same model and token ids; metrics against the bf16 model.
 
     ``schemes``: ``MoEQuantScheme`` objects (``steps.check_schemes`` resolves names). Weights are
-    quantized once per weight format and shared by the schemes that use it. ``calibration``
-    provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes. ``token_ids``: one
+    quantized once per weight format and shared by the schemes that use it; on the ``torch`` backend so are
+    their dequantized weights (``steps.keep_dequantized``: the outputs are those of dequantizing each time).
+    ``calibration`` provides the static input scales of ``nvfp4`` and the ``_a_fp8`` schemes. ``token_ids``: one
     ``[1, T]`` tensor, or a list of them (token sets, ``steps.evaluation_token_sets``): each
     scheme runs on every set. ``numerics``: ``"vllm"`` or ``"hardware"`` (``mxlib.moe.emulation``;
     the hardware numerics run on the ``torch`` or ``fused`` backend).
@@ -123,6 +124,7 @@ def compare_schemes(
         t0 = time.perf_counter()
         quantized = [quantize_expert_weights(*expert_weights(model, li), weight) for li in range(nlayers)]
         log(f"[compare] quantized {weight.name} weights in {time.perf_counter() - t0:.1f} s")
+        kept = [KeptDequantized() for _ in quantized]  # the group's schemes share the dequantized weights
         for s in group:
             experts = []
             for li, q in enumerate(quantized):
@@ -130,6 +132,8 @@ def compare_schemes(
                 if s.static_activation_scale:
                     in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, s.activation))
                 experts.append(emulation_experts(s, q, in13, in2, backend, numerics=numerics))
+                experts[-1].kept_dequantized = kept[li]
+            keep_dequantized(experts)
             results, seconds = [], 0.0
             with experts_swapped(model, experts):
                 for ids, ref in zip(sets, refs):
@@ -142,7 +146,7 @@ def compare_schemes(
                 f"[compare] {s.name}: logits SQNR {r['sqnr_db']:.2f} dB, top-1 "
                 f"{r['top1_agreement']:.3f}, KL {r['kl_divergence']:.2e}"
             )
-        del quantized
+        del quantized, kept
     return rows
 
 

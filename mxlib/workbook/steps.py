@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from ..models.checkpoints.safetensors_io import WRITER_VERSION, is_mxlib_checkpo
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
 from ..moe.base import BACKENDS
+from ..moe.emulation import QuantizedExperts
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
 
 __all__ = [
@@ -337,11 +339,13 @@ def set_numerics(model, numerics: str | Numerics) -> int:
 
 
 @torch.no_grad()
-def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
+def compare_numerics(model, token_sets: list[torch.Tensor], refs: list, known_runs: dict | None = None) -> dict:
     """A loaded quantized model run in both numerics on every token set (notebook 01, section 5).
 
     Each set runs with ``numerics="vllm"`` and ``"hardware"`` (``set_numerics``; the model's own
     numerics are restored afterwards). ``refs``: the bf16 model's ``RunOutput`` of each set.
+    ``known_runs``: ``{numerics name: the model's own RunOutput of each set}`` for a numerics already run
+    (used instead of running the sets again: the same model, weights and numerics give the same bits).
 
     Returns:
         ``{"sets": rows, "layers": rows}``. ``sets``, one row per token set: ``set``,
@@ -357,13 +361,17 @@ def compare_numerics(model, token_sets: list[torch.Tensor], refs: list) -> dict:
     """
     if len(token_sets) != len(refs):
         raise ValueError(f"refs: expected one per token set ({len(token_sets)}), got {len(refs)}")
+    known_runs = {get_numerics(k).value: list(v) for k, v in (known_runs or {}).items()}
+    if any(len(v) != len(token_sets) for v in known_runs.values()):
+        raise ValueError(f"known_runs: expected one run per token set ({len(token_sets)}) for each numerics")
     first = next(ex for mlp in moe_layers(model) for ex in [getattr(mlp.experts, "experts", None)] if ex is not None)
     restore = first.numerics.value
-    runs = {}
+    runs = dict(known_runs)
     try:
         for mode in NUMERICS:
-            set_numerics(model, mode)
-            runs[mode] = [run_model(model, ids) for ids in token_sets]
+            if mode not in runs:
+                set_numerics(model, mode)
+                runs[mode] = [run_model(model, ids) for ids in token_sets]
     finally:
         set_numerics(model, restore)
     sets, per_layer = [], []
@@ -438,9 +446,85 @@ def dummy_model(
     else:
         cfg = qwen3_30b_a3b_config(num_hidden_layers, **{**model_preset_overrides(model_preset), **overrides})
     build = dummy_gpt_oss if model_preset in GPT_OSS_PRESETS else dummy_qwen3_moe
-    model = build(cfg, seed=seed, expert_spread=expert_spread, device=resolve_device(str(device)))
-    release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+    dev = resolve_device(str(device))
+    folder = _dummy_cache_folder(cfg, seed, expert_spread) if dev.type == "cpu" and expert_spread == 0 else None
+    model = _load_cached_dummy(folder, cfg) if folder is not None else None
+    if model is None:
+        model = build(cfg, seed=seed, expert_spread=expert_spread, device=dev)
+        release_freed_memory()  # the warm-up pass's freed temporaries (~0.2 GB at full size)
+        if folder is not None:
+            _write_cached_dummy(model, folder)
     return model
+
+
+# The plain (``expert_spread`` 0) dummy models the workbook builds at the real shape (3 B parameters: 35 s of random
+# draws and a warm-up pass on 2 cores; notebooks 01, twice, and 03 build the same one) are kept in the checkpoint
+# cache beside the checkpoints and read back in seconds; smaller ones, and those with a spread (each built once),
+# are built each time.
+DUMMY_CACHE_MIN_PARAMETERS = 100_000_000
+
+
+def _dummy_cache_folder(cfg, seed: int, expert_spread: float) -> Path | None:
+    """``<cache>/dummy-<model_type>-L<layers>-<hash>`` for a model of ``DUMMY_CACHE_MIN_PARAMETERS`` or more, else
+    None. The hash covers the config, the seed, the spread, the torch and transformers versions and the source of
+    the modules that build the dummy (a change to how it is built is a new folder)."""
+    import transformers
+
+    from ..models import gpt_oss, moe_models, qwen3
+
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    if cfg.num_hidden_layers * experts * 3 * cfg.hidden_size * inter < DUMMY_CACHE_MIN_PARAMETERS:
+        return None
+    conf = {k: v for k, v in cfg.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
+    key = hashlib.sha256(json.dumps(conf, sort_keys=True, default=str).encode())
+    key.update(f"{seed}|{float(expert_spread)!r}|{torch.__version__}|{transformers.__version__}".encode())
+    for module in (moe_models, qwen3, gpt_oss):
+        key.update(Path(module.__file__).read_bytes())
+    return default_cache_dir() / f"dummy-{cfg.model_type}-L{cfg.num_hidden_layers}-{key.hexdigest()[:20]}"
+
+
+def _load_cached_dummy(folder: Path, cfg):
+    """The model kept in ``folder`` (parameters and persistent buffers copied into an empty model of ``cfg``), or
+    None when the folder is absent or incomplete."""
+    from safetensors import safe_open
+
+    from ..models.moe_models import empty_moe_model
+
+    if not (folder / "complete").is_file():
+        return None
+    model = empty_moe_model(cfg)
+    state = model.state_dict()
+    with safe_open(str(folder / "model.safetensors"), "pt") as f, torch.no_grad():
+        if set(f.keys()) != {n for n in state if n not in _tied_names(model)}:
+            return None
+        for name in f.keys():
+            state[name].copy_(f.get_tensor(name))
+    return model
+
+
+def _tied_names(model) -> set[str]:
+    from ..models.moe_models import tied_parameter_names
+
+    return tied_parameter_names(model)
+
+
+def _write_cached_dummy(model, folder: Path) -> None:
+    """Keep ``model``'s state in ``folder`` (written beside it, then renamed into place; a marker file last)."""
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        tied = _tied_names(model)
+        state = {n: t.detach().contiguous() for n, t in model.state_dict().items() if n not in tied}
+        save_file(state, str(tmp / "model.safetensors"))
+        (tmp / "complete").write_text("ok\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except OSError:  # a full disk or a race with another writer: the model is built, the cache is only a saving
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_model(p: E2EParameters):
@@ -555,10 +639,39 @@ def write_checkpoint(p: E2EParameters, model, progress: bool = False) -> Path:
 def load_checkpoint(p: E2EParameters, path: str | os.PathLike, progress: bool = False):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
     (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
-    backend. Returns ``(model, info)``; raises what the loader raises (``CheckpointError``)."""
-    return load_quantized_qwen3_moe(
+    backend, each layer's experts keeping their dequantized weights where they run on the ``torch``
+    backend (``keep_dequantized``: the notebook runs the same weights many times). Returns ``(model, info)``;
+    raises what the loader raises (``CheckpointError``)."""
+    model, info = load_quantized_qwen3_moe(
         path, num_hidden_layers=p.num_hidden_layers, device=p.device, backend=p.experts_backend, progress=progress
     )
+    keep_dequantized(model)
+    return model, info
+
+
+def emulation_experts_of(model) -> list:
+    """The emulation experts (``QuantizedExperts``) of every MoE layer of ``model`` that has them."""
+    found = []
+    for mlp in moe_layers(model):
+        ex = getattr(mlp.experts, "experts", None)
+        if isinstance(ex, QuantizedExperts):
+            found.append(ex)
+    return found
+
+
+def keep_dequantized(model_or_experts, keep: bool = True) -> int:
+    """Set ``keep_dequantized`` (``mxlib.moe.emulation.QuantizedExperts``) on every emulation experts module
+    of a model (or of a list of experts) that runs on the ``torch`` backend: each expert's weights are then
+    dequantized once and kept while the weights, the numerics and the dtype stay the same, with outputs bit
+    for bit those of dequantizing at each forward. ``keep=False`` turns it off and lets the weights go.
+    Returns the number of modules set."""
+    experts = model_or_experts if isinstance(model_or_experts, list) else emulation_experts_of(model_or_experts)
+    n = 0
+    for ex in experts:
+        if ex.resolved_backend(ex._device()) == "torch" or not keep:
+            ex.keep_dequantized = keep
+            n += 1
+    return n
 
 
 def calibrate_model(

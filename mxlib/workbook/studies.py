@@ -19,7 +19,6 @@ the same quantized operands (``fp64_moe``), and the logits of the two modes agai
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import warnings
 
@@ -31,12 +30,13 @@ from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
 from ..models.calibration import Calibration
 from ..models.qwen3 import expert_weights, moe_layers
 from ..moe.base import ops_for_device
+from ..moe.emulation import KeptDequantized
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.scales import unify_input_scales
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme, get_moe_scheme
 from .scheme_study import checkpoint_tensor_bytes, compare_schemes, emulation_experts, experts_swapped
-from .steps import calibrate_model, compare_runs, dummy_model, run_model
+from .steps import calibrate_model, compare_runs, dummy_model, keep_dequantized, run_model
 
 __all__ = [
     "emulation_experts",
@@ -44,6 +44,8 @@ __all__ = [
     "checkpoint_tensor_bytes",
     "compare_schemes",
     "unification_study",
+    "end_to_end_strategies",
+    "end_to_end_strategies_sets",
     "spread_study",
     "exact_block_weights",
     "exact_activation_qdq",
@@ -176,21 +178,33 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
 
 
 def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids, backend="auto") -> list[dict]:
-    """Logits and per-layer errors of the NVFP4-emulated model under each strategy."""
-    ref = run_model(model, token_ids)
+    """Logits and per-layer errors of the NVFP4-emulated model under each strategy, on one token set
+    (``end_to_end_strategies_sets`` with one set)."""
+    return end_to_end_strategies_sets(model, calibration, strategies, [token_ids], backend)[0]
+
+
+def end_to_end_strategies_sets(model, calibration: Calibration, strategies, token_sets, backend="auto") -> list:
+    """``end_to_end_strategies`` on each token set of ``token_sets`` (each ``[1, T]``): the weights are
+    quantized to NVFP4 once, and on the ``torch`` backend dequantized once for every strategy and set
+    (``steps.keep_dequantized``; the strategies change the activation scales only). Returns one list of rows
+    per set: ``strategy``, the logits metrics of ``analysis.compare_logits``, ``layer_sqnr_db``."""
     nl = len(model.model.layers)
     scheme = NVFP4_MOE
+    refs = [run_model(model, ids) for ids in token_sets]
     quantized = [quantize_expert_weights(*expert_weights(model, li), scheme) for li in range(nl)]
-    rows = []
+    kept = [KeptDequantized() for _ in quantized]
+    rows: list[list[dict]] = [[] for _ in token_sets]
     for s in strategies:
         experts = []
         for li, q in enumerate(quantized):
             in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, scheme.activation))
             experts.append(emulation_experts(scheme, q, in13, in2, backend, scale_strategy=s))
+            experts[-1].kept_dequantized = kept[li]
+        keep_dequantized(experts)
         with experts_swapped(model, experts):
-            out = run_model(model, token_ids)
-        res = compare_runs(out, ref)
-        rows.append(dict(strategy=s, **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]]))
+            for k, (ids, ref) in enumerate(zip(token_sets, refs)):
+                res = compare_runs(run_model(model, ids), ref)
+                rows[k].append(dict(strategy=s, **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]]))
     return rows
 
 
@@ -361,15 +375,17 @@ def _run_recording_a2(experts, x, topk_weights, topk_ids):
 
 @contextlib.contextmanager
 def _experts_dequantized_once(experts: list):
-    """Each expert's weights dequantized once while the context lasts (the ``torch`` backend's
-    forward dequantizes an expert's w13 and w2 for each of the two GEMMs, on every call)."""
+    """Each expert's weights dequantized once while the context lasts (``keep_dequantized``), then let go."""
+    before = [ex.keep_dequantized for ex in experts]
     for ex in experts:
-        ex.dequantized_expert = functools.lru_cache(maxsize=None)(ex.dequantized_expert)
+        ex.keep_dequantized = True
     try:
         yield
     finally:
-        for ex in experts:
-            del ex.dequantized_expert
+        for ex, b in zip(experts, before):
+            ex.keep_dequantized = b
+            if not b:
+                ex.kept_dequantized = None
 
 
 @torch.no_grad()
