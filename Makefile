@@ -73,7 +73,17 @@ bench: $(STAMP)
 
 # The documentation site (mkdocs.yml) into build/docs: open build/docs/index.html, nothing comes from the network.
 .PHONY: docs
-docs: $(STAMP)
+# It needs the docs extra's packages only (mkdocstrings reads the sources without importing them): no torch, no
+# triton, no dev stack. The list is pyproject.toml's `docs` extra, read with tomllib.
+DOCS_STAMP := $(VENV)/.mxlib-docs-installed
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	mkdir -p build
+	$(PY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' > build/docs-requirements.txt
+	$(PY) -m pip install -q -r build/docs-requirements.txt
+	touch $@
+
+docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/docs
 
 clean:

@@ -18,13 +18,26 @@ MoE experts (``mxlib.moe``):
     ``TritonExperts``                      the experts classes (vLLM's names)
     ``fused_topk``                         the router (softmax, top-k, renormalize)
 
+The doors (a practitioner's three calls):
+    ``quantize_``                          quantize a bf16 model's experts in memory (torchao's shape);
+                                           ``model.save_pretrained(folder)`` then writes the checkpoint
+    ``from_pretrained``                    load a quantized checkpoint folder of any layout and family,
+                                           transformers' keywords (``dtype``, ``device_map``); returns the model
+
 Models and checkpoints (``mxlib.models``, transformers' MoE families; Qwen3-MoE the default):
     ``family_of``                          the ``MoEFamily`` of a model, config or ``config.json`` dict
+    ``calibrate``, ``Calibration``         per-expert activation amax from token ids, batches or a data loader
+    ``collect_expert_hessians``            per-expert Hessians for GPTQ (``get_technique("gptq", hessians=...)``)
+    ``get_technique``                      an accuracy-recovery technique by name (``mxlib.recovery``)
+    ``expert_weights``                     one layer's bf16 experts as ``(w13, w2)``
     ``swap_experts``                       put mxlib experts into a transformers model
+    ``attach_checkpoint_layout``           give a model with swapped experts a layout to save in
+    ``TransformersExperts``, ``EmulatedLinear``   the modules a quantized model holds
     ``write_quantized_checkpoint``         a bf16 model -> a quantized checkpoint folder
-    ``load_quantized_moe``                 a checkpoint (ModelOpt, Quark, compressed-tensors) of any
-                                           registered family -> model
-    ``load_quantized_qwen3_moe``           the same, for Qwen3-MoE checkpoints
+    ``load_quantized_moe``                 ``from_pretrained``'s load with mxlib's keywords, returning
+                                           ``(model, info)``
+    ``load_quantized_qwen3_moe``           the same under the Qwen3-MoE name it first had (kept for
+                                           code written against it; it loads every family)
     ``inspect_checkpoint``                 describe a checkpoint from its configs and headers
 
 The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pure-PyTorch oracle;
@@ -63,9 +76,20 @@ _LAZY: dict[str, str] = {
     "OCP_MXQuantizationEmulationTritonExperts": "mxlib.moe.emulation",
     "TritonExperts": "mxlib.moe.base",
     "fused_topk": "mxlib.moe.routing",
+    # the doors
+    "quantize_": "mxlib.models.in_memory",
+    "from_pretrained": "mxlib.models.checkpoints.pretrained",
     # models and checkpoints
     "family_of": "mxlib.models.families",
-    "swap_experts": "mxlib.models.qwen3",
+    "calibrate": "mxlib.models.calibration",
+    "Calibration": "mxlib.models.calibration",
+    "collect_expert_hessians": "mxlib.models.hessians",
+    "get_technique": "mxlib.recovery",
+    "expert_weights": "mxlib.models.moe_models",
+    "swap_experts": "mxlib.models.moe_models",
+    "attach_checkpoint_layout": "mxlib.models.checkpoints.saving",
+    "TransformersExperts": "mxlib.moe.base",
+    "EmulatedLinear": "mxlib.moe.linear",
     "write_quantized_checkpoint": "mxlib.models.checkpoints.writer",
     "load_quantized_moe": "mxlib.models.checkpoints.loader",
     "load_quantized_qwen3_moe": "mxlib.models.checkpoints.loader",

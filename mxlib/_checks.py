@@ -312,3 +312,28 @@ def check_block_scales(scale: torch.Tensor, name: str, e4m3: bool) -> None:
         f"{name}: invalid {kind}; got byte 0x{byte:02X} at index {where} "
         f"({int(bad.sum())} of {scale.numel()} scales invalid)"
     )
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` (a ``torch.device``, a name such as ``"cpu"``, ``"cuda"``, ``"cuda:1"``, or a CUDA index) as a
+    ``torch.device`` that this torch build can use.
+
+    Raises:
+        ValueError: naming ``name``: a device torch cannot parse; ``cuda`` on a torch build without CUDA or on a
+            machine without a CUDA device (torch's own error there is a bare ``AssertionError`` at the first
+            allocation), or a CUDA index beyond the devices present.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name}: expected a torch.device, 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device"
+            raise ValueError(
+                f"{name}: {device!r} asked for, but this torch {torch.__version__} {why}; use 'cpu' (the 'torch' "
+                f"backend runs everything there) or install a CUDA build of torch"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}: {device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return dev

@@ -406,6 +406,8 @@ JOBS += [
         ("mxfp6_e2m3", True, None),
         ("nvfp4", False, None),
         ("mxfp8_e4m3", False, None),
+        ("mxfp8_e4m3", True, "mxfp8_e4m3"),  # the FP8 weight tile's hardware conversion, gated and e5m2
+        ("mxfp8_e5m2", False, None),
         ("nvfp4", True, "nvfp4", True),
         ("mxfp4", False, None, True),
         ("mxfp6_e3m2", True, "mxfp6_e3m2", True),

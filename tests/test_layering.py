@@ -1,5 +1,5 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches, no
-module over about 600 lines.
+module over about 1,000 lines.
 
 Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> cases -> models ->
 workbook (the notebooks' wing: steps, studies, explorers, probes, checks, figures, setup, runner) -> cli / bench
@@ -232,13 +232,14 @@ def test_launch_sites_pass_no_hand_made_format_tables():
 
 # ----------------------------------------------------------------------------- room sizes
 
-# A module holds one subject; past about 600 lines it holds two. The reference is the exception: its
-# docstrings state the arithmetic and its pitfalls at length (the oracle every test reads against).
-MAX_LINES = 640
+# A module holds one subject, whole: a subject is not cut in two to meet a line count, and past about 1,000 lines
+# a module holds two. The reference is the exception: its docstrings state the arithmetic and its pitfalls at
+# length (the oracle every test reads against).
+MAX_LINES = 1000
 LONG_ALLOWED = {"mxlib.reference"}
 
 
 @pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in LONG_ALLOWED))
-def test_no_module_over_about_600_lines(mod):
+def test_no_module_over_about_1000_lines(mod):
     lines = len(MODULES[mod].read_text().splitlines())
     assert lines <= MAX_LINES, f"{mod} has {lines} lines (at most {MAX_LINES}): split it by subject"

@@ -554,6 +554,9 @@ def test_auto_backend_choice():
     assert fp6_256.resolved_backend(cuda) == "fused" and fp6_256.resolved_backend(torch.device("cpu")) == "torch"
     small = build_experts("nvfp4", x, w13, w2, backend="auto")  # H = 96: not the FP4 kernel's shape
     assert small.resolved_backend(cuda) == "triton"
+    for name in ("w_mxfp8", "w_mxfp8_a_mxfp8"):  # MX FP8 weights: the dequantize-GEMM kernel (FP8_AUTO_FUSED)
+        fp8 = build_experts(name, x, w13, w2, backend="auto")
+        assert fp8.resolved_backend(cuda) == "fused" and fp8.resolved_backend(torch.device("cpu")) == "torch"
     assert TritonExperts(w13, w2, backend="auto").resolved_backend(cuda) == "triton"
 
 

@@ -274,9 +274,11 @@ def test_experts_hold_activation_and_biases_and_check_them():
         TritonExperts(w13, w2, w2_bias=b2[0])
     with pytest.raises(
         TypeError,
-        match=r"w13_bias: expected dtype torch.float32 or the activation dtype torch.bfloat16, got torch.float16",
+        match=r"w13_bias: expected dtype float32, bfloat16 or float16, got torch.float64",
     ):
-        TritonExperts(w13, w2, w13_bias=b13.half())
+        TritonExperts(w13, w2, w13_bias=b13.double())
+    # a bias in another activation dtype is read as fp32 by every GEMM path (and kept as given through casts)
+    assert TritonExperts(w13, w2, w13_bias=b13.half()).w13_bias.dtype == torch.float16
     with pytest.raises(TypeError, match="w2_bias: expected a tensor"):
         TritonExperts(w13, w2, w2_bias=[0.0])
     with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'swigluoai'\], got 'swiglu'"):

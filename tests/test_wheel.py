@@ -109,7 +109,8 @@ def test_the_wheel_metadata_keeps_the_notebook_stack_in_extras(dist):
     }
     bad = sorted(n for n in core if n.startswith(EXTRA_ONLY) or n.startswith("pytest"))
     assert bad == [], f"the core requirements of the wheel hold {bad}; they belong in an extra"
-    assert {"torch", "triton", "numpy", "safetensors"} <= core, core
+    assert {"torch", "numpy", "safetensors"} <= core, core
+    assert "triton" not in core and "triton" in in_extras["triton"] and "triton" in in_extras["gpu"], in_extras
     assert {"jupyterlab", "papermill", "nbval", "nbconvert", "ipykernel"} <= in_extras["workbook"], in_extras
     assert "pytest" in in_extras["test"], in_extras
 

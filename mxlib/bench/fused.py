@@ -70,6 +70,15 @@ FORMAT_ANCHORS = {
     "mxfp4": ("vllm_humming_mxfp4", "vllm_marlin_mxfp4", TK),
     "nvfp4": ("vllm_humming_nvfp4", "vllm_marlin_nvfp4"),
 }
+# NVFP4 rows and the MXFP4 row of the same numerics and activation format (NVFP4 within 8 % of it)
+NVFP4_VS_MXFP4 = {
+    "nvfp4": "w_mxfp4_a_mxfp4",
+    "nvfp4_hw": "w_mxfp4_a_mxfp4",
+    "w4a16_nvfp4": "w_mxfp4",
+    "w4a16_nvfp4_hw": "w_mxfp4",
+}
+# the MXFP8-weight rows (dequantize-GEMM kernel), measured against mxlib's bf16 row
+MXFP8_SCHEMES = ("w_mxfp8", "w_mxfp8_a_mxfp8")
 # mxlib's rows and the weight format whose anchors they are measured against
 FASTEST_ANCHOR_ROWS = {
     "w_mxfp4": ("mxlib_fused_w_mxfp4", "mxfp4"),
@@ -235,6 +244,11 @@ def ratios(result: dict, anchor: dict) -> dict:
         for label, (row, fmt) in FASTEST_ANCHOR_ROWS.items():
             times = [v for v in (t(anc, a, m) for a in FORMAT_ANCHORS[fmt]) if v]
             d[f"fused {label} / fastest {fmt} anchor"] = ratio(t(mine, row, m), min(times) if times else None)
+        # NVFP4 beside MXFP4 in the same numerics (W4A4: w_mxfp4_a_mxfp4; W4A16: w_mxfp4)
+        for nv, mx in NVFP4_VS_MXFP4.items():
+            d[f"fused {nv} / fused {mx}"] = ratio(t(mine, f"mxlib_fused_{nv}", m), t(mine, f"mxlib_fused_{mx}", m))
+        for name in MXFP8_SCHEMES:
+            d[f"fused {name} / mxlib_bf16"] = ratio(t(mine, f"mxlib_fused_{name}", m), bf16)
         d["fused w_mxfp6_e3m2 / dequantize-then-GEMM"] = ratio(
             t(mine, f"mxlib_fused_{FP6_SCHEME}", m), t(mine, f"mxlib_triton_{FP6_SCHEME}", m)
         )
@@ -261,11 +275,17 @@ def floors(rat: dict, result: dict) -> list[dict]:
     for label, (_, fmt) in FASTEST_ANCHOR_ROWS.items():
         key = f"fused {label} / fastest {fmt} anchor"
         add(f"{label} fused / fastest {fmt} anchor <= 1.0 at every M", {m: d[key] for m, d in rat.items()}, 1.0)
-    for name in ("w_mxfp4", "nvfp4", "nvfp4_hw", "w4a16_nvfp4", FP6_SCHEME, "w_mxfp8_a_mxfp8", "w_mxfp8"):
+    for nv, mx in NVFP4_VS_MXFP4.items():
+        key = f"fused {nv} / fused {mx}"
+        add(f"{nv} fused / {mx} fused <= 1.08 at every M", {m: d.get(key) for m, d in rat.items()}, 1.08)
+    for name in MXFP8_SCHEMES:
+        key = f"fused {name} / mxlib_bf16"
+        add(f"{name} fused / mxlib_bf16 <= 0.6 at every M", {m: d.get(key) for m, d in rat.items()}, 0.6)
+    for name in ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4", "nvfp4_hw", "w4a16_nvfp4", "w4a16_nvfp4_hw", *MXFP8_SCHEMES):
         add(
-            f"{name} fused >= 60% of the memory floor at M = 16, 64",
+            f"{name} fused >= 65% of the memory floor at M = 16, 64",
             {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)},
-            0.6,
+            0.65,
             le=False,
         )
     add(
@@ -320,10 +340,11 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
         t += f"| `{p}` | " + " | ".join(vals) + " |\n"
     if anchor:
         anc = _by(anchor.get("rows", []))
-        for p in ("tk_mxfp4", TK):
+        for p in ("tk_mxfp4", TK, *FORMAT_ANCHORS["mxfp4"][:2], *FORMAT_ANCHORS["nvfp4"]):
+            floor_row = "floor_nvfp4" if p.endswith("nvfp4") else "floor_mxfp4"
             vals = []
             for m in tokens:
-                f, g = (anc.get(("floor_mxfp4", m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
+                f, g = (anc.get((floor_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
                 vals.append(_fmt(f / g if f and g else None, True))
             t += f"| `{p}` (anchor) | " + " | ".join(vals) + " |\n"
     lines.append(t)

@@ -23,7 +23,15 @@ from ..models.checkpoints import (
 from ..models.checkpoints.dummy import dummy_quantization
 from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
 from ..models.families import family_of
-from ..workbook import steps as W
+
+
+def _steps():
+    """``mxlib.workbook.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
+    configs and headers only) never does."""
+    from ..workbook import steps
+
+    return steps
+
 
 __all__ = ["COMMANDS"]
 
@@ -31,7 +39,8 @@ __all__ = ["COMMANDS"]
 def check_inspect(args) -> None:
     if not Path(args.path).exists():
         raise FileNotFoundError(f"path: {args.path!r} does not exist; expected a checkpoint folder")
-    W.prepare_results_path(args.json, "--json")
+    if args.json:  # the results path's checks live with the workbook's steps (which import transformers)
+        _steps().prepare_results_path(args.json, "--json")
 
 
 def inspect_cmd(args) -> dict:
@@ -82,8 +91,8 @@ def check_dummy_from_config(args) -> None:
             if text.startswith(f"{param}: "):
                 text = f"{option}: {text[len(param) + 2 :]}"
         raise type(err)(text) from None
-    args.params_device = W.check_device(args.device, "--device")
-    W.prepare_results_path(args.json, "--json")
+    args.params_device = _steps().check_device(args.device, "--device")
+    _steps().prepare_results_path(args.json, "--json")
 
 
 def dummy_from_config(args) -> dict:
@@ -106,6 +115,7 @@ def dummy_from_config(args) -> dict:
         warnings.simplefilter("ignore")
         model, info = load_quantized_moe(path, device=dev, backend=args.backend, progress=args.progress)
     num_experts = family_of(model, "dummy-from-config").num_experts(model.config)
+    W = _steps()
     ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size)
     out = W.run_model(model, ids)
     finite = bool(torch.isfinite(out.logits).all())

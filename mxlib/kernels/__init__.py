@@ -4,8 +4,9 @@ Modules: ``quant`` (the twins), ``fused_moe`` (the bf16 grouped GEMM), ``fused_d
 (the fused dequantize-GEMM), ``fused_fp4_moe`` (the fused FP4-weight MoE) with its weight layouts
 ``fp4_layout`` and ``fp6_layout``, ``tiles`` (``TileConfig``, the GEMMs' tile type), ``align``
 (``moe_align_block_size`` in PyTorch and Triton, the routing plan of a forward), ``_numerics``
-(the rounding code every kernel shares) and ``_bridge`` (formats -> launch constexprs, the
-elementwise kernels' tiles, the interpreter choice).
+(the rounding code every kernel shares), ``_bridge`` (formats -> launch constexprs, the
+elementwise kernels' tiles, the interpreter choice) and ``_triton`` (triton itself, or, where the optional package
+is not installed, stand-ins that let the modules import and name the ``triton`` extra when a kernel is launched).
 
 Interpreter or compiler: one choice per process. What a caller can rely on:
 

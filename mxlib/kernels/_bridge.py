@@ -17,10 +17,9 @@ Every kernel launch in ``mxlib.kernels`` takes its format constexprs from here, 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ..formats import BlockScheme, ElementFormat, PerTensorScheme, scale_mode_id
+from ._triton import tl, triton
 
 __all__ = ["TL_DTYPE", "INTERPRET", "interpreting", "kernel_format_args", "select", "tiles", "launch_opts"]
 

@@ -25,11 +25,9 @@ Element formats are passed as constexprs ``EBITS, MBITS, SPECIALS`` with
 
 import struct
 
-import triton
-import triton.language as tl
-
 from ..formats import ELEMENT_FORMATS, FP8_E4M3_PER_TENSOR, NVFP4
 from ._bridge import INTERPRET, kernel_format_args
+from ._triton import tl, triton
 
 # Triton fixes interpreted vs compiled when a kernel is defined; ``mxlib.kernels`` defines every
 # kernel module under the process's one choice (``_bridge.INTERPRET``), so this agrees with them.

@@ -39,8 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import triton
-import triton.language as tl
+
+from ._triton import tl, triton
 
 __all__ = [
     "moe_align_block_size",

@@ -2,17 +2,16 @@
 
 Packed weights (two FP4 codes a byte, four FP6 codes in three bytes) and their block scales are decoded in
 registers with the arithmetic of ``mxlib.reference`` (``_numerics``), so the tile the dot reads holds vLLM's
-dequantized bf16 weights bit for bit: ``_weight_tile`` (any element, one tile), ``_weight_tile_split`` (FP4 as
+dequantized bf16 weights bit for bit: ``_weight_tile`` (any element, one tile; compiled MX FP8 weights through
+``_fp8_weight_tile``, the hardware FP8 conversion times the E8M0 scale, the same bits), ``_weight_tile_split`` (FP4 as
 its low and high nibbles), ``_fp6_words`` / ``_fp6_part`` (FP6 as 24-bit words, one element of four at a
 time) and ``_a_part`` (the activation columns that pair with a split tile).
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from . import _numerics as nm
+from ._triton import tl, triton
 
 __all__: list[str] = []
 
@@ -37,6 +36,8 @@ def _weight_tile(
 ):
     """Dequantized weight tile [BLOCK_N, BLOCK_K] in the dot dtype (bits of vLLM's dequant)."""
     NBITS: tl.constexpr = 1 + W_EBITS + W_MBITS
+    if NBITS == 8 and not W_NVFP4 and not nm.INTERPRETING:
+        return _fp8_weight_tile(w_rows, s_rows, n_mask, k0, K, W_EBITS, W_BS, BLOCK_N, BLOCK_K, DOT_DTYPE)
     codes = nm.load_codes(w_rows, n_mask, k0, K, NBITS, BLOCK_N, BLOCK_K)
     scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
     sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
@@ -47,6 +48,39 @@ def _weight_tile(
     if UPCAST:
         return nm.to_fp32(w)
     return w
+
+
+@triton.jit
+def _fp8_weight_tile(
+    w_rows,
+    s_rows,
+    n_mask,
+    k0,
+    K,
+    W_EBITS: tl.constexpr,
+    W_BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """MX FP8 weight tile (e4m3 or e5m2 bytes, E8M0 scales) [BLOCK_N, BLOCK_K] in the dot dtype, compiled only.
+
+    The hardware's FP8 -> fp32 conversion (exact, NaN and Inf codes kept) replaces the generic integer decode
+    (``_numerics.decode_element``, about five operations an element and the specials' patch). The fp32 product
+    ``value * 2**(s - 127)`` is exact (at most 4 significant bits, smallest magnitude 2**-16 * 2**-127 = 2**-143,
+    an fp32 subnormal), so its one rounding to the dot dtype gives vLLM's dequantized bits."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    raw = tl.load(w_rows[:, None] + cols[None, :], mask=n_mask[:, None] & (cols < K)[None, :], other=0)
+    if W_EBITS == 4:
+        v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        v = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+    scols = k0 // W_BS + tl.arange(0, BLOCK_K // W_BS)
+    sb = tl.load(s_rows[:, None] + scols[None, :], mask=n_mask[:, None] & (scols < K // W_BS)[None, :], other=0).to(
+        tl.int32
+    )
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // W_BS, W_BS)) * nm.decode_e8m0(sb)[:, :, None]
+    return nm.cast_out(tl.reshape(v, (BLOCK_N, BLOCK_K)), DOT_DTYPE)
 
 
 @triton.jit

@@ -10,13 +10,12 @@ hardware form, FP8 per tensor); ``_a_tile`` loads, QDQs and transposes one activ
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ..formats import Numerics
 from . import _numerics as nm
 from . import fp4_layout as F4
 from . import quant as Q
+from ._triton import tl, triton
 from .fused_dequant_moe import A2_FP8, A2_MX, A2_NVFP4, ActivationQDQ
 
 

@@ -40,10 +40,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _numerics as nm
+from ._triton import tl, triton
 
 __all__ = [
     "FP4Weights",

@@ -50,13 +50,12 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference as _ref
 from ..formats import ELEMENT_FORMATS, ElementFormat
 from . import _numerics as nm
 from . import fp4_layout as F4
+from ._triton import tl, triton
 
 __all__ = [
     "FP6Weights",

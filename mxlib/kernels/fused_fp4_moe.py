@@ -39,8 +39,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 from ..formats import Numerics, get_numerics
 from . import _numerics as nm
@@ -48,6 +46,7 @@ from . import fp4_layout as F4
 from . import fp6_layout as F6
 from . import hadamard as HD
 from ._bridge import select
+from ._triton import tl, triton
 from .align import RoutingPlan, plan_routing
 from .fp4_activations import _a_tile, _act_qdq, _standalone_a1_qdq, is_per_token
 from .fp4_layout import FP4Weights

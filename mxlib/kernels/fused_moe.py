@@ -15,12 +15,11 @@ cores with fp32 accumulation.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import interpreting
+from ._triton import tl, triton
 from .moe_epilogue import bias_args, load_bias
 from .tiles import TileConfig, pick_tiles
 

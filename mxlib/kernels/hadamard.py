@@ -30,11 +30,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _numerics as nm
 from ._bridge import TL_DTYPE
+from ._triton import tl, triton
 
 __all__ = ["BlockHadamard", "block_hadamard", "ref_block_hadamard", "hadamard_scale", "check_rotation_block"]
 

@@ -19,10 +19,9 @@ their tiles with the same steps, written once here:
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import _numerics as nm
+from ._triton import tl, triton
 
 __all__ = ["gated_activation", "load_bias", "activation_args", "bias_args", "sum_k_kernel"]
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from .. import reference as _ref
 from .._checks import (
@@ -45,6 +43,7 @@ from . import _bridge
 from . import _numerics as nm
 from ._bridge import TL_DTYPE as _TL_DTYPE
 from ._bridge import kernel_format_args, launch_opts, select, tiles
+from ._triton import tl, triton
 
 __all__ = [
     "quant_dequant_mx",

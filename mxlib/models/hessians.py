@@ -29,10 +29,17 @@ from tqdm import tqdm
 
 from ..moe.base import TransformersExperts
 from ..moe.reference_moe import torch_moe
+from .calibration import calibration_batches, num_calibration_batches, run_calibration_forward
 from .families import family_of
 from .moe_models import expert_weights, moe_blocks
 
-__all__ = ["LayerHessians", "ExpertHessians", "collect_expert_hessians"]
+__all__ = [
+    "LayerHessians",
+    "ExpertHessians",
+    "collect_expert_hessians",
+    "technique_needs_hessians",
+    "technique_from_calibration",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,19 +102,27 @@ class _HessianExperts(torch.nn.Module):
         self.h13 = torch.zeros(n, h, h, dtype=torch.float32, device=w13.device)
         self.h2 = torch.zeros(n, two_i // 2, two_i // 2, dtype=torch.float32, device=w13.device)
         self.tokens = torch.zeros(n, dtype=torch.int64)
+        self.row_mask = None  # bool [M]: the rows that are real tokens (padding excluded), None: all
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if not self.collect:
             return torch_moe(hidden_states, self.w13, self.w2, top_k_weights.float(), top_k_index)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1).long()
-        self.tokens += torch.bincount(flat.cpu(), minlength=self.tokens.numel())
-        for e in torch.unique(flat).tolist():
-            x = hidden_states[(flat == e).nonzero().squeeze(1) // k].float()
+        real = None if self.row_mask is None else self.row_mask.to(flat.device).repeat_interleave(k)
+        counted = flat if real is None else flat[real]
+        self.tokens += torch.bincount(counted.cpu(), minlength=self.tokens.numel())
+        for e in torch.unique(counted).tolist():
+            pairs = (flat == e).nonzero().squeeze(1)
+            if real is not None:
+                pairs = pairs[real[pairs]]
+            x = hidden_states[pairs // k].float()
             self.h13[e].addmm_(x.T, x)
 
         def record(act, row_experts):
             a = act.float()
+            if real is not None:  # act rows are this expert's pairs in ascending flat order
+                a = a[real[(flat == int(row_experts[0])).nonzero().squeeze(1)]]
             self.h2[int(row_experts[0])].addmm_(a.T, a)
             return act
 
@@ -124,6 +139,8 @@ def collect_expert_hessians(
     batch_size: int = 8,
     layers: Sequence[int] | None = None,
     progress: bool = False,
+    *,
+    name: str = "token_ids",
 ) -> ExpertHessians:
     """Run the bf16 model on ``token_ids`` and sum, per MoE layer and expert, ``x xᵀ`` of w13's and w2's inputs.
 
@@ -134,10 +151,13 @@ def collect_expert_hessians(
     Args:
         model: a transformers model of a registered family (``mxlib.models.families``) holding its bf16
             experts (``Qwen3MoeExperts``, ``MixtralExperts``, ...).
-        token_ids: int ``[B, T]`` calibration token ids.
+        token_ids: int ``[B, T]`` calibration token ids, a dict with ``input_ids`` / ``attention_mask``, or an
+            iterable of batches (``mxlib.models.calibration.calibration_batches``); padded tokens (mask 0) are left
+            out of the sums and the counts.
         batch_size: sequences per forward.
         layers: decoder layer indices of MoE layers to collect (default: every MoE layer).
         progress: a tqdm bar on stderr, one step per collected layer of each batch.
+        name: the argument an error names (``quantize_`` passes ``calibration``).
 
     Returns:
         ``ExpertHessians`` with fp32 sums on the model's device and int64 token counts on the CPU.
@@ -146,9 +166,8 @@ def collect_expert_hessians(
         ValueError: ``token_ids`` not a 2D integer tensor; ``batch_size`` not a positive integer; a
             layer index out of range; a model whose experts are already quantized (emulation experts).
     """
-    if not isinstance(token_ids, torch.Tensor) or token_ids.ndim != 2 or token_ids.is_floating_point():
-        got = list(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
-        raise ValueError(f"token_ids: expected an integer tensor [batch, seq], got {got}")
+    if isinstance(token_ids, torch.Tensor) and (token_ids.ndim != 2 or token_ids.is_floating_point()):
+        raise ValueError(f"{name}: expected an integer tensor [batch, seq], got {list(token_ids.shape)}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
     family = family_of(model, "collect_expert_hessians")
@@ -166,25 +185,62 @@ def collect_expert_hessians(
             f"model: layers {quantized} hold emulation (quantized) experts; collect Hessians on the bf16 model"
         )
     num_experts = family.num_experts(model.config)
-    batches = range(0, token_ids.shape[0], batch_size)
-    logger.info("collecting expert Hessians of %d layers on %d token ids", len(chosen), token_ids.numel())
-    bar = tqdm(total=len(batches) * len(chosen), desc="expert Hessians", unit="layer", disable=not progress)
+    count = num_calibration_batches(token_ids, batch_size)
+    logger.info("collecting expert Hessians of %d layers", len(chosen))
+    total = None if count is None else count * len(chosen)
+    bar = tqdm(total=total, desc="expert Hessians", unit="layer", disable=not progress)
     originals = {i: getattr(mlp, attr) for i, mlp in blocks.items()}
     recorders = {}
     for i, mlp in blocks.items():
         w13, w2 = expert_weights(model, i)
         recorders[i] = _HessianExperts(w13, w2, num_experts, i in chosen, bar if i in chosen else None)
         setattr(mlp, attr, recorders[i])
+    num_tokens = 0
     try:
-        dev = next(model.parameters()).device
-        for b in batches:
-            model(input_ids=token_ids[b : b + batch_size].to(dev), use_cache=False)
+        for ids, mask in calibration_batches(token_ids, batch_size, name):
+            num_tokens += run_calibration_forward(model, ids, mask, list(recorders.values()))
     finally:
         bar.close()
         for i, orig in originals.items():
             setattr(blocks[i], attr, orig)
-    out = ExpertHessians(num_tokens=token_ids.numel())
+    out = ExpertHessians(num_tokens=num_tokens)
     for i in chosen:
         rec = recorders[i]
         out.layers[i] = LayerHessians(rec.h13, rec.h2, rec.tokens)
     return out
+
+
+def technique_needs_hessians(technique) -> bool:
+    """Whether a technique name asks for per-expert Hessians (GPTQ, alone or inside a rotation: ``gptq+hadamard``)."""
+    return isinstance(technique, str) and technique.split("+")[0] == "gptq"
+
+
+def technique_from_calibration(
+    model, technique, calibration=None, batch_size: int = 8, progress: bool = False, where: str = "technique"
+):
+    """The ``WeightTechnique`` a name (or a built one) stands for, with GPTQ's Hessians collected from calibration.
+
+    ``technique``: None (round-to-nearest: None is returned), a name of ``mxlib.recovery.TECHNIQUES`` or a
+    composition (``"gptq+hadamard"``), or a built technique (returned as it is). A name that needs Hessians
+    (``technique_needs_hessians``) gets them from ``collect_expert_hessians(model, calibration)``: ``calibration``
+    is then token ids, a dict with ``input_ids`` / ``attention_mask`` or an iterable of batches.
+
+    Raises:
+        ValueError: naming ``where``: GPTQ without calibration batches (None, or a ``Calibration`` of amax only, which
+            holds no Hessians), with what to pass instead; an unknown technique name (``get_technique``).
+    """
+    from ..recovery import get_technique
+
+    if technique is None:
+        return None
+    if not technique_needs_hessians(technique):
+        return get_technique(technique)
+    if calibration is None or hasattr(calibration, "layers") and hasattr(calibration, "input_scales"):
+        got = "none" if calibration is None else "a Calibration (per-expert amax, no Hessians)"
+        raise ValueError(
+            f"{where}: {technique!r} chooses codes from per-expert Hessians of calibration tokens; got {got}. Pass "
+            f"calibration token ids / batches, or a built technique: "
+            f"get_technique('gptq', hessians=collect_expert_hessians(model, token_ids))"
+        )
+    hessians = collect_expert_hessians(model, calibration, batch_size=batch_size, progress=progress, name="calibration")
+    return get_technique(technique, hessians=hessians)

@@ -3,7 +3,8 @@
 ``schemes`` (weight + activation format of each MoE scheme), ``routing`` (Qwen3 top-k),
 ``activations`` (the gated activations: SiLU, gpt-oss's SwiGLU-OAI), ``reference_moe`` (the pure-PyTorch
 MoE), ``scales`` (activation-scale strategies), ``base``
-(``TritonExperts`` and backends), ``emulation`` (the NVFP4 and OCP MX emulation experts),
+(``TritonExperts`` and backends), ``emulation`` (the NVFP4 and OCP MX emulation experts), ``kept_weights``
+(``KeptDequantized``: dequantized expert weights kept across forwards, ``QuantizedExperts.keep_dequantized``),
 ``factory`` (quantize experts and build emulation experts: the one way to make them), ``linear``
 (``EmulatedLinear``: a quantized ``nn.Linear`` such as an attention projection, built by the factory).
 """

@@ -37,7 +37,8 @@ too; other weights run ``mxlib.kernels.fused_dequant_moe``), ``"torch"`` (the pu
 reference MoE, ``mxlib.moe.reference_moe``, which dequantizes only the experts that received
 tokens: it serves full-size CPU runs), ``"auto"`` (on CUDA: ``fused`` for experts whose
 ``prefers_fused()`` says so, the FP4-weight emulations, faster there at every batch size on the
-H200; ``triton`` otherwise; ``torch`` on the CPU). All give the same QDQ bits; the GEMMs agree
+H200, and the MX FP8-weight ones, faster at every batch size on an H100; ``triton`` otherwise; ``torch``
+on the CPU). All give the same QDQ bits; the GEMMs agree
 within fp32-accumulation tolerance.
 
 Routing plan: each forward picks the tiles of the GEMM path that runs (``TileConfig`` from
@@ -73,6 +74,8 @@ from .reference_moe import torch_moe
 
 __all__ = [
     "BACKENDS",
+    "ACTIVATION_DTYPES",
+    "keep_dtype_on_cast",
     "TritonExperts",
     "check_topk_ids",
     "TransformersExperts",
@@ -82,6 +85,8 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "fused", "torch")
+# The activation dtypes every experts class runs (a cast to another is refused).
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -139,8 +144,8 @@ class TritonExperts(torch.nn.Module):
         backend: ``auto`` / ``triton`` / ``torch`` (module docstring).
         activation: the gated activation, a ``MoEActivation`` or its name (``"silu"``, the default;
             ``"swigluoai"``: gpt-oss's alpha 1.702, limit 7.0).
-        w13_bias: ``[E, 2I]`` expert biases of GEMM1 (gate columns, then up columns, as w13's rows), fp32 or
-            the activation dtype, on the weights' device; or None. w2_bias: ``[E, H]`` likewise for GEMM2.
+        w13_bias: ``[E, 2I]`` expert biases of GEMM1 (gate columns, then up columns, as w13's rows), fp32, bf16
+            or fp16 (read as fp32), on the weights' device; or None. w2_bias: ``[E, H]`` likewise for GEMM2.
 
     Every subclass takes ``activation``, ``w13_bias`` and ``w2_bias`` too; the properties of the same
     names return them (the biases as given, None without).
@@ -166,6 +171,9 @@ class TritonExperts(torch.nn.Module):
     numerics = Numerics.VLLM
     # The rotation's block size (``rotation``; its signs are buffers), None without a rotation.
     _rotation_block_size: int | None = None
+    # Buffers a dtype cast of the module converts (``_apply``): the unquantized weights; every other buffer
+    # (codes, scales, biases, rotation signs) keeps its dtype.
+    cast_with_activations: tuple[str, ...] = ("w13", "w2")
 
     def __init__(
         self,
@@ -222,11 +230,8 @@ class TritonExperts(torch.nn.Module):
                 raise TypeError(f"{name}: expected a tensor {what} or None, got {type(t).__name__}")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {list(t.shape)}")
-            if t.dtype not in (torch.float32, self.activation_dtype):
-                raise TypeError(
-                    f"{name}: expected dtype torch.float32 or the activation dtype {self.activation_dtype}, "
-                    f"got {t.dtype}"
-                )
+            if t.dtype not in ACTIVATION_DTYPES:  # read as fp32 by every GEMM path; kept as given through casts
+                raise TypeError(f"{name}: expected dtype float32, bfloat16 or float16, got {t.dtype}")
             if t.device != device:
                 raise ValueError(f"{name}: expected a tensor on the weights' device {device}, got {t.device}")
             self.register_buffer(name, t.contiguous(), persistent=False)
@@ -238,6 +243,40 @@ class TritonExperts(torch.nn.Module):
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
         self._handle = _register_experts(self)  # a copy (deepcopy, pickle) is its own experts
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.half()``, ``.float()``, ``.cuda()`` and the like (``keep_dtype_on_cast``): a device
+        move applies to every buffer; a dtype cast changes the activation dtype (and the unquantized ``w13`` /
+        ``w2`` of bf16 experts) and leaves every other buffer in its own dtype, so quantized codes, block and global
+        scales, input scales, biases and rotation signs keep their bytes.
+
+        Raises:
+            TypeError: a cast to a dtype other than bfloat16, float16 or float32, naming it (nothing changed).
+        """
+        if not hasattr(self, "_dims"):
+            return super()._apply(fn, recurse)
+        return keep_dtype_on_cast(self, fn, recurse, self.cast_with_activations, lambda: super(TritonExperts, self))
+
+    def extra_repr(self) -> str:
+        """``print(experts)``: sizes, scheme, activation dtype, numerics and backend."""
+        e, h, i = self._dims if hasattr(self, "_dims") else (None, None, None)
+        scheme = getattr(getattr(self, "scheme", None), "name", None) or (
+            getattr(getattr(self, "weight_scheme", None), "name", None) or "unquantized"
+        )
+        device = self._device() if self._buffers else None
+        parts = [
+            f"num_experts={e}, hidden_size={h}, intermediate_size={i}",
+            f"scheme={scheme}",
+            f"activation={self.activation.name}",
+            f"activation_dtype={str(getattr(self, 'activation_dtype', None)).replace('torch.', '')}",
+            f"numerics={self.numerics.value if hasattr(self.numerics, 'value') else self.numerics}",
+            f"backend={self.backend}" + (f" (runs {self.resolved_backend(device)})" if device is not None else ""),
+        ]
+        if getattr(self, "scale_strategy", None) is not None:
+            parts.append(f"scale_strategy={self.scale_strategy}")
+        if self.rotation is not None:
+            parts.append(f"rotation=hadamard({self._rotation_block_size})")
+        return ", ".join(parts)
 
     # sizes
     @property
@@ -482,6 +521,37 @@ class TritonExperts(torch.nn.Module):
             bias=self.w2_bias,
         )
         return cache3.view(m, k, h).float().sum(dim=1).to(a1.dtype)
+
+
+def keep_dtype_on_cast(module: torch.nn.Module, fn, recurse: bool, cast: tuple[str, ...], parent) -> torch.nn.Module:
+    """``Module._apply`` for a module holding quantized tensors and an ``activation_dtype``.
+
+    ``fn`` (what ``.to``, ``.half()``, ``.float()``, ``.cuda()`` pass to ``_apply``) is first applied to an empty
+    probe of the activation dtype on the module's device: the probe's dtype is the new activation dtype. Then
+    ``parent()._apply(fn, recurse)`` runs, and every buffer not named in ``cast`` whose dtype ``fn`` changed is put
+    back: the original tensor, moved to the new device only. Codes and scales (uint8, float8_e4m3fn, fp32
+    global and input scales) therefore keep their bytes through any cast, and ``save_pretrained`` after a cast
+    writes them as loaded.
+
+    Raises:
+        TypeError: the new activation dtype is not bfloat16, float16 or float32 (checked before anything changes).
+    """
+    buffers = [b for b in module._buffers.values() if b is not None]
+    device = buffers[0].device if buffers else torch.device("cpu")
+    probe = fn(torch.empty(0, dtype=module.activation_dtype, device=device))
+    if probe.dtype != module.activation_dtype and probe.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(
+            f"{type(module).__name__}: cannot run with {probe.dtype} activations (expected one of "
+            f"{[str(d) for d in ACTIVATION_DTYPES]}); the module is left as it was"
+        )
+    kept = {n: b for n, b in module._buffers.items() if b is not None and n not in cast}
+    out = parent()._apply(fn, recurse)
+    for name, old in kept.items():
+        new = module._buffers[name]
+        if new is not None and new.dtype != old.dtype:
+            module._buffers[name] = old.to(device=new.device)
+    module.activation_dtype = probe.dtype
+    return out
 
 
 # Experts by handle, for the ``torch`` backend's opaque op under torch.compile (a custom op takes

@@ -54,6 +54,7 @@ from .activation_rules import block_rule_global_scale, check_activation_block_ru
 from .activations import SILU, MoEActivation
 from .base import TritonExperts, ops_for_backend, resolve_backend
 from .expert_weights import ExpertWeights, _check
+from .kept_weights import KeptDequantized
 from .reference_moe import torch_moe
 from .scales import (
     ACTIVATION_SCALE_STRATEGIES,
@@ -79,45 +80,14 @@ _PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (F
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
+# Whether ``backend="auto"`` runs MX FP8 weights (``w_mxfp8``, ``w_mxfp8_a_mxfp8``) on the dequantize-GEMM kernel on
+# CUDA. Measured on an H100 (benchmarks/h100_mxfp8_auto.json, Qwen3-30B-A3B layer, M = 1..4096): 0.08-0.65x the
+# dequantize-then-GEMM path's time at every M, with the same output bits.
+FP8_AUTO_FUSED = True
 # FP4 weights whose H or I is no multiple of the kernel's K tile (gpt-oss-20b: 2880) run the FP4 kernel on a copy
 # zero-padded to it (``pad_fp4_halves``: exact) when the padding adds at most this fraction to each extent
 # (2880 -> 2944: 2.2%); smaller shapes stay on the dequantize-GEMM kernel (a bound, not an H200 measurement).
 FP4_PAD_MAX_FRACTION = 1 / 16
-
-
-class KeptDequantized:
-    """Dequantized expert weights kept across forwards (``QuantizedExperts.keep_dequantized``).
-
-    An entry is valid while the experts asking for it are of the same class, numerics and activation
-    dtype as the ones it was made for, and hold the same weight tensors (``w13_weight*`` / ``w2_weight*``
-    buffers: the packed bytes, the block scales, the global scales, the same tensor objects at the same
-    ``_version``: an in-place write bumps it); any other request empties it first. So experts built from
-    the same ``ExpertWeights`` (schemes that differ in their activations only) can share one.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.inputs: list[tuple[torch.Tensor, int]] = []
-        self.experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def get(self, owner: QuantizedExperts, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert ``e``'s ``(w13, w2)`` of ``owner``: kept, or dequantized now and kept."""
-        inputs = [
-            (t, t._version)
-            for name, t in owner._buffers.items()
-            if t is not None and name.startswith(("w13_weight", "w2_weight"))
-        ]
-        key = (type(owner), owner.numerics, owner.activation_dtype, len(inputs))
-        if (
-            key != self.key
-            or len(inputs) != len(self.inputs)
-            or any(a is not b or va != vb for (a, va), (b, vb) in zip(self.inputs, inputs))
-        ):
-            self.key, self.inputs, self.experts = key, inputs, {}
-        if e not in self.experts:
-            w13, w2 = owner._dequantize(_ref, slice(e, e + 1))
-            self.experts[e] = (w13[0], w2[0])
-        return self.experts[e]
 
 
 class QuantizedExperts(TritonExperts):
@@ -173,9 +143,12 @@ class QuantizedExperts(TritonExperts):
 
     def prefers_fused(self) -> bool:
         # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
-        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; FP8 weights stay dequantize-then-GEMM
-        # (the generic fused kernel is slower there)
-        return self.fp4_kernel_applies() and (self.weight_scheme.element.nbits == 4 or FP6_AUTO_FUSED)
+        # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; H100 (FP8_AUTO_FUSED): so does the
+        # dequantize-GEMM kernel for MX FP8 weights with bf16 activations
+        s = self.weight_scheme
+        if s.element.nbits == 8 and not s.has_global_scale:
+            return FP8_AUTO_FUSED and self.activation_dtype == torch.bfloat16
+        return self.fp4_kernel_applies() and (s.element.nbits == 4 or FP6_AUTO_FUSED)
 
     def _prepare_if_fused(self) -> None:
         """Prepare the FP4 layout now when the forward will use it (construction time; an unknown backend

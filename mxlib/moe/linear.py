@@ -30,7 +30,7 @@ import torch
 
 from .._checks import check_global_scale
 from ..formats import BlockScheme, PerTensorScheme, get_scale_mode
-from .base import ops_for_backend, resolve_backend
+from .base import keep_dtype_on_cast, ops_for_backend, resolve_backend
 from .schemes import MoEQuantScheme, get_moe_scheme
 
 __all__ = ["LinearWeights", "EmulatedLinear", "linear_input_amax"]
@@ -153,7 +153,15 @@ class EmulatedLinear(torch.nn.Module):
             self.register_buffer("input_qdq_scale", s, persistent=False)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}, "
+            f"activation_dtype={str(self.activation_dtype).replace('torch.', '')}, backend={self.backend}"
+        )
+
+    def _apply(self, fn, recurse=True):
+        """Casts change the activation dtype only; the quantized weight, its scales, the input scale and the bias
+        keep their dtypes and bytes (``mxlib.moe.base.keep_dtype_on_cast``; the bias is cast in the forward)."""
+        return keep_dtype_on_cast(self, fn, recurse, (), lambda: super(EmulatedLinear, self))
 
     def _ops(self, device):
         backend = resolve_backend(self.backend, device)
@@ -196,7 +204,8 @@ class EmulatedLinear(torch.nn.Module):
             raise TypeError(f"x: expected dtype {self.activation_dtype}, got {x.dtype}")
         ops = self._ops(x.device)
         xq = self.quantize_input(x.reshape(-1, self.in_features), ops)
-        out = torch.nn.functional.linear(xq, self.dequantized_weight(ops), self.bias)
+        bias = None if self.bias is None else self.bias.to(self.activation_dtype)
+        out = torch.nn.functional.linear(xq, self.dequantized_weight(ops), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -48,6 +48,7 @@ activations). The error names the candidates. ``docs/api-mapping.md`` has the ta
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from ..formats import (
@@ -180,6 +181,34 @@ SCHEME_ALIASES: dict[str, str] = {
     "NVFP4A16": "w4a16_nvfp4",
     "nvfp4_w4a16": "w4a16_nvfp4",
     "w_nvfp4": "w4a16_nvfp4",
+    # llm-compressor / compressed-tensors preset names (compressed_tensors.quantization.quant_scheme.PRESET_SCHEMES)
+    # that are microscaling schemes: NVFP4 tensor_group 16 weights and activations (static global scale, dynamic
+    # "local" block scales); MXFP4 / MXFP8 group-32 E8M0 weights, with dynamic group-32 activations or A16
+    "NVFP4": "nvfp4",
+    "MXFP4A16": "w_mxfp4",
+    "MXFP4": "w_mxfp4_a_mxfp4",
+    "MXFP8A16": "w_mxfp8",
+    "MXFP8": "w_mxfp8_a_mxfp8",
+}
+
+# llm-compressor preset names that are no microscaling scheme: why each is refused, and the nearest mxlib scheme
+NOT_MICROSCALING: dict[str, str] = {
+    "W4A16": "llm-compressor's W4A16 is INT4 weights in groups of 128 with bf16 activations (GPTQ-style); the "
+    "microscaling 4-bit weight-only schemes are 'NVFP4A16' (w4a16_nvfp4) and 'MXFP4A16' (w_mxfp4)",
+    "W4A16_ASYM": "llm-compressor's W4A16_ASYM is asymmetric INT4 weights; nearest: 'NVFP4A16' or 'MXFP4A16'",
+    "W8A16": "llm-compressor's W8A16 is INT8 weights; the microscaling 8-bit weight-only scheme: 'MXFP8A16'",
+    "W8A8": "llm-compressor's W8A8 is INT8 weights and activations; nearest microscaling scheme: 'MXFP8'",
+    "INT8": "llm-compressor's INT8 is INT8 weights and activations; nearest microscaling scheme: 'MXFP8'",
+    "W4A8": "llm-compressor's W4A8 is INT4 weights with INT8 activations; nearest: 'w_mxfp4_a_mxfp8'",
+    "W4AFP8": "llm-compressor's W4AFP8 is INT4 weights with per-token FP8 activations; nearest: 'w_mxfp4_a_mxfp8'",
+    "FP8": "llm-compressor's FP8 is per-tensor FP8 weights and activations; nearest: 'w_mxfp8_a_mxfp8' (MXFP8)",
+    "FP8_DYNAMIC": "llm-compressor's FP8_DYNAMIC is per-channel FP8 weights, per-token activations; nearest: 'MXFP8'",
+    "FP8_BLOCK": "llm-compressor's FP8_BLOCK is 128x128-block FP8 weights; nearest: 'MXFP8' (32-element blocks)",
+    "NVFP4_46": "llm-compressor's NVFP4_46 is NVFP4 with the four-over-six observer: scheme 'nvfp4' with "
+    "technique='four_over_six'",
+    "NVFP4A16_46": "llm-compressor's NVFP4A16_46 is weight-only NVFP4 with the four-over-six observer: scheme "
+    "'w4a16_nvfp4' with technique='four_over_six'",
+    "UNQUANTIZED": "llm-compressor's UNQUANTIZED quantizes nothing; keep the bf16 model",
 }
 
 # A tensor-format name given where a MoE scheme is expected: what it could mean.
@@ -194,33 +223,59 @@ _FORMAT_NAME_MEANINGS = {
 def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     """Look up a MoE scheme by its canonical name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2``, ``nvfp4``, ...)
     or another tool's name for it (``SCHEME_ALIASES``: ``w_fp4_a_fp4``, ``modelopt_fp4``,
-    ``mxfp4_fp8``, ...).
+    ``mxfp4_fp8``, llm-compressor's presets ``NVFP4``, ``NVFP4A16``, ``MXFP4``, ``MXFP4A16``, ``MXFP8``,
+    ``MXFP8A16``, ...), in any letter case (``nvfp4a16``, ``W_MXFP4``). The exact lower-case tensor-format names
+    ``mxfp4`` and ``mxfp8`` stay refused: they are formats, and vLLM's ``quantization="mxfp4"`` (weights only)
+    and llm-compressor's ``MXFP4`` (weights and activations) mean different schemes by them.
 
     Call it once, where a name enters (a notebook's parameters, a CLI option, a checkpoint's
     config); pass the object below that.
 
     Raises:
-        ValueError: unknown name, the supported schemes listed; a bare tensor-format name such as
-            ``mxfp4`` (it does not say whether activations are quantized: the message names the
+        ValueError: unknown name, the supported schemes listed and the nearest names ("did you mean", ``difflib``);
+            an llm-compressor preset that is no microscaling scheme (``NOT_MICROSCALING``: ``W4A16`` is INT4,
+            ``FP8`` per-tensor, ...), naming what it is and the nearest mxlib scheme; a bare tensor-format name
+            such as ``mxfp4`` (it does not say whether activations are quantized: the message names the
             schemes it could mean).
     """
     if isinstance(name, MoEQuantScheme):
         return name
-    key = SCHEME_ALIASES.get(name, name) if isinstance(name, str) else name
+    if not isinstance(name, str):
+        raise ValueError(f"scheme: expected a MoE scheme name or a MoEQuantScheme, got {type(name).__name__}")
+    key = SCHEME_ALIASES.get(name, name)
     if key in MOE_SCHEMES:
         return MOE_SCHEMES[key]
-    if isinstance(name, str) and (name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS):
+    if name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS:
         meaning = _FORMAT_NAME_MEANINGS.get(
             name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
         )
         raise ValueError(
             f"scheme: {name!r} is a tensor format, not a MoE scheme (it does not say whether activations are "
-            f"quantized); name one of {meaning}"
+            f"quantized); name one of {meaning} (llm-compressor's upper-case preset names say it: "
+            f"{[n for n, v in SCHEME_ALIASES.items() if n.isupper() and n.lower().startswith(name)]})"
         )
+    folded = _CASEFOLDED.get(name.casefold())
+    if folded is not None:
+        return MOE_SCHEMES[folded]
+    refused = {n.casefold(): why for n, why in NOT_MICROSCALING.items()}.get(name.casefold())
+    if refused is not None:
+        raise ValueError(f"scheme: {name!r} is not a microscaling scheme: {refused}")
+    near = difflib.get_close_matches(name.casefold(), list(_CASEFOLDED), n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(repr(_SPELLING[n]) for n in near)}? " if near else ""
     raise ValueError(
-        f"scheme: unknown MoE scheme {name!r}; supported: {list(MOE_SCHEMES)} "
+        f"scheme: unknown MoE scheme {name!r}; {hint}supported: {list(MOE_SCHEMES)} "
         f"(other tools' names: {list(SCHEME_ALIASES)})"
     )
+
+
+# Case-insensitive lookup (``get_moe_scheme``): every canonical and alias name folded -> the canonical name; the
+# folded name -> its spelling in the tables (for "did you mean"). The bare lower-case tensor-format names ``mxfp4`` /
+# ``mxfp8`` are refused before this table is read (they do not say whether activations are quantized).
+_CASEFOLDED: dict[str, str] = {
+    **{n.casefold(): n for n in MOE_SCHEMES},
+    **{a.casefold(): c for a, c in SCHEME_ALIASES.items()},
+}
+_SPELLING: dict[str, str] = {**{n.casefold(): n for n in MOE_SCHEMES}, **{a.casefold(): a for a in SCHEME_ALIASES}}
 
 
 def get_weight_format(scheme: str | MoEQuantScheme | BlockScheme) -> BlockScheme:

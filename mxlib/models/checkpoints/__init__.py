@@ -16,6 +16,8 @@ is written in when the caller names none.
   ``mxlib.moe.linear.EmulatedLinear`` for quantized linear layers outside the experts);
 * ``saving``: ``attach_checkpoint_layout`` and ``save_quantized_checkpoint``: a model's
   ``state_dict``, ``load_state_dict`` and ``save_pretrained`` in its checkpoint layout;
+* ``pretrained``: ``from_pretrained``, the loader under transformers' keyword names (``dtype``, ``device_map``),
+  returning the model with its description as ``model.mxlib_info``;
 * ``inspect``: ``inspect_checkpoint`` from the configs, the safetensors headers and the scale
   scalars only (``inspect_tables``, ``inspect_loss``: its tables and its predicted losses);
 * ``dummy``: ``dummy_checkpoint_from_config``, dummy weights in the layout of a real config;
@@ -51,6 +53,7 @@ from .layout import (
     register_layout,
 )
 from .loader import load_quantized_moe, load_quantized_qwen3_moe, read_quant_config
+from .pretrained import from_pretrained
 from .safetensors_io import SHARD_BYTES, ShardWriter, TensorReader, atomic_folder, checkpoint_size_bytes, read_json
 from .saving import CheckpointSource, attach_checkpoint_layout, save_quantized_checkpoint
 from .writer import ATTENTION_PROJS, write_quantized_checkpoint
@@ -62,6 +65,7 @@ __all__ = [
     "write_quantized_checkpoint",
     "load_quantized_moe",
     "load_quantized_qwen3_moe",
+    "from_pretrained",
     "read_quant_config",
     "attach_checkpoint_layout",
     "save_quantized_checkpoint",

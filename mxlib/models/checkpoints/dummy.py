@@ -41,7 +41,7 @@ from ...recovery.base import technique_global_scale_kw
 from .. import untrusted
 from ..calibration import calibrate
 from ..families import MoEFamily, check_supported_checkpoint
-from ..hessians import collect_expert_hessians
+from ..hessians import technique_from_calibration, technique_needs_hessians
 from ..moe_models import dummy_moe_model, expert_weights, tied_parameter_names
 from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
 from .bounds import model_config
@@ -230,7 +230,8 @@ def dummy_checkpoint_from_config(
     layout = LAYOUTS[info.format]
     scheme = info.scheme
     # GPTQ reads per-expert Hessians of the calibration tokens, which exist once the model does
-    needs_hessians = isinstance(technique, str) and technique.split("+")[0] == "gptq"
+    needs_hessians = technique_needs_hessians(technique)
+    named = technique
     technique = None if technique is None or needs_hessians else get_technique(technique)
     cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
     config = model_config(cfg_dict, cfg_path, family)
@@ -241,7 +242,7 @@ def dummy_checkpoint_from_config(
         info = layout.read_config(files[0])
     ids = torch.randint(0, config.vocab_size, (1, calib_tokens), generator=torch.Generator().manual_seed(seed + 1))
     if needs_hessians:
-        technique = get_technique(technique, hessians=collect_expert_hessians(model, ids, progress=progress))
+        technique = technique_from_calibration(model, named, ids, progress=progress, where="technique")
     technique_kw = {} if technique is None else technique_global_scale_kw(technique, scheme, layout.global_scale_kind)
     modules = dict(model.named_modules())
     quantized_linears = [m for m in _linear_modules(model, family) if not matches(family.disk_name(m), info.exclude)]

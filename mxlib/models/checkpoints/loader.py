@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...moe.base import BACKENDS, TritonExperts
+from ..._checks import check_device
+from ...moe.base import ACTIVATION_DTYPES, BACKENDS, TritonExperts
 from ...moe.factory import make_emulated_linear, make_emulation_experts
 from ...recovery import RECOVERY_CONFIG_KEY
 from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
@@ -123,21 +124,37 @@ def load_quantized_moe(
 
     Reads ``config.json`` (and legacy config files), validates the quantization config,
     builds the transformers class of the family its ``architectures`` name
-    (``mxlib.models.families.family_of``; ``Qwen3MoeForCausalLM`` when it names none;
-    ``num_hidden_layers`` overrides the
-    checkpoint's, as vLLM's ``hf_overrides`` does), loads every bf16 tensor, and gives each
-    layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
-    from the per-expert tensors the layout reads. ``progress``: a tqdm bar on stderr, one step per
-    layer of experts read. ``gate_up_scale``: how NVFP4 gate and up halves with different
-    ``weight_scale_2`` are run (``mxlib.recovery.gate_up``): ``per_half`` (each its own), ``gate`` (vLLM's),
-    ``requantize_max``; with the last two the experts hold, and ``save_pretrained`` writes, the reconciled scales.
-    ``where``: the public entry a refusal names (``load_quantized_qwen3_moe`` passes its own).
+    (``mxlib.models.families.family_of``; ``Qwen3MoeForCausalLM`` when it names none), loads every bf16 tensor,
+    and gives each layer the scheme's emulation experts (``mxlib.moe.factory.make_emulation_experts``) built
+    from the per-expert tensors the layout reads. ``mxlib.from_pretrained`` is the same load under
+    transformers' keyword names (``dtype``, ``device_map``), returning the model alone.
+
+    Args:
+        path: a local checkpoint folder (``config.json`` and safetensors shards).
+        num_hidden_layers: load only the first layers (vLLM's ``hf_overrides`` does the same); None: all.
+        device: where the model goes (``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``); a CUDA device
+            on a torch without CUDA is refused before anything is read.
+        backend: the experts' backend, ``auto`` / ``torch`` / ``triton`` / ``fused`` (``mxlib.moe.base``).
+        scale_strategy: how NVFP4 per-expert activation scales become the one scale vLLM uses
+            (``mxlib.moe.scales``: ``max``, vLLM's, by default).
+        activation_dtype: the experts' activation dtype: bf16 (vLLM's numerics, the default), fp16 or fp32
+            (``docs/numerics.md``); the rest of the model stays bf16 (``mxlib.from_pretrained(dtype=...)`` casts
+            it too).
+        progress: a tqdm bar on stderr, one step per layer of experts read.
+        gate_up_scale: how NVFP4 gate and up halves with different ``weight_scale_2`` are run
+            (``mxlib.recovery.gate_up``): ``per_half`` (each its own), ``gate`` (vLLM's), ``requantize_max``;
+            with the last two the experts hold, and ``save_pretrained`` writes, the reconciled scales.
+        where: the public entry a refusal names (``load_quantized_qwen3_moe`` passes its own).
 
     Returns:
-        ``(model, info)`` where ``info`` is the ``CheckpointDescription``. The model carries its
-        checkpoint (``saving.attach_checkpoint_layout``): ``state_dict()`` holds the experts under
-        the checkpoint's tensor names, ``load_state_dict`` restores them, and
-        ``model.save_pretrained(path)`` writes the checkpoint in its layout, bit for bit.
+        A pair ``(model, info)``: the transformers model in eval mode, and the ``CheckpointDescription`` of the
+        checkpoint (layout name, scheme, exclude list, activation scale rule), also held as ``model.mxlib_info``.
+
+        The model carries its checkpoint (``saving.attach_checkpoint_layout``): ``state_dict()`` holds the
+        experts under the checkpoint's tensor names, ``load_state_dict`` restores them, and
+        ``model.save_pretrained(path)`` writes the checkpoint in its layout, bit for bit. Dtype casts
+        (``model.half()``, ``.float()``, ``.to(dtype)``) change the activation dtype only: quantized codes and
+        scales keep their bytes (``mxlib.moe.base.keep_dtype_on_cast``).
 
     Quantized ``nn.Linear`` modules outside the experts (attention projections carrying the
     layout's quantized tensors and not in the ignore list) become ``EmulatedLinear``
@@ -173,6 +190,11 @@ def load_quantized_moe(
     ):
         raise ValueError(f"num_hidden_layers: expected a positive integer or None, got {num_hidden_layers!r}")
     check_scale_strategy(scale_strategy)
+    device = check_device(device, "device")
+    if activation_dtype not in ACTIVATION_DTYPES:
+        raise TypeError(
+            f"activation_dtype: expected one of {[str(d) for d in ACTIVATION_DTYPES]}, got {activation_dtype!r}"
+        )
     folder = Path(path)
     family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
     info = read_quant_config(folder)
@@ -190,7 +212,6 @@ def load_quantized_moe(
     headers = SafetensorsHeaders(folder).as_module_names(family.module_name)
     config = check_model_config(cfg_dict, cfg_path, headers, info, every_layer=False, family=family)
     source = read_checkpoint_source(folder, info, headers)  # the other config files, read before the build
-    device = torch.device(device)
     logger.info(
         "loading %s (%s layout, scheme %s, %d layers) on %s",
         folder,
@@ -256,7 +277,7 @@ def load_quantized_moe(
                 raise CheckpointError(
                     f"{cfg_path}: layout {layout.name} stores no expert biases, which {family.architecture} needs"
                 )
-            b13, b2 = (b.to(activation_dtype) for b in layout.read_expert_biases(tensors, prefix, e, h, i))
+            b13, b2 = layout.read_expert_biases(tensors, prefix, e, h, i)  # as stored; read as fp32 in the GEMMs
         return make_emulation_experts(
             info.scheme,
             weights.to(device),
@@ -287,7 +308,7 @@ def load_quantized_moe(
         weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)
         bias = None
         if lin.bias is not None:
-            bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(activation_dtype).to(device)
+            bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(device)  # as stored
         em = make_emulated_linear(
             info.scheme,
             weights.to(device),
@@ -304,6 +325,7 @@ def load_quantized_moe(
     tensors.close()
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
     _attach(model, source)
+    model.mxlib_info = info
     return model.to(device).eval(), info
 
 
@@ -318,7 +340,11 @@ def load_quantized_qwen3_moe(
     gate_up_scale: str = "per_half",
 ):
     """``load_quantized_moe`` under Qwen3-MoE's name (same arguments, returns and errors; a checkpoint
-    of any registered family loads as that family's class)."""
+    of any registered family loads as that family's class).
+
+    Kept because code and notebooks were written against it when Qwen3-MoE was the one family; it is the same
+    load, so it does not refuse other families (a Mixtral checkpoint gives ``MixtralForCausalLM``). New code uses
+    ``mxlib.from_pretrained`` (transformers' keywords) or ``load_quantized_moe``, the names for every family."""
     return load_quantized_moe(
         path,
         num_hidden_layers=num_hidden_layers,

@@ -31,10 +31,11 @@ from tqdm import tqdm
 from ...moe.factory import quantize_expert_weights
 from ...moe.linear import EmulatedLinear
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
+from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique
 from ...recovery.base import technique_global_scale_kw
-from ..calibration import Calibration
+from ..calibration import Calibration, calibrate
 from ..families import MoEFamily, check_supported_model, family_of
+from ..hessians import technique_from_calibration
 from ..moe_models import expert_biases, expert_weights, tied_parameter_names
 from .layout import LAYOUTS, layout_for_scheme
 from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
@@ -48,7 +49,8 @@ def _config_dict(model, num_hidden_layers: int) -> dict:
     cfg = model.config.to_dict()
     cfg["num_hidden_layers"] = num_hidden_layers
     cfg["architectures"] = [family_of(model, "config").architecture]
-    cfg["torch_dtype"] = "bfloat16"
+    # the dtype every unquantized tensor is stored in (transformers 5 reads ``dtype``, older releases ``torch_dtype``)
+    cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
     cfg.pop("quantization_config", None)
     return cfg
 
@@ -83,6 +85,25 @@ def unquantized_modules(model, family: MoEFamily, quantized: list[str]) -> list[
     return names
 
 
+def _stored_exactly(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in the stored ``dtype``; a floating tensor of another dtype only where every value converts exactly.
+
+    Raises:
+        ValueError: naming the tensor, the model's dtype and the stored one, and the cast that makes it exact.
+    """
+    if t.dtype == dtype or not t.is_floating_point():
+        return t.to(dtype) if t.is_floating_point() else t
+    cast = t.to(dtype)
+    back = cast.to(t.dtype)
+    if not bool(((back == t) | (torch.isnan(back) & torch.isnan(t))).all()):
+        raise ValueError(
+            f"model: tensor {name!r} is {t.dtype} and its values do not convert to the stored {dtype} exactly (the "
+            f"layouts store unquantized tensors in bf16, as ModelOpt, Quark and llm-compressor exports do); write a "
+            f"model whose values bf16 holds, for example after model.to(torch.bfloat16), a cast you choose"
+        )
+    return cast
+
+
 def write_quantized_checkpoint(
     model,
     scheme: str | MoEQuantScheme,
@@ -108,8 +129,10 @@ def write_quantized_checkpoint(
             the one ``layout.DEFAULT_LAYOUT`` names for the scheme's weight format.
         path: the checkpoint folder: absent, empty, or an earlier mxlib checkpoint (replaced
             atomically); anything else needs ``overwrite=True``.
-        calibration: per-expert activation amax (``mxlib.models.calibration.calibrate``);
-            needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``).
+        calibration: per-expert activation amax (a ``Calibration``: ``mxlib.models.calibration.calibrate``), or the
+            calibration batches themselves (token ids ``[N, T]``, a dict with ``input_ids`` / ``attention_mask``, an
+            iterable of batches: ``calibration_batches``), from which the amax, and GPTQ's Hessians, are computed;
+            needed by schemes with static activation scales (``nvfp4``, ``_a_fp8``) and by ``technique="gptq"``.
         shard_bytes: safetensors shard size (also the most quantized bytes held in memory).
         layout: a registered layout name (``modelopt``, ``quark``, ``compressed-tensors``); None
             takes the family's own layout where it stores the scheme (``MoEFamily.checkpoint_layout``:
@@ -127,7 +150,8 @@ def write_quantized_checkpoint(
         progress: a tqdm bar on stderr, one step per layer of experts quantized and written.
         technique: how the experts' scales and codes are chosen (``mxlib.recovery``): a name of
             ``TECHNIQUES`` or a built ``WeightTechnique``; None is round-to-nearest through the
-            layout's own arithmetic. Its ``config()``, when not empty, is stored in
+            layout's own arithmetic. ``"gptq"`` collects its Hessians from ``calibration`` batches
+            (``mxlib.models.hessians.technique_from_calibration``). Its ``config()``, when not empty, is stored in
             ``quantization_config[RECOVERY_CONFIG_KEY]``. A layout storing encode NVFP4 global
             scales (compressed-tensors) asks the technique for codes chosen under an encode scale
             (``mxlib.recovery.base.technique_global_scale_kw``).
@@ -136,10 +160,12 @@ def write_quantized_checkpoint(
         The folder's path. On any error nothing is left at ``path`` (or the old checkpoint stays).
 
     Raises:
-        ValueError: a layout without expert biases for a family that has them; a static-activation-scale
-            scheme without ``calibration`` (or without
+        ValueError: a layout without expert biases for a family that has them; ``technique="gptq"`` without
+            calibration batches; a static-activation-scale scheme without ``calibration`` (or without
             ``linear_input_amax`` for quantized attention); a layout that does not store the scheme;
-            a technique that cannot produce the layout's kind of NVFP4 global scale.
+            a technique that cannot produce the layout's kind of NVFP4 global scale; an fp16 / fp32 model
+            tensor whose values bf16 (the stored dtype, ``config.json``'s ``dtype``) cannot hold exactly: the
+            writer never rounds a model silently.
         FileExistsError: ``path`` is not absent, empty or an mxlib checkpoint, without ``overwrite``.
         PermissionError: the old checkpoint at ``path`` cannot be removed (it stays as it was).
         UnsupportedModelError: a model of a class mxlib does not quantize (``mxlib.models.families``).
@@ -147,7 +173,8 @@ def write_quantized_checkpoint(
     check_supported_model(model, "write_quantized_checkpoint")
     family = family_of(model, "write_quantized_checkpoint")
     scheme = get_moe_scheme(scheme)
-    technique = None if technique is None else get_technique(technique)
+    batches = None if calibration is None or isinstance(calibration, Calibration) else calibration
+    technique = technique_from_calibration(model, technique, batches if batches is not None else calibration)
     own = LAYOUTS.get(family.checkpoint_layout) if family.checkpoint_layout else None
     if layout is None:
         layout = own if own is not None and own.handles(scheme) else layout_for_scheme(scheme)
@@ -165,6 +192,8 @@ def write_quantized_checkpoint(
         )
     if scheme.static_activation_scale and calibration is None:
         raise ValueError(f"{scheme.name} checkpoints need activation input scales: pass a Calibration")
+    if scheme.static_activation_scale and batches is not None:
+        calibration = calibrate(model, batches, progress=progress, name="calibration")
     attn = attention_linears(model) if quantize_attention else []
     if attn and scheme.static_activation_scale:
         missing = [n for n in attn if linear_input_amax is None or n not in linear_input_amax]
@@ -184,7 +213,7 @@ def write_quantized_checkpoint(
             if experts_part in name or name.rsplit(".", 1)[0] in attn or name in tied:
                 continue
             dtype = torch.float32 if family.keeps_fp32(name) else torch.bfloat16
-            shards.add(family.disk_name(name), t.detach().to(dtype))
+            shards.add(family.disk_name(name), _stored_exactly(name, t.detach(), dtype))
         modules = dict(model.named_modules())
         for name in attn:  # quantized attention projections, one at a time
             w = modules[name].weight.detach()
