@@ -29,7 +29,7 @@ def add_rows(
     key: str,
     prompts: dict[str, int],
     floor: dict,
-    reference: str = "bf16",
+    reference: str | None = "bf16",
     vs: str | None = None,
     level: float = 0.95,
 ) -> list[str]:
