@@ -44,7 +44,8 @@ The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pur
 ``mxlib.kernels`` Triton twins (Triton's interpreter on machines without CUDA); ``mxlib.moe``
 schemes, routing, the fused-MoE experts, their emulation subclasses and their factory;
 ``mxlib.models`` the Qwen3-30B-A3B preset, calibration, checkpoint layouts; ``mxlib.analysis``
-error metrics; ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the notebooks call;
+error metrics; ``mxlib.stats`` the statistics rule (paired comparisons decided together: "A better",
+"B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the notebooks call;
 ``mxlib.cli`` the notebooks' code paths as commands (``python -m mxlib``, ``mxlib/__main__.py``);
 ``mxlib.bench`` GPU benchmarks.
 ``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.

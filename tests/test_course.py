@@ -121,6 +121,19 @@ def test_teaching_figures_hold_data():
     assert len(fig.data) == 6 and len(styles) == 2  # one hue and dash per scheme, the same in all three panels
 
 
+def test_moe_layer_figure_draws_the_layer_with_its_shapes():
+    fig = C.moe_layer_figure(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2)
+    labels = list(fig.data[0].text)
+    for part in ("router", "top-k", "a1 QDQ", "GEMM1", "w13[e]", "SiLU(gate) * up", "a2 QDQ", "GEMM2", "w2[e]"):
+        assert any(part in t for t in labels), (part, labels)
+    assert sum("QDQ" in t for t in labels) == 2
+    texts = [a.text for a in fig.layout.annotations if a.text]
+    # the arrows carry the shapes of the sizes asked for: [T, H], [T*top_k, 2*I], [T*top_k, I], router_logits [T, E]
+    assert {"[T, 64]", "[T*2, 2*32]", "[T*2, 32]", "router_logits [T, 8]"} <= set(texts), texts
+    assert "E = 8 experts, top_k = 2" in fig.layout.title.text
+    assert len(fig.data) == 1 + 5  # the boxes' labels, and one legend entry per kind of box
+
+
 def test_e4m3_code_map_labels_are_exact_and_subnormals_outlined():
     fig = figures.e4m3_code_map_figure()
     text = fig.data[1].text

@@ -37,9 +37,14 @@ CASES = {
         {},
         123,  # 0.4 = 1.6 * 2^-2; 1.6 rounds to 1.5 with one mantissa bit: e = -2 - 2 = -4, byte 123
         [123, "123", "0x7B", "0x7b", "0b1111011", 123.0],
-        [125, 124, -4, 0.0625, "abc", 300],
+        [125, 124, -4, 0.0625, "abc", 300, 255],
     ),
-    "00.flush_ratio": ({}, None, [2.0**-21, 1e-7], [1.0, 2.0**-12, 2.0**-17, 2.0, 0.0, "x"]),
+    "00.flush_ratio": (
+        {},
+        None,
+        [2.0**-21, 1e-7, "2**-21", "2^-30", 1e-30],
+        [1.0, 2.0**-12, 2.0**-17, 2.0, 0.0, "x", 1e-45, 1e-40],
+    ),
     "01.fp6_shapes": (
         {},
         ((768, 1536), (768, 64)),
@@ -74,7 +79,12 @@ CASES = {
     ),
     "02.outlier_gap": ({}, None, None, [1, 10, 1000, 10000, 5, "x"]),
     "03.best_4bit": ({"rows": ROWS_03}, "w_mxfp4", ["w_mxfp4"], ["w_mxfp4_a_mxfp4", "w_mxfp6_e2m3", "zz"]),
-    "03.nvfp4_bits_32": ({}, 4.25, [4.25, "4.25", "17/4", 17 / 4], [4.5, 4, 4.125, 0.25, 5, "many"]),
+    "03.nvfp4_bits_32": (
+        {},
+        4.25,
+        [4.25, "4.25", "17/4", 17 / 4, "4 + 8/32", "4+8/32", "(4 * 32 + 8) / 32"],
+        [4.5, 4, 4.125, 0.25, 5, "many"],
+    ),
     "04.subnormal_loss": ({}, None, [2.0**-16.5], [2.0**-12, 2.0**-21, 1.0, 0.0, 2.0]),
     "04.first_flush": ({}, 2.0**-19, [2.0**-19, "2**-19", "2^-19"], [2.0**-18, 2.0**-20, 3 * 2.0**-21, 19, 0.0]),
     "05.packed_bytes": (
@@ -147,6 +157,71 @@ def test_every_exercise_is_tested_and_unknown_names_raise():
         checks.check_exercise("99.nothing", 0)
     with pytest.raises(KeyError, match="name"):
         checks.show_solution("99.nothing")
+
+
+def test_hints_are_true(capsys):
+    """Hints that state a fact about the learner's answer state a true one."""
+    checks.check_exercise("00.e8m0_byte", 255)
+    out = capsys.readouterr().out
+    assert "NaN" in out and "2^128" not in out, out
+    checks.check_exercise("02.e4m3_code", 0x78)  # 256: 288 lies between it and 300, so it is no neighbour of 300
+    out = capsys.readouterr().out
+    assert "256" in out and "neighbour" not in out, out
+    from mxlib.workbook import explorers
+
+    for r in (2.0**-18.5, 2.0**-17.5):  # partly flushed: the hint gives the three fractions as they are
+        row = explorers.expert_scale_ratio(r)[-1]
+        assert 0 < row["flushed_blocks"] < 1, row
+        checks.check_exercise("00.flush_ratio", r)
+        out = capsys.readouterr().out
+        normal = 1 - row["flushed_blocks"] - row["subnormal_blocks"]
+        assert f"{row['flushed_blocks']:.0%} of the blocks are flushed" in out, out
+        assert f"{normal:.0%} normal" in out, out
+    with pytest.raises(ValueError, match="ratio: expected at least"):
+        explorers.expert_scale_ratio(1e-45)
+
+
+def test_equivalent_number_forms_and_nothing_else():
+    from mxlib.workbook._exercise_formats import as_number
+
+    assert as_number("4 + 8/32") == as_number("17/4") == as_number("(4*32 + 8) / 32") == 4.25
+    assert as_number("2^-19") == as_number("2 ** -19") == as_number("-(-2)**-19") == 2.0**-19
+    for text in ("__import__('os')", "4 + x", "2**99999", "1/0", "", "[1]", "True"):
+        assert as_number(text) is None, text
+
+
+def test_best_4bit_accepts_every_scheme_that_cannot_be_told_from_the_best(capsys):
+    # three token sets: w_mxfp4 and nvfp4_like within noise of each other, both decided above w_mxfp4_a_mxfp4
+    rows = [
+        dict(scheme="w_mxfp4", bits_per_weight=4.25, sqnr_db=21.0, sqnr_db_repeats=[21.0, 22.0, 20.0]),
+        dict(scheme="w_mxfp4_a_mxfp6_e2m3", bits_per_weight=4.25, sqnr_db=20.9, sqnr_db_repeats=[21.1, 21.8, 19.8]),
+        dict(scheme="w_mxfp4_a_mxfp4", bits_per_weight=4.25, sqnr_db=17.0, sqnr_db_repeats=[17.0, 18.0, 16.0]),
+        dict(scheme="w_mxfp6_e2m3", bits_per_weight=6.25, sqnr_db=30.0, sqnr_db_repeats=[30.0, 31.0, 29.0]),
+    ]
+    assert checks.check_exercise("03.best_4bit", "w_mxfp4", rows=rows)
+    assert checks.check_exercise("03.best_4bit", "w_mxfp4_a_mxfp6_e2m3", rows=rows)  # the lower mean, tied
+    capsys.readouterr()
+    assert not checks.check_exercise("03.best_4bit", "w_mxfp4_a_mxfp4", rows=rows)
+    assert "decided better" in capsys.readouterr().out
+    assert exercises.show_solution("03.best_4bit", rows=rows) == "w_mxfp4"
+
+
+def test_dequant_wins_at_reads_the_verdicts_when_given(capsys):
+    # M = 256: the lower time, but not beyond the noise; M = 1024: decided faster
+    verdicts = [
+        dict(a="nvfp4 fused", b="nvfp4 dequant", M=m, verdict=v)
+        for m, v in (
+            (1, "nvfp4 fused faster"),
+            (16, "nvfp4 fused faster"),
+            (256, "cannot be told apart"),
+            (1024, "nvfp4 dequant faster"),
+        )
+    ]
+    assert exercises.show_solution("05.dequant_wins_at", rows=ROWS_05, verdicts=verdicts) == 1024
+    capsys.readouterr()
+    assert not checks.check_exercise("05.dequant_wins_at", 256, rows=ROWS_05, verdicts=verdicts)
+    assert "beyond the timing noise" in capsys.readouterr().out
+    assert checks.check_exercise("05.dequant_wins_at", 1024, rows=ROWS_05, verdicts=verdicts)
 
 
 def test_outlier_gap_answer_is_the_smallest_qualifying_magnitude():

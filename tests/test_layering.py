@@ -1,7 +1,7 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches, no
 module over about 1,000 lines.
 
-Layers, lowest first: formats -> _checks -> reference / analysis -> kernels -> moe -> cases -> models ->
+Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> cases -> models ->
 workbook (the notebooks' wing: steps, studies, explorers, probes, checks, figures, setup, runner) -> cli / bench
 (``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import
 of every mxlib module (top level or nested) is read with ``ast``; a module may import its own layer or lower
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "mxlib"
 LAYERS = [
     ("mxlib.formats",),
     ("mxlib._checks",),
-    ("mxlib.reference", "mxlib.analysis"),
+    ("mxlib.reference", "mxlib.analysis", "mxlib.stats"),
     ("mxlib.kernels",),
     ("mxlib.moe",),
     ("mxlib.recovery",),

@@ -17,6 +17,10 @@ module                what it holds
                       the tables of notebooks 04 and 05 (strategy summary, floors, the anchor
                       tables)
 ``figures``           plotly figures
+``timing``            how far a recorded benchmark time moves between recordings, and "faster"
+                      decided against it (``mxlib.stats``): notebook 05
+``verdicts``          the trained-model studies' paired differences decided together against the
+                      noise level (``mxlib.stats``): notebooks 06 and 07
 ``setup``             how notebook figures are rendered (``use_notebook_renderer``)
 ``runner``            runs the notebooks through papermill (``python -m mxlib.workbook``)
 ``accuracy``          notebook 06's studies: every scheme and strategy on the project's trained MoE

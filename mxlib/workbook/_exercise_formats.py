@@ -9,7 +9,9 @@ check an answer on the explorers' numbers.
 
 from __future__ import annotations
 
+import ast
 import math
+import operator
 from fractions import Fraction
 
 import torch
@@ -44,24 +46,47 @@ def as_int(answer) -> int | None:
     return None
 
 
+_ARITH = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
+
+
+def _arith(node) -> float:
+    """The value of an arithmetic expression tree of numbers, + - * / ** and signs; ValueError otherwise."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _arith(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        left, right = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 1100:
+            raise ValueError("exponent out of range")
+        return float(_ARITH[type(node.op)](left, right))
+    raise ValueError("not an arithmetic expression")
+
+
 def as_number(answer) -> float | None:
-    """A float from an int, a float, a Fraction or a string (``"4.25"``, ``"17/4"``, ``"2**-19"``); else None."""
+    """A float from an int, a float, a Fraction, a one-element tensor or a string: a number (``"4.25"``), a
+    fraction (``"17/4"``) or arithmetic of numbers with ``+ - * / **`` and parentheses (``"4 + 8/32"``,
+    ``"2**-19"``, ``"2^-19"``: ``^`` read as a power); else None."""
     if isinstance(answer, bool):
         return None
     if isinstance(answer, (int, float, Fraction)):
         return float(answer)
     if isinstance(answer, str):
         text = answer.strip().replace("^", "**")
-        if "**" in text:
-            base, _, exp = text.partition("**")
-            try:
-                return float(base) ** float(exp.strip("() "))
-            except ValueError:
-                return None
-        try:
-            return float(Fraction(text))
-        except (ValueError, ZeroDivisionError):
+        if not text or len(text) > 200:
             return None
+        try:
+            v = _arith(ast.parse(text, mode="eval").body)
+        except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, TypeError):
+            return None
+        return v if math.isfinite(v) else None
     if isinstance(answer, torch.Tensor) and answer.numel() == 1:
         return float(answer)
     return None
@@ -146,13 +171,15 @@ def check_e8m0_byte(answer, **_):
         )
     if byte == want + 1:
         return (
-            "that is one power of two too high: amax's significand (amax = s * 2^k) rounded to e2m1's one mantissa "
-            "bit rounds down here, so even keeps floor's exponent (rceil would move up)"
+            "that is the byte rceil picks here: even moves up a power of two only when amax's significand s "
+            "(amax = s * 2^k, 1 <= s < 2) rounds up to 2 at e2m1's one mantissa bit. Does it, for 0.4?"
         )
-    if 0 <= byte <= 255:
+    if byte == 255:
+        return "byte 255 (0xFF) is E8M0's NaN code, never a scale; the bytes 0..254 mean 2^(b - 127)"
+    if 0 <= byte <= 254:
         return (
-            f"byte {byte} means 2^{byte - 127}: write amax as s * 2^k (1 <= s < 2), then e = k - emax "
-            "(+1 if s rounds up)"
+            f"byte {byte} means 2^{byte - 127}: write amax as s * 2^k (1 <= s < 2), take even's exponent from k and "
+            "e2m1's emax (section 2.1), then add the bias"
         )
     return "an E8M0 byte is one unsigned byte: 0..254 (255 is NaN)"
 
@@ -171,6 +198,12 @@ def _ratio_or_hint(answer) -> tuple[float | None, str]:
         return None, "give r as a number, e.g. 2 ** -12"
     if not 0.0 < r <= 1.0:
         return None, "r is the smaller expert's amax over the larger one's: a number in (0, 1]"
+    if r < explorers.MIN_EXPERT_RATIO:
+        return None, (
+            f"at r = {r:.3g} the smaller expert's own global scale 6 * 448 / amax would leave fp32's range (the "
+            f"explorer takes r >= {explorers.MIN_EXPERT_RATIO:.3g}); the thresholds of this exercise lie many "
+            "powers of two higher"
+        )
     return r, ""
 
 
@@ -179,16 +212,24 @@ def check_flush_ratio(answer, **_):
     if r is None:
         return why
     row = explorers.expert_scale_ratio(r)[-1]
-    if row["flushed_blocks"] == 1.0 and row["sqnr_per_expert_db"] > 15:
+    flushed, subnormal = row["flushed_blocks"], row["subnormal_blocks"]
+    if flushed == 1.0 and row["sqnr_per_expert_db"] > 15:
         return None
-    if row["subnormal_blocks"] == 0 and row["flushed_blocks"] == 0:
+    if flushed == 1.0:
         return (
-            f"at r = {r:.3g} every unified block scale is still an e4m3 normal (>= 2^-6): nothing is lost yet. "
-            "The largest block scale is 448 * r: go many powers of two lower"
+            f"at r = {r:.3g} every block flushes, but the expert's own scale keeps only "
+            f"{row['sqnr_per_expert_db']:.1f} dB: the exercise asks for both"
         )
+    if subnormal == 0 and flushed == 0:
+        return (
+            f"at r = {r:.3g} every unified block scale is still an e4m3 normal (>= 2^-6): the unified scale costs "
+            "only rounding noise yet. The largest block scale is about 448 * r: go many powers of two lower"
+        )
+    normal = 1.0 - flushed - subnormal
     return (
-        f"at r = {r:.3g} {row['flushed_blocks']:.0%} of the blocks are flushed and the rest keep subnormal scales: "
-        "e4m3 rounds a scale to zero only at or below half its smallest subnormal 2^-9, so go lower still"
+        f"at r = {r:.3g}, {flushed:.0%} of the blocks are flushed, {subnormal:.0%} keep subnormal scales and "
+        f"{normal:.0%} normal ones: a block scale rounds to zero only at or below half e4m3's smallest subnormal "
+        "2^-9, and the largest block scale must get there too"
     )
 
 
@@ -263,12 +304,19 @@ def check_e4m3_code(answer, **_):
         return "that code is e4m3's NaN (S.1111.111)"
     if value == _E4M3.max:
         return "that is e4m3's largest value 448: 300 lies below it and does not saturate"
-    if code in (want - 1, want + 1):
+    if value == 256.0:
         return (
-            f"code 0x{code:02X} decodes to {value:g}, a neighbour of 300 on e4m3's grid but not the nearest one: in "
-            "[256, 512) the 3 mantissa bits space values 32 apart; list the grid points on both sides of 300"
+            f"code 0x{code:02X} decodes to 256 = 2^8, the bottom of the binade [256, 512) that holds 300: rounding "
+            "is to the nearest value, not down to a power of two. How far apart do e4m3's 3 mantissa bits put its "
+            "values in that binade?"
         )
-    return f"code 0x{code:02X} decodes to {value:g}: find the e4m3 value nearest to 300 (X.value_info shows its bits)"
+    lower = float(R.decode_element(torch.tensor([want], dtype=torch.uint8), "e4m3")[0])
+    if value > 300.0 and lower < 300.0 and code == want + 1:
+        return (
+            f"code 0x{code:02X} decodes to {value:g}, the e4m3 value just above 300: ties aside, rounding goes to the "
+            "nearer of the two values around 300, not up. Which one is nearer?"
+        )
+    return f"code 0x{code:02X} decodes to {value:g}: find the e4m3 value nearest to 300 (X.bit_fields decodes a code)"
 
 
 def solve_e4m3_code(**_):

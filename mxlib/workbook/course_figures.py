@@ -1,6 +1,7 @@
 """The teaching pictures of notebooks 00 and 02: what a block is, how a code's bits are laid out, where
-an element format's values sit, and the figures of 02's lessons (block size x scale format, where a
-block's amax lands on the grid, what outliers do to each part of the data).
+an element format's values sit, the MoE layer with its quantization points, and the figures of 02's
+lessons (block size x scale format, where a block's amax lands on the grid, what outliers do to each part
+of the data).
 
 Every figure is drawn from ``mxlib.formats``' tables or from rows the notebook computed; none holds a
 literal value of its own. Each holds at least one data trace, so ``tests/test_render.py`` can check in
@@ -13,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..formats import E8M0_BIAS, ELEMENT_FORMATS, MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE, get_element_format
+from ..models.presets import QWEN3_30B_A3B
 from .figures import PALETTE
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "mx_block_figure",
     "bit_layout_figure",
     "number_line_figure",
+    "moe_layer_figure",
     "scale_format_grid_figure",
     "amax_on_grid_figure",
     "outlier_parts_figure",
@@ -95,6 +98,175 @@ def mx_block_figure() -> go.Figure:
         height=330,
         xaxis=dict(visible=False, range=[-1, 230]),
         yaxis=dict(visible=False, range=[-1.3, 1.6]),
+        margin=dict(l=10, r=10, t=50, b=10),
+    )
+    return fig
+
+
+# the MoE layer's boxes: (key, label, x, y, kind); kinds pick the colour
+_MOE_BOXES = (
+    ("x", "hidden_states", 0.0, 1.1, "tensor"),
+    ("router", "router<br>(mlp.gate, bf16)", 2.0, 2.4, "bf16"),
+    ("topk", "softmax, top-k,<br>renormalize", 4.0, 2.4, "bf16"),
+    ("a1", "<b>a1 QDQ</b><br>one global scale", 2.0, 0.0, "qdq"),
+    ("w13", "GEMM1<br>a1 @ w13[e]^T", 4.0, 0.0, "gemm"),
+    ("act", "SiLU(gate) * up", 6.0, 0.0, "bf16"),
+    ("a2", "<b>a2 QDQ</b>", 8.0, 0.0, "qdq"),
+    ("w2", "GEMM2<br>a2 @ w2[e]^T", 10.0, 0.0, "gemm"),
+    ("sum", "x topk_weights,<br>sum over top_k", 12.0, 0.0, "bf16"),
+    ("out", "output", 14.0, 1.1, "tensor"),
+    ("w13s", "w13 [E, 2I, H]<br>stored quantized,<br>dequantized to bf16", 4.0, -1.6, "weight"),
+    ("w2s", "w2 [E, H, I]<br>stored quantized,<br>dequantized to bf16", 10.0, -1.6, "weight"),
+)
+_MOE_COLOURS = {
+    "tensor": "#7f7f7f",
+    "bf16": "#1f77b4",
+    "qdq": "#d62728",
+    "gemm": "#2ca02c",
+    "weight": "#9467bd",
+}
+_MOE_KINDS = {
+    "tensor": "a tensor entering or leaving the layer",
+    "bf16": "bf16 / fp32 arithmetic (not quantized)",
+    "qdq": "activation QDQ: the activation format's rounding",
+    "gemm": "a bf16 GEMM, fp32 accumulate, one expert e at a time",
+    "weight": "expert weights in the weight format",
+}
+
+
+def moe_layer_figure(
+    hidden_size: int = QWEN3_30B_A3B["hidden_size"],
+    moe_intermediate_size: int = QWEN3_30B_A3B["moe_intermediate_size"],
+    num_experts: int = QWEN3_30B_A3B["num_experts"],
+    top_k: int = QWEN3_30B_A3B["num_experts_per_tok"],
+) -> go.Figure:
+    """One MoE layer as vLLM's emulation computes it (``TritonExperts.apply`` and its emulation subclasses), with
+    the two activation QDQ points and the two weight tensors; shapes for ``T`` tokens (defaults: Qwen3-30B-A3B,
+    ``mxlib.models.presets.QWEN3_30B_A3B``).
+
+    The router (softmax over the ``num_experts`` router logits, top-k, renormalized) picks ``top_k`` experts per
+    token; the layer input is QDQ'd once per token (a1, one global scale for all experts), then each chosen
+    expert ``e`` computes ``SiLU(gate) * up`` of ``a1 @ w13[e]^T`` (gate rows first), QDQ's that (a2), multiplies
+    by ``w2[e]``; the ``top_k`` outputs are weighted by ``topk_weights`` and summed. Boxes are coloured by what
+    they do (a legend trace per kind); arrows carry the tensor shapes.
+    """
+    H, I, E, k = hidden_size, moe_intermediate_size, num_experts, top_k
+    pos = {key: (x, y) for key, _, x, y, _ in _MOE_BOXES}
+    fig = go.Figure()
+    half_w, half_h = 0.75, 0.42
+    for _, _, x, y, kind in _MOE_BOXES:
+        fig.add_shape(
+            type="rect",
+            x0=x - half_w,
+            x1=x + half_w,
+            y0=y - half_h,
+            y1=y + half_h,
+            fillcolor=_MOE_COLOURS[kind],
+            opacity=0.9,
+            line=dict(color="white", width=1),
+            layer="below",
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=[x for _, _, x, _, _ in _MOE_BOXES],
+            y=[y for _, _, _, y, _ in _MOE_BOXES],
+            text=[label for _, label, _, _, _ in _MOE_BOXES],
+            mode="text",
+            textfont=dict(size=11, color="white"),
+            hoverinfo="text",
+            showlegend=False,
+        )
+    )
+    arrows = (
+        ("x", "router", f"[T, {H}]"),
+        ("router", "topk", f"router_logits [T, {E}]"),
+        ("x", "a1", f"[T, {H}]"),
+        ("a1", "w13", f"[T, {H}]"),
+        ("w13", "act", f"[T*{k}, 2*{I}]"),
+        ("act", "a2", f"[T*{k}, {I}]"),
+        ("a2", "w2", ""),
+        ("w2", "sum", f"[T*{k}, {H}]"),
+        ("sum", "out", f"[T, {H}]"),
+        ("w13s", "w13", ""),
+        ("w2s", "w2", ""),
+    )
+    for src, dst, text in arrows:
+        (x0, y0), (x1, y1) = pos[src], pos[dst]
+        # from the source box's edge to the destination box's edge, along the line between their centres
+        dx, dy = x1 - x0, y1 - y0
+        t = min(half_w / abs(dx) if dx else 1.0, half_h / abs(dy) if dy else 1.0)
+        fig.add_annotation(
+            x=x1 - dx * t,
+            y=y1 - dy * t,
+            ax=x0 + dx * t,
+            ay=y0 + dy * t,
+            xref="x",
+            yref="y",
+            axref="x",
+            ayref="y",
+            showarrow=True,
+            arrowhead=2,
+            arrowwidth=1.5,
+            arrowcolor="#444444",
+        )
+        if text:  # the shape above the arrow's middle (a level arrow: above the boxes' top edge)
+            fig.add_annotation(
+                x=(x0 + x1) / 2,
+                y=(y0 + y1) / 2 + (half_h + 0.05 if y0 == y1 else 0.1),
+                text=text,
+                showarrow=False,
+                font=dict(size=9),
+                yanchor="bottom",
+            )
+    tx, ty = pos["topk"]
+    fig.add_annotation(
+        x=tx + half_w + 0.1,
+        y=ty,
+        text=f"topk_ids, topk_weights [T, {k}]: which {k} of {E} experts, and their weights",
+        showarrow=False,
+        xanchor="left",
+        font=dict(size=10),
+    )
+    for dst in ("w13", "sum"):  # the router's choice picks the experts of GEMM1 and weights the sum
+        dx, dy = pos[dst]
+        fig.add_annotation(
+            x=dx,
+            y=dy + half_h,
+            ax=tx if dst == "w13" else tx + half_w,
+            ay=ty - half_h,
+            xref="x",
+            yref="y",
+            axref="x",
+            ayref="y",
+            showarrow=True,
+            arrowhead=2,
+            arrowwidth=1,
+            arrowcolor="#999999",
+        )
+    fig.add_annotation(
+        x=tx + 0.05,
+        y=(ty + pos["w13"][1]) / 2,
+        text="topk_ids: expert e",
+        showarrow=False,
+        xanchor="left",
+        font=dict(size=9, color="#666666"),
+    )
+    for kind, colour in _MOE_COLOURS.items():  # the legend: one marker trace per kind of box
+        fig.add_trace(
+            go.Scatter(
+                x=[None],
+                y=[None],
+                mode="markers",
+                name=_MOE_KINDS[kind],
+                marker=dict(symbol="square", size=12, color=colour),
+            )
+        )
+    fig.update_layout(
+        title=f"One MoE layer in vLLM's emulation: H = {H}, I = {I}, E = {E} experts, top_k = {k}",
+        height=520,
+        xaxis=dict(visible=False, range=[-0.9, 14.9]),
+        yaxis=dict(visible=False, range=[-2.2, 3.2]),
+        legend=dict(orientation="h", y=-0.02),
         margin=dict(l=10, r=10, t=50, b=10),
     )
     return fig

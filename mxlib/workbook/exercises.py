@@ -59,7 +59,8 @@ EXERCISES: dict[str, str] = {
     "02.e4m3_code": "Which e4m3 code (an int, or a hex string such as '0x40') does 300.0 round to?",
     "02.outlier_gap": "Of the outlier magnitudes 1, 10, 100, 1000 and 10000 (explorers.outlier_scale_sqnr, global "
     "SQNR), which is the smallest at which NVFP4 beats MXFP4 by more than 3 dB?",
-    "03.best_4bit": "Which 4.25-bit scheme has the highest logits SQNR in this run?",
+    "03.best_4bit": "Which 4.25-bit scheme cannot be told from the best on the logits SQNR in this run (no other "
+    "4.25-bit scheme decided better than it over the token sets)?",
     "03.nvfp4_bits_32": "NVFP4 with blocks of 32 instead of 16 (still one e4m3 scale a block): how many bits "
     "per weight, scales included (the per-tensor fp32 scale is negligible)?",
     "04.subnormal_loss": "Find a ratio r at which the smaller synthetic expert loses more than 2 dB under the "
@@ -68,8 +69,9 @@ EXERCISES: dict[str, str] = {
     "expert is flushed under the unified scale.",
     "05.packed_bytes": "How many bytes do one Qwen3-30B-A3B layer's NVFP4 expert weights and block scales "
     "take (128 experts; w13 [2 * 768, 2048] and w2 [2048, 768] each)?",
-    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on does vLLM's emulation design "
-    "beat the fused path for nvfp4 (CUDA-graph times)? Answer the smallest such M.",
+    "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on is vLLM's emulation design "
+    "(dequantize-then-GEMM) faster than the fused path for nvfp4, beyond the timing noise (CUDA-graph times, the "
+    "notebook's verdicts)? Answer the smallest such M.",
 }
 
 _CHECKERS = {
@@ -103,8 +105,9 @@ def check_exercise(name: str, answer, **context) -> bool:
         name: a key of ``EXERCISES`` (the notebook shows its prompt).
         answer: the learner's answer, in any equivalent form (module docstring); a block of numbers
             for the block exercises.
-        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``,
-            ``05.dequant_wins_at``).
+        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``, which also takes the
+            notebook's ``decisions=``, and ``05.dequant_wins_at``, which also takes ``verdicts=`` from
+            ``mxlib.workbook.timing.faster_rows``).
 
     The hint never contains the expected answer; ``show_solution(name)`` gives it.
 

@@ -52,6 +52,7 @@ __all__ = [
     "value_info",
     "block_info",
     "scale_bytes",
+    "MIN_EXPERT_RATIO",
     "expert_scale_ratio",
     "expert_scale_ratio_sweep",
     "outlier_data",
@@ -268,6 +269,12 @@ def _expert_activations(num_experts: int, ratio: float, tokens: int, hidden: int
     return x * amax.reshape(-1, 1, 1)
 
 
+# The smallest amax ratio ``expert_scale_ratio`` takes: the smaller expert's own encode global scale
+# ``6 * 448 / amax`` stays at or below 2**125, inside the fp32 range ``[2**-126, 2**126]`` that vLLM's NVFP4 QDQ
+# accepts (``mxlib.reference.ref_nvfp4_quant_dequant``), with a power of two to spare for the amax's rounding.
+MIN_EXPERT_RATIO = NVFP4_SCALE_DIVISOR * 2.0**-125
+
+
 def expert_scale_ratio(
     ratio: float,
     num_experts: int = 2,
@@ -293,10 +300,18 @@ def expert_scale_ratio(
     zero) below ``NVFP4_FLUSH_RATIO`` (``2**-10 / 448``); smaller blocks of an expert cross earlier.
 
     Raises:
-        ValueError: ``ratio`` not in (0, 1], ``num_experts`` < 2, ``hidden`` not a multiple of 16.
+        ValueError: ``ratio`` not in [``MIN_EXPERT_RATIO``, 1] (about 6.3e-35: below it the smaller expert's own
+            global scale ``6 * 448 / amax`` leaves fp32's range), ``num_experts`` < 2, ``hidden`` not a multiple
+            of 16.
     """
     if not (0.0 < ratio <= 1.0):
         raise ValueError(f"ratio: expected a number in (0, 1] (smallest over largest expert amax), got {ratio}")
+    if ratio < MIN_EXPERT_RATIO:
+        raise ValueError(
+            f"ratio: expected at least {MIN_EXPERT_RATIO:.3g} (6 * 448 * 2**-125), got {ratio:.3g}: below it the "
+            "smaller expert's own global scale 6 * 448 / amax exceeds 2**125, outside the fp32 range NVFP4's QDQ "
+            "takes"
+        )
     if num_experts < 2:
         raise ValueError(f"num_experts: expected at least 2, got {num_experts}")
     if hidden % NVFP4_BLOCK_SIZE:
