@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from mxlib.models import training as tr
+
 pm = pytest.importorskip("papermill")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +293,8 @@ def test_06_what_fp4_costs(executed_notebook):
     res = run_notebook("06_what_fp4_costs", executed_notebook)
     params = NOTEBOOK_PARAMS["06_what_fp4_costs"]
     assert res["recipe"] == "test" and res["tasks"] == ["reverse", "count"] and res["eval_prompts"] == 150
-    assert not res["training"]["cache_hit"] and len(res["training"]["sha256"]) == 64  # trained in this run
+    shipped = json.loads((tr.SHIPPED_DIR / "test" / "manifest.json").read_text())
+    assert res["training"]["shipped"] and res["training"]["sha256"] == shipped["sha256"]  # the shipped model, read
     for t, r in res["bf16"].items():
         assert r["exact_match"]["estimate"] >= 0.95 and r["prompts"] == 150, (t, r)
     for t, f in res["noise_floor"].items():

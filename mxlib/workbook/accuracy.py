@@ -589,6 +589,7 @@ def claims(rows: list[dict], key: str, floor: dict) -> list[str]:
 
 
 def training_summary(model) -> dict:
-    """The trained model's cache manifest fields the results JSON records."""
+    """The trained model's manifest fields the results JSON records; ``shipped``: the model mxlib ships."""
     info = model.mxlib_training
-    return {k: info[k] for k in ("key", "sha256", "train_seconds", "cache_hit", "torch", "transformers")}
+    keys = ("key", "sha256", "train_seconds", "cache_hit", "torch", "transformers")
+    return {k: info[k] for k in keys} | {"shipped": bool(info.get("shipped", False))}
