@@ -459,7 +459,7 @@ def dummy_model(
 # draws and a warm-up pass on 2 cores; notebooks 01, twice, and 03 build the same one) are kept in the checkpoint
 # cache beside the checkpoints and read back in seconds; smaller ones, and those with a spread (each built once),
 # are built each time.
-DUMMY_CACHE_MIN_PARAMETERS = 100_000_000
+DUMMY_CACHE_MIN_PARAMETERS = 1_000_000_000  # expert parameters: the 4-layer real shape has 2.4 B
 
 
 def _dummy_cache_folder(cfg, seed: int, expert_spread: float) -> Path | None:
