@@ -2,6 +2,9 @@
 
 import os
 import shutil
+import subprocess
+import tempfile
+import time
 
 import pytest
 import torch
@@ -138,3 +141,28 @@ def edited_checkpoint(tiny, folder, layout, scheme, edit_config=None, edit_tenso
             t = load_file(str(f))
             save_file({k: edit_tensor(k, v) for k, v in t.items()}, str(f), metadata={"format": "pt"})
     return path
+
+
+def peak_memory(argv: list[str], **popen_kwargs) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run ``argv`` and sample its ``/proc/<pid>/status`` every 2 ms: the peaks of ``RssAnon`` (memory the process
+    itself allocated: what it holds) and ``VmRSS`` (that plus resident file-backed pages, e.g. mapped safetensors
+    shards, which the kernel may drop at any time and whose count depends on the page cache, i.e. on what else
+    runs on the machine), in bytes. Linux only. Returns ``({"anon": ..., "rss": ...}, completed process)`` with
+    stdout and stderr as text."""
+    peaks = {"anon": 0, "rss": 0}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, text=True, **popen_kwargs)
+        status = f"/proc/{proc.pid}/status"
+        while proc.poll() is None:
+            try:
+                with open(status) as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                peaks["anon"] = max(peaks["anon"], int(fields["RssAnon"].split()[0]) * 1024)
+                peaks["rss"] = max(peaks["rss"], int(fields["VmRSS"].split()[0]) * 1024)
+            except (FileNotFoundError, KeyError, ProcessLookupError):  # exited between poll and read, or a zombie
+                pass
+            time.sleep(0.002)
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(argv, proc.returncode, out.read(), err.read())
+    return peaks, done

@@ -782,16 +782,20 @@ def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp
 # ============================================================================= case 13: peak memory of the e2e run
 
 _PEAK_E2E = textwrap.dedent("""
-    import json, os, sys
+    import json, os, sys, threading, time
     from mxlib import cli
     from mxlib.workbook import steps as W
 
-    def rss():
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def hwm():  # this process's own peak: VmHWM starts anew at execve (ru_maxrss keeps the parent's size)
-        line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    def anon():  # memory this process allocated and holds: file-backed pages (mapped shards, libraries) left out
+        line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
         return int(line.split()[1]) * 1024
+
+    peak, running = [0], [True]
+
+    def sample():  # every 2 ms in a thread of its own: torch releases the GIL in its kernels
+        while running[0]:
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
 
     sizes, build = {{}}, W.dummy_model
 
@@ -801,11 +805,14 @@ _PEAK_E2E = textwrap.dedent("""
         return m
 
     W.dummy_model = sized
-    base = rss()  # imports done: what the run adds is measured from here
+    base = anon()  # imports done: what the run adds is measured from here
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     cli.main(["e2e", "--preset", "qwen3-30b-a3b", "--layers", "1", "--scheme", "w_mxfp4", "--tokens", "8",
               "--calib-tokens", "64", "--device", "cpu", "--backend", "torch"])
-    peak = max(hwm(), rss())
-    print("RESULT", json.dumps(dict(base=base, peak=peak, **sizes)))
+    running[0] = False
+    sampler.join()
+    print("RESULT", json.dumps(dict(base=base, peak=max(peak[0], anon()), **sizes)))
 """)
 # 1 layer, hidden 1024, 16 experts of intermediate 384, vocabulary 40960: 225 MB of bf16 weights
 _PEAK_MODEL = dict(
@@ -845,7 +852,7 @@ def _e2e_peak(tmp_path, model: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
 def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
     """``mxlib.cli e2e`` (build, calibrate, quantize and write, reference run, load, emulated run)
     adds at most 1.25x the bf16 model's bytes (plus a fixed allowance) to the resident memory it
@@ -873,13 +880,27 @@ def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
 
 
 _PEAK_BUILD = textwrap.dedent("""
-    import json, os
+    import json, threading, time
     from mxlib.workbook import steps as W
 
-    base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def anon():  # memory this process allocated and holds: file-backed pages (libraries) left out
+        line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+
+    peak, running = [0], [True]
+
+    def sample():  # every 2 ms in a thread of its own: torch releases the GIL in its kernels
+        while running[0]:
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
+
+    base = anon()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     m = W.dummy_model(1, **{over!r})
-    hwm = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))  # VmHWM: anew at execve
-    print("RESULT", json.dumps(dict(base=base, peak=int(hwm.split()[1]) * 1024,
+    running[0] = False
+    sampler.join()
+    print("RESULT", json.dumps(dict(base=base, peak=max(peak[0], anon()),
                                     model_bytes=sum(p.numel() * p.element_size() for p in m.parameters()))))
 """)
 # 1 layer, hidden 1024, 128 experts of intermediate 384, vocabulary 8192: 354 MB of bf16 weights, 85% in
@@ -897,7 +918,7 @@ _PEAK_BUILD_MODEL = dict(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc/self/statm (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
 def test_dummy_build_peak_memory_stays_near_the_model_bytes():
     """Building the balanced dummy model (random init, then the routing warm-up that rescales o_proj,
     the routers and every expert's w2) adds little beyond its own weights: measured 1.0x the model's
