@@ -292,23 +292,62 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     """Round fp32 values to a format and return their codes (uint8): the codes of
     ``round_to_element(x)`` (nearest, ties to even, saturating to +-max, the sign of zero kept).
 
-    The magnitude code of ``a = |x|`` is the number of ``rounding_boundaries`` below ``a``: a
-    comparison per boundary for FP4 (7 of them), a sorted search (``torch.bucketize``) for wider
-    formats; +-Inf and values beyond ``max`` get the largest finite code. NaN becomes the format's
-    NaN code where it has one (e4m3: 0x7F, e5m2: 0x7E, sign kept; ue5m3: 0xFF); FP4 and FP6 have no NaN
-    code, so NaN encodes as +0 (in MX a block holding NaN carries it in its 0xFF scale instead). An
-    unsigned format (``ue5m3``) clamps negative values (and -0, -Inf) to +0.
+    +-Inf and values beyond ``max`` get the largest finite code. NaN becomes the format's NaN code where it
+    has one (e4m3: 0x7F, e5m2: 0x7E, sign kept; ue5m3: 0xFF); FP4 and FP6 have no NaN code, so NaN encodes
+    as +0 (in MX a block holding NaN carries it in its 0xFF scale instead). An unsigned format (``ue5m3``)
+    clamps negative values (and -0, -Inf) to +0.
+
+    Two methods, the same codes (tests compare both with ml_dtypes' casts):
+    - FP8 and FP6: PyTorch's own conversion to ``float8_e4m3fn`` / ``float8_e5m2`` (round to nearest, ties to
+      even), after clamping to +-max. An FP6 format has the mantissa width of one of them (e2m3 of e4m3, e3m2 of
+      e5m2) and a narrower exponent range: scaled by the power of two ``min_normal(fp8) / min_normal(fp6)``
+      its normal and subnormal grids are the FP8 format's, and its code is the FP8 byte's low
+      ``ebits + mbits`` bits under the sign.
+    - otherwise (FP4, ue5m3): the magnitude code of ``a = |x|`` is the number of ``rounding_boundaries``
+      below ``a``, a comparison per boundary for FP4 (7 of them), a sorted search (``torch.bucketize``) for
+      wider formats.
+    Neither branches on the data, so the function traces into one graph.
     """
     fmt = get_element_format(element)
     x = x.float()
+    twin = _FP8_TWIN.get((fmt.ebits, fmt.mbits)) if fmt.signed else None
+    if twin is not None:
+        return _encode_by_fp8_cast(x, fmt, *twin)
+    return _encode_by_boundaries(x, fmt)
+
+
+# The FP8 storage dtype whose mantissa width and wider exponent range hold each signed FP8/FP6 format's grid.
+_FP8_TWIN = {
+    (4, 3): (torch.float8_e4m3fn, 2.0**-6),  # e4m3: itself
+    (5, 2): (torch.float8_e5m2, 2.0**-14),  # e5m2: itself
+    (2, 3): (torch.float8_e4m3fn, 2.0**-6),  # e2m3 inside e4m3
+    (3, 2): (torch.float8_e5m2, 2.0**-14),  # e3m2 inside e5m2
+}
+
+
+def _encode_by_fp8_cast(x: torch.Tensor, fmt: ElementFormat, dtype: torch.dtype, min_normal: float) -> torch.Tensor:
+    shift = min_normal / fmt.min_normal  # a power of two: exact, and values it pushes below fp32's range round to 0
+    limit = fmt.max * shift
+    y = x * shift if shift != 1.0 else x
+    byte = torch.clamp(y, -limit, limit).to(dtype).view(torch.uint8)
+    width = fmt.ebits + fmt.mbits
+    if width < 7:  # the FP8 byte's exponent field fits the narrower one: keep the low bits, move the sign
+        byte = (byte & ((1 << width) - 1)) | torch.bitwise_right_shift(byte, 7 - width) & (1 << width)
+    nan = torch.isnan(x)
+    if fmt.has_nan_code:
+        return torch.where(nan, fmt.nan_code | (torch.signbit(x).to(torch.uint8) << width), byte)
+    return torch.where(nan, 0, byte).to(torch.uint8)
+
+
+def _encode_by_boundaries(x: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     if not fmt.signed:  # an unsigned format (ue5m3): negative values (and -0, -Inf) clamp to +0
         x = torch.where(x > 0, x, torch.where(torch.isnan(x), x, 0.0))
     a = x.abs()
     bounds = _rounding_boundaries(fmt)
     if len(bounds) <= 8:
         mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-        for b in bounds:
-            mag += a > b
+        for b in bounds:  # the comparison's bytes added as they are (a bool is stored as one byte 0 or 1)
+            mag += (a > b).view(torch.uint8)
     else:
         table = torch.tensor(bounds, dtype=torch.float32, device=a.device)
         mag = torch.bucketize(a, table, right=False).to(torch.uint8)
@@ -321,6 +360,22 @@ def encode_element(x: torch.Tensor, element: str | ElementFormat) -> torch.Tenso
     if not fmt.signed:
         return mag
     return mag.add_(torch.signbit(x), alpha=1 << (fmt.ebits + fmt.mbits))
+
+
+def encode_e2m1_sign_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4's element codes (uint8, one per element, unpacked): the e2m1 code of ``|x|`` (``encode_element``:
+    nearest, ties to even, saturating at 6) with the sign bit (0x8) set where ``x < 0``, so that -0 and NaN
+    encode as +0 (code 0), as ModelOpt's weight packer and vLLM's QDQ give them. ``encode_element(x, "e2m1")``
+    keeps the sign of -0 instead (code 0x8), as OCP MX's conversion does.
+
+    Args:
+        x: fp32 tensor, any shape (the scaled values, ``x / (block_scale * global_scale)``).
+    """
+    a = x.abs()
+    mag = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for b in _rounding_boundaries(_E2M1):  # the comparison's bytes added as they are (a bool is one byte, 0 or 1)
+        mag += (a > b).view(torch.uint8)
+    return mag | (x < 0).view(torch.uint8) << 3
 
 
 # ----------------------------------------------------------------------------- E8M0 scales
@@ -911,15 +966,19 @@ def quantize_nvfp4(
     for ex in range(num):
         g = ws2[ex]
         for rows in _row_chunks(n, k):
-            xb = x3[ex, rows].float().reshape(-1, k // block_size, block_size)
-            bamax = xb.abs().amax(dim=-1)
+            xb = x3[ex, rows].to(torch.float32, copy=True).reshape(-1, k // block_size, block_size)  # own copy
+            low, high = torch.aminmax(xb, dim=-1)  # the block amax without an |x| temporary of the chunk
+            bamax = torch.maximum(high, low.neg()).abs()  # (abs: an all-zero block's amax is +0)
             bs = bamax / (_E2M1.max * g)
             if zero_block_scale == "one":
                 bs = torch.where(bs == 0, 1.0, bs)
             bs = round_to_element(bs, _E4M3)
             denom = (bs * g).unsqueeze(-1)
-            scaled = torch.where(denom == 0, 0.0, xb / torch.where(denom == 0, 1.0, denom))
-            codes = encode_element(scaled.abs(), _E2M1) | (scaled < 0).to(torch.uint8) << 3
+            zero = denom == 0
+            scaled = xb.div_(torch.where(zero, 1.0, denom))  # xb is this chunk's own fp32 copy
+            if bool(zero.any()):  # a block whose scale rounds to 0 stores +0 codes
+                scaled.masked_fill_(zero, 0.0)
+            codes = encode_e2m1_sign_magnitude(scaled)
             packed[ex, rows] = pack_codes(codes.reshape(-1, k), _E2M1)
             block_scale[ex, rows] = bs.to(torch.float8_e4m3fn)
     if x.ndim == 2:
@@ -1122,7 +1181,7 @@ def quantize_nvfp4_variant(
     s = _nvfp4_variant(scheme)
     xb, bs, g, used = _variant_blocks(x, s, global_scale)
     scaled, _ = _variant_elements(xb, bs, g)
-    codes = encode_element(scaled.abs(), _E2M1) | (scaled < 0).to(torch.uint8) << 3
+    codes = encode_e2m1_sign_magnitude(scaled)
     packed = pack_codes(codes.reshape(*x.shape[:-1], x.shape[-1]), _E2M1)
     return packed, encode_element(bs, s.scale.element), used
 

@@ -90,6 +90,48 @@ def test_encode_decode_every_code(element):
     assert torch.equal(R.encode_element(torch.from_numpy(x), element), torch.from_numpy(x.astype(mld).view(np.uint8)))
 
 
+def _encode_probes(element: str) -> np.ndarray:
+    """Random values over fp32's range, every code's value, every midpoint between neighbouring values and the
+    fp32 numbers just either side of it, zeros of both signs, subnormal fp32, huge values and the specials."""
+    f = ELEMENT_FORMATS[element]
+    g = np.random.default_rng(7)
+    x = (g.standard_normal(100_000) * np.exp2(g.uniform(-40, 40, 100_000))).astype(np.float32)
+    values = np.unique(R.decode_element(torch.arange(f.num_codes, dtype=torch.uint8), element).numpy())
+    values = values[np.isfinite(values)]
+    mids = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)  # exact: few significant bits
+    edges = np.concatenate([mids, values])
+    specials = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3e38, -3e38, np.inf, -np.inf, np.nan, -np.nan], np.float32)
+    return np.concatenate(
+        [x, edges, np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(-np.inf)), specials]
+    )
+
+
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_encode_element_against_ml_dtypes_and_boundary_count(element):
+    """Both methods of ``encode_element`` (FP8/FP6 by PyTorch's FP8 conversion, FP4 by counting boundaries) give
+    ml_dtypes' codes for every finite value (clipped to +-max first: saturation), and the same codes as counting
+    rounding boundaries for everything, NaN and Inf included."""
+    f = ELEMENT_FORMATS[element]
+    x = _encode_probes(element)
+    got = R.encode_element(torch.from_numpy(x), element)
+    finite = np.isfinite(x)
+    mld = FORMATS[element][0]
+    expected = np.clip(x[finite], -f.max, f.max).astype(mld).view(np.uint8)
+    assert np.array_equal(got.numpy()[finite], expected)
+    assert torch.equal(got, R._encode_by_boundaries(torch.from_numpy(x), f))
+
+
+def test_encode_e2m1_sign_magnitude():
+    """NVFP4's packer codes: ml_dtypes' e2m1 code of |x| with the sign bit only where x < 0 (-0 and NaN: +0)."""
+    x = _encode_probes("e2m1")
+    got = R.encode_e2m1_sign_magnitude(torch.from_numpy(x))
+    mag = np.clip(np.nan_to_num(np.abs(x), nan=0.0), 0.0, 6.0).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    expected = mag | np.where(x < 0, 8, 0).astype(np.uint8)
+    assert np.array_equal(got.numpy(), expected)
+    zero_like = torch.tensor([-0.0, math.nan, -math.nan, 0.0])
+    assert R.encode_e2m1_sign_magnitude(zero_like).tolist() == [0, 0, 0, 0]
+
+
 def test_encode_nan():
     nan = torch.tensor([math.nan])
     assert R.encode_element(nan, "e4m3").item() & 0x7F == 0x7F

@@ -195,7 +195,7 @@ class ScaleStepUp:
         xb = x.float().reshape(*x.shape[:-1], -1, 16)
         denom = (scale.float() * (factor * g).reshape(-1, 1, 1)).unsqueeze(-1)
         v = torch.where(denom == 0, 0.0, xb / torch.where(denom == 0, 1.0, denom))
-        codes = R.encode_element(v.abs(), e2m1) | (v < 0).to(torch.uint8) << 3
+        codes = R.encode_e2m1_sign_magnitude(v)
         return R.pack_codes(codes.reshape(x.shape), e2m1)
 
     def quantize_experts(self, w13, w2, scheme, *, layer):

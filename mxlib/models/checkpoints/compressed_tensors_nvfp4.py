@@ -91,7 +91,7 @@ def quantize_nvfp4_encode(x: torch.Tensor, global_scale: torch.Tensor | None = N
     step = (s / gs).unsqueeze(-1)
     scaled = torch.where(step == 0, 0.0, xb / torch.where(step == 0, 1.0, step))
     scaled = torch.clamp(scaled, -6.0, 6.0)
-    codes = _ref.encode_element(scaled.abs(), "e2m1") | (scaled < 0).to(torch.uint8) << 3
+    codes = _ref.encode_e2m1_sign_magnitude(scaled)
     packed = _ref.pack_codes(codes.reshape(x.shape), "e2m1")
     return packed, s.to(torch.float8_e4m3fn), gs.clone()
 
