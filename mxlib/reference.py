@@ -544,9 +544,10 @@ def quantize_mx(
     packed = torch.empty(x2.shape[0], fmt.packed_size(k), dtype=torch.uint8, device=x.device)
     scale = torch.empty(x2.shape[0], k // block_size, dtype=torch.uint8, device=x.device)
     for rows in _row_chunks(x2.shape[0], k):
-        xb = _mx_blocks(x2[rows], block_size)
-        byte = e8m0_scale(xb.abs().amax(dim=-1), fmt, scale_mode)
-        codes = encode_element(xb / decode_e8m0(byte).unsqueeze(-1), fmt)
+        xb = x2[rows].to(torch.float32, copy=True).reshape(-1, k // block_size, block_size)  # this chunk's own copy
+        low, high = torch.aminmax(xb, dim=-1)  # the block amax without an |x| temporary of the chunk
+        byte = e8m0_scale(torch.maximum(high, low.neg()).abs(), fmt, scale_mode)
+        codes = encode_element(xb.div_(decode_e8m0(byte).unsqueeze(-1)), fmt)
         codes = torch.where((byte == E8M0_NAN_BYTE).unsqueeze(-1), 0, codes).to(torch.uint8)
         packed[rows] = pack_codes(codes.reshape(-1, k), fmt)
         scale[rows] = byte
