@@ -154,6 +154,24 @@ def test_help_imports_neither_torch_nor_transformers():
     assert "HEAVY []" in r.stdout, r.stdout[-500:]
 
 
+def test_python_m_mxlib_inspect_help_imports_neither_torch_nor_transformers():
+    """``python -m mxlib inspect --help``, the entry a user types, in a fresh interpreter: its import log
+    (``-X importtime``) names neither package (running ``inspect`` on a folder does import both: its layout check
+    builds the family's model class on the meta device)."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mxlib", "inspect", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "usage: mxlib inspect" in r.stdout, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "mxlib.cli" in imported, sorted(imported)[:20]  # the log is read right
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "transformers"))
+    assert heavy == [], heavy[:10]
+
+
 def _best_of_3(argv: list[str]) -> float:
     best = float("inf")
     for _ in range(3):

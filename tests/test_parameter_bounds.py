@@ -5,7 +5,8 @@ Every entry of the table is tried just outside each of its bounds (and at the bo
 entry points: the command line (each option that sets it, in-process, with the commands' runners replaced by a
 failure: nothing may be built or run) and the notebooks' checks (``steps.check_e2e_parameters``, ``dummy_model``,
 ``calibrate_model``, ``check_parameters``, ``accuracy.check_accuracy_parameters``,
-``recovery.check_recovery_parameters``).
+``recovery.check_recovery_parameters``). Notebooks 00 and 02 (no model) are run up to their check: each new size too
+small, too large and of the wrong type is refused before a tensor is drawn, and their defaults pass.
 """
 
 from pathlib import Path
@@ -30,7 +31,9 @@ def _outside(name, preset=PRESET):
     """``[(value, the bound it breaks)]``: just below the lower bound and just above the upper one."""
     b = PARAMETER_BOUNDS[name]
     step = 1 if b.integer else 0.5
-    return [(b.lower - step, b.lower), (_upper(name, preset) + step, _upper(name, preset))]
+    upper = _upper(name, preset)
+    above = upper + step if upper + step > upper else 2 * upper  # 1e30 + 0.5 is 1e30
+    return [(b.lower - step, b.lower), (above, upper)]
 
 
 def _assert_refusal(message, shown, value, bound):
@@ -48,6 +51,18 @@ def test_the_model_dependent_bounds_are_the_presets():
     assert all(a in PARAMETER_BOUNDS for a in PARAMETER_ALIASES.values())
 
 
+@pytest.mark.parametrize("name", sorted(n for n in PARAMETER_BOUNDS if PARAMETER_BOUNDS[n].multiple_of > 1))
+def test_a_bound_with_a_block_size_refuses_other_multiples(name):
+    b = PARAMETER_BOUNDS[name]
+    assert check_parameter(name, 2 * b.multiple_of) == 2 * b.multiple_of
+    for value in (b.multiple_of + 1, 3 * b.multiple_of // 2, b.upper - 1):
+        with pytest.raises(ValueError) as err:
+            check_parameter(name, value)
+        message = str(err.value)
+        assert message.startswith(f"{name}: expected an integer from {b.lower} to {b.upper} "), message
+        assert message.endswith(f"; {value!r} is not a multiple of {b.multiple_of}"), message
+
+
 @pytest.mark.parametrize("name", sorted(PARAMETER_BOUNDS))
 def test_every_bound_accepts_its_ends_and_refuses_beyond(name):
     b = PARAMETER_BOUNDS[name]
@@ -57,7 +72,8 @@ def test_every_bound_accepts_its_ends_and_refuses_beyond(name):
         with pytest.raises(ValueError) as err:
             check_parameter(name, value, model_preset=PRESET)
         _assert_refusal(str(err.value), name, value, bound)
-    for bad in (True, None, "3", float("nan")) + (() if not b.integer else (2.0,)):
+    lists = () if b.sweep else ([b.lower], (b.lower,))  # a list only where the entry takes a sweep (spreads)
+    for bad in (True, None, "3", float("nan")) + (() if not b.integer else (2.0,)) + lists:
         with pytest.raises(ValueError, match=f"^{name}: expected "):
             check_parameter(name, bad, model_preset=PRESET)
 
@@ -74,6 +90,10 @@ CLI_OPTIONS = {
     "expert_spread": [("unify", "--spread"), ("routing", "--spread"), ("unify", "--spreads")],
 }
 NOTEBOOK_ONLY = {"repeats", "token_sets", "num_experts", "eval_prompts", "calib_prompts", "resamples"}
+# the example tensors of notebook 00 and the test data of notebook 02 (no model)
+NOTEBOOK_00 = {"tokens", "hidden", "out_features", "block_amax"}
+NOTEBOOK_02 = {"num_rows", "row_length", "num_draws", "outlier_fraction", "outlier_scale"}
+NOTEBOOK_ONLY |= NOTEBOOK_00 | NOTEBOOK_02
 
 
 def test_every_entry_is_an_option_or_a_notebook_parameter():
@@ -252,6 +272,69 @@ NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parents[1] / "notebooks"
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_every_bounded_notebook_parameter_is_checked_right_after_the_parameters(path):
     bounded, checked = _notebook_checks(path)
-    if path.stem.startswith(("00", "02")):  # no model: their sizes are example tensors' (no table entry)
-        bounded -= {"seed"}
     assert bounded <= checked, f"{path.stem}: {sorted(bounded - checked)} not checked after the parameters cell"
+
+
+# ----------------------------------------------------------------------------- notebooks 00 and 02, as they run
+
+
+def _parameters_and_check_cells(stem):
+    """``(source of the parameters cell, source of the code cell after it)`` of ``notebooks/<stem>*.ipynb``."""
+    import json
+
+    path = next(p for p in NOTEBOOKS if p.stem.startswith(stem))
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    at = next(i for i, c in enumerate(cells) if "parameters" in c.get("metadata", {}).get("tags", []))
+    return "".join(cells[at]["source"]), "".join(cells[at + 1]["source"])
+
+
+def _run_first_cells(stem, **overrides):
+    """The notebook's parameters cell, ``overrides`` as papermill injects them, then its next cell (the imports and
+    the parameter check): the namespace, or the exception of the check."""
+    parameters, first = _parameters_and_check_cells(stem)
+    namespace = {"display": print}
+    exec(parameters, namespace)
+    namespace.update(overrides)
+    exec(first, namespace)
+    return namespace
+
+
+NEW_BOUNDS = sorted((stem, name) for stem, names in (("00", NOTEBOOK_00), ("02", NOTEBOOK_02)) for name in names)
+
+
+@pytest.mark.parametrize("stem", ["00", "02"])
+def test_notebooks_00_02_defaults_lie_within_their_bounds(stem):
+    namespace = _run_first_cells(stem)
+    bounded = {n for n in (NOTEBOOK_00 if stem == "00" else NOTEBOOK_02) | {"seed"}}
+    for name in bounded:
+        assert check_parameter(name, namespace[name]) == namespace[name]
+
+
+@pytest.mark.parametrize("stem,name", NEW_BOUNDS, ids=[f"{s}-{n}" for s, n in NEW_BOUNDS])
+def test_notebooks_00_02_refuse_each_size_at_their_first_cell(monkeypatch, stem, name):
+    """Too small, too large and of the wrong type: refused by the cell after the parameters, before the notebook
+    allocates a tensor (``torch.randn`` and ``torch.rand`` replaced by a failure)."""
+    import torch
+
+    def refuse(*a, **k):
+        raise _Built("a tensor was drawn before the parameters were checked")
+
+    monkeypatch.setattr(torch, "randn", refuse)
+    monkeypatch.setattr(torch, "rand", refuse)
+    b = PARAMETER_BOUNDS[name]
+    for value, bound in _outside(name):
+        _refuses(lambda: _run_first_cells(stem, **{name: value}), name, value, bound)
+    for wrong in ("64", None, [b.lower]) + ((float(b.lower),) if b.integer else ()):
+        with pytest.raises(ValueError, match=f"^{name}: expected (an integer|a finite number) from "):
+            _run_first_cells(stem, **{name: wrong})
+
+
+def test_the_values_of_the_report_are_refused_by_notebook_02():
+    for name, value in (("num_draws", 10**9), ("row_length", 0), ("row_length", 100), ("num_rows", 2.5)):
+        with pytest.raises(ValueError, match=f"^{name}: expected an integer from "):
+            _run_first_cells("02", **{name: value})
+
+
+def test_notebook_00_refuses_an_unknown_scale_mode():
+    with pytest.raises(ValueError, match="unknown scale_mode 'ceil'; expected one of"):
+        _run_first_cells("00", scale_mode="ceil")
