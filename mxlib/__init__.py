@@ -45,7 +45,9 @@ The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pur
 schemes, routing, the fused-MoE experts, their emulation subclasses and their factory;
 ``mxlib.models`` the Qwen3-30B-A3B preset, calibration, checkpoint layouts; ``mxlib.analysis``
 error metrics; ``mxlib.stats`` the statistics rule (paired comparisons decided together: "A better",
-"B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the notebooks call;
+"B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.studies`` what the
+notebooks, the CLI and the benchmarks run (rows and numbers); ``mxlib.workbook`` the notebooks' figures, widgets,
+checks and runner;
 ``mxlib.cli`` the notebooks' code paths as commands (``python -m mxlib``, ``mxlib/__main__.py``);
 ``mxlib.bench`` GPU benchmarks.
 ``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.

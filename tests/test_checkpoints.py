@@ -228,7 +228,7 @@ def test_nvfp4_needs_calibration(tiny, tmp_path):
 
 
 def test_checkpoint_tensor_bytes_matches_files(tiny, tmp_path):
-    from mxlib.workbook.studies import checkpoint_tensor_bytes
+    from mxlib.studies.unification import checkpoint_tensor_bytes
 
     model, cal, _ = tiny
     for scheme in ("nvfp4", "w_mxfp6_e3m2_a_fp8"):

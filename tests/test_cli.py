@@ -27,7 +27,7 @@ from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
 from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES
 from mxlib.moe.schemes import get_moe_scheme
 from mxlib.recovery import TECHNIQUES
-from mxlib.workbook import steps as W
+from mxlib.studies import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"

@@ -550,7 +550,7 @@ def test_writer_refuses_a_layout_without_expert_biases(tiny_gpt_oss, tmp_path):
 
 
 def test_e2e_parameters_refuse_a_skipped_scheme_for_gpt_oss():
-    from mxlib.workbook.steps import check_e2e_parameters
+    from mxlib.studies.steps import check_e2e_parameters
 
     p = check_e2e_parameters(scheme="w_mxfp4", model_preset="gpt-oss-tiny")
     assert p.model_preset == "gpt-oss-tiny" and p.scheme == W_MXFP4

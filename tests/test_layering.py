@@ -1,9 +1,12 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches, no
 module over about 1,000 lines.
 
-Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> cases -> models ->
-workbook (the notebooks' wing: steps, studies, explorers, probes, checks, figures, setup, runner) -> cli / bench
-(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import
+Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> recovery -> cases ->
+models -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no plotting, no Jupyter) ->
+workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) -> cli / bench
+(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). The CLI and the
+benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its arguments
+to the runner. Every import
 of every mxlib module (top level or nested) is read with ``ast``; a module may import its own layer or lower
 ones, and the import graph has no cycle. A module the table does not name (a new top-level file) counts as the
 top layer, so it may import anything and nothing below may import it.
@@ -25,6 +28,7 @@ LAYERS = [
     ("mxlib.recovery",),
     ("mxlib.cases",),
     ("mxlib.models",),
+    ("mxlib.studies",),
     ("mxlib.workbook",),
     ("mxlib.cli", "mxlib.bench"),
 ]
@@ -85,12 +89,45 @@ def test_the_table_knows_the_core_modules():
         "mxlib.kernels.quant",
         "mxlib.moe.base",
         "mxlib.models.checkpoints",
-        "mxlib.workbook.steps",
+        "mxlib.studies.steps",
         "mxlib.workbook.runner",
         "mxlib.cli",
         "mxlib.bench",
     ):
         assert mod in MODULES and layer(mod) < TOP, mod
+
+
+# the one door from the command line into the workbook: ``mxlib workbook ARGS`` runs ``mxlib.workbook.runner.main``
+CLI_TO_WORKBOOK = {("mxlib.cli", "mxlib.workbook.runner")}
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == layer("mxlib.cli")))
+def test_cli_and_bench_import_no_workbook_module(mod):
+    wb = sorted(d for d in GRAPH[mod] if layer(d) == layer("mxlib.workbook") and (mod, d) not in CLI_TO_WORKBOOK)
+    assert not wb, f"{mod} imports the notebooks' wing {wb}: what the CLI and the benchmarks run lives in mxlib.studies"
+
+
+# the notebook stack: what ``mxlib.studies`` never imports (its rows and numbers run under the CLI and the benchmarks,
+# without the workbook extra)
+NOTEBOOK_STACK = ("plotly", "ipywidgets", "IPython", "ipykernel", "jupyter_client", "nbformat", "nbconvert")
+NOTEBOOK_STACK += ("papermill",)
+
+
+def third_party_imports(mod: str) -> set[str]:
+    """The top-level names of the packages ``mod`` imports, nested imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == layer("mxlib.studies")))
+def test_studies_import_no_notebook_stack(mod):
+    found = sorted(third_party_imports(mod) & set(NOTEBOOK_STACK))
+    assert not found, f"{mod} imports {found}: figures and widgets belong in mxlib.workbook"
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))

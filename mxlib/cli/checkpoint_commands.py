@@ -30,9 +30,9 @@ from ..models.families import family_of
 
 
 def _steps():
-    """``mxlib.workbook.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
+    """``mxlib.studies.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
     configs and headers only) never does."""
-    from ..workbook import steps
+    from ..studies import steps
 
     return steps
 

@@ -107,7 +107,7 @@ def moe_layers(model) -> list:
 
 
 # Warm-up batch of the routing-balance construction: its own seed offset, apart from the
-# evaluation (seed + 1) and calibration (seed + 1000) token ids of mxlib.workbook.steps.
+# evaluation (seed + 1) and calibration (seed + 1000) token ids of mxlib.studies.steps.
 WARMUP_SEED_OFFSET = 2000
 WARMUP_SHAPE = (2, 256)  # [sequences, tokens]: the calibration batch's shape
 
@@ -142,7 +142,7 @@ def dummy_moe_model(
     collapse as it was.) A trained model's attention is selective and its layers add
     updates smaller than the residual stream they read. The construction, data-dependent
     like LSUV initialization (Mishkin & Matas, 2016), runs one seeded warm-up forward pass
-    (token ids ``[2, 256]`` drawn as ``mxlib.workbook.steps.random_token_ids`` does, seed
+    (token ids ``[2, 256]`` drawn as ``mxlib.studies.steps.random_token_ids`` does, seed
     ``seed + WARMUP_SEED_OFFSET``) layer by layer and sets:
 
     1. each layer's attention output projection ``o_proj`` multiplied by one scalar so the
@@ -173,7 +173,7 @@ def dummy_moe_model(
     ``balanced_routing=False`` gives the earlier plain random model (same random draws).
 
     Measured with seed 0, top-8 and the 512 calibration tokens of
-    ``mxlib.workbook.steps.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
+    ``mxlib.studies.steps.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
     experts; uniform share 1/128 = 0.0078, 32 of the 4,096 assignments per expert):
 
     ========================  ==============  ==============  ==============  ==============

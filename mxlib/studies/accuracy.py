@@ -30,7 +30,7 @@ The steps, in the notebook's order:
    reciprocal): accuracy must fall, or the evaluation cannot see a broken emulation.
 
 ``claims`` states a difference only where its paired interval excludes 0 and its size exceeds the
-noise floor of the same task and metric. The figures live in ``accuracy_figures`` (re-exported here).
+noise floor of the same task and metric. The figures live in ``mxlib.workbook.accuracy_figures``.
 """
 
 from __future__ import annotations
@@ -51,10 +51,9 @@ from ..models.tasks import Dataset, make_dataset
 from ..models.training import RECIPES, TrainRecipe, get_recipe, train
 from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme
-from .accuracy_figures import amax_figure, interval_figure, usage_figure
 from .probes import swapped_nibbles
 from .steps import check_backend, check_parameters, check_schemes, default_cache_dir, prepare_checkpoint
-from .studies import unification_study
+from .unification import unification_study
 
 __all__ = [
     "BF16_BAR",
@@ -79,9 +78,6 @@ __all__ = [
     "routing_study",
     "amax_study",
     "claims",
-    "interval_figure",
-    "usage_figure",
-    "amax_figure",
     "training_summary",
 ]
 

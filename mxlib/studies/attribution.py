@@ -53,8 +53,8 @@ from ..moe.base import TritonExperts
 from ..moe.emulation import QuantizedExperts
 from ..moe.factory import input_scales_from_amax, quantize_expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from .scheme_study import emulation_experts
 from .steps import run_model
-from .studies import emulation_experts
 
 __all__ = [
     "SOURCES",

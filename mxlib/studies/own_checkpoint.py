@@ -10,7 +10,7 @@ checkpoint's tokenizer (when the folder has one) or on seeded random token ids, 
 - **what the activation quantization costs**, layer by layer: each MoE block's output with the
   emulation experts (weights dequantized, activations QDQ'd) against the same block with the same
   dequantized weights and unquantized activations (the weight-only output), and a1's and a2's QDQ
-  each alone (``mxlib.workbook.attribution``). There is no bf16 original to compare with; the
+  each alone (``mxlib.studies.attribution``). There is no bf16 original to compare with; the
   weights' own loss is therefore not in these numbers.
 - **what unifying the per-expert activation scales costs** (NVFP4's static global scales): the same
   block output under each strategy of ``mxlib.moe.scales.SCALE_STRATEGIES``, and its dB lost against

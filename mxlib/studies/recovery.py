@@ -7,7 +7,7 @@ the notebook's parameters through the same path a user would take and measures i
 
 1. ``check_recovery_parameters``: the parameters checked; technique names resolved against
    ``mxlib.recovery.TECHNIQUES`` (``"+"`` joins a composition, ``"gptq+hadamard"``) before anything runs.
-2. ``trained_study``: on the trained model of ``mxlib.workbook.accuracy`` each (scheme, technique)
+2. ``trained_study``: on the trained model of ``mxlib.studies.accuracy`` each (scheme, technique)
    checkpoint is written by ``write_quantized_checkpoint(..., technique=...)`` into a temporary
    folder, read back by ``load_quantized_qwen3_moe`` and evaluated: exact match and NLL per task
    with bootstrap intervals, each technique against round-to-nearest (``rtn``) with a paired

@@ -1,6 +1,6 @@
 """Measuring one recovery technique: its weight error, what it changed, what its checkpoint runs.
 
-Notebook 07's studies (``mxlib.workbook.recovery``) call these on every technique, and its lesson
+Notebook 07's studies (``mxlib.studies.recovery``) call these on every technique, and its lesson
 on tensors calls ``random_sign_hadamard`` and ``rotation_trap``:
 
 * ``dequantize_weights`` / ``weight_error``: an ``ExpertWeights``' weights in fp32 (``mxlib.reference``)

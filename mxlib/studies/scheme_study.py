@@ -4,7 +4,7 @@
 format at a time), runs the same token ids, or several token sets, through each, and measures
 what each costs against bf16 (notebook 03, ``mxlib.cli compare``). With several token sets every
 metric is the mean over the sets, beside its lowest and highest value and the per-set values
-(``mxlib.workbook.repeats`` orders schemes only where the difference exceeds that spread).
+(``mxlib.studies.repeats`` orders schemes only where the difference exceeds that spread).
 """
 
 from __future__ import annotations

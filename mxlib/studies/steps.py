@@ -291,7 +291,7 @@ def evaluation_token_ids(p: E2EParameters, vocab_size: int) -> torch.Tensor:
 def evaluation_token_sets(p: E2EParameters, vocab_size: int) -> list[torch.Tensor]:
     """``p.repeats`` evaluation sequences, each ``[1, p.num_tokens]`` int64: set ``r`` drawn with seed
     ``p.seed + 1 + r``, so set 0 is ``evaluation_token_ids``. A metric over the sets gives its spread
-    (``mxlib.workbook.repeats``)."""
+    (``mxlib.studies.repeats``)."""
     return [random_token_ids(p.num_tokens, p.seed + 1 + r, vocab_size) for r in range(p.repeats)]
 
 

@@ -1,6 +1,6 @@
 """The workbook's studies: every scheme side by side, and NVFP4 scale unification.
 
-``compare_schemes`` (``mxlib.workbook.scheme_study``, re-exported here) quantizes a bf16 model's
+``compare_schemes`` (``mxlib.studies.scheme_study``, re-exported here) quantizes a bf16 model's
 experts in every MoE scheme (in memory, one weight format at a time), runs the same token ids
 through each, and measures what each costs against bf16.
 

@@ -1,6 +1,6 @@
 """The trained-model studies' paired differences (notebooks 06 and 07), decided together by ``mxlib.stats``.
 
-The studies' rows (``mxlib.workbook.accuracy.result_rows``, notebook 07's technique rows) carry each paired
+The studies' rows (``mxlib.studies.accuracy.result_rows``, notebook 07's technique rows) carry each paired
 difference as an estimate and its paired bootstrap interval (95 %, prompts resampled): ``delta_*`` against bf16, and
 ``vs_*`` against a second run (``max`` in notebook 06's strategies, round-to-nearest in notebook 07). ``add_rows``
 reads each as a ``mxlib.stats.Estimate`` (``Estimate.from_interval``: the interval read as a normal one over the
