@@ -27,12 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import cli
-from mxlib.models.checkpoints import (
-    CheckpointError,
-    load_quantized_qwen3_moe,
-    read_quant_config,
-    write_quantized_checkpoint,
-)
+from mxlib.checkpoints import CheckpointError, load_quantized_qwen3_moe, read_quant_config, write_quantized_checkpoint
 from mxlib.moe import (
     TritonExperts,
 )
@@ -689,7 +684,7 @@ _KILLED_WRITER = textwrap.dedent("""
 
     st.save_file = save_then_wait
     from mxlib.studies import steps as W
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.checkpoints import write_quantized_checkpoint
 
     model = W.dummy_model(num_hidden_layers=2, seed=1, **{tiny!r})
     print("READY", flush=True)

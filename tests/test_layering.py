@@ -2,8 +2,10 @@
 module over about 1,000 lines.
 
 Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> recovery -> cases ->
-models -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no plotting, no Jupyter) ->
-workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) -> cli / bench
+models (families, presets, calibration, Hessians, routing statistics, the trained model) -> checkpoints (the writer,
+the loader, the inspector, the layouts, the file handling) -> the models' modules that read the layouts (gpt_oss,
+in_memory, what_ran) -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no plotting,
+no Jupyter) -> workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) -> cli / bench
 (``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). The CLI and the
 benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its arguments
 to the runner. Every import
@@ -19,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mxlib"
 
+# the models' modules that read the checkpoint layouts: above mxlib.checkpoints, which builds on the rest of models
+MODELS_ON_CHECKPOINTS = ("mxlib.models.gpt_oss", "mxlib.models.in_memory", "mxlib.models.what_ran")
+
 LAYERS = [
     ("mxlib.formats",),
     ("mxlib._checks",),
@@ -28,6 +33,8 @@ LAYERS = [
     ("mxlib.recovery",),
     ("mxlib.cases",),
     ("mxlib.models",),
+    ("mxlib.checkpoints",),
+    MODELS_ON_CHECKPOINTS,
     ("mxlib.studies",),
     ("mxlib.workbook",),
     ("mxlib.cli", "mxlib.bench"),
@@ -46,12 +53,11 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def layer(mod: str) -> int:
+    """The layer of ``mod``: that of the longest name in ``LAYERS`` that is ``mod`` or a package above it."""
     if mod == "mxlib":
         return 0  # the package's __init__ imports no mxlib module at import time (its public names load lazily)
-    for i, group in enumerate(LAYERS):
-        if any(mod == g or mod.startswith(g + ".") for g in group):
-            return i
-    return TOP
+    found = [(len(g), i) for i, group in enumerate(LAYERS) for g in group if mod == g or mod.startswith(g + ".")]
+    return max(found)[1] if found else TOP
 
 
 def imports(mod: str) -> set[str]:
@@ -88,7 +94,7 @@ def test_the_table_knows_the_core_modules():
         "mxlib.reference",
         "mxlib.kernels.quant",
         "mxlib.moe.base",
-        "mxlib.models.checkpoints",
+        "mxlib.checkpoints",
         "mxlib.studies.steps",
         "mxlib.workbook.runner",
         "mxlib.cli",
@@ -178,8 +184,8 @@ def test_no_import_cycles():
 TABLES = {
     "mxlib.formats",
     "mxlib.moe.schemes",
-    "mxlib.models.checkpoints.modelopt_nvfp4",
-    "mxlib.models.checkpoints.quark_ocp_mx",
+    "mxlib.checkpoints.layouts.modelopt_nvfp4",
+    "mxlib.checkpoints.layouts.quark_ocp_mx",
 }
 
 

@@ -251,7 +251,7 @@ def test_variant_experts_two_level_option_and_refusals():
 
 
 def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
     from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
     from mxlib.moe import factory as F
     from mxlib.moe.linear import EmulatedLinear, LinearWeights

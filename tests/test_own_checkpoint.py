@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib.analysis import sqnr_db
+from mxlib.checkpoints import load_quantized_qwen3_moe
 from mxlib.formats import NVFP4_FLUSH_RATIO
-from mxlib.models.checkpoints import load_quantized_qwen3_moe
 from mxlib.studies.own_checkpoint import check_checkpoint_path, checkpoint_layers_study, checkpoint_token_ids
 
 from oracles import moe_fp64

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ...moe.scales import ACTIVATION_SCALE_STRATEGIES
-from .. import untrusted
-from ..families import QWEN3_MOE, MoEFamily
-from ..untrusted import MODEL_INT_FIELDS
-from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, matches
-from .safetensors_io import HeaderTensorReader, SafetensorsHeaders
+from ..models.families import QWEN3_MOE, MoEFamily
+from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
+from .files import untrusted
+from .files.safetensors_io import HeaderTensorReader, SafetensorsHeaders
+from .files.untrusted import MODEL_INT_FIELDS
+from .layout import PROJS, CheckpointDescription, CheckpointError, matches
+from .layouts import LAYOUTS  # the registry with mxlib's layouts registered
 
 __all__ = [
     "MODEL_INT_FIELDS",
@@ -50,7 +51,7 @@ _NOT_CONFIG_KEYS = ("architectures", "transformers_version", "quantization_confi
 
 
 def check_model_fields(cfg: dict, source) -> dict[str, int]:
-    """Rule 1 of the module docstring (``mxlib.models.untrusted.check_model_fields``) as ``CheckpointError``."""
+    """Rule 1 of the module docstring (``files.untrusted.check_model_fields``) as ``CheckpointError``."""
     return untrusted.check_model_fields(cfg, source, CheckpointError)
 
 

@@ -34,21 +34,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...moe.factory import quantize_expert_weights
-from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
-from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
-from ...recovery.base import technique_global_scale_kw
-from .. import untrusted
-from ..calibration import calibrate
-from ..families import MoEFamily, check_supported_checkpoint
-from ..hessians import technique_from_calibration, technique_needs_hessians
-from ..moe_models import dummy_moe_model, expert_weights, tied_parameter_names
-from ..untrusted import MAX_DUMMY_LAYERS, model_bytes
+from ..models.calibration import calibrate
+from ..models.families import MoEFamily, check_supported_checkpoint
+from ..models.hessians import technique_from_calibration, technique_needs_hessians
+from ..models.moe_models import dummy_moe_model, expert_weights, tied_parameter_names
+from ..moe.factory import quantize_expert_weights
+from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
+from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
+from ..recovery.base import technique_global_scale_kw
 from .bounds import model_config
-from .headers import open_regular, read_json
+from .files import untrusted
+from .files.headers import open_regular, read_json
+from .files.safetensors_io import SHARD_BYTES, atomic_folder, write_shards
+from .files.untrusted import MAX_DUMMY_LAYERS, model_bytes
 from .inspect import config_description
-from .layout import LAYOUTS, PROJS, CheckpointDescription, CheckpointError, layout_for_scheme, matches
-from .safetensors_io import SHARD_BYTES, atomic_folder, write_shards
+from .layout import PROJS, CheckpointDescription, CheckpointError, matches
+from .layouts import LAYOUTS, layout_for_scheme  # the registry with mxlib's layouts registered
 from .writer import unquantized_modules
 
 __all__ = [
@@ -109,7 +110,7 @@ def dummy_config(
     model_preset: str | None = None,
     overrides: dict | None = None,
 ) -> tuple[Path, dict, dict, dict]:
-    """``mxlib.models.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field."""
+    """``mxlib.checkpoints.files.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field."""
     return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError)
 
 

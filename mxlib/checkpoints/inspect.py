@@ -45,14 +45,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ...moe.scales import SCALE_STRATEGIES
-from ..families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
+from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
+from ..moe.scales import SCALE_STRATEGIES
 from .bounds import check_model_config, check_scale_strategy
-from .headers import describe_unused, folder_identity, read_json
+from .files.headers import describe_unused, folder_identity, read_json
+from .files.safetensors_io import SafetensorsHeaders
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
 from .inspect_tables import expert_scales, layer_rows, module_tables
-from .layout import LAYOUTS, CheckpointDescription, CheckpointError, layout_for_method, matches
-from .safetensors_io import SafetensorsHeaders
+from .layout import CheckpointDescription, CheckpointError, matches
+from .layouts import LAYOUTS, layout_for_method  # the registry with mxlib's layouts registered
 
 __all__ = [
     "InspectReport",

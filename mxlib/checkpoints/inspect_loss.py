@@ -26,9 +26,9 @@ import warnings
 
 import torch
 
-from ... import reference as R
-from ...formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, BlockScheme, PerTensorScheme
-from ...moe.scales import unify_input_scales
+from .. import reference as R
+from ..formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, BlockScheme, PerTensorScheme
+from ..moe.scales import unify_input_scales
 
 __all__ = ["predicted_db_lost", "strategy_rows", "NVFP4_SUBNORMAL_RATIO", "NVFP4_FLUSH_RATIO"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 
-from .safetensors_io import SafetensorsHeaders
+from .files.safetensors_io import SafetensorsHeaders
 
 __all__ = ["module_tables", "expert_scales", "layer_rows"]
 

@@ -40,9 +40,9 @@ It may have (the base class's defaults in brackets):
   ``read_linear(tensors, name, out_features, in_features, description) -> (LinearWeights,
   input_scale | None)`` [both raise ``NotImplementedError``].
 
-``register_layout(layout)`` adds one to ``LAYOUTS``: the package's ``__init__`` registers mxlib's
-layouts in a fixed order; adding a layout is adding one module with its ``CheckpointLayout``
-subclass and registering its instance there. ``DEFAULT_LAYOUT`` names the layout a scheme is
+``register_layout(layout)`` adds one to ``LAYOUTS``: ``mxlib.checkpoints.layouts`` registers mxlib's
+layouts in a fixed order; adding a layout is adding one module there with its ``CheckpointLayout``
+subclass and registering its instance. ``DEFAULT_LAYOUT`` names the layout a scheme is
 written in when the caller names none, by the scheme's weight format.
 """
 
@@ -56,12 +56,12 @@ from pathlib import Path
 import regex
 import torch
 
-from ..._checks import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, bad_block_scale_mask
-from ...formats import BLOCK_SCHEMES, NVFP4, BlockScheme
-from ...moe.emulation import ExpertWeights
-from ...moe.factory import quantize_linear_weight
-from ...moe.linear import LinearWeights
-from ...moe.schemes import MoEQuantScheme
+from .._checks import GLOBAL_SCALE_MAX, GLOBAL_SCALE_MIN, bad_block_scale_mask
+from ..formats import BLOCK_SCHEMES, NVFP4, BlockScheme
+from ..moe.emulation import ExpertWeights
+from ..moe.factory import quantize_linear_weight
+from ..moe.linear import LinearWeights
+from ..moe.schemes import MoEQuantScheme
 
 __all__ = [
     "CheckpointError",

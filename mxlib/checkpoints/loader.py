@@ -21,26 +21,19 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..._checks import check_device
-from ...moe.base import ACTIVATION_DTYPES, BACKENDS, TritonExperts
-from ...moe.factory import make_emulated_linear, make_emulation_experts
-from ...recovery import RECOVERY_CONFIG_KEY
-from ...recovery.gate_up import check_gate_up_mode, reconcile_gate_up
-from ...recovery.hadamard import rotation_from_config
-from ..families import MoEFamily, check_supported_checkpoint
-from ..moe_models import empty_moe_model, expert_activation, swap_experts
+from .._checks import check_device
+from ..models.families import MoEFamily, check_supported_checkpoint
+from ..models.moe_models import empty_moe_model, expert_activation, swap_experts
+from ..moe.base import ACTIVATION_DTYPES, BACKENDS, TritonExperts
+from ..moe.factory import make_emulated_linear, make_emulation_experts
+from ..recovery import RECOVERY_CONFIG_KEY
+from ..recovery.gate_up import check_gate_up_mode, reconcile_gate_up
+from ..recovery.hadamard import rotation_from_config
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
-from .headers import UnusedTensorsWarning, describe_unused, folder_identity
-from .layout import (
-    LAYOUTS,
-    PROJS,
-    CheckpointDescription,
-    CheckpointError,
-    check_exclude_patterns,
-    layout_for_method,
-    matches,
-)
-from .safetensors_io import SafetensorsHeaders, TensorReader, read_json
+from .files.headers import UnusedTensorsWarning, describe_unused, folder_identity
+from .files.safetensors_io import SafetensorsHeaders, TensorReader, read_json
+from .layout import PROJS, CheckpointDescription, CheckpointError, check_exclude_patterns, matches
+from .layouts import LAYOUTS, layout_for_method  # the registry with mxlib's layouts registered
 from .saving import _attach, read_checkpoint_source
 
 __all__ = ["read_quant_config", "load_quantized_moe", "load_quantized_qwen3_moe", "check_scale_strategy"]

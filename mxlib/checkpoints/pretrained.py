@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..._checks import check_device
-from ...moe.base import ACTIVATION_DTYPES
+from .._checks import check_device
+from ..moe.base import ACTIVATION_DTYPES
 from .loader import load_quantized_moe
 
 __all__ = ["from_pretrained", "resolve_dtype", "resolve_device_map"]

@@ -57,17 +57,16 @@ from pathlib import Path
 
 import torch
 
-from ...formats import BlockScheme
-from ...moe.base import TransformersExperts, TritonExperts
-from ...moe.emulation import ExpertWeights, QuantizedExperts
-from ...moe.factory import make_emulated_linear, make_emulation_experts
-from ...moe.linear import EmulatedLinear, LinearWeights
-from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ..families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
-from ..moe_models import BoundToModel, tied_parameter_names
-from .headers import MAX_JSON_BYTES, open_regular, read_json
-from .layout import DEFAULT_LAYOUT, LAYOUTS, PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
-from .safetensors_io import (
+from ..formats import BlockScheme
+from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
+from ..models.moe_models import BoundToModel, tied_parameter_names
+from ..moe.base import TransformersExperts, TritonExperts
+from ..moe.emulation import ExpertWeights, QuantizedExperts
+from ..moe.factory import make_emulated_linear, make_emulation_experts
+from ..moe.linear import EmulatedLinear, LinearWeights
+from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from .files.headers import MAX_JSON_BYTES, open_regular, read_json
+from .files.safetensors_io import (
     SAFETENSORS_DTYPES,
     SHARD_BYTES,
     SafetensorsHeaders,
@@ -75,6 +74,8 @@ from .safetensors_io import (
     TensorReader,
     atomic_folder,
 )
+from .layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, matches
+from .layouts import DEFAULT_LAYOUT, LAYOUTS  # the registry with mxlib's layouts registered
 from .writer import _config_dict, attention_linears, unquantized_modules
 
 __all__ = [
@@ -525,7 +526,7 @@ def save_quantized_checkpoint(
     source = getattr(model, "checkpoint_source", None)
     if not isinstance(source, CheckpointSource):
         raise ValueError(
-            "model: no checkpoint layout attached; call mxlib.models.checkpoints.attach_checkpoint_layout(model) first"
+            "model: no checkpoint layout attached; call mxlib.checkpoints.attach_checkpoint_layout(model) first"
         )
     bare = [
         n

@@ -7,7 +7,7 @@ family (``mxlib.models.families``), one ``model.safetensors`` or shards listed i
 gpt-oss's whole-layer ``gate_up_proj`` / ``down_proj`` with their biases). The destination is the checkpoint
 ``write_quantized_checkpoint`` writes for the same model, tensor for tensor (the same per-layer code:
 ``writer.write_layer_experts``, ``writer.write_config_files``, ``safetensors_io.ShardWriter``), in an atomic
-folder write (``mxlib.models.atomic_write``: on any error nothing is left at the destination, or the old
+folder write (``mxlib.checkpoints.files.atomic_write``: on any error nothing is left at the destination, or the old
 checkpoint stays), files ``0644``.
 
 How memory stays near one layer. The transformers model is built with uninitialized parameters
@@ -58,18 +58,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ...recovery import WeightTechnique, get_technique
-from ...recovery.base import technique_global_scale_kw
-from ..atomic_write import atomic_folder
-from ..calibration import Calibration, recording_experts
-from ..families import MoEFamily, check_supported_checkpoint
-from ..moe_models import empty_moe_model, expert_biases, expert_weights, tied_parameter_names
+from ..models.calibration import Calibration, recording_experts
+from ..models.families import MoEFamily, check_supported_checkpoint
+from ..models.moe_models import empty_moe_model, expert_biases, expert_weights, tied_parameter_names
+from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..recovery import WeightTechnique, get_technique
+from ..recovery.base import technique_global_scale_kw
 from .bounds import check_model_config
 from .dummy import copy_model_files
-from .headers import SafetensorsHeaders, read_json
+from .files.atomic_write import atomic_folder
+from .files.headers import SafetensorsHeaders, read_json
+from .files.safetensors_io import SHARD_BYTES, HeaderTensorReader, ShardWriter, TensorReader
 from .layout import CheckpointError
-from .safetensors_io import SHARD_BYTES, HeaderTensorReader, ShardWriter, TensorReader
 from .writer import resolve_layout, stored_config, unquantized_modules, write_config_files, write_layer_experts
 
 __all__ = [

@@ -28,17 +28,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ...moe.factory import quantize_expert_weights
-from ...moe.linear import EmulatedLinear
-from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from ...recovery import RECOVERY_CONFIG_KEY, WeightTechnique
-from ...recovery.base import technique_global_scale_kw
-from ..calibration import Calibration, calibrate
-from ..families import MoEFamily, check_supported_model, family_of
-from ..hessians import technique_from_calibration
-from ..moe_models import expert_biases, expert_weights, tied_parameter_names
-from .layout import LAYOUTS, CheckpointLayout, layout_for_scheme
-from .safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
+from ..models.calibration import Calibration, calibrate
+from ..models.families import MoEFamily, check_supported_model, family_of
+from ..models.hessians import technique_from_calibration
+from ..models.moe_models import expert_biases, expert_weights, tied_parameter_names
+from ..moe.factory import quantize_expert_weights
+from ..moe.linear import EmulatedLinear
+from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique
+from ..recovery.base import technique_global_scale_kw
+from .files.safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
+from .layout import CheckpointLayout
+from .layouts import LAYOUTS, layout_for_scheme  # the registry with mxlib's layouts registered
 
 __all__ = [
     "write_quantized_checkpoint",
@@ -284,7 +285,7 @@ def write_layer_experts(
     technique: WeightTechnique | None = None,
 ) -> None:
     """Quantize one MoE layer's experts and add their tensors to ``shards`` under the family's on-disk
-    names: what ``write_quantized_checkpoint`` does for each layer, and ``mxlib.models.checkpoints.streaming``
+    names: what ``write_quantized_checkpoint`` does for each layer, and ``mxlib.checkpoints.streaming``
     for each layer it reads.
 
     Args:

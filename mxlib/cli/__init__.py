@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     check, run = _command(args.cmd)
-    from ..models.checkpoints import CheckpointError
+    from ..checkpoints import CheckpointError
 
     with _logging(verbose, quiet, args.progress):
         try:

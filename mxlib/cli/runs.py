@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 import warnings
 
+from ..checkpoints import checkpoint_size_bytes
 from ..formats import NVFP4_SUBNORMAL_RATIO
-from ..models.checkpoints import checkpoint_size_bytes
 from ..models.qwen3 import moe_layers
 from ..studies import steps as W
 from ..studies import unification as S

@@ -444,7 +444,7 @@ def _refuse_save_pretrained(model, *args, **kwargs):
     raise ValueError(
         "save_pretrained: this model's experts were swapped in by mxlib.models.qwen3.swap_experts; they hold "
         "their weights in buffers outside transformers' parameters, so transformers' save_pretrained would write "
-        "the model without them. Call mxlib.models.checkpoints.attach_checkpoint_layout(model) (quantized "
+        "the model without them. Call mxlib.checkpoints.attach_checkpoint_layout(model) (quantized "
         "experts; the layout from their scheme, or layout=...) and save_pretrained writes that checkpoint layout; "
         "for a bf16 model, save it before swapping"
     )
@@ -466,7 +466,7 @@ def swap_experts(model, make_experts, where: str = "swap_experts") -> None:
 
     The experts' tensors are not transformers parameters, so the model's ``save_pretrained``
     then raises ``ValueError`` (naming why) instead of writing a model without experts, until
-    ``mxlib.models.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
+    ``mxlib.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
     (``load_quantized_moe`` does so for the models it returns).
     """
     check_supported_model(model, where)

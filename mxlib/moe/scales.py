@@ -114,7 +114,7 @@ def unify_input_scales(
 def _synthetic_expert_db_lost(ratio: float) -> float:
     """SQNR (dB) lost by a synthetic Gaussian expert (``[64, 256]``, seed 0, amax 1) whose NVFP4
     activations are quantized with the global scale of an expert ``1 / ratio`` times larger
-    instead of its own (``mxlib.models.checkpoints.inspect_loss`` tabulates the same model)."""
+    instead of its own (``mxlib.checkpoints.inspect_loss`` tabulates the same model)."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     x = x / x.abs().amax()
 

@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints import load_quantized_qwen3_moe
+from ..checkpoints.files.safetensors_io import checkpoint_size_bytes
 from ..formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
 from ..models import evaluation as ev
 from ..models.calibration import Calibration
-from ..models.checkpoints import load_quantized_qwen3_moe
-from ..models.checkpoints.safetensors_io import checkpoint_size_bytes
 from ..models.tasks import Dataset, make_dataset
 from ..models.training import RECIPES, TrainRecipe, get_recipe, train
 from ..moe.scales import ACTIVATION_SCALE_STRATEGIES

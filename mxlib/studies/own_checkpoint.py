@@ -2,7 +2,7 @@
 
 The notebooks' default runs build a seeded dummy model and quantize it themselves. Given a local
 checkpoint folder instead (a downloaded nvidia/Qwen3-30B-A3B-NVFP4, a Quark OCP MX MoE export, a
-compressed-tensors NVFP4 model: any layout ``mxlib.models.checkpoints`` reads), the studies here load
+compressed-tensors NVFP4 model: any layout ``mxlib.checkpoints`` reads), the studies here load
 its first ``num_layers`` decoder layers with its own weights and its own calibrated input scales
 (the loader reads only those layers' tensors), run them on the user's prompts through the
 checkpoint's tokenizer (when the folder has one) or on seeded random token ids, and measure:
@@ -15,7 +15,7 @@ checkpoint's tokenizer (when the folder has one) or on seeded random token ids, 
 - **what unifying the per-expert activation scales costs** (NVFP4's static global scales): the same
   block output under each strategy of ``mxlib.moe.scales.SCALE_STRATEGIES``, and its dB lost against
   ``per_expert``, beside what ``inspect_checkpoint`` predicts from the scales alone
-  (``mxlib.models.checkpoints.inspect_loss``; a Gaussian-expert model, per expert).
+  (``mxlib.checkpoints.inspect_loss``; a Gaussian-expert model, per expert).
 
 Every block sees the same inputs under every strategy: the inputs are captured once, from the run
 with ``per_expert`` scales, so a layer's number is its own loss, not the layers' before it.
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from ..analysis import sqnr_db
+from ..checkpoints import load_quantized_qwen3_moe
+from ..checkpoints.inspect_loss import strategy_rows
 from ..formats import Numerics
-from ..models.checkpoints import load_quantized_qwen3_moe
-from ..models.checkpoints.inspect_loss import strategy_rows
 from ..models.qwen3 import moe_layers
 from ..moe.base import TransformersExperts
 from ..moe.emulation import QuantizedExperts

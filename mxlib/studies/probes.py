@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from .. import reference as R
+from ..checkpoints import LAYOUTS, read_quant_config
+from ..checkpoints.files.safetensors_io import TensorReader
 from ..formats import BlockScheme
-from ..models.checkpoints import LAYOUTS, read_quant_config
-from ..models.checkpoints.safetensors_io import TensorReader
 from ..moe.schemes import MoEQuantScheme, get_weight_format
 
 __all__ = ["stored_shapes", "stored_block", "swapped_nibbles", "captured_output", "relative_paths", "short_warnings"]

@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from ..models import evaluation as ev
 from ..models.calibration import Calibration, calibrate
-from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from ..models.qwen3 import MODEL_PRESETS, moe_layers
 from ..moe.schemes import MoEQuantScheme
 from ..recovery import TECHNIQUES, get_technique

@@ -6,7 +6,7 @@
 2. ``write_checkpoint`` / ``prepare_checkpoint``: calibrate it (``calibrate_model``), quantize the
    experts, write the checkpoint in the real layout (ModelOpt or Quark), cached under
    ``default_cache_dir()`` by everything that determines it (``checkpoint_cache_key``).
-3. ``load_checkpoint``: load it back with emulation experts (``mxlib.models.checkpoints``).
+3. ``load_checkpoint``: load it back with emulation experts (``mxlib.checkpoints``).
 4. ``evaluation_token_ids`` / ``evaluation_token_sets``, ``run_model`` / ``compare_runs``: the same
    token ids through both models (``repeats`` token sets, for the spread of every metric), per-layer
    and logits metrics; ``set_numerics`` switches a loaded model between vLLM's numerics and the
@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from ..analysis import compare_logits, compare_tensors
+from ..checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+from ..checkpoints.files.safetensors_io import WRITER_VERSION, SafetensorsHeaders, is_mxlib_checkpoint
 from ..formats import Numerics, get_numerics
 from ..models.calibration import Calibration, calibrate
-from ..models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
-from ..models.checkpoints.safetensors_io import WRITER_VERSION, SafetensorsHeaders, is_mxlib_checkpoint
 from ..models.gpt_oss import GPT_OSS_PRESETS, dummy_gpt_oss, gpt_oss_20b_config, gpt_oss_layout_for
 from ..models.parameters import check_parameters
 from ..models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, model_preset_overrides, moe_layers, qwen3_30b_a3b_config
@@ -636,7 +636,7 @@ def write_checkpoint(p: E2EParameters, model, progress: bool = False) -> Path:
 
 def load_checkpoint(p: E2EParameters, path: str | os.PathLike, progress: bool = False):
     """Step 3 of the end-to-end run: the checkpoint at ``path`` loaded with emulation experts
-    (``mxlib.models.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
+    (``mxlib.checkpoints.load_quantized_qwen3_moe``) with ``p``'s layers, device and experts
     backend, each layer's experts keeping their dequantized weights where they run on the ``torch``
     backend (``keep_dequantized``: the notebook runs the same weights many times). Returns ``(model, info)``;
     raises what the loader raises (``CheckpointError``)."""

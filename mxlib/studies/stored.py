@@ -4,7 +4,7 @@
 safetensors header gives it beside the shape the weight format and the layout imply. Per-expert layouts
 (ModelOpt, Quark, compressed-tensors) store expert 0's ``gate_proj`` / ``up_proj`` / ``down_proj``
 ``weight`` and ``weight_scale`` (``probes.stored_shapes``); gpt-oss's native layout stores whole layers
-(``gate_up_proj_blocks [E, 2I, H/32, 16]``, ...: ``mxlib.models.checkpoints.gpt_oss_mxfp4``).
+(``gate_up_proj_blocks [E, 2I, H/32, 16]``, ...: ``mxlib.checkpoints.layouts.gpt_oss_mxfp4``).
 
 ``scheme_rows(model_preset)``: every MoE scheme, the layout a checkpoint of the preset's model is written in, and
 for a scheme no layout stores for that model, why it is skipped.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-from ..models.checkpoints import LAYOUTS, layout_for_scheme, read_quant_config
-from ..models.checkpoints.gpt_oss_mxfp4 import BYTES_PER_BLOCK
+from ..checkpoints import LAYOUTS, layout_for_scheme, read_quant_config
+from ..checkpoints.layouts.gpt_oss_mxfp4 import BYTES_PER_BLOCK
 from ..models.families import family_of
 from ..models.gpt_oss import scheme_support
 from ..models.presets import preset_model_type
@@ -41,7 +41,7 @@ def stored_shape_rows(path: str | os.PathLike, scheme: MoEQuantScheme, config) -
     """Layer 0's stored expert tensors against the shapes the packing implies.
 
     Args:
-        path: a checkpoint folder ``mxlib.models.checkpoints.write_quantized_checkpoint`` wrote.
+        path: a checkpoint folder ``mxlib.checkpoints.write_quantized_checkpoint`` wrote.
         scheme: its ``MoEQuantScheme``.
         config: the model's transformers config (hidden size, the family's expert intermediate size and count).
 

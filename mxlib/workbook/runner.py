@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from queue import Empty
 
-from ..models.atomic_write import describe_destination
+from ..checkpoints.files.atomic_write import describe_destination
 from ..models.presets import MODEL_PRESETS
 
 # the notebook stack, imported when a notebook runs (``pm`` and the others below), so that the options are

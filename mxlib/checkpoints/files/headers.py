@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from .. import untrusted
-from ..untrusted import MAX_JSON_BYTES
-from .layout import CheckpointError
+from ..layout import CheckpointError
+from . import untrusted
+from .untrusted import MAX_JSON_BYTES
 
 __all__ = [
     "MAX_JSON_BYTES",
@@ -106,7 +106,7 @@ for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("F4", "float4_e2m1fn_x2")):
 
 
 def open_regular(path: str | os.PathLike):
-    """``path`` opened for reading in binary, only if it is a regular file (``mxlib.models.untrusted``).
+    """``path`` opened for reading in binary, only if it is a regular file (``mxlib.checkpoints.files.untrusted``).
 
     Raises:
         CheckpointError: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
@@ -115,7 +115,7 @@ def open_regular(path: str | os.PathLike):
 
 
 def read_json(path: str | os.PathLike, what: str | None = None, limit: int = MAX_JSON_BYTES) -> dict:
-    """A JSON object from the regular file ``path``, at most ``limit`` bytes (``mxlib.models.untrusted``).
+    """A JSON object from the regular file ``path``, at most ``limit`` bytes (``mxlib.checkpoints.files.untrusted``).
 
     Raises:
         CheckpointError: naming the file: absent, not a regular file, larger than ``limit``, not UTF-8,

@@ -36,7 +36,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic_write import CHECKPOINT_MARKER, WRITE_MARKER, WRITER_VERSION, atomic_folder, is_mxlib_checkpoint
+from ..layout import CheckpointError
+from .atomic_write import CHECKPOINT_MARKER, WRITE_MARKER, WRITER_VERSION, atomic_folder, is_mxlib_checkpoint
 from .headers import (
     INDEX_NAME,
     SAFETENSORS_DTYPES,
@@ -46,7 +47,6 @@ from .headers import (
     read_json,
     read_weight_map,
 )
-from .layout import CheckpointError
 
 __all__ = [
     "SHARD_BYTES",

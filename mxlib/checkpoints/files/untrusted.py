@@ -23,8 +23,8 @@ import os
 import stat
 from pathlib import Path
 
-from .families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
-from .presets import MODEL_PRESETS
+from ...models.families import QWEN3_MOE, MoEFamily, check_supported_model, family_of
+from ...models.presets import MODEL_PRESETS
 
 __all__ = [
     "MAX_JSON_BYTES",

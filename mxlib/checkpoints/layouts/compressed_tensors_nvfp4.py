@@ -43,8 +43,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
-from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
-from .layout import (
+from ..layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
@@ -52,7 +51,8 @@ from .layout import (
     block_scale_check,
     global_scale_check,
 )
-from .scalars import read_scalar_scales
+from ..scalars import read_scalar_scales
+from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
 
 __all__ = ["LAYOUT", "quantize_nvfp4_encode"]
 

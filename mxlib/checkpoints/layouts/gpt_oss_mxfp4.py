@@ -37,7 +37,13 @@ import torch
 from ...formats import BLOCK_SCHEMES
 from ...moe.emulation import ExpertWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from .layout import CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check, check_exclude_patterns
+from ..layout import (
+    CheckpointDescription,
+    CheckpointError,
+    CheckpointLayout,
+    block_scale_check,
+    check_exclude_patterns,
+)
 
 __all__ = [
     "LAYOUT",

@@ -32,7 +32,7 @@ from ...formats import BLOCK_SCHEMES
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from .layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
+from ..layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
 
 __all__ = ["LAYOUT", "ALGO"]
 

@@ -33,8 +33,8 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
-from . import modelopt_mxfp8
-from .layout import (
+from ..files.safetensors_io import read_json
+from ..layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
@@ -42,8 +42,8 @@ from .layout import (
     block_scale_check,
     global_scale_check,
 )
-from .safetensors_io import read_json
-from .scalars import read_scalar_scales
+from ..scalars import read_scalar_scales
+from . import modelopt_mxfp8
 
 __all__ = ["LAYOUT"]
 

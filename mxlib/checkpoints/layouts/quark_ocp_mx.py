@@ -36,7 +36,7 @@ from ...formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, SCALE_MODES, BlockSch
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from .layout import (
+from ..layout import (
     PROJS,
     CheckpointDescription,
     CheckpointError,
@@ -44,7 +44,7 @@ from .layout import (
     block_scale_check,
     global_scale_check,
 )
-from .scalars import read_scalar_scales
+from ..scalars import read_scalar_scales
 
 __all__ = ["LAYOUT"]
 
