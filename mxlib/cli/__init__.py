@@ -27,7 +27,8 @@ stderr is a terminal and ``-q`` is not given.
 
 Imports: only argparse and the standard library at import time, so that ``--help`` answers at once;
 each command's module (``runs``: e2e, compare, unify, routing; ``checkpoint_commands``: inspect,
-dummy-from-config, quantize) and torch are imported when the command runs.
+dummy-from-config, quantize) and torch are imported when the command runs. ``_options`` spells out the option
+values so that ``--help`` imports neither torch nor transformers.
 """
 
 from __future__ import annotations
