@@ -27,6 +27,7 @@ import warnings
 import torch
 
 from .. import reference as R
+from ..analysis import sqnr_db_from_sums
 from ..formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, BlockScheme, PerTensorScheme
 from ..moe.scales import unify_input_scales
 
@@ -42,7 +43,7 @@ def _sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double(), y.double()
     err = (x - y).pow(2).sum().item()
     sig = x.pow(2).sum().item()
-    return math.inf if err == 0 else 10.0 * math.log10(sig / err)
+    return sqnr_db_from_sums(sig, err)
 
 
 def _synthetic_expert() -> torch.Tensor:

@@ -24,7 +24,7 @@ import time
 import torch
 
 from .. import reference as R
-from ..analysis import sqnr_db
+from ..analysis import sqnr_db, sqnr_db_from_sums
 from ..formats import E8M0_NAN_BYTE, get_block_scheme, get_element_format
 from ..models.qwen3 import moe_layers
 from ..moe.emulation import ExpertWeights
@@ -95,7 +95,7 @@ def weight_error(q: ExpertWeights, w13: torch.Tensor, w2: torch.Tensor) -> dict:
         w2_mse=e2 / n2,
         mse=(e13 + e2) / (n13 + n2),
         energy=energy / (n13 + n2),
-        sqnr_db=math.inf if e13 + e2 == 0 else 10 * math.log10(energy / (e13 + e2)),
+        sqnr_db=sqnr_db_from_sums(energy, e13 + e2),
     )
 
 
