@@ -40,14 +40,16 @@ Models and checkpoints (``mxlib.models``, transformers' MoE families; Qwen3-MoE 
                                            code written against it; it loads every family)
     ``inspect_checkpoint``                 describe a checkpoint from its configs and headers
 
-The subpackages: ``mxlib.formats`` the format table; ``mxlib.reference`` the pure-PyTorch oracle;
-``mxlib.kernels`` Triton twins (Triton's interpreter on machines without CUDA); ``mxlib.moe``
-schemes, routing, the fused-MoE experts, their emulation subclasses and their factory;
-``mxlib.models`` the Qwen3-30B-A3B preset, calibration, checkpoint layouts; ``mxlib.analysis``
-error metrics; ``mxlib.stats`` the statistics rule (paired comparisons decided together: "A better",
-"B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.workbook`` what the notebooks call;
-``mxlib.cli`` the notebooks' code paths as commands (``python -m mxlib``, ``mxlib/__main__.py``);
-``mxlib.bench`` GPU benchmarks.
+The subpackages: ``mxlib.formats`` the format table; ``mxlib._checks`` the argument checks the reference and
+its Triton twins share; ``mxlib.reference`` the pure-PyTorch oracle; ``mxlib.kernels`` Triton twins (Triton's
+interpreter on machines without CUDA); ``mxlib.moe`` schemes, routing, the fused-MoE experts, their emulation
+subclasses and their factory; ``mxlib.recovery`` the accuracy-recovery techniques; ``mxlib.models`` the families,
+presets, calibration, the trained model; ``mxlib.checkpoints`` the writer, the loader, the inspector and the
+layouts; ``mxlib.analysis`` error metrics; ``mxlib.stats`` the statistics rule (paired comparisons decided
+together: "A better", "B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.studies``
+what the notebooks, the CLI and the benchmarks run (rows and numbers); ``mxlib.workbook`` the notebooks' figures,
+widgets, checks and runner; ``mxlib.cli`` the notebooks' code paths as commands (``python -m mxlib``,
+``mxlib/__main__.py``); ``mxlib.bench`` GPU benchmarks.
 ``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.
 """
 
@@ -79,7 +81,7 @@ _LAZY: dict[str, str] = {
     "fused_topk": "mxlib.moe.routing",
     # the doors
     "quantize_": "mxlib.models.in_memory",
-    "from_pretrained": "mxlib.models.checkpoints.pretrained",
+    "from_pretrained": "mxlib.checkpoints.pretrained",
     # models and checkpoints
     "family_of": "mxlib.models.families",
     "calibrate": "mxlib.models.calibration",
@@ -88,13 +90,13 @@ _LAZY: dict[str, str] = {
     "get_technique": "mxlib.recovery",
     "expert_weights": "mxlib.models.moe_models",
     "swap_experts": "mxlib.models.moe_models",
-    "attach_checkpoint_layout": "mxlib.models.checkpoints.saving",
+    "attach_checkpoint_layout": "mxlib.checkpoints.saving",
     "TransformersExperts": "mxlib.moe.base",
     "EmulatedLinear": "mxlib.moe.linear",
-    "write_quantized_checkpoint": "mxlib.models.checkpoints.writer",
-    "load_quantized_moe": "mxlib.models.checkpoints.loader",
-    "load_quantized_qwen3_moe": "mxlib.models.checkpoints.loader",
-    "inspect_checkpoint": "mxlib.models.checkpoints.inspect",
+    "write_quantized_checkpoint": "mxlib.checkpoints.writer",
+    "load_quantized_moe": "mxlib.checkpoints.loader",
+    "load_quantized_qwen3_moe": "mxlib.checkpoints.loader",
+    "inspect_checkpoint": "mxlib.checkpoints.inspect",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -6,6 +6,8 @@ unquantized activations) in float64:
 * ``rel_error``: ``||x - ref||_F / ||ref||_F``.
 * ``sqnr_db``: signal-to-quantization-noise ratio ``10 log10(||ref||^2 / ||x - ref||^2)``
   (torchao's ``compute_error``); +inf when equal. Each halving of the error adds 6.02 dB.
+  ``sqnr_db_from_sums`` is its last step, for callers that hold the two sums already (a sum over several
+  tensors, or one computed on the GPU): every scalar SQNR in mxlib ends in it.
 * ``top1_agreement``: fraction of positions whose argmax (next-token prediction) agrees.
 * ``kl_divergence``: mean over positions of ``KL(softmax(ref) || softmax(x))`` in nats.
 """
@@ -22,6 +24,7 @@ from .formats import get_block_scheme
 __all__ = [
     "rel_error",
     "sqnr_db",
+    "sqnr_db_from_sums",
     "top1_agreement",
     "kl_divergence",
     "compare_tensors",
@@ -41,16 +44,24 @@ def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den
 
 
-def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """SQNR in dB: ``10 log10(sum(ref^2) / sum((x - ref)^2))``; +inf for an exact match."""
-    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
-    noise = ((x - ref) ** 2).sum().item()
-    signal = (ref**2).sum().item()
+def sqnr_db_from_sums(signal: float, noise: float) -> float:
+    """SQNR in dB from its two sums: ``10 log10(signal / noise)`` with ``signal = sum(ref^2)`` and
+    ``noise = sum((x - ref)^2)`` (Python floats, both >= 0). +inf when ``noise`` is 0 (an exact match), else
+    -inf when ``signal`` is 0 (a zero reference: every bit of ``x`` is noise)."""
     if noise == 0.0:
         return math.inf
     if signal == 0.0:
         return -math.inf
     return 10.0 * math.log10(signal / noise)
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """SQNR in dB: ``10 log10(sum(ref^2) / sum((x - ref)^2))`` in float64 on the CPU (``sqnr_db_from_sums``);
+    +inf for an exact match."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    noise = ((x - ref) ** 2).sum().item()
+    signal = (ref**2).sum().item()
+    return sqnr_db_from_sums(signal, noise)
 
 
 def top1_agreement(logits: torch.Tensor, ref_logits: torch.Tensor) -> float:

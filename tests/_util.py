@@ -128,7 +128,7 @@ def edited_checkpoint(tiny, folder, layout, scheme, edit_config=None, edit_tenso
 
     from safetensors.torch import load_file, save_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
 
     model, cal, _ = tiny
     path = C.write_quantized_checkpoint(model, scheme, folder, cal, layout=layout)

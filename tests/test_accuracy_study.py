@@ -1,4 +1,4 @@
-"""Notebook 06's studies (``mxlib.workbook.accuracy``): parameters, rows, claims, routing statistics and figures.
+"""Notebook 06's studies (``mxlib.studies.accuracy``): parameters, rows, claims, routing statistics and figures.
 
 The studies on the trained model run in tests/test_notebooks.py (the notebook at the ``test`` recipe); here
 the pieces are checked on hand-made results, where the right answer is known without the code under test.
@@ -11,7 +11,8 @@ import torch
 
 from mxlib.models import evaluation as ev
 from mxlib.moe.scales import SCALE_STRATEGIES
-from mxlib.workbook import accuracy as A
+from mxlib.studies import accuracy as A
+from mxlib.workbook import accuracy_figures
 
 
 def _results(correct, nll, task="add", tokens=4) -> ev.Results:
@@ -113,14 +114,14 @@ def test_figures_draw_every_row():
     n = 200
     ref = _results(torch.ones(n), torch.ones(n))
     rows = A.result_rows({"scheme": "a"}, ref, ref, FLOOR) + A.result_rows({"scheme": "b"}, ref, ref, FLOOR)
-    fig = A.interval_figure(rows, "scheme", "t")
+    fig = accuracy_figures.interval_figure(rows, "scheme", "t")
     assert len(fig.data) == 2 and list(fig.data[0].x) == ["a", "b"]
     usage = {"add": [[0.5, 0.5, 0.0, 0.0], [0.25] * 4]}
-    heat = A.usage_figure(usage)
+    heat = accuracy_figures.usage_figure(usage)
     assert list(heat.data[0].z[0]) == [2.0, 2.0, 0.0, 0.0] and list(heat.data[0].y) == ["add L0", "add L1"]
     amax_rows = [
         dict(point=p, scale_ratio=r, db_lost_max=0.1, layer=0, expert=e, amax=1.0)
         for e, (p, r) in enumerate([("a1", 1.0), ("a2", 1e-5)])
     ]
-    fig = A.amax_figure(amax_rows)
+    fig = accuracy_figures.amax_figure(amax_rows)
     assert [t.name for t in fig.data[:2]] == ["a1", "a2"] and len(fig.data) == 4  # and the two threshold lines

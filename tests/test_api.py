@@ -73,8 +73,8 @@ def test_family_names_exported():
     """The family registry and the family-generic loader sit beside the Qwen3-MoE loader."""
     from transformers import MixtralConfig, Qwen3MoeConfig
 
+    from mxlib.checkpoints import loader
     from mxlib.models import families
-    from mxlib.models.checkpoints import loader
 
     assert {"family_of", "load_quantized_moe", "load_quantized_qwen3_moe"} <= set(mxlib.__all__)
     assert mxlib.load_quantized_moe is loader.load_quantized_moe

@@ -1,4 +1,4 @@
-"""Error attribution (``mxlib.workbook.attribution``): each source switched on or off on its own, exact sums.
+"""Error attribution (``mxlib.studies.attribution``): each source switched on or off on its own, exact sums.
 
 Oracles: the reference functions (``mxlib.reference``) applied by hand to the quantized weights and the
 activations, run through the reference MoE; the scheme's own emulation experts (another class) for every
@@ -23,9 +23,9 @@ from mxlib.moe import TritonExperts
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
 from mxlib.moe.reference_moe import torch_moe
 from mxlib.moe.schemes import get_moe_scheme
-from mxlib.workbook import attribution as A
+from mxlib.studies import attribution as A
+from mxlib.studies.steps import calibrate_model, dummy_model, random_token_ids, run_model
 from mxlib.workbook.attribution_figures import attribution_figure, attribution_rows, attribution_table
-from mxlib.workbook.steps import calibrate_model, dummy_model, random_token_ids, run_model
 
 from _util import assert_bits_equal
 

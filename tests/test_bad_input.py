@@ -2,7 +2,7 @@
 ``test_edge_cases.py``). Each case's expected behaviour is a test.
 
 Only public entry points are used (``write_quantized_checkpoint``, ``load_quantized_qwen3_moe``,
-``read_quant_config``, ``CheckpointError``, ``mxlib.workbook.steps``, the experts classes, ``mxlib.cli.main``),
+``read_quant_config``, ``CheckpointError``, ``mxlib.studies.steps``, the experts classes, ``mxlib.cli.main``),
 so the tests survive the move of the checkpoint code into a package. Models are tiny (2 layers,
 hidden 64, 4 experts); CLI tests never build a model: building one raises ``_ModelBuilt``.
 """
@@ -27,16 +27,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import cli
-from mxlib.models.checkpoints import (
-    CheckpointError,
-    load_quantized_qwen3_moe,
-    read_quant_config,
-    write_quantized_checkpoint,
-)
+from mxlib.checkpoints import CheckpointError, load_quantized_qwen3_moe, read_quant_config, write_quantized_checkpoint
 from mxlib.moe import (
     TritonExperts,
 )
-from mxlib.workbook import steps as W
+from mxlib.studies import steps as W
 
 from _util import TINY_QWEN3, mx_experts, nvfp4_experts
 
@@ -688,8 +683,8 @@ _KILLED_WRITER = textwrap.dedent("""
         time.sleep(600)
 
     st.save_file = save_then_wait
-    from mxlib.workbook import steps as W
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.studies import steps as W
+    from mxlib.checkpoints import write_quantized_checkpoint
 
     model = W.dummy_model(num_hidden_layers=2, seed=1, **{tiny!r})
     print("READY", flush=True)
@@ -784,7 +779,7 @@ def test_next_write_keeps_hidden_folders_it_did_not_make(model, calibration, tmp
 _PEAK_E2E = textwrap.dedent("""
     import json, os, sys, threading, time
     from mxlib import cli
-    from mxlib.workbook import steps as W
+    from mxlib.studies import steps as W
 
     def anon():  # memory this process allocated and holds: file-backed pages (mapped shards, libraries) left out
         line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))
@@ -881,7 +876,7 @@ def test_e2e_peak_memory_stays_near_the_model_bytes(tmp_path):
 
 _PEAK_BUILD = textwrap.dedent("""
     import json, threading, time
-    from mxlib.workbook import steps as W
+    from mxlib.studies import steps as W
 
     def anon():  # memory this process allocated and holds: file-backed pages (libraries) left out
         line = next(x for x in open("/proc/self/status") if x.startswith("RssAnon:"))

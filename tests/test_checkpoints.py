@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mxlib import checkpoints as C
 from mxlib import reference as R
-from mxlib.models import checkpoints as C
+from mxlib.checkpoints.files import safetensors_io
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts
@@ -214,7 +215,7 @@ def test_failed_write_leaves_nothing(tiny, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(C.safetensors_io, "save_file", boom)
+    monkeypatch.setattr(safetensors_io, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         C.write_quantized_checkpoint(model, "nvfp4", tmp_path / "ckpt", cal)
     assert list(tmp_path.iterdir()) == []
@@ -228,7 +229,7 @@ def test_nvfp4_needs_calibration(tiny, tmp_path):
 
 
 def test_checkpoint_tensor_bytes_matches_files(tiny, tmp_path):
-    from mxlib.workbook.studies import checkpoint_tensor_bytes
+    from mxlib.studies.unification import checkpoint_tensor_bytes
 
     model, cal, _ = tiny
     for scheme in ("nvfp4", "w_mxfp6_e3m2_a_fp8"):
@@ -238,8 +239,8 @@ def test_checkpoint_tensor_bytes_matches_files(tiny, tmp_path):
 
 
 def test_layout_registry_dispatch(tiny, tmp_path):
-    from mxlib.models.checkpoints import LAYOUTS, modelopt_nvfp4, quark_ocp_mx
-    from mxlib.models.checkpoints.layout import layout_for_scheme
+    from mxlib.checkpoints import LAYOUTS
+    from mxlib.checkpoints.layouts import layout_for_scheme, modelopt_nvfp4, quark_ocp_mx
     from mxlib.moe import MOE_SCHEMES
 
     assert list(LAYOUTS) == [
@@ -266,7 +267,7 @@ def test_shard_writer_streams_shards(tmp_path):
     shard's tensors), gives the shards their final ``-of-n`` names and indexes every tensor."""
     from safetensors.torch import load_file
 
-    from mxlib.models.checkpoints.safetensors_io import INDEX_NAME, ShardWriter
+    from mxlib.checkpoints.files.safetensors_io import INDEX_NAME, ShardWriter
 
     w = ShardWriter(tmp_path, shard_bytes=1000)
     tensors = {f"t{j}": torch.full((100,), float(j)) for j in range(5)}  # 400 bytes each: two per shard

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from mxlib import cli
+from mxlib.checkpoints import LAYOUTS, load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.cli import _options as O
 from mxlib.cli import runs
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import LAYOUTS, load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.models.qwen3 import MODEL_PRESETS
 from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
 from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES
 from mxlib.moe.schemes import get_moe_scheme
 from mxlib.recovery import TECHNIQUES
-from mxlib.workbook import steps as W
+from mxlib.studies import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxlib.models import atomic_write
-from mxlib.models.atomic_write import WRITE_MARKER, atomic_folder, is_mxlib_checkpoint
-from mxlib.models.checkpoints import safetensors_io
+from mxlib.checkpoints.files import atomic_write, safetensors_io
+from mxlib.checkpoints.files.atomic_write import WRITE_MARKER, atomic_folder, is_mxlib_checkpoint
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

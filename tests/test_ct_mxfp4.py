@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mxlib.models import checkpoints as C
+from mxlib import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts

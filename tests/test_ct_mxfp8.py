@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mxlib import checkpoints as C
 from mxlib import reference as R
-from mxlib.models import checkpoints as C
+from mxlib.checkpoints.layouts.compressed_tensors_mxfp8 import ct_mxfp8_scale
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints.compressed_tensors_mxfp8 import ct_mxfp8_scale
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts
 

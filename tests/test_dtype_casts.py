@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 import mxlib
-from mxlib.models.checkpoints import write_quantized_checkpoint
+from mxlib.checkpoints import write_quantized_checkpoint
 
 from _util import assert_bits_equal
 
@@ -157,7 +157,7 @@ def test_from_pretrained_dtype(dtype):
 
 
 def test_from_pretrained_keywords():
-    from mxlib.models.checkpoints.pretrained import resolve_device_map, resolve_dtype
+    from mxlib.checkpoints.pretrained import resolve_device_map, resolve_dtype
 
     path = INTEROP / FIXTURES["modelopt"] / "checkpoint"
     assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("float16") == torch.float16

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxlib.workbook import steps as W
+from mxlib.studies import steps as W
 
 from _util import assert_bits_equal
 

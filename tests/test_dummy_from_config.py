@@ -14,8 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from mxlib.cli import main as cli_main
-from mxlib.models.checkpoints import (
+from mxlib.checkpoints import (
     LAYOUTS,
     CheckpointDescription,
     CheckpointError,
@@ -24,7 +23,8 @@ from mxlib.models.checkpoints import (
     inspect_checkpoint,
     load_quantized_qwen3_moe,
 )
-from mxlib.models.checkpoints.dummy import dummy_quantization
+from mxlib.checkpoints.dummy import dummy_quantization
+from mxlib.cli import main as cli_main
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights

@@ -1,4 +1,4 @@
-"""mxlib.workbook.explorers (the plain functions behind the widgets) and mxlib.workbook.probes, against ml_dtypes,
+"""mxlib.workbook.explorers (the plain functions behind the widgets) and mxlib.studies.probes, against ml_dtypes,
 hand grids and oracles."""
 
 import math
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mxlib.formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
-from mxlib.workbook import checks, probes
+from mxlib.studies import probes
+from mxlib.workbook import checks
 from mxlib.workbook import explorers as X
 
 from oracles import FORMATS, mx_qdq, mx_scale_exponent, vllm_nvfp4_qdq
@@ -214,7 +215,7 @@ def test_stored_block_decodes_what_reference_dequantizes(scheme, tmp_path):
     from safetensors import safe_open
 
     from mxlib import reference as R
-    from mxlib.workbook import steps as W
+    from mxlib.studies import steps as W
 
     model = W.dummy_model(1, seed=0, model_preset="tiny")
     ckpt = W.prepare_checkpoint(scheme, model, seed=0, calib_tokens=16, cache_dir=tmp_path)

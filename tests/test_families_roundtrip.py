@@ -17,9 +17,9 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from mxlib.checkpoints import inspect_checkpoint, load_quantized_moe, write_quantized_checkpoint
 from mxlib.models import families
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import inspect_checkpoint, load_quantized_moe, write_quantized_checkpoint
 from mxlib.models.moe_models import dummy_moe_model, expert_weights, moe_layer_indices, moe_layers, swap_experts
 from mxlib.moe import input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from mxlib.moe import routing as R
@@ -342,8 +342,8 @@ def test_round_trip_times(built):
 @pytest.mark.parametrize("cls_name", NAMES)
 def test_dummy_from_config_and_cli(cls_name, tmp_path):
     """A family's own unquantized config.json (as its save_pretrained writes it) -> dummy checkpoint -> load."""
+    from mxlib.checkpoints import dummy_checkpoint_from_config
     from mxlib.cli import main as cli_main
-    from mxlib.models.checkpoints import dummy_checkpoint_from_config
 
     folder = tmp_path / "cfg"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""gpt-oss's native MXFP4 layout (``mxlib.models.checkpoints.gpt_oss_mxfp4``) against transformers' own reading of it.
+"""gpt-oss's native MXFP4 layout (``mxlib.checkpoints.layouts.gpt_oss_mxfp4``) against transformers' own reading of it.
 
 Oracles: transformers' ``integrations.mxfp4.convert_moe_packed_tensors`` (the dequantization its
 ``Mxfp4Config(dequantize=True)`` loading runs) of the blocks and scales mxlib writes, and
@@ -16,16 +16,16 @@ from safetensors.torch import save_file
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from mxlib import checkpoints as C
 from mxlib import reference as ref
-from mxlib.formats import BLOCK_SCHEMES
-from mxlib.models import checkpoints as C
-from mxlib.models.checkpoints.gpt_oss_mxfp4 import (
+from mxlib.checkpoints.files.safetensors_io import TensorReader
+from mxlib.checkpoints.layouts.gpt_oss_mxfp4 import (
     LAYOUT,
     MODULES_TO_NOT_CONVERT,
     deinterleave_gate_up,
     interleave_gate_up,
 )
-from mxlib.models.checkpoints.safetensors_io import TensorReader
+from mxlib.formats import BLOCK_SCHEMES
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES
@@ -508,8 +508,8 @@ def test_family_round_trip_native_mxfp4(tiny_gpt_oss, tmp_path):
     same checkpoint: its experts are the same dequantized bf16 weights, run by transformers' own (bf16-rounding)
     GptOssExperts, so its logits agree within bf16's resolution (SQNR > 35 dB)."""
     from mxlib import analysis as A
+    from mxlib.checkpoints import inspect_checkpoint, load_quantized_qwen3_moe, write_quantized_checkpoint
     from mxlib.models.calibration import calibrate
-    from mxlib.models.checkpoints import inspect_checkpoint, load_quantized_qwen3_moe, write_quantized_checkpoint
 
     model, ids = tiny_gpt_oss
     cal = calibrate(model, ids)
@@ -539,7 +539,7 @@ def test_family_round_trip_native_mxfp4(tiny_gpt_oss, tmp_path):
 
 
 def test_writer_refuses_a_layout_without_expert_biases(tiny_gpt_oss, tmp_path):
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.checkpoints import write_quantized_checkpoint
 
     model, _ = tiny_gpt_oss
     with pytest.raises(ValueError, match=r"layout: quark stores no expert biases, which GptOssForCausalLM's experts"):
@@ -550,7 +550,7 @@ def test_writer_refuses_a_layout_without_expert_biases(tiny_gpt_oss, tmp_path):
 
 
 def test_e2e_parameters_refuse_a_skipped_scheme_for_gpt_oss():
-    from mxlib.workbook.steps import check_e2e_parameters
+    from mxlib.studies.steps import check_e2e_parameters
 
     p = check_e2e_parameters(scheme="w_mxfp4", model_preset="gpt-oss-tiny")
     assert p.model_preset == "gpt-oss-tiny" and p.scheme == W_MXFP4
@@ -564,7 +564,7 @@ def test_e2e_parameters_refuse_a_skipped_scheme_for_gpt_oss():
 def test_loader_names_a_missing_bias(tiny_gpt_oss, tmp_path):
     from safetensors.torch import load_file
 
-    from mxlib.models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+    from mxlib.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 
     model, _ = tiny_gpt_oss
     path = write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt")
@@ -585,7 +585,7 @@ def test_loaded_model_saves_in_the_native_layout(tiny_gpt_oss, tmp_path):
     (the biases included), and that loads to the same logits."""
     from safetensors.torch import load_file
 
-    from mxlib.models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
+    from mxlib.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 
     model, ids = tiny_gpt_oss
     path = write_quantized_checkpoint(model, "w_mxfp4", tmp_path / "ckpt")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mxlib.moe import MOE_SCHEMES, fused_topk, get_moe_scheme, quantize_expert_weights
-from mxlib.workbook.studies import emulation_experts
+from mxlib.studies.unification import emulation_experts
 
 from oracles import moe_fp64
 

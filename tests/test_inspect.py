@@ -16,18 +16,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib import formats
+from mxlib.checkpoints import (
+    dummy_checkpoint_from_config,
+    inspect_checkpoint,
+    read_quant_config,
+    write_quantized_checkpoint,
+)
+from mxlib.checkpoints import inspect as I
+from mxlib.checkpoints.files import headers, safetensors_io
 from mxlib.cli import main as cli_main
 from mxlib.formats import FP8_E4M3_PER_TENSOR, NVFP4
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import (
-    dummy_checkpoint_from_config,
-    headers,
-    inspect_checkpoint,
-    read_quant_config,
-    safetensors_io,
-    write_quantized_checkpoint,
-)
-from mxlib.models.checkpoints import inspect as I
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe import SCALE_STRATEGIES
 from mxlib.workbook import explorers as explore

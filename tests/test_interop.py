@@ -54,7 +54,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib import reference as R
-from mxlib.models.checkpoints import CheckpointError, load_quantized_qwen3_moe
+from mxlib.checkpoints import CheckpointError, load_quantized_qwen3_moe
 from mxlib.moe.linear import EmulatedLinear
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"

@@ -51,8 +51,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib import reference as R
-from mxlib.models.checkpoints import LAYOUTS, CheckpointError, load_quantized_qwen3_moe, read_quant_config
-from mxlib.models.checkpoints.compressed_tensors_mxfp8 import ct_mxfp8_scale, quantize_ct_mxfp8
+from mxlib.checkpoints import LAYOUTS, CheckpointError, load_quantized_qwen3_moe, read_quant_config
+from mxlib.checkpoints.layouts.compressed_tensors_mxfp8 import ct_mxfp8_scale, quantize_ct_mxfp8
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES
 
@@ -424,7 +424,7 @@ def test_quark_exclude_is_quarks_export(tmp_path, name, attention):
     same names in the same order), with attention bf16 or quantized."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.checkpoints import write_quantized_checkpoint
 
     cfg = json.loads((FIXTURES / name / "checkpoint" / "config.json").read_text())
     quark_exclude = cfg.pop("quantization_config")["exclude"]

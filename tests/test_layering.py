@@ -1,20 +1,29 @@
-"""The package's shape: layers import only downwards, no import cycles, no format names in branches, no
-module over about 1,000 lines.
+"""The package's shape: layers import only downwards, no import cycles, no format names in branches, and every
+module named on its package's face and in docs/architecture.md.
 
-Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> cases -> models ->
-workbook (the notebooks' wing: steps, studies, explorers, probes, checks, figures, setup, runner) -> cli / bench
-(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). Every import
+Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> recovery -> cases ->
+models (families, presets, calibration, Hessians, routing statistics, the trained model) -> checkpoints (the writer,
+the loader, the inspector, the layouts, the file handling) -> the models' modules that read the layouts (gpt_oss,
+in_memory, what_ran) -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no plotting,
+no Jupyter) -> workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) -> cli / bench
+(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). The CLI and the
+benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its arguments
+to the runner. Every import
 of every mxlib module (top level or nested) is read with ``ast``; a module may import its own layer or lower
 ones, and the import graph has no cycle. A module the table does not name (a new top-level file) counts as the
 top layer, so it may import anything and nothing below may import it.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "mxlib"
+
+# the models' modules that read the checkpoint layouts: above mxlib.checkpoints, which builds on the rest of models
+MODELS_ON_CHECKPOINTS = ("mxlib.models.gpt_oss", "mxlib.models.in_memory", "mxlib.models.what_ran")
 
 LAYERS = [
     ("mxlib.formats",),
@@ -25,6 +34,9 @@ LAYERS = [
     ("mxlib.recovery",),
     ("mxlib.cases",),
     ("mxlib.models",),
+    ("mxlib.checkpoints",),
+    MODELS_ON_CHECKPOINTS,
+    ("mxlib.studies",),
     ("mxlib.workbook",),
     ("mxlib.cli", "mxlib.bench"),
 ]
@@ -42,12 +54,11 @@ MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
 def layer(mod: str) -> int:
+    """The layer of ``mod``: that of the longest name in ``LAYERS`` that is ``mod`` or a package above it."""
     if mod == "mxlib":
         return 0  # the package's __init__ imports no mxlib module at import time (its public names load lazily)
-    for i, group in enumerate(LAYERS):
-        if any(mod == g or mod.startswith(g + ".") for g in group):
-            return i
-    return TOP
+    found = [(len(g), i) for i, group in enumerate(LAYERS) for g in group if mod == g or mod.startswith(g + ".")]
+    return max(found)[1] if found else TOP
 
 
 def imports(mod: str) -> set[str]:
@@ -84,13 +95,46 @@ def test_the_table_knows_the_core_modules():
         "mxlib.reference",
         "mxlib.kernels.quant",
         "mxlib.moe.base",
-        "mxlib.models.checkpoints",
-        "mxlib.workbook.steps",
+        "mxlib.checkpoints",
+        "mxlib.studies.steps",
         "mxlib.workbook.runner",
         "mxlib.cli",
         "mxlib.bench",
     ):
         assert mod in MODULES and layer(mod) < TOP, mod
+
+
+# the one door from the command line into the workbook: ``mxlib workbook ARGS`` runs ``mxlib.workbook.runner.main``
+CLI_TO_WORKBOOK = {("mxlib.cli", "mxlib.workbook.runner")}
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == layer("mxlib.cli")))
+def test_cli_and_bench_import_no_workbook_module(mod):
+    wb = sorted(d for d in GRAPH[mod] if layer(d) == layer("mxlib.workbook") and (mod, d) not in CLI_TO_WORKBOOK)
+    assert not wb, f"{mod} imports the notebooks' wing {wb}: what the CLI and the benchmarks run lives in mxlib.studies"
+
+
+# the notebook stack: what ``mxlib.studies`` never imports (its rows and numbers run under the CLI and the benchmarks,
+# without the workbook extra)
+NOTEBOOK_STACK = ("plotly", "ipywidgets", "IPython", "ipykernel", "jupyter_client", "nbformat", "nbconvert")
+NOTEBOOK_STACK += ("papermill",)
+
+
+def third_party_imports(mod: str) -> set[str]:
+    """The top-level names of the packages ``mod`` imports, nested imports included."""
+    out = set()
+    for node in ast.walk(ast.parse(MODULES[mod].read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if layer(m) == layer("mxlib.studies")))
+def test_studies_import_no_notebook_stack(mod):
+    found = sorted(third_party_imports(mod) & set(NOTEBOOK_STACK))
+    assert not found, f"{mod} imports {found}: figures and widgets belong in mxlib.workbook"
 
 
 @pytest.mark.parametrize("mod", sorted(MODULES))
@@ -141,8 +185,8 @@ def test_no_import_cycles():
 TABLES = {
     "mxlib.formats",
     "mxlib.moe.schemes",
-    "mxlib.models.checkpoints.modelopt_nvfp4",
-    "mxlib.models.checkpoints.quark_ocp_mx",
+    "mxlib.checkpoints.layouts.modelopt_nvfp4",
+    "mxlib.checkpoints.layouts.quark_ocp_mx",
 }
 
 
@@ -230,16 +274,44 @@ def test_launch_sites_pass_no_hand_made_format_tables():
                 assert frozenset(k.value for k in node.keys) not in keysets, f"{mod}:{node.lineno}"
 
 
-# ----------------------------------------------------------------------------- room sizes
+# ----------------------------------------------------------------------------- the faces
 
-# A module holds one subject, whole: a subject is not cut in two to meet a line count, and past about 1,000 lines
-# a module holds two. The reference is the exception: its docstrings state the arithmetic and its pitfalls at
-# length (the oracle every test reads against).
-MAX_LINES = 1000
-LONG_ALLOWED = {"mxlib.reference"}
+# A module holds one subject, whole, and says so where a reader looks first: its package's ``__init__`` docstring
+# names every module of the package (``.py`` file or subpackage, by name, inside a double-backtick literal), and
+# docs/architecture.md names every module of mxlib (``pkg/module.py`` in backticks, ``__init__.py`` and
+# ``__main__.py`` included). There is no line count: a long module is fine where its face says what it holds.
+PACKAGES = sorted({ROOT} | {p.parent for p in ROOT.rglob("__init__.py")})
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 
 
-@pytest.mark.parametrize("mod", sorted(m for m in MODULES if m not in LONG_ALLOWED))
-def test_no_module_over_about_1000_lines(mod):
-    lines = len(MODULES[mod].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{mod} has {lines} lines (at most {MAX_LINES}): split it by subject"
+def package_modules(folder: Path) -> list[str]:
+    """The names of the modules directly in a package folder: its ``.py`` files (but ``__init__`` and
+    ``__main__``) and its subpackages."""
+    files = [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    return sorted(files + [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()])
+
+
+def literal_words(doc: str) -> set[str]:
+    """The words inside the docstring's double-backtick literals (``mxlib.moe.base`` gives mxlib, moe, base)."""
+    return {w for lit in re.findall(r"``(.+?)``", doc, flags=re.S) for w in re.findall(r"\w+", lit)}
+
+
+def test_the_face_checks_can_fail():
+    assert literal_words("``layout.CheckpointLayout`` and the layouts") == {"layout", "CheckpointLayout"}
+    assert "layouts" not in literal_words("the layouts, ``layout``")  # prose does not count
+    assert "quant" in package_modules(ROOT / "kernels") and "layouts" in package_modules(ROOT / "checkpoints")
+    assert "`kernels/quant.py`" not in "| `quant.py` |"  # a bare file name does not name a module of a subpackage
+
+
+@pytest.mark.parametrize("folder", PACKAGES, ids=lambda p: module_name(p / "__init__.py"))
+def test_package_docstring_names_every_module(folder):
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    missing = [m for m in package_modules(folder) if m not in literal_words(doc)]
+    assert not missing, f"{module_name(folder / '__init__.py')}'s docstring does not name {missing}"
+
+
+def test_architecture_names_every_module():
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    missing = [p.relative_to(ROOT).as_posix() for p in sorted(ROOT.rglob("*.py"))]
+    missing = [m for m in missing if f"`{m}`" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"

@@ -23,12 +23,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mxlib import checkpoints as C
 from mxlib import kernels as K
 from mxlib import reference as R
-from mxlib.models import checkpoints as C
+from mxlib.checkpoints.layouts.compressed_tensors_nvfp4 import quantize_nvfp4_encode
+from mxlib.checkpoints.scalars import widen_scale
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints.compressed_tensors_nvfp4 import quantize_nvfp4_encode
-from mxlib.models.checkpoints.scalars import widen_scale
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts
 from mxlib.moe.factory import make_emulated_linear, quantize_linear_weight

@@ -13,16 +13,11 @@ import shutil
 import pytest
 import torch
 
+from mxlib.checkpoints import CheckpointError, inspect_checkpoint, load_quantized_moe, write_quantized_checkpoint
+from mxlib.checkpoints import inspect as I
+from mxlib.checkpoints import loader as L
+from mxlib.checkpoints.files import safetensors_io
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import (
-    CheckpointError,
-    inspect_checkpoint,
-    load_quantized_moe,
-    safetensors_io,
-    write_quantized_checkpoint,
-)
-from mxlib.models.checkpoints import inspect as I
-from mxlib.models.checkpoints import loader as L
 from mxlib.models.gpt_oss import dummy_gpt_oss, gpt_oss_20b_config
 from mxlib.models.presets import GPT_OSS_PRESETS
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config

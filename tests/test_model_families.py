@@ -20,8 +20,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from mxlib.models import calibration, evaluation, families, hessians, moe_models, qwen3, routing_stats, untrusted
-from mxlib.models.checkpoints import (
+from mxlib.checkpoints import (
     CheckpointError,
     attach_checkpoint_layout,
     dummy_checkpoint_from_config,
@@ -31,7 +30,9 @@ from mxlib.models.checkpoints import (
     save_quantized_checkpoint,
     write_quantized_checkpoint,
 )
-from mxlib.models.checkpoints.dummy import dummy_quantization
+from mxlib.checkpoints.dummy import dummy_quantization
+from mxlib.checkpoints.files import untrusted
+from mxlib.models import calibration, evaluation, families, hessians, moe_models, qwen3, routing_stats
 from mxlib.models.tasks import Dataset
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -222,7 +222,7 @@ def test_quark_checkpoint_roundtrip(tiny_model, tmp_path, scheme):
 
     from safetensors.torch import load_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
     from mxlib.models.qwen3 import expert_weights
 
     model, cal, ids = tiny_model
@@ -272,7 +272,7 @@ def test_quark_mxfp8_checkpoint_bad_input(tiny_model, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
 
     model, cal, _ = tiny_model
     path = C.write_quantized_checkpoint(model, "w_mxfp8_a_mxfp8", tmp_path / "ckpt", cal)
@@ -300,7 +300,7 @@ def test_quark_mxfp8_checkpoint_bad_input(tiny_model, tmp_path):
 def test_quark_mxfp8_weights_stored_as_uint8_read_too(tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
 
     model, cal, ids = tiny_model
     path = C.write_quantized_checkpoint(model, "w_mxfp8", tmp_path / "ckpt", cal)
@@ -327,7 +327,7 @@ def test_modelopt_mxfp8_checkpoint(tiny_model, tmp_path):
 
     from safetensors.torch import load_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
     from mxlib.models.qwen3 import expert_weights
 
     from oracles import mx_scale_exponent

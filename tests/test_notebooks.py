@@ -342,7 +342,7 @@ def test_06_what_fp4_costs(executed_notebook):
 
 def test_07_accuracy_recovery(executed_notebook):
     res = run_notebook("07_accuracy_recovery", executed_notebook)
-    from mxlib.workbook.recovery import technique_names
+    from mxlib.studies.recovery import technique_names
 
     names = list(technique_names(NOTEBOOK_PARAMS["07_accuracy_recovery"]["techniques"]))
     assert res["recipe"] == "test" and res["techniques"] == names and res["schemes"] == ["nvfp4", "w_mxfp4_a_mxfp4"]

@@ -251,7 +251,7 @@ def test_variant_experts_two_level_option_and_refusals():
 
 
 def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
     from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
     from mxlib.moe import factory as F
     from mxlib.moe.linear import EmulatedLinear, LinearWeights
@@ -274,7 +274,7 @@ def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
 
 def test_what_the_global_scale_buys_on_a_models_tensors():
     from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
-    from mxlib.workbook import variant_lessons as V
+    from mxlib.studies import variant_lessons as V
 
     from _util import TINY_QWEN3
 

@@ -1,4 +1,4 @@
-"""A user's own checkpoint in the workbook (mxlib.workbook.own_checkpoint), on the producer-made fixtures.
+"""A user's own checkpoint in the workbook (mxlib.studies.own_checkpoint), on the producer-made fixtures.
 
 The fixtures are tests/fixtures/interop's checkpoints, written by ModelOpt, llm-compressor and Quark
 themselves. The weight-only reference is checked against the float64 MoE oracle; the unification
@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mxlib.analysis import sqnr_db
+from mxlib.checkpoints import load_quantized_qwen3_moe
 from mxlib.formats import NVFP4_FLUSH_RATIO
-from mxlib.models.checkpoints import load_quantized_qwen3_moe
-from mxlib.workbook.own_checkpoint import check_checkpoint_path, checkpoint_layers_study, checkpoint_token_ids
+from mxlib.studies.own_checkpoint import check_checkpoint_path, checkpoint_layers_study, checkpoint_token_ids
 
 from oracles import moe_fp64
 

@@ -16,9 +16,9 @@ import pytest
 from mxlib import cli
 from mxlib.models.parameters import PARAMETER_ALIASES, PARAMETER_BOUNDS, check_parameter
 from mxlib.models.presets import preset_context, preset_experts, preset_layers
-from mxlib.workbook import accuracy as A
-from mxlib.workbook import recovery as RC
-from mxlib.workbook import steps as W
+from mxlib.studies import accuracy as A
+from mxlib.studies import recovery as RC
+from mxlib.studies import steps as W
 
 PRESET = "tiny"
 

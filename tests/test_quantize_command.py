@@ -27,10 +27,10 @@ from safetensors import safe_open
 from test_families_roundtrip import CONFIGS as FAMILY_CONFIGS
 from test_families_roundtrip import _config as family_config
 
+from mxlib.checkpoints import load_quantized_moe, write_quantized_checkpoint
+from mxlib.checkpoints.streaming import calibration_token_ids
 from mxlib.cli import main as cli_main
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import load_quantized_moe, write_quantized_checkpoint
-from mxlib.models.checkpoints.streaming import calibration_token_ids
 from mxlib.models.gpt_oss import gpt_oss_20b_config
 from mxlib.models.moe_models import dummy_moe_model, expert_weights, moe_layers, swap_experts
 from mxlib.models.qwen3 import qwen3_30b_a3b_config
@@ -388,7 +388,7 @@ def test_an_existing_destination_needs_overwrite(sources, tmp_path, capsys):
 
 def test_a_failure_midway_leaves_nothing(sources, tmp_path, monkeypatch):
     """An error while the second layer is written: no destination, no temporary (the atomic folder write)."""
-    from mxlib.models.checkpoints import streaming
+    from mxlib.checkpoints import streaming
 
     _, src = sources["Qwen3MoeForCausalLM"]
     calls = []
@@ -485,7 +485,7 @@ def test_peak_memory_stays_near_one_layer(tmp_path):
     The expert weights of the written checkpoint, loaded with mxlib's loader, dequantize to what
     the in-memory quantization of the same bf16 tensors gives, bit for bit (sampled experts of each layer).
     """
-    from mxlib.models.checkpoints.safetensors_io import SHARD_BYTES
+    from mxlib.checkpoints.files.safetensors_io import SHARD_BYTES
 
     config = qwen3_30b_a3b_config(2, vocab_size=4096, bos_token_id=1, eos_token_id=2)
     src = tmp_path / "bf16"
@@ -498,7 +498,7 @@ def test_peak_memory_stays_near_one_layer(tmp_path):
     embed = 2 * config.vocab_size * config.hidden_size * 2
     (tmp_path / "calib.txt").write_text(calibration_text(256))
     imports = (
-        "import torch, transformers, mxlib.cli.checkpoint_commands, mxlib.models.checkpoints.streaming; "
+        "import torch, transformers, mxlib.cli.checkpoint_commands, mxlib.checkpoints.streaming; "
         "from transformers import AutoTokenizer, Qwen3MoeForCausalLM"
     )
     baseline, base = peak_memory([sys.executable, "-c", imports], cwd=ROOT)

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 import mxlib
+from mxlib.checkpoints import load_quantized_moe, write_quantized_checkpoint
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import load_quantized_moe, write_quantized_checkpoint
 from mxlib.models.hessians import collect_expert_hessians
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 

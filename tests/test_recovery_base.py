@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxlib import checkpoints as C
 from mxlib import reference as R
-from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import MODEL_PRESETS, dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from mxlib import checkpoints as C
 from mxlib import reference as R
 from mxlib.formats import NVFP4
-from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, moe_layers, qwen3_30b_a3b_config
 from mxlib.moe.emulation import ExpertWeights

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from mxlib import checkpoints as C
 from mxlib import reference as R
 from mxlib.formats import BLOCK_SCHEMES
-from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.hessians import collect_expert_hessians
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, moe_layers, qwen3_30b_a3b_config

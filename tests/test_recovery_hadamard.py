@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from mxlib import checkpoints as C
 from mxlib.kernels.hadamard import BlockHadamard, block_hadamard, ref_block_hadamard
-from mxlib.models import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config, swap_experts
 from mxlib.moe.base import TritonExperts

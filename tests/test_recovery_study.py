@@ -1,4 +1,4 @@
-"""Notebook 07's studies (mxlib.workbook.recovery, recovery_measures) on round-to-nearest and a worse technique.
+"""Notebook 07's studies (mxlib.studies.recovery, recovery_measures) on round-to-nearest and a worse technique.
 
 The techniques of ``mxlib.recovery`` beyond ``rtn`` are not needed here: the study is generic over
 technique names, so it is tested with ``rtn``, with ``ScaleStepUp`` (every block scale one step up,
@@ -21,9 +21,9 @@ from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import get_moe_scheme
 from mxlib.recovery import TECHNIQUES, RoundToNearest
-from mxlib.workbook import accuracy as A
-from mxlib.workbook import recovery as RC
-from mxlib.workbook import recovery_measures as M
+from mxlib.studies import accuracy as A
+from mxlib.studies import recovery as RC
+from mxlib.studies import recovery_measures as M
 
 from _util import TINY_QWEN3
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mxlib.workbook.checks import FLOOR_TARGETS, Checks, floors_table, strategy_summary
+from mxlib.studies.tables import FLOOR_TARGETS, floors_table, strategy_summary
+from mxlib.workbook.checks import Checks
 
 
 def test_checks_count_and_raise():
@@ -83,7 +84,7 @@ def test_anchor_tables_recompute_from_json(name):
     import json
     from pathlib import Path
 
-    from mxlib.workbook.checks import ANCHOR_RATIOS, anchor_tables
+    from mxlib.studies.tables import ANCHOR_RATIOS, anchor_tables
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / name
     data = json.loads(path.read_text())
@@ -119,7 +120,7 @@ def test_anchor_tables_unknown_ratio(tmp_path):
     import json
     from pathlib import Path
 
-    from mxlib.workbook.checks import anchor_tables
+    from mxlib.studies.tables import anchor_tables
 
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "h200_fp4_anchors_smem_decode.json"
     data = json.loads(src.read_text())

@@ -2,7 +2,7 @@
 
 A small model (hidden 256, 64 experts, top-8, 4 layers; 4 heads of 128 so attention is twice
 the hidden size wide, as in Qwen3-30B-A3B) on the 512 calibration tokens of
-``mxlib.workbook.steps.calibrate_model`` (seed + 1000, 2 x 256). The bar is the issue's, scaled to
+``mxlib.studies.steps.calibrate_model`` (seed + 1000, 2 x 256). The bar is the issue's, scaled to
 64 experts: at least 62 of 64 experts hit in every layer (124 of 128 at full size), no
 expert above 3x the uniform share. The plain random model (``balanced_routing=False``) must
 fail that bar, so the test can tell the two apart.
@@ -16,7 +16,7 @@ import torch
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, moe_layers, qwen3_30b_a3b_config
 from mxlib.models.routing_stats import routing_figure, routing_rows, routing_statistics, summarize_counts
-from mxlib.workbook.steps import random_token_ids
+from mxlib.studies.steps import random_token_ids
 
 SMALL = dict(
     hidden_size=256,
@@ -36,7 +36,7 @@ def _config():
 
 
 def _calibration_ids(vocab_size):
-    # the token ids mxlib.workbook.steps.calibrate_model(model, 512, SEED) draws
+    # the token ids mxlib.studies.steps.calibrate_model(model, 512, SEED) draws
     return random_token_ids(256, SEED + 1000, vocab_size, batch=2)
 
 
@@ -185,7 +185,7 @@ def test_routing_figure(models):
 def test_cli_routing_reports_the_calibration_routing(tmp_path, capsys):
     # the CLI's routing subcommand: the same numbers as summarize_counts of the calibration (notebook 04)
     from mxlib import cli
-    from mxlib.workbook import steps
+    from mxlib.studies import steps
 
     out = tmp_path / "routing.json"
     assert cli.main(["routing", "--preset", "tiny", "--layers", "2", "--calib-tokens", "256", "--json", str(out)]) == 0

@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mxlib.models import checkpoints as C
+from mxlib import checkpoints as C
+from mxlib.checkpoints.files import safetensors_io
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import safetensors_io
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config, swap_experts
 from mxlib.moe import make_emulation_experts, quantize_expert_weights
 

@@ -1,4 +1,4 @@
-"""``mxlib.workbook.studies.vllm_vs_hardware_study`` and its float64 MoE, on the ``tiny`` preset.
+"""``mxlib.studies.unification.vllm_vs_hardware_study`` and its float64 MoE, on the ``tiny`` preset.
 
 Oracles built here, sharing no arithmetic with mxlib: weights decoded from the packed bytes with
 ml_dtypes (e2m1 codes, ue4m3 / E8M0 scales) and multiplied in float64; NVFP4 activation codes from
@@ -17,8 +17,8 @@ import torch
 from mxlib.analysis import sqnr_db
 from mxlib.moe import fused_topk
 from mxlib.moe.factory import make_emulation_experts, quantize_expert_weights
-from mxlib.workbook import steps as W
-from mxlib.workbook import studies as S
+from mxlib.studies import steps as W
+from mxlib.studies import unification as S
 
 import oracles
 from _util import assert_bits_equal

@@ -14,8 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import Qwen3MoeForCausalLM
 
+from mxlib.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 from mxlib.models.qwen3 import dummy_qwen3_moe, empty_qwen3_moe, qwen3_30b_a3b_config, tied_parameter_names
 
 from _util import TINY_QWEN3 as TINY
@@ -106,7 +106,7 @@ def test_a_stored_head_is_not_read_when_tied(tied, tmp_path):
 def test_dummy_from_config_with_tied_embeddings(tmp_path):
     from pathlib import Path
 
-    from mxlib.models.checkpoints import dummy_checkpoint_from_config
+    from mxlib.checkpoints import dummy_checkpoint_from_config
 
     src = tmp_path / "src"
     src.mkdir()

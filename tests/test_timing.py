@@ -1,4 +1,4 @@
-"""``mxlib.workbook.timing``: the recorded timing spread, its pooled noise by hand, and "faster" decided against it."""
+"""``mxlib.studies.timing``: the recorded timing spread, its pooled noise by hand, and "faster" decided against it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mxlib.stats import ComparisonFamily
-from mxlib.workbook import timing as TM
+from mxlib.studies import timing as TM
 
 ROOT = Path(__file__).resolve().parents[1]
 

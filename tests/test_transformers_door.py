@@ -68,7 +68,7 @@ print(repr(outcome))
 def test_a_registered_quantizer_never_reads_the_experts(tmp_path):
     import torch
 
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.checkpoints import write_quantized_checkpoint
     from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 
     from _util import TINY_QWEN3

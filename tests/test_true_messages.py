@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mxlib import reference as R
+from mxlib.checkpoints.files.atomic_write import atomic_folder, describe_destination
 from mxlib.formats import get_element_format
 from mxlib.kernels import quant as K
-from mxlib.models.atomic_write import atomic_folder, describe_destination
 
 FP6 = ["e2m3", "e3m2"]
 

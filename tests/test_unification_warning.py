@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mxlib import reference as R
+from mxlib.checkpoints.inspect_loss import predicted_db_lost
 from mxlib.formats import NVFP4, NVFP4_SUBNORMAL_RATIO
-from mxlib.models.checkpoints.inspect_loss import predicted_db_lost
 from mxlib.moe import scales as S
 
 

@@ -23,15 +23,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import (
+from mxlib.checkpoints import (
     CheckpointError,
     inspect_checkpoint,
     load_quantized_qwen3_moe,
-    safetensors_io,
     write_quantized_checkpoint,
 )
-from mxlib.models.checkpoints import loader as L
+from mxlib.checkpoints import loader as L
+from mxlib.checkpoints.files import safetensors_io
+from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 
 from _util import TINY_QWEN3 as TINY

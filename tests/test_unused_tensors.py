@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mxlib.checkpoints import inspect_checkpoint, load_quantized_moe, write_quantized_checkpoint
+from mxlib.checkpoints.files.headers import UnusedTensorsWarning
 from mxlib.models.calibration import calibrate
-from mxlib.models.checkpoints import inspect_checkpoint, load_quantized_moe, write_quantized_checkpoint
-from mxlib.models.checkpoints.headers import UnusedTensorsWarning
 from mxlib.models.gpt_oss import dummy_gpt_oss, gpt_oss_20b_config
 from mxlib.models.presets import GPT_OSS_PRESETS
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config

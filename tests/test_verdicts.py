@@ -1,9 +1,9 @@
-"""``mxlib.workbook.verdicts``: the trained-model rows' paired intervals decided together, against the noise level."""
+"""``mxlib.studies.verdicts``: the trained-model rows' paired intervals decided together, against the noise level."""
 
 from __future__ import annotations
 
 from mxlib.stats import ComparisonFamily
-from mxlib.workbook.verdicts import add_rows, verdict_sentences
+from mxlib.studies.verdicts import add_rows, verdict_sentences
 
 FLOOR = {"add": {"exact_match": 0.002, "nll_per_token": 0.001}}
 

@@ -157,7 +157,7 @@ def _stored(path):
 def test_modelopt_w4a16_checkpoint_roundtrip(tiny_model, tmp_path, quantize_attention):
     import json
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
     from mxlib.models.qwen3 import expert_weights
 
     model, cal, ids = tiny_model
@@ -202,7 +202,7 @@ def test_modelopt_w4a16_stray_input_scale_and_bad_algo(tiny_model, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from mxlib.models import checkpoints as C
+    from mxlib import checkpoints as C
 
     model, cal, ids = tiny_model
     path = C.write_quantized_checkpoint(model, "w4a16_nvfp4", tmp_path / "ckpt", cal)

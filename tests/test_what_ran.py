@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from mxlib.models import checkpoints as C
+from mxlib import checkpoints as C
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.models.what_ran import RanMismatch, RanRow, WhatRan, assert_runs_as, what_ran

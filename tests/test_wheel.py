@@ -150,7 +150,7 @@ def test_the_installed_wheel_runs_a_notebook_from_its_package_data(dist, tmp_pat
         [
             sys.executable,
             "-c",
-            "import mxlib.workbook.runner as r, mxlib.workbook.steps as s\n"
+            "import mxlib.workbook.runner as r, mxlib.studies.steps as s\n"
             "print(r.__file__); print(r.default_notebooks()); print(s.default_cache_dir())",
         ],
         cwd=elsewhere,

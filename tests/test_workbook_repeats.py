@@ -1,4 +1,4 @@
-"""mxlib.workbook.repeats (spreads and orderings over token sets), the steps' numerics switch and
+"""mxlib.studies.repeats (spreads and orderings over token sets), the steps' numerics switch and
 repeats parameter, and the probes that keep machine paths out of a notebook's output."""
 
 import math
@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from mxlib.workbook import probes
-from mxlib.workbook import repeats as RP
-from mxlib.workbook import steps as W
+from mxlib.studies import probes
+from mxlib.studies import repeats as RP
+from mxlib.studies import steps as W
 
 
 def test_spread_matches_statistics():
@@ -74,7 +74,7 @@ def test_relative_paths_and_short_warnings(tmp_path):
 def tiny_loaded(tmp_path_factory):
     p = W.check_e2e_parameters(scheme="nvfp4", model_preset="tiny", num_hidden_layers=2, num_tokens=8, calib_tokens=32)
     model = W.build_model(p)
-    from mxlib.workbook.steps import prepare_checkpoint
+    from mxlib.studies.steps import prepare_checkpoint
 
     ck = prepare_checkpoint(p.scheme, model, calib_tokens=32, cache_dir=tmp_path_factory.mktemp("ck"))
     ids = [W.random_token_ids(8, s, model.config.vocab_size) for s in (1, 2)]

@@ -13,7 +13,7 @@ import torch
 
 from mxlib.analysis import sqnr_db
 from mxlib.moe.base import TritonExperts
-from mxlib.workbook import steps as W
+from mxlib.studies import steps as W
 
 preset, scheme, device, out_path = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 backends = sys.argv[5].split(",")

@@ -15,6 +15,10 @@ preset eagerly, for tests).
 ``per_token`` (``python -m mxlib.bench.per_token``): the FP4 kernel's layer with per-token NVFP4
 activation scales beside static ones, and the per-row passes alone.
 
+``rotation`` (``python -m mxlib.bench.rotation``): what the online block Hadamard rotation costs on the GPU and
+what it does to the error. ``sweep`` (``python -m mxlib.bench.sweep``): the tile sweep and per-kernel profile of
+the fused FP4 kernel on the anchor harness's layer.
+
 All print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
 """
 

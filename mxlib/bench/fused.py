@@ -48,7 +48,7 @@ from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import get_moe_scheme
-from ..workbook.checks import ANCHOR_ROWS  # the anchor rows of the tables, in their order
+from ..studies.tables import ANCHOR_ROWS  # the anchor rows of the tables, in their order
 from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from ..analysis import sqnr_db_from_sums
 from ..models.calibration import calibrate
 from ..models.qwen3 import (
     dummy_qwen3_moe,
@@ -203,9 +204,7 @@ def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     noise = float((x - ref).pow(2).sum())
     signal = float(ref.pow(2).sum())
-    if noise == 0.0:
-        return math.inf
-    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+    return sqnr_db_from_sums(signal, noise)
 
 
 def _time_forward(model, ids, device, rep_ms: float, graphs: bool, eager_out: torch.Tensor | None = None) -> dict:

@@ -19,7 +19,7 @@ memory floor (packed weights and scales of the experts hit + activations in and 
 at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
 (measured in the same run). ``--sweep`` first tries tile configurations per M and uses
 the fastest. ``--model`` adds whole-model forward times (4 and 48 layers). Last, it prints
-notebook 05's floors table (``mxlib.workbook.checks.floors_table``: fused against the
+notebook 05's floors table (``mxlib.studies.tables.floors_table``: fused against the
 dequantize-then-GEMM path and bf16, per target) and stores it in the JSON as ``floors``.
 """
 
@@ -39,7 +39,7 @@ from ..moe import base as X
 from ..moe.factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.routing import fused_topk
 from ..moe.schemes import OCP_MX_SCHEMES, get_moe_scheme
-from ..workbook.checks import floors_table
+from ..studies.tables import floors_table
 from ._common import copy_bandwidth, env, graph_ms, median_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -277,7 +277,7 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
 
 
 def print_floors(rows: list[dict]) -> list[dict]:
-    """Print and return notebook 05's floors table (``mxlib.workbook.checks.floors_table``) of bench rows."""
+    """Print and return notebook 05's floors table (``mxlib.studies.tables.floors_table``) of bench rows."""
     floors = floors_table(rows)
     for r in floors:
         want = f"{r['target_vs_dequant']}x" if r["target_vs_dequant"] != "" else "-"

@@ -27,7 +27,8 @@ stderr is a terminal and ``-q`` is not given.
 
 Imports: only argparse and the standard library at import time, so that ``--help`` answers at once;
 each command's module (``runs``: e2e, compare, unify, routing; ``checkpoint_commands``: inspect,
-dummy-from-config, quantize) and torch are imported when the command runs.
+dummy-from-config, quantize) and torch are imported when the command runs. ``_options`` spells out the option
+values so that ``--help`` imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     check, run = _command(args.cmd)
-    from ..models.checkpoints import CheckpointError
+    from ..checkpoints import CheckpointError
 
     with _logging(verbose, quiet, args.progress):
         try:

@@ -4,7 +4,7 @@ transformers, and the argparse types that check numbers and comma-separated list
 Each tuple is a copy of a library table (``tests/test_cli.py`` checks that it equals the table):
 ``SCHEMES`` of ``mxlib.moe.MOE_SCHEMES`` (with ``SCHEME_ALIASES`` those ``get_moe_scheme`` also
 accepts), ``STRATEGIES`` of ``mxlib.moe.SCALE_STRATEGIES``, ``BACKENDS`` of ``mxlib.moe.BACKENDS``,
-``LAYOUTS`` of ``mxlib.models.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``,
+``LAYOUTS`` of ``mxlib.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``,
 ``TECHNIQUES`` of ``mxlib.recovery.TECHNIQUES``.
 A type's error (``argparse.ArgumentTypeError``) becomes ``mxlib CMD: error: argument --OPTION: ...``.
 """

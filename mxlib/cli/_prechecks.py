@@ -1,6 +1,6 @@
 """The checks every command's options get before torch or any model code is imported, so that a user's
 mistake is answered at once (one line, exit code 2): the standard library and mxlib's torch-free rules only
-(``mxlib.models.presets``, ``mxlib.models.untrusted``, ``mxlib.models.atomic_write``).
+(``mxlib.models.presets``, ``mxlib.checkpoints.files.untrusted``, ``mxlib.checkpoints.files.atomic_write``).
 
 * the model commands (``e2e``, ``compare``, ``unify``, ``routing``): every bounded option (``--layers``,
   ``--tokens``, ``--calib-tokens``, ``--seed``, ``--output-layers``, ``--spread(s)``) within its bounds of
@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..models import untrusted
-from ..models.atomic_write import describe_destination, is_mxlib_checkpoint
+from ..checkpoints.files import untrusted
+from ..checkpoints.files.atomic_write import describe_destination, is_mxlib_checkpoint
 from ..models.families import UnsupportedModelError, check_supported_checkpoint
 from ..models.parameters import check_parameter
 

@@ -1,7 +1,7 @@
 """The checkpoint commands: ``inspect PATH`` (configs and scale tensors only; ``--ran``: also the loaded model's
 executed semantics, ``mxlib.models.what_ran``), ``dummy-from-config CONFIG_DIR OUT_DIR`` (dummy weights in the
 layout a checkpoint's config files describe, loaded and run) and ``quantize SRC DST`` (a bf16 checkpoint folder
-quantized layer by layer: ``mxlib.models.checkpoints.streaming.quantize_checkpoint``).
+quantized layer by layer: ``mxlib.checkpoints.streaming.quantize_checkpoint``).
 
 A command's ``check`` runs before any work (a ValueError or FileNotFoundError names the option); its
 ``run`` prints a summary on stdout and returns the JSON result.
@@ -16,23 +16,18 @@ from pathlib import Path
 
 import torch
 
-from ..models.atomic_write import describe_destination
-from ..models.checkpoints import (
-    CheckpointError,
-    dummy_checkpoint_from_config,
-    inspect_checkpoint,
-    load_quantized_moe,
-)
-from ..models.checkpoints.dummy import dummy_quantization
-from ..models.checkpoints.safetensors_io import is_mxlib_checkpoint
-from ..models.checkpoints.streaming import check_quantization
+from ..checkpoints import CheckpointError, dummy_checkpoint_from_config, inspect_checkpoint, load_quantized_moe
+from ..checkpoints.dummy import dummy_quantization
+from ..checkpoints.files.atomic_write import describe_destination
+from ..checkpoints.files.safetensors_io import is_mxlib_checkpoint
+from ..checkpoints.streaming import check_quantization
 from ..models.families import family_of
 
 
 def _steps():
-    """``mxlib.workbook.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
+    """``mxlib.studies.steps``, imported when a command needs it: it imports transformers, which ``inspect`` (its
     configs and headers only) never does."""
-    from ..workbook import steps
+    from ..studies import steps
 
     return steps
 

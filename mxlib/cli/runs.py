@@ -1,7 +1,7 @@
 """The model commands: ``e2e`` (notebook 01), ``compare`` (notebook 03), ``unify`` and ``routing`` (notebook 04).
 
 Each builds the seeded dummy Qwen3-30B-A3B at the size of ``--preset`` (``small`` unless asked) and
-calls the same ``mxlib.workbook.steps`` / ``mxlib.workbook.studies`` functions as its notebook. A
+calls the same ``mxlib.studies.steps`` / ``mxlib.studies.unification`` functions as its notebook. A
 command's ``check`` runs before anything is built (a ValueError names the option); its ``run``
 prints a summary on stdout and returns the JSON result.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 import warnings
 
+from ..checkpoints import checkpoint_size_bytes
 from ..formats import NVFP4_SUBNORMAL_RATIO
-from ..models.checkpoints import checkpoint_size_bytes
 from ..models.qwen3 import moe_layers
-from ..workbook import steps as W
-from ..workbook import studies as S
-from ..workbook.checks import strategy_summary
+from ..studies import steps as W
+from ..studies import unification as S
+from ..studies.tables import strategy_summary
 
 __all__ = ["COMMANDS"]
 
@@ -36,7 +36,7 @@ _NAMES = dict(
 
 def check_run(args) -> None:
     """``e2e``, ``compare``, ``unify``: ``args.params`` set to the checked shared options
-    (``mxlib.workbook.steps.check_e2e_parameters``: ``--scheme`` resolved to its ``MoEQuantScheme``,
+    (``mxlib.studies.steps.check_e2e_parameters``: ``--scheme`` resolved to its ``MoEQuantScheme``,
     ``--device`` to a ``torch.device``, the ``--json`` folder created), and for ``compare``
     ``args.moe_schemes`` to ``--schemes``'s."""
     args.params = W.check_e2e_parameters(
@@ -56,7 +56,7 @@ def check_run(args) -> None:
 
 
 def e2e(args) -> dict:
-    """Notebook 01's steps (``mxlib.workbook.steps``) on ``args.params``, the checked options."""
+    """Notebook 01's steps (``mxlib.studies.steps``) on ``args.params``, the checked options."""
     p = args.params
     dev, scheme = p.device, p.scheme
     t0 = time.perf_counter()

@@ -7,6 +7,11 @@ Modules: ``quant`` (the twins), ``fused_moe`` (the bf16 grouped GEMM), ``fused_d
 (the rounding code every kernel shares), ``_bridge`` (formats -> launch constexprs, the
 elementwise kernels' tiles, the interpreter choice) and ``_triton`` (triton itself, or, where the optional package
 is not installed, stand-ins that let the modules import and name the ``triton`` extra when a kernel is launched).
+The fused kernels' parts: ``fp4_prepare`` (the FP4 kernel's weight layouts from ``PackedWeights``), ``fp4_tiles``
+(its tile tables), ``fp4_activations`` (its activation QDQ, in the A-tile load or as one pass before GEMM1),
+``dequant_tiles`` (the dequantize-GEMM's weight-tile decodes), ``moe_epilogue`` (what the grouped GEMMs' epilogues
+share: the gated activation, the expert biases, the sum over k); ``hadamard`` (the block Hadamard rotation, its
+PyTorch arithmetic and its Triton twin).
 
 Interpreter or compiler: one choice per process. What a caller can rely on:
 

@@ -247,7 +247,7 @@ def recording_experts(model, layer: int, keep_activations: bool = False, bar=Non
     MoE on the layer's bf16 experts (``expert_weights``, with the family's activation and expert biases) and
     records per-expert a1 / a2 amax and token counts; ``.statistics()`` gives its ``LayerCalibration``.
     Swapping it in and out is the caller's (``setattr(block, family.experts_attr, twin)``); the streaming
-    quantizer (``mxlib.models.checkpoints.streaming``) calibrates one loaded layer at a time with it.
+    quantizer (``mxlib.checkpoints.streaming``) calibrates one loaded layer at a time with it.
 
     Raises:
         ValueError: ``layer`` is not an MoE layer.

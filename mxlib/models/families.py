@@ -22,7 +22,7 @@ A family descriptor says where a transformers MoE model keeps what mxlib replace
   (``disk_projs``: ``gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``w1`` / ``w3`` / ``w2``);
   ``disk_name`` / ``module_name`` translate a state-dict name to its checkpoint name and back;
   ``fp32_tensors``: state-dict name suffixes stored and loaded in float32 (DeepSeek-V3's router);
-  ``checkpoint_layout``: a layout name of ``mxlib.models.checkpoints`` own to the family (None:
+  ``checkpoint_layout``: a layout name of ``mxlib.checkpoints`` own to the family (None:
   the scheme's default layout).
 
 ``family_of(model_or_config)`` finds the descriptor (``UnsupportedModelError`` when none fits);
@@ -439,7 +439,7 @@ def check_supported_checkpoint(folder: str | os.PathLike, where: str, read_json,
         where: the public function being called, which the message names first.
         read_json: the caller's reader of an untrusted JSON file (``path -> dict``, raising its own
             error for a file that is not a regular file, too large or not a JSON object:
-            ``mxlib.models.checkpoints.headers.read_json``).
+            ``mxlib.checkpoints.files.headers.read_json``).
         error: the exception class of the refusal (None: ``UnsupportedModelError``).
 
     Returns:

@@ -9,7 +9,7 @@ What differs from Qwen3-MoE (``mxlib.models.qwen3``), and where mxlib follows it
   interleaved** (``gate = x @ W[..., ::2]``), ``down_proj [E, I, H]``, and biases ``gate_up_proj_bias [E, 2I]``
   (interleaved too) and ``down_proj_bias [E, H]``. mxlib's experts take ``w13 [E, 2I, H]`` gate rows then up rows,
   ``w2 [E, H, I]``, ``w13_bias [E, 2I]`` gate then up, ``w2_bias [E, H]``
-  (``mxlib.models.checkpoints.gpt_oss_mxfp4.deinterleave_gate_up``);
+  (``mxlib.checkpoints.layouts.gpt_oss_mxfp4.deinterleave_gate_up``);
 * activation: SwiGLU-OAI with ``alpha = 1.702`` and the config's ``swiglu_limit`` (``swiglu_activation``);
 * router: ``mlp.router``, a linear layer with a bias; top-k of the logits, then a softmax over those k;
 * attention: sliding-window (128) and full layers alternating, learned sinks, q/k/v/o biases, YaRN RoPE;
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from transformers import GptOssConfig
 
+from ..checkpoints.layouts import LAYOUTS  # the registry with mxlib's layouts registered
 from ..moe.activations import SWIGLUOAI, MoEActivation
 from ..moe.schemes import MOE_SCHEMES, MoEQuantScheme, get_moe_scheme
-from .checkpoints.layout import LAYOUTS
 from .moe_models import dummy_moe_model
 from .presets import GPT_OSS_20B, GPT_OSS_PRESETS
 

@@ -23,6 +23,8 @@ import logging
 import torch
 from tqdm import tqdm
 
+from ..checkpoints.layouts import LAYOUTS, layout_for_scheme  # the registry with mxlib's layouts registered
+from ..checkpoints.saving import _StateDictTensors, attach_checkpoint_layout, save_pretrained
 from ..moe.base import TransformersExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
@@ -30,8 +32,6 @@ from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique
 from ..recovery.base import technique_global_scale_kw
 from ..recovery.hadamard import rotation_from_config
 from .calibration import Calibration, calibrate
-from .checkpoints.layout import LAYOUTS, layout_for_scheme
-from .checkpoints.saving import _StateDictTensors, attach_checkpoint_layout, save_pretrained
 from .families import check_supported_model, family_of
 from .hessians import technique_from_calibration, technique_needs_hessians
 from .moe_models import BoundToModel, expert_activation, expert_biases, expert_weights, moe_blocks, swap_experts

@@ -107,7 +107,7 @@ def moe_layers(model) -> list:
 
 
 # Warm-up batch of the routing-balance construction: its own seed offset, apart from the
-# evaluation (seed + 1) and calibration (seed + 1000) token ids of mxlib.workbook.steps.
+# evaluation (seed + 1) and calibration (seed + 1000) token ids of mxlib.studies.steps.
 WARMUP_SEED_OFFSET = 2000
 WARMUP_SHAPE = (2, 256)  # [sequences, tokens]: the calibration batch's shape
 
@@ -142,7 +142,7 @@ def dummy_moe_model(
     collapse as it was.) A trained model's attention is selective and its layers add
     updates smaller than the residual stream they read. The construction, data-dependent
     like LSUV initialization (Mishkin & Matas, 2016), runs one seeded warm-up forward pass
-    (token ids ``[2, 256]`` drawn as ``mxlib.workbook.steps.random_token_ids`` does, seed
+    (token ids ``[2, 256]`` drawn as ``mxlib.studies.steps.random_token_ids`` does, seed
     ``seed + WARMUP_SEED_OFFSET``) layer by layer and sets:
 
     1. each layer's attention output projection ``o_proj`` multiplied by one scalar so the
@@ -173,7 +173,7 @@ def dummy_moe_model(
     ``balanced_routing=False`` gives the earlier plain random model (same random draws).
 
     Measured with seed 0, top-8 and the 512 calibration tokens of
-    ``mxlib.workbook.steps.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
+    ``mxlib.studies.steps.calibrate_model`` on the 4-layer Qwen3-30B-A3B (full widths, 128
     experts; uniform share 1/128 = 0.0078, 32 of the 4,096 assignments per expert):
 
     ========================  ==============  ==============  ==============  ==============
@@ -444,7 +444,7 @@ def _refuse_save_pretrained(model, *args, **kwargs):
     raise ValueError(
         "save_pretrained: this model's experts were swapped in by mxlib.models.qwen3.swap_experts; they hold "
         "their weights in buffers outside transformers' parameters, so transformers' save_pretrained would write "
-        "the model without them. Call mxlib.models.checkpoints.attach_checkpoint_layout(model) (quantized "
+        "the model without them. Call mxlib.checkpoints.attach_checkpoint_layout(model) (quantized "
         "experts; the layout from their scheme, or layout=...) and save_pretrained writes that checkpoint layout; "
         "for a bf16 model, save it before swapping"
     )
@@ -466,7 +466,7 @@ def swap_experts(model, make_experts, where: str = "swap_experts") -> None:
 
     The experts' tensors are not transformers parameters, so the model's ``save_pretrained``
     then raises ``ValueError`` (naming why) instead of writing a model without experts, until
-    ``mxlib.models.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
+    ``mxlib.checkpoints.attach_checkpoint_layout(model)`` gives it a checkpoint layout
     (``load_quantized_moe`` does so for the models it returns).
     """
     check_supported_model(model, where)

@@ -1,8 +1,8 @@
 """The bounds of every size, count and seed a user passes to the command line (``mxlib.cli``) and to the
-notebooks' parameter checks (``mxlib.workbook.steps``, ``mxlib.workbook.accuracy``,
-``mxlib.workbook.recovery``, and notebooks 00 and 02 calling ``check_parameters`` directly): one table,
-``PARAMETER_BOUNDS``, read by both, checked before anything is built. Plain Python (no torch import), so the
-command line checks its options before torch is imported.
+notebooks' parameter checks (``mxlib.studies.steps``, ``mxlib.studies.accuracy``, ``mxlib.studies.recovery``,
+and notebooks 00 and 02 calling ``check_parameters`` directly): one table, ``PARAMETER_BOUNDS``, read by both,
+checked before anything is built. Plain Python (no torch import), so the command line checks its options before
+torch is imported.
 
 Each ``Bound`` has a name (the notebook parameter's), a lower and an upper bound and a unit. An upper bound
 that depends on the model is the model preset's own (``upper_from``: ``"layers"``, the preset's decoder
@@ -149,7 +149,7 @@ def check_parameter(name: str, value, shown: str | None = None, model_preset: st
 def check_parameters(model_preset: str | None = None, names: dict | None = None, **values) -> dict:
     """Every named value within its bounds (``check_parameter``), the model-dependent ones against
     ``model_preset``'s layers, context and experts: what the notebooks call right after their ``parameters`` cell
-    (as ``mxlib.workbook.steps.check_parameters``), before anything is built. ``names``: the caller's name of a
+    (as ``mxlib.studies.steps.check_parameters``), before anything is built. ``names``: the caller's name of a
     parameter (the command line's ``--layers``).
 
     Returns:

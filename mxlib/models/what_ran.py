@@ -34,13 +34,13 @@ import torch
 
 from .. import kernels as _kernels
 from .. import reference as _ref
+from ..checkpoints.layout import CheckpointDescription
+from ..checkpoints.loader import _experts_excluded
 from ..moe import base as _base
 from ..moe import emulation as _emulation
 from ..moe.base import TransformersExperts, TritonExperts, resolve_backend
 from ..moe.linear import EmulatedLinear
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
-from .checkpoints.layout import CheckpointDescription
-from .checkpoints.loader import _experts_excluded
 from .families import family_of
 
 __all__ = ["RanRow", "WhatRan", "RanMismatch", "what_ran", "assert_runs_as", "QDQ_FUNCTIONS"]
@@ -448,7 +448,7 @@ def what_ran(model, *args, **kwargs) -> WhatRan:
     if not found:
         raise ValueError(
             f"model: {type(model).__name__} holds no mxlib experts (TritonExperts) and no EmulatedLinear; load it "
-            f"with mxlib.models.checkpoints.load_quantized_moe or swap its experts first"
+            f"with mxlib.checkpoints.load_quantized_moe or swap its experts first"
         )
     if not args and not kwargs:
         args, kwargs = _default_inputs(model)

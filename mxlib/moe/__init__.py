@@ -8,7 +8,10 @@ MoE), ``scales`` (activation-scale strategies), ``base``
 ``factory`` (quantize experts and build emulation experts: the one way to make them), ``linear``
 (``EmulatedLinear``: a quantized ``nn.Linear`` such as an attention projection, built by the factory),
 ``nvfp4_variants`` (``Nvfp4VariantEmulationExperts``: the NVFP4 variants ahead of hardware, ``nvfp4_ue5m3`` and
-``nvfp4_b32``, on the ``torch`` backend).
+``nvfp4_b32``, on the ``torch`` backend), ``expert_weights`` (``ExpertWeights``: one layer's experts quantized
+in one block scheme), ``activation_rules`` (the NVFP4 activation block rules, ``activation_block_rule=``),
+``weight_only`` (the weight-only NVFP4 experts, ``w4a16_nvfp4``), and ``experts`` (the experts classes under the
+import path of vLLM's emulation design).
 """
 
 from .activations import ACTIVATIONS, SILU, SWIGLUOAI, MoEActivation, activation_and_mul, get_activation  # noqa: F401

@@ -2,7 +2,7 @@
 
 The packed elements and block scales of ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``
 stacked over experts, with the NVFP4 global scales; built by ``mxlib.moe.factory.quantize_expert_weights`` or
-stacked from a checkpoint (``mxlib.models.checkpoints``), consumed by ``mxlib.moe.emulation``.
+stacked from a checkpoint (``mxlib.checkpoints``), consumed by ``mxlib.moe.emulation``.
 """
 
 from __future__ import annotations

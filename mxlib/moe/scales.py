@@ -13,12 +13,12 @@ a1 (per token) and a2 (per token and expert), and no calibrated ``input_scale`` 
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
 from .. import reference as _ref
+from ..analysis import sqnr_db_from_sums
 from ..formats import NVFP4_SCALE_DIVISOR, NVFP4_SUBNORMAL_RATIO
 
 __all__ = [
@@ -114,14 +114,14 @@ def unify_input_scales(
 def _synthetic_expert_db_lost(ratio: float) -> float:
     """SQNR (dB) lost by a synthetic Gaussian expert (``[64, 256]``, seed 0, amax 1) whose NVFP4
     activations are quantized with the global scale of an expert ``1 / ratio`` times larger
-    instead of its own (``mxlib.models.checkpoints.inspect_loss`` tabulates the same model)."""
+    instead of its own (``mxlib.checkpoints.inspect_loss`` tabulates the same model)."""
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     x = x / x.abs().amax()
 
     def sqnr(gs: float) -> float:
         y = _ref.ref_nvfp4_quant_dequant(x, torch.tensor(gs, dtype=torch.float32)).double()
         err = (y - x.double()).pow(2).sum().item()
-        return math.inf if err == 0 else 10.0 * math.log10(x.double().pow(2).sum().item() / err)
+        return sqnr_db_from_sums(x.double().pow(2).sum().item(), err)
 
     return max(0.0, sqnr(NVFP4_SCALE_DIVISOR) - sqnr(NVFP4_SCALE_DIVISOR * ratio))
 

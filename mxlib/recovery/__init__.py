@@ -5,6 +5,12 @@ Each technique is a pure-PyTorch reference (the oracle of its kind) and a ``Weig
 (``write_quantized_checkpoint(..., technique=...)``). ``TECHNIQUES`` maps a name to the factory of
 its technique; ``get_technique(name, **options)`` builds one, and ``"X+hadamard"`` builds the
 rotation around technique ``X`` (``compose_technique``).
+
+The techniques, one module each: ``four_over_six`` (4/6: each NVFP4 block scaled to e2m1's max 6 or to 4),
+``scale_search`` (MSE-optimal block scales among candidates), ``gptq`` (GPTQ for microscaled FP4 / FP6 weights:
+codes chosen column by column with error feedback), ``hadamard`` (a block Hadamard rotation, undone online on the
+activations) and ``gate_up`` (the gate and up halves' ``weight_scale_2`` reconciled); ``base`` holds
+``WeightTechnique`` and what the techniques share.
 """
 
 from __future__ import annotations

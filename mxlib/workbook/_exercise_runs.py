@@ -14,7 +14,7 @@ import torch
 from .. import reference as R
 from ..formats import get_element_format
 from ..stats import ComparisonFamily
-from . import probes
+from ..studies import probes
 from ._exercise_formats import as_int, as_number, as_tuple
 
 _E2M1 = get_element_format("e2m1")

@@ -1,4 +1,4 @@
-"""Notebook 06's figures (``mxlib.workbook.accuracy``): paired intervals, learned routing, per-expert amax.
+"""Notebook 06's figures (``mxlib.studies.accuracy``): paired intervals, learned routing, per-expert amax.
 
 Conventions of ``mxlib.workbook.figures``: one colour per series from ``PALETTE``, titled axes, e4m3's
 thresholds drawn by ``add_scale_ratio_thresholds``.

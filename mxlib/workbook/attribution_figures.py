@@ -1,4 +1,4 @@
-"""Figures of ``mxlib.workbook.attribution``: where a scheme's loss comes from, read at a glance.
+"""Figures of ``mxlib.studies.attribution``: where a scheme's loss comes from, read at a glance.
 
 ``attribution_figure`` draws one row per scheme and four panels, each a delta from bf16 of one
 metric: the waterfall (the sources enabled one after another, in the plan's order, up to the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .attribution import SOURCES
+from ..studies.attribution import SOURCES
 from .figures import PALETTE, table
 
 __all__ = ["attribution_rows", "attribution_figure", "attribution_table", "metric_label"]

@@ -107,7 +107,7 @@ def check_exercise(name: str, answer, **context) -> bool:
             for the block exercises.
         context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``, which also takes the
             notebook's ``decisions=``, and ``05.dequant_wins_at``, which also takes ``verdicts=`` from
-            ``mxlib.workbook.timing.faster_rows``).
+            ``mxlib.studies.timing.faster_rows``).
 
     The hint never contains the expected answer; ``show_solution(name)`` gives it.
 

@@ -21,7 +21,7 @@ functions only wire ipywidgets sliders and text boxes to them, and show rows wit
   notebooks display).
 
 All arithmetic goes through ``mxlib.reference``; these functions add no rounding of their own.
-What a checkpoint stores, and notebook 01's negative control, are in ``mxlib.workbook.probes``;
+What a checkpoint stores, and notebook 01's negative control, are in ``mxlib.studies.probes``;
 the exercise checkers built on these explorers in ``mxlib.workbook.checks``.
 """
 

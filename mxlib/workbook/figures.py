@@ -395,7 +395,7 @@ def expert_loss_heatmap(
     min_top_db: float = 6.0,
 ) -> go.Figure:
     """dB lost by ``strategy`` against ``per_expert`` for every (layer, expert) at ``point``, from
-    ``mxlib.workbook.studies.unification_study``'s ``experts`` rows; experts without a row stay blank.
+    ``mxlib.studies.unification.unification_study``'s ``experts`` rows; experts without a row stay blank.
 
     The colour range is anchored to the noise, not to the data: losses within ``±noise_db`` (the rounding
     noise notebook 04 asserts) are one pale grey, and the colour runs from there to at least

@@ -17,7 +17,7 @@ def _finite_or_none(v):
 
 
 def vllm_vs_hardware_figure(studies: list[dict]) -> go.Figure:
-    """``mxlib.workbook.studies.vllm_vs_hardware_study`` results, one or more schemes.
+    """``mxlib.studies.unification.vllm_vs_hardware_study`` results, one or more schemes.
 
     Left: per MoE layer, SQNR (dB) of vLLM's and the hardware numerics against the float64 MoE on
     the same quantized operands, of vLLM's against the hardware mode (same layer input), and of

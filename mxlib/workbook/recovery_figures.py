@@ -1,4 +1,4 @@
-"""Notebook 07's figures (``mxlib.workbook.recovery``): the rotation trap, each technique against
+"""Notebook 07's figures (``mxlib.studies.recovery``): the rotation trap, each technique against
 round-to-nearest with paired intervals, weight error against layer SQNR, the block scales a
 technique moved.
 

@@ -5,7 +5,7 @@ entry of ``WORKBOOK`` and every other notebook of the notebooks folder once, and
 ``<out>/<name>.ipynb`` (the executed copy) and ``<out>/<name>.html`` (self-contained: plotly.js is
 embedded). The notebooks run with ``<out>`` as their working directory and write their results
 JSON to ``<out>/results/<name>.json``; nothing else is written (the checkpoint cache is
-``mxlib.workbook.steps.default_cache_dir()``: ``$MXLIB_CACHE``, else the user's cache folder).
+``mxlib.studies.steps.default_cache_dir()``: ``$MXLIB_CACHE``, else the user's cache folder).
 
 Options: ``--notebooks DIR`` (default: ``default_notebooks()``, the notebooks shipped with mxlib:
 the ``notebooks/`` folder of the source checkout mxlib runs from, else the installed package
@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from queue import Empty
 
-from ..models.atomic_write import describe_destination
+from ..checkpoints.files.atomic_write import describe_destination
 from ..models.presets import MODEL_PRESETS
 
 # the notebook stack, imported when a notebook runs (``pm`` and the others below), so that the options are

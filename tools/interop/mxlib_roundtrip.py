@@ -44,7 +44,7 @@ def write(outdir: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from mxlib.models.checkpoints import write_quantized_checkpoint
+    from mxlib.checkpoints import write_quantized_checkpoint
 
     for _, layout, scheme in CHECKPOINTS:
         folder = C.fresh_dir(outdir / _dirname(layout, scheme))
@@ -123,7 +123,7 @@ def read(tool: str, outdir: Path) -> None:
             "tool": {"llmc": "llmcompressor", "quark": "amd-quark"}[tool],
             "layout": layout,
             "scheme": scheme,
-            "written_by": "mxlib.models.checkpoints.write_quantized_checkpoint(model, scheme, path, layout=layout) "
+            "written_by": "mxlib.checkpoints.write_quantized_checkpoint(model, scheme, path, layout=layout) "
             "(tools/interop/mxlib_roundtrip.py write)",
             "versions": C.versions(packages),
             **info,
