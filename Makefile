@@ -30,6 +30,8 @@ install: $(STAMP)
 test: test-fast test-rest test-notebooks
 
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q
+# the long tests one by one (tests/conftest.py keeps a file whose fixtures are module-scoped together)
+PYTEST_REST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q
 
 # Unit and kernel tests: the Triton kernels run in the interpreter on the CPU; no notebook, no Chromium.
 test-fast: $(STAMP)
@@ -40,7 +42,7 @@ test-fast: $(STAMP)
 # slow tests.
 test-rest: $(STAMP)
 	sh tools/ensure_chromium.sh
-	$(PYTEST) -m "notebook or slow" tests
+	$(PYTEST_REST) -m "notebook or slow" tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mxlib tests tools

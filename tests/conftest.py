@@ -24,13 +24,22 @@ def device() -> str:
 
 def pytest_collection_modifyitems(config, items):
     """Markers that follow from what a test uses: a test of an executed notebook is a ``notebook``
-    test (not in ``make test-fast``); a ``gpu`` test is skipped where there is no CUDA device."""
+    test (not in ``make test-fast``); a ``gpu`` test is skipped where there is no CUDA device.
+
+    Under ``pytest-xdist --dist loadgroup`` (``make test-rest``) the tests go to the workers one by one, so that a
+    file of long tests (the notebooks at their suggested settings) does not run on one worker while the other
+    idles; a test that uses a module- or class-scoped fixture is grouped with the rest of its file
+    (``xdist_group``), so that the fixture is still made once."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "executed_notebook" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.notebook)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in ("module", "class", "package") for ds in defs for d in ds):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 # ----------------------------------------------------------------------------- executed notebooks
