@@ -25,6 +25,36 @@ ROWS_05 = [
     for m, d, f in ((1, 2.0, 1.0), (16, 2.0, 1.0), (256, 1.0, 2.0), (1024, 0.5, 2.0))
 ]
 PACKED = 128 * 3 * 768 * 2048 * 9 // 16  # half a byte a weight plus one e4m3 byte per 16
+# notebook 06: two tasks; nvfp4 (4.5 bits) decided worse than bf16 in NLL on add only, w_mxfp6 (6.25) on count only
+ROWS_06 = [
+    dict(scheme=s, task=t, bits_per_weight=b)
+    for s, b in (("bf16", 16.0), ("nvfp4", 4.5), ("w_mxfp6_e2m3", 6.25))
+    for t in ("add", "count")
+]
+
+
+def _decisions_06():
+    from mxlib.stats import ComparisonFamily, Estimate
+
+    family = ComparisonFamily("06 exercise")
+    for a, t, mean in (("nvfp4", "add", 0.004), ("nvfp4", "count", 0.0001), ("w_mxfp6_e2m3", "count", 0.004)):
+        est = Estimate(mean=mean, se=0.0005, df=399, n=400, over="units")
+        family.add_estimate(a, "bf16", est, metric=f"NLL per token on {t}", higher_is_better=False)
+    return family.decide()
+
+
+ROWS_07_TRAP = [
+    dict(format="nvfp4", points=16, delta_db=-2.5),
+    dict(format="nvfp4", points=128, delta_db=-4.0),
+    dict(format="mxfp4", points=16, delta_db=0.3),
+    dict(format="mxfp4", points=128, delta_db=0.6),
+]
+ROWS_07_DUMMY = [
+    dict(scheme="nvfp4", technique="rtn", layer_sqnr_db=[20.0, 18.0], calib_layer_sqnr_db=[20.0, 18.0]),
+    dict(scheme="nvfp4", technique="gptq", layer_sqnr_db=[20.5, 18.75], calib_layer_sqnr_db=[21.5, 19.5]),
+    dict(scheme="w_mxfp4_a_mxfp4", technique="rtn", layer_sqnr_db=[17.0, 15.0], calib_layer_sqnr_db=[17.0, 15.0]),
+    dict(scheme="w_mxfp4_a_mxfp4", technique="gptq", layer_sqnr_db=[17.2, 15.3], calib_layer_sqnr_db=[17.9, 16.0]),
+]
 
 CASES = {
     "00.even_saturates": (
@@ -105,6 +135,21 @@ CASES = {
         ],
     ),
     "05.dequant_wins_at": ({"rows": ROWS_05}, 256, [256, "256"], [16, 1, 1024, 7]),
+    # the standard error of a mean over n prompts goes as 1 / sqrt(n)
+    "06.interval_shrink": ({}, 2**-0.5, ["1/2**0.5", "2**-0.5", 0.7071, "0.707"], [2**0.5, 0.5, 0.25, 2, "x", -1]),
+    "06.where_4bit_costs": (
+        {"rows": ROWS_06, "decisions": _decisions_06()},
+        "add",  # nvfp4's NLL on add: 0.004 / 0.0005 = 8 standard errors; on count 0.2
+        ["add", " ADD "],
+        ["count", "sort", "none"],  # count: only the 6.25-bit scheme is decided there
+    ),
+    "07.trap_size": ({"rows": ROWS_07_TRAP}, 128, [128, "128", 128.0], [16, 32, "x"]),
+    "07.gptq_heldout": (
+        {"rows": ROWS_07_DUMMY},
+        0.75,  # 18.75 - 18.0 on the held-out ids; 1.5 on the calibration ids
+        [0.75, "3/4", "0.76"],
+        [1.5, -0.75, "x", 3.0],
+    ),
 }
 
 

@@ -137,8 +137,13 @@ def test_01_end_to_end(scheme, executed_notebook):
     assert res["numerics"] == "vllm" and len(modes["sets"]) == 3 and len(modes["layers"]) == 4
     if scheme == "mxfp4":  # OCP MX: the same operands in both modes, the same bits
         assert all(r["max_abs_diff"] == 0.0 for r in modes["sets"]), modes["sets"]
-    else:  # NVFP4: different outputs, neither mode closer to bf16 beyond the token sets' spread
-        assert all(r["max_abs_diff"] > 0.0 for r in modes["sets"]) and res["numerics_order"]["order"] == "within noise"
+    else:  # NVFP4: different outputs, neither mode closer to bf16 (mxlib.stats cannot tell them apart)
+        assert all(r["max_abs_diff"] > 0.0 for r in modes["sets"]), modes["sets"]
+    verdicts = {(r["a"], r["b"]): r["verdict"] for r in res["orderings"]}  # the notebook's family, decided together
+    expected = {("working", "swapped nibbles"): "working better"}
+    if scheme == "nvfp4":
+        expected[("vllm", "hardware")] = "cannot be told apart"
+    assert verdicts == expected, res["orderings"]
     own = res["own_checkpoint"]  # section 6 on a producer-made checkpoint: ModelOpt's NVFP4, Quark's MXFP4
     assert own["scheme"] == {"nvfp4": "nvfp4", "mxfp4": "w_mxfp4_a_mxfp4"}[scheme] and own["num_layers"] == 2
     assert all(8.0 < r["sqnr_db"] < 30.0 for r in own["layers"]), own["layers"]

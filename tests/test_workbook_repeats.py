@@ -1,4 +1,4 @@
-"""mxlib.studies.repeats (spreads and orderings over token sets), the steps' numerics switch and
+"""mxlib.studies.repeats (spreads over token sets), the steps' numerics switch and
 repeats parameter, and the probes that keep machine paths out of a notebook's output."""
 
 import math
@@ -25,20 +25,6 @@ def test_spread_matches_statistics():
         RP.spread([], "sqnr_db")
     with pytest.raises(ValueError, match="finite"):
         RP.spread([1.0, math.inf])
-
-
-def test_ordering_only_beyond_the_spread():
-    # the working/broken logits SQNR of a tiny run: resolved
-    assert RP.ordering([17.96, 15.53, 17.25], [5.46, 5.54, 5.88], ("working", "broken"))["order"] == "working > broken"
-    assert RP.ordering([1.0, 1.1, 1.2], [2.0, 2.1, 2.2], ("a", "b"))["order"] == "b > a"
-    # vLLM vs hardware numerics at the tiny preset: differences of both signs, within noise
-    o = RP.ordering([17.96, 15.53, 17.25], [18.15, 16.11, 16.68], ("vllm", "hardware"))
-    assert o["order"] == "within noise" and o["difference"]["low"] < 0 < o["difference"]["high"]
-    # one sign everywhere but a mean under twice the spread: still within noise
-    assert RP.ordering([1.0, 1.0, 1.0], [0.9, 0.1, 0.95])["order"] == "within noise"
-    assert RP.ordering([3.0], [1.0])["order"] == "within noise"  # one repeat has no spread
-    with pytest.raises(ValueError, match="paired"):
-        RP.ordering([1.0, 2.0], [1.0])
 
 
 def test_e2e_parameters_numerics_and_repeats():

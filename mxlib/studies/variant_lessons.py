@@ -7,9 +7,9 @@ buy against NVFP4 and MXFP4, and what a per-tensor global scale still buys with 
   (``mxlib.reference.quant_dequant_nvfp4_variant``: ModelOpt's decode-scale form, NVFP4's global scale
   ``amax / 2688``), so their differences are the formats' own.
 * ``variant_draws(distribution, shape, seeds, ...)``: ``variant_sqnr`` on repeated draws of ``mxlib.analysis.sample``.
-* ``variant_orderings(draws, pairs)``: per pair ``(a, b)``, the mean of ``b - a`` over the draws with its paired
-  bootstrap interval (``mxlib.models.evaluation.paired_bootstrap_interval``, the draws as the resampled units);
-  an ordering holds only where the interval excludes 0 (the project's statistics rule).
+* ``variant_orderings(draws, pairs)``: every pair ``(a, b)`` on every distribution, decided together by
+  ``mxlib.stats`` (one ``ComparisonFamily``, Holm): per pair, the paired t test of ``SQNR(a) - SQNR(b)`` over the
+  draws (the unit of replication) and its verdict, ``"a better"``, ``"b better"`` or ``"cannot be told apart"``.
 * ``global_scale_sweep(x, amaxes)``: ``x`` rescaled to each tensor amax, SQNR of UE5M3 with and without the global
   scale and of NVFP4 with and without its own: where the global scale buys anything.
 * ``model_tensors(model, input_ids)`` and ``global_scale_on_tensors(tensors)``: the same question on a model's own
@@ -25,7 +25,7 @@ import torch
 from .. import reference as R
 from ..analysis import sample, sqnr_db
 from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_B32, NVFP4_UE5M3
-from ..models.evaluation import paired_bootstrap_interval
+from ..stats import ComparisonFamily
 
 __all__ = [
     "VARIANT_ROWS",
@@ -82,23 +82,57 @@ def variant_draws(
     ]
 
 
-def variant_orderings(draws: list[dict], pairs) -> list[dict]:
-    """Rows ``{"a", "b", "b_minus_a_db", "low", "high", "holds"}``: the mean over the draws of ``SQNR(b) - SQNR(a)``
-    and its 95 % paired bootstrap interval; ``holds`` (b beats a, or a beats b) only where the interval excludes 0.
+def variant_orderings(draws: dict[str, list[dict]], pairs, alpha: float = 0.05) -> list[dict]:
+    """Every pair of ``pairs`` on every distribution of ``draws``, decided together (``mxlib.stats``).
+
+    Args:
+        draws: ``{distribution: variant_draws(...)}``, the same seeds for every distribution's rows.
+        pairs: ``(a, b)`` names of ``VARIANT_ROWS``.
+        alpha: the family-wise error rate of all ``len(draws) * len(pairs)`` comparisons (Holm).
+
+    Returns:
+        One row per distribution and pair, ``{"distribution", "a", "b", "b_minus_a_db", "low", "high",
+        "verdict", "holds"}``: the mean over the draws of ``SQNR(b) - SQNR(a)`` (dB) with its simultaneous interval
+        (level ``1 - alpha / m``), the verdict (``"<a> better"``, ``"<b> better"`` or ``"cannot be told apart"``)
+        and ``holds`` (an ordering was decided).
 
     Raises:
-        ValueError: fewer than two draws (no interval to read).
+        ValueError: fewer than two draws of a distribution (no spread to test against), or a distribution's
+            draws in a number that differs from the others'.
     """
-    if len(draws) < 2:
-        raise ValueError(f"draws: an ordering needs at least two draws, got {len(draws)}")
+    counts = {d: len(rs) for d, rs in draws.items()}
+    if not counts or min(counts.values()) < 2 or len(set(counts.values())) != 1:
+        raise ValueError(f"draws: expected at least two draws, as many for every distribution, got {counts}")
+    family = ComparisonFamily("NVFP4 variants by SQNR", alpha=alpha)
+    keys = {}
+    for d, rs in draws.items():
+        for a, b in pairs:
+            keys[(d, a, b)] = family.add(
+                a,
+                b,
+                [r[a] for r in rs],
+                [r[b] for r in rs],
+                metric=f"SQNR (dB) on {d}",
+                higher_is_better=True,
+                over="draws",
+                unit_name="draws",
+            )
+    decisions = family.decide()
     rows = []
-    for a, b in pairs:
-        iv = paired_bootstrap_interval(
-            torch.tensor([d[a] for d in draws], dtype=torch.float64),
-            torch.tensor([d[b] for d in draws], dtype=torch.float64),
+    for (d, a, b), k in keys.items():
+        v = decisions[k]
+        rows.append(
+            dict(
+                distribution=d,
+                a=a,
+                b=b,
+                b_minus_a_db=-v.difference,
+                low=-v.high,
+                high=-v.low,
+                verdict=v.verdict,
+                holds=v.decided,
+            )
         )
-        holds = iv.low > 0 or iv.high < 0
-        rows.append(dict(a=a, b=b, b_minus_a_db=iv.estimate, low=iv.low, high=iv.high, holds=holds))
     return rows
 
 

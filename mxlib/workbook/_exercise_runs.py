@@ -1,4 +1,4 @@
-"""The checkers of the exercises on stored checkpoints and runs (notebooks 01, 03 and 05).
+"""The checkers of the exercises on stored checkpoints and runs (notebooks 01, 03, 05, 06 and 07).
 
 Each ``check_<x>(answer, **context)`` returns None when the answer is right, else a hint that does
 not contain the answer; each ``solve_<x>(**context)`` returns (an answer that passes, the reasoning).
@@ -271,4 +271,138 @@ def solve_dequant_wins_at(rows=(), scheme="nvfp4", verdicts=None, **_):
     return want, (
         f"Reading the {scheme} rows in order of M, {how} at M = {want}: there the bf16 GEMM's efficiency outweighs "
         "writing the dequantized weights."
+    )
+
+
+# ----------------------------------------------------------------------------- notebooks 06 and 07
+
+
+def _interval_shrink() -> float:
+    return 1 / math.sqrt(2)
+
+
+def check_interval_shrink(answer, **_):
+    v = as_number(answer)
+    if v is None or v <= 0:
+        return "give a positive factor, e.g. 0.9 or '9/10'"
+    want = _interval_shrink()
+    if abs(v / want - 1) <= 0.02:
+        return None
+    if v >= 1:
+        return "more prompts narrow an interval: the width is multiplied by a factor below 1"
+    if abs(v - 0.5) <= 0.01:
+        return "halving an interval's width takes four times the prompts: the width goes as one over the square root"
+    if abs(v - 0.25) <= 0.01:
+        return "that is how the variance of a mean falls with four times the prompts; the question doubles them"
+    return "an interval's width goes as the standard error of a mean over n prompts: how does that change from n to 2n?"
+
+
+def solve_interval_shrink(**_):
+    want = _interval_shrink()
+    return want, (
+        f"A paired interval's width is a few standard errors of a mean over n prompts, and the standard error goes as "
+        f"1 / sqrt(n): doubling n multiplies it by 1 / sqrt(2) = {want:.3f}. The run's widths follow it up to the "
+        "resampling noise."
+    )
+
+
+def _costly_tasks(rows, decisions, max_bits: float = 4.5) -> list[str]:
+    """The tasks on which a scheme of at most ``max_bits`` bits per weight is decided worse than bf16 (exact match or
+    NLL) by the notebook's ``decisions``, in the rows' task order."""
+    four = {r["scheme"] for r in rows if r["scheme"] != "bf16" and r["bits_per_weight"] <= max_bits}
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    hit = {
+        v.metric.split(" on ")[-1]
+        for v in (decisions.values() if decisions is not None else ())
+        if v.b == "bf16" and v.a in four and v.winner == "bf16"
+    }
+    return [t for t in tasks if t in hit]
+
+
+def check_where_4bit_costs(answer, rows=(), decisions=None, **_):
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    costly = _costly_tasks(rows, decisions)
+    a = str(answer).strip().lower()
+    if a == "none":
+        if not costly:
+            return None
+        return "section 6 decides at least one 4-bit scheme worse than bf16 on some task: look for 'bf16 better'"
+    if a not in tasks:
+        return "not a task of this run: copy a name from the task column (or answer 'none')"
+    if a in costly:
+        return None
+    return (
+        "on that task no scheme of 4.5 bits per weight or fewer is decided worse than bf16 (section 6's verdicts): "
+        "an interval that moves is not yet a decided loss"
+    )
+
+
+def solve_where_4bit_costs(rows=(), decisions=None, **_):
+    costly = _costly_tasks(rows, decisions)
+    if not costly:
+        return "none", "Section 6 decides no scheme of 4.5 bits per weight or fewer worse than bf16 on any task."
+    return costly[0], (
+        f"Section 6 decides a scheme of 4.5 bits per weight or fewer worse than bf16 on {', '.join(costly)}: any of "
+        "them passes. Where only the NLL is decided, the model still answers but is less sure."
+    )
+
+
+def _trap_size(rows, fmt: str = "nvfp4"):
+    ours = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["points"])
+    return ours, min(ours, key=lambda r: r["delta_db"])["points"] if ours else None
+
+
+def check_trap_size(answer, rows=(), **_):
+    ours, want = _trap_size(rows)
+    n = as_int(answer)
+    by = {r["points"]: r for r in ours}
+    if n is None:
+        return "give a rotation size: a whole number of values, one of trap_points"
+    if n not in by:
+        return "not a rotation size of this run: read the points column of the trap table"
+    if n == want:
+        return None
+    if by[n]["delta_db"] >= 0:
+        return "at that size NVFP4's SQNR does not fall at all under the rotation"
+    return "NVFP4 loses there, but more at another size of this run: compare the delta_db of every size"
+
+
+def solve_trap_size(rows=(), **_):
+    ours, want = _trap_size(rows)
+    changes = ", ".join(f"{r['points']}: {r['delta_db']:+.2f} dB" for r in ours)
+    return want, (
+        f"NVFP4's energy-weighted SQNR change by rotation size: {changes}; it falls most at {want}: a wider "
+        "rotation spreads each outlier over more values that round like the rest."
+    )
+
+
+def _gptq_gain(rows, scheme: str = "nvfp4", column: str = "layer_sqnr_db") -> float | None:
+    by = {r["technique"]: r for r in rows if r["scheme"] == scheme}
+    if "gptq" not in by or "rtn" not in by:
+        return None
+    return by["gptq"][column][-1] - by["rtn"][column][-1]
+
+
+def check_gptq_heldout(answer, rows=(), scheme="nvfp4", **_):
+    want = _gptq_gain(rows, scheme)
+    if want is None:
+        return "this run has no gptq and rtn rows of that scheme: run techniques with both"
+    v = as_number(answer)
+    if v is None:
+        return "give a number of dB, e.g. 0.5 or '-1/2'"
+    if abs(v - want) <= 0.05:
+        return None
+    fitted = _gptq_gain(rows, scheme, "calib_layer_sqnr_db")
+    if fitted is not None and abs(v - fitted) <= 0.05:
+        return "that is the gain on the calibration token ids GPTQ was fitted on; the question asks the held-out ones"
+    if abs(v + want) <= 0.05:
+        return "the sign: gptq's SQNR minus rtn's, positive where GPTQ keeps more"
+    return "read the last decoder layer's layer_sqnr_db of the gptq row and of the rtn row of that scheme"
+
+
+def solve_gptq_heldout(rows=(), scheme="nvfp4", **_):
+    want, fitted = _gptq_gain(rows, scheme), _gptq_gain(rows, scheme, "calib_layer_sqnr_db")
+    return want, (
+        f"The last layer's SQNR, gptq minus rtn, {scheme}: {want:+.2f} dB on the held-out token ids against "
+        f"{fitted:+.2f} dB on the calibration ids it was fitted on."
     )

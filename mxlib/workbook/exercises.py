@@ -72,6 +72,12 @@ EXERCISES: dict[str, str] = {
     "05.dequant_wins_at": "In the recorded MoE-layer rows, from which token count M on is vLLM's emulation design "
     "(dequantize-then-GEMM) faster than the fused path for nvfp4, beyond the timing noise (CUDA-graph times, the "
     "notebook's verdicts)? Answer the smallest such M.",
+    "06.interval_shrink": "Doubling eval_prompts multiplies the width of a paired interval by about which factor?",
+    "06.where_4bit_costs": "On which task does section 6 decide a scheme of at most 4.5 bits per weight worse than "
+    "bf16 (exact match or NLL)? Answer a task name, or 'none'.",
+    "07.trap_size": "Of this run's trap_points, at which rotation size does NVFP4's energy-weighted SQNR fall most?",
+    "07.gptq_heldout": "On the dummy model (scheme nvfp4), by how many dB does gptq's last-layer SQNR on the held-out "
+    "token ids (layer_sqnr_db) exceed rtn's?",
 }
 
 _CHECKERS = {
@@ -89,6 +95,10 @@ _CHECKERS = {
     "04.first_flush": (F.check_first_flush, F.solve_first_flush),
     "05.packed_bytes": (Q.check_packed_bytes, Q.solve_packed_bytes),
     "05.dequant_wins_at": (Q.check_dequant_wins_at, Q.solve_dequant_wins_at),
+    "06.interval_shrink": (Q.check_interval_shrink, Q.solve_interval_shrink),
+    "06.where_4bit_costs": (Q.check_where_4bit_costs, Q.solve_where_4bit_costs),
+    "07.trap_size": (Q.check_trap_size, Q.solve_trap_size),
+    "07.gptq_heldout": (Q.check_gptq_heldout, Q.solve_gptq_heldout),
 }
 
 
@@ -105,9 +115,10 @@ def check_exercise(name: str, answer, **context) -> bool:
         name: a key of ``EXERCISES`` (the notebook shows its prompt).
         answer: the learner's answer, in any equivalent form (module docstring); a block of numbers
             for the block exercises.
-        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit``, which also takes the
-            notebook's ``decisions=``, and ``05.dequant_wins_at``, which also takes ``verdicts=`` from
-            ``mxlib.studies.timing.faster_rows``).
+        context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit`` and
+            ``06.where_4bit_costs``, which also take the notebook's ``decisions=``; ``05.dequant_wins_at``, which
+            also takes ``verdicts=`` from ``mxlib.studies.timing.faster_rows``; ``07.trap_size``: the trap rows;
+            ``07.gptq_heldout``: the dummy model's rows).
 
     The hint never contains the expected answer; ``show_solution(name)`` gives it.
 
