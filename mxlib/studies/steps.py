@@ -546,17 +546,29 @@ def _cache_dir(cache_dir) -> Path:
 
 
 def model_fingerprint(model) -> str:
-    """SHA-1 of a model's config and every tensor of its state dict (names, dtypes, shapes, bytes),
-    read in 64 MB pieces (device tensors copied piece by piece). About 0.5 GB/s on a slow CPU."""
+    """SHA-1 of a model's config and of every tensor of its state dict (names, dtypes, shapes, and the SHA-1 of
+    each tensor's bytes, read in 64 MB pieces; device tensors copied piece by piece). The tensors are hashed on
+    one thread per core (hashlib releases the GIL): about 1.9 GB/s a thread on the 2-core CPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
     h = hashlib.sha1()
     cfg = {k: v for k, v in model.config.to_dict().items() if k not in ("transformers_version", "_name_or_path")}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     piece = 64 * 1024**2
-    for name, t in model.state_dict().items():
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
+
+    def digest(t: torch.Tensor) -> bytes:
+        d = hashlib.sha1()
         flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), piece):
-            h.update(flat[start : start + piece].cpu().numpy())
+            d.update(flat[start : start + piece].cpu().numpy())
+        return d.digest()
+
+    items = list(model.state_dict().items())
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(digest, (t for _, t in items)))
+    for (name, t), d in zip(items, digests):
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}".encode())
+        h.update(d)
     return h.hexdigest()
 
 
