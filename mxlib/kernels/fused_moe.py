@@ -28,7 +28,7 @@ __all__ = ["BF16_CONFIGS", "get_moe_config", "invoke_fused_moe_kernel", "interpr
 
 # (max pairs per expert, tiles): the winners of CUDA-graph replay timings on the H200 at the
 # Qwen3-30B-A3B layer (E 128, top-8; M = 1, 4, 16, 64, 256, 1024, 4096 are 1/16 .. 256 pairs per
-# expert; limits halfway on a log scale), Triton alignment (2026-11-30, benchmarks/h200_fused_fp4.md).
+# expert; limits halfway on a log scale), Triton alignment (benchmarks/h200_fused_fp4.md).
 # TileConfig(block_m, block_n, block_k, group_m, num_warps, num_stages)
 BF16_CONFIGS: list[tuple[float, TileConfig]] = [
     (0.125, TileConfig(16, 64, 64, 1, 4, 5)),  # M = 1
