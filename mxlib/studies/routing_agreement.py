@@ -16,6 +16,8 @@ scheme and layer into the notebook's ``mxlib.stats.ComparisonFamily``: the schem
 against bf16's own (the reference against itself: none), paired over the prompts, token-weighted (the ratio mean is
 the share over all tokens), with the layer's floor as the smallest difference worth reporting. A decided verdict
 (``"bf16 better"``) says the scheme changes routing in that layer beyond what another experts implementation does.
+The prompts of the notebook's one draw (its ``seed``) are the replicates (``over="units"``), as in the notebook's
+accuracy comparisons: a verdict speaks of that prompt set.
 
 The first MoE layer's router reads the embeddings and the first attention block only, which every checkpoint keeps in
 bf16: its routing cannot change, and the notebook checks that it does not (which also checks that the records pair
