@@ -190,6 +190,8 @@ def test_every_recipe_ships_a_model_that_train_returns(name, tmp_path):
     assert list(tmp_path.iterdir()) == []
     assert set(info["accuracy"]["tasks"]) == set(tr.get_recipe(name).tasks)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # RoPE's inv_freq stays float32, as in every checkpoint loaded back from the model (a bf16 one moves its routing)
+    assert [b.dtype for b in model.buffers()] and all(b.dtype == torch.float32 for b in model.buffers())
     assert not model.training
 
 

@@ -25,6 +25,8 @@ module                 what it holds
 ``verdicts``           the trained-model studies' paired differences decided together against the
                        noise level (``mxlib.stats``): notebooks 06 and 07
 ``accuracy``           notebook 06's studies: every scheme and strategy on the project's trained MoE
+``routing_agreement``  notebook 06's routing consistency: each scheme's top-k expert sets against bf16's per
+                       layer, its floor (other experts implementations), decided in the notebook's family
 ``attribution``        where a scheme's loss comes from (w13, w2, a1, a2; each layer), with exact sums
 ``own_checkpoint``     a user's own checkpoint: its first layers' activation-QDQ and unification loss
 ``recovery``           notebook 07's studies: every accuracy-recovery technique side by side on the

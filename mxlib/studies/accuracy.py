@@ -16,7 +16,8 @@ The steps, in the notebook's order:
    backend (``evaluation.noise_floor``); a quantization delta counts only beyond it.
 4. ``scheme_study``: every scheme written as a checkpoint in its real layout (ModelOpt for NVFP4,
    Quark for OCP MX; ``steps.prepare_checkpoint``, cached), loaded back through
-   ``load_quantized_qwen3_moe`` and evaluated; per task the delta against bf16 with a paired interval.
+   ``load_quantized_qwen3_moe`` and evaluated; per task the delta against bf16 with a paired interval. Each
+   evaluation's routing is recorded as it runs (``mxlib.studies.routing_agreement`` compares it with bf16's).
 5. ``strategy_study``: the NVFP4 checkpoint loaded under each activation-scale strategy of
    ``mxlib.moe.scales`` (the only scheme whose per-expert static scales are unified by a strategy:
    the ``_a_fp8`` schemes take the max of their per-tensor FP8 scales, as vLLM does).
@@ -47,6 +48,7 @@ from ..checkpoints.files.safetensors_io import checkpoint_size_bytes
 from ..formats import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO
 from ..models import evaluation as ev
 from ..models.calibration import Calibration
+from ..models.routing_consistency import recording_routing
 from ..models.tasks import Dataset, make_dataset
 from ..models.training import RECIPES, TrainRecipe, get_recipe, train
 from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
@@ -341,18 +343,23 @@ def scheme_study(
     ``cache_dir``), loaded back (``load_quantized_qwen3_moe``), evaluated on ``sets``.
 
     Returns ``{"rows": result_rows per scheme (plus bits_per_weight, checkpoint_bytes, seconds),
-    "results": {scheme: Results}, "paths": {scheme: checkpoint folder}}``; bf16's own rows first.
+    "results": {scheme: Results}, "paths": {scheme: checkpoint folder}, "routed": {scheme: RoutedTokens}}``; bf16's
+    own rows first. ``routed``: every router's ``topk_ids`` in the scheme's evaluation, recorded during it
+    (``mxlib.models.routing_consistency.recording_routing``; ``mxlib.studies.routing_agreement`` compares them with
+    bf16's).
     """
     bf16_bytes = sum(t.numel() * 2 for t in model.state_dict().values())
     rows = result_rows(
         dict(scheme="bf16", bits_per_weight=16.0, checkpoint_bytes=bf16_bytes), reference, reference, floor
     )
-    results, paths = {}, {}
+    results, paths, routed = {}, {}, {}
     for s in p.schemes:
         t0 = time.perf_counter()
         path = prepare_checkpoint(s, model, calibration=calibration, cache_dir=cache_dir)
         q = _load(path, p)
-        results[s.name] = r = ev.evaluate(q, sets, **_kw(p))
+        with recording_routing(q) as rec:  # the evaluation's own forward passes: no pass of its own
+            results[s.name] = r = ev.evaluate(q, sets, **_kw(p))
+        routed[s.name] = rec.routed()
         del q
         paths[s.name] = path
         label = dict(
@@ -364,7 +371,7 @@ def scheme_study(
         rows += new
         if log:
             log(f"[schemes] {s.name}: " + ", ".join(f"{t} {x.exact_match.estimate:.3f}" for t, x in r.tasks.items()))
-    return dict(rows=rows, results=results, paths=paths)
+    return dict(rows=rows, results=results, paths=paths, routed=routed)
 
 
 def strategy_study(

@@ -1,0 +1,215 @@
+"""Notebook 06's routing consistency: does each scheme's router still pick the bf16 model's experts, beyond the floor?
+
+On the trained model, the same held-out prompts that the accuracy is measured on (teacher forcing: prompt and
+answer tokens, the answer's ``<eos>`` left out, as ``mxlib.models.evaluation.evaluate`` runs them) are routed by
+
+* the bf16 model (the **reference**: transformers' own experts implementation, the batches ``evaluate`` runs);
+* the same bf16 model on another experts implementation (``FLOOR_VARIANTS``: transformers' ``eager`` loop, and
+  mxlib's ``TritonExperts`` on the bf16 weights, ``backend="torch"``, the experts module every quantized run goes
+  through): the **floor**, per MoE layer the largest share of tokens one of them routes to another expert set;
+* each scheme's checkpoint loaded back (``accuracy.scheme_study`` records its routing during its evaluation, with no
+  forward pass of its own).
+
+Per scheme and MoE layer, ``mxlib.models.routing_consistency`` gives the mean Jaccard index of each token's expert
+set against the reference's and the share of tokens whose set changed. ``add_comparisons`` puts one comparison per
+scheme and layer into the notebook's ``mxlib.stats.ComparisonFamily``: the scheme's per-prompt changed tokens
+against bf16's own (the reference against itself: none), paired over the prompts, token-weighted (the ratio mean is
+the share over all tokens), with the layer's floor as the smallest difference worth reporting. A decided verdict
+(``"bf16 better"``) says the scheme changes routing in that layer beyond what another experts implementation does.
+The prompts of the notebook's one draw (its ``seed``) are the replicates (``over="units"``), as in the notebook's
+accuracy comparisons: a verdict speaks of that prompt set.
+
+The first MoE layer's router reads the embeddings and the first attention block only, which every checkpoint keeps in
+bf16: its routing cannot change, and the notebook checks that it does not (which also checks that the records pair
+the same tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import evaluation as ev
+from ..models.qwen3 import expert_weights
+from ..models.routing_consistency import RoutedTokens, RoutingConsistency, record_routing, routing_consistency
+from ..models.tasks import Dataset
+from ..moe import TritonExperts
+from ..stats import ComparisonFamily, Decisions, paired_units
+
+__all__ = [
+    "FLOOR_VARIANTS",
+    "EVAL_BATCH_SIZE",
+    "ROUTING_FLOOR_BOUND",
+    "REFERENCE",
+    "routing_tokens",
+    "reference_and_floor",
+    "consistency_study",
+    "metric",
+    "comparison_key",
+    "add_comparisons",
+    "verdict_rows",
+]
+
+FLOOR_VARIANTS = ("eager_experts", "triton_experts_torch")
+# evaluate's default batch size: the reference routes the prompts in the batches the schemes' evaluations run
+EVAL_BATCH_SIZE = 250
+# The floor's stated bound: the largest share of tokens another experts implementation of the same bf16 model may
+# route to another expert set in any layer. Measured on the shipped models: the default recipe (1600 held-out
+# prompts, 23600 tokens) 0 in layer 0 (both variants), 0 (eager) and 0.0042 (TritonExperts, 98 tokens) in layer 1;
+# the test recipe (300 prompts, 4050 tokens) 0, 0 and 0.0025 (10 tokens).
+ROUTING_FLOOR_BOUND = 0.01
+REFERENCE = "bf16"
+
+
+def routing_tokens(sets: list[Dataset]) -> list[torch.Tensor]:
+    """The token ids ``evaluate`` runs on each dataset: int64 ``[n, prompt + answer - 1]`` (the answer's last token,
+    ``<eos>``, is never an input)."""
+    return [torch.cat([d.prompts, d.answers[:, :-1]], 1) for d in sets]
+
+
+def _interval(values: torch.Tensor, tokens: torch.Tensor, level: float = 0.95) -> tuple[float, float, float]:
+    """The token-weighted mean of per-unit sums ``values`` and its Student-t interval over units (``paired_units``
+    against zero: the ratio estimator ``sum(values) / sum(tokens)``)."""
+    est = paired_units(values.double(), torch.zeros(values.shape, dtype=torch.float64), weights=tokens.double())
+    low, high = est.interval(level)
+    return est.mean, low, high
+
+
+def reference_and_floor(model, sets: list[Dataset]) -> dict:
+    """The bf16 ``model``'s routing of ``sets`` (the reference) and the floor.
+
+    Returns:
+        ``{"reference": RoutedTokens, "variants": {name: RoutingConsistency against the reference} for each of
+        ``FLOOR_VARIANTS``, "floor": {decoder layer: largest share changed over the variants}, "rows": one row per
+        variant and layer (variant, layer, tokens, prompts, jaccard, share_changed)}``. The model is unchanged
+        afterwards (its experts implementation and experts modules restored).
+    """
+    ids = routing_tokens(sets)
+    reference = record_routing(model, ids, EVAL_BATCH_SIZE)
+    variants: dict[str, RoutingConsistency] = {}
+    previous = model.config._experts_implementation
+    try:
+        model.set_experts_implementation("eager")
+        variants["eager_experts"] = routing_consistency(reference, record_routing(model, ids, EVAL_BATCH_SIZE))
+    finally:
+        model.set_experts_implementation(previous)
+
+    def bf16_experts(i):
+        w13, w2 = expert_weights(model, i)
+        return TritonExperts(w13, w2, backend="torch")
+
+    with ev.swapped_experts(model, bf16_experts):
+        variants["triton_experts_torch"] = routing_consistency(reference, record_routing(model, ids, EVAL_BATCH_SIZE))
+    floor = {layer: max(v.share_changed[i] for v in variants.values()) for i, layer in enumerate(reference.layers)}
+    rows = [
+        dict(
+            variant=name,
+            layer=r["layer"],
+            tokens=r["tokens"],
+            prompts=r["units"],
+            jaccard=r["jaccard"],
+            share_changed=r["share_changed"],
+        )
+        for name, v in variants.items()
+        for r in v.rows()
+    ]
+    return dict(reference=reference, variants=variants, floor=floor, rows=rows)
+
+
+def consistency_study(reference_floor: dict, routed: dict[str, RoutedTokens]) -> dict:
+    """Each scheme's routing against the reference (``reference_and_floor``'s).
+
+    Args:
+        reference_floor: ``reference_and_floor``'s result.
+        routed: ``{scheme name: RoutedTokens}`` recorded on the same prompts (``accuracy.scheme_study``'s
+            ``"routed"``).
+
+    Returns:
+        ``{"schemes": {name: RoutingConsistency}, "self": the reference against itself, "floor": the layers' floor,
+        "rows": one row per scheme and layer}``; a row holds ``scheme``, ``layer``, ``tokens``, ``prompts``,
+        ``jaccard`` with ``jaccard_low`` / ``jaccard_high`` and ``share_changed`` with ``share_low`` / ``share_high``
+        (95 % Student-t intervals over prompts, token-weighted), ``floor`` (the layer's floor of the share changed)
+        and ``beyond_floor`` (the share's interval lies above the floor: a column, a looser test than the
+        notebook's family, which decides what is stated).
+
+    Raises:
+        ValueError: a record of other tokens or layers than the reference (``routing_consistency``).
+    """
+    reference, floor = reference_floor["reference"], reference_floor["floor"]
+    schemes = {name: routing_consistency(reference, r) for name, r in routed.items()}
+    rows = []
+    for name, c in schemes.items():
+        for i, layer in enumerate(c.layers):
+            j, j_low, j_high = _interval(c.jaccard_sum[i], c.tokens)
+            s, s_low, s_high = _interval(c.changed[i], c.tokens)
+            rows.append(
+                dict(
+                    scheme=name,
+                    layer=layer,
+                    tokens=int(c.tokens.sum()),
+                    prompts=c.tokens.numel(),
+                    jaccard=j,
+                    jaccard_low=j_low,
+                    jaccard_high=j_high,
+                    share_changed=s,
+                    share_low=s_low,
+                    share_high=s_high,
+                    floor=floor[layer],
+                    beyond_floor=s_low > floor[layer],
+                )
+            )
+    return dict(schemes=schemes, self=routing_consistency(reference, reference), floor=floor, rows=rows)
+
+
+def metric(layer: int) -> str:
+    """The family's metric name of a layer's routing comparison."""
+    return f"tokens routed to other experts, layer {layer}"
+
+
+def comparison_key(scheme: str, layer: int) -> str:
+    """The family key of scheme ``scheme``'s routing comparison in decoder layer ``layer``."""
+    return f"{scheme} vs {REFERENCE} ({metric(layer)})"
+
+
+def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
+    """Add one comparison per scheme and MoE layer of ``study`` (``consistency_study``'s) to ``family``: the
+    scheme's changed tokens per prompt against the reference's own (``study["self"]``: none), over the prompts
+    (``over="units"``, token counts as weights), lower is better, the layer's floor as ``smallest``. Returns the
+    keys (``comparison_key``).
+
+    Raises:
+        RuntimeError, ValueError: as ``ComparisonFamily.add`` (a decided family, a key already used).
+    """
+    own = study["self"]
+    keys = []
+    for name, c in study["schemes"].items():
+        for i, layer in enumerate(c.layers):
+            keys.append(
+                family.add(
+                    name,
+                    REFERENCE,
+                    c.changed[i],
+                    own.changed[i],
+                    metric=metric(layer),
+                    higher_is_better=False,
+                    over="units",
+                    weights=c.tokens,
+                    smallest=float(study["floor"][layer]),
+                    unit_name="prompts",
+                    key=comparison_key(name, layer),
+                )
+            )
+    return keys
+
+
+def verdict_rows(study: dict, decisions: Decisions) -> list[dict]:
+    """``study["rows"]`` as the notebook's routing table: scheme, layer, jaccard, share_changed, floor and the
+    family's verdict (new dicts; the study's rows are not changed).
+
+    Raises:
+        KeyError: a row whose comparison is not in ``decisions`` (``add_comparisons`` was not called).
+    """
+    keys = ("scheme", "layer", "jaccard", "share_changed", "floor")
+    return [
+        {k: r[k] for k in keys} | {"verdict": decisions[comparison_key(r["scheme"], r["layer"])].verdict}
+        for r in study["rows"]
+    ]
