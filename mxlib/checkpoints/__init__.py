@@ -19,7 +19,9 @@ The face of the package, one subject a module:
 * ``bounds``: a config's sizes against the headers before anything is allocated;
 * ``layout``: the ``CheckpointLayout`` base class, the registry (``LAYOUTS``, ``DEFAULT_LAYOUT``: the layout a
   scheme is written in when the caller names none) and exclude-list matching;
-* ``scalars``: scalar scales widened exactly.
+* ``scalars``: scalar scales widened exactly;
+* ``precision``: mixed-precision checkpoints (``PrecisionMap``: which scheme each module is stored in, from
+  ModelOpt's ``MIXED_PRECISION``, Quark's per-layer and per-type configs, compressed-tensors' config groups).
 
 ``layouts/`` holds one module per producer layout (``mxlib.checkpoints.layouts``: ``modelopt_nvfp4``,
 ``modelopt_mxfp8``, ``quark_ocp_mx``, ``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp4``,
