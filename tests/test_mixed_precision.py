@@ -423,3 +423,52 @@ def test_single_scheme_configs_are_not_mixed(quark):
     assert not is_mixed({"quant_method": "modelopt", "quant_algo": "NVFP4"})
     one = {"targets": ["Linear"], "weights": {"num_bits": 4}}
     assert not is_mixed({"quant_method": "compressed-tensors", "config_groups": {"a": one, "b": dict(one)}})
+
+
+# ----------------------------------------------------------------------------- the inspector
+
+
+def _expected_groups(folder: Path, group_of) -> dict[str, tuple[int, int]]:
+    """``{group: (modules, bytes)}`` counted here from the files themselves (safetensors' own reader): a module
+    is quantized when it stores a non-float tensor or an fp8 one; ``group_of(module)`` names its group."""
+    out: dict[str, list[int]] = {}
+    for module, ts in _by_module(_tensors(folder)).items():
+        quantized = any(t.dtype in (torch.uint8, torch.float8_e4m3fn) for t in ts.values())
+        key = group_of(module) if quantized else "unquantized"
+        row = out.setdefault(key, [0, 0])
+        row[0] += quantized
+        row[1] += sum(t.numel() * t.element_size() for t in ts.values())
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _by_module(tensors: dict) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for k, v in tensors.items():
+        out.setdefault(k.rsplit(".", 1)[0], {})[k] = v
+    return out
+
+
+@pytest.mark.parametrize("which", ["modelopt", "quark", "compressed"])
+def test_inspector_lists_the_precision_groups(which, request):
+    folder = request.getfixturevalue(which)[0]
+    report = C.inspect_checkpoint(folder)
+    assert report.layout_ok, report.problems
+    got = {r["group"]: (r["modules"], r["bytes"]) for r in report.precision_groups}
+
+    experts_group = {"modelopt": "NVFP4 g16", "quark": "*.mlp.experts.*", "compressed": "group_0"}[which]
+    linear_group = {"modelopt": "MXFP8", "quark": "Linear", "compressed": "group_1"}[which]
+
+    def group_of(module):  # the fixtures' plan (lm_head: NVFP4 under ModelOpt, by class under compressed-tensors)
+        if ".mlp.experts." in module or (which == "modelopt" and module == "lm_head"):
+            return experts_group
+        return linear_group
+
+    want = _expected_groups(folder, group_of)
+    assert got == want
+    assert sum(r["share"] for r in report.precision_groups) == pytest.approx(1.0, abs=1e-12)
+    total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert sum(r["bytes"] for r in report.precision_groups) < total  # the data, not the headers
+    text = report.table()
+    assert "precision groups (share of the checkpoint's bytes)" in text
+    for r in report.precision_groups:
+        assert r["group"] in text and f"{100 * r['share']:.2f}%" in text
