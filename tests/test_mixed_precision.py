@@ -472,3 +472,65 @@ def test_inspector_lists_the_precision_groups(which, request):
     assert "precision groups (share of the checkpoint's bytes)" in text
     for r in report.precision_groups:
         assert r["group"] in text and f"{100 * r['share']:.2f}%" in text
+
+
+def test_what_ran_checks_each_module_against_its_own_group(modelopt, tiny):
+    from mxlib.models.what_ran import RanMismatch, assert_runs_as
+
+    model, info = C.load_quantized_moe(modelopt[0])
+    report = assert_runs_as(model, info, tiny[3])
+    ran = {r.module: r.scheme for r in report}
+    assert ran["model.layers.0.mlp.experts"] == "nvfp4" and ran["model.layers.0.self_attn.q_proj"] == "w_mxfp8_a_mxfp8"
+    # asked as one scheme, the MXFP8 attention is named as a mismatch
+    with pytest.raises(RanMismatch, match=r"self_attn.q_proj: ran w_mxfp8_a_mxfp8 \(W8A8\), the checkpoint asks nvfp4"):
+        assert_runs_as(model, "nvfp4", report=report)
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+@pytest.mark.parametrize(
+    "producer,fixture,schemes",
+    [
+        ("modelopt", "modelopt", ("nvfp4", "w_mxfp8_a_mxfp8", "nvfp4")),
+        ("quark", "quark", ("w_mxfp4_a_mxfp4", "w_mxfp8_a_mxfp8", None)),
+        ("compressed-tensors", "compressed", ("nvfp4", "w_mxfp8_a_mxfp8", "w_mxfp8_a_mxfp8")),
+    ],
+)
+def test_write_mixed_checkpoint(producer, fixture, schemes, tiny, tmp_path, request):
+    """The writer's tensors are the fixture's (each part quantized by its single-scheme layout), bit for bit; the
+    written checkpoint loads with each module in its scheme, runs as the fixture does, and round-trips."""
+    model, cal, amax, ids = tiny
+    experts, attention, lm_head = schemes
+    path = C.write_mixed_checkpoint(
+        model, producer, tmp_path / "written", experts, attention, lm_head, cal, linear_input_amax=amax
+    )
+    source = request.getfixturevalue(fixture)[0]
+    written, want = _tensors(path), _tensors(source)
+    assert sorted(written) == sorted(want)
+    for k in want:
+        assert written[k].dtype == want[k].dtype, k
+        assert_bits_equal(written[k], want[k], k)
+    info = C.read_quant_config(path)
+    assert info.precision is not None and info.precision.producer == producer
+    loaded, _ = C.load_quantized_moe(path)
+    schemes_ran = _schemes(loaded)
+    assert schemes_ran["model.layers.1.mlp.experts"] == experts
+    assert schemes_ran["model.layers.0.self_attn.v_proj"] == attention
+    assert schemes_ran.get("lm_head") == lm_head
+    reference, _ = C.load_quantized_moe(source)
+    assert_bits_equal(_logits(loaded, ids), _logits(reference, ids), "written vs fixture logits")
+    _round_trip(loaded, tmp_path, path)
+
+
+def test_write_mixed_checkpoint_refuses(tiny, tmp_path):
+    model, cal, amax, _ = tiny
+    with pytest.raises(ValueError, match=r"attention: modelopt mixed checkpoints store .* got w_mxfp4_a_mxfp4"):
+        C.write_mixed_checkpoint(model, "modelopt", tmp_path / "a", "nvfp4", "w_mxfp4_a_mxfp4", calibration=cal)
+    with pytest.raises(ValueError, match="producer: expected one of"):
+        C.write_mixed_checkpoint(model, "awq", tmp_path / "b", "nvfp4")
+    with pytest.raises(ValueError, match=r"lm_head: nvfp4 needs linear_input_amax for 'lm_head'"):
+        C.write_mixed_checkpoint(model, "modelopt", tmp_path / "c", "nvfp4", None, "nvfp4", calibration=cal)
+    with pytest.raises(ValueError, match="experts: nvfp4 needs activation input scales"):
+        C.write_mixed_checkpoint(model, "compressed-tensors", tmp_path / "d", "nvfp4")
+    assert not any(tmp_path.iterdir())  # nothing half-written
