@@ -170,7 +170,9 @@ def test_bad_checkpoints_name_the_tensor(tiny, tmp_path):
         (lambda q: q["global_quant_config"]["weight"].update(dtype="int4"), "weight.dtype: supported"),
         (
             lambda q: q.update(layer_quant_config={"model.layers.0.mlp.experts.*": {"weight": {"dtype": "fp6_e2m3"}}}),
-            r"layer_quant_config\['model.layers.0.mlp.experts.\*'\]: per-layer overrides are not supported",
+            r"module 'model.layers.0.mlp.experts.0.gate_proj' is in precision group 'model.layers.0.mlp.experts.\*' "
+            r".*layer_quant_config\['model.layers.0.mlp.experts.\*'\].weight.qscheme: the emulation supports "
+            r"'per_group', found None",
         ),
         (
             lambda q: q.update(quant_method="awq"),

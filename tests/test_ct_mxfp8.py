@@ -159,8 +159,9 @@ def _group(q):
         ),
         (lambda q: _group(q).update(format="float-quantized"), r"group_0\.format: expected 'mxfp8-quantized'"),
         (
+            # two groups targeting every Linear: a mixed-precision config whose modules each match two groups
             lambda q: q["config_groups"].update(group_1={**_group(q), "input_activations": None}),
-            "groups with and without input_activations",
+            r"matched by the targets of config_groups \['group_0', 'group_1'\] equally specifically",
         ),
         (lambda q: q.update(quantization_status="frozen"), "quantization_status: expected 'compressed'"),
     ],

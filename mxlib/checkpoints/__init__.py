@@ -19,7 +19,11 @@ The face of the package, one subject a module:
 * ``bounds``: a config's sizes against the headers before anything is allocated;
 * ``layout``: the ``CheckpointLayout`` base class, the registry (``LAYOUTS``, ``DEFAULT_LAYOUT``: the layout a
   scheme is written in when the caller names none) and exclude-list matching;
-* ``scalars``: scalar scales widened exactly.
+* ``scalars``: scalar scales widened exactly;
+* ``mixed``: ``write_mixed_checkpoint``, a bf16 model's experts, attention and ``lm_head`` each in its own scheme,
+  in a producer's mixed-precision form;
+* ``precision``: mixed-precision checkpoints (``PrecisionMap``: which scheme each module is stored in, from
+  ModelOpt's ``MIXED_PRECISION``, Quark's per-layer and per-type configs, compressed-tensors' config groups).
 
 ``layouts/`` holds one module per producer layout (``mxlib.checkpoints.layouts``: ``modelopt_nvfp4``,
 ``modelopt_mxfp8``, ``quark_ocp_mx``, ``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp4``,
@@ -39,6 +43,8 @@ _LAZY: dict[str, str] = {
     "CheckpointDescription": "layout",
     "CheckpointLayout": "layout",
     "write_quantized_checkpoint": "writer",
+    "write_mixed_checkpoint": "mixed",
+    "PrecisionMap": "precision",
     "load_quantized_moe": "loader",
     "load_quantized_qwen3_moe": "loader",
     "from_pretrained": "pretrained",
@@ -78,6 +84,8 @@ __all__ = [
     "CheckpointDescription",
     "CheckpointLayout",
     "write_quantized_checkpoint",
+    "write_mixed_checkpoint",
+    "PrecisionMap",
     "load_quantized_moe",
     "load_quantized_qwen3_moe",
     "from_pretrained",

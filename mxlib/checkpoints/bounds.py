@@ -34,8 +34,9 @@ from ..moe.scales import ACTIVATION_SCALE_STRATEGIES
 from .files import untrusted
 from .files.safetensors_io import HeaderTensorReader, SafetensorsHeaders
 from .files.untrusted import MODEL_INT_FIELDS
-from .layout import PROJS, CheckpointDescription, CheckpointError, matches
+from .layout import CheckpointDescription, CheckpointError
 from .layouts import LAYOUTS  # the registry with mxlib's layouts registered
+from .precision import experts_description, module_classes, module_description
 
 __all__ = [
     "MODEL_INT_FIELDS",
@@ -147,13 +148,13 @@ def check_model_config(
 def _check_linears(headers, info, family: MoEFamily, names: list[str], modules: dict) -> None:
     """The layout's ``read_linear`` (and the bias) of every quantized linear layer the loader would read, on
     headers: the same checks, and every tensor it reads marked used."""
-    layout = LAYOUTS[info.format]
     reader = HeaderTensorReader(headers)
     for module in names:
-        if matches(family.disk_name(module), info.exclude) or not layout.supports_linear:
+        desc = module_description(info, family.disk_name(module), module_classes(modules[module]))
+        if desc is None or not LAYOUTS[desc.format].supports_linear:
             continue  # the loader refuses these with its own message
         lin = modules[module]
-        layout.read_linear(reader, module, lin.out_features, lin.in_features, info)
+        LAYOUTS[desc.format].read_linear(reader, module, lin.out_features, lin.in_features, desc)
         if lin.bias is not None:
             reader.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16)
 
@@ -161,11 +162,8 @@ def _check_linears(headers, info, family: MoEFamily, names: list[str], modules: 
 def _check_experts(
     headers, info, cfg_path, moe: list[int], e: int, h: int, i: int, every_layer: bool, family: MoEFamily
 ) -> None:
-    quantized = [
-        layer
-        for layer in moe
-        if not all(matches(family.disk_name(f"{family.experts_prefix(layer)}.0.{p}"), info.exclude) for p in PROJS)
-    ]
+    described = {layer: experts_description(info, family.disk_name, family.experts_prefix(layer), e) for layer in moe}
+    quantized = [layer for layer in moe if described[layer] is not None]
     reader = HeaderTensorReader(headers)
     for layer in sorted(set(moe) - set(quantized)):
         prefix = family.experts_prefix(layer)
@@ -176,7 +174,7 @@ def _check_experts(
     prefix = family.experts_prefix(quantized[0])
     if not every_layer and any(f"{prefix}.{p}" in reader for p in ("gate_up_proj", "down_proj")):
         return  # the loader refuses these with its own message
-    layout = LAYOUTS[info.format]
+    layout = LAYOUTS[described[quantized[0]].format]
     # the rows of expert 0's weights (packed or not) are the sizes a layout allocates with: bounded first
     # (a layout of whole-layer tensors, gpt-oss's, checks every header before it allocates)
     sized = () if getattr(layout, "stacked_experts", False) else (("gate_proj", i), ("down_proj", h))
@@ -192,9 +190,10 @@ def _check_experts(
             )
     for layer in quantized if every_layer else quantized[:1]:
         try:
-            layout.read_experts(reader, family.experts_prefix(layer), e, h, i, info)
-            if every_layer and family.expert_biases and getattr(layout, "stores_expert_biases", False):
-                layout.read_expert_biases(reader, family.experts_prefix(layer), e, h, i)
+            lay = LAYOUTS[described[layer].format]
+            lay.read_experts(reader, family.experts_prefix(layer), e, h, i, described[layer])
+            if every_layer and family.expert_biases and getattr(lay, "stores_expert_biases", False):
+                lay.read_expert_biases(reader, family.experts_prefix(layer), e, h, i)
         except RuntimeError as err:  # the allocator, for sizes the headers contradict
             raise CheckpointError(f"{cfg_path}: the experts of layer {layer} cannot be allocated ({err})") from None
 

@@ -45,6 +45,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from ..moe.scales import SCALE_STRATEGIES
 from .bounds import check_model_config, check_scale_strategy
@@ -54,6 +56,7 @@ from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db
 from .inspect_tables import expert_scales, layer_rows, module_tables
 from .layout import CheckpointDescription, CheckpointError, matches
 from .layouts import LAYOUTS, layout_for_method  # the registry with mxlib's layouts registered
+from .precision import EXPERT_CLASSES, module_classes
 
 __all__ = [
     "InspectReport",
@@ -63,8 +66,11 @@ __all__ = [
     "NVFP4_SUBNORMAL_RATIO",
     "NVFP4_FLUSH_RATIO",
     "SCALE_SUFFIXES",
+    "precision_groups",
 ]
 
+# safetensors dtypes of quantized codes and scales (a module storing one is quantized)
+_QUANTIZED_DTYPES = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
 # tensor-name endings whose data is read; everything else is known from the headers only
 SCALE_SUFFIXES = ("input_scale", "weight_scale_2", "global_scale")
 
@@ -104,6 +110,12 @@ class InspectReport:
     ``strategies``: per (point, strategy) ``experts, clipped, subnormal, flushed`` (experts with
     ``r > 1``, ``r < NVFP4_SUBNORMAL_RATIO``, ``r < NVFP4_FLUSH_RATIO``), ``mean_db_lost``,
     ``worst_db_lost``, ``worst`` (layer, expert); ``problems``: layout-check and config errors.
+
+    ``precision_groups``: per precision group (``mxlib.checkpoints.precision``; one group, named by the scheme,
+    for a single-scheme checkpoint) ``group``, ``scheme``, ``layout`` (the layout reading its tensors),
+    ``modules`` (count of its modules: those storing packed or 8-bit codes or scales), ``bytes`` (their
+    tensors' bytes in the files) and ``share`` (of all the tensors' bytes); then a row of every other tensor
+    (``group`` ``"unquantized"``, ``scheme`` None). A per-expert projection counts as one module.
     """
 
     path: str
@@ -121,6 +133,7 @@ class InspectReport:
     weight_global_scales: dict | None = None
     activation_scales: list[dict] = field(default_factory=list)
     strategies: list[dict] = field(default_factory=list)
+    precision_groups: list[dict] = field(default_factory=list)
     layout_ok: bool = False
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -163,6 +176,13 @@ class InspectReport:
         )
         for p in self.problems:
             out.append(f"  problem: {p}")
+        if self.precision_groups:
+            out.append("precision groups (share of the checkpoint's bytes)")
+            for r in self.precision_groups:
+                out.append(
+                    f"  {r['group']:<22s} {r['scheme'] or 'bf16':<18s} {r['layout'] or '-':<26s} "
+                    f"{r['modules']:>6d} modules {r['bytes']:>14d} bytes {100 * r['share']:>6.2f}%"
+                )
         if self.weight_global_scales:
             w = self.weight_global_scales
             out.append(
@@ -317,8 +337,9 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     report.tensors_total = len(headers.where)
     if headers.unindexed:
         notes.append(f"{headers.unindexed} tensors of the shards are not in the index; the loader does not see them")
+    config = None
     try:
-        check_model_config(
+        config = check_model_config(
             {k: v for k, v in cfg.items() if k != "quantization_config"},
             cfg_path,
             headers,
@@ -336,9 +357,53 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     except Exception as err:  # noqa: BLE001  the layout's checks on headers: every failure is a problem
         problems.append(f"layout: {err}")
     _tables(report, headers, info, strategies, family)
+    if info is not None and config is not None:
+        try:
+            report.precision_groups = precision_groups(headers, info, family, config)
+        except CheckpointError as err:
+            problems.append(f"precision groups: {err}")
     headers.close()
     report.tensors_read, report.bytes_read = headers.tensors_read, headers.bytes_read
     return _done(report, t0)
+
+
+def precision_groups(headers: SafetensorsHeaders, info: CheckpointDescription, family: MoEFamily, config) -> list[dict]:
+    """The ``InspectReport.precision_groups`` rows: every module storing packed or 8-bit codes or scales (a
+    tensor of a dtype of ``_QUANTIZED_DTYPES``) put in its group
+    (``info.precision.group_of``; the one scheme of a single-scheme checkpoint), every other tensor bf16, each
+    tensor's bytes from the headers' data offsets. ``config``: the checked model config (classes of the modules
+    for compressed-tensors' class-name targets; per-expert projections are ``Linear``).
+
+    Raises:
+        CheckpointError: a module two compressed-tensors groups match equally (``PrecisionMap.group_of``).
+    """
+    with torch.device("meta"):
+        modules = dict(family.load_class()(config).named_modules())
+    by_module: dict[str, list[str]] = {}
+    for n in headers.where:
+        by_module.setdefault(n.rsplit(".", 1)[0], []).append(n)
+    rows: dict[str, dict] = {}
+    total = sum(e - b for b, e in headers.span.values()) or 1
+    for module, names in by_module.items():
+        size = sum(headers.span[n][1] - headers.span[n][0] for n in names)
+        key, scheme, layout = "unquantized", None, None
+        if any(headers.dtype[n] in _QUANTIZED_DTYPES for n in names):
+            classes = EXPERT_CLASSES if module not in modules else module_classes(modules[module])
+            if info.precision is None:
+                key, scheme, layout = info.scheme.name, info.scheme.name, info.format
+            else:
+                g = info.precision.group_of(family.disk_name(module), classes)
+                group = info.precision.groups.get(g) if g is not None else None
+                key = g if g is not None else "not in any group"
+                if group is not None and group.description is not None:
+                    scheme, layout = group.scheme.name, group.description.format
+        row = rows.setdefault(key, {"group": key, "scheme": scheme, "layout": layout, "modules": 0, "bytes": 0})
+        row["modules"] += key != "unquantized"
+        row["bytes"] += size
+    out = [r for k, r in rows.items() if k != "unquantized"] + [rows[k] for k in rows if k == "unquantized"]
+    for r in out:
+        r["share"] = r["bytes"] / total
+    return out
 
 
 def _done(report: InspectReport, t0: float) -> InspectReport:

@@ -95,12 +95,17 @@ class CheckpointDescription:
     ``format``: the layout's name; ``scheme``: the ``MoEQuantScheme``; ``exclude``: module names or
     patterns left unquantized; ``activation_scale_mode``: the E8M0 rule of dynamic MX activations
     (None when the scheme has none). Readable as a dict (``info["scheme"]``) as before.
+
+    ``precision``: for a mixed-precision checkpoint (modules in different schemes), its
+    ``mxlib.checkpoints.precision.PrecisionMap``, which gives each module its own description; ``scheme``
+    is then its first supported group's. None for a single-scheme checkpoint.
     """
 
     format: str
     scheme: MoEQuantScheme
     exclude: list[str] = field(default_factory=list)
     activation_scale_mode: str | None = None
+    precision: object | None = field(default=None, compare=False, repr=False)
 
     def __getitem__(self, key: str):
         return getattr(self, key)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from .files.headers import UnusedTensorsWarning, describe_unused, folder_identit
 from .files.safetensors_io import SafetensorsHeaders, TensorReader, read_json
 from .layout import PROJS, CheckpointDescription, CheckpointError, check_exclude_patterns, matches
 from .layouts import LAYOUTS, layout_for_method  # the registry with mxlib's layouts registered
+from .precision import experts_description, module_classes, module_description
 from .saving import _attach, read_checkpoint_source
 
 __all__ = ["read_quant_config", "load_quantized_moe", "load_quantized_qwen3_moe", "check_scale_strategy"]
@@ -201,7 +203,6 @@ def load_quantized_moe(
     family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
     info = read_quant_config(folder)
     check_scale_strategy(scale_strategy, info.scheme)
-    layout = LAYOUTS[info.format]
     cfg_path = folder / "config.json"
     cfg_dict = _read_model_config(cfg_path)
     qc = cfg_dict.pop("quantization_config", None)
@@ -234,23 +235,27 @@ def load_quantized_moe(
             f"vocab_size={config.vocab_size}, num_hidden_layers={config.num_hidden_layers}): {err}"
         ) from None
     tensors = TensorReader(folder, headers)
-    exclude = info.exclude
 
     modules = dict(model.named_modules())
-    quantized_linears = []
+    quantized_linears = {}  # module name -> the CheckpointDescription it is read with
+    # each module's description, for save_pretrained (a mixed-precision checkpoint's differ)
+    described: dict[str, CheckpointDescription] = {}
     experts_part = f".{family.block_attr}.{family.experts_attr}."
     for name, p in model.named_parameters():
         if experts_part in name:
             continue
         module = name.rsplit(".", 1)[0]
-        if f"{module}.weight_scale" in tensors and not matches(family.disk_name(module), exclude):
-            if not isinstance(modules[module], torch.nn.Linear) or not layout.supports_linear:
+        desc = None
+        if f"{module}.weight_scale" in tensors:
+            desc = module_description(info, family.disk_name(module), module_classes(modules[module]))
+        if desc is not None:
+            if not isinstance(modules[module], torch.nn.Linear) or not LAYOUTS[desc.format].supports_linear:
                 raise CheckpointError(
                     f"{module} is quantized in this checkpoint; mxlib emulates quantized experts and linear layers "
                     f"only, so it must be bf16 and listed in the ignore/exclude list"
                 )
             if name.endswith(".weight"):
-                quantized_linears.append(module)
+                quantized_linears[module] = desc
                 continue
         dtype = torch.float32 if family.keeps_fp32(name) else torch.bfloat16
         p.data = tensors.get(name, tuple(p.shape), dtype).to(device)
@@ -269,9 +274,14 @@ def load_quantized_moe(
     def make(layer: int):
         prefix = family.experts_prefix(layer)
         _refuse_fused_unquantized(tensors, prefix)
-        if _experts_excluded(exclude, layer, family):
+        desc = experts_description(info, family.disk_name, prefix, e)
+        if desc is None:
+            if info.precision is not None:  # saved back as bf16: the description excludes the layer
+                described[prefix] = replace(info, exclude=[*info.exclude, family.disk_name(f"{prefix}.*")])
             return _bf16_experts(tensors, prefix, e, h, i, device, backend)
-        weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, info)
+        described[prefix] = desc
+        layout = LAYOUTS[desc.format]
+        weights, in13, in2 = layout.read_experts(tensors, prefix, e, h, i, desc)
         weights = reconcile_gate_up(weights, gate_up_scale)
         to = lambda t: None if t is None else t.to(device)  # noqa: E731
         b13 = b2 = None
@@ -282,13 +292,13 @@ def load_quantized_moe(
                 )
             b13, b2 = layout.read_expert_biases(tensors, prefix, e, h, i)  # as stored; read as fp32 in the GEMMs
         return make_emulation_experts(
-            info.scheme,
+            desc.scheme,
             weights.to(device),
             to(in13),
             to(in2),
             backend=backend,
             scale_strategy=scale_strategy,
-            activation_scale_mode=info.activation_scale_mode or "even",
+            activation_scale_mode=desc.activation_scale_mode or "even",
             activation_dtype=activation_dtype,
             rotation=rotation,
             activation=expert_activation(config),
@@ -306,19 +316,20 @@ def load_quantized_moe(
             return experts
 
         swap_experts(model, make_and_count, where=where)
-    for module in quantized_linears:
+    for module, desc in quantized_linears.items():
         lin = modules[module]
-        weights, ins = layout.read_linear(tensors, module, lin.out_features, lin.in_features, info)
+        described[module] = desc
+        weights, ins = LAYOUTS[desc.format].read_linear(tensors, module, lin.out_features, lin.in_features, desc)
         bias = None
         if lin.bias is not None:
             bias = tensors.get(f"{module}.bias", tuple(lin.bias.shape), torch.bfloat16).to(device)  # as stored
         em = make_emulated_linear(
-            info.scheme,
+            desc.scheme,
             weights.to(device),
             None if ins is None else ins.to(device),
             bias=bias,
             backend=backend,
-            activation_scale_mode=info.activation_scale_mode or "even",
+            activation_scale_mode=desc.activation_scale_mode or "even",
             activation_dtype=activation_dtype,
         )
         if ins is not None:  # the stored scale, which the saved checkpoint stores again
@@ -337,6 +348,8 @@ def load_quantized_moe(
             stacklevel=2,
         )
     # state_dict / load_state_dict / save_pretrained in this checkpoint's layout (saving.py)
+    if info.precision is not None:
+        source.module_descriptions = described
     _attach(model, source)
     model.mxlib_info = info
     return model.to(device).eval(), info

@@ -108,6 +108,10 @@ class CheckpointSource:
     files: dict[str, str]
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
     config: dict | None = None
+    # a mixed-precision checkpoint's {module name: CheckpointDescription} (``model.layers.L.mlp.experts``,
+    # quantized linear layers), each module written and read back in its own scheme and layout; None:
+    # every module has ``description``
+    module_descriptions: dict[str, CheckpointDescription] | None = None
 
 
 def read_checkpoint_source(
@@ -352,9 +356,10 @@ def _linear_load_hook(module, state_dict, prefix, local_metadata, strict, missin
 def _attach(model, source: CheckpointSource) -> None:
     """Hooks on every experts and emulated linear module, the source record and ``save_pretrained``."""
     family = family_of(model, "attach_checkpoint_layout")
-    for module in model.modules():
+    own = source.module_descriptions or {}
+    for name, module in model.named_modules():
         if isinstance(module, (TransformersExperts, EmulatedLinear)):
-            module.checkpoint_description = source.description
+            module.checkpoint_description = own.get(name, source.description)
             module.checkpoint_family = family
             if not getattr(module, "_checkpoint_hooks", False):
                 experts = isinstance(module, TransformersExperts)

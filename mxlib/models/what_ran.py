@@ -484,13 +484,23 @@ def _excluded(row: RanRow, info: CheckpointDescription | None, model) -> bool:
     return _experts_excluded(info.exclude, row.layer, family_of(model, "assert_runs_as"))
 
 
+def _module_expected(row: RanRow, scheme: MoEQuantScheme, info: CheckpointDescription | None, model):
+    """What a mixed-precision checkpoint (``info.precision``) asks of one module: the description the loader gave
+    it (``checkpoint_description``); the checkpoint's own otherwise."""
+    if info is None or info.precision is None or isinstance(model, TritonExperts):
+        return scheme, info
+    own = getattr(model.get_submodule(row.module), "checkpoint_description", None)
+    return (scheme, info) if own is None else (own.scheme, own)
+
+
 def assert_runs_as(model, expected, *args, report: WhatRan | None = None, **kwargs) -> WhatRan:
     """Refuse a model whose executed semantics differ from what ``expected`` asks; return the report.
 
     Args:
         model: as for ``what_ran``.
         expected: a ``CheckpointDescription`` (``load_quantized_moe``'s ``info``: its scheme and its exclude
-            list), a ``MoEQuantScheme`` or a scheme name.
+            list; for a mixed-precision checkpoint each module's own description, as the loader gave it), a
+            ``MoEQuantScheme`` or a scheme name.
         args, kwargs: the forward's inputs (``what_ran``); ignored when ``report`` is given.
         report: a ``WhatRan`` already measured (no forward is run again).
 
@@ -501,11 +511,12 @@ def assert_runs_as(model, expected, *args, report: WhatRan | None = None, **kwar
             forward; bf16 experts the checkpoint does not exclude.
         ValueError: an unknown scheme name (``get_moe_scheme``).
     """
-    scheme, info = _expected_scheme(expected)
+    asked, asked_info = _expected_scheme(expected)
     report = report if report is not None else what_ran(model, *args, **kwargs)
-    want = 0 if scheme.activation is None else 1
     problems = []
     for r in report:
+        scheme, info = _module_expected(r, asked, asked_info, model)
+        want = 0 if scheme.activation is None else 1
         if r.forwards == 0:
             problems.append(f"{r.module}: did not run in the forward")
             continue

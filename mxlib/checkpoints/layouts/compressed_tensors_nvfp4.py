@@ -43,6 +43,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MoEQuantScheme, get_moe_scheme
+from .. import precision
 from ..layout import (
     PROJS,
     CheckpointDescription,
@@ -133,6 +134,8 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         return None
 
     def read_config(self, qc: dict) -> CheckpointDescription:
+        if precision.is_mixed(qc):  # several config groups in different schemes (mxlib.checkpoints.precision)
+            return precision.mixed_description(self.name, qc, self.read_config)
         fmt = qc.get("format")
         if fmt == compressed_tensors_mxfp4.FORMAT:  # the same quant_method, the MXFP4 layout's config
             return compressed_tensors_mxfp4.LAYOUT.read_config(qc)

@@ -33,6 +33,7 @@ from ...formats import NVFP4
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
+from .. import precision
 from ..files.safetensors_io import read_json
 from ..layout import (
     PROJS,
@@ -102,15 +103,20 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         q = read_json(path).get("quantization") or {}
         if not isinstance(q, dict):
             raise CheckpointError(f"{path}: quantization: expected an object, found {type(q).__name__}")
-        return {
+        qc = {
             "quant_method": self.quant_method,
             "quant_algo": q.get("quant_algo"),
             "group_size": q.get("group_size"),
             "ignore": q.get("exclude_modules", []),
         }
+        if "quantized_layers" in q:  # MIXED_PRECISION: each quantized module's own quant_algo
+            qc["quantized_layers"] = q["quantized_layers"]
+        return qc
 
     def read_config(self, qc: dict) -> CheckpointDescription:
         algo = qc.get("quant_algo")
+        if algo == precision.MODELOPT_MIXED:  # per-module quant_algo (mxlib.checkpoints.precision)
+            return precision.mixed_description(self.name, qc, self.read_config)
         if algo == modelopt_mxfp8.ALGO:  # the same quant_method, the MXFP8 layout's config
             return modelopt_mxfp8.LAYOUT.read_config(qc)
         if algo not in _FROM_ALGO:

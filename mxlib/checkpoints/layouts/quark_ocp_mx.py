@@ -27,7 +27,6 @@ projection (emulated by ``mxlib.moe.linear.EmulatedLinear``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from ...formats import BLOCK_SCHEMES, FP8_E4M3_PER_TENSOR, SCALE_MODES, BlockSch
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
+from .. import precision
 from ..layout import (
     PROJS,
     CheckpointDescription,
@@ -166,6 +166,8 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 )
 
     def read_config(self, qc: dict) -> CheckpointDescription:
+        if precision.is_mixed(qc):  # per-layer / per-type configs that differ (mxlib.checkpoints.precision)
+            return precision.mixed_description(self.name, qc, self.read_config)
         g = qc.get("global_quant_config") or {}
         w = g.get("weight")
         if not w:
@@ -219,17 +221,6 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 f"quantization_config.global_quant_config: weight {wdtype!r} with input_tensors "
                 f"{a.get('dtype') if a else None!r} is not a supported Quark MoE scheme (supported: w_mxfp4*, "
                 f"w_mxfp6_e3m2*, w_mxfp6_e2m3*, w_mxfp8* as listed in mxlib.moe.schemes)"
-            )
-        for key, override in (qc.get("layer_quant_config") or {}).items():
-            if override.get("weight") != w or override.get("input_tensors") != a:
-                raise CheckpointError(
-                    f"quantization_config.layer_quant_config[{key!r}]: per-layer overrides are not supported by the "
-                    f"emulation (found {json.dumps(override)[:120]}); only the global config is"
-                )
-        if qc.get("layer_type_quant_config"):
-            raise CheckpointError(
-                f"quantization_config.layer_type_quant_config: per-type overrides are not supported, found "
-                f"{list(qc['layer_type_quant_config'])}"
             )
         exp = qc.get("export") or {}
         if exp.get("weight_format", "real_quantized") != "real_quantized":
