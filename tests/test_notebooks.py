@@ -87,8 +87,10 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         eval_prompts=100,
         calib_prompts=32,
         resamples=200,
-        trap_rows=64,
-        trap_row_length=1024,
+        trap_tokens=64,
+        trap_channels=1024,
+        trap_out_features=64,
+        trap_draws=4,
         dummy_preset="tiny",
         dummy_layers=2,
         dummy_experts=4,
@@ -362,9 +364,22 @@ def test_07_accuracy_recovery(executed_notebook):
 
     names = list(technique_names(NOTEBOOK_PARAMS["07_accuracy_recovery"]["techniques"]))
     assert res["recipe"] == "test" and res["techniques"] == names and res["schemes"] == ["nvfp4", "w_mxfp4_a_mxfp4"]
+    # section 2: the draws' means as the rows report them, and the family's verdicts in the directions the prose gives
     trap = {(r["format"], r["points"]): r for r in res["rotation_trap"]}
-    assert trap[("nvfp4", 16)]["delta_db"] < -1 and trap[("nvfp4", 128)]["delta_db"] < trap[("nvfp4", 16)]["delta_db"]
-    assert trap[("mxfp4", 16)]["delta_db"] > 0 and trap[("mxfp4", 128)]["delta_db"] > 0, trap
+    assert set(trap) == {(f, n) for f in ("nvfp4", "mxfp4") for n in (16, 128)}
+    assert all(r["draws"] == 4 for r in trap.values()), trap
+    for (f, n), r in trap.items():
+        gemm = [d["gemm_rel_error"] for d in res["trap_draws"] if d["format"] == f and d["points"] == n]
+        assert len(gemm) == 4 and r["rotated_gemm_rel_error"] == pytest.approx(sum(gemm) / 4), r
+    verdict = {(v["a"], v["metric"]): v for v in res["trap_verdicts"]}
+    assert len(verdict) == 16, sorted(verdict)
+    for n in (16, 128):  # MXFP4's outliers: decided better stored under either rotation at this size too
+        v = verdict[(f"mxfp4 rotated {n}", "outlier channels' relative error")]
+        assert v["verdict"] == f"mxfp4 rotated {n} better" and v["difference"] < 0, v
+        v = verdict[(f"nvfp4 rotated {n}", "other channels' SQNR (dB)")]
+        assert v["verdict"] == "nvfp4 plain better" and v["difference"] < 0, v
+    ratio = res["trap_amax_over_scale"]
+    assert 3.5 <= ratio["mxfp4"]["min"] and ratio["mxfp4"]["max"] < 7 and ratio["nvfp4"]["min"] >= 5.666, ratio
     done = {(r["scheme"], r["technique"]) for r in res["dummy"]}
     refused = {(r["scheme"], r["technique"]) for r in res["skipped"]["dummy"]}
     assert done | refused == {(s, t) for s in res["schemes"] for t in [*names, "scale_step_up", "swapped_nibbles"]}, (

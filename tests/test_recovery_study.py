@@ -189,16 +189,73 @@ def test_random_sign_hadamard_against_sylvester_closed_form():
     torch.testing.assert_close(M.block_rotate(M.block_rotate(x, h), h.T), x, rtol=0, atol=1e-5)
 
 
-def test_rotation_trap_lowers_nvfp4_and_helps_mxfp4_on_outliers():
-    from mxlib import reference as R
-    from mxlib.analysis import sample, sqnr_db
+def test_outlier_layer_holds_its_outliers_in_fixed_channels():
+    layer = M.outlier_layer(256, 32, 4, 20.0, seed=3)
+    idx = layer["outlier_idx"].tolist()
+    assert idx == sorted(set(idx)) and len(idx) == 4
+    a, b = M.layer_tokens(layer, 50, seed=1), M.layer_tokens(layer, 50, seed=2)
+    for x in (a, b):  # the same channels in every token and every draw, the sign fixed per channel
+        big = x.abs() > 8
+        assert torch.equal(big.any(0), big.all(0)) and big.any(0).nonzero().flatten().tolist() == idx
+        assert torch.equal(torch.sign(x[:, layer["outlier_idx"]]), layer["outlier_sign"].expand(50, 4))
+    assert not torch.equal(a, b) and layer["weight"].shape == (32, 256)
+    with pytest.raises(ValueError, match="outlier_channels: expected at most channels=256, got 300"):
+        M.outlier_layer(256, 32, 300, 20.0)
+    with pytest.raises(ValueError, match="outlier_scale: expected a finite number > 0, got -1"):
+        M.outlier_layer(256, 32, 4, -1)
+    with pytest.raises(ValueError, match="tokens: expected an int >= 1, got 0"):
+        M.layer_tokens(layer, 0, seed=0)
 
-    x = sample("outliers", (64, 1024), seed=0)
-    rows = {(r["format"], r["points"]): r for r in M.rotation_trap(x, points=(16, 128))}
-    assert rows[("nvfp4", 16)]["sqnr_db"] == sqnr_db(R.quant_dequant(x, "nvfp4"), x)
-    assert rows[("nvfp4", 16)]["delta_db"] < -1 and rows[("nvfp4", 128)]["delta_db"] < rows[("nvfp4", 16)]["delta_db"]
-    assert rows[("mxfp4", 16)]["delta_db"] > 0 and rows[("mxfp4", 128)]["delta_db"] > 0
-    assert all(0.5 < r["outlier_energy"] < 1 for r in rows.values())  # the outliers carry most of the energy
+
+def test_amax_over_scale_lies_where_the_scale_rules_put_it():
+    from mxlib import reference as R
+
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(0)) * 3
+    mx = M.amax_over_scale(x, "mxfp4")
+    assert mx.shape == (64, 16) and mx.min() >= 3.5 and mx.max() < 7  # even rule: [3.5, 7)
+    nv = M.amax_over_scale(x, "nvfp4")
+    assert nv.shape == (64, 32) and nv.min() >= 6 * 17 / 18 * (1 - 1e-6) and nv.max() <= 6 * 17 / 16 * (1 + 1e-6)
+    # the block holding the tensor's amax maps it to 6 (v = 448 exactly), and QDQ stores it as 6 * scale
+    top = x.abs().reshape(64, 32, 16).amax(-1).argmax()
+    assert nv.flatten()[top] == pytest.approx(6.0, rel=1e-6)
+    q = R.quant_dequant(x, "nvfp4")
+    flat = x.flatten().abs().argmax()
+    assert q.flatten()[flat].abs() == pytest.approx(x.flatten()[flat].abs().item(), rel=1e-6)
+
+
+def test_rotation_trap_measures_against_a_float64_oracle_and_feeds_the_family():
+    from mxlib import reference as R
+    from mxlib.stats import ComparisonFamily
+
+    layer = M.outlier_layer(512, 16, 4, 20.0, seed=0)
+    trap = M.rotation_trap(layer, tokens=16, draws=3, points=(16,), seed=0)
+    # draw 0, MXFP4 plain, recomputed here: the GEMM output's relative error in float64
+    x = M.layer_tokens(layer, 16, 1)
+    xq, wq = R.quant_dequant(x, "mxfp4"), R.quant_dequant(layer["weight"], "mxfp4")
+    ref = x.double() @ layer["weight"].double().T
+    want = float(torch.linalg.norm(xq.double() @ wq.double().T - ref) / torch.linalg.norm(ref))
+    row = next(r for r in trap["draws"] if (r["format"], r["points"], r["draw"]) == ("mxfp4", 0, 0))
+    assert row["gemm_rel_error"] == pytest.approx(want, rel=1e-12)
+    out = torch.zeros(512, dtype=torch.bool)
+    out[layer["outlier_idx"]] = True
+    other = float(((x[:, ~out].double()) ** 2).sum() / ((xq[:, ~out].double() - x[:, ~out].double()) ** 2).sum())
+    assert row["other_sqnr_db"] == pytest.approx(10 * math.log10(other), rel=1e-12)
+    assert M.trap_series(trap["draws"], "mxfp4", 0, "gemm_rel_error")[0] == row["gemm_rel_error"]
+    assert len(trap["draws"]) == 3 * 2 * 2 and [(r["format"], r["points"]) for r in trap["rows"]] == [
+        ("nvfp4", 16),
+        ("mxfp4", 16),
+    ]
+    family = ComparisonFamily("trap")
+    keys = M.add_trap_comparisons(family, trap)
+    assert len(keys) == 2 * len(M.TRAP_METRICS)
+    d = family.decide()
+    v = d[keys[-1]]
+    assert (v.a, v.b, v.metric, v.n) == ("mxfp4 rotated 16", "mxfp4 plain", "GEMM output relative error", 3)
+    assert v.smallest == M.trap_noise(trap["draws"], "mxfp4", "gemm_rel_error") > 0
+    with pytest.raises(ValueError, match="draws: expected an int >= 2, got 1"):
+        M.rotation_trap(layer, tokens=4, draws=1)
+    with pytest.raises(ValueError, match=r"points: expected powers of two dividing channels=512, got 24"):
+        M.rotation_trap(layer, tokens=4, draws=2, points=(24,))
 
 
 # ----------------------------------------------------------------------------- names and parameters

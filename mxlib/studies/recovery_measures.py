@@ -24,11 +24,12 @@ import time
 import torch
 
 from .. import reference as R
-from ..analysis import sqnr_db, sqnr_db_from_sums
+from ..analysis import sqnr_db_from_sums
 from ..formats import E8M0_NAN_BYTE, get_block_scheme, get_element_format
 from ..models.qwen3 import moe_layers
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import quantize_expert_weights
+from ..stats import ComparisonFamily, largest_difference
 
 __all__ = [
     "dequantize_weights",
@@ -42,8 +43,15 @@ __all__ = [
     "RATIO_BINS",
     "random_sign_hadamard",
     "block_rotate",
-    "OUTLIER_THRESHOLD",
+    "TRAP_METRICS",
+    "OUTLIER_SPREAD",
+    "outlier_layer",
+    "layer_tokens",
+    "amax_over_scale",
     "rotation_trap",
+    "trap_series",
+    "trap_noise",
+    "add_trap_comparisons",
 ]
 
 
@@ -377,50 +385,251 @@ def block_rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return (x.float().reshape(*x.shape[:-1], k // n, n) @ h).reshape(x.shape)
 
 
-# values above this magnitude count as outliers in ``rotation_trap`` (N(0, 1) exceeds it with p < 1e-15)
-OUTLIER_THRESHOLD = 8.0
+# ----------------------------------------------------------------------------- outliers in fixed channels
+
+# the rotation trap's metrics: name -> (unit text, higher is better)
+TRAP_METRICS = {
+    "activation SQNR (dB)": ("sqnr_db", True),
+    "other channels' SQNR (dB)": ("other_sqnr_db", True),
+    "outlier channels' relative error": ("outlier_rel_error", False),
+    "GEMM output relative error": ("gemm_rel_error", False),
+}
+# an outlier channel's value in a token: sign * outlier_scale * (1 + OUTLIER_SPREAD * N(0, 1))
+OUTLIER_SPREAD = 0.1
 
 
-def rotation_trap(x: torch.Tensor, points=(16, 128), formats=("nvfp4", "mxfp4"), seed: int = 0) -> list[dict]:
-    """QDQ of ``x [rows, k]`` in each block format (``mxlib.reference.quant_dequant``; NVFP4's global
-    scale from the amax of what it quantizes, MX with the ``even`` rule) plain and after a random-sign
-    block Hadamard rotation of each size in ``points``, rotated back before it is measured.
+def _positive_int(v, name: str, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {v!r}")
+    return v
 
-    Rows per (format, points): ``sqnr_db`` / ``rotated_sqnr_db`` (energy-weighted: ``10 log10(|x|^2 /
-    |err|^2)`` over every value, which the outliers dominate), ``delta_db``; ``bulk_sqnr_db`` /
-    ``rotated_bulk_sqnr_db`` over the values at most ``OUTLIER_THRESHOLD`` in magnitude;
-    ``outlier_rel_error`` / ``rotated_outlier_rel_error``: the outliers' RMS error over their RMS;
-    ``outlier_energy``: the outliers' share of ``|x|^2``.
+
+def outlier_layer(channels: int, out_features: int, outlier_channels: int, outlier_scale: float, seed: int = 0) -> dict:
+    """A synthetic linear layer whose inputs hold outliers in fixed channels, as LLM activations do (a few hidden
+    dimensions carry large magnitudes in nearly every token: Dettmers et al., LLM.int8(), arXiv 2208.07339).
+
+    Returns ``{"channels", "outlier_idx" (int64 [outlier_channels], sorted), "outlier_sign" (fp32 +-1
+    [outlier_channels]), "outlier_scale", "weight" (fp32 [out_features, channels], N(0, 1 / channels))}``, all
+    drawn from ``seed``; ``layer_tokens`` draws its inputs.
+
+    Raises:
+        ValueError: a count that is not a positive int, ``outlier_channels > channels``, ``outlier_scale`` not a
+            finite number > 0.
     """
-    x = x.float()
-    out = ~(x.abs() <= OUTLIER_THRESHOLD)
-    energy = float((x.double() ** 2).sum())
+    _positive_int(channels, "channels")
+    _positive_int(out_features, "out_features")
+    _positive_int(outlier_channels, "outlier_channels")
+    if outlier_channels > channels:
+        raise ValueError(f"outlier_channels: expected at most channels={channels}, got {outlier_channels}")
+    if (
+        isinstance(outlier_scale, bool)
+        or not isinstance(outlier_scale, (int, float))
+        or not (math.isfinite(outlier_scale) and outlier_scale > 0)
+    ):
+        raise ValueError(f"outlier_scale: expected a finite number > 0, got {outlier_scale!r}")
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(channels, generator=g)[:outlier_channels].sort().values
+    sign = torch.where(torch.rand(outlier_channels, generator=g) < 0.5, -1.0, 1.0)
+    weight = torch.randn(out_features, channels, generator=g) / math.sqrt(channels)
+    return dict(
+        channels=channels, outlier_idx=idx, outlier_sign=sign, outlier_scale=float(outlier_scale), weight=weight
+    )
 
-    def measures(y):
-        e = (y.double() - x.double()) ** 2
-        o = float(e[out].sum() / (x.double()[out] ** 2).sum()) ** 0.5 if out.any() else 0.0
-        return sqnr_db(y, x), sqnr_db(y[~out], x[~out]), o
 
-    rows = []
+def layer_tokens(layer: dict, tokens: int, seed: int) -> torch.Tensor:
+    """``[tokens, channels]`` fp32 inputs of ``outlier_layer``'s layer: N(0, 1) in every channel but the outlier
+    channels, which hold ``sign * outlier_scale * (1 + OUTLIER_SPREAD * N(0, 1))`` in every token. Seeded.
+
+    Raises:
+        ValueError: ``tokens`` not a positive int.
+    """
+    _positive_int(tokens, "tokens")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, layer["channels"], generator=g)
+    idx = layer["outlier_idx"]
+    big = 1.0 + OUTLIER_SPREAD * torch.randn(tokens, idx.numel(), generator=g)
+    x[:, idx] = layer["outlier_sign"] * layer["outlier_scale"] * big
+    return x
+
+
+def _activation_global_scale(name: str, calib: torch.Tensor):
+    """NVFP4's static activation encode scale ``6 * 448 / amax`` from calibration tokens (vLLM's ``1 /
+    input_scale``); None for a format without a global scale."""
+    if not get_block_scheme(name).has_global_scale:
+        return None
+    return get_block_scheme(name).scale_divisor / calib.abs().amax().float()
+
+
+def _qdq(x: torch.Tensor, name: str, global_scale=None) -> torch.Tensor:
+    if get_block_scheme(name).has_global_scale:
+        return R.quant_dequant(x, name, global_scale=global_scale)
+    return R.quant_dequant(x, name, scale_mode="even")
+
+
+def amax_over_scale(x: torch.Tensor, name: str, global_scale=None) -> torch.Tensor:
+    """Each block's ``amax / scale``: where round-to-nearest's scale puts the block's largest magnitude on e2m1's
+    grid before the rounding (values above 6 saturate to 6). ``[..., k / block_size]`` fp32.
+
+    NVFP4 (``global_scale``: the encode scale, default ``6 * 448 / amax(x)``): ``scale = s / gs`` with ``s =
+    e4m3(gs * amax / 6)``, so the ratio is ``6 v / e4m3(v)`` for ``v = gs * amax / 6``: within e4m3's rounding of 6
+    (``[6 * 17 / 18, 6 * 17 / 16] = [5.67, 6.375]`` while ``v`` is a normal e4m3 value up to 448), farther where
+    ``v`` is subnormal or exceeds 448 (a block larger than the calibration saw). MXFP4 (``even`` rule): a power of
+    two, the ratio in ``[3.5, 7)``.
+    """
+    s = get_block_scheme(name)
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // s.block_size, s.block_size)
+    amax = xb.abs().amax(dim=-1)
+    if s.has_global_scale:
+        gs = _activation_global_scale(name, x) if global_scale is None else torch.as_tensor(global_scale).float()
+        code = R.nvfp4_block_stats(x.float(), gs, s.block_size)["scale_code"]
+        return amax * gs / R.decode_element(code, "e4m3")
+    return amax / R.decode_e8m0(R.e8m0_scale(amax, s.element, "even"))
+
+
+def _trap_measures(x_energy: torch.Tensor, x, back, out, y_ref, y) -> dict:
+    """The four measures of ``rotation_trap`` from per-channel sums (``x_energy``: ``sum(x^2)`` per channel)."""
+    err = ((back.double() - x.double()) ** 2).sum(0)
+    return dict(
+        sqnr_db=sqnr_db_from_sums(float(x_energy.sum()), float(err.sum())),
+        other_sqnr_db=sqnr_db_from_sums(float(x_energy[~out].sum()), float(err[~out].sum())),
+        outlier_rel_error=float(err[out].sum() / x_energy[out].sum()) ** 0.5,
+        gemm_rel_error=float(torch.linalg.norm(y - y_ref) / torch.linalg.norm(y_ref)),
+    )
+
+
+def rotation_trap(
+    layer: dict, tokens: int = 128, draws: int = 6, points=(16, 128), formats=("nvfp4", "mxfp4"), seed: int = 0
+) -> dict:
+    """QDQ of an ``outlier_layer``'s inputs and weight, plain and after a random-sign block Hadamard rotation of
+    each size in ``points`` (both operands rotated along K: ``x W^T = (x R)(W R)^T``), over ``draws`` draws.
+
+    Each draw ``j`` takes its own evaluation tokens and calibration tokens (``tokens`` each, ``layer_tokens``) and
+    its own rotation signs (``random_sign_hadamard(n, seed + j)``): the three sources a reader would vary, varied
+    together. Per format: activations QDQ'd with NVFP4's static global scale calibrated on the draw's calibration
+    tokens (rotated like the inputs; ``6 * 448 / amax``), MXFP4 with the ``even`` rule; the weight QDQ'd with its
+    own scales (NVFP4's global scale from its amax).
+
+    Per draw, format and setting (``points`` 0 for plain): ``sqnr_db`` of the activations (rotated back) over every
+    value (energy-weighted: the outlier channels dominate it), ``other_sqnr_db`` over the other channels,
+    ``outlier_rel_error`` (the outlier channels' RMS error over their RMS), ``gemm_rel_error``: ``|x_qdq W_qdq^T -
+    x W^T| / |x W^T|`` (Frobenius norms; the reference in float64 from the unquantized operands).
+
+    Returns:
+        ``{"draws": per-draw rows (format, points, draw, the four measures), "rows": one row per format and
+        rotation size with each measure's mean over the draws plain and rotated (``rotated_*``) and
+        ``delta_db`` (rotated minus plain activation SQNR), "outlier_energy": the outlier channels' share of the
+        inputs' energy (mean over draws), "amax_over_scale": per format, min, max and the share of blocks above 6
+        of ``amax_over_scale`` on draw 0's plain inputs}``.
+
+    Raises:
+        ValueError: ``tokens`` or ``draws`` not an int >= 1 / >= 2; a size in ``points`` not a power of two
+            dividing ``channels``; ``channels`` not a multiple of a format's block size.
+    """
+    _positive_int(tokens, "tokens")
+    _positive_int(draws, "draws", 2)
+    k = layer["channels"]
+    points = tuple(points)
+    for n in points:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1) or k % n:
+            raise ValueError(f"points: expected powers of two dividing channels={k}, got {n!r}")
     for name in formats:
-        kw = {} if get_block_scheme(name).has_global_scale else {"scale_mode": "even"}
-        plain = measures(R.quant_dequant(x, name, **kw))
-        for n in points:
-            h = random_sign_hadamard(n, seed)
-            back = block_rotate(R.quant_dequant(block_rotate(x, h), name, **kw), h.T)
-            rot = measures(back)
-            rows.append(
+        if k % get_block_scheme(name).block_size:
+            raise ValueError(f"channels: {k} is not a multiple of {name}'s block size")
+    w = layer["weight"]
+    out = torch.zeros(k, dtype=torch.bool)
+    out[layer["outlier_idx"]] = True
+    per_draw, energy, amax = [], [], {}
+    plain_w = {name: _qdq(w, name) for name in formats}
+    for j in range(draws):
+        x = layer_tokens(layer, tokens, 2 * (seed * draws + j) + 1)
+        calib = layer_tokens(layer, tokens, 2 * (seed * draws + j) + 2)
+        y_ref = x.double() @ w.double().T
+        x_energy = (x.double() ** 2).sum(0)
+        energy.append(float(x_energy[out].sum() / x_energy.sum()))
+        for name in formats:
+            gs = _activation_global_scale(name, calib)
+            if j == 0:
+                ratio = amax_over_scale(x, name, gs)
+                amax[name] = dict(
+                    min=float(ratio.min()), max=float(ratio.max()), above_6=float((ratio > 6).double().mean())
+                )
+            xq = _qdq(x, name, gs)
+            per_draw.append(
                 dict(
                     format=name,
-                    points=n,
-                    sqnr_db=plain[0],
-                    rotated_sqnr_db=rot[0],
-                    delta_db=rot[0] - plain[0],
-                    bulk_sqnr_db=plain[1],
-                    rotated_bulk_sqnr_db=rot[1],
-                    outlier_rel_error=plain[2],
-                    rotated_outlier_rel_error=rot[2],
-                    outlier_energy=float((x.double()[out] ** 2).sum()) / energy,
+                    points=0,
+                    draw=j,
+                    **_trap_measures(x_energy, x, xq, out, y_ref, xq.double() @ plain_w[name].double().T),
                 )
             )
-    return rows
+            for n in points:
+                h = random_sign_hadamard(n, seed + j)
+                xr = block_rotate(x, h)
+                xq = _qdq(xr, name, _activation_global_scale(name, block_rotate(calib, h)))
+                wq = _qdq(block_rotate(w, h), name)
+                y = xq.double() @ wq.double().T
+                per_draw.append(
+                    dict(
+                        format=name,
+                        points=n,
+                        draw=j,
+                        **_trap_measures(x_energy, x, block_rotate(xq, h.T), out, y_ref, y),
+                    )
+                )
+    rows = []
+    for name in formats:
+        plain = [r for r in per_draw if r["format"] == name and r["points"] == 0]
+        for n in points:
+            rot = [r for r in per_draw if r["format"] == name and r["points"] == n]
+            row = dict(format=name, points=n, draws=draws)
+            for _, (col, _) in TRAP_METRICS.items():
+                row[col] = sum(r[col] for r in plain) / draws
+                row[f"rotated_{col}"] = sum(r[col] for r in rot) / draws
+            row["delta_db"] = row["rotated_sqnr_db"] - row["sqnr_db"]
+            rows.append(row)
+    return dict(draws=per_draw, rows=rows, outlier_energy=sum(energy) / draws, amax_over_scale=amax)
+
+
+def trap_series(draw_rows: list[dict], name: str, points: int, column: str) -> list[float]:
+    """One measure's values over the draws (in draw order) of ``rotation_trap``'s per-draw rows for format
+    ``name`` and setting ``points`` (0: plain)."""
+    rows = sorted((r for r in draw_rows if r["format"] == name and r["points"] == points), key=lambda r: r["draw"])
+    return [r[column] for r in rows]
+
+
+def trap_noise(draw_rows: list[dict], name: str, column: str) -> float:
+    """The measure's noise level for format ``name``: the largest difference between the first and the second
+    half of the draws of one setting (plain or a rotation size), over the settings (``mxlib.stats.largest_difference``):
+    how far the measure moves when only the draw changes. The smallest difference worth reporting."""
+    settings = sorted({r["points"] for r in draw_rows if r["format"] == name})
+    pairs = []
+    for p in settings:
+        v = trap_series(draw_rows, name, p, column)
+        h = len(v) // 2
+        pairs.append((v[:h], v[h : 2 * h]))
+    return largest_difference(*pairs)
+
+
+def add_trap_comparisons(family: ComparisonFamily, trap: dict) -> list[str]:
+    """Add every rotated-against-plain comparison of ``rotation_trap``'s result to ``family``: per format, rotation
+    size and ``TRAP_METRICS`` measure, ``"<format> rotated <n>"`` against ``"<format> plain"`` over the draws
+    (``over="draws"``), with ``trap_noise`` as the smallest difference worth reporting. Returns the keys."""
+    rows = trap["draws"]
+    keys = []
+    for r in trap["rows"]:
+        name, n = r["format"], r["points"]
+        for metric, (col, higher) in TRAP_METRICS.items():
+            keys.append(
+                family.add(
+                    f"{name} rotated {n}",
+                    f"{name} plain",
+                    trap_series(rows, name, n, col),
+                    trap_series(rows, name, 0, col),
+                    metric=metric,
+                    higher_is_better=higher,
+                    over="draws",
+                    smallest=trap_noise(rows, name, col),
+                    unit_name="draws (tokens, calibration, rotation signs)",
+                )
+            )
+    return keys

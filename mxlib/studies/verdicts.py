@@ -67,12 +67,14 @@ def add_rows(
     return keys
 
 
-def verdict_sentences(decisions: Decisions) -> list[str]:
-    """One sentence per decided comparison: ``"<winner> better than <other> in <metric>: <difference>
-    [<interval>] (smallest worth reporting ...)"``; nothing is said of the comparisons that cannot be told apart."""
+def verdict_sentences(decisions: Decisions, keys=None) -> list[str]:
+    """One sentence per decided comparison (of ``keys`` only, when given): ``"<winner> better than <other> in
+    <metric>: <difference> [<interval>] (smallest worth reporting ...)"``; nothing is said of the comparisons that
+    cannot be told apart."""
     out = []
-    for v in decisions.values():
-        if not v.decided:
+    wanted = None if keys is None else set(keys)
+    for k, v in decisions.items():
+        if not v.decided or (wanted is not None and k not in wanted):
             continue
         other = v.b if v.winner == v.a else v.a
         out.append(

@@ -347,32 +347,67 @@ def solve_where_4bit_costs(rows=(), decisions=None, **_):
     )
 
 
-def _trap_size(rows, fmt: str = "nvfp4"):
-    ours = sorted((r for r in rows if r["format"] == fmt), key=lambda r: r["points"])
-    return ours, min(ours, key=lambda r: r["delta_db"])["points"] if ours else None
+_GEMM = "GEMM output relative error"
+_SQNR = "activation SQNR (dB)"
 
 
-def check_trap_size(answer, rows=(), **_):
-    ours, want = _trap_size(rows)
-    n = as_int(answer)
-    by = {r["points"]: r for r in ours}
-    if n is None:
-        return "give a rotation size: a whole number of values, one of trap_points"
-    if n not in by:
-        return "not a rotation size of this run: read the points column of the trap table"
-    if n == want:
+def _trap_decided(decisions, fmt: str, metric: str) -> list[int]:
+    """The rotation sizes at which ``decisions`` decides ``"<fmt> rotated <n>"`` against ``"<fmt> plain"`` on
+    ``metric`` (``mxlib.studies.recovery_measures.add_trap_comparisons``' names), ascending."""
+    out = set()
+    for v in decisions.values() if decisions is not None else ():
+        if v.metric == metric and v.decided and v.b == f"{fmt} plain" and v.a.startswith(f"{fmt} rotated "):
+            out.add(int(v.a.rsplit(" ", 1)[1]))
+    return sorted(out)
+
+
+def _sizes(answer) -> list[int] | None:
+    """A list of rotation sizes from ``[16, 128]``, ``(16,)``, ``16``, ``"16, 128"`` or ``"16 128"``; ``[]`` for
+    ``"none"`` or an empty list; None otherwise."""
+    if isinstance(answer, str):
+        text = answer.strip().lower()
+        if text in ("none", "[]", "()", ""):
+            return [] if text else None
+        parts = text.strip("[]() ").replace(",", " ").split()
+    elif isinstance(answer, (list, tuple, set)):
+        parts = list(answer)
+    else:
+        parts = [answer]
+    sizes = [as_int(p) for p in parts]
+    return None if any(n is None for n in sizes) else sorted(set(sizes))
+
+
+def check_trap_gemm(answer, rows=(), decisions=None, **_):
+    points = sorted({r["points"] for r in rows})  # every format of the trap rotates at the same sizes
+    want = _trap_decided(decisions, "nvfp4", _GEMM)
+    got = _sizes(answer)
+    if got is None:
+        return "give a list of rotation sizes, e.g. [16] or '16, 128', or 'none'"
+    if any(n not in points for n in got):
+        return "a size that this run did not rotate with: read the points column of the trap table"
+    if got == want:
         return None
-    if by[n]["delta_db"] >= 0:
-        return "at that size NVFP4's SQNR does not fall at all under the rotation"
-    return "NVFP4 loses there, but more at another size of this run: compare the delta_db of every size"
+    if got and got == _trap_decided(decisions, "nvfp4", _SQNR):
+        return (
+            "at those sizes section 6 decides NVFP4's activation SQNR; the question asks about the GEMM output "
+            "relative error, a row of its own"
+        )
+    if not got:
+        return "section 6 decides the GEMM output relative error of nvfp4 at some size: read its 'nvfp4 rotated' rows"
+    return (
+        "a difference in the table's means is not yet a decided one: take the sizes whose GEMM output relative error "
+        "row names a winner"
+    )
 
 
-def solve_trap_size(rows=(), **_):
-    ours, want = _trap_size(rows)
-    changes = ", ".join(f"{r['points']}: {r['delta_db']:+.2f} dB" for r in ours)
-    return want, (
-        f"NVFP4's energy-weighted SQNR change by rotation size: {changes}; it falls most at {want}: a wider "
-        "rotation spreads each outlier over more values that round like the rest."
+def solve_trap_gemm(rows=(), decisions=None, **_):
+    want = _trap_decided(decisions, "nvfp4", _GEMM)
+    sqnr = _trap_decided(decisions, "nvfp4", _SQNR)
+    answer = want if want else "none"
+    return answer, (
+        f"Section 6 decides NVFP4's GEMM output relative error rotated against plain at {want or 'no size'}, and its "
+        f"activation SQNR at {sqnr or 'no size'}: what the activations' SQNR says of a rotation need not hold for "
+        "the layer's output, which also carries the (rotated) weight's error."
     )
 
 

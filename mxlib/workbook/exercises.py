@@ -75,7 +75,8 @@ EXERCISES: dict[str, str] = {
     "06.interval_shrink": "Doubling eval_prompts multiplies the width of a paired interval by about which factor?",
     "06.where_4bit_costs": "On which task does section 6 decide a scheme of at most 4.5 bits per weight worse than "
     "bf16 (exact match or NLL)? Answer a task name, or 'none'.",
-    "07.trap_size": "Of this run's trap_points, at which rotation size does NVFP4's energy-weighted SQNR fall most?",
+    "07.trap_gemm": "At which of this run's rotation sizes (trap_points) does section 6 decide that the rotation "
+    "changes NVFP4's GEMM output relative error? Answer a list of sizes, or 'none'.",
     "07.gptq_heldout": "On the dummy model (scheme nvfp4), by how many dB does gptq's last-layer SQNR on the held-out "
     "token ids (layer_sqnr_db) exceed rtn's?",
 }
@@ -97,7 +98,7 @@ _CHECKERS = {
     "05.dequant_wins_at": (Q.check_dequant_wins_at, Q.solve_dequant_wins_at),
     "06.interval_shrink": (Q.check_interval_shrink, Q.solve_interval_shrink),
     "06.where_4bit_costs": (Q.check_where_4bit_costs, Q.solve_where_4bit_costs),
-    "07.trap_size": (Q.check_trap_size, Q.solve_trap_size),
+    "07.trap_gemm": (Q.check_trap_gemm, Q.solve_trap_gemm),
     "07.gptq_heldout": (Q.check_gptq_heldout, Q.solve_gptq_heldout),
 }
 
@@ -117,7 +118,8 @@ def check_exercise(name: str, answer, **context) -> bool:
             for the block exercises.
         context: ``rows=...`` for the exercises that read a run's table (``03.best_4bit`` and
             ``06.where_4bit_costs``, which also take the notebook's ``decisions=``; ``05.dequant_wins_at``, which
-            also takes ``verdicts=`` from ``mxlib.studies.timing.faster_rows``; ``07.trap_size``: the trap rows;
+            also takes ``verdicts=`` from ``mxlib.studies.timing.faster_rows``; ``07.trap_gemm``: the trap rows
+            and the notebook's ``decisions``;
             ``07.gptq_heldout``: the dummy model's rows).
 
     The hint never contains the expected answer; ``show_solution(name)`` gives it.

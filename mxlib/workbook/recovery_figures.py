@@ -17,33 +17,42 @@ from .figures import PALETTE
 __all__ = ["rotation_trap_figure", "vs_rtn_figure", "mse_sqnr_figure", "scale_ratio_figure"]
 
 
+_TRAP_PANELS = (
+    ("sqnr_db", "activation SQNR, every value [dB]"),
+    ("other_sqnr_db", "SQNR of the other channels [dB]"),
+    ("outlier_rel_error", "outlier channels' relative error"),
+    ("gemm_rel_error", "GEMM output relative error"),
+)
+
+
 def rotation_trap_figure(rows: list[dict]) -> go.Figure:
-    """Bars of the SQNR change a random-sign block Hadamard rotation makes (``rotation_trap`` rows),
-    per format and rotation size: over every value (energy-weighted, left) and over the values
-    below the outlier threshold (right)."""
-    fig = make_subplots(
-        rows=1, cols=2, subplot_titles=("every value (energy-weighted)", "the values below the outlier threshold")
-    )
+    """Bars of what a random-sign block Hadamard rotation changes (``recovery_measures.rotation_trap``'s
+    ``rows``: rotated minus plain, means over the draws), per format and rotation size, one panel per measure:
+    the activations' SQNR over every value (energy-weighted) and over the other channels, the outlier channels'
+    relative error, the GEMM output's relative error. SQNR up is better; an error down is better."""
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[t for _, t in _TRAP_PANELS], vertical_spacing=0.15)
     formats = list(dict.fromkeys(r["format"] for r in rows))
     for k, f in enumerate(formats):
         fr = [r for r in rows if r["format"] == f]
         x = [f"{r['points']} points" for r in fr]
-        for col, (a, b) in enumerate((("rotated_sqnr_db", "sqnr_db"), ("rotated_bulk_sqnr_db", "bulk_sqnr_db")), 1):
+        for p, (col, _) in enumerate(_TRAP_PANELS):
             fig.add_trace(
                 go.Bar(
                     x=x,
-                    y=[r[a] - r[b] for r in fr],
+                    y=[r[f"rotated_{col}"] - r[col] for r in fr],
                     name=f,
                     legendgroup=f,
-                    showlegend=col == 1,
+                    showlegend=p == 0,
                     marker=dict(color=PALETTE[k % len(PALETTE)]),
                 ),
-                row=1,
-                col=col,
+                row=p // 2 + 1,
+                col=p % 2 + 1,
             )
-    fig.update_yaxes(title_text="rotated minus plain SQNR [dB]", row=1, col=1)
+    fig.update_yaxes(title_text="rotated minus plain")
     fig.update_layout(
-        title="What a random-sign block Hadamard rotation does to QDQ on outlier-heavy data", barmode="group"
+        title="What a random-sign block Hadamard rotation changes, outliers in fixed channels (mean over the draws)",
+        barmode="group",
+        height=600,
     )
     return fig
 
