@@ -14,6 +14,7 @@ MoE experts (``mxlib.moe``):
     ``get_moe_scheme``                     a scheme by name (``w_mxfp4_a_mxfp4``, ``nvfp4``, ...)
     ``quantize_expert_weights``            one layer's bf16 experts -> ``ExpertWeights``
     ``make_emulation_experts``             the scheme's emulation experts from quantized weights
+    ``FusedMoEQuantConfig``                the experts' modes in one checked object (``make_experts`` takes one)
     ``Nvfp4QuantizationEmulationTritonExperts``, ``OCP_MXQuantizationEmulationTritonExperts``,
     ``TritonExperts``                      the experts classes (vLLM's names)
     ``fused_topk``                         the router (softmax, top-k, renormalize)
@@ -75,6 +76,7 @@ _LAZY: dict[str, str] = {
     "ExpertWeights": "mxlib.moe.emulation",
     "quantize_expert_weights": "mxlib.moe.factory",
     "make_emulation_experts": "mxlib.moe.factory",
+    "FusedMoEQuantConfig": "mxlib.moe.quant_config",
     "Nvfp4QuantizationEmulationTritonExperts": "mxlib.moe.emulation",
     "OCP_MXQuantizationEmulationTritonExperts": "mxlib.moe.emulation",
     "TritonExperts": "mxlib.moe.base",

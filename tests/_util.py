@@ -77,22 +77,37 @@ def nvfp4_experts(
     w2_input_scale,
     **kwargs,
 ):
-    """NVFP4 emulation experts from the eight ModelOpt tensors in vLLM's order (stacked over experts)."""
+    """NVFP4 emulation experts from the eight ModelOpt tensors in vLLM's order (stacked over experts);
+    ``kwargs``: the constructor's keywords and ``FusedMoEQuantConfig`` fields."""
     from mxlib.formats import NVFP4
-    from mxlib.moe import ExpertWeights, Nvfp4QuantizationEmulationTritonExperts
+    from mxlib.moe import NVFP4_MOE, ExpertWeights, Nvfp4QuantizationEmulationTritonExperts
 
     weights = ExpertWeights(
         NVFP4, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale, w13_weight_scale_2, w2_weight_scale_2
     )
-    return Nvfp4QuantizationEmulationTritonExperts(weights, w13_input_scale, w2_input_scale, **kwargs)
+    config, kwargs = _config_of(NVFP4_MOE, kwargs)
+    return Nvfp4QuantizationEmulationTritonExperts(weights, config, w13_input_scale, w2_input_scale, **kwargs)
 
 
 def mx_experts(scheme, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale, **kwargs):
     """OCP MX emulation experts of ``scheme`` from the four packed tensors (stacked over experts)."""
     from mxlib.moe import ExpertWeights, OCP_MXQuantizationEmulationTritonExperts, get_moe_scheme
 
-    weights = ExpertWeights(get_moe_scheme(scheme).weight, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
-    return OCP_MXQuantizationEmulationTritonExperts(scheme, weights, **kwargs)
+    s = get_moe_scheme(scheme)
+    weights = ExpertWeights(s.weight, w13_weight, w13_weight_scale, w2_weight, w2_weight_scale)
+    config, kwargs = _config_of(s, kwargs)
+    return OCP_MXQuantizationEmulationTritonExperts(weights, config, **kwargs)
+
+
+def _config_of(scheme, kwargs: dict):
+    """``(FusedMoEQuantConfig of scheme with the config fields in kwargs, the other kwargs)``."""
+    import dataclasses
+
+    from mxlib.moe import FusedMoEQuantConfig
+
+    names = {f.name for f in dataclasses.fields(FusedMoEQuantConfig)}
+    fields = {k: v for k, v in kwargs.items() if k in names}
+    return FusedMoEQuantConfig(scheme, **fields), {k: v for k, v in kwargs.items() if k not in names}
 
 
 # The tiny Qwen3-MoE config of the checkpoint and bad-input tests (with mxlib.models.qwen3's

@@ -377,7 +377,7 @@ def test_experts_fused_backend_runs_fp6_on_the_fp4_kernel(scheme, device):
             w2_input_scale=torch.full((e,), 0.05 / 448),
         )
     fused = make_emulation_experts(scheme, q, backend="fused", **scales)
-    assert "w13_weight" not in fused._buffers and "w13_weight_fp4" in fused._buffers
+    assert "w13_weight_packed" not in fused._buffers and fused.prepared is not None
     w13p, w2p = fused.fp4_weights()
     assert isinstance(w13p, F6.FP6Weights) and isinstance(w2p, F6.FP6Weights)
     assert_bits_equal(fused.w13_weight, q.w13_weight)

@@ -28,6 +28,7 @@ from mxlib.checkpoints.layouts.gpt_oss_mxfp4 import (
 from mxlib.formats import BLOCK_SCHEMES
 from mxlib.moe.emulation import ExpertWeights
 from mxlib.moe.factory import quantize_expert_weights
+from mxlib.moe.quant_config import FusedMoEQuantConfig
 from mxlib.moe.schemes import MOE_SCHEMES
 
 from _util import assert_bits_equal
@@ -484,9 +485,8 @@ def test_swapped_bf16_experts_match_transformers(tiny_gpt_oss):
     def make(i):
         w13, w2 = expert_weights(model, i)
         b13, b2 = expert_biases(model, i)
-        return TritonExperts(
-            w13.clone(), w2.clone(), backend="torch", activation=expert_activation(model), w13_bias=b13, w2_bias=b2
-        )
+        config = FusedMoEQuantConfig(activation=expert_activation(model))
+        return TritonExperts(w13.clone(), w2.clone(), config, backend="torch", w13_bias=b13, w2_bias=b2)
 
     swap_experts(m, make)
     for li, layer in enumerate(model.model.layers):

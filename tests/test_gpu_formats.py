@@ -56,7 +56,7 @@ def test_fused_against_fp64(layer, scheme, numerics, fp4, m):
     if numerics == "hardware":
         d13 = d13.double() * ex.w13_weight_scale_2.double().reshape(E, -1, 1).expand(E, 2, I).reshape(E, 2 * I, 1)
         d2 = d2.double() * ex.w2_weight_scale_2.double().reshape(E, 1, 1)
-    a1, per_pair = ex.quantize_input(x, ti, "torch")
+    a1, per_pair, _ = ex.quantize_input(x, ti, "torch")
     ref = moe_fp64(
         a1,
         d13,

@@ -30,7 +30,7 @@ def layer():
 def oracle(ex, x, tw, ti):
     """The float64 MoE (``oracles.moe_fp64``) on the experts' own dequantized weights and QDQ'd inputs."""
     w13, w2 = ex.dequantized_weights()
-    a1, per_pair = ex.quantize_input(x, ti, "torch")
+    a1, per_pair, _ = ex.quantize_input(x, ti, "torch")
     return moe_fp64(
         a1,
         w13,

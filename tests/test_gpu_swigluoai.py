@@ -20,6 +20,7 @@ import torch
 from mxlib.moe import (
     SILU,
     SWIGLUOAI,
+    FusedMoEQuantConfig,
     MoEActivation,
     TritonExperts,
     fused_topk,
@@ -58,15 +59,17 @@ def layer(shape, m, seed=0):
 @pytest.mark.parametrize("m", [1, 64, 512])
 def test_gpu_bf16_experts_triton_vs_torch(shape, m):
     w13, w2, b13, b2, x, tw, ti = layer(SHAPES[shape], m)
-    kw = dict(activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2)
-    ref = TritonExperts(w13, w2, backend="torch", **kw)(x, tw, ti)
-    out = TritonExperts(w13, w2, backend="triton", **kw)(x, tw, ti)
+    kw = dict(w13_bias=b13, w2_bias=b2)
+    ref = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=SWIGLUOAI), backend="torch", **kw)(x, tw, ti)
+    out = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=SWIGLUOAI), backend="triton", **kw)(x, tw, ti)
     assert rel(out, ref) < 5e-3
     # the clamp is reached at these scales (first token, first expert)
     e0 = int(ti[0, 0])
     assert ((x[:1].float() @ w13[e0].float().T + b13[e0]).abs() > SWIGLUOAI.limit).any()
     plain = TritonExperts(w13, w2, backend="triton")
-    assert_bits_equal(TritonExperts(w13, w2, backend="triton", activation=SILU)(x, tw, ti), plain(x, tw, ti))
+    assert_bits_equal(
+        TritonExperts(w13, w2, FusedMoEQuantConfig(activation=SILU), backend="triton")(x, tw, ti), plain(x, tw, ti)
+    )
 
 
 def test_gpu_bf16_experts_against_transformers_gpt_oss():
@@ -90,7 +93,9 @@ def test_gpu_bf16_experts_against_transformers_gpt_oss():
         mod.down_proj.copy_(w2.float().transpose(1, 2))
         mod.down_proj_bias.copy_(b2)
         want = mod(x.float(), ti.long(), tw)
-    got = TritonExperts(w13, w2, backend="triton", activation=SWIGLUOAI, w13_bias=b13, w2_bias=b2)(x, tw, ti)
+    got = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=SWIGLUOAI), backend="triton", w13_bias=b13, w2_bias=b2)(
+        x, tw, ti
+    )
     assert rel(got, want) < 1e-2
 
 

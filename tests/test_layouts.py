@@ -30,7 +30,7 @@ from mxlib.checkpoints.layouts.compressed_tensors_nvfp4 import quantize_nvfp4_en
 from mxlib.checkpoints.scalars import widen_scale
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
-from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts
+from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, get_moe_scheme
 from mxlib.moe.factory import make_emulated_linear, quantize_linear_weight
 from mxlib.moe.linear import EmulatedLinear, LinearWeights, linear_input_amax
 
@@ -400,7 +400,7 @@ def test_emulated_linear_bad_input():
         make_emulated_linear("w_mxfp4_a_mxfp4", weights)
     with pytest.raises(ValueError, match="weight_scale: expected torch.float8_e4m3fn"):
         EmulatedLinear(
-            "nvfp4",
+            get_moe_scheme("nvfp4"),
             LinearWeights(
                 weights.scheme, weights.weight, weights.weight_scale.view(torch.uint8), weights.weight_scale_2
             ),

@@ -351,7 +351,7 @@ def fused_reference_fp64(ex, x, tw, ti):
     """float64 MoE from the experts' own dequantized weights and QDQ'd activations (the
     operands the fused kernel must reproduce); a2 is QDQ'd from the bf16-rounded activation."""
     w13, w2 = ex.dequantized_weights()
-    a1, per_pair = ex.quantize_input(x, ti, "torch")
+    a1, per_pair, _ = ex.quantize_input(x, ti, "torch")
     return moe_fp64(
         a1,
         w13,
@@ -531,8 +531,9 @@ def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
 @pytest.mark.slow
 def test_fp4_experts_keep_only_the_prepared_copy(device):
     ex, q, x, tw, ti = fp4_layer("nvfp4", "vllm", "fused", device)
-    assert "w13_weight" not in ex._buffers and "w2_weight" not in ex._buffers
-    assert ex.w13_weight_fp4.numel() == q.w13_weight.numel()  # same size: no extra memory
+    assert ex.prepared is not None  # the FP4 kernel's copy, and no checkpoint-layout copy beside it
+    assert "w13_weight_packed" not in ex._buffers and "w2_weight_packed" not in ex._buffers
+    assert ex.prepared.w13.numel() == q.w13_weight.numel()  # same size: no extra memory
     # the checkpoint layout comes back for the other backends, bit for bit
     assert torch.equal(ex.w13_weight.cpu(), q.w13_weight) and torch.equal(ex.w2_weight.cpu(), q.w2_weight)
     fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
@@ -543,7 +544,7 @@ def test_fp4_experts_keep_only_the_prepared_copy(device):
 def test_auto_backend_choice():
     cuda = torch.device("cuda")
     fp4 = fp4_layer("nvfp4", "vllm", "auto", "cpu")[0]
-    assert "w13_weight" in fp4._buffers  # auto on the CPU is torch: nothing prepared
+    assert fp4.prepared is None and "w13_weight_packed" in fp4._buffers  # auto on the CPU is torch: nothing prepared
     assert fp4.resolved_backend(cuda) == "fused" and fp4.resolved_backend(torch.device("cpu")) == "torch"
     x, w13, w2, tw, ti = make_inputs()
     fp6 = build_experts("w_mxfp6_e3m2", x, w13, w2, backend="auto")  # H = 96: not the kernel's shape

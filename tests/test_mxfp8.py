@@ -107,12 +107,12 @@ def test_activation_qdq_w8a8_quantizes_w8a16_does_not(layer, backend):
     q = quantize_expert_weights(w13, w2, "w_mxfp8", ops=R)
     w8a8 = make_emulation_experts("w_mxfp8_a_mxfp8", q, backend=backend)
     w8a16 = make_emulation_experts("w_mxfp8", q, backend=backend)
-    a1, per_pair = w8a8.quantize_input(x, ti, backend)
+    a1, per_pair, _ = w8a8.quantize_input(x, ti, backend)
     assert not per_pair
     assert_bits_equal(a1, oracle_mxfp8_qdq(x))
     assert not torch.equal(a1, x)
     assert w8a8.quant_dtype == "mxfp8_e4m3" and w8a16.quant_dtype is None  # vLLM's quant_dtype -> None
-    same, _ = w8a16.quantize_input(x, ti, backend)
+    same, _, _ = w8a16.quantize_input(x, ti, backend)
     assert_bits_equal(same, x)
     act = torch.randn(7, I).to(torch.bfloat16)
     assert_bits_equal(w8a8.quantize_intermediate(act, torch.zeros(7, dtype=torch.long), backend), oracle_mxfp8_qdq(act))
@@ -357,7 +357,7 @@ def test_modelopt_mxfp8_checkpoint(tiny_model, tmp_path):
     ex = loaded.model.layers[1].mlp.experts
     ex = getattr(ex, "experts", ex)
     x = torch.randn(3, ex.hidden_size).to(torch.bfloat16)
-    a1, _ = ex.quantize_input(x, torch.zeros(3, 2, dtype=torch.long), "torch")
+    a1, _, _ = ex.quantize_input(x, torch.zeros(3, 2, dtype=torch.long), "torch")
     assert_bits_equal(a1, torch.from_numpy(mx_qdq(x.float().numpy(), "e4m3", 32, "rceil")).to(torch.bfloat16))
     cfg = json.loads((path / "config.json").read_text())
     del cfg["quantization_config"]  # hf_quant_config.json alone, as older ModelOpt exports

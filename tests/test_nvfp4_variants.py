@@ -226,28 +226,32 @@ def test_variant_experts_match_the_oracle_bit_for_bit(name):
 
 
 def test_variant_experts_two_level_option_and_refusals():
+    from mxlib.moe import NVFP4_MOE, FusedMoEQuantConfig, get_moe_scheme
     from mxlib.moe import factory as F
     from mxlib.moe.nvfp4_variants import Nvfp4VariantEmulationExperts
 
     w13, w2, x, tw, ti = _moe_case(1)
     w = F.quantize_expert_weights(w13, w2, "nvfp4_ue5m3")
-    one = Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w)
-    two = Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, activation_global_scale=True)
+    ue5m3 = get_moe_scheme("nvfp4_ue5m3")
+    one = Nvfp4VariantEmulationExperts(w, FusedMoEQuantConfig(ue5m3))
+    two = Nvfp4VariantEmulationExperts(w, FusedMoEQuantConfig(ue5m3, activation_global_scale=True))
     assert one.scale_strategy == "none" and two.scale_strategy == "per_tensor"
     assert torch.isfinite(two(x, tw, ti).float()).all()
     for backend in ("triton", "fused"):
         with pytest.raises(ValueError, match="'torch' backend only"):
             F.make_emulation_experts("nvfp4_ue5m3", w, backend=backend)
         with pytest.raises(ValueError, match="'torch' backend only"):
-            Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, backend=backend)(x, tw, ti)
+            Nvfp4VariantEmulationExperts(w, FusedMoEQuantConfig(ue5m3), backend=backend)(x, tw, ti)
     with pytest.raises(ValueError, match="need w13_input_scale"):
         F.make_emulation_experts("nvfp4_b32", F.quantize_expert_weights(w13, w2, "nvfp4_b32"))
     with pytest.raises(ValueError, match="numerics"):
-        Nvfp4VariantEmulationExperts("nvfp4_ue5m3", w, numerics="hardware")
+        FusedMoEQuantConfig(ue5m3, numerics="hardware")
+    with pytest.raises(ValueError, match="activation_global_scale: nvfp4_b32 has static activation scales"):
+        FusedMoEQuantConfig(get_moe_scheme("nvfp4_b32"), activation_global_scale=True)
     with pytest.raises(ValueError, match="quantized as nvfp4_ue5m3"):
         F.make_emulation_experts("nvfp4_b32", w, torch.ones(4), torch.ones(4))
-    with pytest.raises(ValueError, match="expected one of"):
-        Nvfp4VariantEmulationExperts("nvfp4", F.quantize_expert_weights(w13, w2, "nvfp4"))
+    with pytest.raises(ValueError, match="does not run scheme nvfp4"):
+        Nvfp4VariantEmulationExperts(F.quantize_expert_weights(w13, w2, "nvfp4"), FusedMoEQuantConfig(NVFP4_MOE))
 
 
 def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
@@ -255,6 +259,7 @@ def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
     from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
     from mxlib.moe import factory as F
     from mxlib.moe.linear import EmulatedLinear, LinearWeights
+    from mxlib.moe.schemes import get_moe_scheme
     from mxlib.recovery.gptq import gptq_quantize
 
     from _util import TINY_QWEN3
@@ -264,7 +269,7 @@ def test_code_for_stored_formats_refuses_the_variants_by_name(tmp_path):
             F.quantize_linear_weight(torch.ones(4, 32), name)
         with pytest.raises(ValueError, match="not in linear layers"):
             w = LinearWeights(get_block_scheme(name), torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1))
-            EmulatedLinear(name, w, torch.ones(1))
+            EmulatedLinear(get_moe_scheme(name), w, torch.ones(1))
         with pytest.raises(ValueError, match="ahead of hardware; gptq"):
             gptq_quantize(torch.ones(1, 4, 32), torch.eye(32).expand(1, 32, 32), name)
     model = dummy_qwen3_moe(qwen3_30b_a3b_config(num_hidden_layers=1, **TINY_QWEN3), seed=3)

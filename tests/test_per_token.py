@@ -242,7 +242,7 @@ def test_experts_quantize_activations_per_token_bits(backend, numerics, device):
     q, x, tw, ti = layer()
     d = "cpu" if backend == "torch" else device
     ex = experts(q, backend, numerics, device=d)
-    a1, per_pair = ex.quantize_input(x.to(d), ti.to(d), backend)
+    a1, per_pair, _ = ex.quantize_input(x.to(d), ti.to(d), backend)
     assert not per_pair  # once per token
     assert_bits_equal(a1.cpu(), R.nvfp4_per_token_quant_dequant(x, numerics=numerics)[0], "a1")
     act = torch.randn(5, I, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3

@@ -428,11 +428,11 @@ def test_fp4_kernel_layout_saves_the_checkpoint_layout(tmp_path):
         first = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme / "first", calibrate(model, ids))
         m1, _ = C.load_quantized_qwen3_moe(first, backend="fused")
         ex = m1.model.layers[0].mlp.experts.experts
-        assert "w13_weight_fp4" in ex._buffers and "w13_weight" not in ex._buffers
+        assert ex.prepared is not None and "w13_weight_packed" not in ex._buffers
         m1.save_pretrained(tmp_path / scheme / "second")
         _assert_same_tensors(_stored(first), _stored(tmp_path / scheme / "second"))
         m1.load_state_dict(m1.state_dict())
-        assert "w13_weight_fp4" in m1.model.layers[0].mlp.experts.experts._buffers
+        assert m1.model.layers[0].mlp.experts.experts.prepared is not None
         _assert_same_tensors({n: t.contiguous() for n, t in m1.state_dict().items()}, _stored(first))
 
 
@@ -447,11 +447,11 @@ def test_fused_fp4_layout_on_cuda_saves_the_checkpoint_layout(tmp_path):
         first = C.write_quantized_checkpoint(model, scheme, tmp_path / scheme / "first", calibrate(model, ids))
         m1, _ = C.load_quantized_qwen3_moe(first, device="cuda", backend="fused")
         ex = m1.model.layers[0].mlp.experts.experts
-        assert "w13_weight_fp4" in ex._buffers and "w13_weight" not in ex._buffers
+        assert ex.prepared is not None and "w13_weight_packed" not in ex._buffers
         m1.save_pretrained(tmp_path / scheme / "second")
         _assert_same_tensors(_stored(first), _stored(tmp_path / scheme / "second"))
         m2, _ = C.load_quantized_qwen3_moe(tmp_path / scheme / "second", device="cuda", backend="fused")
         assert_bits_equal(_logits(m2, ids.cuda()), _logits(m1, ids.cuda()), f"{scheme} fused logits")
         m2.load_state_dict(m1.state_dict())
-        assert "w13_weight_fp4" in m2.model.layers[0].mlp.experts.experts._buffers
+        assert m2.model.layers[0].mlp.experts.experts.prepared is not None
         assert_bits_equal(_logits(m2, ids.cuda()), _logits(m1, ids.cuda()), f"{scheme} fused after load_state_dict")

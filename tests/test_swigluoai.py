@@ -23,6 +23,7 @@ import torch
 from mxlib.moe import (
     SILU,
     SWIGLUOAI,
+    FusedMoEQuantConfig,
     MoEActivation,
     activation_and_mul,
     fused_topk,
@@ -259,7 +260,7 @@ def test_experts_hold_activation_and_biases_and_check_them():
     from mxlib.moe import TritonExperts
 
     x, w13, w2, b13, b2, tw, ti = _layer()
-    ex = TritonExperts(w13, w2, backend="torch", activation="swigluoai", w13_bias=b13, w2_bias=b2)
+    ex = TritonExperts(w13, w2, FusedMoEQuantConfig(activation="swigluoai"), backend="torch", w13_bias=b13, w2_bias=b2)
     assert ex.activation is SWIGLUOAI and ex.w13_bias is not None and ex.w2_bias is not None
     assert torch.equal(ex.w13_bias, b13) and torch.equal(ex.w2_bias, b2)
     plain = TritonExperts(w13, w2, backend="torch")
@@ -282,7 +283,7 @@ def test_experts_hold_activation_and_biases_and_check_them():
     with pytest.raises(TypeError, match="w2_bias: expected a tensor"):
         TritonExperts(w13, w2, w2_bias=[0.0])
     with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'swigluoai'\], got 'swiglu'"):
-        TritonExperts(w13, w2, activation="swiglu")
+        TritonExperts(w13, w2, FusedMoEQuantConfig(activation="swiglu"))
     q, s13, s2, *_ = _quantized_layer("w_mxfp4_a_mxfp4", 4, 64, 32, 3)
     with pytest.raises(ValueError, match=r"activation: expected one of"):
         _make("w_mxfp4_a_mxfp4", q, s13, s2, "torch", "gelu", None, None)
@@ -297,7 +298,7 @@ def test_bf16_experts_torch_backend_is_the_reference(act):
     from mxlib.moe import TritonExperts
 
     x, w13, w2, b13, b2, tw, ti = _layer()
-    ex = TritonExperts(w13, w2, backend="torch", activation=act, w13_bias=b13, w2_bias=b2)
+    ex = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=act), backend="torch", w13_bias=b13, w2_bias=b2)
     assert_bits_equal(ex(x, tw, ti), torch_moe(x, w13, w2, tw, ti, activation=act, w13_bias=b13, w2_bias=b2))
 
 
@@ -309,13 +310,17 @@ def test_bf16_experts_triton_backend(act):
     from mxlib.moe import TritonExperts
 
     x, w13, w2, b13, b2, tw, ti = _layer()
-    want = TritonExperts(w13, w2, backend="torch", activation=act, w13_bias=b13, w2_bias=b2)(x, tw, ti)
-    got = TritonExperts(w13, w2, backend="triton", activation=act, w13_bias=b13, w2_bias=b2)(x, tw, ti)
+    want = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=act), backend="torch", w13_bias=b13, w2_bias=b2)(
+        x, tw, ti
+    )
+    got = TritonExperts(w13, w2, FusedMoEQuantConfig(activation=act), backend="triton", w13_bias=b13, w2_bias=b2)(
+        x, tw, ti
+    )
     err = ((got.double() - want.double()).norm() / want.double().norm()).item()
     assert err < 5e-3, err
     if act is SILU:
         assert_bits_equal(
-            TritonExperts(w13, w2, backend="triton", activation=SILU)(x, tw, ti),
+            TritonExperts(w13, w2, FusedMoEQuantConfig(activation=SILU), backend="triton")(x, tw, ti),
             TritonExperts(w13, w2, backend="triton")(x, tw, ti),
         )
 

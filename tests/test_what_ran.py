@@ -17,7 +17,7 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.models.what_ran import RanMismatch, RanRow, WhatRan, assert_runs_as, what_ran
 from mxlib.moe import factory as F
-from mxlib.moe.base import TransformersExperts
+from mxlib.moe.base import QuantizedA1, TransformersExperts
 from mxlib.moe.linear import EmulatedLinear, linear_input_amax
 from mxlib.moe.schemes import get_moe_scheme, vllm_emulated_scheme
 
@@ -125,7 +125,7 @@ def nvfp4_model(written):
 def test_a_skipped_a1_qdq_is_a_weight_only_fallback(nvfp4_model, monkeypatch):
     model, info = nvfp4_model
     ex = _experts(model, 1)
-    monkeypatch.setattr(ex, "quantize_input", lambda a1, topk_ids, backend: (a1, False))
+    monkeypatch.setattr(ex, "quantize_input", lambda a1, topk_ids, backend: QuantizedA1(a1))
     with pytest.raises(RanMismatch, match=r"layers\.1\.mlp\.experts: a1 .* weight-only fallback") as err:
         assert_runs_as(model, info)
     assert len(err.value.problems) == 1  # layer 0 and the linear layers still run as asked
@@ -140,8 +140,7 @@ def test_a_double_a1_qdq_is_caught(nvfp4_model, monkeypatch):
     once = ex.quantize_input
 
     def twice(a1, topk_ids, backend):
-        q, per_pair = once(a1, topk_ids, backend)
-        return once(q, topk_ids, backend)  # vLLM's slip: the input quantized again
+        return once(once(a1, topk_ids, backend).a1, topk_ids, backend)  # vLLM's slip: the input quantized again
 
     monkeypatch.setattr(ex, "quantize_input", twice)
     with pytest.raises(RanMismatch, match=r"layers\.0\.mlp\.experts: a1 .* quantized 2 times \(a double QDQ\)"):

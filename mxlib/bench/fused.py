@@ -47,7 +47,7 @@ from ..moe.base import TritonExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
-from ..moe.schemes import get_moe_scheme
+from ..moe.schemes import NVFP4_MOE, get_moe_scheme
 from ..studies.tables import ANCHOR_ROWS  # the anchor rows of the tables, in their order
 from ._common import copy_bandwidth, env, graph_ms
 
@@ -124,11 +124,9 @@ def packed_bytes_per_expert(scheme: str) -> int:
 def build(w13, w2, x_cal, extra: bool, refs: dict | None = None) -> dict:
     """The timed experts by row name; ``refs`` (if given) receives the ``torch``-backend twin of each SwiGLU-OAI
     row, the reference of its check."""
-    in13 = torch.full((E,), float(x_cal.abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE)
+    in13 = torch.full((E,), float(x_cal.abs().amax()) / NVFP4_MOE.activation.scale_divisor, device=DEVICE)
     h_cal = (x_cal[:512].float() @ w13[0].float().T).to(torch.bfloat16)
-    in2 = torch.full(
-        (E,), float(silu_and_mul(h_cal).abs().amax()) / get_moe_scheme("nvfp4").activation.scale_divisor, device=DEVICE
-    )
+    in2 = torch.full((E,), float(silu_and_mul(h_cal).abs().amax()) / NVFP4_MOE.activation.scale_divisor, device=DEVICE)
     paths = {"mxlib_bf16": TritonExperts(w13, w2, backend="triton")}
     for name in FP4_SCHEMES + ((FP6_SCHEME, *EXTRA_SCHEMES) if extra else ()):
         s = get_moe_scheme(name)

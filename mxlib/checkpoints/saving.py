@@ -64,7 +64,7 @@ from ..moe.base import TransformersExperts, TritonExperts
 from ..moe.emulation import ExpertWeights, QuantizedExperts
 from ..moe.factory import make_emulated_linear, make_emulation_experts
 from ..moe.linear import EmulatedLinear, LinearWeights
-from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..moe.schemes import MoEQuantScheme
 from .files.headers import MAX_JSON_BYTES, open_regular, read_json
 from .files.safetensors_io import (
     SAFETENSORS_DTYPES,
@@ -165,7 +165,7 @@ def _excluded(prefix: str, description: CheckpointDescription, family: MoEFamily
 
 
 def _scheme_of(ex: QuantizedExperts) -> MoEQuantScheme:
-    return getattr(ex, "scheme", None) or get_moe_scheme(ex.weight_scheme.name)
+    return ex.scheme
 
 
 def _check_experts(ex, prefix: str, description: CheckpointDescription, family: MoEFamily = QWEN3_MOE) -> None:

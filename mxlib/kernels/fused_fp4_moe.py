@@ -61,7 +61,15 @@ from .moe_epilogue import sum_k_kernel as _sum_k_kernel
 from .quant import per_token_rows
 from .tiles import TileConfig
 
-__all__ = ["prepare_packed_weights", "fused_fp4_moe", "get_fp4_configs", "FP4_CONFIGS", "NVFP4_CONFIGS", "FP6_CONFIGS"]
+__all__ = [
+    "prepare_packed_weights",
+    "fused_fp4_moe",
+    "fused_fp4_moe_impl",
+    "get_fp4_configs",
+    "FP4_CONFIGS",
+    "NVFP4_CONFIGS",
+    "FP6_CONFIGS",
+]
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -543,7 +551,6 @@ def fused_fp4_moe(
         raise ValueError(f"w13 and w2 must have one element format, got {el13 or 'e2m1'} and {el2 or 'e2m1'}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [M, k]")
-    m, k = topk_ids.shape
     e, two_i = w13.packed.shape[:2]
     h = w2.packed.shape[1]
     i = two_i // 2
@@ -554,6 +561,47 @@ def fused_fp4_moe(
             f"w2: expected [E={e}, H={hidden_states.shape[1]}, ...] as w13 and hidden_states, got "
             f"{list(w2.packed.shape)}"
         )
+    return fused_fp4_moe_impl(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        a1_qdq,
+        a2_qdq,
+        numerics,
+        configs,
+        plan,
+        rotation,
+        activation,
+        w13_bias,
+        w2_bias,
+    )
+
+
+def fused_fp4_moe_impl(
+    hidden_states: torch.Tensor,
+    w13: FP4Weights | F6.FP6Weights,
+    w2: FP4Weights | F6.FP6Weights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a1_qdq: ActivationQDQ | None,
+    a2_qdq: ActivationQDQ | None,
+    numerics: Numerics,
+    configs: tuple[TileConfig, TileConfig] | None,
+    plan: RoutingPlan | None,
+    rotation: HD.BlockHadamard | None,
+    activation,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``fused_fp4_moe`` on inputs already checked (vLLM's ``fused_experts_impl`` split): what the experts classes
+    call, having checked ``hidden_states``, ``topk_weights`` and ``topk_ids`` once in their forward and built the
+    weights, the QDQs and the numerics from one checked config (``mxlib.moe.base``). Same arguments, all given."""
+    m, k = topk_ids.shape
+    e, two_i = w13.packed.shape[:2]
+    h = w2.packed.shape[1]
+    i = two_i // 2
     hidden_states = hidden_states.contiguous()  # the kernels read rows with a unit column stride
     c1, c2 = configs or get_fp4_configs(m, e, k, w13.nvfp4, w13.nbits)
     if rotation is not None:

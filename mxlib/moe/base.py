@@ -13,10 +13,21 @@ GEMM outputs (plus the optional expert biases ``w13_bias [E, 2I]``, ``w2_bias [E
 fp32 before the rounding) rounded to the activation dtype, the gated activation ``act`` in fp32
 (``activation``: ``SILU``, ``silu(gate) * up``, by default; ``SWIGLUOAI`` for gpt-oss;
 ``mxlib.moe.activations``), and the router weight applied in fp32 inside the second GEMM, after
-its bias. Subclasses (``mxlib.moe.emulation``)
-override four hooks: ``dequantized_weights`` / ``dequantized_expert`` (weights in the
-activation dtype), ``quantize_input`` (a1) and ``quantize_intermediate`` (a2); those that
-hold packed weights also set ``supports_fused`` and give ``packed_weights`` and ``a2_qdq``.
+its bias. The experts take their weights, one ``FusedMoEQuantConfig`` (``mxlib.moe.quant_config``: the
+scheme and every mode, checked once) and a backend.
+
+Subclasses (``mxlib.moe.emulation``, ``weight_only``, ``nvfp4_variants``) override these hooks and no other
+method (``SUBCLASS_HOOKS``, tested):
+
+* the quantized operands: ``dequantized_weights`` / ``dequantized_expert`` (weights in the activation dtype),
+  ``quantize_input`` (a1, a ``QuantizedA1``) and ``quantize_intermediate`` (a2);
+* the fused kernels' operands (subclasses holding packed weights, which set ``supports_fused``):
+  ``packed_weights`` (the dequantize-GEMM kernel's), ``fp4_weights`` and ``fp4_operands`` (the FP4 kernel's
+  weights, hidden states and GEMM1 bias), ``a1_qdq`` and ``a2_qdq`` (the activation QDQ the kernels fuse);
+* the arithmetic and the backend: ``output_scales`` (hardware numerics' per-tensor scales on the GEMM
+  outputs), ``prefers_fused`` (``auto``'s choice on CUDA), ``resolved_backend`` (what ``auto`` runs) and
+  ``check_backend`` (what the numerics cannot run).
+
 The base class never asks which subclass it is.
 
 Rotation (``rotation``, a ``mxlib.kernels.hadamard.BlockHadamard`` or None, the default): experts whose
@@ -55,6 +66,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -63,20 +75,24 @@ from .. import reference as _ref
 from .._checks import capturing
 from ..formats import Numerics
 from ..kernels.align import plan_routing
+from ..kernels.fp4_activations import is_per_token
 from ..kernels.fp4_layout import FP4Weights
 from ..kernels.fp6_layout import FP6Weights
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights, get_fused_config, invoke_fused_dequant_moe
-from ..kernels.fused_fp4_moe import fused_fp4_moe, get_fp4_configs
+from ..kernels.fused_fp4_moe import fused_fp4_moe_impl, get_fp4_configs
 from ..kernels.fused_moe import get_moe_config, invoke_fused_moe_kernel
 from ..kernels.hadamard import BlockHadamard
-from .activations import SILU, MoEActivation, activation_and_mul, get_activation
+from .activations import MoEActivation, activation_and_mul
+from .quant_config import FusedMoEQuantConfig
 from .reference_moe import torch_moe
 
 __all__ = [
     "BACKENDS",
+    "SUBCLASS_HOOKS",
     "ACTIVATION_DTYPES",
     "keep_dtype_on_cast",
     "TritonExperts",
+    "QuantizedA1",
     "check_topk_ids",
     "TransformersExperts",
     "resolve_backend",
@@ -85,6 +101,23 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "triton", "fused", "torch")
+# The methods of ``TritonExperts`` a subclass may override (module docstring); ``forward`` and ``apply`` are not
+# among them: the path a forward takes, its input checks and its routing plan are the base class's.
+SUBCLASS_HOOKS = (
+    "dequantized_weights",
+    "dequantized_expert",
+    "quantize_input",
+    "quantize_intermediate",
+    "packed_weights",
+    "fp4_weights",
+    "fp4_operands",
+    "a1_qdq",
+    "a2_qdq",
+    "output_scales",
+    "prefers_fused",
+    "resolved_backend",
+    "check_backend",
+)
 # The activation dtypes every experts class runs (a cast to another is refused).
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -136,23 +169,35 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
         )
 
 
+class QuantizedA1(NamedTuple):
+    """What ``quantize_input`` gives the GEMMs: the QDQ'd layer input ``a1`` (``[M, H]`` once per token, or
+    ``[M*k, H]`` per (token, expert) pair when ``per_pair``), and, for per-token NVFP4 scales in hardware
+    numerics, ``row_scale``: each row's ``per_token_scale`` ``[rows, 1]`` fp32, which multiplies GEMM1's output
+    rows (else None)."""
+
+    a1: torch.Tensor
+    per_pair: bool = False
+    row_scale: torch.Tensor | None = None
+
+
 class TritonExperts(torch.nn.Module):
     """Fused-MoE experts on unquantized weights (the bf16 path and the ceiling).
 
     Args:
         w13: ``[E, 2I, H]`` gate-then-up weights; w2: ``[E, H, I]``; same dtype (bf16/fp16/fp32).
+        config: a ``FusedMoEQuantConfig`` (``mxlib.moe.quant_config``) without a scheme: the gated ``activation``
+            (SiLU by default; SwiGLU-OAI: gpt-oss's alpha 1.702, limit 7.0) and the ``rotation``; None: the default.
         backend: ``auto`` / ``triton`` / ``torch`` (module docstring).
-        activation: the gated activation, a ``MoEActivation`` or its name (``"silu"``, the default;
-            ``"swigluoai"``: gpt-oss's alpha 1.702, limit 7.0).
         w13_bias: ``[E, 2I]`` expert biases of GEMM1 (gate columns, then up columns, as w13's rows), fp32, bf16
             or fp16 (read as fp32), on the weights' device; or None. w2_bias: ``[E, H]`` likewise for GEMM2.
 
-    Every subclass takes ``activation``, ``w13_bias`` and ``w2_bias`` too; the properties of the same
-    names return them (the biases as given, None without).
+    Every subclass takes a config, a backend, ``w13_bias`` and ``w2_bias`` too; ``config`` returns the config,
+    ``activation`` and ``numerics`` its fields, ``w13_bias`` / ``w2_bias`` the biases (as given, None without).
 
     Raises:
-        ValueError: an unknown activation name; a bias of another shape; a bias on another device.
-        TypeError: a bias that is not a tensor, or of another dtype.
+        TypeError: a config that is not a ``FusedMoEQuantConfig``; a bias that is not a tensor, or of another dtype.
+        ValueError: a config with a scheme (quantized experts: ``make_emulation_experts``); a bias of another
+            shape; a bias on another device; a rotation that does not fit H and I.
 
     ``forward(hidden_states [M, H], topk_weights [M, k], topk_ids [M, k]) -> [M, H]``.
     """
@@ -167,8 +212,6 @@ class TritonExperts(torch.nn.Module):
     gemm_config = None
     fused_config = None
     fp4_config = None
-    # Numerics of the emulation (``mxlib.moe.emulation``): ``Numerics.VLLM`` or ``Numerics.HARDWARE``.
-    numerics = Numerics.VLLM
     # The rotation's block size (``rotation``; its signs are buffers), None without a rotation.
     _rotation_block_size: int | None = None
     # Buffers a dtype cast of the module converts (``_apply``): the unquantized weights; every other buffer
@@ -179,17 +222,21 @@ class TritonExperts(torch.nn.Module):
         self,
         w13: torch.Tensor | None = None,
         w2: torch.Tensor | None = None,
+        config: FusedMoEQuantConfig | None = None,
+        *,
         backend: str = "auto",
-        activation: MoEActivation | str = SILU,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ):
         super().__init__()
         if backend not in BACKENDS:  # refused here, not at the first forward
             raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
+        config = FusedMoEQuantConfig() if config is None else config
+        if not isinstance(config, FusedMoEQuantConfig):
+            raise TypeError(f"config: expected a FusedMoEQuantConfig or None, got {type(config).__name__}")
         self.backend = backend
         self._handle = _register_experts(self)
-        self._activation = get_activation(activation)
+        self._config = config
         self.register_buffer("w13_bias", None, persistent=False)
         self.register_buffer("w2_bias", None, persistent=False)
         if w13 is not None:
@@ -206,14 +253,35 @@ class TritonExperts(torch.nn.Module):
             self.register_buffer("w2", w2, persistent=False)
             self._dims = (e, h, two_i // 2)
             self.activation_dtype = w13.dtype
+            if config.scheme is not None:
+                raise ValueError(
+                    f"config: TritonExperts runs unquantized weights, got scheme {config.scheme.name} "
+                    f"(quantized experts: mxlib.moe.make_emulation_experts)"
+                )
             self._set_biases(w13_bias, w2_bias)
+            self.rotation = config.rotation
         elif w13_bias is not None or w2_bias is not None:
             raise ValueError("w13_bias/w2_bias: given without w13 and w2 (a subclass passes them to _set_biases)")
 
     @property
+    def config(self) -> FusedMoEQuantConfig:
+        """The experts' ``FusedMoEQuantConfig`` (frozen; ``numerics`` and ``rotation`` set a changed copy)."""
+        return self._config
+
+    @property
     def activation(self) -> MoEActivation:
         """The gated activation between the GEMMs (``mxlib.moe.activations``)."""
-        return self._activation
+        return self._config.activation
+
+    @property
+    def numerics(self) -> Numerics:
+        """The numerics of the emulation (``mxlib.moe.emulation``): ``Numerics.VLLM`` or ``Numerics.HARDWARE``.
+        Setting it (a member or its name) replaces the config by a copy, checked again (``FusedMoEQuantConfig``)."""
+        return self._config.numerics
+
+    @numerics.setter
+    def numerics(self, numerics: Numerics | str) -> None:
+        self._config = self._config.replace(numerics=numerics)
 
     def _set_biases(self, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> None:
         """Check and hold the expert biases (class docstring); call once the sizes, the activation dtype and
@@ -319,6 +387,8 @@ class TritonExperts(torch.nn.Module):
             s = None if rotation is None else getattr(rotation, name)
             self.register_buffer("rotation_" + name, None if s is None else s.to(device), persistent=False)
         self._rotation_block_size = None if rotation is None else rotation.block_size
+        if rotation is not self._config.rotation:
+            self._config = self._config.replace(rotation=rotation)
 
     def intermediate_qdq(self, backend: str):
         """``(a2 [n, I], row_experts [n]) -> quantize_intermediate(a2 rotated along I, ...)`` on ``backend``."""
@@ -353,9 +423,10 @@ class TritonExperts(torch.nn.Module):
         """One expert's ``(w13[e], w2[e])`` in the activation dtype."""
         return self.w13[e], self.w2[e]
 
-    def quantize_input(self, a1: torch.Tensor, topk_ids: torch.Tensor, backend: str) -> tuple[torch.Tensor, bool]:
-        """QDQ of the layer input: ``([M, H], False)`` once per token, or ``([M*k, H], True)`` per pair."""
-        return a1, False
+    def quantize_input(self, a1: torch.Tensor, topk_ids: torch.Tensor, backend: str) -> QuantizedA1:
+        """QDQ of the layer input: ``QuantizedA1([M, H], False)`` once per token, or ``([M*k, H], True)`` per
+        pair, with the rows' per-token scales where hardware numerics multiply GEMM1's output by them."""
+        return QuantizedA1(a1)
 
     def quantize_intermediate(self, a2: torch.Tensor, row_experts: torch.Tensor, backend: str) -> torch.Tensor:
         """QDQ of the SiLU-and-mul output ``[n, I]``; ``row_experts [n]`` is each row's expert."""
@@ -442,7 +513,7 @@ class TritonExperts(torch.nn.Module):
             tiles = self.fp4_config or get_fp4_configs(m, self.num_experts, k, fp4[0].nvfp4, fp4[0].nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles[0].block_m, tiles[1].block_m))
             a1, w13_bias = self.fp4_operands(hidden_states)
-            return fused_fp4_moe(
+            return fused_fp4_moe_impl(  # the inputs were checked above, the operands made from the checked config
                 a1,
                 fp4[0],
                 fp4[1],
@@ -460,13 +531,17 @@ class TritonExperts(torch.nn.Module):
             )
         if self.rotation is not None:
             hidden_states = self.rotation.rotate_h(hidden_states, triton=backend != "torch")
-        a1, per_pair = self.quantize_input(hidden_states, topk_ids, backend)
-        return self.apply(a1, topk_weights, topk_ids, per_pair, backend)
+        return self.apply(self.quantize_input(hidden_states, topk_ids, backend), topk_weights, topk_ids, backend)
 
-    def apply(self, a1, topk_weights, topk_ids, a1_per_pair: bool, backend: str) -> torch.Tensor:
+    def apply(self, qa1: QuantizedA1, topk_weights, topk_ids, backend: str) -> torch.Tensor:
+        """GEMM1, the gated activation, the a2 QDQ and GEMM2 on the QDQ'd layer input (``quantize_input``), on
+        ``backend`` (``forward`` has checked the inputs); the path's routing plan is made here, once."""
+        a1, a1_per_pair = qa1.a1, qa1.per_pair
         qi = self.intermediate_qdq(backend)
         m, k = topk_ids.shape
-        if backend == "fused" and self.supports_fused and self.rotation is None:
+        # the dequantize-GEMM kernel QDQs a2 tile by tile: a per-token QDQ (whole rows) and a rotation run the triton
+        # path instead
+        if backend == "fused" and self.supports_fused and self.rotation is None and not is_per_token(self.a2_qdq()):
             w13p, w2p = self.packed_weights()
             tiles = self.fused_config or get_fused_config(m, self.num_experts, k, w13p.nbits)
             plan = plan_routing(topk_ids, self.num_experts, (tiles.block_m,), naive_ok=False)
@@ -474,7 +549,7 @@ class TritonExperts(torch.nn.Module):
                 a1, w13p, w2p, topk_weights, topk_ids, self.a2_qdq(), a1_per_pair, tiles, plan, **self.moe_arithmetic()
             )
         if backend == "torch" and torch.compiler.is_compiling():
-            return _torch_experts_apply(a1, topk_weights, topk_ids, a1_per_pair, self._handle)
+            return _torch_experts_apply(a1, topk_weights, topk_ids, a1_per_pair, qa1.row_scale, self._handle)
         if backend == "torch":
             w13_of, w2_of = self.expert_weight_getters()
             return torch_moe(
@@ -486,6 +561,7 @@ class TritonExperts(torch.nn.Module):
                 qi,
                 a1_per_pair,
                 output_scales=self.output_scales,
+                a1_row_scale=qa1.row_scale,
                 **self.moe_arithmetic(),
             )
         w13, w2 = self.dequantized_weights()
@@ -568,15 +644,20 @@ def _register_experts(experts: TritonExperts) -> int:
 
 @torch.library.custom_op("mxlib::torch_experts_apply", mutates_args=())
 def _torch_experts_apply(
-    a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, a1_per_pair: bool, handle: int
+    a1: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    a1_per_pair: bool,
+    a1_row_scale: torch.Tensor | None,
+    handle: int,
 ) -> torch.Tensor:
     """The ``torch`` backend's expert loop (``torch_moe``, data-dependent: which experts got tokens) of
     experts ``handle``, run eagerly inside a compiled graph."""
-    return _EXPERTS[handle].apply(a1, topk_weights, topk_ids, a1_per_pair, "torch")
+    return _EXPERTS[handle].apply(QuantizedA1(a1, a1_per_pair, a1_row_scale), topk_weights, topk_ids, "torch")
 
 
 @_torch_experts_apply.register_fake
-def _(a1, topk_weights, topk_ids, a1_per_pair, handle):
+def _(a1, topk_weights, topk_ids, a1_per_pair, a1_row_scale, handle):
     return a1.new_empty((topk_ids.shape[0], a1.shape[-1]))
 
 

@@ -5,7 +5,8 @@ follow vLLM's classes of those names: every forward they dequantize the experts'
 the activation dtype, quantize-dequantize (QDQ) the layer input ``a1`` and the intermediate
 activation ``a2`` in the scheme's activation format, and run ``TritonExperts``' bf16 path.
 ``expects_unquantized_inputs`` is true: they take bf16 hidden states and do the activation
-QDQ themselves. Build them with ``mxlib.moe.factory.make_emulation_experts``.
+QDQ themselves. Each takes ``(weights, config, input scales, *, activation_dtype, backend, biases)``; build them
+with ``mxlib.moe.factory.make_emulation_experts`` (or ``make_experts`` from a config).
 
 Numerics (``numerics=``):
 
@@ -29,12 +30,17 @@ output row by its ``per_token_scale``, then by the weight's global scale (FlashI
 row), else on the ``triton`` path (the generic fused kernel QDQs a2 tile by tile).
 
 FP4 weights on the ``fused`` backend (bf16 activations, H and I multiples of 128, or zero-padded to them where
-``FP4_PAD_MAX_FRACTION`` allows: exact, ``fp4_operands``) are held in the FP4 kernel's layout
-(``mxlib.kernels.fp4_layout.prepare_fp4_weights``), prepared once (at construction when the backend resolves to
-``fused``, else at the first fused forward); only that copy stays on the device. ``w13_weight`` / ``w2_weight`` (and
-the other backends) then get the checkpoint layout back by ``unprepare_fp4_packed`` (and ``unpad_fp4_halves``), a
-temporary copy. MXFP6 weights (H and I multiples of 256) run in the same kernel in ``fp6_layout``'s layout, held
-and unprepared the same way, when the backend is ``fused``; whether ``auto`` picks it is ``FP6_AUTO_FUSED``.
+``FP4_PAD_MAX_FRACTION`` allows: exact, ``fp4_operands``) are held in the FP4 kernel's layout as a
+``mxlib.kernels.fp4_prepare.PreparedExpertWeights`` (the ``prepared`` submodule), made once (at construction when
+the backend resolves to ``fused``, else at the first fused forward) from the checkpoint-layout bytes, which it
+replaces: only that copy stays on the device. ``w13_weight`` / ``w2_weight`` (``checkpoint_packed``, and the other
+backends) then get the checkpoint layout back from it, a temporary copy. MXFP6 weights (H and I multiples of 256)
+run in the same kernel in ``fp6_layout``'s layout, held the same way, when the backend is ``fused``; whether
+``auto`` picks it is ``FP6_AUTO_FUSED``.
+
+The modes (scheme, numerics, scale strategy, block rule, E8M0 rule, global-scale kind, rotation, activation) come
+in one ``FusedMoEQuantConfig`` (``mxlib.moe.quant_config``), checked once; ``make_emulation_experts`` builds it
+from keywords.
 """
 
 from __future__ import annotations
@@ -44,27 +50,25 @@ from torch.nn.functional import pad as _pad
 
 from .. import reference as _ref
 from .._checks import check_block_scales, check_global_scale
-from ..formats import NVFP4, BlockScheme, Numerics, PerTensorScheme, get_numerics, get_scale_mode
+from ..formats import NVFP4, BlockScheme, Numerics, PerTensorScheme
 from ..kernels import fp4_layout as F4
-from ..kernels.fp4_layout import K_TILE, FP4Weights, fp4_one_multiply, unprepare_fp4_packed
-from ..kernels.fp6_layout import SUPER_TILE, FP6Weights, unprepare_fp6_packed
+from ..kernels.fp4_layout import K_TILE, FP4Weights
+from ..kernels.fp4_prepare import PreparedExpertWeights
+from ..kernels.fp6_layout import SUPER_TILE, FP6Weights
 from ..kernels.fused_dequant_moe import ActivationQDQ, PackedWeights
-from ..kernels.fused_fp4_moe import prepare_packed_weights
-from .activation_rules import block_rule_global_scale, check_activation_block_rule, nvfp4_activation_qdq, nvfp4_hw_qdq
-from .activations import SILU, MoEActivation
-from .base import TritonExperts, ops_for_backend, resolve_backend
+from .activation_rules import block_rule_global_scale, nvfp4_activation_qdq, nvfp4_hw_qdq
+from .base import QuantizedA1, TritonExperts, ops_for_backend, resolve_backend
 from .expert_weights import ExpertWeights, _check
 from .kept_weights import KeptDequantized
-from .reference_moe import torch_moe
+from .quant_config import FusedMoEQuantConfig
 from .scales import (
-    ACTIVATION_SCALE_STRATEGIES,
     PER_TOKEN,
     _unify_encode_scales,
     _warn_once,
     max_input_scale,
     unify_input_scales,
 )
-from .schemes import MoEQuantScheme, get_moe_scheme
+from .schemes import MoEQuantScheme
 
 __all__ = [
     "ExpertWeights",
@@ -75,7 +79,6 @@ __all__ = [
 ]
 
 _PACKED = ("w13_weight", "w2_weight")
-_PREPARED = "_fp4"  # suffix of the buffers that hold the FP4 kernel's layout (FP4 or FP6 elements)
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
 # the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
@@ -93,19 +96,86 @@ FP4_PAD_MAX_FRACTION = 1 / 16
 class QuantizedExperts(TritonExperts):
     """Shared plumbing of the emulation subclasses: weights stored quantized as buffers.
 
-    A subclass sets ``weight_scheme`` (a ``BlockScheme``) and implements ``_dequantize(ops, sel)``
-    (reading packed bytes through ``checkpoint_packed``), ``quantize_input``,
+    Built from ``(config, backend, activation_dtype)``; a subclass then checks its weights, registers them
+    (``_register``: the packed bytes as ``w13_weight_packed`` / ``w2_weight_packed``, read back as ``w13_weight`` /
+    ``w2_weight`` in the checkpoint layout), and calls ``_finish`` (biases, rotation, the FP4 layout when the
+    ``fused`` backend will use it). It sets ``weight_scheme`` (a ``BlockScheme``) and implements
+    ``_dequantize(ops, sel)`` (reading packed bytes through ``checkpoint_packed``), ``quantize_input``,
     ``quantize_intermediate``, ``a1_qdq`` and ``a2_qdq``.
     """
 
     expects_unquantized_inputs = True
     supports_fused = True
     weight_scheme: BlockScheme
+    # the FP4 kernel's copy of the packed weights (``mxlib.kernels.fp4_prepare``), once prepared
+    prepared: PreparedExpertWeights | None
 
-    def _set_numerics(self, numerics: str | Numerics) -> None:
-        """``numerics``: a ``Numerics`` or its name (``"vllm"``, ``"hardware"``); a ValueError names
-        the allowed values otherwise (``formats.get_numerics``)."""
-        self.numerics = get_numerics(numerics)
+    def __init__(self, config: FusedMoEQuantConfig, backend: str, activation_dtype: torch.dtype):
+        if not isinstance(config, FusedMoEQuantConfig):
+            raise TypeError(f"config: expected a FusedMoEQuantConfig, got {type(config).__name__}")
+        super().__init__(config=config, backend=backend)
+        self.prepared = None
+        if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"activation_dtype: expected bfloat16, float16 or float32, got {activation_dtype}")
+        self.activation_dtype = activation_dtype
+
+    @property
+    def scheme(self) -> MoEQuantScheme:
+        """The ``MoEQuantScheme`` these experts run (``config.scheme``)."""
+        return self.config.scheme
+
+    @property
+    def activation_format(self):
+        """The scheme's activation format (``config.scheme.activation``): a ``BlockScheme``, the per-tensor FP8
+        scheme, or None (weight-only)."""
+        return self.config.scheme.activation
+
+    @property
+    def activation_scale_mode(self) -> str:
+        """The E8M0 rule of dynamic MX activations (``config.activation_scale_mode``)."""
+        return self.config.activation_scale_mode
+
+    @property
+    def activation_block_rule(self) -> str:
+        """NVFP4 activations' block rule (``config.activation_block_rule``)."""
+        return self.config.activation_block_rule
+
+    @property
+    def global_scale_kind(self) -> str:
+        """The convention of the NVFP4 global scales, ``decode`` or ``encode`` (``config.global_scale_kind``)."""
+        return self.config.global_scale_kind
+
+    def _check_config(self, weights: ExpertWeights, accepts) -> ExpertWeights:
+        """Refuse a config whose scheme this class does not run (``accepts(scheme)`` false) and weights that are
+        not an ``ExpertWeights`` in its weight format with the config's ``global_scale_kind``."""
+        s = self.config.scheme
+        if s is None or not accepts(s):
+            raise ValueError(f"config: {type(self).__name__} does not run scheme {s}")
+        if not isinstance(weights, ExpertWeights):
+            raise TypeError(
+                f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got {type(weights).__name__}"
+            )
+        if weights.scheme != s.weight:
+            raise ValueError(f"weights: quantized as {weights.scheme.name}, the scheme {s.name} stores {s.weight.name}")
+        if weights.global_scale_kind != self.config.global_scale_kind:
+            raise ValueError(
+                f"weights: global_scale_kind {weights.global_scale_kind!r}, the config says "
+                f"{self.config.global_scale_kind!r} (FusedMoEQuantConfig.global_scale_kind)"
+            )
+        return weights
+
+    def _finish(self, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None) -> None:
+        """The end of a subclass's construction: biases, the config's rotation, and the FP4 layout prepared now
+        when the forward will use it (an unknown backend name is left for the forward to refuse)."""
+        self._set_biases(w13_bias, w2_bias)
+        if self.config.rotation is not None:
+            self.rotation = self.config.rotation
+        if (
+            self.backend in ("fused", "auto")
+            and self.fp4_kernel_applies()
+            and self.resolved_backend(self._device()) == "fused"
+        ):
+            self.fp4_weights()
 
     def fp4_kernel_applies(self) -> bool:
         """Whether the FP4 kernel can run these experts: bf16 activations and either 4-bit weight
@@ -117,27 +187,20 @@ class QuantizedExperts(TritonExperts):
             return False
         h, i = self.hidden_size, self.intermediate_size
         if s.element.nbits == 4:
-            hp, ip = self._fp4_dims()
+            hp, ip = F4.padded_to_k_tile(h), F4.padded_to_k_tile(i)
             pad_ok = hp - h <= FP4_PAD_MAX_FRACTION * h and ip - i <= FP4_PAD_MAX_FRACTION * i
             return (hp, ip) == (h, i) or (pad_ok and self.rotation is None)
         if s.element.nbits == 6 and not s.has_global_scale:
             return h % SUPER_TILE == 0 and i % SUPER_TILE == 0
         return False
 
-    def _fp4_dims(self) -> tuple[int, int]:
-        """(H, I) of the FP4 kernel's copy of 4-bit weights: each a multiple of the K tile (zero-padded)."""
-        return F4.padded_to_k_tile(self.hidden_size), F4.padded_to_k_tile(self.intermediate_size)
-
-    def _fp4_padded(self) -> bool:
-        return self.weight_scheme.element.nbits == 4 and self._fp4_dims() != (self.hidden_size, self.intermediate_size)
-
     def fp4_operands(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The FP4 kernel's hidden states and GEMM1 bias, zero-padded to the padded H and I where the weights
-        are (``_fp4_padded``): padded a1 columns meet zero weight columns, padded gate / up columns give
-        ``act(0 + 0, 0 + 0) = 0`` (SiLU and SwiGLU-OAI) and meet zero w2 columns."""
-        if not self._fp4_padded():
+        """The FP4 kernel's hidden states and GEMM1 bias, zero-padded to the padded H and I where the prepared
+        weights are (``PreparedExpertWeights.padded``): padded a1 columns meet zero weight columns, padded gate /
+        up columns give ``act(0 + 0, 0 + 0) = 0`` (SiLU and SwiGLU-OAI) and meet zero w2 columns."""
+        if self.prepared is None or not self.prepared.padded:
             return hidden_states, self.w13_bias
-        (hp, ip), (e, h, i) = self._fp4_dims(), self._dims
+        (hp, ip), (e, h, i) = self.prepared.padded_dims, self._dims
         b = None if self.w13_bias is None else _pad(self.w13_bias.view(e, 2, i), (0, ip - i)).view(e, 2 * ip)
         return _pad(hidden_states, (0, hp - h)), b
 
@@ -150,95 +213,62 @@ class QuantizedExperts(TritonExperts):
             return FP8_AUTO_FUSED and self.activation_dtype == torch.bfloat16
         return self.fp4_kernel_applies() and (s.element.nbits == 4 or FP6_AUTO_FUSED)
 
-    def _prepare_if_fused(self) -> None:
-        """Prepare the FP4 layout now when the forward will use it (construction time; an unknown backend
-        name is left for the forward to refuse)."""
-        if (
-            self.backend in ("fused", "auto")
-            and self.fp4_kernel_applies()
-            and self.resolved_backend(self._device()) == "fused"
-        ):
-            self.fp4_weights()
-
     def fp4_weights(self) -> tuple[FP4Weights, FP4Weights] | tuple[FP6Weights, FP6Weights] | None:
+        """``(w13, w2)`` in the FP4 kernel's layout, or None where that kernel does not apply. The first call
+        prepares ``prepared`` (a ``PreparedExpertWeights``) from the checkpoint-layout bytes, which it replaces."""
         if not self.fp4_kernel_applies():
             return None
-        if "w13_weight" + _PREPARED not in self._buffers:
-            hp, ip = self._fp4_dims()
-            for name, pw in zip(_PACKED, QuantizedExperts.packed_weights(self)):
-                if self._fp4_padded():  # (halves, rows, K) of the padded copy; its scales held beside it
-                    halves, rows, k = (2, ip, hp) if name == "w13_weight" else (1, self.hidden_size, ip)
-                    pw.packed, pw.scales = F4.pad_fp4_halves(
-                        pw.packed, pw.scales, pw.scheme.block_size, halves, rows, k
-                    )
-                    self.register_buffer(name + "_scale" + _PREPARED, pw.scales, persistent=False)
-                prepared = prepare_packed_weights(pw).packed
-                del self._buffers[name]  # keep only the prepared copy
-                self.register_buffer(name + _PREPARED, prepared, persistent=False)
-        s = self.weight_scheme
-        if s.element.nbits == 6:
-            return (
-                FP6Weights(self.w13_weight_fp4, self.w13_weight_scale.view(torch.uint8), s.element, s.block_size),
-                FP6Weights(self.w2_weight_fp4, self.w2_weight_scale.view(torch.uint8), s.element, s.block_size),
-            )
+        if self.prepared is None:
+            w13, w2 = QuantizedExperts.packed_weights(self)
+            self.prepared = PreparedExpertWeights(w13, w2, self.hidden_size, self.intermediate_size)
+            for name in _PACKED:  # keep only the prepared copy
+                del self._buffers[name + "_packed"]
         g13, g2 = getattr(self, "w13_weight_scale_2", None), getattr(self, "w2_weight_scale_2", None)
-        s13, s2 = self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8)
-        one13, one2 = self._one_multiply("w13", s13, g13), self._one_multiply("w2", s2, g2)  # pad bytes 0 agree
-        s13 = self._buffers.get("w13_weight_scale" + _PREPARED, s13)
-        s2 = self._buffers.get("w2_weight_scale" + _PREPARED, s2)
-        return (
-            FP4Weights(self.w13_weight_fp4, s13, s.block_size, s.has_global_scale, g13, one13),
-            FP4Weights(self.w2_weight_fp4, s2, s.block_size, s.has_global_scale, g2, one2),
+        return self.prepared.kernel_weights(
+            self.w13_weight_scale.view(torch.uint8), self.w2_weight_scale.view(torch.uint8), g13, g2
         )
-
-    def _one_multiply(self, name: str, scales: torch.Tensor, g: torch.Tensor | None) -> bool:
-        """``fp4_one_multiply`` of weight ``name``'s scales, read once (a host synchronization) and
-        again only after they change (a new storage, or an in-place write: it bumps ``_version``)."""
-        key = tuple((t.data_ptr(), t._version) for t in (scales, g) if t is not None)
-        cache = self.__dict__.setdefault("_one_multiply_cache", {})
-        if name not in cache or cache[name][0] != key:
-            if scales.is_cuda and torch.cuda.is_current_stream_capturing():
-                return False  # no host read inside a CUDA-graph capture: the two-multiply decode fits any scale
-            cache[name] = (key, fp4_one_multiply(scales, self.weight_scheme.block_size, g))
-        return cache[name][1]
 
     def checkpoint_packed(self, name: str, sel=slice(None)) -> torch.Tensor:
         """Packed bytes ``name`` (``w13_weight`` / ``w2_weight``) of experts ``sel`` in the checkpoint
-        layout, unpreparing only those experts when the FP4 kernel's copy is the one held."""
-        prepared = self._buffers.get(name + _PREPARED)
-        if prepared is None:
-            return self._buffers[name][sel]
-        return self._unprepare(prepared[sel], name)
+        layout: the held buffer's, or, once the FP4 kernel's copy is the one held, those experts unprepared
+        (a new tensor)."""
+        if name not in _PACKED:
+            raise ValueError(f"name: expected one of {list(_PACKED)}, got {name!r}")
+        if self.prepared is None:
+            return self._buffers[name + "_packed"][sel]
+        return self.prepared.checkpoint_packed(name.removesuffix("_weight"), sel)
 
-    def _unprepare(self, prepared: torch.Tensor, name: str) -> torch.Tensor:
-        """Checkpoint layout of weight ``name``'s bytes in the FP4 kernel's layout (FP4 or FP6 elements)."""
-        el = self.weight_scheme.element
-        if el.nbits == 6:
-            return unprepare_fp6_packed(prepared, el)
-        out = unprepare_fp4_packed(prepared)
-        if self._fp4_padded():
-            e, h, i = self._dims
-            out = F4.unpad_fp4_halves(out, *((2, i, h) if name == "w13_weight" else (1, h, i)))
-        return out
+    @property
+    def w13_weight(self) -> torch.Tensor:
+        """w13's packed bytes in the checkpoint layout: the buffer itself (an in-place write reaches the experts),
+        or, while the FP4 kernel's layout is held, an unprepared copy (``checkpoint_packed``)."""
+        held = self._buffers.get("w13_weight_packed")
+        return self.checkpoint_packed("w13_weight") if held is None else held
 
-    def __getattr__(self, name: str):
-        if name in _PACKED:
-            buffers = self.__dict__.get("_buffers", {})
-            if name not in buffers and name + _PREPARED in buffers:
-                return self._unprepare(buffers[name + _PREPARED], name)
-        return super().__getattr__(name)
+    @property
+    def w2_weight(self) -> torch.Tensor:
+        """w2's packed bytes in the checkpoint layout (as ``w13_weight``)."""
+        held = self._buffers.get("w2_weight_packed")
+        return self.checkpoint_packed("w2_weight") if held is None else held
 
-    def _set_dims(self, e: int, h: int, i: int, activation_dtype: torch.dtype) -> None:
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weights' dequantization reads (packed bytes, prepared or not, block and global
+        scales), in a fixed order: what ``KeptDequantized`` keys on."""
+        held = [t for n, t in self._buffers.items() if t is not None and n.startswith(_PACKED)]
+        if self.prepared is not None:
+            held += [t for t in self.prepared.buffers() if t is not None]
+        return held
+
+    def _set_dims(self, e: int, h: int, i: int) -> None:
         self._dims = (e, h, i)
-        if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise TypeError(f"activation_dtype: expected bfloat16, float16 or float32, got {activation_dtype}")
-        self.activation_dtype = activation_dtype
 
     _check = staticmethod(_check)
 
-    def _register(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _register(self, tensors: dict[str, torch.Tensor | None]) -> None:
+        """Hold ``tensors`` as buffers (not in the state dict); the packed bytes ``w13_weight`` / ``w2_weight``
+        under ``w13_weight_packed`` / ``w2_weight_packed`` (read through ``checkpoint_packed``)."""
         for name, t in tensors.items():
-            self.register_buffer(name, t, persistent=False)
+            self.register_buffer(name + "_packed" if name in _PACKED else name, t, persistent=False)
 
     def dequantized_weights(self):
         backend = resolve_backend(self.backend, self._device())
@@ -289,19 +319,25 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             up have different scales (each half is dequantized with its own; vLLM would use the
             gate's for both); ``w2_weight``, ``w2_weight_scale``, ``w2_weight_scale_2``:
             ``[E, H, I/2]``, ``[E, H, I/16]``, ``[E]``.
+        config: a ``FusedMoEQuantConfig`` of scheme ``nvfp4`` (``mxlib.moe.quant_config``): ``numerics``
+            (module docstring), ``scale_strategy`` (how per-expert activation scales become global ones,
+            ``unify_input_scales``; ``max`` is vLLM's and warns when it costs an expert precision; ``per_token``:
+            each token's amax sets its own, module docstring, the input scales are not read),
+            ``activation_block_rule`` (``amax``, vLLM's, or ``four_over_six``, ``activation_rules``),
+            ``global_scale_kind`` (the weights' own), ``rotation``, ``activation``.
         w13_input_scale, w2_input_scale: fp32 ``[E]`` decode scales ``amax / (6 * 448)``
             (0 for an expert never calibrated), or None with ``scale_strategy="per_token"``; when
-            ``weights.global_scale_kind`` is ``"encode"`` (compressed-tensors) they are encode scales
+            ``global_scale_kind`` is ``"encode"`` (compressed-tensors) they are encode scales
             ``6 * 448 / amax`` as stored, used without a reciprocal (``max`` picks the smallest encode
             scale; the fused backend then runs the triton path);
-        scale_strategy: how per-expert activation scales become global ones
-            (``unify_input_scales``); ``max`` is vLLM's and warns when it costs an expert precision; ``per_token``:
-            each token's amax sets its own (module docstring), the input scales are not read;
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics`` (module docstring).
-        activation_block_rule: a1 / a2 QDQ's ``"amax"`` (default, vLLM's) or ``"four_over_six"`` (``activation_rules``).
-        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
+        w13_bias, w2_bias: the expert biases (``TritonExperts``).
+
+    Raises:
+        TypeError: weights that are not an ``ExpertWeights`` in nvfp4; tensors of another dtype.
+        ValueError: a config of another scheme or global-scale kind; shapes; a static strategy without input
+            scales; global or block scales out of range.
 
     Source: vLLM ``Nvfp4QuantizationEmulationTritonExperts`` (``dequantize_to_dtype`` for the
     weights, ``ref_nvfp4_quant_dequant`` for a1 and a2 with ``a13_gscale = 1 / max(w13 input
@@ -315,30 +351,21 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
     def __init__(
         self,
         weights: ExpertWeights,
+        config: FusedMoEQuantConfig,
         w13_input_scale: torch.Tensor | None = None,
         w2_input_scale: torch.Tensor | None = None,
         *,
-        scale_strategy: str = "max",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str | Numerics = Numerics.VLLM,
-        activation_block_rule: str = "amax",
-        activation: MoEActivation | str = SILU,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend, activation=activation)
-        self.activation_block_rule = check_activation_block_rule(activation_block_rule)
-        if not isinstance(weights, ExpertWeights) or weights.scheme != NVFP4:
-            got = weights.scheme.name if isinstance(weights, ExpertWeights) else type(weights).__name__
-            raise TypeError(
-                f"weights: expected an ExpertWeights in nvfp4 (mxlib.moe.quantize_expert_weights), got {got}"
-            )
-        w = weights
+        super().__init__(config, backend, activation_dtype)
+        w = self._check_config(weights, self._runs)
         bs = NVFP4.block_size
         e, two_i, h_half = w.w13_weight.shape
         h, i = h_half * 2, two_i // 2
-        self._set_dims(e, h, i, activation_dtype)
+        self._set_dims(e, h, i)
         u8, f8, f32 = (torch.uint8,), (torch.float8_e4m3fn,), (torch.float32,)
         g13 = w.w13_weight_scale_2
         _check(w.w13_weight, "w13_weight", (e, 2 * i, h // 2), u8)
@@ -365,7 +392,6 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 check_global_scale(t, name, allow_zero=zero_ok)
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=True)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=True)
-        self.global_scale_kind = w.global_scale_kind
         if self.global_scale_kind == "encode":
             self.supports_fused = False  # the fused kernel multiplies by decode global scales
         if g13.ndim == 2 and not torch.equal(g13[:, 0], g13[:, 1]):
@@ -384,41 +410,51 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
                 "w2_input_scale": w2_input_scale,
             }
         )
-        self._set_biases(w13_bias, w2_bias)
-        self.set_scale_strategy(scale_strategy)
-        self._set_numerics(numerics)
-        check_activation_block_rule(activation_block_rule, hardware=self._hardware())
-        if self._hardware() and self.global_scale_kind == "encode":
-            raise ValueError(
-                "numerics='hardware' needs decode global scales (ModelOpt's weight_scale_2); these "
-                "weights carry encode scales (compressed-tensors): use numerics='vllm'"
-            )
-        self._prepare_if_fused()
+        self._set_activation_scales()
+        self._finish(w13_bias, w2_bias)
+
+    @staticmethod
+    def _runs(scheme: MoEQuantScheme) -> bool:
+        """Whether this class runs ``scheme`` (NVFP4 weights and activations)."""
+        return scheme.weight is NVFP4 and scheme.activation is NVFP4
+
+    @property
+    def scale_strategy(self) -> str:
+        """How the activation global scales are made (``config.scale_strategy``; ``set_scale_strategy``)."""
+        return self.config.scale_strategy
 
     def set_scale_strategy(self, strategy: str) -> None:
-        """Recompute the activation global scales (``unify_input_scales``) for a strategy; ``per_token``
-        leaves ``a13_gscale`` / ``a2_gscale`` None (the scales are made in the forward).
+        """Recompute the activation global scales (``unify_input_scales``) for a strategy (the config is
+        replaced by a copy with it, checked again); ``per_token`` leaves ``a13_gscale`` / ``a2_gscale`` None
+        (the scales are made in the forward).
 
         Raises:
             ValueError: a strategy not in ``ACTIVATION_SCALE_STRATEGIES``; a static strategy when the
-                experts were built without input scales.
+                experts were built without input scales; ``per_token`` with the ``four_over_six`` block rule.
         """
-        if strategy not in ACTIVATION_SCALE_STRATEGIES:
-            raise ValueError(f"scale_strategy: expected one of {list(ACTIVATION_SCALE_STRATEGIES)}, got {strategy!r}")
+        previous = self.config
+        self._config = previous.replace(scale_strategy=strategy)
+        try:
+            self._set_activation_scales()
+        except ValueError:
+            self._config = previous
+            raise
+
+    def _set_activation_scales(self) -> None:
+        """The activation global scales of ``config.scale_strategy`` (``set_scale_strategy``)."""
+        strategy = self.config.scale_strategy
         if strategy != PER_TOKEN and (self.w13_input_scale is None or self.w2_input_scale is None):
             raise ValueError(
                 f"scale_strategy {strategy!r} needs w13_input_scale and w2_input_scale (static scales); these "
                 f"experts were built without them: use scale_strategy={PER_TOKEN!r}"
             )
-        check_activation_block_rule(self.activation_block_rule, per_token=strategy == PER_TOKEN)
-        self.scale_strategy = strategy
         a13 = a2 = None  # per_token: the scales are made in the forward
         self._a13_uniform = self._a2_uniform = True
         if strategy != PER_TOKEN:
             unify = _unify_encode_scales if self.global_scale_kind == "encode" else unify_input_scales
             a13, self._a13_uniform = unify(self.w13_input_scale, strategy, "w13_input_scale")
             a2, self._a2_uniform = unify(self.w2_input_scale, strategy, "w2_input_scale")
-        rule = self.activation_block_rule
+        rule = self.config.activation_block_rule
         self.register_buffer("a13_gscale", block_rule_global_scale(a13, rule), persistent=False)
         self.register_buffer("a2_gscale", block_rule_global_scale(a2, rule), persistent=False)
 
@@ -506,14 +542,13 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
         ops = ops_for_backend(backend)
         if self.per_token:  # once per token; hardware: the rows' per_token_scale goes to GEMM1's output
             q, ts = ops.nvfp4_per_token_quant_dequant(a1, numerics=self.numerics)
-            self.__dict__["_a1_row_scale"] = (q, ts) if self._hardware() else None
-            return q, False
+            return QuantizedA1(q, False, ts if self._hardware() else None)
         qdq = self._hw_qdq if self._hardware() else nvfp4_activation_qdq(ops, self.activation_block_rule)
         if self._a13_uniform:
-            return qdq(a1, self.a13_gscale[:1]), False
+            return QuantizedA1(qdq(a1, self.a13_gscale[:1]))
         k = topk_ids.shape[1]
         pairs = a1.repeat_interleave(k, dim=0)  # [M*k, H], row t*k + j
-        return qdq(pairs, self.a13_gscale[topk_ids.reshape(-1).long()]), True
+        return QuantizedA1(qdq(pairs, self.a13_gscale[topk_ids.reshape(-1).long()]), True)
 
     def quantize_intermediate(self, a2, row_experts, backend):
         ops = ops_for_backend(backend)
@@ -525,95 +560,56 @@ class Nvfp4QuantizationEmulationTritonExperts(QuantizedExperts):
             return qdq(a2, self.a2_gscale[:1])
         return qdq(a2, self.a2_gscale[row_experts.long()])
 
-    def apply(self, a1, topk_weights, topk_ids, a1_per_pair: bool, backend: str) -> torch.Tensor:
-        if not self.per_token:
-            return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
-        if backend == "fused":  # the generic fused kernel QDQs a2 tile by tile: no whole rows there
-            backend = "triton"
-        if backend == "torch" and self._hardware():  # the per-token scales multiply GEMM outputs row by row
-            made = self.__dict__.pop("_a1_row_scale", None)
-            if made is None or made[0] is not a1:
-                raise RuntimeError("a1: per-token hardware numerics take the a1 that quantize_input made")
-            w13_of, w2_of = self.expert_weight_getters()
-            return torch_moe(
-                a1,
-                w13_of,
-                w2_of,
-                topk_weights,
-                topk_ids,
-                self.intermediate_qdq(backend),
-                a1_per_pair,
-                output_scales=self.output_scales,
-                a1_row_scale=made[1],
-                **self.moe_arithmetic(),
-            )
-        return super().apply(a1, topk_weights, topk_ids, a1_per_pair, backend)
-
 
 class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
     """OCP MX MoE emulation for every Quark scheme (``mxlib.moe.schemes``).
 
     Args:
-        scheme: a ``MoEQuantScheme`` or Quark scheme name (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2_a_fp8``,
-            ... or ``mxfp4``).
         weights: an ``ExpertWeights`` in the scheme's weight format: ``w13_weight`` uint8 packed
             ``[E, 2I, H * bits / 8]`` (FP4: H/2, FP6: 3H/4), ``w13_weight_scale`` uint8 E8M0
             ``[E, 2I, H/32]``, ``w2_weight`` and ``w2_weight_scale`` likewise for ``[E, H, I]``;
+        config: a ``FusedMoEQuantConfig`` of an OCP MX scheme (``w_mxfp4_a_mxfp4``, ``w_mxfp6_e3m2_a_fp8``, ...):
+            ``activation_scale_mode`` (E8M0 rule of the dynamic MX activation QDQ; Quark: ``even``), ``numerics``
+            (the same operands for OCP MX, module docstring), ``rotation``, ``activation``.
         w13_input_scale, w2_input_scale: fp32 ``[E]`` static FP8 scales (``amax / 448``), only
             for ``_a_fp8`` schemes (one scale for all experts, the max, as for NVFP4);
-        activation_scale_mode: E8M0 rule for the dynamic MX activation QDQ (Quark: ``even``);
         activation_dtype: bf16 (default) or fp16;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``mxlib.moe.base``);
-        numerics: ``"vllm"`` (default) or ``"hardware"``, or a ``mxlib.formats.Numerics``: the same operands
-            for OCP MX (module docstring).
-        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
+        w13_bias, w2_bias: the expert biases (``TritonExperts``).
 
     Both activation points are quantized whenever the scheme names an activation format: the
     layer input a1 once per token, and the gated activation's output a2 once per (token, expert) pair.
+
+    Raises:
+        TypeError: weights that are not an ``ExpertWeights``; tensors of another dtype.
+        ValueError: a config of a scheme that is not OCP MX; weights in another format; shapes; an ``_a_fp8``
+            scheme without input scales; E8M0 scales that are NaN.
 
     Source: vLLM ``OCP_MXQuantizationEmulationTritonExperts`` and ``QuarkOCP_MX_MoEMethod``.
     """
 
     def __init__(
         self,
-        scheme: str | MoEQuantScheme,
         weights: ExpertWeights,
+        config: FusedMoEQuantConfig,
         w13_input_scale: torch.Tensor | None = None,
         w2_input_scale: torch.Tensor | None = None,
         *,
-        activation_scale_mode: str = "even",
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str | Numerics = Numerics.VLLM,
-        activation: MoEActivation | str = SILU,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend, activation=activation)
-        self._set_numerics(numerics)
-        self.scheme = get_moe_scheme(scheme)
-        if not self.scheme.is_ocp_mx:
-            raise ValueError(
-                f"scheme: {self.scheme.name} is not an OCP MX scheme; use Nvfp4QuantizationEmulationTritonExperts"
-            )
+        super().__init__(config, backend, activation_dtype)
+        w = self._check_config(weights, self._runs)
         self.weight_scheme = self.scheme.weight
-        self.activation_format = self.scheme.activation
         self.quant_dtype = None if self.activation_format is None else self.activation_format.name
-        if not isinstance(weights, ExpertWeights):
-            raise TypeError(
-                f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got {type(weights).__name__}"
-            )
-        w = weights
-        if w.scheme != self.weight_scheme:
-            raise ValueError(
-                f"weights: quantized as {w.scheme.name}, the scheme {self.scheme.name} stores {self.weight_scheme.name}"
-            )
         wfmt = self.weight_scheme.element
         bs = self.weight_scheme.block_size
         e, two_i, packed_h = w.w13_weight.shape
         h = packed_h * 8 // wfmt.nbits
         i = two_i // 2
-        self._set_dims(e, h, i, activation_dtype)
+        self._set_dims(e, h, i)
         u8 = (torch.uint8,)
         _check(w.w13_weight, "w13_weight", (e, 2 * i, wfmt.packed_size(h)), u8)
         _check(w.w13_weight_scale, "w13_weight_scale", (e, 2 * i, h // bs), u8)
@@ -622,8 +618,6 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         check_block_scales(w.w13_weight_scale, "w13_weight_scale", e4m3=False)
         check_block_scales(w.w2_weight_scale, "w2_weight_scale", e4m3=False)
         self._register(w.tensors())
-        self._set_biases(w13_bias, w2_bias)
-        self.activation_scale_mode = get_scale_mode(activation_scale_mode)
         if isinstance(self.activation_format, PerTensorScheme):
             if w13_input_scale is None or w2_input_scale is None:
                 raise ValueError(f"{self.scheme.name}: static FP8 activations need w13_input_scale and w2_input_scale")
@@ -634,7 +628,12 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
             self._register({"w13_input_scale": w13_input_scale, "w2_input_scale": w2_input_scale})
             self.register_buffer("a13_scale", max_input_scale(w13_input_scale, "w13_input_scale"), persistent=False)
             self.register_buffer("a2_scale", max_input_scale(w2_input_scale, "w2_input_scale"), persistent=False)
-        self._prepare_if_fused()
+        self._finish(w13_bias, w2_bias)
+
+    @staticmethod
+    def _runs(scheme: MoEQuantScheme) -> bool:
+        """Whether this class runs ``scheme`` (OCP MX weights)."""
+        return scheme.is_ocp_mx
 
     def _act_qdq(self, scale_name: str) -> ActivationQDQ:
         scale = getattr(self, scale_name) if isinstance(self.activation_format, PerTensorScheme) else None
@@ -662,7 +661,7 @@ class OCP_MXQuantizationEmulationTritonExperts(QuantizedExperts):
         return ops.quant_dequant_mx(x, act.element.name, act.block_size, self.activation_scale_mode)
 
     def quantize_input(self, a1, topk_ids, backend):
-        return self._qdq(a1, ops_for_backend(backend), "a13_scale"), False
+        return QuantizedA1(self._qdq(a1, ops_for_backend(backend), "a13_scale"))
 
     def quantize_intermediate(self, a2, row_experts, backend):
         return self._qdq(a2, ops_for_backend(backend), "a2_scale")

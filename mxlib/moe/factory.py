@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from .. import reference as _ref
-from ..formats import NVFP4, NVFP4_VARIANTS, BlockScheme, PerTensorScheme
+from ..formats import NVFP4_VARIANTS, BlockScheme, PerTensorScheme
 from ..kernels.hadamard import BlockHadamard
-from .activations import SILU, MoEActivation, get_activation
+from .activations import SILU, MoEActivation
 from .base import ops_for_device
 from .emulation import (
     ExpertWeights,
@@ -30,6 +30,7 @@ from .emulation import (
 )
 from .linear import EmulatedLinear, LinearWeights
 from .nvfp4_variants import Nvfp4VariantEmulationExperts
+from .quant_config import FusedMoEQuantConfig
 from .scales import PER_TOKEN
 from .schemes import MoEQuantScheme, checkpoint_weight_format, get_moe_scheme, get_weight_format
 from .weight_only import Nvfp4WeightOnlyEmulationTritonExperts
@@ -38,6 +39,7 @@ __all__ = [
     "ExpertWeights",
     "quantize_expert_weights",
     "make_emulation_experts",
+    "make_experts",
     "input_scales_from_amax",
     "LinearWeights",
     "quantize_linear_weight",
@@ -107,6 +109,7 @@ def make_emulation_experts(
     activation: MoEActivation | str = SILU,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    activation_global_scale: bool = False,
 ) -> QuantizedExperts:
     """The emulation experts of ``scheme`` from quantized weights and static input scales.
 
@@ -131,73 +134,95 @@ def make_emulation_experts(
             ``"swigluoai"``, gpt-oss's; ``mxlib.moe.activations``).
         w13_bias, w2_bias: ``[E, 2I]`` (gate, then up) and ``[E, H]`` expert biases, fp32 or the activation
             dtype, added to the fp32 GEMM outputs before their rounding (``TritonExperts``); or None.
+        activation_global_scale: ``nvfp4_ue5m3`` only: activations QDQ'd with a dynamic per-tensor decode scale
+            (``mxlib.moe.nvfp4_variants``) instead of the one-level form.
+
+    The modes become one ``FusedMoEQuantConfig`` (checked once, ``mxlib.moe.quant_config``; its
+    ``global_scale_kind`` is the weights'), from which ``make_experts`` builds the scheme's experts class.
 
     Raises:
         ValueError: weights in another format than the scheme's; a static-scale scheme without
             input scales; a block rule other than ``amax`` for a scheme without NVFP4 activations;
-            an unknown activation name; a bias of another shape or device.
-        TypeError: a bias of another dtype.
+            an unknown name of a mode (``FusedMoEQuantConfig``); a bias of another shape or device.
+        TypeError: weights that are not an ``ExpertWeights``; a bias of another dtype.
     """
     s = get_moe_scheme(scheme)
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(
+            f"weights: expected an ExpertWeights (mxlib.moe.quantize_expert_weights), got {type(weights).__name__}"
+        )
     if weights.scheme != s.weight:
         raise ValueError(f"weights: quantized as {weights.scheme.name}, scheme {s.name} stores {s.weight.name}")
+    config = FusedMoEQuantConfig(
+        s,
+        numerics=numerics,
+        scale_strategy=scale_strategy,
+        activation_block_rule=activation_block_rule,
+        activation_scale_mode=activation_scale_mode,
+        global_scale_kind=weights.global_scale_kind,
+        rotation=rotation,
+        activation=activation,
+        activation_global_scale=activation_global_scale,
+    )
+    return make_experts(
+        weights,
+        config,
+        w13_input_scale,
+        w2_input_scale,
+        backend=backend,
+        activation_dtype=activation_dtype,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+    )
+
+
+def make_experts(
+    weights: ExpertWeights,
+    config: FusedMoEQuantConfig,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
+    *,
+    backend: str = "auto",
+    activation_dtype: torch.dtype = torch.bfloat16,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> QuantizedExperts:
+    """The emulation experts of ``config.scheme`` (``make_emulation_experts``' class choice) from quantized weights,
+    a checked ``FusedMoEQuantConfig`` and, for static activation scales, the per-expert input scales.
+
+    ``nvfp4_ue5m3`` / ``nvfp4_b32``: ``Nvfp4VariantEmulationExperts``; ``w4a16_nvfp4``:
+    ``Nvfp4WeightOnlyEmulationTritonExperts``; ``nvfp4``: ``Nvfp4QuantizationEmulationTritonExperts``; every OCP MX
+    scheme: ``OCP_MXQuantizationEmulationTritonExperts`` (the input scales passed for ``_a_fp8`` schemes only).
+
+    Raises:
+        TypeError: a config that is not a ``FusedMoEQuantConfig``.
+        ValueError: a config without a scheme; a static-scale scheme without input scales (unless
+            ``scale_strategy`` is ``per_token``); an NVFP4 variant on a backend other than ``auto`` / ``torch``;
+            the experts classes' errors.
+    """
+    if not isinstance(config, FusedMoEQuantConfig):
+        raise TypeError(f"config: expected a FusedMoEQuantConfig, got {type(config).__name__}")
+    s = config.scheme
+    if s is None:
+        raise ValueError("config: expected a scheme (unquantized experts: TritonExperts)")
     static = s.static_activation_scale
-    if static and scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
+    if static and config.scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
-    if activation_block_rule != "amax" and not (s.weight is NVFP4 and not s.weight_only):
-        raise ValueError(
-            f"activation_block_rule: {activation_block_rule!r} applies to NVFP4 activations; {s.name} has none"
-        )
-    arith = dict(activation=get_activation(activation), w13_bias=w13_bias, w2_bias=w2_bias)
+    kw = dict(activation_dtype=activation_dtype, backend=backend, w13_bias=w13_bias, w2_bias=w2_bias)
     if s.weight.name in NVFP4_VARIANTS:
         if backend not in ("auto", "torch"):
             raise ValueError(
                 f"backend: {s.name} runs on the 'torch' backend only (no Triton kernel reads its block scales); "
                 f"got {backend!r}"
             )
-        experts = Nvfp4VariantEmulationExperts(
-            s,
-            weights,
-            w13_input_scale,
-            w2_input_scale,
-            activation_dtype=activation_dtype,
-            backend=backend,
-            numerics=numerics,
-            **arith,
-        )
-    elif s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
-        experts = Nvfp4WeightOnlyEmulationTritonExperts(
-            weights, activation_dtype=activation_dtype, backend=backend, numerics=numerics, **arith
-        )
-    elif s.weight.has_global_scale:
-        experts = Nvfp4QuantizationEmulationTritonExperts(
-            weights,
-            w13_input_scale=w13_input_scale,
-            w2_input_scale=w2_input_scale,
-            scale_strategy=scale_strategy,
-            activation_dtype=activation_dtype,
-            backend=backend,
-            numerics=numerics,
-            activation_block_rule=activation_block_rule,
-            **arith,
-        )
-    else:
-        kw = {}
-        if isinstance(s.activation, PerTensorScheme):
-            kw = dict(w13_input_scale=w13_input_scale, w2_input_scale=w2_input_scale)
-        experts = OCP_MXQuantizationEmulationTritonExperts(
-            s,
-            weights,
-            activation_scale_mode=activation_scale_mode,
-            activation_dtype=activation_dtype,
-            backend=backend,
-            numerics=numerics,
-            **kw,
-            **arith,
-        )
-    if rotation is not None:
-        experts.rotation = rotation
-    return experts
+        return Nvfp4VariantEmulationExperts(weights, config, w13_input_scale, w2_input_scale, **kw)
+    if s.weight.has_global_scale and s.weight_only:  # w4a16_nvfp4: no activation scale is read
+        return Nvfp4WeightOnlyEmulationTritonExperts(weights, config, **kw)
+    if s.weight.has_global_scale:
+        return Nvfp4QuantizationEmulationTritonExperts(weights, config, w13_input_scale, w2_input_scale, **kw)
+    if not isinstance(s.activation, PerTensorScheme):
+        w13_input_scale = w2_input_scale = None
+    return OCP_MXQuantizationEmulationTritonExperts(weights, config, w13_input_scale, w2_input_scale, **kw)
 
 
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:

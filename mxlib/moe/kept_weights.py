@@ -19,8 +19,8 @@ class KeptDequantized:
     """Dequantized expert weights kept across forwards (``QuantizedExperts.keep_dequantized``).
 
     An entry is valid while the experts asking for it are of the same class, numerics and activation
-    dtype as the ones it was made for, and hold the same weight tensors (``w13_weight*`` / ``w2_weight*``
-    buffers: the packed bytes, the block scales, the global scales, the same tensor objects at the same
+    dtype as the ones it was made for, and hold the same weight tensors (``QuantizedExperts.weight_tensors``:
+    the packed bytes, prepared or not, the block scales, the global scales, the same tensor objects at the same
     ``_version``: an in-place write bumps it); any other request empties it first. So experts built from
     the same ``ExpertWeights`` (schemes that differ in their activations only) can share one.
     """
@@ -32,11 +32,7 @@ class KeptDequantized:
 
     def get(self, owner, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e``'s ``(w13, w2)`` of ``owner``: kept, or dequantized now and kept."""
-        inputs = [
-            (t, t._version)
-            for name, t in owner._buffers.items()
-            if t is not None and name.startswith(("w13_weight", "w2_weight"))
-        ]
+        inputs = [(t, t._version) for t in owner.weight_tensors()]
         key = (type(owner), owner.numerics, owner.activation_dtype, len(inputs))
         if (
             key != self.key

@@ -31,7 +31,7 @@ import torch
 from .._checks import check_global_scale
 from ..formats import NVFP4_VARIANTS, BlockScheme, PerTensorScheme, get_scale_mode
 from .base import keep_dtype_on_cast, ops_for_backend, resolve_backend
-from .schemes import MoEQuantScheme, get_moe_scheme
+from .schemes import MoEQuantScheme
 
 __all__ = ["LinearWeights", "EmulatedLinear", "linear_input_amax"]
 
@@ -94,7 +94,7 @@ class EmulatedLinear(torch.nn.Module):
 
     def __init__(
         self,
-        scheme: MoEQuantScheme | str,
+        scheme: MoEQuantScheme,
         weights: LinearWeights,
         input_scale: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
@@ -103,7 +103,11 @@ class EmulatedLinear(torch.nn.Module):
         activation_dtype: torch.dtype = torch.bfloat16,
     ):
         super().__init__()
-        self.scheme = get_moe_scheme(scheme)
+        if not isinstance(scheme, MoEQuantScheme):
+            raise TypeError(
+                f"scheme: expected a MoEQuantScheme (make_emulated_linear resolves a name), got {type(scheme).__name__}"
+            )
+        self.scheme = scheme
         if weights.scheme != self.scheme.weight:
             raise ValueError(
                 f"weights: quantized as {weights.scheme.name}, scheme {self.scheme.name} stores "

@@ -27,12 +27,13 @@ from __future__ import annotations
 import torch
 
 from .. import reference as _ref
-from ..formats import NVFP4_VARIANTS, Numerics, get_numerics
-from .activations import SILU, MoEActivation
+from ..formats import NVFP4_VARIANTS
+from .base import QuantizedA1
 from .emulation import QuantizedExperts
 from .expert_weights import ExpertWeights, _check
+from .quant_config import FusedMoEQuantConfig
 from .scales import max_input_scale
-from .schemes import MoEQuantScheme, get_moe_scheme
+from .schemes import MoEQuantScheme
 
 __all__ = ["Nvfp4VariantEmulationExperts"]
 
@@ -42,22 +43,22 @@ class Nvfp4VariantEmulationExperts(QuantizedExperts):
     same format, bf16 GEMMs (module docstring).
 
     Args:
-        scheme: the ``MoEQuantScheme`` (or its name): ``nvfp4_ue5m3`` or ``nvfp4_b32``.
         weights: ``ExpertWeights`` in the scheme's weight format: ``w13_weight`` uint8 ``[E, 2I, H/2]``,
             ``w13_weight_scale`` uint8 block-scale codes ``[E, 2I, H / block_size]`` (ue5m3 or e4m3 bytes),
             ``w2_weight`` / ``w2_weight_scale`` likewise for ``[E, H, I]``; ``w13_weight_scale_2`` /
             ``w2_weight_scale_2`` fp32 ``[E]`` decode global scales for ``nvfp4_b32`` (None for ``nvfp4_ue5m3``).
+        config: a ``FusedMoEQuantConfig`` of scheme ``nvfp4_ue5m3`` or ``nvfp4_b32``: ``activation_global_scale``
+            (``nvfp4_ue5m3`` only: QDQ activations with a per-tensor decode scale, ``amax / (6 * 114688)`` of each
+            tensor, dynamic, instead of the one-level form), ``numerics`` (``"vllm"`` only: one arithmetic, the
+            dequantized operands; no hardware exists to model), ``activation``.
         w13_input_scale, w2_input_scale: fp32 ``[E]`` static decode activation scales (``amax / 2688``),
             ``nvfp4_b32`` only.
-        activation_global_scale: ``nvfp4_ue5m3`` only: QDQ activations with a per-tensor decode scale
-            (``amax / (6 * 114688)`` of each tensor, dynamic) instead of the one-level form (default False).
         activation_dtype: bf16 (default), fp16 or fp32; backend: ``auto`` or ``torch``;
-        numerics: ``"vllm"`` only (one arithmetic: the dequantized operands; no hardware exists to model).
-        activation, w13_bias, w2_bias: as for ``TritonExperts``.
+        w13_bias, w2_bias: as for ``TritonExperts``.
 
     Raises:
-        ValueError: a scheme that is not an NVFP4 variant; weights in another format; shapes; missing input scales
-            for ``nvfp4_b32``; ``numerics="hardware"``; a ``triton`` / ``fused`` backend (at the forward).
+        ValueError: a config whose scheme is not an NVFP4 variant; weights in another format; shapes; missing input
+            scales for ``nvfp4_b32``; a ``triton`` / ``fused`` backend (at the forward).
         TypeError: weights that are not an ``ExpertWeights``, wrong dtypes.
     """
 
@@ -65,39 +66,25 @@ class Nvfp4VariantEmulationExperts(QuantizedExperts):
 
     def __init__(
         self,
-        scheme: str | MoEQuantScheme,
         weights: ExpertWeights,
+        config: FusedMoEQuantConfig,
         w13_input_scale: torch.Tensor | None = None,
         w2_input_scale: torch.Tensor | None = None,
         *,
-        activation_global_scale: bool = False,
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str | Numerics = Numerics.VLLM,
-        activation: MoEActivation | str = SILU,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ):
-        super().__init__(backend=backend, activation=activation)
-        self.scheme = get_moe_scheme(scheme)
+        super().__init__(config, backend, activation_dtype)
+        w = self._check_config(weights, self._runs)
         fmt = self.scheme.weight
-        if fmt.name not in NVFP4_VARIANTS or self.scheme.activation is not fmt:
-            raise ValueError(f"scheme: expected one of {list(NVFP4_VARIANTS)} (W4A4 in the variant), got {self.scheme}")
-        if get_numerics(numerics) is not Numerics.VLLM:
-            raise ValueError(
-                f"numerics: {fmt.name} is emulated with dequantized operands only ('vllm'), got {numerics!r}"
-            )
-        self._set_numerics(numerics)
-        if not isinstance(weights, ExpertWeights):
-            raise TypeError(f"weights: expected an ExpertWeights, got {type(weights).__name__}")
-        if weights.scheme is not fmt:
-            raise ValueError(f"weights: quantized as {weights.scheme.name}, the scheme {self.scheme} stores {fmt.name}")
-        self.weight_scheme = self.activation_format = fmt
+        self.weight_scheme = fmt
         self.quant_dtype = fmt.name
-        w, bs = weights, fmt.block_size
+        bs = fmt.block_size
         e, two_i, h_half = w.w13_weight.shape
         h, i = 2 * h_half, two_i // 2
-        self._set_dims(e, h, i, activation_dtype)
+        self._set_dims(e, h, i)
         u8, f32 = (torch.uint8,), (torch.float32,)
         _check(w.w13_weight, "w13_weight", (e, 2 * i, h // 2), u8)
         _check(w.w13_weight_scale, "w13_weight_scale", (e, 2 * i, h // bs), u8)
@@ -118,12 +105,26 @@ class Nvfp4VariantEmulationExperts(QuantizedExperts):
             )
         elif w.w13_weight_scale_2 is not None or w.w2_weight_scale_2 is not None:
             raise ValueError(f"weights: {fmt.name} is one level; these weights carry global scales")
-        if activation_global_scale and fmt.has_global_scale:
-            raise ValueError(f"activation_global_scale: {fmt.name} has static activation scales already")
-        self.activation_global_scale = bool(activation_global_scale)
-        self.scale_strategy = "max" if fmt.has_global_scale else ("per_tensor" if activation_global_scale else "none")
         self._register(tensors)
-        self._set_biases(w13_bias, w2_bias)
+        self._finish(w13_bias, w2_bias)
+
+    @staticmethod
+    def _runs(scheme: MoEQuantScheme) -> bool:
+        """Whether this class runs ``scheme`` (an NVFP4 variant, W4A4 in it)."""
+        return scheme.weight.name in NVFP4_VARIANTS and scheme.activation is scheme.weight
+
+    @property
+    def activation_global_scale(self) -> bool:
+        """``config.activation_global_scale``: ``nvfp4_ue5m3`` activations with a dynamic per-tensor scale."""
+        return self.config.activation_global_scale
+
+    @property
+    def scale_strategy(self) -> str:
+        """How the activations are scaled: ``max`` (``nvfp4_b32``: static, the max over experts), ``per_tensor``
+        (``nvfp4_ue5m3`` with ``activation_global_scale``) or ``none`` (one level)."""
+        if self.weight_scheme.has_global_scale:
+            return "max"
+        return "per_tensor" if self.activation_global_scale else "none"
 
     def resolved_backend(self, device: torch.device) -> str:
         return "torch" if self.backend == "auto" else self.backend
@@ -153,7 +154,7 @@ class Nvfp4VariantEmulationExperts(QuantizedExperts):
         return _ref.quant_dequant_nvfp4_variant(x, s, g)
 
     def quantize_input(self, a1, topk_ids, backend):
-        return self._qdq(a1, "a13_scale"), False
+        return QuantizedA1(self._qdq(a1, "a13_scale"))
 
     def quantize_intermediate(self, a2, row_experts, backend):
         return self._qdq(a2, "a2_scale")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import Numerics
 from ..kernels.fused_dequant_moe import ActivationQDQ
-from .activations import SILU, MoEActivation
+from .base import QuantizedA1
 from .emulation import ExpertWeights, Nvfp4QuantizationEmulationTritonExperts
-from .schemes import W4A16_NVFP4
+from .quant_config import FusedMoEQuantConfig
+from .schemes import W4A16_NVFP4, MoEQuantScheme
 
 __all__ = ["Nvfp4WeightOnlyEmulationTritonExperts"]
 
@@ -37,46 +37,47 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
     Args:
         weights: ``ExpertWeights`` in ``nvfp4`` (``Nvfp4QuantizationEmulationTritonExperts``' shapes
             and dtypes; ``w13_weight_scale_2`` ``[E]`` or ``[E, 2]``).
+        config: a ``FusedMoEQuantConfig`` of scheme ``w4a16_nvfp4``: ``numerics`` ``"vllm"`` or ``"hardware"``
+            (module docstring), ``rotation``, ``activation`` (its ``scale_strategy`` is shown, nothing reads it).
         activation_dtype: bf16 (default), fp16 or fp32;
         backend: ``auto`` / ``triton`` / ``fused`` / ``torch`` (``fused``: the FP4 kernel with no
             activation QDQ, for bf16 activations and H, I multiples of 128 or padded to them);
-        numerics: ``"vllm"`` (default) or ``"hardware"`` (module docstring).
-        activation, w13_bias, w2_bias: the gated activation and the expert biases (``TritonExperts``).
+        w13_bias, w2_bias: the expert biases (``TritonExperts``).
 
     Raises:
-        TypeError / ValueError: as ``Nvfp4QuantizationEmulationTritonExperts`` for the weights.
+        TypeError / ValueError: as ``Nvfp4QuantizationEmulationTritonExperts`` for the weights and the config.
     """
 
     quant_dtype = None
-    scheme = W4A16_NVFP4
 
     def __init__(
         self,
         weights: ExpertWeights,
+        config: FusedMoEQuantConfig,
         *,
         activation_dtype: torch.dtype = torch.bfloat16,
         backend: str = "auto",
-        numerics: str | Numerics = Numerics.VLLM,
-        activation: MoEActivation | str = SILU,
         w13_bias: torch.Tensor | None = None,
         w2_bias: torch.Tensor | None = None,
     ):
         super().__init__(
             weights,
+            config,
             None,
             None,
-            scale_strategy="max",
             activation_dtype=activation_dtype,
             backend=backend,
-            numerics=numerics,
-            activation=activation,
             w13_bias=w13_bias,
             w2_bias=w2_bias,
         )
 
-    def set_scale_strategy(self, strategy: str) -> None:
+    @staticmethod
+    def _runs(scheme: MoEQuantScheme) -> bool:
+        """Whether this class runs ``scheme`` (``w4a16_nvfp4``)."""
+        return scheme is W4A16_NVFP4
+
+    def _set_activation_scales(self) -> None:
         """No activation scales: the strategy is kept for display only, nothing is read."""
-        self.scale_strategy = strategy
         self._a13_uniform = self._a2_uniform = True
         self.register_buffer("a13_gscale", None, persistent=False)
         self.register_buffer("a2_gscale", None, persistent=False)
@@ -100,7 +101,7 @@ class Nvfp4WeightOnlyEmulationTritonExperts(Nvfp4QuantizationEmulationTritonExpe
         return [g13], [self.w2_weight_scale_2[e]]
 
     def quantize_input(self, a1, topk_ids, backend):
-        return a1, False
+        return QuantizedA1(a1)
 
     def quantize_intermediate(self, a2, row_experts, backend):
         return a2

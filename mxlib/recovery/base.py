@@ -28,7 +28,7 @@ import torch
 
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import quantize_expert_weights
-from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..moe.schemes import MoEQuantScheme
 
 __all__ = ["RECOVERY_CONFIG_KEY", "WeightTechnique", "RoundToNearest", "technique_global_scale_kw"]
 
@@ -95,7 +95,7 @@ def technique_global_scale_kw(technique: WeightTechnique, scheme: MoEQuantScheme
     Raises:
         ValueError: an encode layout and a technique whose ``global_scale_kinds`` lacks ``"encode"``.
     """
-    if layout_kind == "decode" or not get_moe_scheme(scheme).weight.has_global_scale:
+    if layout_kind == "decode" or not scheme.weight.has_global_scale:
         return {}
     kinds = tuple(getattr(technique, "global_scale_kinds", ("decode",)))
     if layout_kind not in kinds:

@@ -49,7 +49,7 @@ import torch
 from ..formats import Numerics
 from ..models.evaluation import Difference, compare, evaluate, paired_bootstrap_interval, swapped_experts
 from ..models.qwen3 import expert_weights, moe_layers
-from ..moe.base import TritonExperts
+from ..moe.base import QuantizedA1, TritonExperts
 from ..moe.emulation import QuantizedExperts
 from ..moe.factory import input_scales_from_amax, quantize_expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
@@ -170,7 +170,7 @@ class AttributedExperts(TritonExperts):
     def quantize_input(self, a1, topk_ids, backend):
         if "a1" in self.sources:
             return self.emulation.quantize_input(a1, topk_ids, backend)
-        return a1, False
+        return QuantizedA1(a1)
 
     def quantize_intermediate(self, a2, row_experts, backend):
         if "a2" in self.sources:
