@@ -38,18 +38,19 @@ difference worth reporting). On ``add``, with paired 95 % bootstrap intervals ag
 =========================  =======================  ============================  =========  ======================
 add                        exact match              minus bf16 (paired)           NLL/token  NLL minus bf16, 1e-3
 =========================  =======================  ============================  =========  ======================
-bf16                       0.9670 [0.9595, 0.9740]                                0.01567
-nvfp4                      0.9620 [0.9540, 0.9700]  -0.0050 [-0.0095, -0.0005]    0.01965    +3.98 [+2.86, +5.08] *
-w_mxfp4_a_mxfp4            0.9525 [0.9435, 0.9620]  -0.0145 [-0.0205, -0.0085] *  0.02334    +7.67 [+6.30, +9.02] *
-w_mxfp4                    0.9665 [0.9590, 0.9740]  -0.0005 [-0.0035, +0.0030]    0.01702    +1.35 [+0.37, +2.22]
-w_mxfp6_e2m3_a_mxfp6_e2m3  0.9655 [0.9575, 0.9730]  -0.0015 [-0.0050, +0.0015]    0.01615    +0.48 [-0.09, +1.05]
+bf16                       0.9675 [0.9605, 0.9745]                                0.01542
+nvfp4                      0.9615 [0.9535, 0.9695]  -0.0060 [-0.0110, -0.0010]    0.01948    +4.06 [+2.79, +5.29] *
+w_mxfp4_a_mxfp4            0.9520 [0.9430, 0.9615]  -0.0155 [-0.0215, -0.0095] *  0.02342    +8.00 [+6.49, +9.42] *
+w_mxfp4                    0.9650 [0.9575, 0.9720]  -0.0025 [-0.0060, +0.0010]    0.01751    +2.09 [+1.40, +2.84] *
+w_mxfp6_e2m3_a_mxfp6_e2m3  0.9670 [0.9595, 0.9740]  -0.0005 [-0.0035, +0.0020]    0.01602    +0.61 [+0.05, +1.20]
 =========================  =======================  ============================  =========  ======================
 
 ``*``: decided (``"bf16 better"``). Addition is where the 4-bit schemes' loss is resolved: NVFP4's NLL rises
-(its exact-match loss, 10 of 2000 prompts, cannot be told apart from none), W4A4 MXFP4 loses in both (29 prompts);
-weight-only MXFP4 and W6A6 MXFP6 cannot be told apart from bf16. On the other tasks only W4A4 MXFP4's NLL on
-``sort`` is decided (+0.0008 nats/token); no exact-match difference is. The noise floor on ``add``: 1 of 2000
-prompts (0.0005 in exact match) and 2.9e-4 nats/token.
+(its exact-match loss, 12 of 2000 prompts, cannot be told apart from none), W4A4 MXFP4 loses in both (31 prompts),
+weight-only MXFP4's NLL rises (its exact match cannot be told apart), and W6A6 MXFP6 cannot be told apart from
+bf16. On the other tasks only W4A4 MXFP4's NLL on ``sort`` is decided (+0.0007 nats/token); no exact-match
+difference is. The noise floor on ``add``: no net exact-match change (two prompts flip, one each way) and 1.5e-4
+nats/token.
 """
 
 from __future__ import annotations
