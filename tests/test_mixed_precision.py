@@ -227,6 +227,16 @@ def test_modelopt_mixed_precision_map(modelopt):
     assert pm.description("model.layers.0.mlp.gate") is None and pm.group_of("model.embed_tokens") is None
 
 
+def _logits_match_reference(model, ids, experts, linear, lm_head=None):
+    """The mixed model's logits: finite and bit-equal to the per-module reference built from the single-scheme
+    checkpoints (``lm_head``: ``(description, folder)`` where the checkpoint quantizes it)."""
+    out = _logits(model, ids)
+    assert torch.isfinite(out).all()
+    ref = _reference(experts, linear, lm_head)
+    assert_bits_equal(out, _logits(ref, ids), "mixed vs per-module reference logits")
+    return out
+
+
 def test_modelopt_mixed_loads_runs_and_round_trips(modelopt, tiny, tmp_path):
     folder, experts, linear, lm_head, _ = modelopt
     model, info = C.load_quantized_moe(folder)
@@ -236,10 +246,7 @@ def test_modelopt_mixed_loads_runs_and_round_trips(modelopt, tiny, tmp_path):
     )
     assert schemes["lm_head"] == "nvfp4"
     ids = tiny[3]
-    out = _logits(model, ids)
-    assert torch.isfinite(out).all()
-    ref = _reference(experts, linear, (C.read_quant_config(experts), lm_head))
-    assert_bits_equal(out, _logits(ref, ids), "mixed vs per-module reference logits")
+    out = _logits_match_reference(model, ids, experts, linear, (C.read_quant_config(experts), lm_head))
     again = _round_trip(model, tmp_path, folder)
     assert_bits_equal(_logits(again, ids), out, "logits after save and load")
     # the legacy file alone (no quantization_config in config.json) reads the same map
@@ -323,9 +330,7 @@ def test_quark_mixed_loads_runs_and_round_trips(quark, tiny, tmp_path):
     assert schemes["model.layers.0.self_attn.q_proj"] == "w_mxfp8_a_mxfp8"
     assert "lm_head" not in schemes
     ids = tiny[3]
-    out = _logits(model, ids)
-    assert torch.isfinite(out).all()
-    assert_bits_equal(out, _logits(_reference(experts, linear), ids), "mixed vs per-module reference logits")
+    _logits_match_reference(model, ids, experts, linear)
     _round_trip(model, tmp_path, folder)
 
 
@@ -385,10 +390,7 @@ def test_compressed_tensors_mixed_loads_runs_and_round_trips(compressed, tiny, t
     assert schemes["model.layers.0.mlp.experts"] == "nvfp4" and schemes["lm_head"] == "w_mxfp8_a_mxfp8"
     assert schemes["model.layers.1.self_attn.k_proj"] == "w_mxfp8_a_mxfp8"
     ids = tiny[3]
-    out = _logits(model, ids)
-    assert torch.isfinite(out).all()
-    ref = _reference(experts, linear, (C.read_quant_config(linear), lm_head))
-    assert_bits_equal(out, _logits(ref, ids), "mixed vs per-module reference logits")
+    _logits_match_reference(model, ids, experts, linear, (C.read_quant_config(linear), lm_head))
     _round_trip(model, tmp_path, folder)
 
 
