@@ -20,6 +20,7 @@ folder with ``python -m build`` (the sdist, then the wheel from the sdist), and 
 import email.parser
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -53,13 +54,31 @@ def dist(tmp_path_factory) -> dict[str, Path]:
     else:
         pytest.importorskip("build")
         folder = tmp_path_factory.mktemp("dist")
+        # built from a private copy of the source: setuptools writes its release tree and egg-info into the folder
+        # it builds, and the checkout is shared with whatever else runs (another pytest worker, an editor)
+        source = _snapshot_of_the_source(tmp_path_factory.mktemp("source") / "mxlib")
         done = subprocess.run(
-            [sys.executable, "-m", "build", "--outdir", str(folder), str(ROOT)], capture_output=True, text=True
+            [sys.executable, "-m", "build", "--outdir", str(folder), str(source)], capture_output=True, text=True
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     wheels, sdists = sorted(folder.glob("mxlib-*.whl")), sorted(folder.glob("mxlib-*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, f"expected one wheel and one sdist in {folder}, got {wheels + sdists}"
     return {"wheel": wheels[0], "sdist": sdists[0]}
+
+
+def _snapshot_of_the_source(dest: Path) -> Path:
+    """Copy the files a release is built from into ``dest``: git's tracked files in a git checkout, else the
+    tree without build output, virtual environments or caches."""
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True)
+    if listed.returncode == 0 and listed.stdout:
+        for name in listed.stdout.decode().split("\0"):
+            if name and (ROOT / name).is_file():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, dest / name)
+    else:
+        skip = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache")
+        shutil.copytree(ROOT, dest, ignore=skip)
+    return dest
 
 
 def _version() -> str:
