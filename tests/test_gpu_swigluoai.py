@@ -138,7 +138,7 @@ def test_gpu_emulation_backends_with_biases(shape, scheme, m, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 64, 1024])
-def test_gpu_fp4_kernel_anchor_swiglu(m):
+def test_gpu_fp4_kernel_harness_swiglu(m):
     """The bench's ``tk_mxfp4`` comparison row (alpha 1.0, no clamp, no bias, weight-only MXFP4) on the FP4
     kernel against the torch backend, Qwen3-30B-A3B layer."""
     e = QWEN3_30B[0]

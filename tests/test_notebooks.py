@@ -283,8 +283,8 @@ def test_05_fused_emulation_benchmark(executed_notebook):
         assert r["ratio_low"] <= r["time_ratio"] <= r["ratio_high"], r
     assert faster[("nvfp4@fused", "bf16", 1024)]["verdict"] == "cannot be told apart"
     assert all(0.001 < v["sd"] < 0.02 and v["df"] >= 20 for v in res["timing_noise"].values()), res["timing_noise"]
-    assert len(res["anchors_bf16_over_vllm"]) == 7 and max(res["anchors_bf16_over_vllm"]) <= 1.05
-    assert res["anchors_checks_passed"] >= 120  # 77 ratio checks among them (11 ratios x 7 M)
+    assert len(res["externals_bf16_over_vllm"]) == 7 and max(res["externals_bf16_over_vllm"]) <= 1.05
+    assert res["externals_checks_passed"] >= 120  # 77 ratio checks among them (11 ratios x 7 M)
     # section 6: vLLM vs hardware numerics, each MoE layer against float64 on the same operands, and the logits
     assert res["hw_model_preset"] == "tiny" and res["vllm_vs_hardware_checks_passed"] >= 30
     nv, mx = res["vllm_vs_hardware"]["nvfp4"], res["vllm_vs_hardware"]["w_mxfp4_a_mxfp4"]

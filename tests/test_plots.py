@@ -26,7 +26,7 @@ def test_benchmark_and_spread_figures():
         dict(
             scheme="nvfp4",
             M=m,
-            floor_ms=0.1,
+            bound_ms=0.1,
             **{f"{p}{g}_ms": 1.0 for p in ("bf16", "dequant", "fused") for g in ("", "_graph")},
         )
         for m in (1, 16, 256, 4096)

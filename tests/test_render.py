@@ -269,7 +269,7 @@ def test_rows_table_never_spills_over_the_page(tmp_path):
         "fused_speedup_vs_dequant",
         "fused_over_bf16",
         "fused_graph_over_bf16_graph",
-        "fused_floor_frac_graph",
+        "fused_bound_frac_graph",
         "fused_tflops_frac",
         "bf16_mem_mb",
         "dequant_mem_mb",

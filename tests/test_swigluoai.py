@@ -58,8 +58,8 @@ def test_activation_table_and_names():
     assert SWIGLUOAI == MoEActivation("swigluoai", alpha=1.702, limit=7.0)
     assert SILU == MoEActivation("silu") and SILU.alpha == 1.0 and SILU.limit is None
     assert get_activation("swigluoai") is SWIGLUOAI and get_activation("silu") is SILU
-    anchor = MoEActivation("swigluoai", alpha=1.0)
-    assert get_activation(anchor) is anchor and (SILU.kernel_id, SWIGLUOAI.kernel_id) == (0, 1)
+    harness = MoEActivation("swigluoai", alpha=1.0)
+    assert get_activation(harness) is harness and (SILU.kernel_id, SWIGLUOAI.kernel_id) == (0, 1)
     with pytest.raises(ValueError, match=r"activation: expected one of \['silu', 'swigluoai'\], got 'gelu'"):
         get_activation("gelu")
     with pytest.raises(ValueError, match=r"act: expected one of"):
@@ -333,7 +333,7 @@ EXACT = "w_mxfp4_a_mxfp4"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "act", [SILU, SWIGLUOAI, MoEActivation("swigluoai", alpha=1.0)], ids=["silu", "swigluoai", "anchor"]
+    "act", [SILU, SWIGLUOAI, MoEActivation("swigluoai", alpha=1.0)], ids=["silu", "swigluoai", "harness"]
 )
 @pytest.mark.parametrize("shape", [(4, 256, 128), (4, 96, 64)], ids=["fp4-kernel", "dequant-kernel"])
 def test_emulation_backends_with_biases(act, shape):

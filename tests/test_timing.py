@@ -14,11 +14,11 @@ from mxlib.studies import timing as TM
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _recording(path: Path, anchor: dict, mxlib: dict) -> Path:
+def _recording(path: Path, external: dict, mxlib: dict) -> Path:
     rows = [dict(path=p, M=m, graph_ms=t) for (p, m), t in mxlib.items()]
-    arows = [dict(path=p, M=m, graph_ms=t) for (p, m), t in anchor.items()]
+    arows = [dict(path=p, M=m, graph_ms=t) for (p, m), t in external.items()]
     arows.append(dict(path="floor_mxfp4", M=1, floor_ms=0.001))  # computed, no time: left out
-    path.write_text(json.dumps(dict(rows=rows, anchor=dict(rows=arows))))
+    path.write_text(json.dumps(dict(rows=rows, external=dict(rows=arows))))
     return path
 
 
@@ -66,7 +66,7 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_the_recorded_noise_is_small_and_well_founded():
-    recordings = [ROOT / "benchmarks" / p for p in TM.ANCHOR_RECORDINGS]
+    recordings = [ROOT / "benchmarks" / p for p in TM.EXTERNAL_RECORDINGS]
     noise = TM.log_time_noise(recordings)
     assert sorted(noise) == [1, 4, 16, 64, 256, 1024, 4096]
     assert all(v["rows"] == len(TM.REFERENCE_ROWS) and v["df"] >= 20 for v in noise.values()), noise

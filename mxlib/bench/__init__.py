@@ -4,9 +4,10 @@
 kernel beside a device-to-device copy measured in the same run.
 
 ``moe`` (``mxlib.bench.moe``): one Qwen3-30B-A3B MoE layer, bf16 vs dequantize-then-GEMM vs fused
-emulation (and, with ``--model``, whole-model forwards). ``moe --anchor ANCHOR.json`` (or ``fused``)
-runs ``mxlib.bench.fused`` instead: the same layer on the anchor harness's inputs, CUDA-graph replay
-times, ratios to the anchor rows, fractions of the memory floor and the speed floors (``mxlib.bench.fused.floors``).
+emulation (and, with ``--model``, whole-model forwards). ``moe --external HARNESS.json`` (or ``fused``)
+runs ``mxlib.bench.fused`` instead: the same layer on the external-kernel harness's inputs, CUDA-graph replay
+times, ratios to the external rows, fractions of the bandwidth bound and the speed targets
+(``mxlib.bench.fused.speed_targets``).
 
 ``model`` (``mxlib.bench.model``): the whole dummy Qwen3-30B-A3B forward (48 layers) at decode-sized
 and prefill M, bf16 vs each emulation path, eager and as one CUDA graph (``--device cpu`` runs a small
@@ -17,7 +18,7 @@ activation scales beside static ones, and the per-row passes alone.
 
 ``rotation`` (``python -m mxlib.bench.rotation``): what the online block Hadamard rotation costs on the GPU and
 what it does to the error. ``sweep`` (``python -m mxlib.bench.sweep``): the tile sweep and per-kernel profile of
-the fused FP4 kernel on the anchor harness's layer.
+the fused FP4 kernel on the external-kernel harness's layer.
 
 All print a table and can write JSON (``--json PATH``). ``_common`` holds what they share.
 """
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("mxlib.bench needs a CUDA GPU (the numbers in README were measured on an H200).")
         return 2
-    if args.what == "fused" or (args.what == "moe" and any(a.startswith("--anchor") for a in rest)):
+    if args.what == "fused" or (args.what == "moe" and any(a.startswith("--external") for a in rest)):
         return fused.main(rest, json_path=args.json)
     if args.what == "moe":
         return moe.main(rest + (["--sweep"] if args.sweep else []), json_path=args.json)

@@ -1,9 +1,9 @@
-"""The MoE layer beside the anchor harness: CUDA-graph replay times of mxlib's paths on its inputs.
+"""The MoE layer beside the external-kernel harness: CUDA-graph replay times of mxlib's paths on its inputs.
 
-``python -m mxlib.bench fused [--tokens 1,4,16,64,256,1024,4096] [--anchor ANCHOR.json] [--json PATH]
-[--markdown PATH] [--no-extra]`` (also ``python -m mxlib.bench moe --anchor ANCHOR.json``).
+``python -m mxlib.bench fused [--tokens 1,4,16,64,256,1024,4096] [--external HARNESS.json] [--json PATH]
+[--markdown PATH] [--no-extra]`` (also ``python -m mxlib.bench moe --external HARNESS.json``).
 
-Inputs: the anchor harness's recipe (``../shared/anchor_bench`` README "Inputs"), so that the experts
+Inputs: the external-kernel harness's recipe (``../shared/anchor_bench`` README "Inputs"), so that the experts
 hit, and so the bytes moved, are the same as in its rows: one Qwen3-30B-A3B layer (E 128, top-8,
 H 2048, I 768), weights N(0, 0.02) bf16 from generator seed 0 (w13, then w2, then a calibration batch
 of 4096 tokens), tokens and router logits from seed ``1 + M``, Qwen3 routing (``fused_topk``). NVFP4
@@ -16,7 +16,7 @@ Rows (``path``), all through the experts classes as a user runs them:
 * ``mxlib_fused_<scheme>`` for ``w_mxfp4``, ``w_mxfp4_a_mxfp4``, ``nvfp4`` (seed numerics) and
   ``mxlib_fused_nvfp4_hw`` (hardware numerics): the ``fused`` backend, i.e. the FP4 kernel;
 * ``mxlib_fused_w_mxfp4_swigluoai``, ``mxlib_fused_w_mxfp4_a_mxfp4_swigluoai``: the same FP4 kernel with gpt-oss's
-  activation in the form of the anchor's ``tk_mxfp4`` row (``ANCHOR_SWIGLU``: SwiGLU-OAI with alpha 1.0 and no
+  activation in the form of the harness's ``tk_mxfp4`` row (``HARNESS_SWIGLU``: SwiGLU-OAI with alpha 1.0 and no
   clamp, no expert biases) on the same Qwen3 layer, so that ``fused w_mxfp4 swigluoai / tk_mxfp4`` compares
   the same arithmetic; a check per M gives each row's relative L2 distance to the ``torch`` backend;
 * with extras (default): ``mxlib_triton_nvfp4`` (dequantize-then-GEMM: dequantize all experts, bf16 GEMMs),
@@ -24,14 +24,14 @@ Rows (``path``), all through the experts classes as a user runs them:
   and dequantize-then-GEMM).
 
 Timing: ``triton.testing.do_bench`` medians (warm-up 10 ms, 50 ms of replays, L2 flushed before each)
-of the whole forward captured in a CUDA graph, routing outside, as the anchor harness times. Memory
-floor: (experts hit x packed bytes per expert + the bf16 activations in and out) / the copy bandwidth
-measured in this run; bytes per expert as the anchor's (values + block scales of w13 and w2).
+of the whole forward captured in a CUDA graph, routing outside, as the external-kernel harness times. Bandwidth
+bound: (experts hit x packed bytes per expert + the bf16 activations in and out) / the copy bandwidth
+measured in this run; bytes per expert as the harness's (values + block scales of w13 and w2).
 
-With ``--anchor`` (the anchor harness's JSON from the same device call) the report adds the ratios
-of each row to the anchor rows (``tk_mxfp4_unfused_silu``: triton_kernels' Qwen3-correct MXFP4 path;
-``vllm_bf16``: vLLM's tuned bf16 kernel), writes the anchor rows into the same table, and checks the
-speed floors. Nothing here imports the anchor harness: it reads its JSON.
+With ``--external`` (the external-kernel harness's JSON from the same device call) the report adds the ratios
+of each row to the external rows (``tk_mxfp4_unfused_silu``: triton_kernels' Qwen3-correct MXFP4 path;
+``vllm_bf16``: vLLM's tuned bf16 kernel), writes the external rows into the same table, and checks the
+speed targets. Nothing here imports the external-kernel harness: it reads its JSON.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import NVFP4_MOE, get_moe_scheme
-from ..studies.tables import ANCHOR_ROWS  # the anchor rows of the tables, in their order
+from ..studies.tables import EXTERNAL_ROWS  # the external rows of the tables, in their order
 from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -60,13 +60,13 @@ FP6_SCHEME = "w_mxfp6_e3m2"
 # MXFP8 schemes, each on the ``fused`` backend (the FP4 kernel for FP4 weights, the dequantize-GEMM kernel else)
 EXTRA_SCHEMES = ("w4a16_nvfp4", "w_mxfp4_a_mxfp8", "w_mxfp8_a_mxfp8", "w_mxfp8")
 TK, VLLM_BF16 = "tk_mxfp4_unfused_silu", "vllm_bf16"
-# the anchor's ``tk_mxfp4`` row: triton_kernels' fused swiglu of gpt-oss's form with alpha 1.0 and no clamp
-TK_SWIGLU, ANCHOR_SWIGLU = "tk_mxfp4", MoEActivation("swigluoai", alpha=1.0)
+# the harness's ``tk_mxfp4`` row: triton_kernels' fused swiglu of gpt-oss's form with alpha 1.0 and no clamp
+TK_SWIGLU, HARNESS_SWIGLU = "tk_mxfp4", MoEActivation("swigluoai", alpha=1.0)
 SWIGLU_SUFFIX = "_swigluoai"
 SWIGLU_SCHEMES = ("w_mxfp4", "w_mxfp4_a_mxfp4")
 # The W4A16 rows vLLM serves each weight format with on Hopper (its Humming backend first, then Marlin) and
 # triton_kernels' path with Qwen3's activation: a scheme is measured against the fastest of its format's.
-FORMAT_ANCHORS = {
+FORMAT_EXTERNAL_ROWS = {
     "mxfp4": ("vllm_humming_mxfp4", "vllm_marlin_mxfp4", TK),
     "nvfp4": ("vllm_humming_nvfp4", "vllm_marlin_nvfp4"),
 }
@@ -79,8 +79,8 @@ NVFP4_VS_MXFP4 = {
 }
 # the MXFP8-weight rows (dequantize-GEMM kernel), measured against mxlib's bf16 row
 MXFP8_SCHEMES = ("w_mxfp8", "w_mxfp8_a_mxfp8")
-# mxlib's rows and the weight format whose anchors they are measured against
-FASTEST_ANCHOR_ROWS = {
+# mxlib's rows and the weight format whose external kernels they are measured against
+FASTEST_EXTERNAL_ROWS = {
     "w_mxfp4": ("mxlib_fused_w_mxfp4", "mxfp4"),
     "w_mxfp4_a_mxfp4": ("mxlib_fused_w_mxfp4_a_mxfp4", "mxfp4"),
     "nvfp4": ("mxlib_fused_nvfp4", "nvfp4"),
@@ -91,13 +91,13 @@ FASTEST_ANCHOR_ROWS = {
 }
 
 
-def fastest_anchor_name(fmt: str) -> str:
-    """The denominator's name in the ratio tables: ``min(<the format's anchor rows>)``."""
-    return "min(" + ", ".join(FORMAT_ANCHORS[fmt]) + ")"
+def fastest_external_name(fmt: str) -> str:
+    """The denominator's name in the ratio tables: ``min(<the format's external rows>)``."""
+    return "min(" + ", ".join(FORMAT_EXTERNAL_ROWS[fmt]) + ")"
 
 
-def anchor_layer():
-    """bf16 ``(w13, w2, x_cal)`` of the anchor recipe."""
+def harness_layer():
+    """bf16 ``(w13, w2, x_cal)`` of the harness recipe."""
     g = torch.Generator(device=DEVICE).manual_seed(0)
     w13 = torch.empty(E, 2 * I, H, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
     w2 = torch.empty(E, H, I, device=DEVICE, dtype=torch.bfloat16).normal_(0, 0.02, generator=g)
@@ -105,8 +105,8 @@ def anchor_layer():
     return w13, w2, x_cal
 
 
-def anchor_tokens(m: int):
-    """``(hidden_states, topk_weights, topk_ids)`` of the anchor recipe at ``m`` tokens."""
+def harness_tokens(m: int):
+    """``(hidden_states, topk_weights, topk_ids)`` of the harness recipe at ``m`` tokens."""
     g = torch.Generator(device=DEVICE).manual_seed(1 + m)
     x = torch.randn(m, H, device=DEVICE, dtype=torch.bfloat16, generator=g)
     logits = torch.randn(m, E, device=DEVICE, generator=g)
@@ -115,7 +115,7 @@ def anchor_tokens(m: int):
 
 
 def packed_bytes_per_expert(scheme: str) -> int:
-    """Packed values + block scales of one expert's w13 and w2 (the anchor's count)."""
+    """Packed values + block scales of one expert's w13 and w2 (the harness's count)."""
     w = get_moe_scheme(scheme).weight
     n = 3 * I * H  # elements of w13 and w2
     return int(n * w.bits_per_element) // 8
@@ -136,7 +136,7 @@ def build(w13, w2, x_cal, extra: bool, refs: dict | None = None) -> dict:
         if name in SWIGLU_SCHEMES:
             for backend, into in (("fused", paths), ("torch", refs if refs is not None else {})):
                 into[f"mxlib_fused_{name}{SWIGLU_SUFFIX}"] = make_emulation_experts(
-                    s, q, *scales, backend=backend, activation=ANCHOR_SWIGLU
+                    s, q, *scales, backend=backend, activation=HARNESS_SWIGLU
                 )
         if s.weight.has_global_scale:  # NVFP4: the only scheme whose two numerics differ
             paths[f"mxlib_fused_{name}_hw"] = make_emulation_experts(
@@ -161,13 +161,13 @@ def run(tokens, extra: bool = True, log=print) -> dict:
     """Time every path at every M; returns ``{"env", "copy_gbs", "rows", "checks", "errors"}``."""
     result = {"env": env(), "copy_gbs": copy_bandwidth(), "rows": [], "checks": [], "errors": []}
     t0 = time.time()
-    w13, w2, x_cal = anchor_layer()
+    w13, w2, x_cal = harness_layer()
     refs: dict = {}
     paths = build(w13, w2, x_cal, extra, refs)
     log(f"# {result['env']} copy {result['copy_gbs']:.0f} GB/s; setup {time.time() - t0:.0f}s")
     bps = result["copy_gbs"] * 1e9
     for m in tokens:
-        x, tw, ti = anchor_tokens(m)
+        x, tw, ti = harness_tokens(m)
         hit = int(torch.unique(ti).numel())
         act_bytes = 2 * m * H * 2
         ref_vllm = fused_vllm = None
@@ -181,8 +181,8 @@ def run(tokens, extra: bool = True, log=print) -> dict:
             row = dict(path=path, M=m, graph_ms=ms, experts_hit=hit)
             scheme = _scheme_of(path)
             if scheme is not None:
-                floor = (hit * packed_bytes_per_expert(scheme) + act_bytes) / bps * 1e3
-                row.update(floor_ms=floor, floor_fraction=floor / ms)
+                bound = (hit * packed_bytes_per_expert(scheme) + act_bytes) / bps * 1e3
+                row.update(bound_ms=bound, bound_fraction=bound / ms)
             result["rows"].append(row)
             if path == "mxlib_triton_nvfp4":  # the dequantize-then-GEMM result: the fused vLLM mode must match it
                 ref_vllm = out
@@ -213,9 +213,9 @@ def _by(rows) -> dict:
     return {(r["path"], r["M"]): r for r in rows}
 
 
-def ratios(result: dict, anchor: dict) -> dict:
-    """Ratios of mxlib rows to anchor rows, the speed floors, per M."""
-    mine, anc = _by(result["rows"]), _by(anchor.get("rows", []))
+def ratios(result: dict, external: dict) -> dict:
+    """Ratios of mxlib rows to external rows, the speed targets, per M."""
+    mine, anc = _by(result["rows"]), _by(external.get("rows", []))
     tokens = sorted({r["M"] for r in result["rows"]})
 
     def t(table, path, m, key="graph_ms"):
@@ -239,9 +239,9 @@ def ratios(result: dict, anchor: dict) -> dict:
             d[f"mxlib_bf16 / fused {name}"] = ratio(bf16, t(mine, f"mxlib_fused_{name}", m))
         d[f"fused nvfp4 hardware / {TK}"] = ratio(t(mine, "mxlib_fused_nvfp4_hw", m), tk)
         d["mxlib_bf16 / fused nvfp4 hardware"] = ratio(bf16, t(mine, "mxlib_fused_nvfp4_hw", m))
-        for label, (row, fmt) in FASTEST_ANCHOR_ROWS.items():
-            times = [v for v in (t(anc, a, m) for a in FORMAT_ANCHORS[fmt]) if v]
-            d[f"fused {label} / fastest {fmt} anchor"] = ratio(t(mine, row, m), min(times) if times else None)
+        for label, (row, fmt) in FASTEST_EXTERNAL_ROWS.items():
+            times = [v for v in (t(anc, a, m) for a in FORMAT_EXTERNAL_ROWS[fmt]) if v]
+            d[f"fused {label} / fastest {fmt} external kernel"] = ratio(t(mine, row, m), min(times) if times else None)
         # NVFP4 beside MXFP4 in the same numerics (W4A4: w_mxfp4_a_mxfp4; W4A16: w_mxfp4)
         for nv, mx in NVFP4_VS_MXFP4.items():
             d[f"fused {nv} / fused {mx}"] = ratio(t(mine, f"mxlib_fused_{nv}", m), t(mine, f"mxlib_fused_{mx}", m))
@@ -255,8 +255,8 @@ def ratios(result: dict, anchor: dict) -> dict:
     return out
 
 
-def floors(rat: dict, result: dict) -> list[dict]:
-    """The speed floors, each with the measured worst value and whether it holds."""
+def speed_targets(rat: dict, result: dict) -> list[dict]:
+    """The speed targets, each with the measured worst value and whether it holds."""
     mine = _by(result["rows"])
     checks = []
 
@@ -266,13 +266,14 @@ def floors(rat: dict, result: dict) -> list[dict]:
             return
         worst = max(vals.values()) if le else min(vals.values())
         checks.append(
-            dict(floor=what, limit=limit, worst=worst, holds=(worst <= limit) if le else (worst >= limit), values=vals)
+            dict(target=what, limit=limit, worst=worst, holds=(worst <= limit) if le else (worst >= limit), values=vals)
         )
 
-    # every FP4 scheme at or under the fastest W4A16 anchor of its weight format (Humming, Marlin, triton_kernels)
-    for label, (_, fmt) in FASTEST_ANCHOR_ROWS.items():
-        key = f"fused {label} / fastest {fmt} anchor"
-        add(f"{label} fused / fastest {fmt} anchor <= 1.0 at every M", {m: d[key] for m, d in rat.items()}, 1.0)
+    # every FP4 scheme at or under the fastest W4A16 external kernel of its format (Humming, Marlin, triton_kernels)
+    for label, (_, fmt) in FASTEST_EXTERNAL_ROWS.items():
+        key = f"fused {label} / fastest {fmt} external kernel"
+        name = f"{label} fused / fastest {fmt} external kernel <= 1.0 at every M"
+        add(name, {m: d[key] for m, d in rat.items()}, 1.0)
     for nv, mx in NVFP4_VS_MXFP4.items():
         key = f"fused {nv} / fused {mx}"
         add(f"{nv} fused / {mx} fused <= 1.08 at every M", {m: d.get(key) for m, d in rat.items()}, 1.08)
@@ -281,8 +282,8 @@ def floors(rat: dict, result: dict) -> list[dict]:
         add(f"{name} fused / mxlib_bf16 <= 0.6 at every M", {m: d.get(key) for m, d in rat.items()}, 0.6)
     for name in ("w_mxfp4", "w_mxfp4_a_mxfp4", "nvfp4", "nvfp4_hw", "w4a16_nvfp4", "w4a16_nvfp4_hw", *MXFP8_SCHEMES):
         add(
-            f"{name} fused >= 65% of the memory floor at M = 16, 64",
-            {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("floor_fraction") for m in (16, 64)},
+            f"{name} fused >= 65% of the bandwidth bound at M = 16, 64",
+            {m: (mine.get((f"mxlib_fused_{name}", m)) or {}).get("bound_fraction") for m in (16, 64)},
             0.65,
             le=False,
         )
@@ -306,8 +307,8 @@ def _fmt(v, pct=False, digits=3) -> str:
     return f"{100 * v:.0f}%" if pct else f"{v:.{digits}f}"
 
 
-def markdown(result: dict, anchor: dict | None = None) -> str:
-    """Tables: times (anchor rows first), ratios, fractions of the memory floor, floors."""
+def markdown(result: dict, external: dict | None = None) -> str:
+    """Tables: times (external rows first), ratios, fractions of the bandwidth bound, speed targets."""
     tokens = sorted({r["M"] for r in result["rows"]})
     head = "| {} | " + " | ".join(f"M={m}" for m in tokens) + " |\n|---|" + "---:|" * len(tokens) + "\n"
     mine = _by(result["rows"])
@@ -315,41 +316,41 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
     e = result["env"]
     lines.append(
         f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
-        f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), anchor input recipe.\n"
+        f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), harness input recipe.\n"
     )
     t = head.format("row (ms)")
-    if anchor:
-        anc = _by(anchor.get("rows", []))
-        for p in ANCHOR_ROWS:
+    if external:
+        anc = _by(external.get("rows", []))
+        for p in EXTERNAL_ROWS:
             key = "floor_ms" if p.startswith("floor") else "graph_ms"
-            t += f"| `{p}` (anchor) | " + " | ".join(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens) + " |\n"
+            t += f"| `{p}` (external) | " + " | ".join(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens) + " |\n"
     for p in dict.fromkeys(r["path"] for r in result["rows"]):
         t += f"| `{p}` | " + " | ".join(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens) + " |\n"
     lines.append(t)
-    if anchor:
-        rat = ratios(result, anchor)
+    if external:
+        rat = ratios(result, external)
         t = head.format("ratio")
         for key in rat[tokens[0]]:
             t += f"| {key} | " + " | ".join(_fmt(rat[m][key], digits=2) for m in tokens) + " |\n"
         lines.append(t)
-    t = head.format("fraction of the memory floor")
-    for p in dict.fromkeys(r["path"] for r in result["rows"] if "floor_fraction" in r):
-        vals = (_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens)
+    t = head.format("fraction of the bandwidth bound")
+    for p in dict.fromkeys(r["path"] for r in result["rows"] if "bound_fraction" in r):
+        vals = (_fmt((mine.get((p, m)) or {}).get("bound_fraction"), True) for m in tokens)
         t += f"| `{p}` | " + " | ".join(vals) + " |\n"
-    if anchor:
-        anc = _by(anchor.get("rows", []))
-        for p in ("tk_mxfp4", TK, *FORMAT_ANCHORS["mxfp4"][:2], *FORMAT_ANCHORS["nvfp4"]):
+    if external:
+        anc = _by(external.get("rows", []))
+        for p in ("tk_mxfp4", TK, *FORMAT_EXTERNAL_ROWS["mxfp4"][:2], *FORMAT_EXTERNAL_ROWS["nvfp4"]):
             floor_row = "floor_nvfp4" if p.endswith("nvfp4") else "floor_mxfp4"
             vals = []
             for m in tokens:
                 f, g = (anc.get((floor_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
                 vals.append(_fmt(f / g if f and g else None, True))
-            t += f"| `{p}` (anchor) | " + " | ".join(vals) + " |\n"
+            t += f"| `{p}` (external) | " + " | ".join(vals) + " |\n"
     lines.append(t)
-    if anchor:
-        t = "| floor | worst | holds |\n|---|---:|---|\n"
-        for c in floors(ratios(result, anchor), result):
-            t += f"| {c['floor']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
+    if external:
+        t = "| target | worst | holds |\n|---|---:|---|\n"
+        for c in speed_targets(ratios(result, external), result):
+            t += f"| {c['target']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
         lines.append(t)
     return "\n".join(lines)
 
@@ -359,7 +360,7 @@ def main(argv=None, json_path=None) -> int:
         prog="python -m mxlib.bench fused", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--anchor", default=None, help="the anchor harness's JSON from the same device call")
+    ap.add_argument("--external", default=None, help="the external-kernel harness's JSON from the same device call")
     ap.add_argument("--markdown", default=None, help="write the markdown tables here")
     ap.add_argument(
         "--no-extra", action="store_true", help="FP4 fused and bf16 rows only (no dequantize-then-GEMM, no FP6)"
@@ -367,14 +368,14 @@ def main(argv=None, json_path=None) -> int:
     ap.add_argument("--json", default=json_path)
     args = ap.parse_args(argv)
     result = run([int(t) for t in args.tokens.split(",")], extra=not args.no_extra)
-    anchor = None
-    if args.anchor:
-        with open(args.anchor) as f:
-            anchor = json.load(f)
-        result["ratios"] = ratios(result, anchor)
-        result["floors"] = floors(result["ratios"], result)
-        result["anchor"] = anchor
-    md = markdown(result, anchor)
+    external = None
+    if args.external:
+        with open(args.external) as f:
+            external = json.load(f)
+        result["ratios"] = ratios(result, external)
+        result["speed_targets"] = speed_targets(result["ratios"], result)
+        result["external"] = external
+    md = markdown(result, external)
     print(md)
     if args.json:
         with open(args.json, "w") as f:

@@ -15,12 +15,12 @@ median) each path on the same inputs:
 
 Reported per path: eager median, CUDA-graph replay median (the forward captured at that
 M), peak extra device memory over the forward, and for ``fused`` the fraction of the
-memory floor (packed weights and scales of the experts hit + activations in and out,
+bandwidth bound (packed weights and scales of the experts hit + activations in and out,
 at the copy bandwidth measured in the same run) and of bf16 tensor-core throughput
 (measured in the same run). ``--sweep`` first tries tile configurations per M and uses
 the fastest. ``--model`` adds whole-model forward times (4 and 48 layers). Last, it prints
-notebook 05's floors table (``mxlib.studies.tables.floors_table``: fused against the
-dequantize-then-GEMM path and bf16, per target) and stores it in the JSON as ``floors``.
+notebook 05's speed-targets table (``mxlib.studies.tables.speed_targets_table``: fused against the
+dequantize-then-GEMM path and bf16, per target) and stores it in the JSON as ``speed_targets``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ..moe import base as X
 from ..moe.factory import input_scales_from_amax, make_emulation_experts, quantize_expert_weights
 from ..moe.routing import fused_topk
 from ..moe.schemes import OCP_MX_SCHEMES, get_moe_scheme
-from ..studies.tables import floors_table
+from ..studies.tables import speed_targets_table
 from ._common import copy_bandwidth, env, graph_ms, median_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -193,9 +193,9 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         x, tw, ti = _inputs(m, 1)
         hit = int(torch.unique(ti).numel())
         flops = 2 * m * TOPK * 3 * H * I
-        floor_bytes = hit * per_expert_bytes + 2 * m * H * 2
-        floor_ms = floor_bytes / (ceilings["copy_gbs"] * 1e9) * 1e3
-        row = dict(scheme=scheme, M=m, experts_hit=hit, floor_ms=floor_ms)
+        bound_bytes = hit * per_expert_bytes + 2 * m * H * 2
+        bound_ms = bound_bytes / (ceilings["copy_gbs"] * 1e9) * 1e3
+        row = dict(scheme=scheme, M=m, experts_hit=hit, bound_ms=bound_ms)
         bf16.gemm_config = _nearest(best_bf16, m)
         em.fused_config = _nearest(best_fused, m)
         em.gemm_config = _nearest(best_bf16, m)
@@ -215,8 +215,8 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
         row["fused_speedup_vs_dequant"] = row["dequant_ms"] / row["fused_ms"]
         row["fused_over_bf16"] = row["fused_ms"] / row["bf16_ms"]
         row["fused_graph_over_bf16_graph"] = row["fused_graph_ms"] / row["bf16_graph_ms"]
-        row["fused_floor_frac"] = floor_ms / row["fused_ms"]
-        row["fused_floor_frac_graph"] = floor_ms / row["fused_graph_ms"]
+        row["fused_bound_frac"] = bound_ms / row["fused_ms"]
+        row["fused_bound_frac_graph"] = bound_ms / row["fused_graph_ms"]
         row["fused_tflops_frac"] = flops / (row["fused_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
         row["bf16_tflops_frac"] = flops / (row["bf16_ms"] * 1e-3) / 1e12 / ceilings["bf16_tflops"]
         row["packed_weight_mb"] = per_expert_bytes * E / 1e6
@@ -226,7 +226,7 @@ def bench_scheme(scheme: str, tokens, ceilings, best_fused=None, best_bf16=None,
             f"fused {row['fused_ms']:.3f} ms "
             f"(graph {row['bf16_graph_ms']:.3f}/{row['dequant_graph_ms']:.3f}/{row['fused_graph_ms']:.3f}) "
             f"x{row['fused_speedup_vs_dequant']:.1f} vs dequant, {row['fused_over_bf16']:.2f} of bf16, "
-            f"floor {row['fused_floor_frac']:.0%}, err {row['fused_vs_dequant_rel_err']:.1e}",
+            f"bandwidth bound {row['fused_bound_frac']:.0%}, err {row['fused_vs_dequant_rel_err']:.1e}",
             flush=True,
         )
     return rows
@@ -276,19 +276,20 @@ def bench_model(layers_list=(4, 48), tokens=(1, 1024), scheme: str = "nvfp4") ->
     return rows
 
 
-def print_floors(rows: list[dict]) -> list[dict]:
-    """Print and return notebook 05's floors table (``mxlib.studies.tables.floors_table``) of bench rows."""
-    floors = floors_table(rows)
-    for r in floors:
+def print_speed_targets(rows: list[dict]) -> list[dict]:
+    """Print and return notebook 05's speed-targets table of bench rows (``tables.speed_targets_table``)."""
+    targets = speed_targets_table(rows)
+    for r in targets:
         want = f"{r['target_vs_dequant']}x" if r["target_vs_dequant"] != "" else "-"
         print(
-            f"[floors] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than "
+            f"[speed targets] {r['scheme']} M={r['M']}: fused {r['fused_vs_dequant']:.2f}x faster than "
             f"dequantize-then-GEMM (wanted {want}), "
             f"{r['fused_over_bf16']:.2f}x bf16's time (allowed {r['target_over_bf16']}x), meets {r['meets']}, "
-            f"floor fraction {r['floor_frac']:.2f}, peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
+            f"bandwidth-bound fraction {r['bound_frac']:.2f}, "
+            f"peak extra memory {r['mem_frac_of_packed']:.2f}x packed weights",
             flush=True,
         )
-    return floors
+    return targets
 
 
 def main(argv=None, json_path=None) -> int:
@@ -335,7 +336,7 @@ def main(argv=None, json_path=None) -> int:
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(result, f, indent=2, default=str)
-    result["floors"] = print_floors(result["rows"])
+    result["speed_targets"] = print_speed_targets(result["rows"])
     if args.model or args.model_only:
         result["model"] = bench_model()
     if json_path:

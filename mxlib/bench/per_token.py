@@ -3,7 +3,7 @@
 ``python -m mxlib.bench.per_token [--tokens 1,16,64,256,1024,4096] [--json PATH]``
 
 Inputs: the fused benchmark's (``mxlib.bench.fused``: one Qwen3-30B-A3B layer, E 128, top-8, H 2048,
-I 768, the anchor recipe's weights, tokens and routing; static NVFP4 scales from its calibration
+I 768, the harness recipe's weights, tokens and routing; static NVFP4 scales from its calibration
 batch). Rows (``path``), CUDA-graph replay medians (``_common.graph_ms``) of the whole forward:
 
 * ``fused_nvfp4`` / ``fused_nvfp4_hw``: static scales (``scale_strategy="max"``), vLLM / hardware numerics;
@@ -35,7 +35,7 @@ from ..kernels.fp4_tiles import get_fp4_configs
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ._common import env, graph_ms
-from .fused import DEVICE, TOPK, E, I, anchor_layer, anchor_tokens
+from .fused import DEVICE, TOPK, E, I, harness_layer, harness_tokens
 
 __all__ = ["run", "main"]
 
@@ -67,12 +67,12 @@ def run(tokens, log=print) -> dict:
     """Time every path and pass at every M; returns ``{"env", "rows", "checks", "errors"}``."""
     result = {"env": env(), "rows": [], "checks": [], "errors": []}
     t0 = time.time()
-    w13, w2, x_cal = anchor_layer()
+    w13, w2, x_cal = harness_layer()
     paths = build(w13, w2, x_cal)
     ref = paths.pop("torch_nvfp4_per_token")
     gs = paths["fused_nvfp4"].a13_gscale[:1]
     for m in tokens:
-        x, tw, ti = anchor_tokens(m)
+        x, tw, ti = harness_tokens(m)
         c1, c2 = get_fp4_configs(m, E, TOPK, True, 4)
         paths["fused_nvfp4_per_token_a1_fused"].fp4_config = (replace(c1, a1_fused=True), c2)
         a2 = torch.randn(m * TOPK, I, device=DEVICE, dtype=torch.bfloat16)

@@ -4,7 +4,7 @@
 ``python -m mxlib.bench.rotation --metric-trap [--json PATH]`` (CPU, no GPU needed).
 
 GPU inputs: the fused benchmark's (``mxlib.bench.fused``: one Qwen3-30B-A3B layer, E 128, top-8, H 2048,
-I 768, the anchor recipe's weights, tokens and routing). Rows (``path``), CUDA-graph replay medians
+I 768, the harness recipe's weights, tokens and routing). Rows (``path``), CUDA-graph replay medians
 (``_common.graph_ms``) of the whole forward on the ``fused`` backend (the FP4 kernel):
 
 * ``fused_<scheme>`` and ``fused_<scheme>_hadamard`` for ``nvfp4`` and ``w_mxfp4_a_mxfp4``: the same layer
@@ -148,15 +148,15 @@ def metric_trap(x: torch.Tensor | None = None, blocks=(16, 128), seed: int = 0) 
 
 def run(tokens, log=print) -> dict:
     """Time every path and the rotation pass at every M; ``{"env", "rows", "ratios", "checks", "errors"}``."""
-    from .fused import anchor_layer, anchor_tokens
+    from .fused import harness_layer, harness_tokens
 
     result = {"env": env(), "rows": [], "ratios": [], "checks": [], "errors": []}
     t0 = time.time()
-    w13, w2, x_cal = anchor_layer()
+    w13, w2, x_cal = harness_layer()
     paths = layer_paths(w13, w2, x_cal)
     log(f"# {result['env']}; setup {time.time() - t0:.0f}s")
     for m in tokens:
-        x, tw, ti = anchor_tokens(m)
+        x, tw, ti = harness_tokens(m)
         times = {}
         for path, ex in paths.items():
             try:

@@ -1,8 +1,8 @@
-"""Tile sweep and per-kernel profile of the fused FP4 kernel on the anchor harness's layer.
+"""Tile sweep and per-kernel profile of the fused FP4 kernel on the external-kernel harness's layer.
 
 ``python -m mxlib.bench.sweep [--tokens 16,64,256,1024,4096] [--schemes w_mxfp4,nvfp4] [--json PATH]``
 
-For every M and scheme, the layer (``mxlib.bench.fused``'s inputs: the anchor recipe) runs with each
+For every M and scheme, the layer (``mxlib.bench.fused``'s inputs: the harness recipe) runs with each
 candidate pair of (GEMM1, GEMM2) tiles of ``candidates(m)`` in place of the tile table's choice
 (``mxlib.kernels.fp4_tiles.get_fp4_configs``), timed as CUDA-graph replay medians; each output is compared
 with the table's (``same``: bit-identical; tiles change which programs compute which rows and columns,
@@ -83,13 +83,13 @@ def run(tokens, schemes=SCHEMES, profile: bool = False, log=print, json_path=Non
     """``{"env", "copy_gbs", "entries", "best", "profile", "errors"}``; see the module docstring.
     With ``json_path`` the result so far is written there after every M (a run cut short keeps it)."""
     result = {"env": env(), "copy_gbs": copy_bandwidth(), "entries": [], "best": {}, "profile": {}, "errors": []}
-    w13, w2, x_cal = fused.anchor_layer()
+    w13, w2, x_cal = fused.harness_layer()
     paths = {
         k: v for k, v in fused.build(w13, w2, x_cal, extra=False).items() if k.removeprefix("mxlib_fused_") in schemes
     }
     t0 = time.time()
     for m in tokens:
-        x, tw, ti = fused.anchor_tokens(m)
+        x, tw, ti = fused.harness_tokens(m)
         for path, ex in paths.items():
             ref = ex(x, tw, ti).clone()
             table_ms = graph_ms(lambda ex=ex: ex(x, tw, ti))

@@ -59,7 +59,7 @@ FUSED_CONFIGS: dict[int, list[tuple[float, TileConfig]]] = {
         (float("inf"), TileConfig(128, 64, 64, 8, 4, 3)),
     ],
     # FP8 weights (MXFP8, the hardware FP8 conversion): the winners of a CUDA-graph replay sweep of 14 tiles on
-    # an H100 (w_mxfp8, anchor layer; benchmarks/h100_mxfp8_tile_sweep.json): 0.224 ms at M = 16 where the
+    # an H100 (w_mxfp8, harness layer; benchmarks/h100_mxfp8_tile_sweep.json): 0.224 ms at M = 16 where the
     # 4-bit table's tile took 0.234, 0.569 at M = 1024 against 0.686
     8: [
         (8.0, TileConfig(16, 64, 128, 1, 4, 3)),

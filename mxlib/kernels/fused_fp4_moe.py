@@ -17,7 +17,7 @@ branch (256-element steps). What differs from ``fused_dequant_moe`` (the generic
   otherwise the pairs are aligned to each GEMM's ``block_m``.
 * **Tiles per batch size and per GEMM** (``FP4_CONFIGS``, ``NVFP4_CONFIGS``, ``FP6_CONFIGS``) from
   CUDA-graph replay sweeps on the H200 (``benchmarks/h200_fp4_sweep*.json``;
-  ``python -m mxlib.bench fused`` times them beside the anchor harness).
+  ``python -m mxlib.bench fused`` times them beside the external-kernel harness).
 
 Numerics (``numerics``, ``mxlib.formats.Numerics``):
 

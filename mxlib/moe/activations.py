@@ -8,7 +8,7 @@ it is read). Two activations, each a ``MoEActivation`` (``name``, ``alpha``, ``l
 * ``SWIGLUOAI`` (gpt-oss; vLLM's ``swigluoai_and_mul``, transformers' ``GptOssExperts._apply_gate``):
   ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, then
   ``(up + 1) * (gate * sigmoid(alpha * gate))`` with ``alpha = 1.702``, ``limit = 7.0``. The gate is clamped
-  from above only; ``limit=None`` clamps neither (``MoEActivation("swigluoai", alpha=1.0)`` is the anchor
+  from above only; ``limit=None`` clamps neither (``MoEActivation("swigluoai", alpha=1.0)`` is the external-kernel
   harness's ``tk_mxfp4`` row: gpt-oss's formula, alpha 1, no clamp). vLLM's ``swigluoai`` op reads the gate
   and up columns interleaved (gpt-oss's checkpoint order); on halves, as here, the same formula is vLLM's
   ``MoEActivation.SWIGLUOAI_UNINTERLEAVE`` (whose ``beta`` is the ``+ 1`` on up, 1 here).

@@ -80,7 +80,7 @@ __all__ = [
 
 _PACKED = ("w13_weight", "w2_weight")
 # Whether ``backend="auto"`` runs MXFP6 weights on the FP4 kernel (``fp6_layout``) on CUDA. Measured on
-# the H200 (benchmarks/h200_fp4_anchors.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
+# the H200 (benchmarks/h200_fp4_external.md, Qwen3-30B-A3B layer, M = 1..4096): 0.05-0.62x the
 # dequantize-then-GEMM path's time at every M and 0.55-0.57x bf16 TritonExperts' at M = 16, 64.
 FP6_AUTO_FUSED = True
 # Whether ``backend="auto"`` runs MX FP8 weights (``w_mxfp8``, ``w_mxfp8_a_mxfp8``) on the dequantize-GEMM kernel on
@@ -205,7 +205,7 @@ class QuantizedExperts(TritonExperts):
         return _pad(hidden_states, (0, hp - h)), b
 
     def prefers_fused(self) -> bool:
-        # H200 (benchmarks/h200_fp4_anchors.md): the FP4 kernel beats the dequantize-then-GEMM path at every
+        # H200 (benchmarks/h200_fp4_external.md): the FP4 kernel beats the dequantize-then-GEMM path at every
         # batch size, for FP4 and (FP6_AUTO_FUSED) MXFP6 weights; H100 (FP8_AUTO_FUSED): so does the
         # dequantize-GEMM kernel for MX FP8 weights with bf16 activations
         s = self.weight_scheme

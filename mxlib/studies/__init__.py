@@ -19,7 +19,7 @@ module                 what it holds
 ``variant_lessons``    notebook 02's NVFP4 variants ahead of hardware (UE5M3 scales, 32-element blocks)
                        beside NVFP4 and MXFP4, and what a global scale buys UE5M3
 ``tables``             the tables of notebooks 04 and 05 that the CLI and the benchmarks print too
-                       (strategy summary, floors, the tables beside the anchor harness)
+                       (strategy summary, floors, the tables beside the external-kernel harness)
 ``timing``             how far a recorded benchmark time moves between recordings, and "faster"
                        decided against it (``mxlib.stats``): notebook 05
 ``verdicts``           the trained-model studies' paired differences decided together against the

@@ -2,7 +2,7 @@
 
 A benchmark recording keeps one median per row and token count M. One median says nothing about how far the next
 run would land, so a "faster" read off a single recording needs a spread measured elsewhere. The recordings of
-``python -m mxlib.bench fused --anchor ...`` on the H200 (separate processes, on different days) time the same
+``python -m mxlib.bench fused --external ...`` on the H200 (separate processes, on different days) time the same
 reference kernels every time (vLLM's bf16 ``fused_moe``, triton_kernels' paths: ``REFERENCE_ROWS``), whose code did
 not change between them. Their medians' movement from recording to recording is the timing noise:
 
@@ -34,7 +34,7 @@ from ..stats import ComparisonFamily, Estimate
 
 __all__ = [
     "REFERENCE_ROWS",
-    "ANCHOR_RECORDINGS",
+    "EXTERNAL_RECORDINGS",
     "MODEL_RECORDINGS",
     "recorded_times",
     "timing_spread",
@@ -48,10 +48,10 @@ __all__ = [
 # rows whose code is the same in every recording: vLLM's and triton_kernels' kernels (the reference harness)
 REFERENCE_ROWS = ("vllm_bf16", "vllm_bf16_noalign", "tk_bf16", "tk_mxfp4", "tk_mxfp4_unfused_silu")
 # the recordings of the FP4 kernel beside the reference harness, in benchmarks/ (one H200, separate processes)
-ANCHOR_RECORDINGS = (
-    "h200_fp4_anchors.json",
-    "h200_fp4_anchors_operand_layout.json",
-    "h200_fp4_anchors_smem_decode.json",
+EXTERNAL_RECORDINGS = (
+    "h200_fp4_external.json",
+    "h200_fp4_external_operand_layout.json",
+    "h200_fp4_external_smem_decode.json",
     "h200_fp4_humming.json",
     "h200_fp4_swigluoai.json",
     "h200_fused_fp4.json",
@@ -61,7 +61,7 @@ MODEL_RECORDINGS = ("h200_model48.json", "h200_model48_operand_layout.json")
 
 
 def recorded_times(path) -> dict[tuple[str, int], float]:
-    """``{(row, M): ms}`` of one recording: the reference harness's ``anchor.rows`` and mxlib's ``rows`` (their
+    """``{(row, M): ms}`` of one recording: the reference harness's ``external.rows`` and mxlib's ``rows`` (their
     ``graph_ms``), or a whole-model recording's ``rows`` (``path``, ``M``, ``ms``). Rows without a time (memory
     bounds, which are computed) are left out.
 
@@ -70,8 +70,8 @@ def recorded_times(path) -> dict[tuple[str, int], float]:
     """
     data = json.loads(Path(path).read_text())
     rows = list(data.get("rows", []))
-    if isinstance(data.get("anchor"), dict):
-        rows += data["anchor"].get("rows", [])
+    if isinstance(data.get("external"), dict):
+        rows += data["external"].get("rows", [])
     out = {}
     for r in rows:
         t = r.get("graph_ms", r.get("ms"))

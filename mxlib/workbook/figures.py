@@ -499,7 +499,7 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
                 )
             )
         fig.add_trace(
-            go.Scatter(x=m, y=[r["floor_ms"] for r in rr], name="memory bound (computed)", line=dict(dash="dash"))
+            go.Scatter(x=m, y=[r["bound_ms"] for r in rr], name="memory bound (computed)", line=dict(dash="dash"))
         )
         fig.update_layout(
             title=f"{scheme}: MoE layer time",
