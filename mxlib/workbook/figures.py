@@ -476,7 +476,7 @@ def spread_figure(spread_rows: list[dict]) -> go.Figure:
 
 def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Figure]:
     """One log-log figure per scheme with at least ``min_points`` token counts: bf16, dequantize-then-GEMM and fused
-    times (graph replay solid, eager dotted) and the memory bound (computed: the bytes moved once at the measured
+    times (graph replay solid, eager dotted) and the bandwidth bound (computed: the bytes moved once at the measured
     copy bandwidth), from MoE-benchmark rows."""
     figs = []
     for scheme in dict.fromkeys(r["scheme"] for r in rows):
@@ -499,7 +499,7 @@ def moe_layer_time_figures(rows: list[dict], min_points: int = 4) -> list[go.Fig
                 )
             )
         fig.add_trace(
-            go.Scatter(x=m, y=[r["bound_ms"] for r in rr], name="memory bound (computed)", line=dict(dash="dash"))
+            go.Scatter(x=m, y=[r["bound_ms"] for r in rr], name="bandwidth bound (computed)", line=dict(dash="dash"))
         )
         fig.update_layout(
             title=f"{scheme}: MoE layer time",
