@@ -167,12 +167,15 @@ def test_group_plan():
         "without a": {"a": "bf16"},
         "only b": {"a": "bf16"},
         "without b": {"b": "bf16"},
-        "b": {"a": "bf16"},
-        "b+a": {},
+        "waterfall b": {"a": "bf16"},
+        "waterfall b+a": {},
         "a as w_mxfp4": {"a": "w_mxfp4"},
         "a as bf16": {"a": "bf16"},
     }
-    assert plan.steps == ("b", "b+a")
+    assert plan.steps == ("waterfall b", "waterfall b+a")
+    # groups named as configurations are still measured apart
+    odd = G.make_group_plan(["all", "bf16"])
+    assert odd.configs["all"] == {} and odd.configs["waterfall all"] == {"bf16": "bf16"}
     # configurations with the same switch share one measurement: the values by switch
     by_switch = {(("a", "bf16"), ("b", "bf16")): 0.0, (): 1.0, (("b", "bf16"),): 2.0, (("a", "bf16"),): 3.0}
     by_switch[(("a", "w_mxfp4"),)] = 4.0

@@ -27,7 +27,8 @@ model computes the reference's logits bit for bit (``attribute_groups`` reports 
 * ``bf16``: every group bf16, the reference; ``all``: the checkpoint as stored;
 * ``only <g>``: group ``g`` as stored, every other group bf16: what ``g`` costs alone;
 * ``without <g>``: group ``g`` back to bf16, every other as stored: what switching ``g`` back saves;
-* the waterfall ``<g1>+<g2>+...``: the groups as stored one after another in ``order``;
+* the waterfall ``waterfall <g1>+<g2>+...``: the groups as stored one after another in ``order`` (the prefix
+  keeps a step apart from ``bf16`` and ``all`` whatever the groups are named);
 * ``<g> as <scheme>`` for each ``targets`` entry: group ``g`` in another precision, every other as stored.
 
 **The decomposition** (``decompose_groups``, the attribution machinery's rules: ``mxlib.studies.attribution``)
@@ -207,6 +208,8 @@ def _build(model, reference, name: str, target, calibration, linear_input_amax, 
         bias = None if ref.bias is None else ref.bias.detach()
         return make_emulated_linear(target, w, ins, bias=bias, backend=backend)
     family = family_of(reference, "switched_groups")
+    if family.expert_biases:
+        raise ValueError(f"{family.architecture}'s experts have biases, which a re-quantized group would drop")
     layer = _experts_layer(name, family, reference.config)
     w13, w2 = expert_weights(reference, layer)
     in13 = in2 = None
@@ -251,7 +254,8 @@ def switched_groups(
         ValueError: a model not loaded from a mixed-precision checkpoint; a ``switch`` key that is not a group
             of its checkpoint (naming the groups there) or a value that is neither ``"bf16"`` nor a scheme; a
             ``reference`` without a module of the same name and shape; a static-scale target without
-            ``calibration`` / ``linear_input_amax``; a scheme that cannot quantize the group's modules.
+            ``calibration`` / ``linear_input_amax``; a scheme that cannot quantize the group's modules; experts
+            with biases (gpt-oss) switched to a scheme (bf16 is allowed).
     """
     groups = precision_groups(model)
     if not isinstance(switch, Mapping):
@@ -327,7 +331,7 @@ def make_group_plan(
         configs[f"without {g}"] = {g: BF16}
     steps = []
     for i in range(1, len(order) + 1):
-        name = "+".join(order[:i])
+        name = "waterfall " + "+".join(order[:i])
         configs.setdefault(name, {h: BF16 for h in order[i:]})
         steps.append(name)
     named = {}
