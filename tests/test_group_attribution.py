@@ -21,7 +21,7 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe.linear import EmulatedLinear, linear_input_amax
 from mxlib.studies import group_attribution as G
-from mxlib.studies.attribution import on_grid
+from mxlib.studies.attribution import QUANTUM, on_grid
 
 from _util import TINY_QWEN3, assert_bits_equal
 
@@ -255,3 +255,20 @@ def test_trained_model_groups(tmp_path_factory):
     assert res["values"]["all"]["all"]["exact_match"] == sum(int(x.correct.sum()) for x in r.tasks.values())
     assert res["values"]["MXFP8 as bf16"] == res["values"]["without MXFP8"]
     assert len(res["decisions"]) == 2 * (2 + 2 + 1 + 1)
+
+
+def test_draws(mixed, tiny):
+    """Several token sets: each value is the mean of the draws' values, and the comparisons are over the draws."""
+    model = tiny[0]
+    sets = [torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(s)) for s in (3, 4, 5)]
+    res = G.attribute_groups(mixed, model, sets, targets={ATTN_G: "w_mxfp4_a_mxfp4"})
+    assert res["draws"] == 3 and res["n"] == 96 and res["bf16_matches_reference"] is True
+    one = [G.attribute_groups(mixed, model, s)["values"]["all"]["logits nsr"] for s in sets]
+    # each draw's value was put on the 2^-36 grid before the mean: within two grid steps
+    assert abs(res["values"]["all"]["logits nsr"] - sum(one) / 3) <= 2 * QUANTUM
+    verdict = res["decisions"][f"{ATTN_G} as w_mxfp4_a_mxfp4 vs all (logits nsr)"]
+    assert verdict["over"] == "token sets" and verdict["n"] == 3
+    with pytest.raises(ValueError, match=r"token_ids: expected one \[B, T\] tensor or a list of at least 2"):
+        G.attribute_groups(mixed, model, sets[:1])
+    with pytest.raises(ValueError, match=r"token_ids\[1\]: expected an integer tensor \[B, T\], got torch.float32"):
+        G.attribute_groups(mixed, model, [sets[0], sets[1].float()])

@@ -42,7 +42,8 @@ losses add); ``switches[g] = v(all) - v(without g)``, the loss switching ``g`` b
 ``alpha``: per metric, each ``only <g>`` against ``bf16`` (the group's cost alone), ``all`` against ``without
 <g>`` (its cost within the checkpoint), every pair of ``only`` configurations (which group costs more), and each
 ``<g> as <s>`` against ``all`` (what the other precision costs or saves). Paired over the units of one token set
-or prompt set (``over="units"``: a statement about that set), with a measured noise level as the smallest
+or prompt set (``over="units"``: a statement about that set), or over draws where ``attribute_groups`` is given
+several token sets (``over="draws"``: a statement about token sets), with a measured noise level as the smallest
 difference worth reporting: the reference with mxlib's bf16 ``TritonExperts`` in place of its experts (another
 implementation of the same bf16 arithmetic) against the reference itself.
 
@@ -55,6 +56,7 @@ answer NLL per token, ``mxlib.models.evaluation.evaluate``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -421,7 +423,9 @@ def _measure_all(plan: GroupPlan, measure) -> tuple[dict, dict]:
     return out, seconds
 
 
-def _family(plan: GroupPlan, units: dict, metrics: dict, smallest: dict, name: str, alpha: float, unit_name: str):
+def _family(
+    plan: GroupPlan, units: dict, metrics: dict, smallest: dict, name: str, alpha: float, unit_name: str, over="units"
+):
     """The study's comparisons (module docstring), decided together. ``units[config][metric] = (values,
     weights)``; ``metrics[metric] = higher_is_better``."""
     fam = ComparisonFamily(name, alpha)
@@ -440,7 +444,7 @@ def _family(plan: GroupPlan, units: dict, metrics: dict, smallest: dict, name: s
                 vb,
                 metric=metric,
                 higher_is_better=higher,
-                over="units",
+                over=over,
                 smallest=float(smallest.get(metric, 0.0)),
                 weights=w,
                 unit_name=unit_name,
@@ -450,6 +454,19 @@ def _family(plan: GroupPlan, units: dict, metrics: dict, smallest: dict, name: s
 
 def _decisions_dict(decisions) -> dict:
     return {k: {**asdict(v), "decided": v.decided} for k, v in decisions.items()}
+
+
+def _token_sets(token_ids) -> list[torch.Tensor]:
+    """``token_ids`` as a list of draws: one ``[B, T]`` integer tensor, or a list of two or more."""
+    sets = list(token_ids) if isinstance(token_ids, (list, tuple)) else [token_ids]
+    for j, t in enumerate(sets):
+        if not (isinstance(t, torch.Tensor) and t.ndim == 2 and not t.is_floating_point()):
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            where = "token_ids" if not isinstance(token_ids, (list, tuple)) else f"token_ids[{j}]"
+            raise ValueError(f"{where}: expected an integer tensor [B, T], got {got}")
+    if isinstance(token_ids, (list, tuple)) and len(sets) < 2:
+        raise ValueError(f"token_ids: expected one [B, T] tensor or a list of at least 2 (draws), got {len(sets)}")
+    return sets
 
 
 def _logits(model, token_ids: torch.Tensor) -> torch.Tensor:
@@ -502,7 +519,10 @@ def attribute_groups(
     Args:
         model: loaded from a mixed-precision checkpoint (``load_quantized_moe``), bf16 activations.
         reference: the bf16 model the checkpoint was quantized from (``write_mixed_checkpoint``'s ``model``).
-        token_ids: int64 ``[B, T]`` token ids.
+        token_ids: int64 ``[B, T]`` token ids (one draw: the comparisons are over its ``B * T`` tokens, a
+            statement about this token set), or a list of two or more such tensors (draws, e.g. token sets of
+            different seeds: the comparisons are over the draws, ``mxlib.stats.paired_draws``; each value is the
+            mean over the draws of each draw's value).
         targets: other precisions to try groups in (``make_group_plan``), e.g. ``{"MXFP8": "w_mxfp4"}``.
         order: the waterfall's group order (default: the checkpoint config's).
         calibration, linear_input_amax: the reference's activation statistics, for targets with static
@@ -515,41 +535,44 @@ def attribute_groups(
         ({config: ``-10 log10`` of the NSR, ``inf`` for none}), ``decompositions`` ({metric:
         ``GroupDecomposition`` as a dict}), ``floor`` ({metric: the mean of the reference with bf16
         ``TritonExperts`` against the reference: the smallest difference worth reporting}), ``decisions``
-        ({key: ``mxlib.stats.Verdict`` as a dict, with ``decided``}; over the ``B * T`` tokens),
-        ``bf16_matches_reference`` (the ``bf16`` configuration's logits equal the reference's, bit for bit),
-        ``n`` (tokens), ``seconds`` ({config: s}).
+        ({key: ``mxlib.stats.Verdict`` as a dict, with ``decided``}), ``bf16_matches_reference`` (the ``bf16``
+        configuration's logits equal the reference's, bit for bit, on every draw), ``n`` (tokens, all draws),
+        ``draws``, ``seconds`` ({config: s}).
 
     Raises:
-        ValueError: as ``switched_groups`` and ``make_group_plan``; ``token_ids`` not a 2-D integer tensor.
+        ValueError: as ``switched_groups`` and ``make_group_plan``; ``token_ids`` (or one of its draws) not a 2-D
+            integer tensor, a list of fewer than 2 draws.
     """
-    if not (isinstance(token_ids, torch.Tensor) and token_ids.ndim == 2 and not token_ids.is_floating_point()):
-        got = f"{token_ids.dtype} {list(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else type(token_ids)
-        raise ValueError(f"token_ids: expected an integer tensor [B, T], got {got}")
+    sets = _token_sets(token_ids)
     groups, plan = _setup(model, reference, order, targets)
     kw = dict(calibration=calibration, linear_input_amax=linear_input_amax, scale_strategy=scale_strategy)
-    ref_logits = _logits(reference, token_ids)
+    ref_logits = [_logits(reference, t) for t in sets]
     with switched_groups(model, reference, plan.configs[BF16], **kw):
-        base = _logits(model, token_ids)
+        base = [_logits(model, t) for t in sets]
     with _bf16_triton(reference):
-        floor_units = _per_token(_logits(reference, token_ids), ref_logits)
-    units = {}
+        floor_units = [_per_token(_logits(reference, t), r) for t, r in zip(sets, ref_logits)]
 
     def measure(sw):
         with switched_groups(model, reference, sw, **kw):
-            per = _per_token(_logits(model, token_ids), base)
-        return per
+            return [_per_token(_logits(model, t), b) for t, b in zip(sets, base)]
 
     per_config, seconds = _measure_all(plan, measure)
-    values, sqnr = {}, {}
-    for name, per in per_config.items():
-        values[name] = {m: on_grid(float(v.mean()), f"{name} {m}") for m, v in per.items()}
-        nsr = values[name]["logits nsr"]
-        sqnr[name] = float("inf") if nsr == 0 else -10.0 * float(torch.tensor(nsr, dtype=torch.float64).log10())
-        units[name] = {m: (v.numpy(), None) for m, v in per.items()}
     metrics = {"logits nsr": False, "logits kl": False}
-    floor = {m: float(v.mean()) for m, v in floor_units.items()}
-    decisions = _family(plan, units, metrics, floor, "precision groups (logits)", alpha, "tokens")
+    over = "units" if len(sets) == 1 else "draws"
+    values, sqnr, units = {}, {}, {}
+    for name, per in per_config.items():
+        values[name] = {m: on_grid(sum(float(p[m].mean()) for p in per) / len(per), f"{name} {m}") for m in metrics}
+        nsr = values[name]["logits nsr"]
+        sqnr[name] = float("inf") if nsr == 0 else -10.0 * math.log10(nsr)
+        if over == "units":
+            units[name] = {m: (per[0][m].numpy(), None) for m in metrics}
+        else:
+            units[name] = {m: ([p[m].numpy() for p in per], None) for m in metrics}
+    floor = {m: sum(float(f[m].mean()) for f in floor_units) / len(floor_units) for m in metrics}
+    unit_name = "tokens" if over == "units" else "token sets"
+    decisions = _family(plan, units, metrics, floor, "precision groups (logits)", alpha, unit_name, over)
     decompositions = {m: asdict(decompose_groups(plan, {n: v[m] for n, v in values.items()}, m)) for m in metrics}
+    base_matches = all(torch.equal(b, r) for b, r in zip(base, ref_logits))
     return dict(
         groups=groups,
         plan=asdict(plan),
@@ -558,8 +581,9 @@ def attribute_groups(
         decompositions=decompositions,
         floor=floor,
         decisions=_decisions_dict(decisions),
-        bf16_matches_reference=bool(torch.equal(base, ref_logits)),
-        n=int(token_ids.numel()),
+        bf16_matches_reference=base_matches,
+        n=sum(int(t.numel()) for t in sets),
+        draws=len(sets),
         seconds=seconds,
     )
 
