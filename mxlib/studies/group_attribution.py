@@ -14,8 +14,9 @@ from; same architecture and module names):
   switched to bf16 computes what the reference's module computes on the same input, bit for bit;
 * a scheme (a ``MoEQuantScheme`` or its name): the reference's bf16 weights quantized in that scheme
   (``quantize_expert_weights`` / ``quantize_linear_weight``) and emulated (``make_emulation_experts`` /
-  ``make_emulated_linear``, vLLM's numerics), static activation scales from ``calibration`` (experts) and
-  ``linear_input_amax`` (linear layers), as ``write_mixed_checkpoint`` writes them.
+  ``make_emulated_linear``, vLLM's numerics), static activation scales the decode scales ``amax / divisor`` in
+  fp32 from ``calibration`` (experts) and ``linear_input_amax`` (linear layers), as ModelOpt's layout stores them
+  (a compressed-tensors checkpoint stores encode scales rounded to bf16 values, which can differ in the last bit).
 
 Groups not named keep the checkpoint's modules. Every other module (embeddings, norms, routers, bf16 experts)
 is the checkpoint's: ``write_mixed_checkpoint`` stores them unchanged, so with every group switched to bf16 the
