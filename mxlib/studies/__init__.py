@@ -28,6 +28,8 @@ module                 what it holds
 ``routing_agreement``  notebook 06's routing consistency: each scheme's top-k expert sets against bf16's per
                        layer, its floor (other experts implementations), decided in the notebook's family
 ``attribution``        where a scheme's loss comes from (w13, w2, a1, a2; each layer), with exact sums
+``group_attribution``  which precision group of a mixed-precision checkpoint costs what: each group switched
+                       back to bf16 or into another scheme, exact sums, decided by ``mxlib.stats``
 ``own_checkpoint``     a user's own checkpoint: its first layers' activation-QDQ and unification loss
 ``recovery``           notebook 07's studies: every accuracy-recovery technique side by side on the
                        trained MoE and the dummy model
