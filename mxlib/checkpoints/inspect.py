@@ -43,14 +43,14 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from ..moe.scales import SCALE_STRATEGIES
 from .bounds import check_model_config, check_scale_strategy
-from .files.headers import describe_unused, folder_identity, read_json
+from .files.folder import CheckpointFolder
+from .files.headers import describe_unused, folder_identity
 from .files.safetensors_io import SafetensorsHeaders
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
 from .inspect_tables import expert_scales, layer_rows, module_tables
@@ -75,14 +75,16 @@ _QUANTIZED_DTYPES = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
 SCALE_SUFFIXES = ("input_scale", "weight_scale_2", "global_scale")
 
 
-def config_description(folder: Path) -> CheckpointDescription:
+def config_description(folder: str | os.PathLike) -> CheckpointDescription:
     """The steps of ``loader.read_quant_config`` without its message prefixes: ``config.json``'s
     ``quantization_config`` (a regular file of at most ``MAX_JSON_BYTES``, read with ``read_json``),
     else a layout's legacy file, parsed by the layout of its ``quant_method``. Raises the layout
     parser's ``CheckpointError`` unchanged (the inspector reports its message as a problem; the dummy
-    builder raises it), and a ``CheckpointError`` naming the field for a config of the wrong JSON types."""
+    builder raises it), and a ``CheckpointError`` naming the field for a config of the wrong JSON types.
+    ``folder`` may be a ``files.folder.CheckpointFolder``, whose files are then not read again."""
+    folder = CheckpointFolder.of(folder)
     cfg_path = folder / "config.json"
-    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
+    qc = folder.config().get("quantization_config")
     if qc is None:
         qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
     if qc is None:
@@ -232,12 +234,12 @@ class InspectReport:
         return "\n".join(out)
 
 
-def _producer(folder: Path, qc: dict | None) -> str | None:
+def _producer(folder: CheckpointFolder, qc: dict | None) -> str | None:
     qc = qc if isinstance(qc, dict) else {}
     prod = qc.get("producer")
     if prod is None and (folder / "hf_quant_config.json").exists():
         try:
-            prod = read_json(folder / "hf_quant_config.json").get("producer")
+            prod = folder.json("hf_quant_config.json").get("producer")
         except CheckpointError:
             prod = None
     if isinstance(prod, dict):
@@ -280,7 +282,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         ValueError: an unknown strategy (the argument, not the checkpoint).
     """
     t0 = time.perf_counter()
-    folder = Path(path)
+    folder = CheckpointFolder(path)  # each config file read once, whatever the steps reading it
     bad = [s for s in strategies if s not in SCALE_STRATEGIES]
     if bad:
         raise ValueError(f"strategies: expected names from {list(SCALE_STRATEGIES)}, got {bad}")
@@ -289,7 +291,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     cfg_path = folder / "config.json"
     try:
         since = folder_identity(folder)  # what is read below must come from this folder (SafetensorsHeaders)
-        cfg = read_json(cfg_path, "a transformers model config")
+        cfg = folder.config()
     except CheckpointError as err:
         problems.append(f"config: {err}")
         return _done(report, t0)
@@ -297,7 +299,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     for name in dict.fromkeys((*(f for lay in LAYOUTS.values() for f in lay.legacy_files), "generation_config.json")):
         if (folder / name).exists() or (folder / name).is_symlink():
             try:  # the loader reads these (a loaded model's save copies them): the same checks
-                read_json(folder / name)
+                folder.json(name)
             except CheckpointError as err:
                 problems.append(f"config: {err}")
     report.producer = _producer(folder, qc)

@@ -33,6 +33,7 @@ __all__ = [
     "file_kind",
     "open_regular",
     "read_json",
+    "read_json_and_text",
     "check_model_fields",
     "model_bytes",
     "dummy_config",
@@ -91,6 +92,18 @@ def read_json(
         error: naming the file: absent, not a regular file, larger than ``limit``, not UTF-8,
             not JSON, or not an object.
     """
+    return read_json_and_text(path, what, limit, error, opener)[0]
+
+
+def read_json_and_text(
+    path: str | os.PathLike, what: str | None = None, limit: int = MAX_JSON_BYTES, error=ValueError, opener=None
+) -> tuple[dict, str]:
+    """``read_json`` and the file's text it parsed, from one open (a writer copying a config file as it is
+    stores the text; the dict says it is a bounded JSON object).
+
+    Raises:
+        error: as ``read_json``.
+    """
     path = Path(path)
     with (opener or (lambda p: open_regular(p, error)))(path) as f:
         try:  # the file's size, not limit + 1 (a read of n bytes allocates n at once)
@@ -103,14 +116,15 @@ def read_json(
     if len(data) > limit:
         raise error(f"{path}: larger than {limit} bytes; expected a JSON config file")
     try:
-        value = json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
+        value = json.loads(text)
     except UnicodeDecodeError as err:
         raise error(f"{path}: cannot be read as JSON (not UTF-8: {err.reason} at byte {err.start})") from None
     except (ValueError, RecursionError) as err:
         raise error(f"{path}: cannot be read as JSON ({str(err)[:200]})") from None
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found {type(value).__name__}")
-    return value
+    return value, text
 
 
 # config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts);
@@ -225,6 +239,7 @@ def dummy_config(
     model_preset: str | None = None,
     overrides: dict | None = None,
     error=ValueError,
+    source: dict | None = None,
 ) -> tuple[Path, dict, dict, dict]:
     """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
     is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
@@ -236,13 +251,16 @@ def dummy_config(
     multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
     ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
 
+    ``source``: ``config.json``'s dict when the caller has read it already (read here when None; not changed).
+
     Raises:
         error: ``config.json`` missing, not a regular file or not a JSON object; a field breaking
             a rule (naming ``config.json`` or ``overrides`` and the field).
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
     """
     cfg_path = Path(config_dir) / "config.json"
-    source = read_json(cfg_path, "a transformers model config", error=error)
+    if source is None:
+        source = read_json(cfg_path, "a transformers model config", error=error)
     cfg_dict = dict(source)
     total = cfg_dict.get("num_hidden_layers")
     if num_hidden_layers is not None:
