@@ -49,6 +49,7 @@ from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import NVFP4_MOE, get_moe_scheme
 from ..studies.tables import ANCHOR_ROWS  # the anchor rows of the tables, in their order
+from ..text_table import markdown_table
 from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -309,7 +310,10 @@ def _fmt(v, pct=False, digits=3) -> str:
 def markdown(result: dict, anchor: dict | None = None) -> str:
     """Tables: times (anchor rows first), ratios, fractions of the memory floor, floors."""
     tokens = sorted({r["M"] for r in result["rows"]})
-    head = "| {} | " + " | ".join(f"M={m}" for m in tokens) + " |\n|---|" + "---:|" * len(tokens) + "\n"
+
+    def table(title: str, body: list[list[str]]) -> str:  # a row label, then one right-aligned column per M
+        return "\n".join(markdown_table([title, *(f"M={m}" for m in tokens)], body, "<" + ">" * len(tokens))) + "\n"
+
     mine = _by(result["rows"])
     lines = []
     e = result["env"]
@@ -317,25 +321,21 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
         f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
         f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), anchor input recipe.\n"
     )
-    t = head.format("row (ms)")
+    body = []
     if anchor:
         anc = _by(anchor.get("rows", []))
         for p in ANCHOR_ROWS:
             key = "floor_ms" if p.startswith("floor") else "graph_ms"
-            t += f"| `{p}` (anchor) | " + " | ".join(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens) + " |\n"
+            body.append([f"`{p}` (anchor)", *(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens)])
     for p in dict.fromkeys(r["path"] for r in result["rows"]):
-        t += f"| `{p}` | " + " | ".join(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens) + " |\n"
-    lines.append(t)
+        body.append([f"`{p}`", *(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens)])
+    lines.append(table("row (ms)", body))
     if anchor:
         rat = ratios(result, anchor)
-        t = head.format("ratio")
-        for key in rat[tokens[0]]:
-            t += f"| {key} | " + " | ".join(_fmt(rat[m][key], digits=2) for m in tokens) + " |\n"
-        lines.append(t)
-    t = head.format("fraction of the memory floor")
+        lines.append(table("ratio", [[key, *(_fmt(rat[m][key], digits=2) for m in tokens)] for key in rat[tokens[0]]]))
+    body = []
     for p in dict.fromkeys(r["path"] for r in result["rows"] if "floor_fraction" in r):
-        vals = (_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens)
-        t += f"| `{p}` | " + " | ".join(vals) + " |\n"
+        body.append([f"`{p}`", *(_fmt((mine.get((p, m)) or {}).get("floor_fraction"), True) for m in tokens)])
     if anchor:
         anc = _by(anchor.get("rows", []))
         for p in ("tk_mxfp4", TK, *FORMAT_ANCHORS["mxfp4"][:2], *FORMAT_ANCHORS["nvfp4"]):
@@ -344,13 +344,14 @@ def markdown(result: dict, anchor: dict | None = None) -> str:
             for m in tokens:
                 f, g = (anc.get((floor_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
                 vals.append(_fmt(f / g if f and g else None, True))
-            t += f"| `{p}` (anchor) | " + " | ".join(vals) + " |\n"
-    lines.append(t)
+            body.append([f"`{p}` (anchor)", *vals])
+    lines.append(table("fraction of the memory floor", body))
     if anchor:
-        t = "| floor | worst | holds |\n|---|---:|---|\n"
-        for c in floors(ratios(result, anchor), result):
-            t += f"| {c['floor']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
-        lines.append(t)
+        body = [
+            [c["floor"], _fmt(c["worst"], digits=2), "yes" if c["holds"] else "no"]
+            for c in floors(ratios(result, anchor), result)
+        ]
+        lines.append("\n".join(markdown_table(["floor", "worst", "holds"], body, "<><")) + "\n")
     return "\n".join(lines)
 
 

@@ -48,6 +48,7 @@ import torch
 
 from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from ..moe.scales import SCALE_STRATEGIES
+from ..text_table import text_table
 from .bounds import check_model_config, check_scale_strategy
 from .files.folder import CheckpointFolder
 from .files.headers import describe_unused, folder_identity
@@ -180,11 +181,18 @@ class InspectReport:
             out.append(f"  problem: {p}")
         if self.precision_groups:
             out.append("precision groups (share of the checkpoint's bytes)")
-            for r in self.precision_groups:
-                out.append(
-                    f"  {r['group']:<22s} {r['scheme'] or 'bf16':<18s} {r['layout'] or '-':<26s} "
-                    f"{r['modules']:>6d} modules {r['bytes']:>14d} bytes {100 * r['share']:>6.2f}%"
+            cells = [
+                (
+                    r["group"],
+                    r["scheme"] or "bf16",
+                    r["layout"] or "-",
+                    f"{r['modules']:>6d} modules",
+                    f"{r['bytes']:>14d} bytes",
+                    f"{100 * r['share']:>6.2f}%",
                 )
+                for r in self.precision_groups
+            ]
+            out += text_table(None, cells, widths=(22, 18, 26, 0, 0, 0), indent="  ", grow=False)
         if self.weight_global_scales:
             w = self.weight_global_scales
             out.append(
@@ -194,19 +202,27 @@ class InspectReport:
         if self.activation_scales:
             out.append("")
             out.append("activation input scales per expert (decode scales; ratio = max / min of the calibrated)")
-            out.append(
-                f"{'layer':>5s} {'point':>5s} {'experts':>7s} {'uncal':>5s} {'min':>10s} {'max':>10s} "
-                f"{'ratio':>9s} {'shared':>6s} {'gate!=up':>8s}"
-            )
-            for r in self.activation_scales:
-                mn = f"{r['min']:.4g}" if r["min"] is not None else "-"
-                mx = f"{r['max']:.4g}" if r["max"] is not None else "-"
-                ratio = f"{r['ratio']:.4g}" if r["ratio"] is not None else "-"
-                gu = "" if r.get("gate_up_differ") is None else str(r["gate_up_differ"])
-                out.append(
-                    f"{r['layer']:>5d} {r['point']:>5s} {r['experts']:>7d} {len(r['uncalibrated']):>5d} "
-                    f"{mn:>10s} {mx:>10s} {ratio:>9s} {'yes' if r['shared'] else 'no':>6s} {gu:>8s}"
+            cells = [
+                (
+                    str(r["layer"]),
+                    r["point"],
+                    str(r["experts"]),
+                    str(len(r["uncalibrated"])),
+                    f"{r['min']:.4g}" if r["min"] is not None else "-",
+                    f"{r['max']:.4g}" if r["max"] is not None else "-",
+                    f"{r['ratio']:.4g}" if r["ratio"] is not None else "-",
+                    "yes" if r["shared"] else "no",
+                    "" if r.get("gate_up_differ") is None else str(r["gate_up_differ"]),
                 )
+                for r in self.activation_scales
+            ]
+            out += text_table(
+                ("layer", "point", "experts", "uncal", "min", "max", "ratio", "shared", "gate!=up"),
+                cells,
+                widths=(5, 5, 7, 5, 10, 10, 9, 6, 8),
+                align=">" * 9,
+                grow=False,
+            )
         if self.strategies:
             out.append("")
             out.append(
@@ -214,17 +230,29 @@ class InspectReport:
                 f"{NVFP4_SUBNORMAL_RATIO:.3g}; flushed: r < 2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}; "
                 f"clipped: r > 1; dB from a Gaussian-expert model)"
             )
-            out.append(
-                f"{'point':>5s} {'strategy':>10s} {'experts':>7s} {'clipped':>7s} {'subnorm':>7s} "
-                f"{'flushed':>7s} {'mean dB':>8s} {'worst dB':>8s}  worst (layer, expert)"
-            )
-            for r in self.strategies:
-                worst = "-" if r["worst"] is None else f"({r['worst'][0]}, {r['worst'][1]})"
-                out.append(
-                    f"{r['point']:>5s} {r['strategy']:>10s} {r['experts']:>7d} {r['clipped']:>7d} "
-                    f"{r['subnormal']:>7d} {r['flushed']:>7d} {r['mean_db_lost']:>8.2f} "
-                    f"{r['worst_db_lost']:>8.2f}  {worst}"
+            cells = [
+                (
+                    r["point"],
+                    r["strategy"],
+                    str(r["experts"]),
+                    str(r["clipped"]),
+                    str(r["subnormal"]),
+                    str(r["flushed"]),
+                    f"{r['mean_db_lost']:.2f}",
+                    f"{r['worst_db_lost']:.2f}",
+                    "-" if r["worst"] is None else f"({r['worst'][0]}, {r['worst'][1]})",
                 )
+                for r in self.strategies
+            ]
+            out += text_table(
+                ("point", "strategy", "experts", "clipped", "subnorm", "flushed", "mean dB", "worst dB")
+                + ("worst (layer, expert)",),
+                cells,
+                widths=(5, 10, 7, 7, 7, 7, 8, 8, 0),
+                align=">" * 8 + "<",
+                sep=(" ",) * 7 + ("  ",),
+                grow=False,
+            )
         for n in self.notes:
             out.append(f"note: {n}")
         out.append(
