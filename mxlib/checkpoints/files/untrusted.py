@@ -1,6 +1,8 @@
 """Files of a checkpoint or config folder read as untrusted input, with the standard library only (no
 torch import: the command line checks its options with these before anything heavy is imported).
 
+* ``check_regular(path, error, what)``: ``stat`` says a regular file (links followed), else a refusal naming
+  the file and what it is;
 * ``open_regular(path, error)``: opened only when ``stat`` says it is a regular file (a FIFO, a device, a
   socket or a folder is refused before ``open``; the open itself is non-blocking and checked again with
   ``fstat``, so a FIFO swapped in between cannot block). Symlinks are followed (the Hugging Face cache is
@@ -31,6 +33,7 @@ __all__ = [
     "MODEL_INT_FIELDS",
     "MAX_DUMMY_LAYERS",
     "file_kind",
+    "check_regular",
     "open_regular",
     "read_json",
     "read_json_and_text",
@@ -55,6 +58,25 @@ def file_kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
+def check_regular(path: str | os.PathLike, error=ValueError, what: str | None = None) -> os.stat_result:
+    """``os.stat(path)`` (links followed) of a regular file; ``what`` (``"the safetensors file"``) names the file
+    in the message after its path.
+
+    Raises:
+        error: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
+    """
+    named, kind = (f"{path}: {what} ", f"{path}: {what}: ") if what else (f"{path}: ", f"{path}: ")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{named}not found") from None
+    except OSError as err:
+        raise error(f"{named}cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{kind}expected a regular file, found {file_kind(st.st_mode)}")
+    return st
+
+
 def open_regular(path: str | os.PathLike, error=ValueError):
     """``path`` opened for reading in binary, only if it is a regular file (module docstring); ``opener``
     replaces ``open_regular`` (tests record reads through it).
@@ -63,14 +85,7 @@ def open_regular(path: str | os.PathLike, error=ValueError):
         error: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
     """
     path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise error(f"{path}: not found") from None
-    except OSError as err:
-        raise error(f"{path}: cannot be read ({err.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{path}: expected a regular file, found {file_kind(st.st_mode)}")
+    check_regular(path, error)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
