@@ -50,7 +50,8 @@ layouts; ``mxlib.analysis`` error metrics; ``mxlib.stats`` the statistics rule (
 together: "A better", "B better" or "cannot be told apart"); ``mxlib.cases`` named corner cases; ``mxlib.studies``
 what the notebooks, the CLI and the benchmarks run (rows and numbers); ``mxlib.workbook`` the notebooks' figures,
 widgets, checks and runner; ``mxlib.cli`` the notebooks' code paths as commands (``python -m mxlib``,
-``mxlib/__main__.py``); ``mxlib.bench`` GPU benchmarks.
+``mxlib/__main__.py``); ``mxlib.bench`` GPU benchmarks; ``mxlib.text_table`` the one renderer of the text and
+markdown tables they print (the inspector's report, ``what_ran``, the benchmarks).
 ``docs/api-mapping.md`` maps torchao's and vLLM's conventions onto these names.
 """
 

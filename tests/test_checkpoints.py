@@ -3,7 +3,11 @@
 A tiny Qwen3-MoE (hidden 64, 4 experts) keeps this fast; the layout code is the one full-size runs use.
 """
 
+import builtins
+import collections
+import io
 import json
+import os
 import shutil
 
 import pytest
@@ -285,3 +289,82 @@ def test_shard_writer_streams_shards(tmp_path):
         assert torch.equal(load_file(str(tmp_path / weight_map[name]))[name], t)
     with pytest.raises(ValueError, match="shard_bytes"):
         ShardWriter(tmp_path, shard_bytes=0)
+
+
+# ----------------------------------------------------------------------------- each config file read once
+
+
+def _count_opens(monkeypatch) -> collections.Counter:
+    """Every open of a file by name, whichever way it is opened (``os.open``, the one ``open_regular``
+    uses, and ``open``, the one ``Path.read_text`` and ``safetensors`` use)."""
+    opened = collections.Counter()
+    real_os_open, real_io_open = os.open, io.open
+
+    def os_open(path, *a, **k):
+        opened[os.path.basename(os.fspath(path))] += 1
+        return real_os_open(path, *a, **k)
+
+    def io_open(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)):
+            opened[os.path.basename(os.fspath(file))] += 1
+        return real_io_open(file, *a, **k)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", io_open)
+    monkeypatch.setattr(io, "open", io_open)
+    return opened
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_a_load_opens_each_config_file_once(tiny, tmp_path, monkeypatch, scheme):
+    """A load, an inspection and ``from_pretrained`` each open ``config.json``, the legacy
+    ``hf_quant_config.json`` and the index once (``files.folder.CheckpointFolder``), and what they hand on is
+    what the files say: the description ``read_quant_config`` reads alone, the model's config fields, the
+    legacy file's text that ``save_pretrained`` writes back byte for byte."""
+    model, cal, ids = tiny
+    path = C.write_quantized_checkpoint(model, scheme, tmp_path / "ckpt", cal)
+    legacy = (path / "hf_quant_config.json").exists()
+    assert legacy == (scheme == "nvfp4")
+    want_info = C.read_quant_config(path)
+    want_cfg = json.loads((path / "config.json").read_text())
+    opened = _count_opens(monkeypatch)
+    loaded, info = C.load_quantized_moe(path)
+    once = {"config.json": 1, "model.safetensors.index.json": 1, **({"hf_quant_config.json": 1} if legacy else {})}
+    assert {n: c for n, c in opened.items() if n.endswith(".json")} == once
+    for read in (lambda: C.inspect_checkpoint(path), lambda: C.from_pretrained(path)):
+        opened.clear()
+        read()
+        assert {n: c for n, c in opened.items() if n.endswith(".json")} == once
+    monkeypatch.undo()
+    assert info == want_info and repr(info) == repr(want_info)
+    for field in ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "vocab_size"):
+        assert getattr(loaded.config, field) == want_cfg[field], field
+    loaded.save_pretrained(tmp_path / "saved")
+    if legacy:
+        assert (tmp_path / "saved" / "hf_quant_config.json").read_bytes() == (
+            path / "hf_quant_config.json"
+        ).read_bytes()
+    assert json.loads((tmp_path / "saved" / "config.json").read_text()) == want_cfg
+
+
+def test_checkpoint_folder_hands_out_copies_and_keeps_no_failure(tmp_path):
+    """``CheckpointFolder.json`` gives a fresh copy at each call (a step editing its dict changes nothing the
+    next step reads); a file that fails to read is refused naming it, and read again at the next call."""
+    from mxlib.checkpoints.files.folder import CheckpointFolder
+
+    (tmp_path / "config.json").write_text(json.dumps({"a": {"b": [1, 2]}}))
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    folder = CheckpointFolder(tmp_path)
+    first = folder.config()
+    first["a"]["b"].append(3)
+    first.pop("a")
+    assert folder.config() == {"a": {"b": [1, 2]}} and folder.reads == {"config.json": 1}
+    assert folder.read_json(tmp_path / "config.json") == {"a": {"b": [1, 2]}} and folder.reads["config.json"] == 1
+    assert os.fspath(folder) == str(tmp_path) and str(folder) == str(tmp_path) and folder / "x" == tmp_path / "x"
+    assert CheckpointFolder.of(folder) is folder
+    for _ in range(2):
+        with pytest.raises(C.CheckpointError, match=r"bad\.json: expected a JSON object \(a list\), found list"):
+            folder.json("bad.json", "a list")
+    assert folder.reads.get("bad.json") is None
+    with pytest.raises(C.CheckpointError, match=r"missing\.json: not found"):
+        folder.json("missing.json")

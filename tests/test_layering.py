@@ -1,17 +1,16 @@
 """The package's shape: layers import only downwards, no import cycles, no format names in branches, and every
 module named on its package's face and in docs/architecture.md.
 
-Layers, lowest first: formats -> _checks -> reference / analysis / stats -> kernels -> moe -> recovery -> cases ->
-models (families, presets, calibration, Hessians, routing statistics, the trained model) -> checkpoints (the writer,
-the loader, the inspector, the layouts, the file handling) -> the models' modules that read the layouts (gpt_oss,
-in_memory, what_ran) -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no plotting,
-no Jupyter) -> workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) -> cli / bench
-(``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). The CLI and the
-benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its arguments
-to the runner. Every import
-of every mxlib module (top level or nested) is read with ``ast``; a module may import its own layer or lower
-ones, and the import graph has no cycle. A module the table does not name (a new top-level file) counts as the
-top layer, so it may import anything and nothing below may import it.
+Layers, lowest first: formats -> _checks / text_table -> reference / analysis / stats -> kernels -> moe -> recovery
+-> cases -> models (families, presets, calibration, Hessians, routing statistics, the trained model) -> checkpoints
+(the writer, the loader, the inspector, the layouts, the file handling) -> the models' modules that read the layouts
+(gpt_oss, in_memory, what_ran) -> studies (what the notebooks, the CLI and the benchmarks run: rows and numbers, no
+plotting, no Jupyter) -> workbook (what only the notebooks need: figures, widgets, exercises, checks, the runner) ->
+cli / bench (``cases`` runs its named cases through the reference, the kernels and the MoE scale helpers). The CLI
+and the benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its
+arguments to the runner. Every import of every mxlib module (top level or nested) is read with ``ast``; a module may
+import its own layer or lower ones, and the import graph has no cycle. A module the table does not name (a new
+top-level file) counts as the top layer, so it may import anything and nothing below may import it.
 """
 
 import ast
@@ -27,7 +26,7 @@ MODELS_ON_CHECKPOINTS = ("mxlib.models.gpt_oss", "mxlib.models.in_memory", "mxli
 
 LAYERS = [
     ("mxlib.formats",),
-    ("mxlib._checks",),
+    ("mxlib._checks", "mxlib.text_table"),
     ("mxlib.reference", "mxlib.analysis", "mxlib.stats"),
     ("mxlib.kernels",),
     ("mxlib.moe",),

@@ -49,6 +49,7 @@ from ..moe.reference_moe import silu_and_mul
 from ..moe.routing import fused_topk
 from ..moe.schemes import NVFP4_MOE, get_moe_scheme
 from ..studies.tables import EXTERNAL_ROWS  # the external rows of the tables, in their order
+from ..text_table import markdown_table
 from ._common import copy_bandwidth, env, graph_ms
 
 E, TOPK, H, I = 128, 8, 2048, 768
@@ -310,7 +311,10 @@ def _fmt(v, pct=False, digits=3) -> str:
 def markdown(result: dict, external: dict | None = None) -> str:
     """Tables: times (external rows first), ratios, fractions of the bandwidth bound, speed targets."""
     tokens = sorted({r["M"] for r in result["rows"]})
-    head = "| {} | " + " | ".join(f"M={m}" for m in tokens) + " |\n|---|" + "---:|" * len(tokens) + "\n"
+
+    def table(title: str, body: list[list[str]]) -> str:  # a row label, then one right-aligned column per M
+        return "\n".join(markdown_table([title, *(f"M={m}" for m in tokens)], body, "<" + ">" * len(tokens))) + "\n"
+
     mine = _by(result["rows"])
     lines = []
     e = result["env"]
@@ -318,25 +322,21 @@ def markdown(result: dict, external: dict | None = None) -> str:
         f"{e['device']}, {e['date']}, torch {e['torch']}, triton {e['triton']}, copy "
         f"{result['copy_gbs']:.0f} GB/s. CUDA-graph replay medians (ms), harness input recipe.\n"
     )
-    t = head.format("row (ms)")
+    body = []
     if external:
         anc = _by(external.get("rows", []))
         for p in EXTERNAL_ROWS:
             key = "floor_ms" if p.startswith("floor") else "graph_ms"
-            t += f"| `{p}` (external) | " + " | ".join(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens) + " |\n"
+            body.append([f"`{p}` (external)", *(_fmt((anc.get((p, m)) or {}).get(key)) for m in tokens)])
     for p in dict.fromkeys(r["path"] for r in result["rows"]):
-        t += f"| `{p}` | " + " | ".join(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens) + " |\n"
-    lines.append(t)
+        body.append([f"`{p}`", *(_fmt((mine.get((p, m)) or {}).get("graph_ms")) for m in tokens)])
+    lines.append(table("row (ms)", body))
     if external:
         rat = ratios(result, external)
-        t = head.format("ratio")
-        for key in rat[tokens[0]]:
-            t += f"| {key} | " + " | ".join(_fmt(rat[m][key], digits=2) for m in tokens) + " |\n"
-        lines.append(t)
-    t = head.format("fraction of the bandwidth bound")
+        lines.append(table("ratio", [[key, *(_fmt(rat[m][key], digits=2) for m in tokens)] for key in rat[tokens[0]]]))
+    body = []
     for p in dict.fromkeys(r["path"] for r in result["rows"] if "bound_fraction" in r):
-        vals = (_fmt((mine.get((p, m)) or {}).get("bound_fraction"), True) for m in tokens)
-        t += f"| `{p}` | " + " | ".join(vals) + " |\n"
+        body.append([f"`{p}`", *(_fmt((mine.get((p, m)) or {}).get("bound_fraction"), True) for m in tokens)])
     if external:
         anc = _by(external.get("rows", []))
         for p in ("tk_mxfp4", TK, *FORMAT_EXTERNAL_ROWS["mxfp4"][:2], *FORMAT_EXTERNAL_ROWS["nvfp4"]):
@@ -345,13 +345,14 @@ def markdown(result: dict, external: dict | None = None) -> str:
             for m in tokens:
                 f, g = (anc.get((floor_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
                 vals.append(_fmt(f / g if f and g else None, True))
-            t += f"| `{p}` (external) | " + " | ".join(vals) + " |\n"
-    lines.append(t)
+            body.append([f"`{p}` (external)", *vals])
+    lines.append(table("fraction of the bandwidth bound", body))
     if external:
-        t = "| target | worst | holds |\n|---|---:|---|\n"
-        for c in speed_targets(ratios(result, external), result):
-            t += f"| {c['target']} | {_fmt(c['worst'], digits=2)} | {'yes' if c['holds'] else 'no'} |\n"
-        lines.append(t)
+        body = [
+            [c["target"], _fmt(c["worst"], digits=2), "yes" if c["holds"] else "no"]
+            for c in speed_targets(ratios(result, external), result)
+        ]
+        lines.append("\n".join(markdown_table(["target", "worst", "holds"], body, "<><")) + "\n")
     return "\n".join(lines)
 
 

@@ -75,6 +75,7 @@ from ..models.qwen3 import (
 from ..moe.base import BACKENDS, TritonExperts
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.schemes import get_moe_scheme
+from ..text_table import markdown_table
 from ._common import capture
 
 __all__ = [
@@ -515,15 +516,9 @@ def markdown(result: dict) -> str:
     ]
 
     def table(title, cell):
-        out = [
-            f"**{title}**",
-            "",
-            "| path | " + " | ".join(f"M = {m}" for m in tokens) + " |",
-            "|---|" + "---|" * len(tokens),
-        ]
-        for p in paths:
-            out.append(f"| {p} | " + " | ".join(cell(at[(p, m)]) if (p, m) in at else "-" for m in tokens) + " |")
-        return out + [""]
+        header = ["path", *(f"M = {m}" for m in tokens)]
+        body = [[p, *(cell(at[(p, m)]) if (p, m) in at else "-" for m in tokens)] for p in paths]
+        return [f"**{title}**", "", *markdown_table(header, body), ""]
 
     timed = "CUDA-graph replay" if any(r.get("graph_ms") is not None for r in rows) else "eager (no graph)"
     lines += table(f"ms per forward ({timed}), ratio to bf16", lambda r: f"{r['ms']:.3f} ({r['ratio_to_bf16']:.2f}x)")

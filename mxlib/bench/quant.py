@@ -13,6 +13,7 @@ from .. import kernels as K
 from .._checks import check_global_scale
 from ..formats import ELEMENT_FORMATS, MX_BLOCK_SIZE, NVFP4, NVFP4_SCALE_DIVISOR
 from ..kernels import _bridge
+from ..text_table import text_table
 from ._common import copy_bandwidth, env, median_ms
 
 __all__ = ["copy_bandwidth", "bench_quant", "sweep_quant", "print_quant"]
@@ -120,9 +121,10 @@ def print_quant(res: dict) -> None:
     e = res["env"]
     print(f"# {e['device']}  torch {e['torch']}  triton {e['triton']}  {e['date']}")
     print(f"# copy bandwidth (read + write): {res['copy_gbs']:.0f} GB/s; input bf16 {res['shape']}")
-    print(f"{'kernel':30s} {'format':6s} {'MB moved':>9s} {'ms':>8s} {'GB/s':>7s} {'of copy':>8s}")
-    for r in res["results"]:
-        print(
-            f"{r['kernel']:30s} {r['format']:6s} {r['mbytes']:9.0f} {r['ms']:8.3f} {r['gbs']:7.0f} "
-            f"{r['frac_copy']:8.1%}"
-        )
+    cells = [
+        (r["kernel"], r["format"], f"{r['mbytes']:.0f}", f"{r['ms']:.3f}", f"{r['gbs']:.0f}", f"{r['frac_copy']:.1%}")
+        for r in res["results"]
+    ]
+    header = ("kernel", "format", "MB moved", "ms", "GB/s", "of copy")
+    for line in text_table(header, cells, widths=(30, 6, 9, 8, 7, 8), align="<<>>>>", grow=False):
+        print(line)

@@ -28,8 +28,8 @@ The face of the package, one subject a module:
 ``layouts/`` holds one module per producer layout (``mxlib.checkpoints.layouts``: ``modelopt_nvfp4``,
 ``modelopt_mxfp8``, ``quark_ocp_mx``, ``compressed_tensors_nvfp4``, ``compressed_tensors_mxfp4``,
 ``compressed_tensors_mxfp8``, ``gpt_oss_mxfp4``), registered in ``LAYOUTS`` when that package is imported.
-``files/`` holds the file handling (``mxlib.checkpoints.files``: ``untrusted``, ``headers``, ``safetensors_io``,
-``atomic_write``).
+``files/`` holds the file handling (``mxlib.checkpoints.files``: ``untrusted``, ``headers``, ``folder``,
+``safetensors_io``, ``atomic_write``).
 
 The public names below load on first use (PEP 562), so that importing ``mxlib.checkpoints.files.untrusted`` (the
 command line's checks before torch is imported) imports no torch.

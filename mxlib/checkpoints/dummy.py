@@ -44,7 +44,8 @@ from ..recovery import RECOVERY_CONFIG_KEY, WeightTechnique, get_technique
 from ..recovery.base import technique_global_scale_kw
 from .bounds import model_config
 from .files import untrusted
-from .files.headers import open_regular, read_json
+from .files.folder import CheckpointFolder
+from .files.headers import open_regular
 from .files.safetensors_io import SHARD_BYTES, atomic_folder, write_shards
 from .files.untrusted import MAX_DUMMY_LAYERS, model_bytes
 from .inspect import config_description
@@ -109,9 +110,11 @@ def dummy_config(
     num_hidden_layers: int | None = None,
     model_preset: str | None = None,
     overrides: dict | None = None,
+    source: dict | None = None,
 ) -> tuple[Path, dict, dict, dict]:
-    """``mxlib.checkpoints.files.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field."""
-    return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError)
+    """``mxlib.checkpoints.files.untrusted.dummy_config`` with ``CheckpointError`` for a refused file or field
+    (``source``: ``config.json``'s dict when the caller has read it, as there)."""
+    return untrusted.dummy_config(config_dir, num_hidden_layers, model_preset, overrides, CheckpointError, source)
 
 
 def _linear_modules(model, family: MoEFamily) -> list[str]:
@@ -159,12 +162,12 @@ def dummy_quantization(
         ValueError: an unknown ``scheme`` or ``layout``; a layout that does not store the scheme; a
             ``scheme`` or ``layout`` other than the quantized config's own.
     """
-    config_dir = Path(config_dir)
-    check_supported_checkpoint(config_dir, "dummy_quantization", read_json, CheckpointError)
+    config_dir = CheckpointFolder.of(config_dir)  # each config file read once
+    check_supported_checkpoint(config_dir, "dummy_quantization", config_dir.read_json, CheckpointError)
     cfg_path = config_dir / "config.json"
     if not (cfg_path.exists() or cfg_path.is_symlink()):
         raise CheckpointError(f"config_dir: {config_dir} has no config.json")
-    quantized = read_json(cfg_path, "a transformers model config").get("quantization_config") is not None or any(
+    quantized = config_dir.config().get("quantization_config") is not None or any(
         lay.read_legacy(config_dir) is not None for lay in LAYOUTS.values()
     )
     if quantized:
@@ -251,8 +254,10 @@ def dummy_checkpoint_from_config(
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``; a
             ``scheme`` or ``layout`` ``dummy_quantization`` refuses.
     """
-    config_dir = Path(config_dir)
-    family = check_supported_checkpoint(config_dir, "dummy_checkpoint_from_config", read_json, CheckpointError)
+    config_dir = CheckpointFolder(config_dir)  # each config file read once, whatever the steps reading it
+    family = check_supported_checkpoint(
+        config_dir, "dummy_checkpoint_from_config", config_dir.read_json, CheckpointError
+    )
     info, files = dummy_quantization(config_dir, scheme, layout)
     layout = LAYOUTS[info.format]
     scheme = info.scheme
@@ -260,7 +265,9 @@ def dummy_checkpoint_from_config(
     needs_hessians = technique_needs_hessians(technique)
     named = technique
     technique = None if technique is None or needs_hessians else get_technique(technique)
-    cfg_path, source, changes, cfg_dict = dummy_config(config_dir, num_hidden_layers, model_preset, overrides)
+    cfg_path, source, changes, cfg_dict = dummy_config(
+        config_dir, num_hidden_layers, model_preset, overrides, source=config_dir.config()
+    )
     config = model_config(cfg_dict, cfg_path, family)
 
     model = dummy_moe_model(config, seed=seed, expert_spread=expert_spread, where="dummy_checkpoint_from_config")

@@ -43,14 +43,15 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..models.families import QWEN3_MOE, MoEFamily, check_supported_model, config_value, family_of
 from ..moe.scales import SCALE_STRATEGIES
+from ..text_table import text_table
 from .bounds import check_model_config, check_scale_strategy
-from .files.headers import describe_unused, folder_identity, read_json
+from .files.folder import CheckpointFolder
+from .files.headers import describe_unused, folder_identity
 from .files.safetensors_io import SafetensorsHeaders
 from .inspect_loss import NVFP4_FLUSH_RATIO, NVFP4_SUBNORMAL_RATIO, predicted_db_lost, strategy_rows
 from .inspect_tables import expert_scales, layer_rows, module_tables
@@ -75,14 +76,16 @@ _QUANTIZED_DTYPES = ("U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
 SCALE_SUFFIXES = ("input_scale", "weight_scale_2", "global_scale")
 
 
-def config_description(folder: Path) -> CheckpointDescription:
+def config_description(folder: str | os.PathLike) -> CheckpointDescription:
     """The steps of ``loader.read_quant_config`` without its message prefixes: ``config.json``'s
     ``quantization_config`` (a regular file of at most ``MAX_JSON_BYTES``, read with ``read_json``),
     else a layout's legacy file, parsed by the layout of its ``quant_method``. Raises the layout
     parser's ``CheckpointError`` unchanged (the inspector reports its message as a problem; the dummy
-    builder raises it), and a ``CheckpointError`` naming the field for a config of the wrong JSON types."""
+    builder raises it), and a ``CheckpointError`` naming the field for a config of the wrong JSON types.
+    ``folder`` may be a ``files.folder.CheckpointFolder``, whose files are then not read again."""
+    folder = CheckpointFolder.of(folder)
     cfg_path = folder / "config.json"
-    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
+    qc = folder.config().get("quantization_config")
     if qc is None:
         qc = next((q for q in (lay.read_legacy(folder) for lay in LAYOUTS.values()) if q is not None), None)
     if qc is None:
@@ -178,11 +181,18 @@ class InspectReport:
             out.append(f"  problem: {p}")
         if self.precision_groups:
             out.append("precision groups (share of the checkpoint's bytes)")
-            for r in self.precision_groups:
-                out.append(
-                    f"  {r['group']:<22s} {r['scheme'] or 'bf16':<18s} {r['layout'] or '-':<26s} "
-                    f"{r['modules']:>6d} modules {r['bytes']:>14d} bytes {100 * r['share']:>6.2f}%"
+            cells = [
+                (
+                    r["group"],
+                    r["scheme"] or "bf16",
+                    r["layout"] or "-",
+                    f"{r['modules']:>6d} modules",
+                    f"{r['bytes']:>14d} bytes",
+                    f"{100 * r['share']:>6.2f}%",
                 )
+                for r in self.precision_groups
+            ]
+            out += text_table(None, cells, widths=(22, 18, 26, 0, 0, 0), indent="  ", grow=False)
         if self.weight_global_scales:
             w = self.weight_global_scales
             out.append(
@@ -192,19 +202,27 @@ class InspectReport:
         if self.activation_scales:
             out.append("")
             out.append("activation input scales per expert (decode scales; ratio = max / min of the calibrated)")
-            out.append(
-                f"{'layer':>5s} {'point':>5s} {'experts':>7s} {'uncal':>5s} {'min':>10s} {'max':>10s} "
-                f"{'ratio':>9s} {'shared':>6s} {'gate!=up':>8s}"
-            )
-            for r in self.activation_scales:
-                mn = f"{r['min']:.4g}" if r["min"] is not None else "-"
-                mx = f"{r['max']:.4g}" if r["max"] is not None else "-"
-                ratio = f"{r['ratio']:.4g}" if r["ratio"] is not None else "-"
-                gu = "" if r.get("gate_up_differ") is None else str(r["gate_up_differ"])
-                out.append(
-                    f"{r['layer']:>5d} {r['point']:>5s} {r['experts']:>7d} {len(r['uncalibrated']):>5d} "
-                    f"{mn:>10s} {mx:>10s} {ratio:>9s} {'yes' if r['shared'] else 'no':>6s} {gu:>8s}"
+            cells = [
+                (
+                    str(r["layer"]),
+                    r["point"],
+                    str(r["experts"]),
+                    str(len(r["uncalibrated"])),
+                    f"{r['min']:.4g}" if r["min"] is not None else "-",
+                    f"{r['max']:.4g}" if r["max"] is not None else "-",
+                    f"{r['ratio']:.4g}" if r["ratio"] is not None else "-",
+                    "yes" if r["shared"] else "no",
+                    "" if r.get("gate_up_differ") is None else str(r["gate_up_differ"]),
                 )
+                for r in self.activation_scales
+            ]
+            out += text_table(
+                ("layer", "point", "experts", "uncal", "min", "max", "ratio", "shared", "gate!=up"),
+                cells,
+                widths=(5, 5, 7, 5, 10, 10, 9, 6, 8),
+                align=">" * 9,
+                grow=False,
+            )
         if self.strategies:
             out.append("")
             out.append(
@@ -212,17 +230,29 @@ class InspectReport:
                 f"{NVFP4_SUBNORMAL_RATIO:.3g}; flushed: r < 2^-10/448 = {NVFP4_FLUSH_RATIO:.3g}; "
                 f"clipped: r > 1; dB from a Gaussian-expert model)"
             )
-            out.append(
-                f"{'point':>5s} {'strategy':>10s} {'experts':>7s} {'clipped':>7s} {'subnorm':>7s} "
-                f"{'flushed':>7s} {'mean dB':>8s} {'worst dB':>8s}  worst (layer, expert)"
-            )
-            for r in self.strategies:
-                worst = "-" if r["worst"] is None else f"({r['worst'][0]}, {r['worst'][1]})"
-                out.append(
-                    f"{r['point']:>5s} {r['strategy']:>10s} {r['experts']:>7d} {r['clipped']:>7d} "
-                    f"{r['subnormal']:>7d} {r['flushed']:>7d} {r['mean_db_lost']:>8.2f} "
-                    f"{r['worst_db_lost']:>8.2f}  {worst}"
+            cells = [
+                (
+                    r["point"],
+                    r["strategy"],
+                    str(r["experts"]),
+                    str(r["clipped"]),
+                    str(r["subnormal"]),
+                    str(r["flushed"]),
+                    f"{r['mean_db_lost']:.2f}",
+                    f"{r['worst_db_lost']:.2f}",
+                    "-" if r["worst"] is None else f"({r['worst'][0]}, {r['worst'][1]})",
                 )
+                for r in self.strategies
+            ]
+            out += text_table(
+                ("point", "strategy", "experts", "clipped", "subnorm", "flushed", "mean dB", "worst dB")
+                + ("worst (layer, expert)",),
+                cells,
+                widths=(5, 10, 7, 7, 7, 7, 8, 8, 0),
+                align=">" * 8 + "<",
+                sep=(" ",) * 7 + ("  ",),
+                grow=False,
+            )
         for n in self.notes:
             out.append(f"note: {n}")
         out.append(
@@ -232,12 +262,12 @@ class InspectReport:
         return "\n".join(out)
 
 
-def _producer(folder: Path, qc: dict | None) -> str | None:
+def _producer(folder: CheckpointFolder, qc: dict | None) -> str | None:
     qc = qc if isinstance(qc, dict) else {}
     prod = qc.get("producer")
     if prod is None and (folder / "hf_quant_config.json").exists():
         try:
-            prod = read_json(folder / "hf_quant_config.json").get("producer")
+            prod = folder.json("hf_quant_config.json").get("producer")
         except CheckpointError:
             prod = None
     if isinstance(prod, dict):
@@ -280,7 +310,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
         ValueError: an unknown strategy (the argument, not the checkpoint).
     """
     t0 = time.perf_counter()
-    folder = Path(path)
+    folder = CheckpointFolder(path)  # each config file read once, whatever the steps reading it
     bad = [s for s in strategies if s not in SCALE_STRATEGIES]
     if bad:
         raise ValueError(f"strategies: expected names from {list(SCALE_STRATEGIES)}, got {bad}")
@@ -289,7 +319,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     cfg_path = folder / "config.json"
     try:
         since = folder_identity(folder)  # what is read below must come from this folder (SafetensorsHeaders)
-        cfg = read_json(cfg_path, "a transformers model config")
+        cfg = folder.config()
     except CheckpointError as err:
         problems.append(f"config: {err}")
         return _done(report, t0)
@@ -297,7 +327,7 @@ def inspect_checkpoint(path: str | os.PathLike, strategies=SCALE_STRATEGIES) -> 
     for name in dict.fromkeys((*(f for lay in LAYOUTS.values() for f in lay.legacy_files), "generation_config.json")):
         if (folder / name).exists() or (folder / name).is_symlink():
             try:  # the loader reads these (a loaded model's save copies them): the same checks
-                read_json(folder / name)
+                folder.json(name)
             except CheckpointError as err:
                 problems.append(f"config: {err}")
     report.producer = _producer(folder, qc)

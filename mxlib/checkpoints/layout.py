@@ -10,7 +10,8 @@ A layout is an instance of a ``CheckpointLayout`` subclass. It must have:
 * ``config_files(scheme, quantize_attention) -> (quantization_config, {extra file name: dict})``;
 * ``read_config(qc) -> CheckpointDescription`` (raises ``CheckpointError`` naming the field);
 * ``read_legacy(folder) -> dict | None``: a ``quantization_config`` from files other than
-  ``config.json`` (ModelOpt's ``hf_quant_config.json``), or None;
+  ``config.json`` (ModelOpt's ``hf_quant_config.json``), or None; ``folder`` is a path, in a load a
+  ``files.folder.CheckpointFolder`` (``CheckpointFolder.of(folder).json(name)`` reads a file once per load);
 * ``expert_tensors(scheme, weights, w13_input_scale, w2_input_scale, prefix) -> {name: tensor}``
   (input scales in the layout's stored convention, the one ``read_experts`` returns, so that
   ``expert_tensors`` of what ``read_experts`` read gives back the stored tensors);
@@ -162,7 +163,8 @@ class CheckpointLayout(abc.ABC):
 
     @abc.abstractmethod
     def read_legacy(self, folder: Path) -> dict | None:
-        """A ``quantization_config`` from files other than ``config.json``, or None."""
+        """A ``quantization_config`` from files other than ``config.json``, or None (``folder``: a path or a
+        ``files.folder.CheckpointFolder``, module docstring)."""
 
     @abc.abstractmethod
     def expert_tensors(

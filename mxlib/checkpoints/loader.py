@@ -17,7 +17,6 @@ import logging
 import os
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -31,8 +30,9 @@ from ..recovery import RECOVERY_CONFIG_KEY
 from ..recovery.gate_up import check_gate_up_mode, reconcile_gate_up
 from ..recovery.hadamard import rotation_from_config
 from .bounds import check_model_config, check_model_fields, check_scale_strategy
+from .files.folder import CheckpointFolder
 from .files.headers import UnusedTensorsWarning, describe_unused, folder_identity
-from .files.safetensors_io import SafetensorsHeaders, TensorReader, read_json
+from .files.safetensors_io import SafetensorsHeaders, TensorReader
 from .layout import PROJS, CheckpointDescription, CheckpointError, check_exclude_patterns, matches
 from .layouts import LAYOUTS, layout_for_method  # the registry with mxlib's layouts registered
 from .precision import experts_description, module_classes, module_description
@@ -48,6 +48,7 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
 
     Reads ``config.json``'s ``quantization_config`` (or, without one, a layout's legacy file such
     as ModelOpt's ``hf_quant_config.json``) and hands it to the layout of its ``quant_method``.
+    ``folder`` may be a ``files.folder.CheckpointFolder``, whose files are then not read again.
 
     Returns:
         ``CheckpointDescription`` (``format``, ``scheme``, ``exclude``, ``activation_scale_mode``;
@@ -58,11 +59,11 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
             the emulation cannot honour; the message names the file, the field, the value found
             and what is supported.
     """
-    folder = Path(folder)
+    folder = CheckpointFolder.of(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: config.json not found")
-    qc = read_json(cfg_path, "a transformers model config").get("quantization_config")
+    qc = folder.config().get("quantization_config")
     source = cfg_path
     if qc is None:
         for lay in LAYOUTS.values():
@@ -94,9 +95,9 @@ def read_quant_config(folder: str | os.PathLike) -> CheckpointDescription:
     return info
 
 
-def _read_model_config(cfg_path: Path) -> dict:
-    cfg = read_json(cfg_path, "a transformers model config")
-    check_model_fields(cfg, cfg_path)
+def _read_model_config(folder: CheckpointFolder) -> dict:
+    cfg = folder.config()
+    check_model_fields(cfg, folder / "config.json")
     return cfg
 
 
@@ -198,13 +199,13 @@ def load_quantized_moe(
         raise TypeError(
             f"activation_dtype: expected one of {[str(d) for d in ACTIVATION_DTYPES]}, got {activation_dtype!r}"
         )
-    folder = Path(path)
+    folder = CheckpointFolder(path)  # each config file read once, whatever the steps reading it
     since = folder_identity(folder)  # every file read below must come from this folder (SafetensorsHeaders)
-    family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
+    family = check_supported_checkpoint(folder, where, folder.read_json, CheckpointError)
     info = read_quant_config(folder)
     check_scale_strategy(scale_strategy, info.scheme)
     cfg_path = folder / "config.json"
-    cfg_dict = _read_model_config(cfg_path)
+    cfg_dict = _read_model_config(folder)
     qc = cfg_dict.pop("quantization_config", None)
     ckpt_layers = cfg_dict["num_hidden_layers"]
     if num_hidden_layers is not None:

@@ -65,7 +65,7 @@ from ..moe.emulation import ExpertWeights, QuantizedExperts
 from ..moe.factory import make_emulated_linear, make_emulation_experts
 from ..moe.linear import EmulatedLinear, LinearWeights
 from ..moe.schemes import MoEQuantScheme
-from .files.headers import MAX_JSON_BYTES, open_regular, read_json
+from .files.folder import CheckpointFolder
 from .files.safetensors_io import (
     SAFETENSORS_DTYPES,
     SHARD_BYTES,
@@ -120,16 +120,15 @@ def read_checkpoint_source(
     """The ``CheckpointSource`` of a checkpoint folder: its ``quantization_config`` as stored, the
     layout's legacy config files and ``generation_config.json`` (text, regular files of at most
     ``MAX_JSON_BYTES``), every tensor's dtype and shape from the safetensors headers (``headers``, read
-    when not given; no data read)."""
-    folder = Path(folder)
-    cfg = read_json(folder / "config.json", "a transformers model config")
+    when not given; no data read). ``folder`` may be a ``files.folder.CheckpointFolder``, whose files are then
+    not read again."""
+    folder = CheckpointFolder.of(folder)
+    cfg = folder.config()
     layout = LAYOUTS[description.format]
     files = {}
     for n in (*layout.legacy_files, *_COPIED_FILES):
         if (folder / n).exists():
-            read_json(folder / n)  # a regular file, bounded, a JSON object
-            with open_regular(folder / n) as f:
-                files[n] = f.read(MAX_JSON_BYTES).decode("utf-8")
+            files[n] = folder.text(n)  # a regular file, bounded, a JSON object, kept as its text
     if headers is None:
         headers = SafetensorsHeaders(folder)
         headers.close()  # the headers are all that is read here

@@ -67,7 +67,8 @@ from ..recovery.base import technique_global_scale_kw
 from .bounds import check_model_config
 from .dummy import copy_model_files
 from .files.atomic_write import atomic_folder
-from .files.headers import SafetensorsHeaders, read_json
+from .files.folder import CheckpointFolder
+from .files.headers import SafetensorsHeaders
 from .files.safetensors_io import SHARD_BYTES, HeaderTensorReader, ShardWriter, TensorReader
 from .layout import CheckpointError
 from .writer import resolve_layout, stored_config, unquantized_modules, write_config_files, write_layer_experts
@@ -177,7 +178,10 @@ def read_source(src: str | os.PathLike, where: str = "quantize_checkpoint"):
             mxlib does not quantize (naming its class and the supported ones); a quantized checkpoint
             (``quantization_config``); no safetensors files; a missing tensor, or one of another dtype or
             shape (naming the tensor and its file).
+
+    ``src`` may be a ``files.folder.CheckpointFolder``, whose ``config.json`` is then not read again.
     """
+    config_files = CheckpointFolder.of(src)  # config.json read once
     folder = Path(src)
     if not folder.exists():
         raise CheckpointError(f"{where}: src: {str(folder)!r} does not exist; expected a checkpoint folder")
@@ -189,9 +193,9 @@ def read_source(src: str | os.PathLike, where: str = "quantize_checkpoint"):
             f"{where}: src: {str(folder)!r} has no config.json; expected a checkpoint folder as transformers' "
             f"save_pretrained writes it"
         )
-    family = check_supported_checkpoint(folder, where, read_json, CheckpointError)
+    family = check_supported_checkpoint(folder, where, config_files.read_json, CheckpointError)
     try:
-        cfg = read_json(cfg_path, "a transformers model config")
+        cfg = config_files.config()
         if cfg.get("quantization_config") is not None:
             qc = cfg["quantization_config"]
             method = qc.get("quant_method") if isinstance(qc, dict) else None
@@ -388,8 +392,9 @@ def check_quantization(
 ) -> QuantizePlan:
     """Every check of ``quantize_checkpoint`` (same arguments and errors), before any tensor is read or any
     file written; calibration text is tokenized here. ``where``: the entry a refusal of ``src`` names."""
-    family, config, headers = read_source(src, where)
-    src_cfg = read_json(Path(src) / "config.json", "a transformers model config")  # written back as it is
+    src_folder = CheckpointFolder(src)  # config.json read once
+    family, config, headers = read_source(src_folder, where)
+    src_cfg = src_folder.config()  # written back as it is
     scheme = get_moe_scheme(scheme)
     layout_obj = resolve_layout(family, scheme, layout)
     if isinstance(technique, str) and "gptq" in technique.split("+"):

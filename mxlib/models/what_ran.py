@@ -41,6 +41,7 @@ from ..moe import emulation as _emulation
 from ..moe.base import TransformersExperts, TritonExperts, resolve_backend
 from ..moe.linear import EmulatedLinear
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
+from ..text_table import text_table
 from .families import family_of
 
 __all__ = ["RanRow", "WhatRan", "RanMismatch", "what_ran", "assert_runs_as", "QDQ_FUNCTIONS"]
@@ -152,9 +153,8 @@ class WhatRan:
             )
             for r in self.rows
         ]
-        widths = [max(w, *(len(c[i]) for c in cells)) if cells else w for i, (_, w) in enumerate(_COLUMNS)]
-        lines = ["  ".join(name.ljust(w) for (name, _), w in zip(_COLUMNS, widths)).rstrip()]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip() for c in cells]
+        names, widths = zip(*_COLUMNS)
+        lines = text_table(names, cells, widths=widths, sep="  ", rstrip=True)
         where = {(r.a1_where, r.a2_where) for r in self.rows}
         lines.append(
             "a1 / a2: QDQ passes of each activation row in one forward ("

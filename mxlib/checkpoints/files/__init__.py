@@ -7,6 +7,8 @@ module              what it holds
                     only, bounded reads, checked config fields), so that the command line checks them before
                     anything heavy is imported
 ``headers``         the checked index and safetensors headers, one reader for the loader and the inspector
+``folder``          ``CheckpointFolder``: a checkpoint folder whose JSON config files are each read once per
+                    load, handed to every step of the loader, the inspector and the writers that read a folder
 ``safetensors_io``  safetensors shards written (``ShardWriter``) and read (``TensorReader``)
 ``atomic_write``    the atomic folder write every checkpoint writer goes through (``atomic_folder``) and its
                     crash points

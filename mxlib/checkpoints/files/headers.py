@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import stat
 from pathlib import Path
 
 import torch
@@ -175,14 +174,7 @@ def folder_identity(folder: str | os.PathLike) -> tuple[int, int]:
 
 
 def _check_regular(path: Path, what: str) -> None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} not found") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: {what} cannot be read ({err.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {what}: expected a regular file, found {untrusted.file_kind(st.st_mode)}")
+    untrusted.check_regular(path, CheckpointError, what)
 
 
 def read_weight_map(folder: Path) -> dict[str, str] | None:

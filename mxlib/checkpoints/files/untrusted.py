@@ -1,6 +1,8 @@
 """Files of a checkpoint or config folder read as untrusted input, with the standard library only (no
 torch import: the command line checks its options with these before anything heavy is imported).
 
+* ``check_regular(path, error, what)``: ``stat`` says a regular file (links followed), else a refusal naming
+  the file and what it is;
 * ``open_regular(path, error)``: opened only when ``stat`` says it is a regular file (a FIFO, a device, a
   socket or a folder is refused before ``open``; the open itself is non-blocking and checked again with
   ``fstat``, so a FIFO swapped in between cannot block). Symlinks are followed (the Hugging Face cache is
@@ -31,8 +33,10 @@ __all__ = [
     "MODEL_INT_FIELDS",
     "MAX_DUMMY_LAYERS",
     "file_kind",
+    "check_regular",
     "open_regular",
     "read_json",
+    "read_json_and_text",
     "check_model_fields",
     "model_bytes",
     "dummy_config",
@@ -54,6 +58,25 @@ def file_kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
+def check_regular(path: str | os.PathLike, error=ValueError, what: str | None = None) -> os.stat_result:
+    """``os.stat(path)`` (links followed) of a regular file; ``what`` (``"the safetensors file"``) names the file
+    in the message after its path.
+
+    Raises:
+        error: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
+    """
+    named, kind = (f"{path}: {what} ", f"{path}: {what}: ") if what else (f"{path}: ", f"{path}: ")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{named}not found") from None
+    except OSError as err:
+        raise error(f"{named}cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{kind}expected a regular file, found {file_kind(st.st_mode)}")
+    return st
+
+
 def open_regular(path: str | os.PathLike, error=ValueError):
     """``path`` opened for reading in binary, only if it is a regular file (module docstring); ``opener``
     replaces ``open_regular`` (tests record reads through it).
@@ -62,14 +85,7 @@ def open_regular(path: str | os.PathLike, error=ValueError):
         error: ``path`` absent, unreadable (permissions), or not a regular file (naming what it is).
     """
     path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise error(f"{path}: not found") from None
-    except OSError as err:
-        raise error(f"{path}: cannot be read ({err.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise error(f"{path}: expected a regular file, found {file_kind(st.st_mode)}")
+    check_regular(path, error)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
@@ -91,6 +107,18 @@ def read_json(
         error: naming the file: absent, not a regular file, larger than ``limit``, not UTF-8,
             not JSON, or not an object.
     """
+    return read_json_and_text(path, what, limit, error, opener)[0]
+
+
+def read_json_and_text(
+    path: str | os.PathLike, what: str | None = None, limit: int = MAX_JSON_BYTES, error=ValueError, opener=None
+) -> tuple[dict, str]:
+    """``read_json`` and the file's text it parsed, from one open (a writer copying a config file as it is
+    stores the text; the dict says it is a bounded JSON object).
+
+    Raises:
+        error: as ``read_json``.
+    """
     path = Path(path)
     with (opener or (lambda p: open_regular(p, error)))(path) as f:
         try:  # the file's size, not limit + 1 (a read of n bytes allocates n at once)
@@ -103,14 +131,15 @@ def read_json(
     if len(data) > limit:
         raise error(f"{path}: larger than {limit} bytes; expected a JSON config file")
     try:
-        value = json.loads(data.decode("utf-8"))
+        text = data.decode("utf-8")
+        value = json.loads(text)
     except UnicodeDecodeError as err:
         raise error(f"{path}: cannot be read as JSON (not UTF-8: {err.reason} at byte {err.start})") from None
     except (ValueError, RecursionError) as err:
         raise error(f"{path}: cannot be read as JSON ({str(err)[:200]})") from None
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object{' (' + what + ')' if what else ''}, found {type(value).__name__}")
-    return value
+    return value, text
 
 
 # config.json fields a Qwen3-MoE needs, all positive ints (transformers 5 writes num_experts as num_local_experts);
@@ -225,6 +254,7 @@ def dummy_config(
     model_preset: str | None = None,
     overrides: dict | None = None,
     error=ValueError,
+    source: dict | None = None,
 ) -> tuple[Path, dict, dict, dict]:
     """The config ``dummy_checkpoint_from_config`` builds, checked with the loader's rules before anything
     is built: ``(config.json path, its dict as read, the changes applied, the resulting dict)``.
@@ -236,13 +266,16 @@ def dummy_config(
     multiple of the key-value heads (``bounds.check_model_fields``); ``num_hidden_layers`` at most
     ``MAX_DUMMY_LAYERS``; the model's bf16 bytes (``model_bytes``) at most this machine's memory.
 
+    ``source``: ``config.json``'s dict when the caller has read it already (read here when None; not changed).
+
     Raises:
         error: ``config.json`` missing, not a regular file or not a JSON object; a field breaking
             a rule (naming ``config.json`` or ``overrides`` and the field).
         ValueError: ``num_hidden_layers`` not in ``1..config's``; an unknown ``model_preset``.
     """
     cfg_path = Path(config_dir) / "config.json"
-    source = read_json(cfg_path, "a transformers model config", error=error)
+    if source is None:
+        source = read_json(cfg_path, "a transformers model config", error=error)
     cfg_dict = dict(source)
     total = cfg_dict.get("num_hidden_layers")
     if num_hidden_layers is not None:

@@ -43,13 +43,31 @@ from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
 from ..layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
 
-__all__ = ["LAYOUT", "FORMAT", "CompressedTensorsMxLayout"]
+__all__ = ["LAYOUT", "FORMAT", "CompressedTensorsMxLayout", "quantization_config"]
 
 FORMAT = "mxfp4-pack-quantized"
 _MXFP4 = BLOCK_SCHEMES["mxfp4"]
 _EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
 _EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
 _SCALE_DTYPE = "torch.uint8"
+
+
+def quantization_config(quant_method: str, fmt: str, group: dict, quantize_attention: bool) -> dict:
+    """The ``quantization_config`` mxlib writes for a compressed-tensors layout (this one, MXFP8's and NVFP4's):
+    one config group ``group_0`` (``group``) in format ``fmt``, attention (unless ``quantize_attention``), the
+    routers and ``lm_head`` in ``ignore``."""
+    return {
+        "quant_method": quant_method,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+        "version": "mxlib-dummy",
+    }
 
 
 class CompressedTensorsMxLayout(CheckpointLayout):
@@ -105,19 +123,7 @@ class CompressedTensorsMxLayout(CheckpointLayout):
             "input_activations": None if scheme.weight_only else self._args(dynamic=True),
             "output_activations": None,
         }
-        qc = {
-            "quant_method": self.quant_method,
-            "format": self.format,
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": group},
-            "ignore": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
-            "kv_cache_scheme": None,
-            "sparsity_config": {},
-            "transform_config": {},
-            "global_compression_ratio": None,
-            "version": "mxlib-dummy",
-        }
-        return qc, {}
+        return quantization_config(self.quant_method, self.format, group, quantize_attention), {}
 
     def read_legacy(self, folder: Path) -> dict | None:
         return None

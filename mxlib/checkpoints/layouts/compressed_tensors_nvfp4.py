@@ -58,8 +58,6 @@ from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
 __all__ = ["LAYOUT", "quantize_nvfp4_encode"]
 
 _FORMAT = "nvfp4-pack-quantized"
-_EXCLUDE = ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"]
-_EXCLUDE_ATTENTION_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]
 _GROUP = {
     "num_bits": NVFP4.element.nbits,
     "type": "float",
@@ -116,19 +114,7 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
             "input_activations": {**_GROUP, "dynamic": "local", "observer": "static_minmax"},
             "output_activations": None,
         }
-        qc = {
-            "quant_method": self.quant_method,
-            "format": _FORMAT,
-            "quantization_status": "compressed",
-            "config_groups": {"group_0": group},
-            "ignore": list(_EXCLUDE_ATTENTION_QUANTIZED if quantize_attention else _EXCLUDE),
-            "kv_cache_scheme": None,
-            "sparsity_config": {},
-            "transform_config": {},
-            "global_compression_ratio": None,
-            "version": "mxlib-dummy",
-        }
-        return qc, {}
+        return compressed_tensors_mxfp4.quantization_config(self.quant_method, _FORMAT, group, quantize_attention), {}
 
     def read_legacy(self, folder: Path) -> dict | None:
         return None

@@ -34,7 +34,7 @@ from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
 from .. import precision
-from ..files.safetensors_io import read_json
+from ..files.folder import CheckpointFolder
 from ..layout import (
     PROJS,
     CheckpointDescription,
@@ -96,11 +96,12 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         }
         return qc, {_LEGACY_FILE: legacy}
 
-    def read_legacy(self, folder: Path) -> dict | None:
+    def read_legacy(self, folder: Path | CheckpointFolder) -> dict | None:
+        folder = CheckpointFolder.of(folder)  # a load's folder: its hf_quant_config.json read once
         path = folder / _LEGACY_FILE
         if not path.exists():
             return None
-        q = read_json(path).get("quantization") or {}
+        q = folder.json(_LEGACY_FILE).get("quantization") or {}
         if not isinstance(q, dict):
             raise CheckpointError(f"{path}: quantization: expected an object, found {type(q).__name__}")
         qc = {
