@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_notebook_settings import SHARED
 
 from _util import chromium_binary
 from test_notebooks import NOTEBOOK_PARAMS
@@ -168,7 +169,17 @@ def check_dom(dom: str) -> dict:
     return {"figures": len(figures), "html_tables": len(tables)}
 
 
-@pytest.mark.parametrize("notebook, params", RENDERED_NOTEBOOKS, ids=[nb for nb, _ in RENDERED_NOTEBOOKS])
+# a notebook whose execution tests/test_notebooks.py and tests/test_notebook_settings.py share renders in their group
+_GROUPS = {f"{stem}.ipynb": stem for stem in SHARED.values()}
+
+
+@pytest.mark.parametrize(
+    "notebook, params",
+    [
+        pytest.param(nb, params, id=nb, marks=[pytest.mark.xdist_group(_GROUPS[nb])] if nb in _GROUPS else [])
+        for nb, params in RENDERED_NOTEBOOKS
+    ],
+)
 def test_notebook_renders(notebook, params, executed_notebook, tmp_path):
     stem = Path(notebook).stem
     folder = executed_notebook(stem, params)
