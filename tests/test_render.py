@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_notebook_settings import SHARED
+from test_notebook_settings import SHARED, SUGGESTED
 
 from _util import chromium_binary
 from test_notebooks import NOTEBOOK_PARAMS
@@ -33,11 +33,11 @@ pytestmark = pytest.mark.notebook  # headless Chromium over executed notebooks
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# The notebooks whose rendering is tested, with the tiny parameters they run on here (those of
-# tests/test_notebooks.py where it runs the notebook too, so that one execution serves both). Add a
+# The notebooks whose rendering is tested, with the parameters they run on here (those of tests/test_notebooks.py,
+# and 00's defaults of tests/test_notebook_settings.py, so that one execution serves both). Add a
 # row per notebook; ``results_path="results.json"`` is added (relative to the execution's folder).
 RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
-    ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
+    ("00_first_principles.ipynb", SUGGESTED["00-defaults"][1]),  # its defaults: tests/test_notebook_settings.py's run
     ("01_end_to_end.ipynb", NOTEBOOK_PARAMS["01_end_to_end-nvfp4"]),
     ("04_scale_unification.ipynb", NOTEBOOK_PARAMS["04_scale_unification"]),
     ("02_microscaling_formats.ipynb", NOTEBOOK_PARAMS["02_microscaling_formats"]),
