@@ -51,6 +51,19 @@ def pytest_collection_modifyitems(config, items):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _kernel_threads() -> int | None:
+    """PyTorch's threads for a notebook's kernel under pytest-xdist: the cores shared among the workers (at least
+    one), or None outside xdist (PyTorch's own default). Each worker's kernel would otherwise start one OpenMP
+    thread per core, and kernels running side by side would spin on cores another kernel holds: on the 2-core
+    machine, notebook 06's quick run took 106 s of CPU time at two threads and 18 s at one, the same results to
+    the bit but the timings."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
 def _execute_notebook(name: str, params: dict, out_dir) -> None:
     """papermill ``notebooks/<name>.ipynb`` into ``out_dir/<name>.ipynb`` with ``params`` and
     ``results_path="results.json"`` (relative: the injected parameters hold no absolute path), the
@@ -71,6 +84,9 @@ def _execute_notebook(name: str, params: dict, out_dir) -> None:
         path = os.environ.get("PYTHONPATH", "")
         mp.setenv("PYTHONPATH", os.pathsep.join([ROOT] + [p for p in path.split(os.pathsep) if p]))
         mp.setenv("MXLIB_CACHE", str(out_dir / "checkpoints"))
+        threads = _kernel_threads()
+        if threads:
+            mp.setenv("OMP_NUM_THREADS", str(threads))
         # timeouts turn a stalled kernel into a failure instead of a hung test
         pm.execute_notebook(
             os.path.join(ROOT, "notebooks", f"{name}.ipynb"),

@@ -1,12 +1,12 @@
 """Every notebook through papermill at a size a test can afford, its results JSON read back.
 
-Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``); 06 on the
-trained model's ``test`` recipe (``mxlib.models.training.RECIPES``) with three schemes and two strategies, 07
-on the same recipe with every registered recovery technique and the dummy model at the tiny preset;
-02 on fewer rows of test data; 05 on its defaults (recorded benchmark results and a small numerics
-check) but for section 6's model, the ``tiny`` preset. Each run must pass the notebook's own checks
-cell, and the numbers it writes to ``results_path`` are checked again here: the notebooks' claims,
-restated for the tiny size where the size matters. ``make workbook`` runs the full-size defaults.
+Notebooks 01, 03 and 04 run on the ``tiny`` model preset (``mxlib.models.qwen3.MODEL_PRESETS``); 06 and 07 on
+the quick runs their prose suggests (the trained model's ``test`` recipe of ``mxlib.models.training.RECIPES``, two
+schemes, fewer prompts; 07 three recovery techniques and the dummy model at the tiny preset), the same executions
+that tests/test_notebook_settings.py runs as suggested settings; 02 on fewer rows of test data; 05 on its defaults
+(recorded benchmark results and a small numerics check) but for section 6's model, the ``tiny`` preset. Each run
+must pass the notebook's own checks cell, and the numbers it writes to ``results_path`` are checked again here: the
+notebooks' claims, restated for the tiny size where the size matters. ``make workbook`` runs the full-size defaults.
 
 The kernel is the ``python3`` kernel of this interpreter; it imports the checkout under test
 (``PYTHONPATH``) and writes its checkpoints into a temporary folder (``MXLIB_CACHE``). The injected
@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_notebook_settings import SHARED, SUGGESTED
 
 from mxlib.models import training as tr
 
@@ -62,41 +63,10 @@ NOTEBOOK_PARAMS: dict[str, dict] = {
         checkpoint_path="interop/llmc_nvfp4_experts/checkpoint",
     ),
     "05_fused_emulation_benchmark": dict(run_live="no", hw_model_preset="tiny", hw_tokens=16),
-    # the trained model's test recipe (reverse and count), two schemes of the twelve, two strategies
-    "06_what_fp4_costs": dict(
-        recipe="test",
-        schemes=["nvfp4", "w_mxfp4_a_mxfp4"],
-        strategies=["max", "per_expert", "per_token"],
-        eval_prompts=150,
-        calib_prompts=32,
-        resamples=200,
-        attribution_schemes=["nvfp4"],
-        attribution_tasks=["reverse", "count"],
-        attribution_dummy_preset="tiny",
-        attribution_dummy_layers=2,
-        attribution_dummy_tokens=32,
-    ),
-    # round-to-nearest, 4/6 and GPTQ under a rotation (so Hessians, a composition and an online transform) in
-    # one scheme of each weight format on the test recipe; the dummy model at the tiny preset (every technique
-    # has its own tests: tests/test_recovery_*.py)
-    "07_accuracy_recovery": dict(
-        recipe="test",
-        schemes=["nvfp4", "w_mxfp4_a_mxfp4"],
-        techniques="rtn,four_over_six,gptq+hadamard",
-        table_task="count",
-        eval_prompts=100,
-        calib_prompts=32,
-        resamples=200,
-        trap_tokens=64,
-        trap_channels=1024,
-        trap_out_features=64,
-        trap_draws=4,
-        dummy_preset="tiny",
-        dummy_layers=2,
-        dummy_experts=4,
-        dummy_tokens=32,
-        dummy_calib_tokens=64,
-    ),
+    # 06 and 07 run their quick runs, the settings their prose suggests (tests/test_notebook_settings.py): one
+    # execution serves both files and tests/test_render.py
+    "06_what_fp4_costs": SUGGESTED["06-quick"][1],
+    "07_accuracy_recovery": SUGGESTED["07-quick"][1],
 }
 
 
@@ -296,6 +266,7 @@ def test_05_fused_emulation_benchmark(executed_notebook):
     assert nv["logits"]["max_abs_diff"] > 0.0
 
 
+@pytest.mark.xdist_group(SHARED["06-quick"])
 def test_06_what_fp4_costs(executed_notebook):
     res = run_notebook("06_what_fp4_costs", executed_notebook)
     params = NOTEBOOK_PARAMS["06_what_fp4_costs"]
@@ -358,6 +329,7 @@ def test_06_what_fp4_costs(executed_notebook):
     assert all(r["share_changed"] <= 0.01 for r in res["routing_floor"]), res["routing_floor"]
 
 
+@pytest.mark.xdist_group(SHARED["07-quick"])
 def test_07_accuracy_recovery(executed_notebook):
     res = run_notebook("07_accuracy_recovery", executed_notebook)
     from mxlib.studies.recovery import technique_names

@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_notebook_settings import SHARED, SUGGESTED
 
 from _util import chromium_binary
 from test_notebooks import NOTEBOOK_PARAMS
@@ -32,11 +33,11 @@ pytestmark = pytest.mark.notebook  # headless Chromium over executed notebooks
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
-# The notebooks whose rendering is tested, with the tiny parameters they run on here (those of
-# tests/test_notebooks.py where it runs the notebook too, so that one execution serves both). Add a
+# The notebooks whose rendering is tested, with the parameters they run on here (those of tests/test_notebooks.py,
+# and 00's defaults of tests/test_notebook_settings.py, so that one execution serves both). Add a
 # row per notebook; ``results_path="results.json"`` is added (relative to the execution's folder).
 RENDERED_NOTEBOOKS: list[tuple[str, dict]] = [
-    ("00_first_principles.ipynb", {"tokens": 4, "hidden": 64, "out_features": 32}),
+    ("00_first_principles.ipynb", SUGGESTED["00-defaults"][1]),  # its defaults: tests/test_notebook_settings.py's run
     ("01_end_to_end.ipynb", NOTEBOOK_PARAMS["01_end_to_end-nvfp4"]),
     ("04_scale_unification.ipynb", NOTEBOOK_PARAMS["04_scale_unification"]),
     ("02_microscaling_formats.ipynb", NOTEBOOK_PARAMS["02_microscaling_formats"]),
@@ -168,7 +169,17 @@ def check_dom(dom: str) -> dict:
     return {"figures": len(figures), "html_tables": len(tables)}
 
 
-@pytest.mark.parametrize("notebook, params", RENDERED_NOTEBOOKS, ids=[nb for nb, _ in RENDERED_NOTEBOOKS])
+# a notebook whose execution tests/test_notebooks.py and tests/test_notebook_settings.py share renders in their group
+_GROUPS = {f"{stem}.ipynb": stem for stem in SHARED.values()}
+
+
+@pytest.mark.parametrize(
+    "notebook, params",
+    [
+        pytest.param(nb, params, id=nb, marks=[pytest.mark.xdist_group(_GROUPS[nb])] if nb in _GROUPS else [])
+        for nb, params in RENDERED_NOTEBOOKS
+    ],
+)
 def test_notebook_renders(notebook, params, executed_notebook, tmp_path):
     stem = Path(notebook).stem
     folder = executed_notebook(stem, params)
