@@ -64,6 +64,13 @@ def _kernel_threads() -> int | None:
     return max(1, cores // workers)
 
 
+# An xdist worker itself takes its share of the cores too (tests that run PyTorch on the CPU, and the processes they
+# start, inherit it): two workers of two threads each on two cores spin on each other's cores.
+_WORKER_THREADS = _kernel_threads()
+if _WORKER_THREADS:
+    torch.set_num_threads(_WORKER_THREADS)
+
+
 def _execute_notebook(name: str, params: dict, out_dir) -> None:
     """papermill ``notebooks/<name>.ipynb`` into ``out_dir/<name>.ipynb`` with ``params`` and
     ``results_path="results.json"`` (relative: the injected parameters hold no absolute path), the
