@@ -6,6 +6,7 @@ assembled here from mxlib.reference's dequantize and QDQ functions, so the
 emulation subclasses are checked against the design, not against themselves.
 """
 
+import functools
 import math
 import warnings
 
@@ -492,6 +493,14 @@ def fp4_layer(scheme, numerics, backend, device, seed=3):
     return ex, q, x, tw, ti
 
 
+@functools.cache
+def fp4_fused_run(scheme, numerics, device):
+    """``fp4_layer(scheme, numerics, "fused", device)`` and its experts' output on the layer's input, computed once
+    a run (the interpreter's FP4 kernel takes tens of seconds a call): ``(ex, q, x, tw, ti, out)``, read only."""
+    ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
+    return ex, q, x, tw, ti, ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+
+
 def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
     """float64 MoE from the scheme's operands, computed here from mxlib.reference: ``vllm``: the
     vLLM's bf16 weights and activations; ``hardware``: weights and NVFP4 activations without the
@@ -515,8 +524,7 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
 def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
-    ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
-    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    ex, q, x, tw, ti, fused = fp4_fused_run(scheme, numerics, device)
     ref = TritonExperts.__call__(fp4_layer(scheme, numerics, "torch", "cpu")[0], x, tw, ti)
     oracle = fp4_oracle_fp64(ex, q, x, tw, ti, numerics)
     assert rel_err(fused, oracle) < 5e-3
@@ -536,7 +544,7 @@ def test_fp4_experts_keep_only_the_prepared_copy(device):
     assert ex.prepared.w13.numel() == q.w13_weight.numel()  # same size: no extra memory
     # the checkpoint layout comes back for the other backends, bit for bit
     assert torch.equal(ex.w13_weight.cpu(), q.w13_weight) and torch.equal(ex.w2_weight.cpu(), q.w2_weight)
-    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    fused = fp4_fused_run("nvfp4", "vllm", device)[-1]  # the FP4 kernel's output on the same layer, built alike
     ex.backend = "triton"  # dequantize-then-GEMM path from the unprepared bytes: the same operands
     assert rel_err(ex(x.to(device), tw.to(device), ti.to(device)).cpu(), fused) < 5e-3
 
