@@ -13,8 +13,6 @@ Interpreter on small shapes (E 8, H 256, I 128: K must be a multiple of the 128-
 ``@pytest.mark.gpu`` tests run the full Qwen3-30B-A3B layer on a CUDA device.
 """
 
-import functools
-
 import pytest
 import torch
 
@@ -103,17 +101,28 @@ def oracle_fp64(L, mode):
     )
 
 
-@functools.cache
-def default_layer(scheme, device):
-    """``make_layer(scheme, device)``, made once a run: the tests below only read it."""
-    return make_layer(scheme, device)
+class DefaultRuns:
+    """``make_layer(scheme, device)`` and its ``run`` in each mode with the default tiles, each made once and then
+    only read: the interpreter takes tens of seconds a call, and several tests compare against the same output."""
+
+    def __init__(self):
+        self.layers, self.outs = {}, {}
+
+    def layer(self, scheme, device):
+        if (scheme, device) not in self.layers:
+            self.layers[scheme, device] = make_layer(scheme, device)
+        return self.layers[scheme, device]
+
+    def out(self, scheme, device, mode):
+        if (scheme, device, mode) not in self.outs:
+            self.outs[scheme, device, mode] = run(self.layer(scheme, device), device, mode)
+        return self.outs[scheme, device, mode]
 
 
-@functools.cache
-def default_run(scheme, device, mode):
-    """``run`` of ``default_layer(scheme, device)`` in ``mode`` with the default tiles, computed once a run: the
-    interpreter takes tens of seconds a call, and several tests compare against the same output."""
-    return run(default_layer(scheme, device), device, mode)
+@pytest.fixture(scope="module")
+def default_runs():
+    """One ``DefaultRuns`` for the module (module-scoped: ``make test-rest`` keeps the tests using it together)."""
+    return DefaultRuns()
 
 
 def run(L, device, mode, configs=None, m=None):
@@ -249,14 +258,14 @@ def test_numerics_names_resolve_once():
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("mode", ["vllm", "hardware"])
-def test_fused_fp4_against_fp64(scheme, mode, device):
-    L = default_layer(scheme, device)
-    out = default_run(scheme, device, mode)
+def test_fused_fp4_against_fp64(scheme, mode, device, default_runs):
+    L = default_runs.layer(scheme, device)
+    out = default_runs.out(scheme, device, mode)
     err = rel_err(out, oracle_fp64(L, mode))
     assert err < 5e-3, err  # bf16 GEMM outputs: ~1e-3
     if mode == "hardware" and scheme == "nvfp4":
         # the modes differ by vLLM's bf16 rounding of the dequantized operands: measurably
-        assert rel_err(out, default_run(scheme, device, "vllm")) > 1e-4
+        assert rel_err(out, default_runs.out(scheme, device, "vllm")) > 1e-4
 
 
 @pytest.mark.slow
@@ -418,11 +427,11 @@ def test_gpu_experts_fused_matches_torch_reference(numerics, m):
 
 
 @pytest.mark.slow
-def test_fused_fp4_bad_input_and_layouts(device):
+def test_fused_fp4_bad_input_and_layouts(device, default_runs):
     """Adversarial calls: a non-contiguous activation view gives the contiguous result; unprepared
     weights, float ids, mismatched experts / H, float scale bytes and unpreparable shapes are refused
     naming the argument."""
-    L = default_layer("w_mxfp4", device)
+    L = default_runs.layer("w_mxfp4", device)
     wide = torch.zeros(L["x"].shape[0], 2 * H, dtype=torch.bfloat16, device=L["x"].device)
     wide[:, ::2] = L["x"]
     view = wide[:, ::2]  # stride (2H, 2)
@@ -430,7 +439,7 @@ def test_fused_fp4_bad_input_and_layouts(device):
     # the contiguous input's output: fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"]) (vLLM numerics,
     # the default tiles, no activation QDQ for w_mxfp4), as test_fused_fp4_against_fp64 computes it
     assert_bits_equal(
-        fused_fp4_moe(view, L["pw13"], L["pw2"], L["tw"], L["ti"]).cpu(), default_run("w_mxfp4", device, "vllm")
+        fused_fp4_moe(view, L["pw13"], L["pw2"], L["tw"], L["ti"]).cpu(), default_runs.out("w_mxfp4", device, "vllm")
     )
     with pytest.raises(TypeError, match="w13: expected FP4Weights or FP6Weights"):
         fused_fp4_moe(L["x"], L["pw13"].packed, L["pw2"], L["tw"], L["ti"])

@@ -6,7 +6,6 @@ assembled here from mxlib.reference's dequantize and QDQ functions, so the
 emulation subclasses are checked against the design, not against themselves.
 """
 
-import functools
 import math
 import warnings
 
@@ -493,12 +492,20 @@ def fp4_layer(scheme, numerics, backend, device, seed=3):
     return ex, q, x, tw, ti
 
 
-@functools.cache
-def fp4_fused_run(scheme, numerics, device):
-    """``fp4_layer(scheme, numerics, "fused", device)`` and its experts' output on the layer's input, computed once
-    a run (the interpreter's FP4 kernel takes tens of seconds a call): ``(ex, q, x, tw, ti, out)``, read only."""
-    ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
-    return ex, q, x, tw, ti, ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+@pytest.fixture(scope="module")
+def fp4_fused_run():
+    """``fp4_fused_run(scheme, numerics, device)``: ``fp4_layer(scheme, numerics, "fused", device)`` and its
+    experts' output on the layer's input, ``(ex, q, x, tw, ti, out)``, made once for the module and then only read
+    (the interpreter's FP4 kernel takes tens of seconds a call)."""
+    made = {}
+
+    def get(scheme, numerics, device):
+        if (scheme, numerics, device) not in made:
+            ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
+            made[scheme, numerics, device] = (ex, q, x, tw, ti, ex(x.to(device), tw.to(device), ti.to(device)).cpu())
+        return made[scheme, numerics, device]
+
+    return get
 
 
 def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
@@ -523,7 +530,7 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
-def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
+def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device, fp4_fused_run):
     ex, q, x, tw, ti, fused = fp4_fused_run(scheme, numerics, device)
     ref = TritonExperts.__call__(fp4_layer(scheme, numerics, "torch", "cpu")[0], x, tw, ti)
     oracle = fp4_oracle_fp64(ex, q, x, tw, ti, numerics)
@@ -537,7 +544,7 @@ def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
 
 
 @pytest.mark.slow
-def test_fp4_experts_keep_only_the_prepared_copy(device):
+def test_fp4_experts_keep_only_the_prepared_copy(device, fp4_fused_run):
     ex, q, x, tw, ti = fp4_layer("nvfp4", "vllm", "fused", device)
     assert ex.prepared is not None  # the FP4 kernel's copy, and no checkpoint-layout copy beside it
     assert "w13_weight_packed" not in ex._buffers and "w2_weight_packed" not in ex._buffers
