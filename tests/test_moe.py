@@ -492,6 +492,22 @@ def fp4_layer(scheme, numerics, backend, device, seed=3):
     return ex, q, x, tw, ti
 
 
+@pytest.fixture(scope="module")
+def fp4_fused_run():
+    """``fp4_fused_run(scheme, numerics, device)``: ``fp4_layer(scheme, numerics, "fused", device)`` and its
+    experts' output on the layer's input, ``(ex, q, x, tw, ti, out)``, made once for the module and then only read
+    (the interpreter's FP4 kernel takes tens of seconds a call)."""
+    made = {}
+
+    def get(scheme, numerics, device):
+        if (scheme, numerics, device) not in made:
+            ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
+            made[scheme, numerics, device] = (ex, q, x, tw, ti, ex(x.to(device), tw.to(device), ti.to(device)).cpu())
+        return made[scheme, numerics, device]
+
+    return get
+
+
 def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
     """float64 MoE from the scheme's operands, computed here from mxlib.reference: ``vllm``: the
     vLLM's bf16 weights and activations; ``hardware``: weights and NVFP4 activations without the
@@ -514,9 +530,8 @@ def fp4_oracle_fp64(ex, q, x, tw, ti, numerics):
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4", "w_mxfp4"])
 @pytest.mark.parametrize("numerics", ["vllm", "hardware"])
-def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
-    ex, q, x, tw, ti = fp4_layer(scheme, numerics, "fused", device)
-    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device, fp4_fused_run):
+    ex, q, x, tw, ti, fused = fp4_fused_run(scheme, numerics, device)
     ref = TritonExperts.__call__(fp4_layer(scheme, numerics, "torch", "cpu")[0], x, tw, ti)
     oracle = fp4_oracle_fp64(ex, q, x, tw, ti, numerics)
     assert rel_err(fused, oracle) < 5e-3
@@ -529,14 +544,14 @@ def test_fp4_experts_both_numerics_against_fp64(scheme, numerics, device):
 
 
 @pytest.mark.slow
-def test_fp4_experts_keep_only_the_prepared_copy(device):
+def test_fp4_experts_keep_only_the_prepared_copy(device, fp4_fused_run):
     ex, q, x, tw, ti = fp4_layer("nvfp4", "vllm", "fused", device)
     assert ex.prepared is not None  # the FP4 kernel's copy, and no checkpoint-layout copy beside it
     assert "w13_weight_packed" not in ex._buffers and "w2_weight_packed" not in ex._buffers
     assert ex.prepared.w13.numel() == q.w13_weight.numel()  # same size: no extra memory
     # the checkpoint layout comes back for the other backends, bit for bit
     assert torch.equal(ex.w13_weight.cpu(), q.w13_weight) and torch.equal(ex.w2_weight.cpu(), q.w2_weight)
-    fused = ex(x.to(device), tw.to(device), ti.to(device)).cpu()
+    fused = fp4_fused_run("nvfp4", "vllm", device)[-1]  # the FP4 kernel's output on the same layer, built alike
     ex.backend = "triton"  # dequantize-then-GEMM path from the unprepared bytes: the same operands
     assert rel_err(ex(x.to(device), tw.to(device), ti.to(device)).cpu(), fused) < 5e-3
 

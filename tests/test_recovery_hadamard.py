@@ -159,14 +159,29 @@ def _float64_moe(w13, w2, x, tw, ti):
     return out
 
 
+@pytest.fixture(scope="module")
+def unrotated(layer):
+    """``unrotated(backend)``: the bf16 experts' output on ``layer`` without a rotation, computed once a backend
+    (it does not depend on the block size the rotated side is parametrized over)."""
+    outs = {}
+
+    def get(backend):
+        if backend not in outs:
+            w13, w2, x, tw, ti = layer
+            outs[backend] = TritonExperts(w13, w2, backend=backend)(x, tw, ti).double()
+        return outs[backend]
+
+    return get
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("b", [16, 32, 128])
-def test_rotated_forward_equals_unrotated_without_quantization(layer, backend, b):
+def test_rotated_forward_equals_unrotated_without_quantization(layer, unrotated, backend, b):
     w13, w2, x, tw, ti = layer
     r = _rotation(b)
     w13r = ref_block_hadamard(w13.float(), b, r.signs_h).bfloat16()
     w2r = ref_block_hadamard(w2.float(), b, r.signs_i).bfloat16()
-    plain = TritonExperts(w13, w2, backend=backend)(x, tw, ti).double()
+    plain = unrotated(backend)
     rotated_experts = TritonExperts(w13r, w2r, backend=backend)
     rotated_experts.rotation = r
     rotated = rotated_experts(x, tw, ti).double()

@@ -336,7 +336,7 @@ EXACT = "w_mxfp4_a_mxfp4"
     "act", [SILU, SWIGLUOAI, MoEActivation("swigluoai", alpha=1.0)], ids=["silu", "swigluoai", "harness"]
 )
 @pytest.mark.parametrize("shape", [(4, 256, 128), (4, 96, 64)], ids=["fp4-kernel", "dequant-kernel"])
-def test_emulation_backends_with_biases(act, shape):
+def test_emulation_backends_with_biases(act, shape, fused_without_biases):
     """torch vs triton: bits equal (exact GEMMs, one PyTorch activation function). fused (the FP4 kernel for H, I
     multiples of 128, else the dequantize-GEMM kernel): the activation in Triton's epilogue (Triton's exp), so
     one bf16 step apart where an fp32 last bit crosses a rounding, and a2's MXFP4 QDQ may then move a value by
@@ -353,8 +353,24 @@ def test_emulation_backends_with_biases(act, shape):
     assert err < 2e-2, err
     assert (out == ref).float().mean() > 0.9
     # the biases and the activation reach every backend: without them each is far away
-    plain = _make(EXACT, q, s13, s2, "fused", SILU, None, None)(x, tw, ti)
+    plain = fused_without_biases(shape)
     assert ((plain.double() - ref.double()).norm() / ref.double().norm()).item() > 0.1
+
+
+@pytest.fixture(scope="module")
+def fused_without_biases():
+    """``fused_without_biases(shape)``: the fused backend's SiLU output without biases on
+    ``_quantized_layer(EXACT, *shape, m=6)``, the same tensor for every activation of
+    ``test_emulation_backends_with_biases``, computed once a shape for the module."""
+    made = {}
+
+    def get(shape):
+        if shape not in made:
+            q, s13, s2, x, tw, ti, _, _ = _quantized_layer(EXACT, *shape, m=6)
+            made[shape] = _make(EXACT, q, s13, s2, "fused", SILU, None, None)(x, tw, ti)
+        return made[shape]
+
+    return get
 
 
 @pytest.mark.slow
