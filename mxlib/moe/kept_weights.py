@@ -23,9 +23,17 @@ class KeptDequantized:
     the packed bytes, prepared or not, the block scales, the global scales, the same tensor objects at the same
     ``_version``: an in-place write bumps it); any other request empties it first. So experts built from
     the same ``ExpertWeights`` (schemes that differ in their activations only) can share one.
+
+    ``dtype``: None (default) keeps the weights in the activation dtype; ``torch.float32`` keeps them widened to
+    fp32 (exact: the same values), which the ``torch`` backend's fp32 GEMMs (``reference_moe.torch_moe``) then
+    use as they are instead of widening the expert at every forward (twice the memory: a study keeping one
+    layer at a time).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        if dtype not in (None, torch.float32):
+            raise ValueError(f"dtype: expected None (the activation dtype) or torch.float32, got {dtype}")
+        self.dtype = dtype
         self.key: tuple | None = None
         self.inputs: list[tuple[torch.Tensor, int]] = []
         self.experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,5 +50,11 @@ class KeptDequantized:
             self.key, self.inputs, self.experts = key, inputs, {}
         if e not in self.experts:
             w13, w2 = owner._dequantize(_ref, slice(e, e + 1))
+            if self.dtype is not None:
+                w13, w2 = w13.to(self.dtype), w2.to(self.dtype)
             self.experts[e] = (w13[0], w2[0])
         return self.experts[e]
+
+    def clear(self) -> None:
+        """Let go of every kept expert (the next request dequantizes again)."""
+        self.key, self.inputs, self.experts = None, [], {}

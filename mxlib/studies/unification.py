@@ -30,13 +30,21 @@ from ..formats import BLOCK_SCHEMES, NVFP4, NVFP4_SCALE_DIVISOR, BlockScheme
 from ..models.calibration import Calibration
 from ..models.qwen3 import expert_weights, moe_layers
 from ..moe.base import ops_for_device
-from ..moe.emulation import KeptDequantized
 from ..moe.factory import make_emulation_experts, quantize_expert_weights
 from ..moe.reference_moe import silu_and_mul
 from ..moe.scales import unify_input_scales
 from ..moe.schemes import NVFP4_MOE, MoEQuantScheme, get_moe_scheme
-from .scheme_study import checkpoint_tensor_bytes, compare_schemes, emulation_experts, experts_swapped
-from .steps import calibrate_model, compare_runs, dummy_model, keep_dequantized, run_model
+from .scheme_study import (
+    _let_go,
+    _scheme_experts,
+    checkpoint_tensor_bytes,
+    compare_schemes,
+    emulation_experts,
+    experts_swapped,
+    reference_run,
+    run_variants_layerwise,
+)
+from .steps import calibrate_model, compare_runs, dummy_model, run_model
 
 __all__ = [
     "emulation_experts",
@@ -139,6 +147,11 @@ def unification_study(calibration: Calibration, strategies=("max", "per_expert",
     return {"experts": rows, "histograms": {p: {s: h.tolist() for s, h in d.items()} for p, d in hist.items()}}
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's bytes: a key equal for two tensors exactly when their bits are (NaN and -0 included)."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
 def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)) -> list[dict]:
     """Each expert's output on its own calibration tokens: NVFP4 emulation (weights dequantized,
     a1 and a2 QDQ'd with each strategy's scale) against the bf16 expert; rows hold ``sqnr_<s>``."""
@@ -168,11 +181,20 @@ def expert_output_study(model, calibration: Calibration, strategies, layers=(0,)
                 scale_ratio_a1=float(in13[e] / in13.max()),
                 scale_ratio_a2=float(in2[e] / in2.max()),
             )
+            # the expert's weights in fp32 once for every strategy; strategies that give this expert the same
+            # global scales (bit for bit) share each step computed from them: the same operands, the same result
+            d13e, d2e = d13[e].float(), d2[e].float()
+            gemm1: dict = {}
+            sqnr: dict = {}
             for s, (g13, g2) in gss.items():
-                xa = ops.ref_nvfp4_quant_dequant(x, g13[e].reshape(1))
-                h = silu_and_mul((xa.float() @ d13[e].float().T).to(x.dtype))
-                h = ops.ref_nvfp4_quant_dequant(h, g2[e].reshape(1))
-                row[f"sqnr_{s}"] = compare_tensors(h.float() @ d2[e].float().T, ref)["sqnr_db"]
+                k13, k2 = _bits(g13[e]), _bits(g2[e])
+                if k13 not in gemm1:
+                    xa = ops.ref_nvfp4_quant_dequant(x, g13[e].reshape(1))
+                    gemm1[k13] = silu_and_mul((xa.float() @ d13e.T).to(x.dtype))
+                if (k13, k2) not in sqnr:
+                    h = ops.ref_nvfp4_quant_dequant(gemm1[k13], g2[e].reshape(1))
+                    sqnr[k13, k2] = compare_tensors(h.float() @ d2e.T, ref)["sqnr_db"]
+                row[f"sqnr_{s}"] = sqnr[k13, k2]
             rows.append(row)
     return rows
 
@@ -185,26 +207,22 @@ def end_to_end_strategies(model, calibration: Calibration, strategies, token_ids
 
 def end_to_end_strategies_sets(model, calibration: Calibration, strategies, token_sets, backend="auto") -> list:
     """``end_to_end_strategies`` on each token set of ``token_sets`` (each ``[1, T]``): the weights are
-    quantized to NVFP4 once, and on the ``torch`` backend dequantized once for every strategy and set
-    (``steps.keep_dequantized``; the strategies change the activation scales only). Returns one list of rows
+    quantized to NVFP4 once, and on the ``torch`` backend each layer's weights are dequantized once for every
+    strategy and set (``scheme_study.run_variants_layerwise``; the strategies change the activation scales only),
+    with outputs bit for bit those of one forward per strategy and set. Returns one list of rows
     per set: ``strategy``, the logits metrics of ``analysis.compare_logits``, ``layer_sqnr_db``."""
     nl = len(model.model.layers)
     scheme = NVFP4_MOE
-    refs = [run_model(model, ids) for ids in token_sets]
+    ref_runs = [reference_run(model, ids) for ids in token_sets]
+    refs, inputs = [r for r, _ in ref_runs], [i for _, i in ref_runs]
     quantized = [quantize_expert_weights(*expert_weights(model, li), scheme) for li in range(nl)]
-    kept = [KeptDequantized() for _ in quantized]
+    variants = [_scheme_experts(scheme, quantized, calibration, backend, "vllm", scale_strategy=s) for s in strategies]
+    outs = run_variants_layerwise(model, inputs, [v for v, _ in variants], after_layer=_let_go(variants))
     rows: list[list[dict]] = [[] for _ in token_sets]
-    for s in strategies:
-        experts = []
-        for li, q in enumerate(quantized):
-            in13, in2 = (t.to(q.device) for t in calibration.input_scales(li, scheme.activation))
-            experts.append(emulation_experts(scheme, q, in13, in2, backend, scale_strategy=s))
-            experts[-1].kept_dequantized = kept[li]
-        keep_dequantized(experts)
-        with experts_swapped(model, experts):
-            for k, (ids, ref) in enumerate(zip(token_sets, refs)):
-                res = compare_runs(run_model(model, ids), ref)
-                rows[k].append(dict(strategy=s, **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]]))
+    for s, runs in zip(strategies, outs):
+        for k, (out, ref) in enumerate(zip(runs, refs)):
+            res = compare_runs(out, ref)
+            rows[k].append(dict(strategy=s, **res["logits"], layer_sqnr_db=[r["sqnr_db"] for r in res["layers"]]))
     return rows
 
 
