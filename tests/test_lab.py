@@ -33,6 +33,7 @@ pytestmark = pytest.mark.notebook
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = "02_microscaling_formats.ipynb"
 START_TIMEOUT_S = 240  # a cold JupyterLab start takes 5 to 30 s on a loaded 2-core machine
+REFUSED_RETRY_S = 20  # how long a running server may refuse connections before the test fails
 STOP_TIMEOUT_S = 60
 URL = re.compile(r"(http://127\.0\.0\.1:(\d+)/lab)\?token=([0-9a-f]+)")
 
@@ -97,11 +98,21 @@ class Lab:
             headers["Authorization"] = f"token {self.token}"
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode()
+        end = time.monotonic() + REFUSED_RETRY_S
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+            except urllib.error.URLError as err:
+                # refused: say whether the server is gone (and what it printed) rather than only that it refused;
+                # a server still running gets a few seconds (a machine under load schedules it late)
+                if self.proc.poll() is not None:
+                    pytest.fail(f"the server exited with {self.proc.returncode} before {path}:\n{self.output()}")
+                if not isinstance(err.reason, ConnectionRefusedError) or time.monotonic() > end:
+                    raise AssertionError(f"{path}: {err.reason}; the server printed:\n{self.output()}") from err
+                time.sleep(0.5)
 
     def stop(self):
         if self.proc.poll() is None:
