@@ -266,6 +266,26 @@ class Decomposition:
     layer_sources: dict = field(default_factory=dict)
 
 
+def _differences_and_waterfall(configs, values, baseline: str, order, steps) -> tuple[float, dict, list]:
+    """``(base, d, waterfall)``: ``base = values[baseline]``, ``d[name] = values[name] - base`` for every name of
+    ``configs``, and ``waterfall`` the ``(source, increment)`` of each cumulative step (``steps[i]`` switches on
+    ``order[:i + 1]``). Shared by ``decompose`` and ``group_attribution.decompose_groups``.
+
+    Raises:
+        KeyError: a name of ``configs`` missing from ``values``.
+    """
+    missing = [n for n in configs if n not in values]
+    if missing:
+        raise KeyError(f"values: no value for the configurations {missing}")
+    base = values[baseline]
+    d = {n: values[n] - base for n in configs}
+    prev, waterfall = 0, []
+    for source, name in zip(order, steps):
+        waterfall.append((source, d[name] - prev))
+        prev = d[name]
+    return base, d, waterfall
+
+
 def decompose(plan: Plan, values: dict[str, float], metric: str) -> Decomposition:
     """The decomposition of ``values[name]`` (the metric in each configuration of ``plan``, exact: ints
     or ``on_grid`` floats) into the parts ``Decomposition`` names.
@@ -273,16 +293,8 @@ def decompose(plan: Plan, values: dict[str, float], metric: str) -> Decompositio
     Raises:
         KeyError: a configuration of ``plan`` missing from ``values``.
     """
-    missing = [n for n in plan.configs if n not in values]
-    if missing:
-        raise KeyError(f"values: no value for the configurations {missing}")
-    base = values[BASELINE]
-    d = {n: values[n] - base for n in plan.configs}
+    base, d, waterfall = _differences_and_waterfall(plan.configs, values, BASELINE, plan.order, plan.steps)
     total = d["all"]
-    prev, waterfall = 0, []
-    for s, name in zip(plan.order, plan.steps):
-        waterfall.append((s, d[name] - prev))
-        prev = d[name]
     singles = {s: d[f"only {s}"] for s in plan.sources}
     out = Decomposition(metric, base, total, waterfall, singles, total - sum(singles.values()))
     out.weights, out.activations = d["weights"], d["activations"]

@@ -74,7 +74,7 @@ from ..moe.factory import make_emulated_linear, quantize_expert_weights, quantiz
 from ..moe.linear import EmulatedLinear
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..stats import ALPHA, ComparisonFamily
-from .attribution import ALL_TASKS, on_grid, task_values
+from .attribution import ALL_TASKS, _differences_and_waterfall, on_grid, task_values
 from .scheme_study import emulation_experts
 
 __all__ = [
@@ -375,16 +375,8 @@ def decompose_groups(plan: GroupPlan, values: Mapping[str, float], metric: str) 
     Raises:
         KeyError: a configuration of ``plan`` missing from ``values``.
     """
-    missing = [n for n in plan.configs if n not in values]
-    if missing:
-        raise KeyError(f"values: no value for the configurations {missing}")
-    base = values[BF16]
-    d = {n: values[n] - base for n in plan.configs}
+    base, d, waterfall = _differences_and_waterfall(plan.configs, values, BF16, plan.order, plan.steps)
     total = d[ALL]
-    prev, waterfall = 0, []
-    for g, name in zip(plan.order, plan.steps):
-        waterfall.append((g, d[name] - prev))
-        prev = d[name]
     singles = {g: d[f"only {g}"] for g in plan.groups}
     return GroupDecomposition(
         metric,
