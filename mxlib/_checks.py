@@ -202,6 +202,16 @@ def global_scale_view(
     return global_scale.reshape(*gs_shape, *([1] * (x.ndim + 1 - len(gs_shape))))
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every value of ``x`` is finite (True for an empty tensor). One reduction with no tensor-sized
+    temporary: the smallest and largest value are finite exactly when every value is (both propagate NaN),
+    where ``torch.isfinite(x).all()`` writes a bool per element first."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
+
+
 def nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale):
     """Checks shared by ``quantize_nvfp4`` and its Triton twin: ``(x as [E, n, k], weight_scale_2 [E] or None)``."""
     check_float(x, "x")
@@ -210,7 +220,7 @@ def nvfp4_weight_args(x, weight_scale_2, block_size, zero_block_scale):
     check_block(x.shape[-1], block_size, "x")
     if zero_block_scale not in ("one", "zero"):
         raise ValueError(f"zero_block_scale: expected 'one' (ModelOpt) or 'zero', got {zero_block_scale!r}")
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise ValueError("x: NVFP4 weight quantization needs finite values; found NaN or Inf")
     x3 = x if x.ndim == 3 else x.unsqueeze(0)
     num = x3.shape[0]

@@ -247,6 +247,22 @@ def test_mx_nan_inf_blocks():
     assert (R.unpack_codes(packed, "e2m1")[0, :32] == 0).all()
 
 
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_mx_nan_inf_blocks_store_code_zero_in_every_format(element):
+    x = heavy_tailed((3, 96), seed=11)
+    x[0, 3] = math.nan
+    x[1, 40] = -math.inf
+    x[2, 70] = -math.nan  # a NaN with its sign bit set
+    packed, scale = R.quantize_mx(x, element)
+    codes = R.unpack_codes(packed, element)
+    for row, block in ((0, 0), (1, 1), (2, 2)):
+        assert scale[row, block] == 255
+        assert (codes[row, 32 * block : 32 * block + 32] == 0).all()
+    deq = R.dequantize_mx(packed, scale, element, dtype=torch.float32)
+    assert torch.isnan(deq[0, :32]).all() and torch.isnan(deq[1, 32:64]).all() and torch.isnan(deq[2, 64:]).all()
+    assert_bits_equal(deq[0, 32:], R.quant_dequant_mx(x[0, 32:], element, dtype=torch.float32))
+
+
 block_values = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False, width=32),
     st.floats(min_value=-(2.0**-126), max_value=2.0**-126, width=32),

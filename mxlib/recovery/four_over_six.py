@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference as _ref
-from .._checks import GLOBAL_SCALE_MIN, check_float
+from .._checks import GLOBAL_SCALE_MIN, all_finite, check_float
 from ..formats import NVFP4
 from ..moe.emulation import ExpertWeights
 from ..moe.schemes import MoEQuantScheme, checkpoint_weight_format
@@ -72,7 +72,7 @@ def nvfp4_weights3(x: torch.Tensor, name: str = "x") -> torch.Tensor:
         raise ValueError(f"{name}: expected [n, k] or [E, n, k], got shape {list(x.shape)}")
     if x.shape[-1] % NVFP4.block_size:
         raise ValueError(f"{name}: k={x.shape[-1]} is not a multiple of block_size={NVFP4.block_size}")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError(f"{name}: expected finite weights, found NaN or Inf")
     return x.unsqueeze(0) if x.ndim == 2 else x
 

@@ -57,6 +57,7 @@ from typing import Protocol
 import torch
 
 from .. import reference as _ref
+from .._checks import all_finite
 from ..formats import BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
@@ -161,9 +162,9 @@ def _check_args(w: torch.Tensor, hessian: torch.Tensor, name: str) -> None:
     if not isinstance(hessian, torch.Tensor) or tuple(hessian.shape) != (e, k, k) or not hessian.is_floating_point():
         got = list(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian).__name__
         raise ValueError(f"{name} Hessian: expected a float tensor [{e}, {k}, {k}], got {got}")
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise ValueError(f"{name}: holds non-finite values")
-    if not torch.isfinite(hessian).all():
+    if not all_finite(hessian):
         raise ValueError(f"{name} Hessian: holds non-finite values")
 
 

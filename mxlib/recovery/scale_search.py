@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference as _ref
+from .._checks import all_finite
 from ..formats import E8M0_BIAS, NVFP4, BlockScheme
 from ..moe.emulation import ExpertWeights
 from ..moe.factory import WEIGHT_SCALE_MODE
@@ -169,7 +170,7 @@ def search_mx_scales(
     el, bsz = fmt.element, fmt.block_size
     if x.shape[-1] % bsz:
         raise ValueError(f"x: k={x.shape[-1]} is not a multiple of block_size={bsz}")
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError("x: expected finite weights, found NaN or Inf")
     lead, k = x.shape[:-1], x.shape[-1]
     nb = k // bsz
