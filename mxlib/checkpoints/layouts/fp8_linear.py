@@ -218,6 +218,7 @@ class ModelOptFp8Layout(_Fp8LinearLayout):
 # ----------------------------------------------------------------------------- Quark
 
 QUARK_DTYPE = "fp8_e4m3"
+QUARK_QSCHEMES = ("per_tensor", "per_channel")  # the weight qschemes of FP8 linear layers (per_group: MXFP8)
 
 
 def _quark_spec(qscheme: str, dynamic: bool) -> dict:
@@ -263,7 +264,7 @@ class QuarkFp8Layout(_Fp8LinearLayout):
         where = "quantization_config.global_quant_config"
         g = qc.get("global_quant_config") or {}
         w, a = g.get("weight") or {}, g.get("input_tensors")
-        if w.get("dtype") != QUARK_DTYPE or w.get("qscheme") not in ("per_tensor", "per_channel"):
+        if w.get("dtype") != QUARK_DTYPE or w.get("qscheme") not in QUARK_QSCHEMES:
             raise CheckpointError(
                 f"{where}.weight: this layout reads dtype {QUARK_DTYPE!r} per_tensor or per_channel, found "
                 f"dtype={w.get('dtype')!r} qscheme={w.get('qscheme')!r}"

@@ -175,7 +175,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
         if not w:
             raise CheckpointError("quantization_config.global_quant_config.weight: missing")
         wdtype = w.get("dtype")
-        if wdtype == fp8_linear.QUARK_DTYPE and w.get("qscheme") != "per_group":  # FP8 per tensor / channel
+        if wdtype == fp8_linear.QUARK_DTYPE and w.get("qscheme") in fp8_linear.QUARK_QSCHEMES:  # FP8 linear
             return fp8_linear.QUARK.read_config(qc)
         if wdtype not in _FROM_DTYPE:
             raise CheckpointError(
