@@ -133,3 +133,21 @@ def test_bad_arguments_are_one_error_line(argv, message, mixed, tmp_path, capsys
 
     assert re.search(message, err), err
     assert not out.exists()
+
+
+def test_the_full_size_preset_is_accepted():
+    """``--preset qwen3-30b-a3b`` passes every check (nothing is built here: the study at that shape is costed in
+    docs/attribution.md, not run)."""
+    from mxlib.cli._prechecks import precheck
+    from mxlib.cli.group_commands import check_attribute_groups
+
+    ap, _ = cli.build_parser()
+    args = ap.parse_args(["attribute-groups", "--preset", "qwen3-30b-a3b", "--targets", "lm_head=nvfp4"])
+    precheck(args)
+    check_attribute_groups(args)
+    assert (args.preset, args.layers, args.producer, args.target_map) == (
+        "qwen3-30b-a3b",
+        4,
+        "quark",
+        {"lm_head": ["nvfp4"]},
+    )
