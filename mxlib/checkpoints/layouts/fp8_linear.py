@@ -24,7 +24,9 @@ Sources (the producers' own code): NVIDIA/Model-Optimizer ``modelopt/torch/expor
 ``amax.float() / maxbound``, fp32; ``process_layer_quant_config``: ``{"quant_algo": "FP8"}`` and
 ``{"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}`` per layer) and ``modelopt/torch/export/convert_hf_config.py``
 (``_quant_algo_to_group_config``: 8-bit float weights and static 8-bit float activations, ``strategy: channel``
-for the per-channel form); amd/Quark's FP8 specs as vLLM reads them (vllm-project/vllm
+for the per-channel form); amd/Quark ``quark/torch/quantization/config/config.py`` (``FP8E4M3PerTensorSpec``,
+``FP8E4M3PerChannelSpec``: ``dtype`` ``fp8_e4m3``, ``qscheme`` ``per_tensor`` / ``per_channel``, round half even)
+as vLLM reads their export (vllm-project/vllm
 ``vllm/model_executor/layers/quantization/quark/schemes/quark_w8a8_fp8.py``: weight ``qscheme`` ``per_tensor`` or
 ``per_channel`` with an ``[out]`` scale, static ``per_tensor`` or dynamic ``per_channel`` (per-token) input);
 vllm-project/compressed-tensors ``src/compressed_tensors/compressors/naive_quantized/base.py``
