@@ -38,7 +38,9 @@ elements, no global scale) and ``nvfp4_b32`` (ue4m3 scale per 32 elements plus t
 
 Per-tensor formats: ``fp8_e4m3`` (one static fp32 decode scale ``amax / 448`` per
 tensor, vLLM's ``scaled_fp8_quant``), the activation format of Quark's ``_a_fp8``
-schemes.
+schemes and the weight and activation format of FP8 linear layers (a weight scale per tensor
+or per output channel); ``fp8_e4m3_per_token`` (a scale per row from its amax, at run time),
+vLLM's dynamic per-token FP8 activations.
 
 Numerics (``Numerics``, ``numerics=`` of the emulation experts and the FP4 kernel): ``vllm``
 (vLLM's emulation arithmetic) or ``hardware`` (what an FP4 tensor-core GEMM computes); resolved
@@ -68,6 +70,7 @@ __all__ = [
     "PerTensorScheme",
     "PER_TENSOR_SCHEMES",
     "FP8_E4M3_PER_TENSOR",
+    "FP8_E4M3_PER_TOKEN",
     "NVFP4",
     "NVFP4_VARIANTS",
     "NVFP4_UE5M3",
@@ -359,10 +362,16 @@ NVFP4_FLUSH_RATIO: float = NVFP4.scale.element.min_subnormal / 2 / NVFP4.scale.e
 
 @dataclass(frozen=True)
 class PerTensorScheme:
-    """One static fp32 decode scale for a whole tensor (``scale = amax / element.max``).
+    """One fp32 decode scale for a whole tensor (``scale = amax / element.max``), or for each of its rows.
 
-    ``fp8_e4m3``: vLLM's ``scaled_fp8_quant``, ``e4m3(clamp(x / scale))``; the activation format
-    of Quark's ``_a_fp8`` schemes (the checkpoint's ``input_scale``).
+    ``fp8_e4m3``: vLLM's ``scaled_fp8_quant``, ``e4m3(clamp(x / scale))`` with one static scale; the activation
+    format of Quark's ``_a_fp8`` schemes (the checkpoint's ``input_scale``) and of FP8 linear layers, and the
+    weight format of FP8 linear layers (their ``weight_scale``: one per tensor, or one per output channel).
+    ``fp8_e4m3_per_token``: the same element, a scale per token (row) computed at run time from the row's
+    amax (``static_scale`` False): vLLM's dynamic per-token FP8 activations.
+
+    No blocks, no global scale: ``block_size`` None, ``has_global_scale`` and ``scale_is_power_of_two`` False,
+    as a ``BlockScheme`` says them.
     """
 
     name: str
@@ -376,11 +385,30 @@ class PerTensorScheme:
     def __str__(self) -> str:
         return self.name
 
+    block_size = None
+    has_global_scale = False
+    scale_is_power_of_two = False
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the scale is per token, computed at run time (not a checkpoint's static scale)."""
+        return not self.static_scale
+
+    @property
+    def bits_per_element(self) -> float:
+        """Storage bits per element (the per-tensor or per-channel scale is not counted)."""
+        return float(self.element.nbits)
+
 
 PER_TENSOR_SCHEMES: dict[str, PerTensorScheme] = {
-    s.name: s for s in (PerTensorScheme("fp8_e4m3", ELEMENT_FORMATS["e4m3"]),)
+    s.name: s
+    for s in (
+        PerTensorScheme("fp8_e4m3", ELEMENT_FORMATS["e4m3"]),
+        PerTensorScheme("fp8_e4m3_per_token", ELEMENT_FORMATS["e4m3"], static_scale=False),
+    )
 }
 FP8_E4M3_PER_TENSOR: PerTensorScheme = PER_TENSOR_SCHEMES["fp8_e4m3"]
+FP8_E4M3_PER_TOKEN: PerTensorScheme = PER_TENSOR_SCHEMES["fp8_e4m3_per_token"]
 # amax -> static FP8 decode scale (input_scale): amax / 448
 FP8_SCALE_DIVISOR: float = FP8_E4M3_PER_TENSOR.scale_divisor
 

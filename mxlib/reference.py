@@ -133,6 +133,10 @@ from .formats import (
 )
 
 __all__ = [
+    "quant_dequant_fp8_per_token",
+    "quantize_fp8_weight",
+    "dequantize_fp8_weight",
+    "FP8_MIN_TOKEN_SCALE",
     "round_to_element",
     "encode_element",
     "decode_element",
@@ -1305,6 +1309,83 @@ def quant_dequant_fp8_per_tensor(
     inv = 1.0 / scale
     q = round_to_element(torch.clamp(x.float() * inv, -_FP8.max, _FP8.max), _FP8)
     return (q * scale).to(dtype)
+
+
+# vLLM's smallest per-token FP8 scale (``min_scaling_factor``: 1 / (448 * 512)), so that an all-zero row divides by
+# a positive number
+FP8_MIN_TOKEN_SCALE = 1.0 / (_FP8.max * 512.0)
+
+
+def quant_dequant_fp8_per_token(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dynamic per-token FP8 e4m3 QDQ: vLLM's ``dynamic_per_token_scaled_fp8_quant`` then dequantize.
+
+    Per row of ``x [..., k]``, all in fp32: ``scale = max(amax_row / 448, 1 / (448 * 512))``
+    (``FP8_MIN_TOKEN_SCALE``), ``q = e4m3(clamp(x / scale, -448, 448))`` (RNE; a division, not a multiplication
+    by the reciprocal: vLLM's kernel divides "so we can match FBGemm", ``csrc/quantization/w8a8/fp8/common.cu``),
+    ``dq = fp32(q) * scale``, cast once to ``dtype`` (default ``x.dtype``). A row holding NaN gives NaN.
+
+    Raises:
+        TypeError: ``x`` not bf16 / fp16 / fp32.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x: expected bfloat16, float16 or float32, got {x.dtype}")
+    dtype = dtype or x.dtype
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True) if xf.shape[-1] else xf.new_zeros((*xf.shape[:-1], 1))
+    scale = torch.clamp(amax / _FP8.max, min=FP8_MIN_TOKEN_SCALE)
+    q = round_to_element(torch.clamp(xf / scale, -_FP8.max, _FP8.max), _FP8)
+    return (q * scale).to(dtype)
+
+
+def _fp8_weight_scale(weight_scale: torch.Tensor, out: int) -> torch.Tensor:
+    s = weight_scale.float()
+    if s.numel() == 1:
+        return s.reshape(1, 1)
+    if s.numel() == out:
+        return s.reshape(out, 1)
+    raise ValueError(
+        f"weight_scale: expected one scale (per tensor) or {out} (per output channel), "
+        f"got shape {list(weight_scale.shape)}"
+    )
+
+
+def quantize_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``[out, in]`` weight in FP8 e4m3 with an fp32 decode scale per tensor or per output channel.
+
+    ``weight_scale = amax / 448`` (of the tensor, or of each row), 1 where that amax is 0; codes
+    ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as ModelOpt's ``to_quantized_weight`` (``weight /
+    weights_scaling_factor``) and compressed-tensors' ``quantize`` (``x / scale``) form them.
+
+    Returns:
+        ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out])``.
+
+    Raises:
+        ValueError: ``weight`` not 2-D; TypeError: not a float dtype.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight: expected a float dtype, got {weight.dtype}")
+    w = weight.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
+    scale = torch.where(amax > 0, amax / _FP8.max, torch.ones_like(amax))
+    div = scale.reshape(-1, 1) if per_channel else scale
+    codes = round_to_element(torch.clamp(w / div, -_FP8.max, _FP8.max), _FP8).to(torch.float8_e4m3fn)
+    return codes.view(torch.uint8), scale
+
+
+def dequantize_fp8_weight(codes: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp32(e4m3 codes) * fp32(weight_scale)`` (a scale per tensor, ``numel() == 1``, or per output channel,
+    ``numel() == out``), cast once to ``dtype``.
+
+    Args:
+        codes: uint8 or float8_e4m3fn ``[out, in]``; weight_scale: fp32 (or bf16 / fp16, widened exactly).
+
+    Raises:
+        ValueError: a ``weight_scale`` of another size, naming its shape.
+    """
+    e4m3 = codes.view(torch.float8_e4m3fn) if codes.dtype == torch.uint8 else codes
+    return (e4m3.float() * _fp8_weight_scale(weight_scale, codes.shape[0])).to(dtype)
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -257,6 +257,9 @@ def test_layout_registry_dispatch(tiny, tmp_path):
         "modelopt-mxfp8",
         "compressed-tensors-mxfp8",
         "gpt-oss-mxfp4",
+        "modelopt-fp8",
+        "quark-fp8",
+        "compressed-tensors-fp8",
     ]
     for name, s in MOE_SCHEMES.items():
         expected = modelopt_nvfp4.LAYOUT if s.weight.has_global_scale else quark_ocp_mx.LAYOUT

@@ -19,20 +19,31 @@ import torch
 
 from mxlib import cli
 from mxlib.checkpoints import LAYOUTS, load_quantized_qwen3_moe, write_quantized_checkpoint
+from mxlib.checkpoints.mixed import PRODUCER_LAYOUTS
 from mxlib.cli import _options as O
 from mxlib.cli import runs
 from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import MODEL_PRESETS
 from mxlib.moe import BACKENDS, MOE_SCHEMES, SCALE_STRATEGIES
+from mxlib.moe.schemes import FP8_LINEAR_SCHEMES, get_moe_scheme
 from mxlib.moe.schemes import SCHEME_ALIASES as _ALIASES
-from mxlib.moe.schemes import get_moe_scheme
 from mxlib.recovery import TECHNIQUES
 from mxlib.studies import steps as W
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "fixtures" / "configs"
-COMMANDS = ["e2e", "compare", "unify", "routing", "inspect", "dummy-from-config", "quantize", "workbook"]
-MODEL_COMMANDS = ["e2e", "compare", "unify", "routing", "dummy-from-config"]
+COMMANDS = [
+    "e2e",
+    "compare",
+    "unify",
+    "routing",
+    "inspect",
+    "dummy-from-config",
+    "quantize",
+    "attribute-groups",
+    "workbook",
+]
+MODEL_COMMANDS = ["e2e", "compare", "unify", "routing", "dummy-from-config", "attribute-groups"]
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -76,6 +87,7 @@ def test_the_option_tables_equal_the_library_tables():
     assert O.STRATEGIES == tuple(SCALE_STRATEGIES)
     assert O.BACKENDS == tuple(BACKENDS)
     assert O.LAYOUTS == tuple(LAYOUTS)
+    assert O.LINEAR_SCHEMES == tuple(FP8_LINEAR_SCHEMES) and O.PRODUCERS == tuple(PRODUCER_LAYOUTS)
     assert O.PRESETS == tuple(MODEL_PRESETS) and MODEL_PRESETS[O.FULL_PRESET] == {}
     assert O.TECHNIQUES == tuple(TECHNIQUES)
 

@@ -200,9 +200,9 @@ def test_compressed_tensors_bad_config(tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(C.CheckpointError, match="input_activations.dynamic.*'local'"):
         C.read_quant_config(path)
-    cfg["quantization_config"]["format"] = "float-quantized"
+    cfg["quantization_config"]["format"] = "int-quantized"
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(C.CheckpointError, match="format.*nvfp4-pack-quantized.*float-quantized"):
+    with pytest.raises(C.CheckpointError, match="format.*nvfp4-pack-quantized.*int-quantized"):
         C.read_quant_config(path)
 
 

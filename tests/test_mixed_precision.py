@@ -259,13 +259,13 @@ def test_modelopt_mixed_loads_runs_and_round_trips(modelopt, tiny, tmp_path):
 
 def test_modelopt_unsupported_module_is_refused(modelopt, tmp_path):
     folder, *_, layers = modelopt
-    bad = {**layers, **{n: {"quant_algo": "FP8"} for n in ATTN}}
+    bad = {**layers, **{n: {"quant_algo": "W4A16_AWQ", "group_size": 128} for n in ATTN}}
     qc, legacy = _modelopt_configs(bad)
-    path = _compose(tmp_path / "fp8", folder, {}, qc, {"hf_quant_config.json": legacy})
+    path = _compose(tmp_path / "awq", folder, {}, qc, {"hf_quant_config.json": legacy})
     with pytest.raises(
         C.CheckpointError,
-        match=r"module 'model.layers.0.self_attn.q_proj' is in precision group 'FP8' .*quant_algo: supported "
-        r"\['MXFP8', 'NVFP4', 'W4A16_NVFP4'\], found 'FP8'",
+        match=r"module 'model.layers.0.self_attn.q_proj' is in precision group 'W4A16_AWQ g128' .*quant_algo: "
+        r"supported \['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'MXFP8', 'NVFP4', 'W4A16_NVFP4'\], found 'W4A16_AWQ'",
     ):
         C.load_quantized_moe(path)
     # experts of one layer in two groups

@@ -222,6 +222,8 @@ def test_modelopt_w4a16_stray_input_scale_and_bad_algo(tiny_model, tmp_path):
     cfg["quantization_config"]["quant_algo"] = "NVFP4_AWQ"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        C.CheckpointError, match=r"quant_algo: supported \['MXFP8', 'NVFP4', 'W4A16_NVFP4'\], found 'NVFP4_AWQ'"
+        C.CheckpointError,
+        match=r"quant_algo: supported \['FP8', 'FP8_PER_CHANNEL_PER_TOKEN', 'MXFP8', 'NVFP4', 'W4A16_NVFP4'\], "
+        r"found 'NVFP4_AWQ'",
     ):
         C.load_quantized_qwen3_moe(path)

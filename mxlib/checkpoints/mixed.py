@@ -10,13 +10,14 @@ config (the forms ``mxlib.checkpoints.precision`` reads):
   ModelOpt's ``process_layer_quant_config`` writes it), and ``config.json``'s ``quantization_config`` has one
   ``config_groups`` entry per distinct layer config with the module names as ``targets``, plus
   ``quantized_layers`` (``convert_hf_quant_config_format``). Layouts: ``modelopt`` (NVFP4, W4A16_NVFP4),
-  ``modelopt-mxfp8``.
+  ``modelopt-mxfp8``, ``modelopt-fp8`` (``FP8``, ``FP8_PER_CHANNEL_PER_TOKEN``).
 * ``"quark"``: the experts' scheme is ``global_quant_config``; attention and ``lm_head`` in other schemes are
-  ``layer_quant_config`` entries (``*.self_attn.*``, ``lm_head``). Layout ``quark``.
+  ``layer_quant_config`` entries (``*.self_attn.*``, ``lm_head``). Layouts ``quark``, ``quark-fp8`` (FP8 per
+  tensor or per channel).
 * ``"compressed-tensors"``: one ``config_groups`` entry per scheme, each with its own ``format``, ``targets`` the
   ``re:`` patterns of its parts (``re:.*mlp\\.experts\\.``, ``re:.*self_attn\\.``, ``lm_head``); the top-level
   ``format`` is ``mixed-precision`` where the groups' formats differ. Layouts: ``compressed-tensors`` (NVFP4),
-  ``compressed-tensors-mxfp4``, ``compressed-tensors-mxfp8``.
+  ``compressed-tensors-mxfp4``, ``compressed-tensors-mxfp8``, ``compressed-tensors-fp8`` (``float-quantized``).
 
 Every other module is bf16 and named in the producer's exclude list (``ignore`` / ``exclude`` /
 ``exclude_modules``). The folder is written atomically (``safetensors_io.atomic_folder``): a failed write leaves
@@ -46,9 +47,18 @@ __all__ = ["write_mixed_checkpoint", "PRODUCER_LAYOUTS"]
 
 # the registered layout each producer stores a scheme in, by the scheme's name
 PRODUCER_LAYOUTS: dict[str, dict[str, str]] = {
-    "modelopt": {"nvfp4": "modelopt", "w4a16_nvfp4": "modelopt", "w_mxfp8_a_mxfp8": "modelopt-mxfp8"},
-    "quark": {},  # every OCP MX scheme: "quark" (``_layout``)
+    "modelopt": {
+        "nvfp4": "modelopt",
+        "w4a16_nvfp4": "modelopt",
+        "w_mxfp8_a_mxfp8": "modelopt-mxfp8",
+        "w_fp8_a_fp8": "modelopt-fp8",
+        "w_fp8_a_fp8_per_token": "modelopt-fp8",
+    },
+    # every OCP MX scheme: "quark" (``_layout``)
+    "quark": {"w_fp8_a_fp8": "quark-fp8", "w_fp8_a_fp8_per_token": "quark-fp8"},
     "compressed-tensors": {
+        "w_fp8_a_fp8": "compressed-tensors-fp8",
+        "w_fp8_a_fp8_per_token": "compressed-tensors-fp8",
         "nvfp4": "compressed-tensors",
         "w_mxfp4": "compressed-tensors-mxfp4",
         "w_mxfp4_a_mxfp4": "compressed-tensors-mxfp4",
@@ -64,7 +74,7 @@ _QUARK_PATTERNS = {"attention": "*.self_attn.*", "lm_head": "lm_head"}
 def _layout(producer: str, scheme: MoEQuantScheme, part: str) -> CheckpointLayout:
     if producer not in PRODUCER_LAYOUTS:
         raise ValueError(f"producer: expected one of {list(PRODUCER_LAYOUTS)}, got {producer!r}")
-    name = "quark" if producer == "quark" else PRODUCER_LAYOUTS[producer].get(scheme.name)
+    name = PRODUCER_LAYOUTS[producer].get(scheme.name, "quark" if producer == "quark" else None)
     if name is None or not LAYOUTS[name].handles(scheme):
         stores = sorted(PRODUCER_LAYOUTS[producer]) or "the OCP MX schemes"
         raise ValueError(f"{part}: {producer} mixed checkpoints store {stores}, got {scheme.name}")
@@ -125,6 +135,10 @@ def write_mixed_checkpoint(
     plan = {"experts": experts, "attention": attention, "lm_head": lm_head}
     schemes = {part: get_moe_scheme(s) for part, s in plan.items() if s is not None}
     layouts = {part: _layout(producer, s, part) for part, s in schemes.items()}
+    if schemes["experts"].linear_only:
+        raise ValueError(
+            f"experts: {schemes['experts'].name} is a linear-layer scheme; the experts take the block-scaled schemes"
+        )
     if "lm_head" in schemes and model.config.get_text_config().tie_word_embeddings:
         raise ValueError("lm_head: the model ties lm_head to the input embedding; it cannot be quantized apart")
     if schemes["experts"].static_activation_scale and calibration is None:

@@ -317,7 +317,8 @@ def read_precision_map(qc: dict, read: Callable[[dict], CheckpointDescription]) 
 
 def mixed_description(layout_name: str, qc: dict, read: Callable[[dict], CheckpointDescription]):
     """The ``CheckpointDescription`` of a mixed ``quantization_config``: ``format`` the producer's layout
-    (``layout_name``), ``scheme`` its first supported group's, ``exclude`` the unquantized modules, ``precision``
+    (``layout_name``), ``scheme`` its first supported group's that is not for linear layers only (else its
+    first supported group's), ``exclude`` the unquantized modules, ``precision``
     the ``PrecisionMap``.
 
     Raises:
@@ -325,7 +326,9 @@ def mixed_description(layout_name: str, qc: dict, read: Callable[[dict], Checkpo
             and why).
     """
     pm = read_precision_map(qc, read)
-    first = next((g for g in pm.groups.values() if g.description is not None), None)
+    supported = [g for g in pm.groups.values() if g.description is not None]
+    # the experts' scheme where a group can hold experts (FP8 linear-layer groups cannot)
+    first = next((g for g in supported if not g.scheme.linear_only), supported[0] if supported else None)
     if first is None:
         why = "; ".join(f"{n!r}: {g.error}" for n, g in pm.groups.items())
         raise CheckpointError(f"quantization_config: no precision group of this mixed checkpoint is supported ({why})")

@@ -8,6 +8,7 @@
   mxlib inspect --ran CHECKPOINT_DIR           ... and what ran per module in one forward of the loaded model
   mxlib dummy-from-config CONFIG_DIR OUT_DIR   dummy weights in the layout of a config (--scheme if unquantized)
   mxlib quantize SRC DST --scheme SCHEME       a bf16 checkpoint folder quantized layer by layer
+  mxlib attribute-groups [PATH]                which precision group of a mixed checkpoint costs what
   mxlib workbook --out DIR                     run the workbook's notebooks (mxlib.workbook.runner)
 
 ``python -m mxlib`` and ``python -m mxlib.cli`` are the same command. The model commands build the seeded
@@ -27,8 +28,8 @@ stderr is a terminal and ``-q`` is not given.
 
 Imports: only argparse and the standard library at import time, so that ``--help`` answers at once;
 each command's module (``runs``: e2e, compare, unify, routing; ``checkpoint_commands``: inspect,
-dummy-from-config, quantize) and torch are imported when the command runs. ``_options`` spells out the option
-values so that ``--help`` imports neither torch nor transformers.
+dummy-from-config, quantize; ``group_commands``: attribute-groups) and torch are imported when the command
+runs. ``_options`` spells out the option values so that ``--help`` imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from ._options import (
     BACKENDS,
     FULL_PRESET,
     LAYOUTS,
+    LINEAR_SCHEMES,
     PRESETS,
+    PRODUCERS,
     SCHEME_ALIASES,
     SCHEMES,
     STRATEGIES,
@@ -333,6 +336,62 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     )
     qz.add_argument("--json", default=None, metavar="PATH", help="write the result as JSON here (default: none)")
 
+    ag = command(
+        "attribute-groups",
+        "which precision group of a mixed-precision checkpoint costs what (logits NSR and KL, decided)",
+        "Switch each precision group of a mixed-precision checkpoint back to bf16 or into another scheme "
+        "(mxlib.studies.group_attribution.attribute_groups): each group alone, the checkpoint without it, a "
+        "waterfall and each --targets entry, on the logits of seeded token ids, decided by mxlib.stats. PATH is a "
+        "mixed checkpoint folder with --reference the bf16 folder it was quantized from; without PATH the seeded "
+        "dummy model is written as a mixed checkpoint of --producer with the --experts, --attention and --lm-head "
+        "schemes.",
+    )
+    ag.add_argument(
+        "path", nargs="?", default=None, help="a mixed-precision checkpoint folder (default: none: the dummy)"
+    )
+    ag.add_argument(
+        "--reference",
+        default=None,
+        metavar="DIR",
+        help="the bf16 checkpoint folder PATH was quantized from (needed with PATH; default: none)",
+    )
+    ag.add_argument(
+        "--producer",
+        choices=PRODUCERS,
+        default=None,
+        help="the dummy's mixed form (default: quark; not with PATH)",
+    )
+    every = SCHEMES + SCHEME_ALIASES + LINEAR_SCHEMES
+    for option, default, what in (
+        ("--experts", "w_mxfp4_a_mxfp4", "the dummy's routed experts"),
+        ("--attention", "w_mxfp8_a_mxfp8", "the dummy's attention projections ('none': bf16)"),
+        ("--lm-head", "w_mxfp8_a_mxfp8", "the dummy's lm_head ('none': bf16)"),
+    ):
+        ag.add_argument(
+            option,
+            choices=every + (() if option == "--experts" else ("none",)),
+            default=None,
+            metavar="SCHEME",
+            help=f"scheme of {what}: {', '.join(SCHEMES + LINEAR_SCHEMES)} (default: {default}; not with PATH)",
+        )
+    ag.add_argument(
+        "--targets",
+        type=comma_list(),
+        default=None,
+        metavar="LIST",
+        help="comma-separated GROUP=SCHEME configurations to add ('<group> as <scheme>'; SCHEME may be bf16) "
+        "(default: none)",
+    )
+    ag.add_argument(
+        "--order",
+        type=comma_list(),
+        default=None,
+        metavar="LIST",
+        help="the waterfall's group order, comma-separated (default: the checkpoint config's)",
+    )
+    ag.add_argument("--draws", type=positive_int, default=1, help="token sets; 2 or more: decided over the sets")
+    _add_model_options(ag)
+
     wb = command(
         "workbook",
         "run the workbook's notebooks (mxlib.workbook.runner; needs mxlib[workbook])",
@@ -347,6 +406,8 @@ def _command(cmd: str):
     """``(check, run)`` of a command; its module (and torch) is imported here."""
     if cmd in ("inspect", "dummy-from-config", "quantize"):
         from .checkpoint_commands import COMMANDS
+    elif cmd == "attribute-groups":
+        from .group_commands import COMMANDS
     else:
         from .runs import COMMANDS
     return COMMANDS[cmd]

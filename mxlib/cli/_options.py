@@ -4,7 +4,8 @@ transformers, and the argparse types that check numbers and comma-separated list
 Each tuple is a copy of a library table (``tests/test_cli.py`` checks that it equals the table):
 ``SCHEMES`` of ``mxlib.moe.MOE_SCHEMES`` (with ``SCHEME_ALIASES`` those ``get_moe_scheme`` also
 accepts), ``STRATEGIES`` of ``mxlib.moe.SCALE_STRATEGIES``, ``BACKENDS`` of ``mxlib.moe.BACKENDS``,
-``LAYOUTS`` of ``mxlib.checkpoints.LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``,
+``LAYOUTS`` of ``mxlib.checkpoints.LAYOUTS``, ``LINEAR_SCHEMES`` of ``mxlib.moe.schemes.FP8_LINEAR_SCHEMES``,
+``PRODUCERS`` of ``mxlib.checkpoints.mixed.PRODUCER_LAYOUTS``, ``PRESETS`` of ``mxlib.models.qwen3.MODEL_PRESETS``,
 ``TECHNIQUES`` of ``mxlib.recovery.TECHNIQUES``.
 A type's error (``argparse.ArgumentTypeError``) becomes ``mxlib CMD: error: argument --OPTION: ...``.
 """
@@ -20,6 +21,8 @@ __all__ = [
     "STRATEGIES",
     "BACKENDS",
     "LAYOUTS",
+    "LINEAR_SCHEMES",
+    "PRODUCERS",
     "PRESETS",
     "FULL_PRESET",
     "TECHNIQUES",
@@ -79,7 +82,12 @@ LAYOUTS = (
     "modelopt-mxfp8",
     "compressed-tensors-mxfp8",
     "gpt-oss-mxfp4",
+    "modelopt-fp8",
+    "quark-fp8",
+    "compressed-tensors-fp8",
 )
+LINEAR_SCHEMES = ("w_fp8_a_fp8", "w_fp8_a_fp8_per_token")
+PRODUCERS = ("modelopt", "quark", "compressed-tensors")
 PRESETS = ("qwen3-30b-a3b", "small", "tiny")
 FULL_PRESET = "qwen3-30b-a3b"  # the full-size model (no overrides)
 TECHNIQUES = ("rtn", "four_over_six", "mse", "four_over_six_mse", "gptq", "hadamard")

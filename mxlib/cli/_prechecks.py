@@ -166,4 +166,8 @@ def precheck(args) -> None:
         _dummy_from_config(args)
     elif args.cmd == "quantize":
         _quantize(args)
+    elif args.cmd == "attribute-groups":
+        if args.path is not None:
+            _inspect(args)
+        _bounded(args, args.preset if args.path is None else None)
     _json_path(getattr(args, "json", None))

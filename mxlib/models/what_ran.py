@@ -9,6 +9,7 @@ bf16 ``TritonExperts`` where the checkpoint excludes them) and every ``EmulatedL
 * ``a1_passes`` / ``a2_passes``: how many times each activation row went through a QDQ in that forward, counted
   for real: every QDQ function of ``mxlib.reference`` and ``mxlib.kernels`` (``quant_dequant_mx``,
   ``ref_nvfp4_quant_dequant``, ``ref_nvfp4_quant``, ``quant_dequant_fp8_per_tensor``,
+  ``quant_dequant_fp8_per_token``,
   ``nvfp4_per_token_quant_dequant``, ``quant_dequant_nvfp4_variant``) counts the rows it is given while an
   experts module's ``quantize_input`` (a1, the layer input) or ``quantize_intermediate`` (a2, the gated
   activation's output) runs, or an ``EmulatedLinear`` quantizes its input; the fused kernels that QDQ inside
@@ -52,6 +53,7 @@ QDQ_FUNCTIONS = (
     "ref_nvfp4_quant_dequant",
     "ref_nvfp4_quant",
     "quant_dequant_fp8_per_tensor",
+    "quant_dequant_fp8_per_token",
     "nvfp4_per_token_quant_dequant",
     "quant_dequant_nvfp4_variant",
 )
@@ -342,7 +344,8 @@ def _activation_of(module):
 
 def _scale_strategy(module, scheme: MoEQuantScheme | None, kind: str) -> str:
     """How the activation scales are set: the experts' ``scale_strategy`` (NVFP4), ``static max`` (per-expert
-    static scales unified to their max), ``static`` (a linear layer's one input scale), ``dynamic <rule>`` (MX)."""
+    static scales unified to their max), ``static`` (a linear layer's one input scale), ``dynamic <rule>`` (MX),
+    ``dynamic per token`` (FP8 per token)."""
     act = None if scheme is None else scheme.activation
     if act is None:
         return "-"
@@ -351,6 +354,8 @@ def _scale_strategy(module, scheme: MoEQuantScheme | None, kind: str) -> str:
         return str(strategy)
     if act.static_scale:
         return "static max" if kind == "experts" else "static"
+    if getattr(act, "per_token", False):
+        return "dynamic per token"
     return f"dynamic {getattr(module, 'activation_scale_mode', '')}".strip()
 
 

@@ -228,10 +228,13 @@ def make_experts(
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:
     """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
     ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
-    ``weight_scale_2``; OCP MX: E8M0 ``even``)."""
+    ``weight_scale_2``; OCP MX: E8M0 ``even``; FP8: ``mxlib.reference.quantize_fp8_weight`` per tensor)."""
     fmt = checkpoint_weight_format(scheme, "quantize_linear_weight")
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
+    if isinstance(fmt, PerTensorScheme):  # FP8 linear layers: one fp32 scale per tensor
+        codes, s = _ref.quantize_fp8_weight(weight)
+        return LinearWeights(fmt, codes, s)
     ops = ops or ops_for_device(weight.device)
     if fmt.has_global_scale:
         p, s, g = ops.quantize_nvfp4(weight, block_size=fmt.block_size)

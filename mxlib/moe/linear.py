@@ -10,7 +10,13 @@ the checkpoint's activation scale, and one matmul in the activation dtype follow
   encode ``weight_global_scale`` as a divisor); input ``ref_nvfp4_quant_dequant`` with the encode
   global scale ``1 / input_scale`` (ModelOpt) or ``input_global_scale`` as stored (compressed-tensors);
 * OCP MX: ``dequantize_mx`` of the weight; input dynamic MX QDQ (the E8M0 rule of the config);
-* static per-tensor FP8 activations (``_a_fp8``): ``quant_dequant_fp8_per_tensor`` with ``input_scale``.
+* static per-tensor FP8 activations (``_a_fp8``): ``quant_dequant_fp8_per_tensor`` with ``input_scale``;
+* FP8 weights (``w_fp8_a_fp8``, ``w_fp8_a_fp8_per_token``: ``mxlib.moe.schemes.FP8_LINEAR_SCHEMES``):
+  ``fp32(e4m3) * fp32(weight_scale)`` with one scale per tensor or per output channel, one cast to the
+  activation dtype (``mxlib.reference.dequantize_fp8_weight``; a bf16-stored scale is widened exactly, so the
+  product equals compressed-tensors' ``dequantize``, which multiplies in the scale's dtype); the input QDQ'd with
+  the static ``input_scale`` as above, or per token (``quant_dequant_fp8_per_token``, vLLM's dynamic per-token
+  rule). Both run the reference arithmetic on every backend.
 
 The QDQ and dequantize functions are ``mxlib.reference`` or their Triton twins
 (``ops_for_backend``), same bits. The NVFP4 input QDQ is vLLM's fp32 rule for every layout, as vLLM
@@ -28,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .. import reference as _ref
 from .._checks import check_global_scale
 from ..formats import NVFP4_VARIANTS, BlockScheme, PerTensorScheme, get_scale_mode
 from .base import keep_dtype_on_cast, ops_for_backend, resolve_backend
@@ -41,7 +48,8 @@ class LinearWeights:
     """One linear layer's quantized weight.
 
     ``weight`` uint8 packed ``[out, in * bits / 8]``; ``weight_scale`` ``[out, in / block_size]``
-    (uint8 E8M0 bytes, or float8_e4m3fn for NVFP4); ``weight_scale_2`` fp32 one-element global
+    (uint8 E8M0 bytes, or float8_e4m3fn for NVFP4), or for FP8 weights (``scheme`` the per-tensor ``fp8_e4m3``)
+    fp32 with one value (per tensor) or ``out`` values (per output channel); ``weight_scale_2`` fp32 one-element global
     scale (NVFP4 only) of kind ``global_scale_kind`` (``"decode"``: ModelOpt's ``weight_scale_2``;
     ``"encode"``: compressed-tensors' ``weight_global_scale``).
     """
@@ -122,13 +130,16 @@ class EmulatedLinear(torch.nn.Module):
                 f"only (mxlib.moe.nvfp4_variants), not in linear layers"
             )
         out, k = weights.out_features, weights.in_features
-        scale_dtype = torch.float8_e4m3fn if fmt.has_global_scale else torch.uint8
-        for name, t, shape, dtype in (
-            ("weight", weights.weight, (out, fmt.element.packed_size(k)), torch.uint8),
-            ("weight_scale", weights.weight_scale, (out, k // fmt.block_size), scale_dtype),
-        ):
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        if isinstance(fmt, PerTensorScheme):  # FP8: e4m3 bytes, fp32 scale per tensor [] or per output channel [out]
+            _check_fp8_weights(weights, out)
+        else:
+            scale_dtype = torch.float8_e4m3fn if fmt.has_global_scale else torch.uint8
+            for name, t, shape, dtype in (
+                ("weight", weights.weight, (out, fmt.element.packed_size(k)), torch.uint8),
+                ("weight_scale", weights.weight_scale, (out, k // fmt.block_size), scale_dtype),
+            ):
+                if t.dtype != dtype or tuple(t.shape) != shape:
+                    raise ValueError(f"{name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
         self.in_features, self.out_features = k, out
         self.backend = backend
         self.activation_dtype = activation_dtype
@@ -180,6 +191,8 @@ class EmulatedLinear(torch.nn.Module):
         """The weight ``[out, in]`` in the activation dtype."""
         ops = ops or self._ops(self.weight.device)
         fmt = self.scheme.weight
+        if isinstance(fmt, PerTensorScheme):  # the same torch arithmetic on every backend
+            return _ref.dequantize_fp8_weight(self.weight, self.weight_scale, self.activation_dtype)
         if fmt.has_global_scale:
             return ops.dequantize_to_dtype(
                 self.weight,
@@ -200,6 +213,8 @@ class EmulatedLinear(torch.nn.Module):
         act = self.activation_format
         if act is None:
             return x2
+        if isinstance(act, PerTensorScheme) and act.per_token:  # the same torch arithmetic on every backend
+            return _ref.quant_dequant_fp8_per_token(x2)
         if isinstance(act, PerTensorScheme):
             return ops.quant_dequant_fp8_per_tensor(x2, self.input_qdq_scale, check_scale=False)
         if act.has_global_scale:
@@ -216,6 +231,20 @@ class EmulatedLinear(torch.nn.Module):
         bias = None if self.bias is None else self.bias.to(self.activation_dtype)
         out = torch.nn.functional.linear(xq, self.dequantized_weight(ops), bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _check_fp8_weights(weights: LinearWeights, out: int) -> None:
+    """FP8 ``LinearWeights``: ``weight`` uint8 ``[out, in]`` (e4m3 bytes), ``weight_scale`` fp32 with one value (per
+    tensor) or ``out`` values (per output channel), each positive and finite; ``weight_scale_2`` None."""
+    w, s = weights.weight, weights.weight_scale
+    if w.dtype != torch.uint8 or w.ndim != 2:
+        raise ValueError(f"weight: expected uint8 [out, in] (e4m3 bytes), got {w.dtype} {list(w.shape)}")
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() not in (1, out):
+        got = f"{s.dtype} {list(s.shape)}" if isinstance(s, torch.Tensor) else repr(s)
+        raise ValueError(f"weight_scale: expected fp32 with 1 (per tensor) or {out} (per channel) values, got {got}")
+    if weights.weight_scale_2 is not None:
+        raise ValueError("weight_scale_2: FP8 weights have no global scale, got one")
+    check_global_scale(s, "weight_scale")
 
 
 @torch.no_grad()

@@ -84,6 +84,11 @@ class FusedMoEQuantConfig:
                 f"scheme: expected a MoEQuantScheme or None (mxlib.moe.get_moe_scheme resolves a name), "
                 f"got {type(s).__name__} {s!r}"
             )
+        if s is not None and s.linear_only:
+            raise ValueError(
+                f"scheme: {s.name} is a linear-layer scheme (FP8 weights with a per-tensor or per-channel scale); "
+                f"the experts take the block-scaled schemes of mxlib.moe.schemes.MOE_SCHEMES"
+            )
         object.__setattr__(self, "numerics", get_numerics(self.numerics))
         object.__setattr__(self, "activation", get_activation(self.activation))
         get_scale_mode(self.activation_scale_mode)

@@ -23,7 +23,15 @@ nvfp4_ue5m3                    nvfp4_ue5m3    nvfp4_ue5m3, dynamic (no global sc
 nvfp4_b32                      nvfp4_b32      nvfp4_b32 (static global scale)
 =============================  =============  ===================================
 
-The last two are NVFP4 variants ahead of hardware (``NVFP4_VARIANT_SCHEMES``, ``mxlib.formats.NVFP4_VARIANTS``):
+FP8 linear layers (``FP8_LINEAR_SCHEMES``, linear layers only: the "FP8 attention" beside FP4 experts of mixed
+checkpoints): ``w_fp8_a_fp8`` (e4m3 weights with an fp32 scale per tensor or per output channel, e4m3 activations
+with the checkpoint's static per-tensor ``input_scale``; ModelOpt ``FP8``, compressed-tensors' ``FP8``, Quark's FP8
+per-tensor) and ``w_fp8_a_fp8_per_token`` (the same weights, a scale per token at run time: ModelOpt
+``FP8_PER_CHANNEL_PER_TOKEN``, compressed-tensors' ``FP8_DYNAMIC``). ``get_moe_scheme`` finds them; the emulation
+experts refuse them.
+
+The last two rows of the table are NVFP4 variants ahead of hardware (``NVFP4_VARIANT_SCHEMES``,
+``mxlib.formats.NVFP4_VARIANTS``):
 UE5M3 block scales per 16 elements (AutoRound's ``NVFP4_E5M3`` is accepted for it) and 32-element NVFP4
 blocks. They are not in ``MOE_SCHEMES`` (no checkpoint stores them); ``get_moe_scheme`` finds them, and
 ``mxlib.moe.nvfp4_variants`` runs them on the ``torch`` backend.
@@ -61,6 +69,7 @@ from dataclasses import dataclass
 from ..formats import (
     BLOCK_SCHEMES,
     FP8_E4M3_PER_TENSOR,
+    FP8_E4M3_PER_TOKEN,
     NVFP4,
     NVFP4_VARIANTS,
     BlockScheme,
@@ -73,6 +82,9 @@ __all__ = [
     "MoEQuantScheme",
     "MOE_SCHEMES",
     "NVFP4_VARIANT_SCHEMES",
+    "FP8_LINEAR_SCHEMES",
+    "W_FP8_A_FP8",
+    "W_FP8_A_FP8_PER_TOKEN",
     "OCP_MX_SCHEMES",
     "NVFP4_MOE",
     "W4A16_NVFP4",
@@ -92,7 +104,8 @@ FP8_PER_TENSOR: PerTensorScheme = FP8_E4M3_PER_TENSOR
 class MoEQuantScheme:
     """A MoE quantization scheme: the experts' weight format and activation format.
 
-    ``weight``: a ``BlockScheme`` of ``mxlib.formats`` (``mxfp4``, ``mxfp6_*``, ``nvfp4``);
+    ``weight``: a ``BlockScheme`` of ``mxlib.formats`` (``mxfp4``, ``mxfp6_*``, ``nvfp4``), or the per-tensor
+    ``fp8_e4m3`` of the FP8 linear schemes (``FP8_LINEAR_SCHEMES``);
     ``activation``: a ``BlockScheme`` (dynamic MX, or NVFP4 with a static global scale), the
     per-tensor ``fp8_e4m3`` scheme (static ``input_scale``), or None (weight-only). Both
     print as their names.
@@ -103,7 +116,8 @@ class MoEQuantScheme:
     activation: BlockScheme | PerTensorScheme | None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "weight", get_block_scheme(self.weight))
+        if not isinstance(self.weight, PerTensorScheme):  # FP8 linear layers: e4m3 with a per-tensor / channel scale
+            object.__setattr__(self, "weight", get_block_scheme(self.weight))
         object.__setattr__(self, "activation", get_activation_format(self.activation))
 
     def __str__(self) -> str:
@@ -126,6 +140,12 @@ class MoEQuantScheme:
         (A16: activations in the model's 16-bit dtype)."""
         act = 16 if self.activation is None else self.activation.element.nbits
         return f"W{self.weight.element.nbits}A{act}"
+
+    @property
+    def linear_only(self) -> bool:
+        """Whether the scheme is for linear layers only (FP8 weights with a per-tensor or per-channel scale:
+        ``FP8_LINEAR_SCHEMES``); the emulation experts refuse it."""
+        return isinstance(self.weight, PerTensorScheme)
 
     @property
     def is_ocp_mx(self) -> bool:
@@ -175,6 +195,16 @@ W4A16_NVFP4: MoEQuantScheme = MOE_SCHEMES[W4A16_NVFP4_NAME]
 NVFP4_VARIANT_SCHEMES: dict[str, MoEQuantScheme] = {
     name: MoEQuantScheme(name, fmt, fmt) for name, fmt in NVFP4_VARIANTS.items()
 }
+# FP8 linear layers (the "FP8 attention" of mixed checkpoints): e4m3 weights with an fp32 weight_scale per tensor or
+# per output channel (the stored tensor says which), activations in e4m3 with the checkpoint's static per-tensor
+# input_scale, or with a scale per token at run time. Linear layers only (``MoEQuantScheme.linear_only``): kept out of
+# ``MOE_SCHEMES``; ``get_moe_scheme`` finds them; ``mxlib.moe.linear.EmulatedLinear`` runs them.
+FP8_LINEAR_SCHEMES: dict[str, MoEQuantScheme] = {
+    "w_fp8_a_fp8": MoEQuantScheme("w_fp8_a_fp8", FP8_E4M3_PER_TENSOR, FP8_E4M3_PER_TENSOR),
+    "w_fp8_a_fp8_per_token": MoEQuantScheme("w_fp8_a_fp8_per_token", FP8_E4M3_PER_TENSOR, FP8_E4M3_PER_TOKEN),
+}
+W_FP8_A_FP8: MoEQuantScheme = FP8_LINEAR_SCHEMES["w_fp8_a_fp8"]
+W_FP8_A_FP8_PER_TOKEN: MoEQuantScheme = FP8_LINEAR_SCHEMES["w_fp8_a_fp8_per_token"]
 # Other tools' names of the NVFP4 variants: AutoRound's NVFP4 with UE5M3 block scales (intel/auto-round#2123)
 NVFP4_VARIANT_ALIASES: dict[str, str] = {"NVFP4_E5M3": "nvfp4_ue5m3", "nvfp4_e5m3": "nvfp4_ue5m3"}
 # Other tools' scheme names -> the canonical name (docs/api-mapping.md gives the sources).
@@ -266,6 +296,8 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     key = NVFP4_VARIANT_ALIASES.get(key, key)
     if key in NVFP4_VARIANT_SCHEMES:
         return NVFP4_VARIANT_SCHEMES[key]
+    if key in FP8_LINEAR_SCHEMES:
+        return FP8_LINEAR_SCHEMES[key]
     if name in BLOCK_SCHEMES or name in _FORMAT_NAME_MEANINGS:
         meaning = _FORMAT_NAME_MEANINGS.get(
             name, f"'w_{name}' (weights only) or 'w_{name}_a_{name}' (weights and activations)"
@@ -285,7 +317,8 @@ def get_moe_scheme(name: str | MoEQuantScheme) -> MoEQuantScheme:
     hint = f"did you mean {' or '.join(repr(_SPELLING[n]) for n in near)}? " if near else ""
     raise ValueError(
         f"scheme: unknown MoE scheme {name!r}; {hint}supported: {list(MOE_SCHEMES)}, NVFP4 variants ahead of "
-        f"hardware {list(NVFP4_VARIANT_SCHEMES)} (other tools' names: {list(SCHEME_ALIASES)})"
+        f"hardware {list(NVFP4_VARIANT_SCHEMES)}, FP8 linear layers {list(FP8_LINEAR_SCHEMES)} (other tools' names: "
+        f"{list(SCHEME_ALIASES)})"
     )
 
 

@@ -74,6 +74,7 @@ from ..moe.factory import make_emulated_linear, quantize_expert_weights, quantiz
 from ..moe.linear import EmulatedLinear
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..stats import ALPHA, ComparisonFamily
+from ..text_table import text_table
 from .attribution import ALL_TASKS, _differences_and_waterfall, on_grid, task_values
 from .scheme_study import emulation_experts
 
@@ -88,6 +89,7 @@ __all__ = [
     "group_residuals",
     "attribute_groups",
     "attribute_groups_trained",
+    "group_table",
 ]
 
 BF16 = "bf16"
@@ -675,3 +677,75 @@ def attribute_groups_trained(
         tasks=[*base.tasks, ALL_TASKS],
         seconds=seconds,
     )
+
+
+# ----------------------------------------------------------------------------- the printed table
+
+
+def _verdict(result: dict, a: str, b: str, metric: str) -> str:
+    v = result["decisions"].get(f"{a} vs {b} ({metric})")
+    return "-" if v is None else v["verdict"]
+
+
+def group_table(result: dict, schemes: Mapping[str, str] | None = None, metric: str | None = None) -> str:
+    """``attribute_groups``' result as text (``mxlib attribute-groups`` prints it): one row per precision group,
+    then the checkpoint (``all``), the interaction and each ``<g> as <scheme>``. The numbers are the result's own.
+
+    Columns: the group, its stored scheme (``schemes``: {group: name}, ``-`` where not given), its modules; for
+    ``metric`` (``"logits nsr"`` by default, or the result's first metric) the group alone (``only <g>`` minus
+    ``bf16``: ``singles``) and its decision against ``bf16``; what switching it back to bf16 saves (``all`` minus
+    ``without <g>``: ``switches``) and its decision (``all`` against ``without <g>``); the SQNR of ``only <g>``
+    in dB (``sqnr_db``). Rows ``<g> as <s>`` give that configuration minus ``all`` and its decision against
+    ``all``.
+
+    Raises:
+        KeyError: ``metric`` not in the result's decompositions, naming the ones there.
+    """
+    decs = result["decompositions"]
+    metric = metric or ("logits nsr" if "logits nsr" in decs else next(iter(decs)))
+    if metric not in decs:
+        raise KeyError(f"metric: expected one of {list(decs)}, got {metric!r}")
+    d, schemes = decs[metric], schemes or {}
+    sqnr = result.get("sqnr_db", {})
+
+    def db(name):
+        return f"{sqnr[name]:.2f}" if name in sqnr else "-"
+
+    header = ["group", "scheme", "modules", f"alone ({metric})", "vs bf16", "switched back saves", "vs all", "SQNR dB"]
+    rows = []
+    for g, modules in result["groups"].items():
+        rows.append(
+            [
+                g,
+                str(schemes.get(g, "-")),
+                str(len(modules)),
+                f"{d['singles'][g]:.4e}",
+                _verdict(result, f"only {g}", BF16, metric),
+                f"{d['switches'][g]:.4e}",
+                _verdict(result, ALL, f"without {g}", metric),
+                db(f"only {g}"),
+            ]
+        )
+    rows.append(
+        [
+            ALL,
+            "as stored",
+            str(sum(len(m) for m in result["groups"].values())),
+            f"{d['total']:.4e}",
+            "-",
+            "-",
+            "-",
+            db(ALL),
+        ]
+    )
+    rows.append(["interaction", "-", "-", f"{d['interaction']:.4e}", "-", "-", "-", "-"])
+    for name, diff in d["targets"].items():
+        rows.append([name, "-", "-", f"{diff:+.4e} vs all", _verdict(result, name, ALL, metric), "-", "-", db(name)])
+    lines = text_table(header, rows, align="<<><<><>", sep="  ")
+    unit = "tokens" if result.get("draws", 1) == 1 else "token sets"
+    lines.append(
+        f"{metric}: configuration minus bf16 (the reference); {result.get('n', '?')} tokens in "
+        f"{result.get('draws', 1)} draw(s), decided over {unit} (mxlib.stats, Holm); bf16 = the reference bit for bit: "
+        f"{result.get('bf16_matches_reference')}"
+    )
+    return "\n".join(lines)

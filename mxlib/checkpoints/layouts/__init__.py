@@ -11,6 +11,8 @@ module                         the layout
 ``compressed_tensors_mxfp4``   llm-compressor's ``mxfp4-pack-quantized``
 ``compressed_tensors_mxfp8``   llm-compressor's ``mxfp8-quantized``
 ``gpt_oss_mxfp4``              gpt-oss's native MXFP4 experts (whole layers with biases)
+``fp8_linear``                 FP8 linear layers of ModelOpt, Quark and compressed-tensors (mixed checkpoints'
+                               FP8 attention; three layouts, linear layers only)
 =============================  ===================================================================================
 
 Importing this package registers them in ``LAYOUTS`` (``mxlib.checkpoints.layout``), in the order it lists them
@@ -23,6 +25,7 @@ from . import (
     compressed_tensors_mxfp4,
     compressed_tensors_mxfp8,
     compressed_tensors_nvfp4,
+    fp8_linear,
     gpt_oss_mxfp4,
     modelopt_mxfp8,
     modelopt_nvfp4,
@@ -38,6 +41,7 @@ __all__ = [
     "compressed_tensors_mxfp4",
     "compressed_tensors_mxfp8",
     "compressed_tensors_nvfp4",
+    "fp8_linear",
     "gpt_oss_mxfp4",
     "modelopt_mxfp8",
     "modelopt_nvfp4",
@@ -53,6 +57,9 @@ for _layout in (
     modelopt_mxfp8.LAYOUT,
     compressed_tensors_mxfp8.LAYOUT,
     gpt_oss_mxfp4.LAYOUT,
+    fp8_linear.MODELOPT,
+    fp8_linear.QUARK,
+    fp8_linear.COMPRESSED_TENSORS,
 ):
     register_layout(_layout)
 del _layout

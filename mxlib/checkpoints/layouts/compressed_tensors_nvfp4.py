@@ -53,7 +53,7 @@ from ..layout import (
     global_scale_check,
 )
 from ..scalars import read_scalar_scales
-from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
+from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8, fp8_linear
 
 __all__ = ["LAYOUT", "quantize_nvfp4_encode"]
 
@@ -127,6 +127,8 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
             return compressed_tensors_mxfp4.LAYOUT.read_config(qc)
         if fmt == compressed_tensors_mxfp8.FORMAT:  # and the MXFP8 layout's
             return compressed_tensors_mxfp8.LAYOUT.read_config(qc)
+        if fmt == fp8_linear.CT_FORMAT:  # and the FP8 linear layers'
+            return fp8_linear.COMPRESSED_TENSORS.read_config(qc)
         if fmt != _FORMAT:
             raise CheckpointError(
                 f"quantization_config.format: the compressed-tensors layout supports {_FORMAT!r}, found {fmt!r}"

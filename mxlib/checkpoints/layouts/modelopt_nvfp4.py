@@ -20,7 +20,8 @@ ModelOpt's default NVFP4 config also quantizes the attention projections
 (``model.layers.L.self_attn.{q,k,v,o}_proj``, the same four tensors each); its experts-only
 config leaves them bf16 and ignored. Scalar scales stored as bf16 or fp16 are widened exactly.
 
-``quant_algo: MXFP8`` configs (the same ``quant_method``) are read by ``modelopt_mxfp8``.
+``quant_algo: MXFP8`` configs (the same ``quant_method``) are read by ``modelopt_mxfp8``, ``FP8`` and
+``FP8_PER_CHANNEL_PER_TOKEN`` ones (FP8 linear layers) by ``fp8_linear``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..layout import (
     global_scale_check,
 )
 from ..scalars import read_scalar_scales
-from . import modelopt_mxfp8
+from . import fp8_linear, modelopt_mxfp8
 
 __all__ = ["LAYOUT"]
 
@@ -120,8 +121,10 @@ class ModelOptNvfp4Layout(CheckpointLayout):
             return precision.mixed_description(self.name, qc, self.read_config)
         if algo == modelopt_mxfp8.ALGO:  # the same quant_method, the MXFP8 layout's config
             return modelopt_mxfp8.LAYOUT.read_config(qc)
+        if algo in fp8_linear.MODELOPT_ALGOS:  # and the FP8 linear layers'
+            return fp8_linear.MODELOPT.read_config(qc)
         if algo not in _FROM_ALGO:
-            supported = sorted([*_FROM_ALGO, modelopt_mxfp8.ALGO])
+            supported = sorted([*_FROM_ALGO, modelopt_mxfp8.ALGO, *fp8_linear.MODELOPT_ALGOS])
             raise CheckpointError(f"quantization_config.quant_algo: supported {supported}, found {algo!r}")
         bs, bits = NVFP4.block_size, NVFP4.element.nbits
         group_size = qc.get("group_size")

@@ -7,7 +7,8 @@ uint8 too), ``...e.p.weight_scale`` uint8 E8M0 ``[out, in/32]``, and
 read widened to fp32 exactly; the writer writes fp32), with
 ``quantization_config.quant_method: quark`` (``global_quant_config`` weight / input_tensors,
 ``exclude``, ``export``). Real exports carry many more keys; the reader tolerates them and rejects
-what the emulation cannot honour, naming the field.
+what the emulation cannot honour, naming the field. FP8 weights (``dtype: fp8_e4m3``, ``per_tensor`` or
+``per_channel``: FP8 linear layers of mixed checkpoints) are read by ``fp8_linear``.
 
 ``exclude``: the reader takes exact module names, fnmatch globs and ``re:<regex>`` patterns
 (``layout.matches``; vLLM's ``should_ignore_layer`` takes names and ``re:``). The writer lists every
@@ -45,6 +46,7 @@ from ..layout import (
     global_scale_check,
 )
 from ..scalars import read_scalar_scales
+from . import fp8_linear
 
 __all__ = ["LAYOUT"]
 
@@ -173,6 +175,8 @@ class QuarkOcpMxLayout(CheckpointLayout):
         if not w:
             raise CheckpointError("quantization_config.global_quant_config.weight: missing")
         wdtype = w.get("dtype")
+        if wdtype == fp8_linear.QUARK_DTYPE and w.get("qscheme") in fp8_linear.QUARK_QSCHEMES:  # FP8 linear
+            return fp8_linear.QUARK.read_config(qc)
         if wdtype not in _FROM_DTYPE:
             raise CheckpointError(
                 f"quantization_config.global_quant_config.weight.dtype: supported {sorted(_FROM_DTYPE)}, "
