@@ -71,9 +71,9 @@ EXPECTED = {
 }
 ACTIVATION_ELEMENT = {"w_mxfp4_a_mxfp4": "e2m1", "w_mxfp8_a_mxfp8": "e4m3", "w_mxfp4_a_mxfp8": "e4m3"}
 
-# fixture -> (floor vs the tool's fake-quantized logits or None, floor vs bf16 logits), in dB: a few dB
+# fixture -> (the least SQNR vs the tool's fake-quantized logits or None, vs bf16 logits), in dB: a few dB
 # under what was measured (LOGITS_SQNR_DB).
-LOGITS_FLOOR_DB = {
+LOGITS_MIN_SQNR_DB = {
     "llmc_mxfp4": (36.0, 25.0),
     "llmc_mxfp4a16": (42.0, 28.0),
     "llmc_mxfp8": (40.0, 32.0),
@@ -311,14 +311,14 @@ def test_logits_agree(name):
     model, _ = _loaded(name)
     with torch.no_grad():
         logits = model(input_ids=results["tokens.eval"]).logits.float()
-    floor_tool, floor_bf16 = LOGITS_FLOOR_DB[name]
+    min_tool, min_bf16 = LOGITS_MIN_SQNR_DB[name]
     vs_bf16 = _sqnr_db(logits, results["logits.bf16"])
-    assert vs_bf16 >= floor_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {floor_bf16} dB"
-    if floor_tool is None:
-        assert "logits.tool" not in results, f"{name}: the tool's logits are recorded: give them a floor"
+    assert vs_bf16 >= min_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {min_bf16} dB"
+    if min_tool is None:
+        assert "logits.tool" not in results, f"{name}: the tool's logits are recorded: give them a minimum"
         return
     vs_tool = _sqnr_db(logits, results["logits.tool"])
-    assert vs_tool >= floor_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {floor_tool} dB"
+    assert vs_tool >= min_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {min_tool} dB"
     tool_vs_bf16 = _sqnr_db(results["logits.tool"], results["logits.bf16"])
     assert vs_tool > tool_vs_bf16, f"{name}: {vs_tool:.1f} dB to the tool, tool to bf16 {tool_vs_bf16:.1f} dB"
 
