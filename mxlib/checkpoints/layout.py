@@ -78,6 +78,8 @@ __all__ = [
     "PROJS",
     "global_scale_check",
     "block_scale_check",
+    "expert_parts",
+    "read_nvfp4_experts",
     "REGEX_TIMEOUT_S",
 ]
 
@@ -326,6 +328,84 @@ def matches(name: str, patterns: list[str]) -> bool:
         elif fnmatch.fnmatchcase(name, p) or name == p:
             return True
     return False
+
+
+# ----------------------------------------------------------------------------- per-expert tensors
+
+
+def expert_parts(weights: ExpertWeights, w13_input_scale=None, w2_input_scale=None):
+    """One layer's experts cut into the per-expert, per-projection tensors of the layouts that store each
+    expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` as its own module.
+
+    Yields ``(x, proj, weight, weight_scale, global_scale, input_scale)`` for each expert ``x`` in order and
+    each ``proj`` of ``PROJS``: ``weight`` / ``weight_scale`` that projection's rows of ``w13_*`` (gate the
+    first ``I`` rows, up the next ``I``) or of ``w2_*``, contiguous on the CPU, dtypes as held; ``global_scale``
+    the NVFP4 global scale (a 0-d view: ``w13_weight_scale_2 [E, 2]`` gives gate and up their own, ``[E]``
+    one for both; ``w2_weight_scale_2 [E]``), None without one; ``input_scale`` element ``x`` of
+    ``w13_input_scale`` (gate, up) or ``w2_input_scale`` (down), None where that is None.
+    """
+    e, two_i = weights.w13_weight.shape[:2]
+    i = two_i // 2
+    g13 = weights.w13_weight_scale_2
+    if g13 is not None and g13.ndim == 1:  # [E]: gate and up share one
+        g13 = g13[:, None].expand(e, 2)
+    for x in range(e):
+        for j, (proj, rows) in enumerate(zip(PROJS, (slice(0, i), slice(i, 2 * i), slice(None)))):
+            w13 = j < 2
+            packed, scale = (
+                (weights.w13_weight, weights.w13_weight_scale) if w13 else (weights.w2_weight, weights.w2_weight_scale)
+            )
+            g = None if g13 is None else (g13[x, j] if w13 else weights.w2_weight_scale_2[x])
+            ins = w13_input_scale if w13 else w2_input_scale
+            yield (
+                x,
+                proj,
+                packed[x, rows].contiguous().cpu(),
+                scale[x, rows].contiguous().cpu(),
+                g,
+                None if ins is None else ins[x],
+            )
+
+
+def read_nvfp4_experts(tensors, prefix: str, e: int, h: int, i: int, weight: str, global_scale, read_scalars):
+    """One layer's NVFP4 experts stored per expert and projection (``{prefix}.{x}.{proj}.{name}``): the
+    packed e2m1 ``weight``, its e4m3 ``weight_scale`` and one global scale per projection.
+
+    Args:
+        tensors: the layer's ``TensorReader`` (``stack(names, shape, dtype, check, out)``).
+        e, h, i: experts, hidden size, intermediate size.
+        weight: the packed tensors' name (ModelOpt ``weight``, compressed-tensors ``weight_packed``).
+        global_scale: the global scales' name (``weight_scale_2``, ``weight_global_scale``).
+        read_scalars: ``(names) -> fp32 [E]``, the layout's read of one scalar per expert (its stored
+            shape and range check, ``mxlib.checkpoints.scalars.read_scalar_scales``).
+
+    Returns:
+        ``(w13 uint8 [E, 2I, H/2], w13 block scales float8_e4m3fn [E, 2I, H/16], w2 uint8 [E, H, I/2],
+        w2 block scales [E, H, I/16], w13 global scales fp32 [E, 2] (gate, up), w2 global scales [E])``.
+
+    Raises:
+        CheckpointError: from ``tensors.stack`` and ``read_scalars``, naming the tensor: a missing one, a
+        shape or dtype other than the above, a NaN or negative e4m3 block scale.
+    """
+    bs = NVFP4.block_size
+    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def names(proj, what):
+        return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
+
+    blocks = block_scale_check(e4m3=True)
+    packed = {p: (rows[p][0], NVFP4.element.packed_size(rows[p][1])) for p in PROJS}
+    sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
+    w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
+    s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
+    for j, p in enumerate(("gate_proj", "up_proj")):
+        tensors.stack(names(p, weight), packed[p], u8, out=w13[:, j * i : (j + 1) * i])
+        tensors.stack(names(p, "weight_scale"), sshape[p], f8, blocks, out=s13[:, j * i : (j + 1) * i])
+    w2 = tensors.stack(names("down_proj", weight), packed["down_proj"], u8)
+    s2 = tensors.stack(names("down_proj", "weight_scale"), sshape["down_proj"], f8, blocks)
+    g = {p: read_scalars(names(p, global_scale)) for p in PROJS}
+    return w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"]
 
 
 # ----------------------------------------------------------------------------- value checks (stack(check=...))

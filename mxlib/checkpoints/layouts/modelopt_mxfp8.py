@@ -32,7 +32,14 @@ from ...formats import BLOCK_SCHEMES
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from ..layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
+from ..layout import (
+    PROJS,
+    CheckpointDescription,
+    CheckpointError,
+    CheckpointLayout,
+    block_scale_check,
+    expert_parts,
+)
 
 __all__ = ["LAYOUT", "ALGO"]
 
@@ -119,19 +126,11 @@ class ModelOptMxfp8Layout(CheckpointLayout):
         return LinearWeights(_MXFP8, p, s)
 
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
         out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight"] = p[x, rows].contiguous().cpu().view(_STORED)
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
+        for x, proj, p, s, _, _ in expert_parts(weights):
+            base = f"{prefix}.{x}.{proj}"
+            out[f"{base}.weight"] = p.view(_STORED)
+            out[f"{base}.weight_scale"] = s
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
