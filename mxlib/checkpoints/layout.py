@@ -1,6 +1,8 @@
 """What every checkpoint layout shares: the error type, the typed description a layout reads
 from a config, the ``CheckpointLayout`` base class, the registry the writer and loader dispatch
-on, the default layout of each weight format, and exclude-list matching.
+on, the default layout of each weight format, and exclude-list matching; and what the layouts that
+store each expert's projections as their own modules share: ``expert_parts`` (one layer's experts cut
+into per-expert gate / up / down tensors) and ``read_block_experts`` (those tensors read back, checked).
 
 A layout is an instance of a ``CheckpointLayout`` subclass. It must have:
 
@@ -79,7 +81,7 @@ __all__ = [
     "global_scale_check",
     "block_scale_check",
     "expert_parts",
-    "read_nvfp4_experts",
+    "read_block_experts",
     "REGEX_TIMEOUT_S",
 ]
 
@@ -367,43 +369,62 @@ def expert_parts(weights: ExpertWeights, w13_input_scale=None, w2_input_scale=No
             )
 
 
-def read_nvfp4_experts(tensors, prefix: str, e: int, h: int, i: int, weight: str, global_scale, read_scalars):
-    """One layer's NVFP4 experts stored per expert and projection (``{prefix}.{x}.{proj}.{name}``): the
-    packed e2m1 ``weight``, its e4m3 ``weight_scale`` and one global scale per projection.
+def read_block_experts(
+    tensors,
+    prefix: str,
+    e: int,
+    h: int,
+    i: int,
+    block: BlockScheme,
+    weight: str = "weight",
+    stored_dtype: torch.dtype = torch.uint8,
+    global_scale: str | None = None,
+    read_scalars=None,
+) -> tuple[torch.Tensor, ...]:
+    """One layer's experts in ``block`` stored per expert and projection (``{prefix}.{x}.{proj}.{name}``): the
+    packed ``weight``, its ``weight_scale`` block scales and, with ``global_scale``, one global scale per
+    projection. Gate and up are read into place in ``w13`` (no copy).
 
     Args:
         tensors: the layer's ``TensorReader`` (``stack(names, shape, dtype, check, out)``).
         e, h, i: experts, hidden size, intermediate size.
-        weight: the packed tensors' name (ModelOpt ``weight``, compressed-tensors ``weight_packed``).
-        global_scale: the global scales' name (``weight_scale_2``, ``weight_global_scale``).
-        read_scalars: ``(names) -> fp32 [E]``, the layout's read of one scalar per expert (its stored
-            shape and range check, ``mxlib.checkpoints.scalars.read_scalar_scales``).
+        block: the weights' block scheme: packed sizes, block size, and the scales' dtype (``ue4m3``: stored
+            float8_e4m3fn, NaN and negative refused; ``e8m0``: uint8, 0xFF refused).
+        weight: the packed tensors' name (``weight``; compressed-tensors FP4 ``weight_packed``).
+        stored_dtype: their dtype on disk (uint8, or float8_e4m3fn for MXFP8), returned as uint8.
+        global_scale: the global scales' name (``weight_scale_2``, ``weight_global_scale``), or None.
+        read_scalars: with ``global_scale``, ``(names) -> fp32 [E]``, the layout's read of one scalar per
+            expert (its stored shape and range check, ``mxlib.checkpoints.scalars.read_scalar_scales``).
 
     Returns:
-        ``(w13 uint8 [E, 2I, H/2], w13 block scales float8_e4m3fn [E, 2I, H/16], w2 uint8 [E, H, I/2],
-        w2 block scales [E, H, I/16], w13 global scales fp32 [E, 2] (gate, up), w2 global scales [E])``.
+        ``(w13 uint8 [E, 2I, packed H], w13 block scales [E, 2I, H / block_size], w2 uint8 [E, H, packed I],
+        w2 block scales [E, H, I / block_size])``, then with ``global_scale`` ``w13`` global scales fp32
+        ``[E, 2]`` (gate, up) and ``w2``'s ``[E]``.
 
     Raises:
         CheckpointError: from ``tensors.stack`` and ``read_scalars``, naming the tensor: a missing one, a
-        shape or dtype other than the above, a NaN or negative e4m3 block scale.
+        shape or dtype other than the above, an invalid block scale.
     """
-    bs = NVFP4.block_size
-    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    bs, u8 = block.block_size, torch.uint8
+    e4m3 = block.scale.element is not None  # ue4m3 scales (NVFP4), else E8M0 bytes
+    sdtype = torch.float8_e4m3fn if e4m3 else u8
     rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
     def names(proj, what):
         return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
 
-    blocks = block_scale_check(e4m3=True)
-    packed = {p: (rows[p][0], NVFP4.element.packed_size(rows[p][1])) for p in PROJS}
+    blocks = block_scale_check(e4m3=e4m3)
+    packed = {p: (rows[p][0], block.element.packed_size(rows[p][1])) for p in PROJS}
     sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
     w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
-    s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
+    s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=sdtype)
     for j, p in enumerate(("gate_proj", "up_proj")):
-        tensors.stack(names(p, weight), packed[p], u8, out=w13[:, j * i : (j + 1) * i])
-        tensors.stack(names(p, "weight_scale"), sshape[p], f8, blocks, out=s13[:, j * i : (j + 1) * i])
-    w2 = tensors.stack(names("down_proj", weight), packed["down_proj"], u8)
-    s2 = tensors.stack(names("down_proj", "weight_scale"), sshape["down_proj"], f8, blocks)
+        tensors.stack(names(p, weight), packed[p], stored_dtype, out=w13.view(stored_dtype)[:, j * i : (j + 1) * i])
+        tensors.stack(names(p, "weight_scale"), sshape[p], sdtype, blocks, out=s13[:, j * i : (j + 1) * i])
+    w2 = tensors.stack(names("down_proj", weight), packed["down_proj"], stored_dtype).view(u8)
+    s2 = tensors.stack(names("down_proj", "weight_scale"), sshape["down_proj"], sdtype, blocks)
+    if global_scale is None:
+        return w13, s13, w2, s2
     g = {p: read_scalars(names(p, global_scale)) for p in PROJS}
     return w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"]
 

@@ -52,7 +52,7 @@ from ..layout import (
     block_scale_check,
     expert_parts,
     global_scale_check,
-    read_nvfp4_experts,
+    read_block_experts,
 )
 from ..scalars import read_scalar_scales
 from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8
@@ -223,11 +223,11 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
         gs = global_scale_check(what="weight_global_scale")
         ins_ok = global_scale_check(True, "input_global_scale")
 
-        def scalars(names, check):
+        def scalars(names, check=gs):
             return read_scalar_scales(tensors, names, (1,), check).reshape(e)
 
-        parts = read_nvfp4_experts(
-            tensors, prefix, e, h, i, "weight_packed", "weight_global_scale", lambda n: scalars(n, gs)
+        parts = read_block_experts(
+            tensors, prefix, e, h, i, NVFP4, "weight_packed", global_scale="weight_global_scale", read_scalars=scalars
         )
         weights = ExpertWeights(NVFP4, *parts, global_scale_kind="encode")
         ins = {p: scalars([f"{prefix}.{x}.{p}.input_global_scale" for x in range(e)], ins_ok) for p in PROJS}

@@ -36,16 +36,15 @@ from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
 from .. import precision
 from ..files.folder import CheckpointFolder
 from ..layout import (
-    PROJS,
     CheckpointDescription,
     CheckpointError,
     CheckpointLayout,
     block_scale_check,
     expert_parts,
     global_scale_check,
-    read_nvfp4_experts,
+    read_block_experts,
 )
-from ..scalars import read_scalar_scales
+from ..scalars import read_scalar_scales, read_static_input_scales
 from . import modelopt_mxfp8
 
 __all__ = ["LAYOUT"]
@@ -165,18 +164,16 @@ class ModelOptNvfp4Layout(CheckpointLayout):
         # every value that could silently spoil the emulation is checked here, naming the tensor:
         # block scales (NaN, negative), weight_scale_2 (finite, positive), input_scale (also 0);
         # scalar scales: fp32, bf16 or fp16 as stored, widened to fp32 exactly (scalars.py)
-        gs, ins_ok = global_scale_check(), global_scale_check(True, "input_scale")
-        parts = read_nvfp4_experts(
-            tensors, prefix, e, h, i, "weight", "weight_scale_2", lambda n: read_scalar_scales(tensors, n, (), gs)
-        )
+        gs = global_scale_check()
+
+        def scalars(names):
+            return read_scalar_scales(tensors, names, (), gs)
+
+        parts = read_block_experts(tensors, prefix, e, h, i, NVFP4, global_scale="weight_scale_2", read_scalars=scalars)
         weights = ExpertWeights(NVFP4, *parts)
         if description.scheme.weight_only:  # W4A16_NVFP4: no activation scale
             return weights, None, None
-        ins = {
-            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-            for p in PROJS
-        }
-        return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+        return (weights, *read_static_input_scales(tensors, prefix, e))
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         out = {

@@ -45,7 +45,7 @@ from ..layout import (
     expert_parts,
     global_scale_check,
 )
-from ..scalars import read_scalar_scales
+from ..scalars import read_scalar_scales, read_static_input_scales
 
 __all__ = ["LAYOUT"]
 
@@ -276,12 +276,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
         )
         if not scheme.static_activation_scale:
             return weights, None, None
-        ins_ok = global_scale_check(True, "input_scale")
-        ins = {
-            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-            for p in PROJS
-        }
-        return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+        return (weights, *read_static_input_scales(tensors, prefix, e))
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         out = {
