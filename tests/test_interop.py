@@ -57,6 +57,8 @@ from mxlib import reference as R
 from mxlib.checkpoints import CheckpointError, load_quantized_qwen3_moe
 from mxlib.moe.linear import EmulatedLinear
 
+from _util import assert_same_bits
+
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 
 # fixture -> what mxlib needs to load it, or None if it loads today
@@ -160,25 +162,6 @@ def _dequant_names(results, prefix="dequant."):
     return sorted(k[len(prefix) :] for k in results if k.startswith(prefix))
 
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _assert_bits(actual, expected, what, zero_sign_free=False):
-    """Bit-for-bit equality (NaN payloads included). ``zero_sign_free`` lets -0 stand for +0:
-    ModelOpt's ``NVFP4QTensor.dequantize`` decodes e2m1 code 8 (-0) as +0.0 where mxlib gives
-    -0.0, and the tools' activation QDQ turns a negative value that rounds to zero into +0.0."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
-        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}"
-    )
-    iv = _INT_VIEW[actual.dtype]
-    bad = actual.view(iv) != expected.view(iv)
-    if zero_sign_free:
-        bad &= ~((actual == 0) & (expected == 0))
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
-    )
-
-
 def _mxlib_dequant(fmt_cfg, tensors, module, dtype):
     """mxlib.reference's dequantization of one checkpoint module, by layout."""
     qc = fmt_cfg["quantization_config"]
@@ -234,13 +217,13 @@ def test_dequant_reference_equals_tool(name):
     for module in names:
         tool = results[f"dequant.{module}"]
         mine = _mxlib_dequant(cfg, tensors, module, tool.dtype)
-        _assert_bits(mine, tool, f"{name} {module}", zero_sign_free=zsf)
+        assert_same_bits(mine, tool, f"{name} {module}", zero_sign_free=zsf)
     for module in _dequant_names(results, "dequant_import."):  # Quark's importer reading its own export back
         tool = results[f"dequant_import.{module}"]
-        _assert_bits(_mxlib_dequant(cfg, tensors, module, tool.dtype), tool, f"{name} {module} (import)")
+        assert_same_bits(_mxlib_dequant(cfg, tensors, module, tool.dtype), tool, f"{name} {module} (import)")
     for module in _dequant_names(results, "dequant_fp32."):
         tool = results[f"dequant_fp32.{module}"]
-        _assert_bits(
+        assert_same_bits(
             _mxlib_dequant(cfg, tensors, module, torch.float32), tool, f"{name} {module} (fp32)", zero_sign_free=zsf
         )
 
@@ -256,7 +239,7 @@ def test_loader_experts_equal_tool_dequant(name):
         if isinstance(modules.get(module), EmulatedLinear):  # a quantized attention projection
             mine = modules[module].dequantized_weight()
             tool = results[f"dequant.{module}"]
-            _assert_bits(
+            assert_same_bits(
                 mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt"
             )
             continue
@@ -266,7 +249,9 @@ def test_loader_experts_equal_tool_dequant(name):
         i = w2.shape[1]
         mine = {"gate_proj": w13[:i], "up_proj": w13[i:], "down_proj": w2}[proj]
         tool = results[f"dequant.{module}"]
-        _assert_bits(mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt")
+        assert_same_bits(
+            mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt"
+        )
 
 
 # ----------------------------------------------------------------------------- activation QDQ
@@ -301,7 +286,7 @@ def test_activation_qdq_equals_tool(name):
     _, meta, results = _fixture(name)
     cfg, tensors = _checkpoint(name)
     mine = _mxlib_qdq(name, meta, results, cfg, tensors)
-    _assert_bits(mine, results["qdq.y"], f"{name} qdq", zero_sign_free=True)
+    assert_same_bits(mine, results["qdq.y"], f"{name} qdq", zero_sign_free=True)
 
 
 # ----------------------------------------------------------------------------- logits
