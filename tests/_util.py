@@ -32,6 +32,26 @@ def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "
         raise AssertionError(f"{msg} {int(bad.sum())} of {bad.numel()} differ; first at {idx}: got {a}, expected {e}")
 
 
+_SAME_SIZE_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def assert_same_bits(actual, expected, what, zero_sign_free=False):
+    """Bit-for-bit equality of float tensors, NaN payloads included (``assert_bits_equal`` leaves NaN payloads
+    out). ``zero_sign_free`` lets -0 stand for +0: ModelOpt's ``NVFP4QTensor.dequantize`` decodes e2m1 code 8
+    (-0) as +0.0 where mxlib gives -0.0, and the tools' activation QDQ turns a negative value that rounds to zero
+    into +0.0."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}"
+    )
+    iv = _SAME_SIZE_INT[actual.dtype]
+    bad = actual.view(iv) != expected.view(iv)
+    if zero_sign_free:
+        bad &= ~((actual == 0) & (expected == 0))
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
+    )
+
+
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # A test that runs the triton / fused backends on CPU tensors runs them in Triton's interpreter; on a CUDA
@@ -134,6 +154,31 @@ def chromium_binary() -> str:
         if path:
             return path
     pytest.fail("chromium not found: run tools/ensure_chromium.sh (Debian: apt-get install -y chromium)")
+
+
+def tiny_calibrated(seed: int, tokens: int = 24, layers: int = 2, ids_seed: int = 0):
+    """The checkpoint tests' tiny Qwen3-MoE: ``dummy_qwen3_moe`` of ``TINY_QWEN3`` with ``layers`` layers
+    (``seed``, ``expert_spread=0.5``), ``[2, tokens]`` token ids below 128 (``torch.Generator`` seeded
+    ``ids_seed``) and the calibration on them: ``(model, calibration, ids)``."""
+    from mxlib.models.calibration import calibrate
+    from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
+
+    cfg = qwen3_30b_a3b_config(num_hidden_layers=layers, **TINY_QWEN3)
+    model = dummy_qwen3_moe(cfg, seed=seed, expert_spread=0.5)
+    ids = torch.randint(0, 128, (2, tokens), generator=torch.Generator().manual_seed(ids_seed))
+    return model, calibrate(model, ids), ids
+
+
+def stored_tensors(folder) -> dict:
+    """Every tensor of every ``*.safetensors`` file in ``folder``, by name."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
 def edited_checkpoint(tiny, folder, layout, scheme, edit_config=None, edit_tensor=None):

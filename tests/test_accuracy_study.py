@@ -67,7 +67,7 @@ def test_rows_mark_a_loss_only_beyond_the_floor_and_the_interval():
     assert row["delta_nll"] == pytest.approx(0.4 / 4)
     text = A.claims([row], "scheme", FLOOR)
     assert len(text) == 2 and text[0].startswith("x loses exact match on add: -0.030 [")
-    # the same loss under a floor larger than it is not a claim; nor is a run equal to bf16
+    # the same loss under a noise floor larger than it is not a claim; nor is a run equal to bf16
     wide = {"add": {"exact_match": 0.05, "nll_per_token": 1.0, "flips": 50}}
     (row,) = A.result_rows({"scheme": "x"}, loser, ref, wide)
     assert not row["loses"] and not row["nll_rises"] and A.claims([row], "scheme", wide) == []

@@ -304,9 +304,13 @@ def trained(tmp_path_factory):
 
 def test_trained_attribution_sums_and_end_points(trained):
     model, held, calibration = trained
-    held_tasks = ("reverse", "count")  # no "all" entry: the pooled rows take the largest task floor
+    held_tasks = ("reverse", "count")  # no "all" entry: the pooled rows take the largest task noise floor
     res = A.attribute_trained(
-        model, held, "nvfp4", calibration, floor={t: {"exact_match": 0.0, "nll_per_token": 0.0} for t in held_tasks}
+        model,
+        held,
+        "nvfp4",
+        calibration,
+        noise_floor={t: {"exact_match": 0.0, "nll_per_token": 0.0} for t in held_tasks},
     )
     assert A.sum_failures(res) == []
     for per in res["decompositions"].values():

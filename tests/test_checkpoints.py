@@ -17,22 +17,17 @@ from safetensors.torch import load_file, save_file
 from mxlib import checkpoints as C
 from mxlib import reference as R
 from mxlib.checkpoints.files import safetensors_io
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.models.qwen3 import expert_weights
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, OCP_MXQuantizationEmulationTritonExperts
 
-from _util import TINY_QWEN3
+from _util import TINY_QWEN3, tiny_calibrated
 
 TINY = TINY_QWEN3
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY)
-    model = dummy_qwen3_moe(cfg, seed=1, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    cal = calibrate(model, ids)
-    return model, cal, ids
+    return tiny_calibrated(1)
 
 
 def _read_all(path):

@@ -15,14 +15,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mxlib import checkpoints as C
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.models.qwen3 import expert_weights
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts
 
-from _util import TINY_QWEN3, edited_checkpoint
+from _util import edited_checkpoint, stored_tensors, tiny_calibrated
 from oracles import mx_scale_exponent
 
 LAYOUT = "compressed-tensors-mxfp4"
@@ -31,17 +29,7 @@ SCHEMES = ["w_mxfp4", "w_mxfp4_a_mxfp4"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=3, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    return model, calibrate(model, ids), ids
-
-
-def _read_all(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return tiny_calibrated(3, tokens=16)
 
 
 def ct_scale_byte(block_amax_bf16: float) -> int:
@@ -89,7 +77,7 @@ def test_config_and_every_tensor(tiny, tmp_path, scheme):
     else:
         assert (a["num_bits"], a["strategy"], a["group_size"], a["dynamic"]) == (4, "group", 32, True)  # MXFP4
     assert "re:.*mlp.gate$" in qc["ignore"] and "lm_head" in qc["ignore"]
-    stored = _read_all(path)
+    stored = stored_tensors(path)
     assert not any("global_scale" in k or "input_scale" in k for k in stored)  # no global, no static scale
     w13, w2 = expert_weights(model, 1)
     i = w2.shape[2]
@@ -118,7 +106,7 @@ def test_load_resave_and_same_arithmetic_as_quark(tiny, tmp_path, scheme):
     ex = loaded.model.layers[0].mlp.experts
     ex = getattr(ex, "experts", ex)
     assert isinstance(ex, OCP_MXQuantizationEmulationTritonExperts) and ex.scheme.name == scheme
-    stored = _read_all(path)
+    stored = stored_tensors(path)
     d13, _ = ex.dequantized_expert(2)
     gate = "model.layers.0.mlp.experts.2.gate_proj"
     want = ct_dequant(stored[f"{gate}.weight_packed"], stored[f"{gate}.weight_scale"]).to(torch.bfloat16)
@@ -128,7 +116,7 @@ def test_load_resave_and_same_arithmetic_as_quark(tiny, tmp_path, scheme):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, other(ids).logits)  # same codes and scales, another layout
     loaded.save_pretrained(tmp_path / "again")
-    again = _read_all(tmp_path / "again")
+    again = stored_tensors(tmp_path / "again")
     assert set(again) == set(stored) and all(torch.equal(again[k], stored[k]) for k in stored)
 
 

@@ -14,16 +14,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mxlib import checkpoints as C
 from mxlib import reference as R
 from mxlib.checkpoints.layouts.compressed_tensors_mxfp8 import ct_mxfp8_scale
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.models.qwen3 import expert_weights
 from mxlib.moe import OCP_MXQuantizationEmulationTritonExperts
 
-from _util import TINY_QWEN3, edited_checkpoint
+from _util import edited_checkpoint, stored_tensors, tiny_calibrated
 
 LAYOUT = "compressed-tensors-mxfp8"
 SCHEMES = ["w_mxfp8", "w_mxfp8_a_mxfp8"]
@@ -31,17 +29,7 @@ SCHEMES = ["w_mxfp8", "w_mxfp8_a_mxfp8"]
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=4, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    return model, calibrate(model, ids), ids
-
-
-def _read_all(path):
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return tiny_calibrated(4, tokens=16)
 
 
 def ct_scale_byte(block_amax_bf16: float) -> int:
@@ -97,7 +85,7 @@ def test_config_and_every_tensor(tiny, tmp_path, scheme):
     else:
         assert (a["num_bits"], a["strategy"], a["group_size"], a["dynamic"]) == (8, "group", 32, True)  # MXFP8
     assert "re:.*mlp.gate$" in qc["ignore"] and "lm_head" in qc["ignore"]
-    stored = _read_all(path)
+    stored = stored_tensors(path)
     assert not any("global_scale" in k or "input_scale" in k for k in stored)
     w13, w2 = expert_weights(model, 1)
     i = w2.shape[2]
@@ -123,7 +111,7 @@ def test_load_and_resave(tiny, tmp_path, scheme):
     ex = loaded.model.layers[0].mlp.experts
     ex = getattr(ex, "experts", ex)
     assert isinstance(ex, OCP_MXQuantizationEmulationTritonExperts) and ex.scheme.name == scheme
-    stored = _read_all(path)
+    stored = stored_tensors(path)
     d13, _ = ex.dequantized_expert(2)
     gate = "model.layers.0.mlp.experts.2.gate_proj"
     codes = stored[f"{gate}.weight"].float()  # torch's own e4m3 decode, then 2**(byte - 127) per 32
@@ -133,7 +121,7 @@ def test_load_and_resave(tiny, tmp_path, scheme):
     with torch.no_grad():
         assert torch.isfinite(loaded(ids).logits).all()
     loaded.save_pretrained(tmp_path / "again")
-    again = _read_all(tmp_path / "again")
+    again = stored_tensors(tmp_path / "again")
     assert set(again) == set(stored) and all(torch.equal(again[k], stored[k]) for k in stored)
 
 

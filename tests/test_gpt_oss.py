@@ -31,7 +31,7 @@ from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.quant_config import FusedMoEQuantConfig
 from mxlib.moe.schemes import MOE_SCHEMES
 
-from _util import assert_bits_equal
+from _util import assert_bits_equal, stored_tensors
 
 PREFIX = "model.layers.0.mlp.experts"
 W_MXFP4 = MOE_SCHEMES["w_mxfp4"]
@@ -583,7 +583,6 @@ def test_loader_names_a_missing_bias(tiny_gpt_oss, tmp_path):
 def test_loaded_model_saves_in_the_native_layout(tiny_gpt_oss, tmp_path):
     """save_pretrained of a loaded gpt-oss model writes the checkpoint it was loaded from, tensor for tensor
     (the biases included), and that loads to the same logits."""
-    from safetensors.torch import load_file
 
     from mxlib.checkpoints import load_quantized_qwen3_moe, write_quantized_checkpoint
 
@@ -592,13 +591,7 @@ def test_loaded_model_saves_in_the_native_layout(tiny_gpt_oss, tmp_path):
     loaded, _ = load_quantized_qwen3_moe(path, backend="torch")
     loaded.save_pretrained(tmp_path / "saved")
 
-    def tensors(folder):
-        out = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            out.update(load_file(str(f)))
-        return out
-
-    a, b = tensors(path), tensors(tmp_path / "saved")
+    a, b = stored_tensors(path), stored_tensors(tmp_path / "saved")
     assert sorted(a) == sorted(b)
     for name in a:
         assert_bits_equal(b[name], a[name], name)

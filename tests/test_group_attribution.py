@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from mxlib import checkpoints as C
-from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe.linear import EmulatedLinear, linear_input_amax
 from mxlib.studies import group_attribution as G
 from mxlib.studies.attribution import QUANTUM, on_grid
 
-from _util import TINY_QWEN3, assert_bits_equal
+from _util import TINY_QWEN3, assert_bits_equal, tiny_calibrated
 
 LAYERS = 2
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(LAYERS) for p in C.ATTENTION_PROJS]
@@ -32,10 +31,8 @@ EXPERTS_G, ATTN_G, HEAD_G = "global_quant_config", "*.self_attn.*", "lm_head"
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=LAYERS, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=5, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    return model, calibrate(model, ids), linear_input_amax(model, ids, [*ATTN, "lm_head"])
+    model, cal, ids = tiny_calibrated(5, tokens=16, layers=LAYERS, ids_seed=1)
+    return model, cal, linear_input_amax(model, ids, [*ATTN, "lm_head"])
 
 
 def _write(

@@ -22,7 +22,7 @@ What cannot be checked, and why:
 
 - ModelOpt's fake-quantized forward needs CUDA (its NVFP4 dynamic block quantizer asserts
   ``amax.is_cuda``), so the ModelOpt fixtures have no ``logits.tool``: for them only the
-  agreement with the bf16 logits is checked (a floor, not a tool comparison).
+  agreement with the bf16 logits is checked (a lower bound, not a tool comparison).
 - Quark's MX fake quantization of bf16 tensors calls a CUDA/HIP-only kernel; its fp32 path is
   pure PyTorch. Its ``logits.tool`` were therefore made with the quantized model cast to fp32,
   and its ``qdq.y`` and ``dequant.*`` are fp32 results of that path.
@@ -32,7 +32,7 @@ zero. ModelOpt's dequantize decodes e2m1 code 8 (-0) as +0.0, and ModelOpt's and
 activation QDQ give +0.0 for a negative value that rounds to zero; mxlib gives -0.0 in both.
 
 Tolerances (SQNR in dB of mxlib's logits against the reference; the measured values are in
-``LOGITS_SQNR_DB`` next to each floor): the gap to a tool's own forward is rounding order
+``LOGITS_SQNR_DB`` next to each minimum): the gap to a tool's own forward is rounding order
 (transformers' eager experts round SiLU-and-mul, router weights and the running sum to bf16;
 mxlib accumulates in fp32; Quark's reference forward ran in fp32).
 
@@ -57,6 +57,8 @@ from mxlib import reference as R
 from mxlib.checkpoints import CheckpointError, load_quantized_qwen3_moe
 from mxlib.moe.linear import EmulatedLinear
 
+from _util import assert_same_bits
+
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 
 # fixture -> what mxlib needs to load it, or None if it loads today
@@ -72,16 +74,16 @@ LOADER_MISSING = {
 }
 NOPREPROCESS = "quark_w_mxfp4_a_mxfp4_nopreprocess"
 
-# fixture -> (floor vs the tool's own fake-quantized logits or None, floor vs bf16 logits), in dB.
-# Floors sit a few dB under what was measured (LOGITS_SQNR_DB). For fixtures mxlib cannot load
+# fixture -> (the least SQNR vs the tool's own fake-quantized logits or None, vs bf16 logits), in dB.
+# The minimums sit a few dB under what was measured (LOGITS_SQNR_DB). For fixtures mxlib cannot load
 # yet they are set from the tool's own agreement with bf16 (a correct emulation of the tool
 # lands near it); ModelOpt's default config quantizes attention like llmc_nvfp4 and
-# quark_w_mxfp4_a_mxfp4_attn, whose tool forwards are 11.8 and 10.4 dB from bf16, so its floor
+# quark_w_mxfp4_a_mxfp4_attn, whose tool forwards are 11.8 and 10.4 dB from bf16, so its minimum
 # is 8 dB. quark_w_mxfp4_a_fp8 was measured with its bf16 input_scales widened to fp32 by hand
 # (what the loader fix will do): 39.6 dB to Quark, 30.8 dB to bf16. Quark's fp32 reference
 # forward itself is 45.8 dB from the bf16 forward with nothing quantized (the nopreprocess
 # fixture), which bounds how close any bf16 emulation can get to Quark's logits.
-LOGITS_FLOOR_DB = {
+LOGITS_MIN_SQNR_DB = {
     "modelopt_nvfp4_experts": (None, 25.0),
     "modelopt_nvfp4_default": (None, 8.0),
     "quark_w_mxfp4_a_mxfp4": (30.0, 24.0),
@@ -160,25 +162,6 @@ def _dequant_names(results, prefix="dequant."):
     return sorted(k[len(prefix) :] for k in results if k.startswith(prefix))
 
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def _assert_bits(actual, expected, what, zero_sign_free=False):
-    """Bit-for-bit equality (NaN payloads included). ``zero_sign_free`` lets -0 stand for +0:
-    ModelOpt's ``NVFP4QTensor.dequantize`` decodes e2m1 code 8 (-0) as +0.0 where mxlib gives
-    -0.0, and the tools' activation QDQ turns a negative value that rounds to zero into +0.0."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
-        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}"
-    )
-    iv = _INT_VIEW[actual.dtype]
-    bad = actual.view(iv) != expected.view(iv)
-    if zero_sign_free:
-        bad &= ~((actual == 0) & (expected == 0))
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
-    )
-
-
 def _mxlib_dequant(fmt_cfg, tensors, module, dtype):
     """mxlib.reference's dequantization of one checkpoint module, by layout."""
     qc = fmt_cfg["quantization_config"]
@@ -234,13 +217,13 @@ def test_dequant_reference_equals_tool(name):
     for module in names:
         tool = results[f"dequant.{module}"]
         mine = _mxlib_dequant(cfg, tensors, module, tool.dtype)
-        _assert_bits(mine, tool, f"{name} {module}", zero_sign_free=zsf)
+        assert_same_bits(mine, tool, f"{name} {module}", zero_sign_free=zsf)
     for module in _dequant_names(results, "dequant_import."):  # Quark's importer reading its own export back
         tool = results[f"dequant_import.{module}"]
-        _assert_bits(_mxlib_dequant(cfg, tensors, module, tool.dtype), tool, f"{name} {module} (import)")
+        assert_same_bits(_mxlib_dequant(cfg, tensors, module, tool.dtype), tool, f"{name} {module} (import)")
     for module in _dequant_names(results, "dequant_fp32."):
         tool = results[f"dequant_fp32.{module}"]
-        _assert_bits(
+        assert_same_bits(
             _mxlib_dequant(cfg, tensors, module, torch.float32), tool, f"{name} {module} (fp32)", zero_sign_free=zsf
         )
 
@@ -256,7 +239,7 @@ def test_loader_experts_equal_tool_dequant(name):
         if isinstance(modules.get(module), EmulatedLinear):  # a quantized attention projection
             mine = modules[module].dequantized_weight()
             tool = results[f"dequant.{module}"]
-            _assert_bits(
+            assert_same_bits(
                 mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt"
             )
             continue
@@ -266,7 +249,9 @@ def test_loader_experts_equal_tool_dequant(name):
         i = w2.shape[1]
         mine = {"gate_proj": w13[:i], "up_proj": w13[i:], "down_proj": w2}[proj]
         tool = results[f"dequant.{module}"]
-        _assert_bits(mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt")
+        assert_same_bits(
+            mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=meta["tool"] == "nvidia-modelopt"
+        )
 
 
 # ----------------------------------------------------------------------------- activation QDQ
@@ -301,7 +286,7 @@ def test_activation_qdq_equals_tool(name):
     _, meta, results = _fixture(name)
     cfg, tensors = _checkpoint(name)
     mine = _mxlib_qdq(name, meta, results, cfg, tensors)
-    _assert_bits(mine, results["qdq.y"], f"{name} qdq", zero_sign_free=True)
+    assert_same_bits(mine, results["qdq.y"], f"{name} qdq", zero_sign_free=True)
 
 
 # ----------------------------------------------------------------------------- logits
@@ -314,17 +299,17 @@ def test_logits_agree(name):
     model, _ = _loaded(name)
     with torch.no_grad():
         logits = model(input_ids=results["tokens.eval"]).logits.float()
-    floor_tool, floor_bf16 = LOGITS_FLOOR_DB[name]
+    min_tool, min_bf16 = LOGITS_MIN_SQNR_DB[name]
     vs_bf16 = _sqnr_db(logits, results["logits.bf16"])
-    assert vs_bf16 >= floor_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {floor_bf16} dB"
+    assert vs_bf16 >= min_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {min_bf16} dB"
     if "logits.tool" in results:
         vs_tool = _sqnr_db(logits, results["logits.tool"])
-        assert vs_tool >= floor_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {floor_tool} dB"
+        assert vs_tool >= min_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {min_tool} dB"
         # mxlib must be closer to the tool's quantized forward than the tool is to bf16
         tool_vs_bf16 = _sqnr_db(results["logits.tool"], results["logits.bf16"])
         assert vs_tool > tool_vs_bf16, f"{name}: {vs_tool:.1f} dB to the tool, tool to bf16 {tool_vs_bf16:.1f} dB"
     else:
-        assert floor_tool is None, f"{name}: expected the tool's logits in the fixture"
+        assert min_tool is None, f"{name}: expected the tool's logits in the fixture"
 
 
 # Quark MX fixtures whose fake-quantized fp32 forward mxlib reproduces to fp32 rounding (the _a_fp8 one differs:

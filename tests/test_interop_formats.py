@@ -56,6 +56,8 @@ from mxlib.checkpoints.layouts.compressed_tensors_mxfp8 import ct_mxfp8_scale, q
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES
 
+from _util import assert_same_bits
+
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -71,9 +73,9 @@ EXPECTED = {
 }
 ACTIVATION_ELEMENT = {"w_mxfp4_a_mxfp4": "e2m1", "w_mxfp8_a_mxfp8": "e4m3", "w_mxfp4_a_mxfp8": "e4m3"}
 
-# fixture -> (floor vs the tool's fake-quantized logits or None, floor vs bf16 logits), in dB: a few dB
+# fixture -> (the least SQNR vs the tool's fake-quantized logits or None, vs bf16 logits), in dB: a few dB
 # under what was measured (LOGITS_SQNR_DB).
-LOGITS_FLOOR_DB = {
+LOGITS_MIN_SQNR_DB = {
     "llmc_mxfp4": (36.0, 25.0),
     "llmc_mxfp4a16": (42.0, 28.0),
     "llmc_mxfp8": (40.0, 32.0),
@@ -95,7 +97,6 @@ LOGITS_SQNR_DB = {
 }
 
 ALL = [n for n in EXPECTED if (FIXTURES / n / "meta.json").exists()]
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 @cache
@@ -118,21 +119,6 @@ def _loaded(name):
 def _sqnr_db(x, ref):
     x, ref = x.double(), ref.double()
     return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
-
-
-def _assert_bits(actual, expected, what, zero_sign_free=False):
-    """Bit-for-bit equality; ``zero_sign_free`` lets -0 stand for +0 (ModelOpt's NVFP4 dequantize
-    decodes e2m1 code 8 as +0.0, see tests/test_interop.py)."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
-        f"{what}: {actual.dtype} {list(actual.shape)} vs {expected.dtype} {list(expected.shape)}"
-    )
-    iv = _INT_VIEW[actual.dtype]
-    bad = actual.view(iv) != expected.view(iv)
-    if zero_sign_free:
-        bad &= ~((actual == 0) & (expected == 0))
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.numel()} values differ, first at {bad.nonzero()[0].tolist()}"
-    )
 
 
 def _names(results, prefix):
@@ -187,7 +173,7 @@ def test_dequant_reference_equals_tool(name):
     for prefix in ("dequant.", "dequant_fp32.", "dequant_import."):
         for module in _names(results, prefix):
             tool = results[prefix + module]
-            _assert_bits(_mxlib_dequant(name, tensors, module, tool.dtype), tool, f"{name} {prefix}{module}", zsf)
+            assert_same_bits(_mxlib_dequant(name, tensors, module, tool.dtype), tool, f"{name} {prefix}{module}", zsf)
             seen += 1
     assert seen >= 9, f"{name}: {seen} dequantized weights recorded"
 
@@ -204,7 +190,7 @@ def test_loader_experts_equal_tool_dequant(name):
         i = w2.shape[1]
         mine = {"gate_proj": w13[:i], "up_proj": w13[i:], "down_proj": w2}[proj]
         tool = results[f"dequant.{module}"]
-        _assert_bits(mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=name == "modelopt_w4a16_nvfp4")
+        assert_same_bits(mine, tool.to(mine.dtype), f"{name} {module}", zero_sign_free=name == "modelopt_w4a16_nvfp4")
 
 
 def _writer_tensors(name, results):
@@ -293,7 +279,7 @@ def test_activation_qdq_equals_tool(name):
     x, y = results["qdq.x"], results["qdq.y"]
     element = ACTIVATION_ELEMENT[EXPECTED[name][1]]
     mine = R.quant_dequant_mx(x.to(y.dtype), element, 32, EXPECTED[name][3], dtype=y.dtype)
-    _assert_bits(mine, y, f"{name} qdq")
+    assert_same_bits(mine, y, f"{name} qdq")
 
 
 @pytest.mark.parametrize("name", [n for n in ALL if EXPECTED[n][3] is None])
@@ -311,14 +297,14 @@ def test_logits_agree(name):
     model, _ = _loaded(name)
     with torch.no_grad():
         logits = model(input_ids=results["tokens.eval"]).logits.float()
-    floor_tool, floor_bf16 = LOGITS_FLOOR_DB[name]
+    min_tool, min_bf16 = LOGITS_MIN_SQNR_DB[name]
     vs_bf16 = _sqnr_db(logits, results["logits.bf16"])
-    assert vs_bf16 >= floor_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {floor_bf16} dB"
-    if floor_tool is None:
-        assert "logits.tool" not in results, f"{name}: the tool's logits are recorded: give them a floor"
+    assert vs_bf16 >= min_bf16, f"{name}: SQNR vs bf16 logits {vs_bf16:.1f} dB < {min_bf16} dB"
+    if min_tool is None:
+        assert "logits.tool" not in results, f"{name}: the tool's logits are recorded: give them a minimum"
         return
     vs_tool = _sqnr_db(logits, results["logits.tool"])
-    assert vs_tool >= floor_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {floor_tool} dB"
+    assert vs_tool >= min_tool, f"{name}: SQNR vs the tool's logits {vs_tool:.1f} dB < {min_tool} dB"
     tool_vs_bf16 = _sqnr_db(results["logits.tool"], results["logits.bf16"])
     assert vs_tool > tool_vs_bf16, f"{name}: {vs_tool:.1f} dB to the tool, tool to bf16 {tool_vs_bf16:.1f} dB"
 
@@ -380,7 +366,7 @@ def test_tool_reads_mxlib_checkpoint(name):
         module = key[len("dequant.") :]
         packed = tensors.get(f"{module}.weight_packed", tensors.get(f"{module}.weight"))
         mine = R.dequantize_mx(_weight_bytes(packed), tensors[f"{module}.weight_scale"], element, 32, t.dtype)
-        _assert_bits(mine, t, f"{name} {module}")
+        assert_same_bits(mine, t, f"{name} {module}")
 
 
 @pytest.mark.parametrize("name", ROUNDTRIP_PRESENT)

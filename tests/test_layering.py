@@ -10,10 +10,12 @@ cli / bench (``cases`` runs its named cases through the reference, the kernels a
 and the benchmarks import no ``mxlib.workbook`` module, but for the ``mxlib workbook`` command, which hands its
 arguments to the runner. Every import of every mxlib module (top level or nested) is read with ``ast``; a module may
 import its own layer or lower ones, and the import graph has no cycle. A module the table does not name (a new
-top-level file) counts as the top layer, so it may import anything and nothing below may import it.
+top-level file) counts as the top layer, so it may import anything and nothing below may import it. The notebooks
+import from a handful of mxlib modules (``NOTEBOOK_MODULES_MAX``) and give no mxlib name a one-letter alias.
 """
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -314,3 +316,45 @@ def test_architecture_names_every_module():
     missing = [p.relative_to(ROOT).as_posix() for p in sorted(ROOT.rglob("*.py"))]
     missing = [m for m in missing if f"`{m}`" not in text]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+# ----------------------------------------------------------------------------- the notebooks' imports
+
+NOTEBOOKS = sorted((ROOT.parent / "notebooks").glob("0*.ipynb"))
+# "a handful": the most mxlib modules one notebook imports from (``mxlib``, ``mxlib.studies``, ``mxlib.workbook``
+# and a few of the library's own modules, such as ``mxlib.formats`` and ``mxlib.stats``)
+NOTEBOOK_MODULES_MAX = 7
+
+
+def notebook_imports(source_cells: list[str]) -> tuple[set[str], list[str]]:
+    """``(mxlib modules imported from, aliases given to mxlib names)`` of a notebook's code cells."""
+    modules, aliases = set(), []
+    for src in source_cells:
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:  # a cell of IPython magics
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mxlib":
+                modules.add(node.module)
+                aliases += [a.asname for a in node.names if a.asname]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "mxlib":
+                        modules.add(a.name)
+                        aliases += [a.asname] if a.asname else []
+    return modules, aliases
+
+
+def test_the_notebook_import_check_can_fail():
+    cells = ["import mxlib.formats as F\nfrom mxlib.studies import steps as st", "%matplotlib inline"]
+    assert notebook_imports(cells) == ({"mxlib.formats", "mxlib.studies"}, ["F", "st"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem[:2])
+def test_notebooks_import_from_a_handful_of_modules_with_no_one_letter_alias(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    modules, aliases = notebook_imports(cells)
+    assert len(modules) <= NOTEBOOK_MODULES_MAX, f"{path.name} imports from {len(modules)} modules: {sorted(modules)}"
+    assert not [a for a in aliases if len(a) == 1], f"{path.name}: one-letter aliases {aliases}"

@@ -28,13 +28,12 @@ from mxlib import kernels as K
 from mxlib import reference as R
 from mxlib.checkpoints.layouts.compressed_tensors_nvfp4 import quantize_nvfp4_encode
 from mxlib.checkpoints.scalars import widen_scale
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config
+from mxlib.models.qwen3 import expert_weights
 from mxlib.moe import Nvfp4QuantizationEmulationTritonExperts, get_moe_scheme
 from mxlib.moe.factory import make_emulated_linear, quantize_linear_weight
 from mxlib.moe.linear import EmulatedLinear, LinearWeights, linear_input_amax
 
-from _util import KERNEL_DEVICE, TINY_QWEN3, OnKernelDevice
+from _util import KERNEL_DEVICE, TINY_QWEN3, OnKernelDevice, tiny_calibrated
 
 TINY = TINY_QWEN3
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS]
@@ -42,10 +41,8 @@ ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.A
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY)
-    model = dummy_qwen3_moe(cfg, seed=3, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    return model, calibrate(model, ids), linear_input_amax(model, ids, ATTN), ids
+    model, cal, ids = tiny_calibrated(3)
+    return model, cal, linear_input_amax(model, ids, ATTN), ids
 
 
 def _write(tiny, tmp_path, scheme, layout=None, attention=False, name="ckpt"):

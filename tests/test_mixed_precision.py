@@ -29,21 +29,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mxlib import checkpoints as C
 from mxlib.checkpoints.layouts import LAYOUTS
 from mxlib.checkpoints.precision import PrecisionMap, is_mixed
 from mxlib.checkpoints.saving import _scheme_of, _StateDictTensors
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.moe.base import TransformersExperts
 from mxlib.moe.emulation import QuantizedExperts
 from mxlib.moe.factory import make_emulated_linear
 from mxlib.moe.linear import EmulatedLinear, linear_input_amax
 from mxlib.moe.schemes import get_moe_scheme
 
-from _util import TINY_QWEN3, assert_bits_equal
+from _util import assert_bits_equal, stored_tensors, tiny_calibrated
 
 LAYERS = 2
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(LAYERS) for p in C.ATTENTION_PROJS]
@@ -52,17 +50,12 @@ EXPERTS = [f"model.layers.{layer}.mlp.experts.{x}.{p}" for layer in range(LAYERS
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=LAYERS, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=5, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    return model, calibrate(model, ids), linear_input_amax(model, ids, [*ATTN, "lm_head"]), ids
+    model, cal, ids = tiny_calibrated(5, tokens=16, layers=LAYERS, ids_seed=1)
+    return model, cal, linear_input_amax(model, ids, [*ATTN, "lm_head"]), ids
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
+    return stored_tensors(path)
 
 
 def _single(tiny, tmp_path, scheme, layout, name, attention=False):

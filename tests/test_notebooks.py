@@ -317,16 +317,16 @@ def test_06_what_fp4_costs(executed_notebook):
     # section 7: one attributed scheme, its decompositions' sums exact
     assert res["attribution_sums_exact"] and len(res["attribution"]) == len(params["attribution_schemes"])
     # routing consistency: the first MoE layer routes as bf16 under every scheme; the second moves tokens to other
-    # experts beyond the floor (another experts implementation of bf16), decided by the notebook's family
+    # experts beyond the noise floor (another experts implementation of bf16), decided by the notebook's family
     rc = res["routing_consistency"]
     assert {(r["scheme"], r["layer"]) for r in rc} == {(s, layer) for s in params["schemes"] for layer in (0, 1)}
     for r in rc:
         if r["layer"] == 0:
             assert r["jaccard"] == 1.0 and r["share_changed"] == 0.0 and r["verdict"] == "cannot be told apart", r
         else:
-            assert r["verdict"] == "bf16 better" and r["floor"] < r["share_changed"] and r["jaccard"] < 1.0, r
-    assert {r["variant"] for r in res["routing_floor"]} == {"eager_experts", "triton_experts_torch"}
-    assert all(r["share_changed"] <= 0.01 for r in res["routing_floor"]), res["routing_floor"]
+            assert r["verdict"] == "bf16 better" and r["noise_floor"] < r["share_changed"] and r["jaccard"] < 1.0, r
+    assert {r["variant"] for r in res["routing_noise_floor"]} == {"eager_experts", "triton_experts_torch"}
+    assert all(r["share_changed"] <= 0.01 for r in res["routing_noise_floor"]), res["routing_noise_floor"]
 
 
 @pytest.mark.xdist_group(SHARED["07-quick"])

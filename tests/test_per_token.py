@@ -72,7 +72,7 @@ def oracle(x: torch.Tensor, dtype=None, hardware=False):
 def cases(dtype=torch.bfloat16) -> torch.Tensor:
     """Rows that exercise each rule: ordinary rows, rows whose blocks span 2**-20 .. 1 of the row amax
     (subnormal and flushed e4m3 block scales), an all-zero row, a -0.0 row, a NaN row, +Inf and -Inf
-    rows, bf16-subnormal values (the 2**-126 floor), huge values, ties."""
+    rows, bf16-subnormal values (the 2**-126 lower bound), huge values, ties."""
     g = torch.Generator().manual_seed(0)
     k = 64
     rows = [torch.randn(6, k, generator=g) * torch.exp2(torch.randint(-30, 30, (6, 1), generator=g).float())]
@@ -87,7 +87,7 @@ def cases(dtype=torch.bfloat16) -> torch.Tensor:
     special[3, 40] = math.inf
     special[4] = torch.randn(k, generator=g)
     special[4, 0] = -math.inf
-    special[5] = torch.randn(k, generator=g) * 2.0**-118  # amax * (1/2688) below 2**-126: the floor
+    special[5] = torch.randn(k, generator=g) * 2.0**-118  # amax * (1/2688) below 2**-126: the lower bound
     special[6] = torch.randn(k, generator=g) * 2.0**-130  # bf16 subnormals (and zeros): vLLM's recip overflows
     special[7] = torch.randn(k, generator=g).clamp(-3, 3) * 1e38  # up to bf16's largest values
     special[8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 8) * 7.0  # e2m1 ties after scaling
@@ -114,7 +114,7 @@ def test_reference_rules():
     x = cases()
     gs, ts = R.nvfp4_per_token_scales(x)
     dq, _ = R.nvfp4_per_token_quant_dequant(x)
-    z = 10  # the all-zero row: the floor, zeros out, no NaN
+    z = 10  # the all-zero row: the lower bound, zeros out, no NaN
     assert ts[z] == 2.0**-126 and gs[z] == 2.0**126 and (dq[z] == 0).all() and (dq[z + 1] == 0).all()
     assert not torch.signbit(dq[z + 1]).any()  # -0.0 in, +0.0 out (vLLM's sign rule)
     for r in (z + 2, z + 3, z + 4):  # NaN / +Inf / -Inf: that token all NaN, its scales NaN
@@ -123,7 +123,7 @@ def test_reference_rules():
     others[z + 2 : z + 5] = False
     others[z + 6] = False
     assert not dq[others].isnan().any()  # NaN stays in its token
-    assert ts[z + 5] == 2.0**-126 and (dq[z + 5] != 0).any()  # the floor: still quantized, not flushed
+    assert ts[z + 5] == 2.0**-126 and (dq[z + 5] != 0).any()  # the lower bound: still quantized, not flushed
     # blocks of fp32-subnormal size: recip(s * recip(gs)) overflows to Inf (vLLM's arithmetic, static
     # scales alike), so exact zeros there become NaN and the rest saturate
     sub = x[z + 6] != 0

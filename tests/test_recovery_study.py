@@ -309,9 +309,9 @@ def test_trained_study_separates_a_worse_technique_and_not_rtn(trained):
     sets, calib = A.evaluation_sets(p.accuracy), A.calibration_sets(p.accuracy)
     cal = A.calibrate_on_training_mix(model, p.accuracy)
     reference = ev.evaluate(model, sets, resamples=p.accuracy.resamples)
-    floor = {t: dict(A.NOISE_FLOOR_BOUND) for t in p.accuracy.tasks}  # the stated bound of every noise floor
+    noise_floor = {t: dict(A.NOISE_FLOOR_BOUND) for t in p.accuracy.tasks}  # the stated bound of every noise floor
     extra = {"swapped_nibbles": M.SwappedNibbles(), "rtn_again": RoundToNearest()}
-    out = RC.trained_study(model, sets, cal, calib, reference, floor, p, extra_techniques=extra, log=None)
+    out = RC.trained_study(model, sets, cal, calib, reference, noise_floor, p, extra_techniques=extra, log=None)
     rows = {(r["scheme"], r["technique"], r["task"]): r for r in out["rows"]}
     assert {(s, t) for s, t, _ in rows} == {
         (s.name, t) for s in p.schemes for t in ("rtn", "swapped_nibbles", "rtn_again")
@@ -333,9 +333,9 @@ def test_trained_study_separates_a_worse_technique_and_not_rtn(trained):
         else:
             assert r["weight_mse"] > rows[(s, "rtn", task)]["weight_mse"]
     worse = [r for r in out["rows"] if r["technique"] == "swapped_nibbles"]
-    # every task loses beyond the floor against rtn, in NLL
+    # every task loses beyond the noise floor against rtn, in NLL
     assert all(r["vs_nll_beyond"] and r["vs_nll"] > 0 for r in worse), [(r["task"], r["vs_nll"]) for r in worse]
-    stated = RC.claims(out["rows"], floor)
+    stated = RC.claims(out["rows"], noise_floor)
     assert stated and all(c.startswith("swapped_nibbles (") for c in stated), stated
     assert any("raises the NLL" in c for c in stated)
     table = RC.side_by_side(out["rows"], [], p.accuracy.tasks[0])

@@ -37,15 +37,15 @@ def test_speed_targets_table():
         _bench_row("w_mxfp4_a_mxfp4", 4096, 1.0, 1.2, 1.0),  # no dequantize-then-GEMM target, 1.2x bf16 <= 1.25: meets
         _bench_row("w_mxfp4_a_mxfp4", 3, 1.0, 1.0, 1.0),  # not a target
     ]
-    floors = speed_targets_table(rows)
-    assert [(r["scheme"], r["M"], r["meets"]) for r in floors] == [
+    targets = speed_targets_table(rows)
+    assert [(r["scheme"], r["M"], r["meets"]) for r in targets] == [
         ("nvfp4", 1, "yes"),
         ("nvfp4", 16, "no"),
         ("w_mxfp4_a_mxfp4", 4096, "yes"),
     ]
-    assert floors[0]["fused_vs_dequant"] == 20.0 and floors[0]["fused_over_bf16"] == 0.1 / 0.08
-    assert floors[0]["target_vs_dequant"] == 10 and floors[2]["target_vs_dequant"] == ""
-    assert floors[0]["mem_frac_of_packed"] == 0.25
+    assert targets[0]["fused_vs_dequant"] == 20.0 and targets[0]["fused_over_bf16"] == 0.1 / 0.08
+    assert targets[0]["target_vs_dequant"] == 10 and targets[2]["target_vs_dequant"] == ""
+    assert targets[0]["mem_frac_of_packed"] == 0.25
     assert len(SPEED_TARGETS) == 10
 
 

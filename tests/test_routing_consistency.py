@@ -4,7 +4,7 @@ The per-token arithmetic against hand-computed values (exact: the Jaccard indice
 identical runs agree exactly; a routing change planted in one router (two experts' gate rows swapped) is found
 exactly where the reference's top-k sets hold one of the two experts, and nowhere before that layer; a quantized
 dummy Qwen3-30B-A3B (tiny preset) keeps its first layer's routing and moves tokens later; the notebook's family
-decides a planted change beyond the measured floor and leaves the untouched layer undecided; bad input is refused
+decides a planted change beyond the measured noise floor and leaves the untouched layer undecided; bad input is refused
 with a message naming the argument, the expected and the actual.
 """
 
@@ -153,9 +153,13 @@ def test_study_decides_a_planted_change_beyond_the_floor():
     p = accuracy.check_accuracy_parameters("test", schemes=["nvfp4"], eval_prompts=40, resamples=50)
     model = accuracy.trained_model(p, log=None)
     sets = accuracy.evaluation_sets(p)
-    rf = rcs.reference_and_floor(model, sets)
-    assert set(rf["floor"]) == {0, 1} and rf["floor"][0] == 0.0 and max(rf["floor"].values()) <= rcs.ROUTING_FLOOR_BOUND
-    assert {r["variant"] for r in rf["rows"]} == set(rcs.FLOOR_VARIANTS)
+    rf = rcs.reference_and_noise_floor(model, sets)
+    assert (
+        set(rf["noise_floor"]) == {0, 1}
+        and rf["noise_floor"][0] == 0.0
+        and max(rf["noise_floor"].values()) <= rcs.ROUTING_NOISE_FLOOR_BOUND
+    )
+    assert {r["variant"] for r in rf["rows"]} == set(rcs.NOISE_FLOOR_VARIANTS)
     gate = model.model.layers[1].mlp.gate.weight
     saved = gate.detach().clone()
     with torch.no_grad():
@@ -175,7 +179,7 @@ def test_study_decides_a_planted_change_beyond_the_floor():
     assert rows[("planted", 0)]["verdict"] == "cannot be told apart" and rows[("planted", 0)]["jaccard"] == 1.0
     assert rows[("same", 1)]["verdict"] == "cannot be told apart" and rows[("same", 1)]["share_changed"] == 0.0
     r = next(x for x in study["rows"] if (x["scheme"], x["layer"]) == ("planted", 1))
-    assert r["share_low"] <= r["share_changed"] <= r["share_high"] and r["beyond_floor"]
+    assert r["share_low"] <= r["share_changed"] <= r["share_high"] and r["beyond_noise_floor"]
     assert r["jaccard_low"] <= r["jaccard"] <= r["jaccard_high"] < 1.0
 
 

@@ -21,7 +21,7 @@ from mxlib.models.calibration import calibrate
 from mxlib.models.qwen3 import dummy_qwen3_moe, expert_weights, qwen3_30b_a3b_config, swap_experts
 from mxlib.moe import make_emulation_experts, quantize_expert_weights
 
-from _util import TINY_QWEN3, assert_bits_equal
+from _util import TINY_QWEN3, assert_bits_equal, tiny_calibrated
 
 CASES = [  # (scheme, layout)
     ("nvfp4", "modelopt"),
@@ -33,11 +33,7 @@ CASES = [  # (scheme, layout)
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=1, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    cal = calibrate(model, ids)
-    return model, cal, ids
+    return tiny_calibrated(1)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from mxlib.moe.factory import input_scales_from_amax, make_emulation_experts, qu
 from mxlib.moe.schemes import SCHEME_ALIASES, W4A16_NVFP4, get_moe_scheme
 from mxlib.moe.weight_only import Nvfp4WeightOnlyEmulationTritonExperts
 
-from _util import assert_bits_equal, needs_interpreter
+from _util import assert_bits_equal, needs_interpreter, stored_tensors
 from oracles import modelopt_nvfp4_quantize, moe_fp64, vllm_dequantize_to_dtype
 
 E, H, I, M, TOPK = 4, 128, 128, 6, 2
@@ -145,12 +145,7 @@ def tiny_model():
 
 
 def _stored(path):
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in path.glob("*.safetensors"):
-        out.update(load_file(str(f)))
-    return out
+    return stored_tensors(path)
 
 
 @pytest.mark.parametrize("quantize_attention", [False, True])

@@ -13,15 +13,13 @@ import pytest
 import torch
 
 from mxlib import checkpoints as C
-from mxlib.models.calibration import calibrate
-from mxlib.models.qwen3 import dummy_qwen3_moe, qwen3_30b_a3b_config
 from mxlib.models.what_ran import RanMismatch, RanRow, WhatRan, assert_runs_as, what_ran
 from mxlib.moe import factory as F
 from mxlib.moe.base import QuantizedA1, TransformersExperts
 from mxlib.moe.linear import EmulatedLinear, linear_input_amax
 from mxlib.moe.schemes import get_moe_scheme, vllm_emulated_scheme
 
-from _util import TINY_QWEN3, needs_interpreter
+from _util import needs_interpreter, tiny_calibrated
 
 ATTN = [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS]
 
@@ -41,10 +39,8 @@ LAYOUT_CASES = [
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = qwen3_30b_a3b_config(num_hidden_layers=2, **TINY_QWEN3)
-    model = dummy_qwen3_moe(cfg, seed=3, expert_spread=0.5)
-    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    return model, calibrate(model, ids), linear_input_amax(model, ids, ATTN)
+    model, cal, ids = tiny_calibrated(3)
+    return model, cal, linear_input_amax(model, ids, ATTN)
 
 
 @pytest.fixture(scope="module")

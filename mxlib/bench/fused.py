@@ -340,10 +340,10 @@ def markdown(result: dict, external: dict | None = None) -> str:
     if external:
         anc = _by(external.get("rows", []))
         for p in ("tk_mxfp4", TK, *FORMAT_EXTERNAL_ROWS["mxfp4"][:2], *FORMAT_EXTERNAL_ROWS["nvfp4"]):
-            floor_row = "floor_nvfp4" if p.endswith("nvfp4") else "floor_mxfp4"
+            bound_row = "floor_nvfp4" if p.endswith("nvfp4") else "floor_mxfp4"
             vals = []
             for m in tokens:
-                f, g = (anc.get((floor_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
+                f, g = (anc.get((bound_row, m)) or {}).get("floor_ms"), (anc.get((p, m)) or {}).get("graph_ms")
                 vals.append(_fmt(f / g if f and g else None, True))
             body.append([f"`{p}` (external)", *vals])
     lines.append(table("fraction of the bandwidth bound", body))

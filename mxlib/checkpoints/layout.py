@@ -1,6 +1,8 @@
 """What every checkpoint layout shares: the error type, the typed description a layout reads
 from a config, the ``CheckpointLayout`` base class, the registry the writer and loader dispatch
-on, the default layout of each weight format, and exclude-list matching.
+on, the default layout of each weight format, and exclude-list matching; and what the layouts that
+store each expert's projections as their own modules share: ``expert_parts`` (one layer's experts cut
+into per-expert gate / up / down tensors) and ``read_block_experts`` (those tensors read back, checked).
 
 A layout is an instance of a ``CheckpointLayout`` subclass. It must have:
 
@@ -78,6 +80,8 @@ __all__ = [
     "PROJS",
     "global_scale_check",
     "block_scale_check",
+    "expert_parts",
+    "read_block_experts",
     "REGEX_TIMEOUT_S",
 ]
 
@@ -326,6 +330,103 @@ def matches(name: str, patterns: list[str]) -> bool:
         elif fnmatch.fnmatchcase(name, p) or name == p:
             return True
     return False
+
+
+# ----------------------------------------------------------------------------- per-expert tensors
+
+
+def expert_parts(weights: ExpertWeights, w13_input_scale=None, w2_input_scale=None):
+    """One layer's experts cut into the per-expert, per-projection tensors of the layouts that store each
+    expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` as its own module.
+
+    Yields ``(x, proj, weight, weight_scale, global_scale, input_scale)`` for each expert ``x`` in order and
+    each ``proj`` of ``PROJS``: ``weight`` / ``weight_scale`` that projection's rows of ``w13_*`` (gate the
+    first ``I`` rows, up the next ``I``) or of ``w2_*``, contiguous on the CPU, dtypes as held; ``global_scale``
+    the NVFP4 global scale (a 0-d view: ``w13_weight_scale_2 [E, 2]`` gives gate and up their own, ``[E]``
+    one for both; ``w2_weight_scale_2 [E]``), None without one; ``input_scale`` element ``x`` of
+    ``w13_input_scale`` (gate, up) or ``w2_input_scale`` (down), None where that is None.
+    """
+    e, two_i = weights.w13_weight.shape[:2]
+    i = two_i // 2
+    g13 = weights.w13_weight_scale_2
+    if g13 is not None and g13.ndim == 1:  # [E]: gate and up share one
+        g13 = g13[:, None].expand(e, 2)
+    for x in range(e):
+        for j, (proj, rows) in enumerate(zip(PROJS, (slice(0, i), slice(i, 2 * i), slice(None)))):
+            w13 = j < 2
+            packed, scale = (
+                (weights.w13_weight, weights.w13_weight_scale) if w13 else (weights.w2_weight, weights.w2_weight_scale)
+            )
+            g = None if g13 is None else (g13[x, j] if w13 else weights.w2_weight_scale_2[x])
+            ins = w13_input_scale if w13 else w2_input_scale
+            yield (
+                x,
+                proj,
+                packed[x, rows].contiguous().cpu(),
+                scale[x, rows].contiguous().cpu(),
+                g,
+                None if ins is None else ins[x],
+            )
+
+
+def read_block_experts(
+    tensors,
+    prefix: str,
+    e: int,
+    h: int,
+    i: int,
+    block: BlockScheme,
+    weight: str = "weight",
+    stored_dtype: torch.dtype = torch.uint8,
+    global_scale: str | None = None,
+    read_scalars=None,
+) -> tuple[torch.Tensor, ...]:
+    """One layer's experts in ``block`` stored per expert and projection (``{prefix}.{x}.{proj}.{name}``): the
+    packed ``weight``, its ``weight_scale`` block scales and, with ``global_scale``, one global scale per
+    projection. Gate and up are read into place in ``w13`` (no copy).
+
+    Args:
+        tensors: the layer's ``TensorReader`` (``stack(names, shape, dtype, check, out)``).
+        e, h, i: experts, hidden size, intermediate size.
+        block: the weights' block scheme: packed sizes, block size, and the scales' dtype (``ue4m3``: stored
+            float8_e4m3fn, NaN and negative refused; ``e8m0``: uint8, 0xFF refused).
+        weight: the packed tensors' name (``weight``; compressed-tensors FP4 ``weight_packed``).
+        stored_dtype: their dtype on disk (uint8, or float8_e4m3fn for MXFP8), returned as uint8.
+        global_scale: the global scales' name (``weight_scale_2``, ``weight_global_scale``), or None.
+        read_scalars: with ``global_scale``, ``(names) -> fp32 [E]``, the layout's read of one scalar per
+            expert (its stored shape and range check, ``mxlib.checkpoints.scalars.read_scalar_scales``).
+
+    Returns:
+        ``(w13 uint8 [E, 2I, packed H], w13 block scales [E, 2I, H / block_size], w2 uint8 [E, H, packed I],
+        w2 block scales [E, H, I / block_size])``, then with ``global_scale`` ``w13`` global scales fp32
+        ``[E, 2]`` (gate, up) and ``w2``'s ``[E]``.
+
+    Raises:
+        CheckpointError: from ``tensors.stack`` and ``read_scalars``, naming the tensor: a missing one, a
+        shape or dtype other than the above, an invalid block scale.
+    """
+    bs, u8 = block.block_size, torch.uint8
+    e4m3 = block.scale.element is not None  # ue4m3 scales (NVFP4), else E8M0 bytes
+    sdtype = torch.float8_e4m3fn if e4m3 else u8
+    rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+    def names(proj, what):
+        return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
+
+    blocks = block_scale_check(e4m3=e4m3)
+    packed = {p: (rows[p][0], block.element.packed_size(rows[p][1])) for p in PROJS}
+    sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
+    w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
+    s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=sdtype)
+    for j, p in enumerate(("gate_proj", "up_proj")):
+        tensors.stack(names(p, weight), packed[p], stored_dtype, out=w13.view(stored_dtype)[:, j * i : (j + 1) * i])
+        tensors.stack(names(p, "weight_scale"), sshape[p], sdtype, blocks, out=s13[:, j * i : (j + 1) * i])
+    w2 = tensors.stack(names("down_proj", weight), packed["down_proj"], stored_dtype).view(u8)
+    s2 = tensors.stack(names("down_proj", "weight_scale"), sshape["down_proj"], sdtype, blocks)
+    if global_scale is None:
+        return w13, s13, w2, s2
+    g = {p: read_scalars(names(p, global_scale)) for p in PROJS}
+    return w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"]
 
 
 # ----------------------------------------------------------------------------- value checks (stack(check=...))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .layout import CheckpointError
+from .layout import PROJS, CheckpointError, global_scale_check
 
-__all__ = ["WIDENABLE_DTYPES", "widen_scale", "read_scalar_scales"]
+__all__ = ["WIDENABLE_DTYPES", "widen_scale", "read_scalar_scales", "read_static_input_scales"]
 
 # float dtypes every value of which is an fp32 value
 WIDENABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,3 +59,20 @@ def read_scalar_scales(tensors, names: list[str], shape=(), check=None) -> torch
                 raise CheckpointError(f"tensor {n!r}: {what} (in {where})")
         out.append(t)
     return torch.stack(out)
+
+
+def read_static_input_scales(tensors, prefix: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of ``e`` experts' static ``input_scale`` of ``gate_proj``, ``up_proj`` and ``down_proj``
+    (``{prefix}.{x}.{proj}.input_scale``: a decode scale stored as a scalar ``()``, widened to fp32 exactly;
+    positive and finite, or 0 for an uncalibrated expert): ``(w13 fp32 [E], w2 fp32 [E])``, ``w13`` the larger
+    of gate's and up's (both see the same input: the larger decode scale covers both).
+
+    Raises:
+        CheckpointError: naming the tensor: a missing one, a shape other than ``()``, a dtype that does not
+        widen exactly (``widen_scale``), a value outside ``[2**-126, 2**126]`` other than 0.
+    """
+    check = global_scale_check(True, "input_scale")
+    ins = {
+        p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), check) for p in PROJS
+    }
+    return torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]

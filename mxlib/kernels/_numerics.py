@@ -64,9 +64,9 @@ NVFP4_SCALE_MBITS = _named(_NVFP4_SCALE_ARGS["MBITS"])
 NVFP4_SCALE_MAX = _named(_NVFP4_SCALE_ARGS["MAX"])
 NVFP4_SCALE_SPECIALS = _named(_NVFP4_SCALE_ARGS["SPECIALS"])
 NVFP4_INV_MAX = _named(struct.unpack("<f", struct.pack("<f", 1.0 / NVFP4.element.max))[0])
-# per-token global scales (``nvfp4_per_token_scales``): fp32(1 / (6 * 448)) and the decode-scale floor
+# per-token global scales (``nvfp4_per_token_scales``): fp32(1 / (6 * 448)) and the decode-scale lower bound
 NVFP4_INV_SCALE_DIVISOR = _named(struct.unpack("<f", struct.pack("<f", 1.0 / NVFP4.scale_divisor))[0])
-PER_TOKEN_SCALE_FLOOR = _named(2.0**-126)
+PER_TOKEN_SCALE_MIN = _named(2.0**-126)
 _FP8_ARGS = kernel_format_args(FP8_E4M3_PER_TENSOR)
 FP8_EBITS = _named(_FP8_ARGS["EBITS"])
 FP8_MBITS = _named(_FP8_ARGS["MBITS"])
@@ -480,7 +480,7 @@ def nvfp4_per_token_scales(abits):
     holding NaN or Inf (``mxlib.reference.nvfp4_per_token_scales``)."""
     finite = abits < 0x7F800000
     amax = tl.where(finite, abits, 0).to(tl.float32, bitcast=True)
-    ts = tl.maximum(amax * NVFP4_INV_SCALE_DIVISOR, PER_TOKEN_SCALE_FLOOR)  # finite here: max drops no NaN
+    ts = tl.maximum(amax * NVFP4_INV_SCALE_DIVISOR, PER_TOKEN_SCALE_MIN)  # finite here: max drops no NaN
     ts = tl.where(finite, ts, fp32_nan_like(ts))
     return tl.math.div_rn(tl.full(ts.shape, 1.0, tl.float32), ts), ts
 

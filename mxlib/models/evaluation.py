@@ -20,7 +20,7 @@ that should not matter: another batch size and order, left padding (with the att
 position ids that keep every real token where it was), transformers' ``eager`` experts in place of
 its default implementation, and mxlib's ``TritonExperts`` (``backend="torch"``, the pure-PyTorch
 MoE) on the same bf16 weights. A scheme's loss counts when its paired interval excludes 0 and
-its size is beyond that floor.
+its size is beyond that noise floor.
 
 ``emulated_experts(model, scheme, calibration)`` swaps every layer's experts for the scheme's
 emulation experts (``mxlib.moe.quantize_expert_weights`` then ``make_emulation_experts``,
@@ -377,10 +377,10 @@ class Difference:
     significant: bool
     flips: int | None = None
 
-    def beyond(self, floor: float) -> bool:
-        """Whether the difference counts: its interval excludes 0 and ``|estimate|`` exceeds ``floor``
+    def beyond(self, noise_floor: float) -> bool:
+        """Whether the difference counts: its interval excludes 0 and ``|estimate|`` exceeds ``noise_floor``
         (a ``noise_floor`` value of the same task and metric)."""
-        return self.significant and abs(self.estimate) > floor
+        return self.significant and abs(self.estimate) > noise_floor
 
     def __str__(self) -> str:
         mark = " *" if self.significant else ""
@@ -534,7 +534,7 @@ def noise_floor(
 
     Returns:
         ``{"reference": Results, "variants": {name: Results}, "differences": {name: compare(...)},
-        "floor": {task: {"exact_match" / "nll_per_token": largest |difference estimate| over the
+        "noise_floor": {task: {"exact_match" / "nll_per_token": largest |difference estimate| over the
         variants, "flips": most exact-match outcomes changed by one variant}}}``.
     """
     datasets = _datasets(datasets)
@@ -558,13 +558,13 @@ def noise_floor(
     with swapped_experts(model, bf16_experts):
         variants["triton_experts_torch"] = evaluate(model, datasets, batch_size, **kw)
     diffs = {name: compare(ref, r) for name, r in variants.items()}
-    floor = {
+    largest = {
         t: {m: max(abs(diffs[v][t][m].estimate) for v in diffs) for m in ("exact_match", "nll_per_token")}
         for t in ref.tasks
     }
     for t in ref.tasks:
-        floor[t]["flips"] = max(diffs[v][t]["exact_match"].flips for v in diffs)
-    return dict(reference=ref, variants=variants, differences=diffs, floor=floor)
+        largest[t]["flips"] = max(diffs[v][t]["exact_match"].flips for v in diffs)
+    return dict(reference=ref, variants=variants, differences=diffs, noise_floor=largest)
 
 
 # ----------------------------------------------------------------------------- routing

@@ -19,14 +19,14 @@ module                 what it holds
 ``variant_lessons``    notebook 02's NVFP4 variants ahead of hardware (UE5M3 scales, 32-element blocks)
                        beside NVFP4 and MXFP4, and what a global scale buys UE5M3
 ``tables``             the tables of notebooks 04 and 05 that the CLI and the benchmarks print too
-                       (strategy summary, floors, the tables beside the external-kernel harness)
+                       (strategy summary, speed targets, the tables beside the external-kernel harness)
 ``timing``             how far a recorded benchmark time moves between recordings, and "faster"
                        decided against it (``mxlib.stats``): notebook 05
 ``verdicts``           the trained-model studies' paired differences decided together against the
                        noise level (``mxlib.stats``): notebooks 06 and 07
 ``accuracy``           notebook 06's studies: every scheme and strategy on the project's trained MoE
 ``routing_agreement``  notebook 06's routing consistency: each scheme's top-k expert sets against bf16's per
-                       layer, its floor (other experts implementations), decided in the notebook's family
+                       layer, its noise floor (other experts implementations), decided in the notebook's family
 ``attribution``        where a scheme's loss comes from (w13, w2, a1, a2; each layer), with exact sums
 ``group_attribution``  which precision group of a mixed-precision checkpoint costs what: each group switched
                        back to bf16 or into another scheme, exact sums, decided by ``mxlib.stats``

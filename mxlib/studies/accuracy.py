@@ -243,18 +243,18 @@ def calibrate_on_training_mix(model, p: AccuracyParameters) -> Calibration:
 
 
 def result_rows(
-    label: dict, results: ev.Results, reference: ev.Results, floor: dict, other: ev.Results | None = None
+    label: dict, results: ev.Results, reference: ev.Results, noise_floor: dict, other: ev.Results | None = None
 ) -> list[dict]:
     """One row per task: ``label``'s items, exact match and NLL per token with their intervals, the
     paired difference against ``reference`` (``delta_*``, ``flips``) and, with ``other``, against it
     (``vs_*``). ``loses`` / ``gains``: the exact-match difference against ``reference`` excludes 0
-    and exceeds ``floor`` (``noise_floor_study``'s) on that task; ``nll_rises`` likewise for NLL."""
+    and exceeds ``noise_floor`` (``noise_floor_study``'s) on that task; ``nll_rises`` likewise for NLL."""
     diffs = ev.compare(reference, results)
     vs = ev.compare(other, results) if other is not None else {}
     rows = []
     for t, r in results.tasks.items():
         d_em, d_nll = diffs[t]["exact_match"], diffs[t]["nll_per_token"]
-        em_counts = d_em.beyond(floor[t]["exact_match"])
+        em_counts = d_em.beyond(noise_floor[t]["exact_match"])
         row = dict(
             label,
             task=t,
@@ -273,7 +273,7 @@ def result_rows(
             delta_nll_high=d_nll.high,
             loses=em_counts and d_em.estimate < 0,
             gains=em_counts and d_em.estimate > 0,
-            nll_rises=d_nll.beyond(floor[t]["nll_per_token"]) and d_nll.estimate > 0,
+            nll_rises=d_nll.beyond(noise_floor[t]["nll_per_token"]) and d_nll.estimate > 0,
         )
         if t in vs:
             v_em, v_nll = vs[t]["exact_match"], vs[t]["nll_per_token"]
@@ -281,11 +281,11 @@ def result_rows(
                 vs_exact_match=v_em.estimate,
                 vs_low=v_em.low,
                 vs_high=v_em.high,
-                vs_beyond=v_em.beyond(floor[t]["exact_match"]),
+                vs_beyond=v_em.beyond(noise_floor[t]["exact_match"]),
                 vs_nll=v_nll.estimate,
                 vs_nll_low=v_nll.low,
                 vs_nll_high=v_nll.high,
-                vs_nll_beyond=v_nll.beyond(floor[t]["nll_per_token"]),
+                vs_nll_beyond=v_nll.beyond(noise_floor[t]["nll_per_token"]),
             )
         rows.append(row)
     return rows
@@ -299,7 +299,7 @@ def _kw(p: AccuracyParameters) -> dict:
 
 
 def noise_floor_study(model, sets: list[Dataset], p: AccuracyParameters) -> dict:
-    """``evaluation.noise_floor`` of the bf16 model: ``{"reference": Results, "floor": {task: {...}},
+    """``evaluation.noise_floor`` of the bf16 model: ``{"reference": Results, "noise_floor": {task: {...}},
     "rows": one row per (variant, task) with the paired differences and flips}``."""
     nf = ev.noise_floor(model, sets, **_kw(p))
     rows = []
@@ -319,7 +319,7 @@ def noise_floor_study(model, sets: list[Dataset], p: AccuracyParameters) -> dict
                     delta_nll_high=nll.high,
                 )
             )
-    return dict(reference=nf["reference"], floor=nf["floor"], rows=rows)
+    return dict(reference=nf["reference"], noise_floor=nf["noise_floor"], rows=rows)
 
 
 def _load(path, p: AccuracyParameters, scale_strategy: str = "max"):
@@ -334,7 +334,7 @@ def scheme_study(
     sets,
     calibration: Calibration,
     reference: ev.Results,
-    floor: dict,
+    noise_floor: dict,
     p: AccuracyParameters,
     cache_dir=None,
     log=print,
@@ -350,7 +350,7 @@ def scheme_study(
     """
     bf16_bytes = sum(t.numel() * 2 for t in model.state_dict().values())
     rows = result_rows(
-        dict(scheme="bf16", bits_per_weight=16.0, checkpoint_bytes=bf16_bytes), reference, reference, floor
+        dict(scheme="bf16", bits_per_weight=16.0, checkpoint_bytes=bf16_bytes), reference, reference, noise_floor
     )
     results, paths, routed = {}, {}, {}
     for s in p.schemes:
@@ -365,7 +365,7 @@ def scheme_study(
         label = dict(
             scheme=s.name, bits_per_weight=s.weight.bits_per_element, checkpoint_bytes=checkpoint_size_bytes(path)
         )
-        new = result_rows(label, r, reference, floor)
+        new = result_rows(label, r, reference, noise_floor)
         for row in new:
             row["seconds"] = time.perf_counter() - t0
         rows += new
@@ -379,7 +379,7 @@ def strategy_study(
     sets,
     calibration: Calibration,
     reference: ev.Results,
-    floor: dict,
+    noise_floor: dict,
     p: AccuracyParameters,
     cache_dir=None,
     log=print,
@@ -404,7 +404,7 @@ def strategy_study(
     base = results.get("max")
     rows = []
     for s in p.strategies:
-        rows += result_rows(dict(strategy=s), results[s], reference, floor, base if s != "max" else None)
+        rows += result_rows(dict(strategy=s), results[s], reference, noise_floor, base if s != "max" else None)
     return dict(rows=rows, results=results, path=path)
 
 
@@ -444,7 +444,7 @@ class reciprocal_global_scales:
 NEGATIVE_CONTROLS = {"swapped nibbles": swapped_nibbles, "reciprocal global scale": reciprocal_global_scales}
 
 
-def negative_control(model, path, sets, floor: dict, p: AccuracyParameters, prompts: int = 100) -> list[dict]:
+def negative_control(model, path, sets, noise_floor: dict, p: AccuracyParameters, prompts: int = 100) -> list[dict]:
     """The checkpoint at ``path`` (NVFP4) broken by each of ``NEGATIVE_CONTROLS`` in turn and evaluated on the
     first ``prompts`` prompts of each set, against the bf16 ``model`` on the same prompts:
     ``result_rows`` labelled ``control=<name>``.
@@ -462,7 +462,7 @@ def negative_control(model, path, sets, floor: dict, p: AccuracyParameters, prom
     for name, control in NEGATIVE_CONTROLS.items():
         with control(q):
             r = ev.evaluate(q, subsets, **_kw(p))
-        rows += result_rows(dict(control=name), r, ref, floor)
+        rows += result_rows(dict(control=name), r, ref, noise_floor)
     return rows
 
 
@@ -562,13 +562,13 @@ def _iv(est: float, low: float, high: float, fmt: str = "+.3f") -> str:
     return f"{est:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
 
 
-def claims(rows: list[dict], key: str, floor: dict) -> list[str]:
+def claims(rows: list[dict], key: str, noise_floor: dict) -> list[str]:
     """Sentences for the rows whose difference counts (``result_rows``' ``loses`` / ``gains`` /
     ``nll_rises`` against bf16; ``vs_beyond`` / ``vs_nll_beyond`` against the ``vs`` run), each
     with its paired interval and the task's noise floor; nothing is said of the other rows."""
     out = []
     for r in rows:
-        name, t, fl = r[key], r["task"], floor[r["task"]]
+        name, t, fl = r[key], r["task"], noise_floor[r["task"]]
         if r["loses"] or r["gains"]:
             verb = "loses" if r["loses"] else "gains"
             out.append(

@@ -441,7 +441,7 @@ def attribute_trained(
     calibration=None,
     order: Iterable[str] | None = None,
     layer_sources: bool = False,
-    floor: dict | None = None,
+    noise_floor: dict | None = None,
     batch_size: int = 250,
     scale_strategy: str = "max",
     seed: int = 0,
@@ -455,9 +455,9 @@ def attribute_trained(
         scheme: a ``MoEQuantScheme`` or its name.
         calibration: ``evaluation.calibrate_tasks(model, train_datasets)``, for static-scale schemes.
         order: the waterfall's order (default ``w13, w2, a1, a2``); layer_sources: each (layer, source) alone too.
-        floor: ``evaluation.noise_floor(...)["floor"]``, or None: marks each difference whose interval
-            excludes 0 and that is beyond it; the pooled ``all`` rows use ``floor["all"]`` when given, else
-            the largest task floor (a bound: the pooled difference is a weighted mean of the tasks').
+        noise_floor: ``evaluation.noise_floor(...)["noise_floor"]``, or None: marks each difference whose interval
+            excludes 0 and that is beyond it; the pooled ``all`` rows use ``noise_floor["all"]`` when given, else
+            the largest task noise floor (a bound: the pooled difference is a weighted mean of the tasks').
         batch_size, seed: ``evaluate``'s (the bootstrap's random seed); scale_strategy: NVFP4's.
 
     Returns:
@@ -468,18 +468,18 @@ def attribute_trained(
         exact match in prompts (``exact_match``), NLL in nats per answer token, tasks and ``all``
         (pooled). ``differences`` (paired bootstrap, ``compare``; ``all``: every task's prompts pooled) covers
         the named configurations against bf16, ``increment_differences`` {step: ...} each waterfall step
-        against the step before it; ``beyond`` is None where ``floor`` has no entry.
+        against the step before it; ``beyond`` is None where ``noise_floor`` has no entry.
 
     Raises:
         ValueError: as ``make_plan``, ``layer_emulations`` and ``evaluate``.
     """
     s = get_moe_scheme(scheme)
     plan = make_plan(s, len(moe_layers(model)), order, layer_sources)
-    if floor is not None and ALL_TASKS not in floor:
+    if noise_floor is not None and ALL_TASKS not in noise_floor:
         # the pooled difference is a token- or prompt-weighted mean of the tasks' ones: the largest task
-        # floor bounds the pooled floor
+        # noise floor bounds the pooled one
         metrics = ("exact_match", "nll_per_token")
-        floor = {**floor, ALL_TASKS: {m: max(f[m] for f in floor.values()) for m in metrics}}
+        noise_floor = {**noise_floor, ALL_TASKS: {m: max(f[m] for f in noise_floor.values()) for m in metrics}}
     own = evaluate(model, datasets, batch_size, seed=seed)
     weights, emulations = layer_emulations(model, s, calibration, scale_strategy)
     results = {}
@@ -508,7 +508,7 @@ def attribute_trained(
         for t, per in per_task.items():
             out[t] = {}
             for m, d in per.items():
-                beyond = d.beyond(floor[t][m]) if floor is not None and t in floor else None
+                beyond = d.beyond(noise_floor[t][m]) if noise_floor is not None and t in noise_floor else None
                 out[t][m] = dict(estimate=d.estimate, low=d.low, high=d.high, significant=d.significant, beyond=beyond)
         return out
 

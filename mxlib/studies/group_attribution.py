@@ -528,7 +528,7 @@ def attribute_groups(
         A plain dict: ``groups`` ({group: [module names]}), ``plan`` (``configs``, ``order``, ``steps``,
         ``targets``), ``values`` ({config: {"logits nsr", "logits kl": mean, ``on_grid``}}), ``sqnr_db``
         ({config: ``-10 log10`` of the NSR, ``inf`` for none}), ``decompositions`` ({metric:
-        ``GroupDecomposition`` as a dict}), ``floor`` ({metric: the mean of the reference with bf16
+        ``GroupDecomposition`` as a dict}), ``noise_floor`` ({metric: the mean of the reference with bf16
         ``TritonExperts`` against the reference: the smallest difference worth reporting}), ``decisions``
         ({key: ``mxlib.stats.Verdict`` as a dict, with ``decided``}), ``bf16_matches_reference`` (the ``bf16``
         configuration's logits equal the reference's, bit for bit, on every draw), ``n`` (tokens, all draws),
@@ -545,7 +545,7 @@ def attribute_groups(
     with switched_groups(model, reference, plan.configs[BF16], **kw):
         base = [_logits(model, t) for t in sets]
     with _bf16_triton(reference):
-        floor_units = [_per_token(_logits(reference, t), r) for t, r in zip(sets, ref_logits)]
+        noise_floor_units = [_per_token(_logits(reference, t), r) for t, r in zip(sets, ref_logits)]
 
     def measure(sw):
         with switched_groups(model, reference, sw, **kw):
@@ -563,9 +563,9 @@ def attribute_groups(
             units[name] = {m: (per[0][m].numpy(), None) for m in metrics}
         else:
             units[name] = {m: ([p[m].numpy() for p in per], None) for m in metrics}
-    floor = {m: sum(float(f[m].mean()) for f in floor_units) / len(floor_units) for m in metrics}
+    noise_floor = {m: sum(float(f[m].mean()) for f in noise_floor_units) / len(noise_floor_units) for m in metrics}
     unit_name = "tokens" if over == "units" else "token sets"
-    decisions = _family(plan, units, metrics, floor, "precision groups (logits)", alpha, unit_name, over)
+    decisions = _family(plan, units, metrics, noise_floor, "precision groups (logits)", alpha, unit_name, over)
     decompositions = {m: asdict(decompose_groups(plan, {n: v[m] for n, v in values.items()}, m)) for m in metrics}
     base_matches = all(torch.equal(b, r) for b, r in zip(base, ref_logits))
     return dict(
@@ -574,7 +574,7 @@ def attribute_groups(
         values=values,
         sqnr_db=sqnr,
         decompositions=decompositions,
-        floor=floor,
+        noise_floor=noise_floor,
         decisions=_decisions_dict(decisions),
         bf16_matches_reference=base_matches,
         n=sum(int(t.numel()) for t in sets),
@@ -591,7 +591,7 @@ def attribute_groups_trained(
     order: Iterable[str] | None = None,
     calibration=None,
     linear_input_amax: Mapping[str, torch.Tensor] | None = None,
-    floor: Mapping[str, float] | None = None,
+    noise_floor: Mapping[str, float] | None = None,
     alpha: float = ALPHA,
     batch_size: int = 250,
     scale_strategy: str = "max",
@@ -606,7 +606,7 @@ def attribute_groups_trained(
             ``mxlib.models.training.train``'s model, then ``load_quantized_moe``).
         reference: the trained bf16 model itself.
         datasets: held-out ``Dataset``s (a list or dict, one per task).
-        floor: ``{"exact_match": prompts share, "nll_per_token": nats}``, the smallest differences worth
+        noise_floor: ``{"exact_match": prompts share, "nll_per_token": nats}``, the smallest differences worth
             reporting (pooled), or None: measured here as the reference with bf16 ``TritonExperts`` against the
             reference (``evaluation.noise_floor``'s largest variant is a stricter choice; pass its pooled
             maximum).
@@ -615,7 +615,7 @@ def attribute_groups_trained(
 
     Returns:
         As ``attribute_groups``, with ``values`` ({config: {task or "all": {"exact_match": correct prompts
-        (int), "nll_per_token": ``on_grid``}}}), ``decompositions`` ({task or "all": {metric: ...}}), ``floor``
+        (int), "nll_per_token": ``on_grid``}}}), ``decompositions`` ({task or "all": {metric: ...}}), ``noise_floor``
         (the pooled smallest differences used), ``decisions`` (pooled prompts: exact match as a share of
         prompts, higher better; NLL per answer token, lower better), ``n`` (prompts); no ``sqnr_db``.
 
@@ -641,11 +641,11 @@ def attribute_groups_trained(
 
     per_config, seconds = _measure_all(plan, measure)
     ref = evaluate(reference, datasets, batch_size)
-    if floor is None:
+    if noise_floor is None:
         with _bf16_triton(reference):
             other = evaluate(reference, datasets, batch_size)
         a, b = pooled(other), pooled(ref)
-        floor = {
+        noise_floor = {
             "exact_match": abs(float((a["exact_match"][0] - b["exact_match"][0]).mean())),
             "nll_per_token": abs(
                 float((a["nll_per_token"][0] - b["nll_per_token"][0]).sum() / b["nll_per_token"][1].sum())
@@ -654,7 +654,7 @@ def attribute_groups_trained(
     values = {n: task_values(r) for n, r in per_config.items()}
     units = {n: pooled(r) for n, r in per_config.items()}
     metrics = {"exact_match": True, "nll_per_token": False}
-    decisions = _family(plan, units, metrics, floor, "precision groups (trained model)", alpha, "prompts")
+    decisions = _family(plan, units, metrics, noise_floor, "precision groups (trained model)", alpha, "prompts")
     tasks = list(values[BF16])
     decompositions = {
         t: {m: asdict(decompose_groups(plan, {n: v[t][m] for n, v in values.items()}, m)) for m in metrics}
@@ -670,7 +670,7 @@ def attribute_groups_trained(
         plan=asdict(plan),
         values=values,
         decompositions=decompositions,
-        floor=dict(floor),
+        noise_floor=dict(noise_floor),
         decisions=_decisions_dict(decisions),
         bf16_matches_reference=same,
         n=sum(r.n for r in base.tasks.values()),

@@ -281,7 +281,7 @@ def trained_study(
     calibration: Calibration,
     calib_sets,
     reference: ev.Results,
-    floor: dict,
+    noise_floor: dict,
     p: RecoveryParameters,
     folder=None,
     extra_techniques: dict | None = None,
@@ -323,7 +323,7 @@ def trained_study(
                 del q
                 base = results.get((s.name, BASELINE)) if name != BASELINE else None
                 label = _label(s, name, measured, kp, lambda sc: paths.get((sc.name, BASELINE)))
-                rows += result_rows(label, r, reference, floor, base)
+                rows += result_rows(label, r, reference, noise_floor, base)
                 if log:
                     log(
                         f"[{s.name}] {name}: "
@@ -419,7 +419,7 @@ def _iv(est: float, low: float, high: float, fmt: str = "+.3f") -> str:
     return f"{est:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
 
 
-def claims(rows: list[dict], floor: dict) -> list[str]:
+def claims(rows: list[dict], noise_floor: dict) -> list[str]:
     """Sentences for the technique rows whose paired difference against RTN excludes 0 and exceeds
     the task's noise floor (``vs_beyond`` for exact match, ``vs_nll_beyond`` for NLL); nothing is
     said of the others."""
@@ -427,7 +427,7 @@ def claims(rows: list[dict], floor: dict) -> list[str]:
     for r in rows:
         if r["technique"] == BASELINE:
             continue
-        who, t, fl = f"{r['technique']} ({r['scheme']})", r["task"], floor[r["task"]]
+        who, t, fl = f"{r['technique']} ({r['scheme']})", r["task"], noise_floor[r["task"]]
         if r.get("vs_beyond"):
             verb = "wins back" if r["vs_exact_match"] > 0 else "loses"
             out.append(

@@ -1,12 +1,12 @@
-"""Notebook 06's routing consistency: does each scheme's router still pick the bf16 model's experts, beyond the floor?
+"""Notebook 06's routing consistency: does each scheme's router pick the bf16 model's experts, beyond the noise floor?
 
 On the trained model, the same held-out prompts that the accuracy is measured on (teacher forcing: prompt and
 answer tokens, the answer's ``<eos>`` left out, as ``mxlib.models.evaluation.evaluate`` runs them) are routed by
 
 * the bf16 model (the **reference**: transformers' own experts implementation, the batches ``evaluate`` runs);
-* the same bf16 model on another experts implementation (``FLOOR_VARIANTS``: transformers' ``eager`` loop, and
+* the same bf16 model on another experts implementation (``NOISE_FLOOR_VARIANTS``: transformers' ``eager`` loop, and
   mxlib's ``TritonExperts`` on the bf16 weights, ``backend="torch"``, the experts module every quantized run goes
-  through): the **floor**, per MoE layer the largest share of tokens one of them routes to another expert set;
+  through): the **noise floor**, per MoE layer the largest share of tokens one of them routes to another expert set;
 * each scheme's checkpoint loaded back (``accuracy.scheme_study`` records its routing during its evaluation, with no
   forward pass of its own).
 
@@ -14,7 +14,7 @@ Per scheme and MoE layer, ``mxlib.models.routing_consistency`` gives the mean Ja
 set against the reference's and the share of tokens whose set changed. ``add_comparisons`` puts one comparison per
 scheme and layer into the notebook's ``mxlib.stats.ComparisonFamily``: the scheme's per-prompt changed tokens
 against bf16's own (the reference against itself: none), paired over the prompts, token-weighted (the ratio mean is
-the share over all tokens), with the layer's floor as the smallest difference worth reporting. A decided verdict
+the share over all tokens), with the layer's noise floor as the smallest difference worth reporting. A decided verdict
 (``"bf16 better"``) says the scheme changes routing in that layer beyond what another experts implementation does.
 The prompts of the notebook's one draw (its ``seed``) are the replicates (``over="units"``), as in the notebook's
 accuracy comparisons: a verdict speaks of that prompt set.
@@ -36,12 +36,12 @@ from ..moe import TritonExperts
 from ..stats import ComparisonFamily, Decisions, paired_units
 
 __all__ = [
-    "FLOOR_VARIANTS",
+    "NOISE_FLOOR_VARIANTS",
     "EVAL_BATCH_SIZE",
-    "ROUTING_FLOOR_BOUND",
+    "ROUTING_NOISE_FLOOR_BOUND",
     "REFERENCE",
     "routing_tokens",
-    "reference_and_floor",
+    "reference_and_noise_floor",
     "consistency_study",
     "metric",
     "comparison_key",
@@ -49,14 +49,14 @@ __all__ = [
     "verdict_rows",
 ]
 
-FLOOR_VARIANTS = ("eager_experts", "triton_experts_torch")
+NOISE_FLOOR_VARIANTS = ("eager_experts", "triton_experts_torch")
 # evaluate's default batch size: the reference routes the prompts in the batches the schemes' evaluations run
 EVAL_BATCH_SIZE = 250
-# The floor's stated bound: the largest share of tokens another experts implementation of the same bf16 model may
+# The noise floor's stated bound: the largest share of tokens another experts implementation of the same bf16 model may
 # route to another expert set in any layer. Measured on the shipped models: the default recipe (1600 held-out
 # prompts, 23600 tokens) 0 in layer 0 (both variants), 0 (eager) and 0.0042 (TritonExperts, 98 tokens) in layer 1;
 # the test recipe (300 prompts, 4050 tokens) 0, 0 and 0.0025 (10 tokens).
-ROUTING_FLOOR_BOUND = 0.01
+ROUTING_NOISE_FLOOR_BOUND = 0.01
 REFERENCE = "bf16"
 
 
@@ -74,13 +74,13 @@ def _interval(values: torch.Tensor, tokens: torch.Tensor, level: float = 0.95) -
     return est.mean, low, high
 
 
-def reference_and_floor(model, sets: list[Dataset]) -> dict:
-    """The bf16 ``model``'s routing of ``sets`` (the reference) and the floor.
+def reference_and_noise_floor(model, sets: list[Dataset]) -> dict:
+    """The bf16 ``model``'s routing of ``sets`` (the reference) and the noise floor.
 
     Returns:
         ``{"reference": RoutedTokens, "variants": {name: RoutingConsistency against the reference} for each of
-        ``FLOOR_VARIANTS``, "floor": {decoder layer: largest share changed over the variants}, "rows": one row per
-        variant and layer (variant, layer, tokens, prompts, jaccard, share_changed)}``. The model is unchanged
+        ``NOISE_FLOOR_VARIANTS``, "noise_floor": {decoder layer: largest share changed over the variants}, "rows": one
+        row per variant and layer (variant, layer, tokens, prompts, jaccard, share_changed)}``. The model is unchanged
         afterwards (its experts implementation and experts modules restored).
     """
     ids = routing_tokens(sets)
@@ -99,7 +99,9 @@ def reference_and_floor(model, sets: list[Dataset]) -> dict:
 
     with ev.swapped_experts(model, bf16_experts):
         variants["triton_experts_torch"] = routing_consistency(reference, record_routing(model, ids, EVAL_BATCH_SIZE))
-    floor = {layer: max(v.share_changed[i] for v in variants.values()) for i, layer in enumerate(reference.layers)}
+    noise_floor = {
+        layer: max(v.share_changed[i] for v in variants.values()) for i, layer in enumerate(reference.layers)
+    }
     rows = [
         dict(
             variant=name,
@@ -112,29 +114,29 @@ def reference_and_floor(model, sets: list[Dataset]) -> dict:
         for name, v in variants.items()
         for r in v.rows()
     ]
-    return dict(reference=reference, variants=variants, floor=floor, rows=rows)
+    return dict(reference=reference, variants=variants, noise_floor=noise_floor, rows=rows)
 
 
-def consistency_study(reference_floor: dict, routed: dict[str, RoutedTokens]) -> dict:
-    """Each scheme's routing against the reference (``reference_and_floor``'s).
+def consistency_study(reference_noise_floor: dict, routed: dict[str, RoutedTokens]) -> dict:
+    """Each scheme's routing against the reference (``reference_and_noise_floor``'s).
 
     Args:
-        reference_floor: ``reference_and_floor``'s result.
+        reference_noise_floor: ``reference_and_noise_floor``'s result.
         routed: ``{scheme name: RoutedTokens}`` recorded on the same prompts (``accuracy.scheme_study``'s
             ``"routed"``).
 
     Returns:
-        ``{"schemes": {name: RoutingConsistency}, "self": the reference against itself, "floor": the layers' floor,
-        "rows": one row per scheme and layer}``; a row holds ``scheme``, ``layer``, ``tokens``, ``prompts``,
-        ``jaccard`` with ``jaccard_low`` / ``jaccard_high`` and ``share_changed`` with ``share_low`` / ``share_high``
-        (95 % Student-t intervals over prompts, token-weighted), ``floor`` (the layer's floor of the share changed)
-        and ``beyond_floor`` (the share's interval lies above the floor: a column, a looser test than the
-        notebook's family, which decides what is stated).
+        ``{"schemes": {name: RoutingConsistency}, "self": the reference against itself, "noise_floor": the layers'
+        noise floor, "rows": one row per scheme and layer}``; a row holds ``scheme``, ``layer``, ``tokens``,
+        ``prompts``, ``jaccard`` with ``jaccard_low`` / ``jaccard_high`` and ``share_changed`` with ``share_low`` /
+        ``share_high`` (95 % Student-t intervals over prompts, token-weighted), ``noise_floor`` (the layer's noise
+        floor of the share changed) and ``beyond_noise_floor`` (the share's interval lies above the noise floor: a
+        column, a looser test than the notebook's family, which decides what is stated).
 
     Raises:
         ValueError: a record of other tokens or layers than the reference (``routing_consistency``).
     """
-    reference, floor = reference_floor["reference"], reference_floor["floor"]
+    reference, noise_floor = reference_noise_floor["reference"], reference_noise_floor["noise_floor"]
     schemes = {name: routing_consistency(reference, r) for name, r in routed.items()}
     rows = []
     for name, c in schemes.items():
@@ -153,11 +155,11 @@ def consistency_study(reference_floor: dict, routed: dict[str, RoutedTokens]) ->
                     share_changed=s,
                     share_low=s_low,
                     share_high=s_high,
-                    floor=floor[layer],
-                    beyond_floor=s_low > floor[layer],
+                    noise_floor=noise_floor[layer],
+                    beyond_noise_floor=s_low > noise_floor[layer],
                 )
             )
-    return dict(schemes=schemes, self=routing_consistency(reference, reference), floor=floor, rows=rows)
+    return dict(schemes=schemes, self=routing_consistency(reference, reference), noise_floor=noise_floor, rows=rows)
 
 
 def metric(layer: int) -> str:
@@ -173,7 +175,7 @@ def comparison_key(scheme: str, layer: int) -> str:
 def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
     """Add one comparison per scheme and MoE layer of ``study`` (``consistency_study``'s) to ``family``: the
     scheme's changed tokens per prompt against the reference's own (``study["self"]``: none), over the prompts
-    (``over="units"``, token counts as weights), lower is better, the layer's floor as ``smallest``. Returns the
+    (``over="units"``, token counts as weights), lower is better, the layer's noise floor as ``smallest``. Returns the
     keys (``comparison_key``).
 
     Raises:
@@ -193,7 +195,7 @@ def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
                     higher_is_better=False,
                     over="units",
                     weights=c.tokens,
-                    smallest=float(study["floor"][layer]),
+                    smallest=float(study["noise_floor"][layer]),
                     unit_name="prompts",
                     key=comparison_key(name, layer),
                 )
@@ -202,13 +204,13 @@ def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
 
 
 def verdict_rows(study: dict, decisions: Decisions) -> list[dict]:
-    """``study["rows"]`` as the notebook's routing table: scheme, layer, jaccard, share_changed, floor and the
+    """``study["rows"]`` as the notebook's routing table: scheme, layer, jaccard, share_changed, noise_floor and the
     family's verdict (new dicts; the study's rows are not changed).
 
     Raises:
         KeyError: a row whose comparison is not in ``decisions`` (``add_comparisons`` was not called).
     """
-    keys = ("scheme", "layer", "jaccard", "share_changed", "floor")
+    keys = ("scheme", "layer", "jaccard", "share_changed", "noise_floor")
     return [
         {k: r[k] for k in keys} | {"verdict": decisions[comparison_key(r["scheme"], r["layer"])].verdict}
         for r in study["rows"]

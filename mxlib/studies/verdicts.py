@@ -20,7 +20,7 @@ METRICS = {
     "exact match": (("delta_exact_match", "delta_low", "delta_high"), ("vs_exact_match", "vs_low", "vs_high"), True),
     "NLL per token": (("delta_nll", "delta_nll_low", "delta_nll_high"), ("vs_nll", "vs_nll_low", "vs_nll_high"), False),
 }
-_FLOOR_KEY = {"exact match": "exact_match", "NLL per token": "nll_per_token"}
+_NOISE_FLOOR_KEY = {"exact match": "exact_match", "NLL per token": "nll_per_token"}
 
 
 def add_rows(
@@ -28,7 +28,7 @@ def add_rows(
     rows: list[dict],
     key: str,
     prompts: dict[str, int],
-    floor: dict,
+    noise_floor: dict,
     reference: str | None = "bf16",
     vs: str | None = None,
     level: float = 0.95,
@@ -39,16 +39,16 @@ def add_rows(
 
     Args:
         rows: result rows with ``key`` (the run's name), ``task`` and the columns of ``METRICS``.
-        prompts: prompts per task (the intervals' ``n``); floor: ``{task: {"exact_match", "nll_per_token"}}``.
+        prompts: prompts per task (the intervals' ``n``); noise_floor: ``{task: {"exact_match", "nll_per_token"}}``.
 
     Raises:
-        KeyError: a row's task missing from ``prompts`` or ``floor``; ValueError: as ``Estimate.from_interval``.
+        KeyError: a row's task missing from ``prompts`` or ``noise_floor``; ValueError: as ``Estimate.from_interval``.
     """
     keys = []
     for r in rows:
         name, task = r[key], r["task"]
         for metric, (own, other, higher) in METRICS.items():
-            smallest = float(floor[task][_FLOOR_KEY[metric]])
+            smallest = float(noise_floor[task][_NOISE_FLOOR_KEY[metric]])
             for against, cols in ((reference, own), (vs, other)):
                 if against is None or name in (reference, against) or cols[0] not in r:
                     continue

@@ -34,7 +34,7 @@ def attribution_rows(result: dict, metric: str, task: str | None = None) -> list
     (from bf16; exact match in prompts and as a fraction ``delta_fraction`` when a task is given),
     with the paired 95 % interval where there is one (``interval``, in the metric's per-prompt or
     per-token units; a waterfall step's against the step before it, the others' against bf16) and
-    ``beyond_floor`` where a floor was given; ``sqnr_db`` (``attribute_layers``): the configuration's
+    ``beyond_noise_floor`` where a noise floor was given; ``sqnr_db`` (``attribute_layers``): the configuration's
     SQNR (a waterfall step's: with the sources up to it on).
 
     Raises:
@@ -64,7 +64,7 @@ def attribution_rows(result: dict, metric: str, task: str | None = None) -> list
         if diff is not None:
             row["interval"] = f"[{diff['low']:+.4g}, {diff['high']:+.4g}]"
             if diff["beyond"] is not None:
-                row["beyond_floor"] = diff["beyond"]
+                row["beyond_noise_floor"] = diff["beyond"]
         if "sqnr_db" in result and config is not None and metric.endswith(" nsr"):
             row["sqnr_db"] = result["sqnr_db"][config][metric[: -len(" nsr")]]
         rows.append(row)

@@ -41,7 +41,14 @@ from ...formats import BLOCK_SCHEMES, BlockScheme
 from ...moe.emulation import ExpertWeights
 from ...moe.linear import LinearWeights
 from ...moe.schemes import MOE_SCHEMES, MoEQuantScheme
-from ..layout import PROJS, CheckpointDescription, CheckpointError, CheckpointLayout, block_scale_check
+from ..layout import (
+    CheckpointDescription,
+    CheckpointError,
+    CheckpointLayout,
+    block_scale_check,
+    expert_parts,
+    read_block_experts,
+)
 
 __all__ = ["LAYOUT", "FORMAT", "CompressedTensorsMxLayout", "quantization_config"]
 
@@ -187,41 +194,16 @@ class CompressedTensorsMxLayout(CheckpointLayout):
         return rows, cols * self.block.element.nbits // 8
 
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
         out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.{self.weight_name}"] = p[x, rows].contiguous().cpu().view(self.stored_dtype)
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
+        for x, proj, p, s, _, _ in expert_parts(weights):
+            base = f"{prefix}.{x}.{proj}"
+            out[f"{base}.{self.weight_name}"] = p.view(self.stored_dtype)
+            out[f"{base}.weight_scale"] = s
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
-        bs, u8, blocks = self.block.block_size, torch.uint8, block_scale_check(e4m3=False)
-        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-        def names(proj, what):
-            return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
-
-        w = {
-            p: tensors.stack(names(p, self.weight_name), self._stored_shape(*rows[p]), self.stored_dtype).view(u8)
-            for p in PROJS
-        }
-        s = {p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), u8, blocks) for p in PROJS}
-        weights = ExpertWeights(
-            self.block,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1),
-            torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"],
-            s["down_proj"],
-        )
-        return weights, None, None
+        parts = read_block_experts(tensors, prefix, e, h, i, self.block, self.weight_name, self.stored_dtype)
+        return ExpertWeights(self.block, *parts), None, None
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         return {

@@ -50,7 +50,9 @@ from ..layout import (
     CheckpointError,
     CheckpointLayout,
     block_scale_check,
+    expert_parts,
     global_scale_check,
+    read_block_experts,
 )
 from ..scalars import read_scalar_scales
 from . import compressed_tensors_mxfp4, compressed_tensors_mxfp8, fp8_linear
@@ -207,53 +209,30 @@ class CompressedTensorsNvfp4Layout(CheckpointLayout):
             raise ValueError(
                 "weights: the compressed-tensors layout stores encode global scales; quantize with quantize_experts"
             )
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
-        g13 = w.w13_weight_scale_2 if w.w13_weight_scale_2.ndim == 2 else w.w13_weight_scale_2[:, None].expand(e, 2)
-        in13, in2 = w13_input_scale, w2_input_scale  # encode scales as stored (stored_input_scale)
         out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s, g, ins in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, g13[x, 0], in13),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale, g13[x, 1], in13),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w.w2_weight_scale_2[x], in2),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight_packed"] = p[x, rows].contiguous().cpu()
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
-                out[f"{base}.weight_global_scale"] = g.reshape(1).float().cpu().clone()
-                out[f"{base}.input_global_scale"] = ins[x].reshape(1).float().cpu().clone()
+        # input scales: encode scales as stored (stored_input_scale)
+        for x, proj, p, s, g, ins in expert_parts(weights, w13_input_scale, w2_input_scale):
+            base = f"{prefix}.{x}.{proj}"
+            out[f"{base}.weight_packed"] = p
+            out[f"{base}.weight_scale"] = s
+            out[f"{base}.weight_global_scale"] = g.reshape(1).float().cpu().clone()
+            out[f"{base}.input_global_scale"] = ins.reshape(1).float().cpu().clone()
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
-        bs = NVFP4.block_size
-        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-        def names(proj, what):
-            return [f"{prefix}.{x}.{proj}.{what}" for x in range(e)]
-
         # the stored encode scales get the range check of decode ones: block scales no
         # NaN or negative e4m3, weight_global_scale in [2**-126, 2**126], input_global_scale also 0
-        blocks, gs = block_scale_check(e4m3=True), global_scale_check(what="weight_global_scale")
+        gs = global_scale_check(what="weight_global_scale")
         ins_ok = global_scale_check(True, "input_global_scale")
-        w = {p: tensors.stack(names(p, "weight_packed"), (rows[p][0], rows[p][1] // 2), torch.uint8) for p in PROJS}
-        s = {
-            p: tensors.stack(names(p, "weight_scale"), (rows[p][0], rows[p][1] // bs), torch.float8_e4m3fn, blocks)
-            for p in PROJS
-        }
-        g = {p: read_scalar_scales(tensors, names(p, "weight_global_scale"), (1,), gs).reshape(e) for p in PROJS}
-        ins = {p: read_scalar_scales(tensors, names(p, "input_global_scale"), (1,), ins_ok).reshape(e) for p in PROJS}
-        weights = ExpertWeights(
-            NVFP4,
-            torch.cat([w["gate_proj"], w["up_proj"]], 1),
-            torch.cat([s["gate_proj"], s["up_proj"]], 1),
-            w["down_proj"],
-            s["down_proj"],
-            torch.stack([g["gate_proj"], g["up_proj"]], 1),
-            g["down_proj"],
-            global_scale_kind="encode",
+
+        def scalars(names, check=gs):
+            return read_scalar_scales(tensors, names, (1,), check).reshape(e)
+
+        parts = read_block_experts(
+            tensors, prefix, e, h, i, NVFP4, "weight_packed", global_scale="weight_global_scale", read_scalars=scalars
         )
+        weights = ExpertWeights(NVFP4, *parts, global_scale_kind="encode")
+        ins = {p: scalars([f"{prefix}.{x}.{p}.input_global_scale" for x in range(e)], ins_ok) for p in PROJS}
 
         def calibrated(t):  # an encode scale that is not positive and finite marks an uncalibrated expert
             return torch.where(torch.isfinite(t) & (t > 0), t, 0.0)

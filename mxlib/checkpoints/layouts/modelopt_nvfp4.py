@@ -37,14 +37,15 @@ from ...moe.schemes import NVFP4_MOE, W4A16_NVFP4, MoEQuantScheme
 from .. import precision
 from ..files.folder import CheckpointFolder
 from ..layout import (
-    PROJS,
     CheckpointDescription,
     CheckpointError,
     CheckpointLayout,
     block_scale_check,
+    expert_parts,
     global_scale_check,
+    read_block_experts,
 )
-from ..scalars import read_scalar_scales
+from ..scalars import read_scalar_scales, read_static_input_scales
 from . import fp8_linear, modelopt_mxfp8
 
 __all__ = ["LAYOUT"]
@@ -151,59 +152,31 @@ class ModelOptNvfp4Layout(CheckpointLayout):
     # ----------------------------------------------------------------------------- tensors
 
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
-        # w13_weight_scale_2: [E] (gate and up share one) or [E, 2] (each its own)
-        g13 = w.w13_weight_scale_2 if w.w13_weight_scale_2.ndim == 2 else w.w13_weight_scale_2[:, None].expand(e, 2)
         out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s, g, ins in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, g13[x, 0], w13_input_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale, g13[x, 1], w13_input_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w.w2_weight_scale_2[x], w2_input_scale),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight"] = p[x, rows].contiguous().cpu()
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
-                out[f"{base}.weight_scale_2"] = g.reshape(()).float().cpu().clone()
-                if not scheme.weight_only:
-                    out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
+        # w13_weight_scale_2: [E] (gate and up share one) or [E, 2] (each its own)
+        for x, proj, p, s, g, ins in expert_parts(weights, w13_input_scale, w2_input_scale):
+            base = f"{prefix}.{x}.{proj}"
+            out[f"{base}.weight"] = p
+            out[f"{base}.weight_scale"] = s
+            out[f"{base}.weight_scale_2"] = g.reshape(()).float().cpu().clone()
+            if not scheme.weight_only:
+                out[f"{base}.input_scale"] = ins.reshape(()).float().cpu().clone()
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
-        bs = NVFP4.block_size
-        f8, u8 = torch.float8_e4m3fn, torch.uint8
-        rows = {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-
-        def stack(proj, what, shape, dtype, check=None, out=None):
-            return tensors.stack([f"{prefix}.{x}.{proj}.{what}" for x in range(e)], shape, dtype, check, out)
-
         # every value that could silently spoil the emulation is checked here, naming the tensor:
-        # block scales (NaN, negative), weight_scale_2 (finite, positive), input_scale (also 0)
-        blocks, gs, ins_ok = block_scale_check(e4m3=True), global_scale_check(), global_scale_check(True, "input_scale")
-        packed = {p: (rows[p][0], NVFP4.element.packed_size(rows[p][1])) for p in PROJS}
-        sshape = {p: (rows[p][0], rows[p][1] // bs) for p in PROJS}
-        w13 = torch.empty(e, 2 * i, packed["gate_proj"][1], dtype=u8)  # gate and up read into place
-        s13 = torch.empty(e, 2 * i, sshape["gate_proj"][1], dtype=f8)
-        for j, p in enumerate(("gate_proj", "up_proj")):
-            stack(p, "weight", packed[p], u8, out=w13[:, j * i : (j + 1) * i])
-            stack(p, "weight_scale", sshape[p], f8, blocks, out=s13[:, j * i : (j + 1) * i])
-        w2 = stack("down_proj", "weight", packed["down_proj"], u8)
-        s2 = stack("down_proj", "weight_scale", sshape["down_proj"], f8, blocks)
+        # block scales (NaN, negative), weight_scale_2 (finite, positive), input_scale (also 0);
         # scalar scales: fp32, bf16 or fp16 as stored, widened to fp32 exactly (scalars.py)
-        g = {
-            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.weight_scale_2" for x in range(e)], (), gs)
-            for p in PROJS
-        }
-        weights = ExpertWeights(NVFP4, w13, s13, w2, s2, torch.stack([g["gate_proj"], g["up_proj"]], 1), g["down_proj"])
+        gs = global_scale_check()
+
+        def scalars(names):
+            return read_scalar_scales(tensors, names, (), gs)
+
+        parts = read_block_experts(tensors, prefix, e, h, i, NVFP4, global_scale="weight_scale_2", read_scalars=scalars)
+        weights = ExpertWeights(NVFP4, *parts)
         if description.scheme.weight_only:  # W4A16_NVFP4: no activation scale
             return weights, None, None
-        ins = {
-            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-            for p in PROJS
-        }
-        return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+        return (weights, *read_static_input_scales(tensors, prefix, e))
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         out = {

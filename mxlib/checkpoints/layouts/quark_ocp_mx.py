@@ -43,9 +43,10 @@ from ..layout import (
     CheckpointError,
     CheckpointLayout,
     block_scale_check,
+    expert_parts,
     global_scale_check,
 )
-from ..scalars import read_scalar_scales
+from ..scalars import read_scalar_scales, read_static_input_scales
 from . import fp8_linear
 
 __all__ = ["LAYOUT"]
@@ -237,22 +238,15 @@ class QuarkOcpMxLayout(CheckpointLayout):
     # ----------------------------------------------------------------------------- tensors
 
     def expert_tensors(self, scheme, weights: ExpertWeights, w13_input_scale, w2_input_scale, prefix: str) -> dict:
-        e, two_i = weights.w13_weight.shape[:2]
-        i = two_i // 2
-        w = weights
         static = scheme.static_activation_scale
+        stored = _stored_dtype(weights.scheme)
         out: dict[str, torch.Tensor] = {}
-        for x in range(e):
-            for proj, rows, p, s, ins in (
-                ("gate_proj", slice(0, i), w.w13_weight, w.w13_weight_scale, w13_input_scale),
-                ("up_proj", slice(i, 2 * i), w.w13_weight, w.w13_weight_scale, w13_input_scale),
-                ("down_proj", slice(None), w.w2_weight, w.w2_weight_scale, w2_input_scale),
-            ):
-                base = f"{prefix}.{x}.{proj}"
-                out[f"{base}.weight"] = p[x, rows].contiguous().cpu().view(_stored_dtype(w.scheme))
-                out[f"{base}.weight_scale"] = s[x, rows].contiguous().cpu()
-                if static:
-                    out[f"{base}.input_scale"] = ins[x].reshape(()).float().cpu().clone()
+        for x, proj, p, s, _, ins in expert_parts(weights, w13_input_scale, w2_input_scale):
+            base = f"{prefix}.{x}.{proj}"
+            out[f"{base}.weight"] = p.view(stored)
+            out[f"{base}.weight_scale"] = s
+            if static:
+                out[f"{base}.input_scale"] = ins.reshape(()).float().cpu().clone()
         return out
 
     def read_experts(self, tensors, prefix: str, e: int, h: int, i: int, description: CheckpointDescription):
@@ -286,12 +280,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
         )
         if not scheme.static_activation_scale:
             return weights, None, None
-        ins_ok = global_scale_check(True, "input_scale")
-        ins = {
-            p: read_scalar_scales(tensors, [f"{prefix}.{x}.{p}.input_scale" for x in range(e)], (), ins_ok)
-            for p in PROJS
-        }
-        return weights, torch.maximum(ins["gate_proj"], ins["up_proj"]), ins["down_proj"]
+        return (weights, *read_static_input_scales(tensors, prefix, e))
 
     def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
         out = {
