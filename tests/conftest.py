@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config, items):
     Under ``pytest-xdist --dist loadgroup`` (``make test-rest``) the tests go to the workers one by one, so that a
     file of long tests (the notebooks at their suggested settings) does not run on one worker while the other
     idles; a test that uses a module- or class-scoped fixture is grouped with the rest of its file
-    (``xdist_group``), so that the fixture is still made once."""
+    (``xdist_group``), so that the fixture is still made once. In an xdist worker the units are then put in the
+    order ``longest_first`` gives (outside xdist the collection order stays as it is)."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "executed_notebook" in getattr(item, "fixturenames", ()):
