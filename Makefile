@@ -32,7 +32,7 @@ test: test-fast test-rest test-notebooks
 PYTEST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q
 # the long tests one by one (tests/conftest.py keeps a file whose fixtures are module-scoped together); the 30
 # slowest printed at the end, so that a CI log says where the time went
-PYTEST_REST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup -q --durations=30
+PYTEST_REST := TRITON_INTERPRET=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -q --durations=30
 
 # Unit and kernel tests: the Triton kernels run in the interpreter on the CPU; no notebook, no Chromium.
 test-fast: $(STAMP)

@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(config, items):
     Under ``pytest-xdist --dist loadgroup`` (``make test-rest``) the tests go to the workers one by one, so that a
     file of long tests (the notebooks at their suggested settings) does not run on one worker while the other
     idles; a test that uses a module- or class-scoped fixture is grouped with the rest of its file
-    (``xdist_group``), so that the fixture is still made once."""
+    (``xdist_group``), so that the fixture is still made once. In an xdist worker the units are then put in the
+    order ``longest_first`` gives (outside xdist the collection order stays as it is)."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "executed_notebook" in getattr(item, "fixturenames", ()):
@@ -40,6 +41,91 @@ def pytest_collection_modifyitems(config, items):
         defs = info.name2fixturedefs.values() if info is not None else ()
         if any(d.scope in ("module", "class", "package") for ds in defs for d in ds):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_first(items)
+        if config.getvalue("loadgroup"):
+            for item in items:
+                _report_group(item)
+
+
+def _report_group(item) -> None:
+    """pytest-xdist's ``loadgroup`` tells the controller an item's group by the node id the worker reports,
+    ``<nodeid>@<group>``, which it sets in its own ``pytest_collection_modifyitems`` by assigning ``item._nodeid``.
+    From pytest 9.2 a node id is structured (``item._id``) and that assignment no longer reaches it
+    (pytest-dev/pytest-xdist#1386): every group is silently split, a module-scoped fixture is made on both workers
+    and a worker waits on the other's notebook execution. The suffix is set here where xdist's did not take."""
+    group = _group(item)
+    ident = getattr(item, "_id", None)
+    if not group.startswith("@") or ident is None or not hasattr(type(ident), "parse"):
+        return  # no group, or a pytest whose node id xdist's assignment still sets
+    want = item.nodeid.split("@")[0] + group
+    if item.nodeid != want:
+        item._id = type(ident).parse(want)
+
+
+# The long tests of `make test-rest`: seconds of one worker on the 2-core machine (`--durations`, two workers, setup
+# and call; a notebook's execution counts towards the first test that reads it; the fused FP4 naive-blocks and the
+# per-token tests scaled by their CPU time after their tiles were widened). Only the order they give matters
+# (longest_first): a test missing here, or one whose time has changed, costs balance at the end, never a result.
+LONG_TESTS: dict[str, float] = {
+    "tests/test_quantize_command.py::test_peak_memory_stays_near_one_layer": 69,
+    "tests/test_docs.py::test_python_blocks_run_as_written[docs/getting-started.md]": 42,
+    "tests/test_docs.py::test_every_page_renders_without_errors_or_network": 26,
+    "tests/test_wheel.py::test_the_installed_wheel_runs_a_notebook_from_its_package_data": 25,
+    "tests/test_bad_input.py::test_e2e_peak_memory_stays_near_the_model_bytes": 21,
+    "tests/test_fused_fp4.py::test_fused_fp4_naive_blocks_and_standalone_a1[nvfp4]": 20,
+    "tests/test_fused_fp4.py::test_fused_fp4_naive_blocks_and_standalone_a1[w_mxfp4_a_mxfp4]": 20,
+    "tests/test_notebook_settings.py::test_a_suggested_setting_runs_and_passes_its_checks[06-quick]": 20,
+    "tests/test_notebook_settings.py::test_a_suggested_setting_runs_and_passes_its_checks[04-defaults]": 19,
+    "tests/test_notebook_settings.py::test_a_suggested_setting_runs_and_passes_its_checks[07-quick]": 19,
+    "tests/test_notebooks.py::test_05_fused_emulation_benchmark": 19,
+    "tests/test_docs.py::test_the_site_holds_every_page_and_the_notebooks": 19,
+    "tests/test_notebooks.py::test_04_scale_unification": 18,
+    "tests/test_notebook_settings.py::test_a_suggested_setting_runs_and_passes_its_checks[01-defaults]": 17,
+    "tests/test_notebooks.py::test_02_microscaling_formats": 17,
+    "tests/test_notebooks.py::test_01_end_to_end[nvfp4]": 17,
+    "tests/test_per_token.py::test_fused_per_token_a1_prepass_and_standalone_same_bits[hardware]": 12,
+    "tests/test_swigluoai.py::test_emulation_silu_default_unchanged[fused]": 16,
+    "tests/test_notebooks.py::test_01_end_to_end[mxfp4]": 16,
+    "tests/test_notebook_settings.py::test_a_suggested_setting_runs_and_passes_its_checks[03-defaults]": 16,
+    "tests/test_render.py::test_probe_catches_truncation_and_empty_figures": 16,
+    "tests/test_docs.py::test_python_blocks_run_as_written[docs/attribution.md]": 15,
+    "tests/test_notebooks.py::test_01_end_to_end_gpt_oss": 15,
+    "tests/test_per_token.py::test_fused_per_token_a1_prepass_and_standalone_same_bits[vllm]": 10,
+    "tests/test_notebooks.py::test_03_scheme_comparison": 14,
+    "tests/test_swigluoai.py::test_emulation_backends_with_biases[fp4-kernel-silu]": 14,
+    "tests/test_swigluoai.py::test_emulation_backends_with_biases[fp4-kernel-swigluoai]": 14,
+    "tests/test_compile.py::test_reference_inductor_bits_equal_eager[quant_dequant_mx e2m1 even]": 14,
+    "tests/test_moe.py::test_fp4_experts_both_numerics_against_fp64[vllm-nvfp4]": 14,
+    "tests/test_fused_fp4.py::test_fused_fp4_against_fp64[hardware-nvfp4]": 13,
+}
+
+
+def _group(item) -> str:
+    """The work unit of ``item`` under ``--dist loadgroup``: its ``xdist_group`` name(s), else the test itself."""
+    names = sorted(
+        {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+    )
+    return "@" + "_".join(names) if names else item.nodeid
+
+
+def longest_first(items: list) -> list:
+    """``items`` with the work units (``_group``) holding the most ``LONG_TESTS`` seconds first, the rest after them
+    in collection order; a unit's tests stay together and in their order (a module-scoped fixture is made once).
+
+    Under ``--dist loadgroup --no-loadscope-reorder`` pytest-xdist hands the units out in this order, one at a time
+    to whichever worker runs low: the long units start first and the short ones fill in at the end, so the workers
+    finish close together instead of one running a long test while the other idles."""
+
+    def seconds(item) -> float:
+        return LONG_TESTS.get(item.nodeid.split("@")[0], 0.0)
+
+    units: dict[str, list] = {}
+    for item in items:
+        units.setdefault(_group(item), []).append(item)
+    cost = {u: sum(seconds(i) for i in members) for u, members in units.items()}
+    order = sorted(units, key=lambda u: -cost[u])  # stable: units of equal cost keep their collection order
+    return [item for u in order for item in units[u]]
 
 
 # ----------------------------------------------------------------------------- executed notebooks

@@ -276,11 +276,15 @@ def test_fused_fp4_naive_blocks_and_standalone_a1(scheme, device):
     # M = 1: M * k * 4 <= E, so each pair is its own block (no alignment)
     one = run(L, device, "vllm", m=1)
     assert rel_err(one, want[:1]) < 5e-3
-    cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
+    # tiles other than the interpreter's default (16 x 32): 32 and 16 pairs a row block; 64 and 128 output columns,
+    # so that GEMM1 (N = I = 128, gate and up rows in one program) and GEMM2 (N = H = 256) each take two column
+    # blocks, each loading (and, fused, QDQ'ing) the same A tile over GEMM1's two K steps of 128; narrower columns
+    # (32 and 64) repeat the same cases in twice the interpreter's programs
+    cfg = (TileConfig(32, 64, None, 2, 4, 1, a1_fused=False), TileConfig(16, 128, None, 1, 4, 1))
     standalone = {mode: run(L, device, mode, configs=cfg) for mode in ("vllm", "hardware")}
     assert rel_err(standalone["vllm"], want) < 5e-3
     # a1 QDQ in its own pass or in the A-tile load: the same bits, in both numerics modes
-    fused = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=True), cfg[1])
+    fused = (TileConfig(32, 64, None, 2, 4, 1, a1_fused=True), cfg[1])
     for mode in ("vllm", "hardware"):
         assert_bits_equal(standalone[mode], run(L, device, mode, configs=fused))
 

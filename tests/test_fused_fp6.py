@@ -340,7 +340,10 @@ def test_fused_fp6_naive_blocks_and_tiles(device):
     want = oracle_fp64(L, "vllm")
     one = P.fused_fp4_moe(L["x"][:1], L["pw13"], L["pw2"], L["tw"][:1], L["ti"][:1], L["q1"], L["q2"]).cpu()
     assert rel_err(one, want[:1]) < 5e-3
-    cfg = (TileConfig(32, 32, None, 2, 4, 1, a1_fused=False), TileConfig(16, 64, None, 1, 4, 1))
+    # 32- and 16-pair row blocks, 128 columns: GEMM1 (N = I = 256) and GEMM2 (N = H = 256) each take two column
+    # blocks loading the same A tile (narrower columns, 32 and 64, repeat the case in two to four times the
+    # interpreter's programs)
+    cfg = (TileConfig(32, 128, None, 2, 4, 1, a1_fused=False), TileConfig(16, 128, None, 1, 4, 1))
     out = P.fused_fp4_moe(L["x"], L["pw13"], L["pw2"], L["tw"], L["ti"], L["q1"], L["q2"], configs=cfg).cpu()
     assert rel_err(out, want) < 5e-3
 

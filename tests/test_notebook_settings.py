@@ -10,8 +10,9 @@ else changed (only ``results_path``, which the fixture sets), and must pass the 
 failed check raises, and the run fails). 02 and 05 run at their defaults under nbval (``make test-notebooks``).
 
 The quick runs of 06 and 07 are also the executions whose results tests/test_notebooks.py checks in detail
-(``NOTEBOOK_PARAMS`` takes them from ``SUGGESTED``): the ``executed_notebook`` fixture runs each once, and the
-tests that share it form one ``xdist_group``, so that they run one after the other on one worker.
+(``NOTEBOOK_PARAMS`` takes them from ``SUGGESTED``), and tests/test_render.py renders them and 00's defaults: the
+``executed_notebook`` fixture runs each once, and the tests that share it form one ``xdist_group``, so that they run
+one after the other on one worker (instead of one worker waiting for the execution another holds).
 """
 
 from __future__ import annotations
@@ -72,8 +73,12 @@ SUGGESTED: dict[str, tuple[str, dict]] = {
     ),
 }
 
-# The entries whose execution tests/test_notebooks.py (and tests/test_render.py) read too: one group per execution.
-SHARED: dict[str, str] = {"06-quick": "06_what_fp4_costs", "07-quick": "07_accuracy_recovery"}
+# The entries whose execution tests/test_notebooks.py or tests/test_render.py read too: one group per execution.
+SHARED: dict[str, str] = {
+    "00-defaults": "00_first_principles",
+    "06-quick": "06_what_fp4_costs",
+    "07-quick": "07_accuracy_recovery",
+}
 
 
 def quick_run(name: str) -> dict:

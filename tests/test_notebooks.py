@@ -81,7 +81,8 @@ def run_notebook(entry: str, executed_notebook) -> dict:
     return json.loads((folder / "results.json").read_text())
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+# the tests that read an execution tests/test_render.py renders share its xdist_group (named by the notebook)
+@pytest.mark.parametrize("scheme", [pytest.param("nvfp4", marks=pytest.mark.xdist_group("01_end_to_end")), "mxfp4"])
 def test_01_end_to_end(scheme, executed_notebook):
     res = run_notebook(f"01_end_to_end-{scheme}", executed_notebook)
     assert res["model_preset"] == "tiny" and res["num_hidden_layers"] == 4
@@ -137,6 +138,7 @@ def test_01_end_to_end_gpt_oss(executed_notebook):
     assert "w_mxfp4" not in skipped and "nvfp4" in skipped and "expert biases" in skipped["nvfp4"]
 
 
+@pytest.mark.xdist_group("02_microscaling_formats")
 def test_02_microscaling_formats(executed_notebook):
     res = run_notebook("02_microscaling_formats", executed_notebook)
     assert res["cases"] and all(c["ok"] for c in res["cases"]), res["cases"]
@@ -156,6 +158,7 @@ def test_02_microscaling_formats(executed_notebook):
     assert mid and all(abs(r["gs_buys_db"]) < 0.05 for r in mid), mid
 
 
+@pytest.mark.xdist_group("03_scheme_comparison")
 def test_03_scheme_comparison(executed_notebook):
     res = run_notebook("03_scheme_comparison", executed_notebook)
     by = {r["scheme"]: r for r in res["rows"]}
@@ -207,6 +210,7 @@ def test_03_scheme_comparison(executed_notebook):
     assert all(len(r["layer_sqnr_db"]) == 4 for r in res["rows"])
 
 
+@pytest.mark.xdist_group("04_scale_unification")
 def test_04_scale_unification(executed_notebook):
     res = run_notebook("04_scale_unification", executed_notebook)
     summary = {(r["point"], r["strategy"]): r for r in res["summary"]}
@@ -240,6 +244,7 @@ def test_04_scale_unification(executed_notebook):
     assert {(r["point"], r["strategy"]) for r in own["predicted"]} >= {("a2", "max"), ("a2", "per_expert")}
 
 
+@pytest.mark.xdist_group("05_fused_emulation_benchmark")
 def test_05_fused_emulation_benchmark(executed_notebook):
     res = run_notebook("05_fused_emulation_benchmark", executed_notebook)
     assert res["numerics_rel_err"]["fused"] < 5e-3 and res["numerics_rel_err"]["triton"] < 5e-3, res["numerics_rel_err"]

@@ -286,10 +286,12 @@ def test_fused_per_token_a1_prepass_and_standalone_same_bits(numerics, device):
     q, x, tw, ti = layer()
     ex = experts(q, "fused", numerics, device=device)
     args = (x.to(device), tw.to(device), ti.to(device))
-    c2 = TileConfig(16, 64, None, 1, 4, 1)
-    ex.fp4_config = (TileConfig(16, 32, None, 1, 4, 1, a1_fused=False), c2)
+    # GEMM1 (N = I = 128) and GEMM2 (N = H = 256) in two column blocks each, both loading (and, fused, QDQ'ing) the
+    # same A tile (narrower columns, 32 and 64, repeat the case in twice the interpreter's programs)
+    c2 = TileConfig(16, 128, None, 1, 4, 1)
+    ex.fp4_config = (TileConfig(16, 64, None, 1, 4, 1, a1_fused=False), c2)
     standalone = ex(*args).cpu()
-    ex.fp4_config = (TileConfig(16, 32, None, 1, 4, 1, a1_fused=True), c2)
+    ex.fp4_config = (TileConfig(16, 64, None, 1, 4, 1, a1_fused=True), c2)
     assert_bits_equal(ex(*args).cpu(), standalone)
     ex.fp4_config = None
     one = ex(*(a[:1] for a in args)).cpu()  # M * k * 4 <= E: naive blocks

@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_notebook_settings import SHARED, SUGGESTED
+from test_notebook_settings import SUGGESTED
 
 from _util import chromium_binary
 from test_notebooks import NOTEBOOK_PARAMS
@@ -169,16 +169,14 @@ def check_dom(dom: str) -> dict:
     return {"figures": len(figures), "html_tables": len(tables)}
 
 
-# a notebook whose execution tests/test_notebooks.py and tests/test_notebook_settings.py share renders in their group
-_GROUPS = {f"{stem}.ipynb": stem for stem in SHARED.values()}
+# each rendering runs in the xdist_group of the tests that read the same execution (tests/test_notebooks.py,
+# tests/test_notebook_settings.py), named by the notebook: one worker executes it and no other waits for it
+_GROUPS = {nb: Path(nb).stem for nb, _ in RENDERED_NOTEBOOKS}
 
 
 @pytest.mark.parametrize(
     "notebook, params",
-    [
-        pytest.param(nb, params, id=nb, marks=[pytest.mark.xdist_group(_GROUPS[nb])] if nb in _GROUPS else [])
-        for nb, params in RENDERED_NOTEBOOKS
-    ],
+    [pytest.param(nb, params, id=nb, marks=pytest.mark.xdist_group(_GROUPS[nb])) for nb, params in RENDERED_NOTEBOOKS],
 )
 def test_notebook_renders(notebook, params, executed_notebook, tmp_path):
     stem = Path(notebook).stem
