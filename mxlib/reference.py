@@ -820,7 +820,7 @@ def nvfp4_per_token_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         per_token_scale = max(a * fp32(1 / (6 * 448)), 2**-126)   # decode scale, fp32 multiply
         global_scale    = 1 / per_token_scale                    # encode scale gs, correctly rounded
 
-    The floor ``2**-126`` gives an all-zero row (and any row with ``a`` below about ``3.2e-35``) the
+    The lower bound ``2**-126`` gives an all-zero row (and any row with ``a`` below about ``3.2e-35``) the
     encode scale ``2**126``: its blocks quantize to zeros, never NaN. A row holding NaN or +-Inf gets
     NaN for both scales: that token dequantizes to all NaN, and no other row is touched.
 
@@ -831,7 +831,7 @@ def nvfp4_per_token_scales(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     quantizes the row with the encode scale ``rcp.approx.ftz(per_token_scale)``. Differences, each a
     choice made here: the reciprocal is the correctly rounded one (PTX ``rcp.approx`` may differ by an
     ulp and is not reproducible off the device); FlashInfer's ``fmaxf`` row reduction skips NaN and
-    its zero row gives ``rcp(0) = Inf`` and NaN block scales (0 * Inf); the floor and the NaN rule
+    its zero row gives ``rcp(0) = Inf`` and NaN block scales (0 * Inf); the lower bound and the NaN rule
     above make both cases defined.
 
     Args:
