@@ -173,3 +173,6 @@ def test_draw_means_average_numbers_and_keep_names():
         L.draw_means([])
     with pytest.raises(ValueError, match="rows"):
         L.draw_means([dict(a=1.0), dict(b=1.0)])
+    assert L.draw_means([dict(seed=0, x=1.0), dict(seed=1, x=2.0)], keys=["x"]) == dict(x=1.5)
+    with pytest.raises(ValueError, match="keys"):
+        L.draw_means(rows, keys=["sqnr_db"])

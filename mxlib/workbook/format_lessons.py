@@ -70,19 +70,27 @@ def outlier_parts_sweep(outlier_scales, **kwargs) -> list[dict]:
     return rows
 
 
-def draw_means(rows) -> dict:
+def draw_means(rows, keys=None) -> dict:
     """``{key: mean over rows}`` of per-draw rows (dicts with the same keys, one per draw of the data): numbers
-    averaged, other values (names) taken from the first row.
+    averaged, other values (names) taken from the first row; ``keys`` (default: every key) picks and orders the
+    keys kept (leave out a per-draw label such as ``seed``).
 
     Raises:
-        ValueError: no rows, or rows whose keys differ.
+        ValueError: no rows, rows whose keys differ, or a key of ``keys`` the rows do not hold.
     """
     rows = list(rows)
     if not rows or any(r.keys() != rows[0].keys() for r in rows):
         raise ValueError(f"rows: expected one or more rows with the same keys, got {[sorted(r) for r in rows]}")
+    keys = list(rows[0]) if keys is None else list(keys)
+    missing = [k for k in keys if k not in rows[0]]
+    if missing:
+        raise ValueError(f"keys: expected keys of the rows {list(rows[0])}, got {missing}")
+    first = rows[0]
     return {
-        k: sum(r[k] for r in rows) / len(rows) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-        for k, v in rows[0].items()
+        k: sum(r[k] for r in rows) / len(rows)
+        if isinstance(first[k], (int, float)) and not isinstance(first[k], bool)
+        else first[k]
+        for k in keys
     }
 
 
