@@ -163,3 +163,16 @@ def test_workbook_runner_defaults_to_the_full_preset():
     from mxlib.workbook import runner
 
     assert runner.WORKBOOK_MODEL_PRESET == "qwen3-30b-a3b"
+
+
+def test_draw_means_average_numbers_and_keep_names():
+    rows = [dict(scheme="mxfp4", sqnr=18.0, n=2), dict(scheme="mxfp4", sqnr=19.0, n=4)]
+    assert L.draw_means(rows) == dict(scheme="mxfp4", sqnr=18.5, n=3.0)
+    assert rows[0] == dict(scheme="mxfp4", sqnr=18.0, n=2)  # nothing passed in is changed
+    with pytest.raises(ValueError, match="rows"):
+        L.draw_means([])
+    with pytest.raises(ValueError, match="rows"):
+        L.draw_means([dict(a=1.0), dict(b=1.0)])
+    assert L.draw_means([dict(seed=0, x=1.0), dict(seed=1, x=2.0)], keys=["x"]) == dict(x=1.5)
+    with pytest.raises(ValueError, match="keys"):
+        L.draw_means(rows, keys=["sqnr_db"])

@@ -145,9 +145,14 @@ def test_02_microscaling_formats(executed_notebook):
     assert res["scale_rules_957"] == [896.0, 896.0, 960.0]  # floor, even, rceil
     assert res["scale_rules_7"][:2] == [6.0, 8.0]  # floor clips, even moves up
     g = next(r for r in res["sqnr"] if r["distribution"] == "gaussian")
-    assert g["mxfp8_e4m3"] > g["mxfp6_e3m2"] > g["mxfp4"] and g["mxfp6_e2m3"] > g["mxfp4"] + 8, g
-    assert g["nvfp4"] > g["mxfp4"], g
-    assert 17 < g["mxfp4"] < 22, g  # 1 mantissa bit
+    assert 17 < g["mxfp4"] < 22, g  # 1 mantissa bit (the mean of the draws)
+    # every ordering goes through the notebook's one family over the data draws: the mantissa ladder on Gaussian data
+    # is decided even on the test's small draws
+    assert res["num_draws"] == 4 and all(r["n"] == 4 for r in res["orderings"]), res["orderings"]
+    verdicts = {r["key"]: r["verdict"] for r in res["orderings"]}
+    ladder = (("mxfp6_e2m3", "mxfp6_e3m2"), ("mxfp6_e3m2", "mxfp4"), ("mxfp8_e4m3", "mxfp8_e5m2"), ("nvfp4", "mxfp4"))
+    for a, b in ladder:
+        assert verdicts[f"{a} vs {b} (global SQNR (dB) on gaussian)"] == f"{a} better", verdicts
     # the NVFP4 variants: a row each beside NVFP4 and MXFP4, orderings only where the paired interval says so
     v = {r["distribution"]: r for r in res["nvfp4_variants"]}
     assert set(v) == {"gaussian", "laplace", "outliers"}

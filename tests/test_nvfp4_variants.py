@@ -294,3 +294,24 @@ def test_what_the_global_scale_buys_on_a_models_tensors():
     for r in rows.values():  # two-level UE5M3 scales are NVFP4's times 2**8 while no UE4M3 scale is subnormal
         assert math.isfinite(r["ue5m3"]) and r["gs_buys_db"] == r["ue5m3_gs"] - r["ue5m3"]
     assert rows["L0.w13"]["ue5m3_gs"] == rows["L0.w13"]["nvfp4"]
+
+
+def test_variant_orderings_join_a_notebooks_family():
+    """With ``family``, the variants' pairs are decided in one Holm family with the notebook's other comparisons:
+    the same verdict rows as a family of their own where the extra comparison is decided anyway, a larger family
+    size, and a decided family refused."""
+    from mxlib.stats import ComparisonFamily
+    from mxlib.studies import variant_lessons as V
+
+    draws = {"gaussian": V.variant_draws("gaussian", (4, 256), range(3))}
+    pairs = [("nvfp4", "nvfp4_b32"), ("mxfp4", "nvfp4_ue5m3")]
+    alone = V.variant_orderings(draws, pairs)
+    family = ComparisonFamily("notebook")
+    family.add("x", "y", [3.0, 3.1, 2.9], [0.0, 0.1, -0.1], metric="other", higher_is_better=True)
+    joined = V.variant_orderings(draws, pairs, family=family)
+    decisions = family.decide()
+    assert decisions.m == 3 and "x vs y (other)" in decisions
+    assert [(r["a"], r["b"], r["b_minus_a_db"]) for r in joined] == [(r["a"], r["b"], r["b_minus_a_db"]) for r in alone]
+    assert all(j["low"] <= a["low"] and j["high"] >= a["high"] for j, a in zip(joined, alone))  # wider: m = 3, not 2
+    with pytest.raises(RuntimeError, match="already decided"):
+        V.variant_orderings(draws, pairs, family=family)

@@ -47,3 +47,9 @@ def test_threshold_lines_on_a_log_axis():
     lines = fig.data[1:]
     assert [tr.x[0] for tr in lines] == [NVFP4_SUBNORMAL_RATIO, NVFP4_FLUSH_RATIO]
     assert all(tuple(tr.y) == (-1.0, 20.0) and math.isclose(tr.x[0], tr.x[1]) for tr in lines)
+    # lines get no autorange padding: the axis spans every x, the flush threshold included, with room either side
+    low, high = fig.layout.xaxis.range
+    assert low < math.log10(min(1e-6, NVFP4_FLUSH_RATIO)) and high > math.log10(1e-2), (low, high)
+    fixed = go.Figure(go.Scatter(x=[1e-6, 1e-2], y=[0.0, 1.0]))
+    fixed.update_xaxes(type="log", range=[-3, 0])
+    assert figures.add_scale_ratio_thresholds(fixed).layout.xaxis.range == (-3, 0)  # a range set by the caller stays

@@ -82,13 +82,19 @@ def variant_draws(
     ]
 
 
-def variant_orderings(draws: dict[str, list[dict]], pairs, alpha: float = 0.05) -> list[dict]:
+def variant_orderings(
+    draws: dict[str, list[dict]], pairs, alpha: float = 0.05, family: ComparisonFamily | None = None
+) -> list[dict]:
     """Every pair of ``pairs`` on every distribution of ``draws``, decided together (``mxlib.stats``).
 
     Args:
         draws: ``{distribution: variant_draws(...)}``, the same seeds for every distribution's rows.
         pairs: ``(a, b)`` names of ``VARIANT_ROWS``.
-        alpha: the family-wise error rate of all ``len(draws) * len(pairs)`` comparisons (Holm).
+        alpha: the family-wise error rate of all ``len(draws) * len(pairs)`` comparisons (Holm); ignored with
+            ``family``.
+        family: an open ``ComparisonFamily`` that already holds a notebook's other comparisons: these are added
+            to it and the whole family is decided here (one family per notebook, so Holm covers every ordering
+            the notebook states; the family's own ``alpha`` applies). Default: a new family of these alone.
 
     Returns:
         One row per distribution and pair, ``{"distribution", "a", "b", "b_minus_a_db", "low", "high",
@@ -99,11 +105,13 @@ def variant_orderings(draws: dict[str, list[dict]], pairs, alpha: float = 0.05) 
     Raises:
         ValueError: fewer than two draws of a distribution (no spread to test against), or a distribution's
             draws in a number that differs from the others'.
+        RuntimeError: ``family`` was already decided.
     """
     counts = {d: len(rs) for d, rs in draws.items()}
     if not counts or min(counts.values()) < 2 or len(set(counts.values())) != 1:
         raise ValueError(f"draws: expected at least two draws, as many for every distribution, got {counts}")
-    family = ComparisonFamily("NVFP4 variants by SQNR", alpha=alpha)
+    if family is None:
+        family = ComparisonFamily("NVFP4 variants by SQNR", alpha=alpha)
     keys = {}
     for d, rs in draws.items():
         for a, b in pairs:

@@ -349,7 +349,8 @@ def add_scale_ratio_thresholds(fig, y_range=None):
     figure's traces (or ``y_range = (y0, y1)``). Returns ``fig``.
 
     Traces rather than ``add_vline`` shapes: plotly places shapes and their annotations
-    inconsistently on log axes (plotly/plotly.py#4012).
+    inconsistently on log axes (plotly/plotly.py#4012). A log x axis without a set range gets one spanning every
+    trace's x with 0.15 decades either side, so that a threshold at the edge of the data shows.
     """
     if y_range is None:
         ys = [
@@ -373,6 +374,16 @@ def add_scale_ratio_thresholds(fig, y_range=None):
                 line=dict(dash="dash", color="gray" if ratio == NVFP4_SUBNORMAL_RATIO else "black"),
             )
         )
+    # lines get no autorange padding: on a log axis left to autorange, a threshold at the edge would hide on the frame
+    if fig.layout.xaxis.type == "log" and fig.layout.xaxis.range is None:
+        xs = [
+            float(x)
+            for tr in fig.data
+            if getattr(tr, "x", None) is not None
+            for x in tr.x
+            if x is not None and math.isfinite(float(x)) and float(x) > 0
+        ]
+        fig.update_xaxes(range=[math.log10(min(xs)) - 0.15, math.log10(max(xs)) + 0.15])
     return fig
 
 

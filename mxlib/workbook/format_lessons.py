@@ -8,6 +8,8 @@ format, and what outliers do, as plain functions (the notebook asserts their num
 * ``rule_sqnr(x, schemes)``: SQNR of each OCP MX scheme under each E8M0 rule.
 * ``outlier_parts(outlier_scale)``: the outlier study split: global SQNR, SQNR on the values that are
   not outliers, and the share of those flushed to zero.
+* ``draw_means(rows)``: the mean over draws of each number in per-draw rows (what the notebook's tables show;
+  its orderings are decided over the draws themselves, with ``mxlib.stats``).
 * ``format_comparison_widget(data)``: drop-downs over all of it (a thin ipywidgets wrapper).
 
 All arithmetic goes through ``mxlib.reference`` (``quant_dequant_mx``, ``ref_nvfp4_quant_dequant``).
@@ -29,6 +31,7 @@ __all__ = [
     "rule_sqnr",
     "outlier_parts",
     "outlier_parts_sweep",
+    "draw_means",
     "format_comparison_widget",
 ]
 
@@ -65,6 +68,30 @@ def outlier_parts_sweep(outlier_scales, **kwargs) -> list[dict]:
             row.update({f"{name}_{k}": v for k, v in p.items()})
         rows.append(row)
     return rows
+
+
+def draw_means(rows, keys=None) -> dict:
+    """``{key: mean over rows}`` of per-draw rows (dicts with the same keys, one per draw of the data): numbers
+    averaged, other values (names) taken from the first row; ``keys`` (default: every key) picks and orders the
+    keys kept (leave out a per-draw label such as ``seed``).
+
+    Raises:
+        ValueError: no rows, rows whose keys differ, or a key of ``keys`` the rows do not hold.
+    """
+    rows = list(rows)
+    if not rows or any(r.keys() != rows[0].keys() for r in rows):
+        raise ValueError(f"rows: expected one or more rows with the same keys, got {[sorted(r) for r in rows]}")
+    keys = list(rows[0]) if keys is None else list(keys)
+    missing = [k for k in keys if k not in rows[0]]
+    if missing:
+        raise ValueError(f"keys: expected keys of the rows {list(rows[0])}, got {missing}")
+    first = rows[0]
+    return {
+        k: sum(r[k] for r in rows) / len(rows)
+        if isinstance(first[k], (int, float)) and not isinstance(first[k], bool)
+        else first[k]
+        for k in keys
+    }
 
 
 # block-scale format name -> whether it is NVFP4's e4m3 scale under a per-tensor global scale (else a power of two)
