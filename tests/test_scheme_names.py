@@ -87,3 +87,40 @@ def test_print_experts_says_what_runs():
     ex.half()
     assert "activation_dtype=float16" in repr(ex)
     assert "scheme=unquantized" in repr(mxlib.TritonExperts(w13, w2))
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "w_mxfp4_a_mxfp4"])
+def test_notebook_01_walk_resolves_the_scheme_name_once(scheme, monkeypatch, tmp_path):
+    """Notebook 01's walk (check the parameters, build, write the checkpoint, load it, run it) looks the scheme's
+    name up once, where it enters; every step below receives the MoEQuantScheme. Counted at the registry: every
+    string a lookup resolves passes through ``SCHEME_ALIASES.get`` first."""
+    import mxlib.moe.schemes as schemes
+    from mxlib.studies import steps
+
+    looked_up = []
+
+    class Counting(dict):
+        def get(self, key, default=None):
+            looked_up.append(key)
+            return dict.get(self, key, default)
+
+    monkeypatch.setattr(schemes, "SCHEME_ALIASES", Counting(schemes.SCHEME_ALIASES))
+    monkeypatch.setenv("MXLIB_CACHE", str(tmp_path))
+    p = steps.check_e2e_parameters(
+        scheme=scheme,
+        model_preset="tiny",
+        num_hidden_layers=2,
+        num_tokens=8,
+        seed=0,
+        calib_tokens=32,
+        device="cpu",
+        experts_backend="auto",
+        results_path="",
+        numerics="vllm",
+        repeats=1,
+    )
+    assert looked_up == [scheme]
+    model = steps.build_model(p)
+    model_q, _ = steps.load_checkpoint(p, steps.write_checkpoint(p, model))
+    steps.run_model(model_q, steps.random_token_ids(8, 1, model_q.config.vocab_size))
+    assert looked_up == [scheme]  # nothing below the entry looked a name up again
