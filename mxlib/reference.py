@@ -1367,7 +1367,10 @@ def quantize_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tupl
     if not weight.is_floating_point():
         raise TypeError(f"weight: expected a float dtype, got {weight.dtype}")
     w = weight.float()
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
+    if w.numel() == 0:  # an empty weight: scale 1, as for an all-zero one
+        amax = torch.zeros(w.shape[0] if per_channel else (), dtype=torch.float32, device=w.device)
+    else:
+        amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
     scale = torch.where(amax > 0, amax / _FP8.max, torch.ones_like(amax))
     div = scale.reshape(-1, 1) if per_channel else scale
     codes = round_to_element(torch.clamp(w / div, -_FP8.max, _FP8.max), _FP8).to(torch.float8_e4m3fn)

@@ -280,7 +280,7 @@ def test_quark_mxfp8_checkpoint_bad_input(tiny_model, tmp_path):
     cfg["quantization_config"]["global_quant_config"]["weight"]["qscheme"] = "per_tensor"  # Quark's FP8 W8A8
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        C.CheckpointError, match="weight.qscheme: the emulation supports 'per_group', found 'per_tensor'"
+        C.CheckpointError, match="input_tensors: FP8 activations are read static per_tensor or dynamic per_channel"
     ):
         C.load_quantized_qwen3_moe(path)
     cfg["quantization_config"]["global_quant_config"]["weight"]["qscheme"] = "per_group"
