@@ -74,7 +74,8 @@ _PRODUCER = {"name": "modelopt", "version": "mxlib-dummy"}
 
 class _Fp8LinearLayout(CheckpointLayout):
     """What the three producers' FP8 linear layers share: the tensors, their checks, the refusal of FP8 experts.
-    Subclasses give ``name``, ``quant_method``, the config and the stored scale shapes (``_scale_shape``)."""
+    Subclasses give ``name``, ``quant_method`` and the config; the stored scale shapes are ModelOpt's and Quark's
+    (``[]`` per tensor, ``[out]`` per channel, ``[]`` input scale) unless a subclass overrides them."""
 
     supports_linear = True
 
@@ -85,7 +86,7 @@ class _Fp8LinearLayout(CheckpointLayout):
         return None  # the producer's main layout reads the config files
 
     def _scale_shape(self, out: int, per_channel: bool) -> tuple[int, ...]:
-        raise NotImplementedError
+        return (out,) if per_channel else ()
 
     def _input_scale_shape(self) -> tuple[int, ...]:
         return ()
@@ -178,9 +179,6 @@ class ModelOptFp8Layout(_Fp8LinearLayout):
     name = "modelopt-fp8"
     quant_method = "modelopt"
 
-    def _scale_shape(self, out: int, per_channel: bool) -> tuple[int, ...]:
-        return (out,) if per_channel else ()
-
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         algo = next(a for a, s in MODELOPT_ALGOS.items() if s is scheme)
         weights = {"dynamic": False, "num_bits": 8, "type": "float"}
@@ -240,9 +238,6 @@ def _quark_spec(qscheme: str, dynamic: bool) -> dict:
 class QuarkFp8Layout(_Fp8LinearLayout):
     name = "quark-fp8"
     quant_method = "quark"
-
-    def _scale_shape(self, out: int, per_channel: bool) -> tuple[int, ...]:
-        return (out,) if per_channel else ()
 
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         per_token = scheme is W_FP8_A_FP8_PER_TOKEN
