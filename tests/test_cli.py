@@ -234,6 +234,8 @@ MISTAKES = [
     (["unify", "--spreads", "0,x"], "argument --spreads: expected a finite number >= 0, got 'x'"),
     (["unify", "--strategies", "max,p99"], "argument --strategies: expected a comma-separated list of"),
     (["routing", "--calib-tokens", "0"], "argument --calib-tokens: expected a positive integer"),
+    (["routing", "--schemes", "nvfp4,nope"], "argument --schemes: expected a comma-separated list of"),
+    (["routing", "--schemes", "nvfp4", "--sequences", "1"], "--sequences: expected at least 2 with --schemes"),
     (["inspect", "/no/such/checkpoint"], "path: '/no/such/checkpoint' does not exist"),
     (["dummy-from-config", "/no/such/configs", "/no/such/out"], "config_dir: '/no/such/configs' is not a folder"),
     (
@@ -315,6 +317,21 @@ def _routing(tmp_path, *flags):
     out = tmp_path / "r.json"
     argv = ["routing", "--preset", "tiny", "--layers", "1", "--calib-tokens", "64", "--device", "cpu"]
     return cli.main([*flags, *argv, "--json", str(out)]), json.loads(out.read_text())
+
+
+def test_routing_schemes_prints_and_writes_the_consistency_table(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    argv = ["routing", "--preset", "tiny", "--layers", "2", "--calib-tokens", "64", "--device", "cpu"]
+    argv += ["--schemes", "w_mxfp4_a_mxfp4,nvfp4", "--sequences", "3", "--tokens", "8", "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    got = json.loads(out.read_text())["consistency"]
+    assert [(r["scheme"], r["layer"]) for r in got["rows"]] == [
+        (s, i) for s in ("w_mxfp4_a_mxfp4", "nvfp4") for i in (0, 1)
+    ]
+    assert (got["units"], got["tokens"]) == (3, 24) and set(got["noise_floor"]) == {"0", "1"}
+    assert all(r["sequences"] == 3 and r["verdict"] in printed for r in got["rows"])
+    assert "24 tokens in 3 sequences" in printed and printed.count("w_mxfp4_a_mxfp4 ") == 2
 
 
 @pytest.mark.parametrize("where", ["before", "after"])

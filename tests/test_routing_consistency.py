@@ -183,6 +183,63 @@ def test_study_decides_a_planted_change_beyond_the_floor():
     assert r["jaccard_low"] <= r["jaccard"] <= r["jaccard_high"] < 1.0
 
 
+def test_scheme_study_on_the_dummy_equals_the_practitioners_quantize(tiny):
+    """``scheme_routing_study``'s routing of each scheme is the routing of the same model quantized by
+    ``mxlib.quantize_`` (the layouts' path, written separately), token for token; the model comes back unchanged."""
+    import copy
+
+    from mxlib.models.in_memory import quantize_
+    from mxlib.studies.steps import calibrate_model
+
+    model, ids = tiny
+    cal = calibrate_model(model, 64, seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    experts_before = [m.mlp.experts for m in model.model.layers]
+    schemes = ["nvfp4", "w_mxfp4_a_mxfp4"]
+    r = rcs.scheme_routing_study(model, ids, schemes, cal, batch_size=4)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert [m.mlp.experts for m in model.model.layers] == experts_before
+    ref = record_routing(model, ids, 4)
+    for scheme in schemes:
+        q = quantize_(copy.deepcopy(model), scheme, calibration=cal, backend="torch", progress=False)
+        c = routing_consistency(ref, record_routing(q, ids, 4))
+        rows = [x for x in r["rows"] if x["scheme"] == scheme]
+        assert [x["layer"] for x in rows] == [0, 1, 2]
+        assert [x["share_changed"] for x in rows] == pytest.approx(c.share_changed, abs=1e-12)
+        assert [x["jaccard"] for x in rows] == pytest.approx(c.jaccard, abs=1e-12)
+        assert rows[0]["share_changed"] == 0.0 and rows[0]["verdict"] == "cannot be told apart"
+        assert max(x["share_changed"] for x in rows) > 0.0
+        assert all(x["sequences"] == 6 and x["tokens"] == 6 * 24 for x in rows)
+    floors = {}
+    for x in r["noise_floor_rows"]:
+        floors[x["layer"]] = max(floors.get(x["layer"], 0.0), x["share_changed"])
+    assert floors == r["noise_floor"] and r["noise_floor"][0] == 0.0
+    assert {x["variant"] for x in r["noise_floor_rows"]} == set(rcs.NOISE_FLOOR_VARIANTS)
+    assert set(r["decisions"]) == {rcs.comparison_key(s, layer) for s in schemes for layer in (0, 1, 2)}
+    assert all(x["verdict"] == r["decisions"][rcs.comparison_key(x["scheme"], x["layer"])].verdict for x in r["rows"])
+    assert (r["units"], r["tokens"], set(r["seconds"])) == (6, 144, set(schemes))
+    table = rcs.routing_table(r["rows"]).splitlines()
+    assert len(table) == 1 + 2 * 3 and table[0].split()[:3] == ["scheme", "layer", "jaccard"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(token_ids=torch.zeros(4, 8)), r"token_ids: expected an integer tensor \[sequences, tokens\], got"),
+        (dict(token_ids=torch.zeros(8, dtype=torch.long)), r"token_ids: expected an integer tensor"),
+        (dict(token_ids=torch.zeros(1, 8, dtype=torch.long)), r"token_ids: expected at least 2 sequences"),
+        (dict(schemes=[]), r"schemes: expected at least one MoE scheme, got none"),
+        (dict(schemes=["nvfp5"]), r"nvfp5"),
+        (dict(schemes=["nvfp4"], calibration=None), r"calibration: schemes \['nvfp4'\] have static input scales"),
+    ],
+)
+def test_scheme_study_refuses(tiny, kwargs, match):
+    model, ids = tiny
+    args = dict(token_ids=ids, schemes=["w_mxfp4"], calibration=None) | kwargs
+    with pytest.raises(ValueError, match=match):
+        rcs.scheme_routing_study(model, args["token_ids"], args["schemes"], args["calibration"])
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -214,6 +214,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         "Routing statistics of the dummy model on its calibration tokens.",
     )
     rt.add_argument("--spread", type=nonnegative_float, default=1.0, help="per-expert weight spread of the model")
+    rt.add_argument(
+        "--schemes",
+        type=comma_list(SCHEMES + SCHEME_ALIASES, extra=("all",)),
+        default=None,
+        metavar="LIST",
+        help="also compare each scheme's routing with the bf16 model's (per layer: Jaccard of the top-k sets, share "
+        "of tokens whose set changes, against the bf16 model on another experts implementation, decided by "
+        f"mxlib.stats): 'all' or a comma-separated list of {', '.join(SCHEMES)} (default: none)",
+    )
+    rt.add_argument(
+        "--sequences", type=positive_int, default=16, help="sequences of the routing comparison (its units; at least 2)"
+    )
+    rt.add_argument("--tokens", type=positive_int, default=64, help="tokens per sequence of the routing comparison")
     _add_model_options(rt, tokens=False, backend=False)
 
     ins = command(

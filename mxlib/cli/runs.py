@@ -190,8 +190,14 @@ def unify(args) -> dict:
 
 
 def check_routing(args) -> None:
-    """``routing``: ``--device`` resolved (``args.params_device``), the ``--json`` folder created."""
+    """``routing``: ``--device`` resolved (``args.params_device``), ``--schemes`` resolved (``args.moe_schemes``,
+    empty without it), at least 2 ``--sequences`` with ``--schemes``, the ``--json`` folder created."""
     args.params_device = W.check_device(args.device, "--device")
+    args.moe_schemes = []
+    if args.schemes is not None:
+        args.moe_schemes = W.check_schemes("all" if args.schemes == ["all"] else args.schemes, "--schemes")
+        if args.sequences < 2:
+            raise ValueError(f"--sequences: expected at least 2 with --schemes (the units), got {args.sequences}")
     W.prepare_results_path(args.json, "--json")
 
 
@@ -209,9 +215,27 @@ def routing(args) -> dict:
             f"[routing] layer {r['layer']}: {r['experts_hit']}/{model.config.num_experts} experts hit, largest share "
             f"{r['max_over_uniform']:.2f}x uniform, normalized entropy {r['normalized_entropy']:.4f}"
         )
-    return dict(
-        layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows
+    out = dict(layers=args.layers, preset=args.preset, spread=args.spread, calib_tokens=args.calib_tokens, routing=rows)
+    if args.moe_schemes:
+        out["consistency"] = _routing_consistency(model, cal, args)
+    return out
+
+
+def _routing_consistency(model, cal, args) -> dict:
+    """``routing --schemes``: ``routing_agreement.scheme_routing_study`` on ``--sequences`` seeded sequences."""
+    from ..studies.routing_agreement import routing_table, scheme_routing_study
+
+    ids = W.random_token_ids(args.tokens, args.seed + 1, model.config.vocab_size, batch=args.sequences)
+    t0 = time.perf_counter()
+    r = scheme_routing_study(model, ids, [s.name for s in args.moe_schemes], cal, batch_size=8)
+    print(routing_table(r["rows"]))
+    print(
+        f"{r['tokens']} tokens in {r['units']} sequences; noise floor: the bf16 model on transformers' eager experts "
+        f"and on mxlib's bf16 TritonExperts; decided over the sequences (mxlib.stats, Holm); "
+        f"{time.perf_counter() - t0:.1f} s"
     )
+    keep = ("rows", "noise_floor_rows", "noise_floor", "units", "tokens", "seconds")
+    return {k: r[k] for k in keep} | {"noise_floor": {str(k): v for k, v in r["noise_floor"].items()}}
 
 
 # command -> (check before any work, run)

@@ -22,6 +22,10 @@ accuracy comparisons: a verdict speaks of that prompt set.
 The first MoE layer's router reads the embeddings and the first attention block only, which every checkpoint keeps in
 bf16: its routing cannot change, and the notebook checks that it does not (which also checks that the records pair
 the same tokens).
+
+``scheme_routing_study`` is the same measurement on any bf16 model and token ids (the dummy Qwen3-30B-A3B-shaped
+model: ``mxlib routing --schemes``): the sequences are the units, every MoE layer's experts quantized in each scheme in
+memory, the comparisons decided in one family of their own; ``routing_table`` prints its rows.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ..models.qwen3 import expert_weights
 from ..models.routing_consistency import RoutedTokens, RoutingConsistency, record_routing, routing_consistency
 from ..models.tasks import Dataset
 from ..moe import TritonExperts
-from ..stats import ComparisonFamily, Decisions, paired_units
+from ..stats import ALPHA, ComparisonFamily, Decisions, paired_units
 
 __all__ = [
     "NOISE_FLOOR_VARIANTS",
@@ -47,6 +51,8 @@ __all__ = [
     "comparison_key",
     "add_comparisons",
     "verdict_rows",
+    "scheme_routing_study",
+    "routing_table",
 ]
 
 NOISE_FLOOR_VARIANTS = ("eager_experts", "triton_experts_torch")
@@ -83,13 +89,17 @@ def reference_and_noise_floor(model, sets: list[Dataset]) -> dict:
         row per variant and layer (variant, layer, tokens, prompts, jaccard, share_changed)}``. The model is unchanged
         afterwards (its experts implementation and experts modules restored).
     """
-    ids = routing_tokens(sets)
-    reference = record_routing(model, ids, EVAL_BATCH_SIZE)
+    return _reference_and_noise_floor(model, routing_tokens(sets), EVAL_BATCH_SIZE, "prompts")
+
+
+def _reference_and_noise_floor(model, ids, batch_size: int | None, unit_name: str) -> dict:
+    """``reference_and_noise_floor`` on token ids ``ids`` (``record_routing``'s), each row one unit."""
+    reference = record_routing(model, ids, batch_size)
     variants: dict[str, RoutingConsistency] = {}
     previous = model.config._experts_implementation
     try:
         model.set_experts_implementation("eager")
-        variants["eager_experts"] = routing_consistency(reference, record_routing(model, ids, EVAL_BATCH_SIZE))
+        variants["eager_experts"] = routing_consistency(reference, record_routing(model, ids, batch_size))
     finally:
         model.set_experts_implementation(previous)
 
@@ -98,32 +108,33 @@ def reference_and_noise_floor(model, sets: list[Dataset]) -> dict:
         return TritonExperts(w13, w2, backend="torch")
 
     with ev.swapped_experts(model, bf16_experts):
-        variants["triton_experts_torch"] = routing_consistency(reference, record_routing(model, ids, EVAL_BATCH_SIZE))
+        variants["triton_experts_torch"] = routing_consistency(reference, record_routing(model, ids, batch_size))
     noise_floor = {
         layer: max(v.share_changed[i] for v in variants.values()) for i, layer in enumerate(reference.layers)
     }
     rows = [
-        dict(
-            variant=name,
-            layer=r["layer"],
-            tokens=r["tokens"],
-            prompts=r["units"],
-            jaccard=r["jaccard"],
-            share_changed=r["share_changed"],
-        )
+        {
+            "variant": name,
+            "layer": r["layer"],
+            "tokens": r["tokens"],
+            unit_name: r["units"],
+            "jaccard": r["jaccard"],
+            "share_changed": r["share_changed"],
+        }
         for name, v in variants.items()
         for r in v.rows()
     ]
     return dict(reference=reference, variants=variants, noise_floor=noise_floor, rows=rows)
 
 
-def consistency_study(reference_noise_floor: dict, routed: dict[str, RoutedTokens]) -> dict:
+def consistency_study(reference_noise_floor: dict, routed: dict[str, RoutedTokens], unit_name: str = "prompts") -> dict:
     """Each scheme's routing against the reference (``reference_and_noise_floor``'s).
 
     Args:
         reference_noise_floor: ``reference_and_noise_floor``'s result.
         routed: ``{scheme name: RoutedTokens}`` recorded on the same prompts (``accuracy.scheme_study``'s
             ``"routed"``).
+        unit_name: what a unit (a row of the token ids) is, the rows' key of their count.
 
     Returns:
         ``{"schemes": {name: RoutingConsistency}, "self": the reference against itself, "noise_floor": the layers'
@@ -148,7 +159,7 @@ def consistency_study(reference_noise_floor: dict, routed: dict[str, RoutedToken
                     scheme=name,
                     layer=layer,
                     tokens=int(c.tokens.sum()),
-                    prompts=c.tokens.numel(),
+                    **{unit_name: c.tokens.numel()},
                     jaccard=j,
                     jaccard_low=j_low,
                     jaccard_high=j_high,
@@ -172,7 +183,7 @@ def comparison_key(scheme: str, layer: int) -> str:
     return f"{scheme} vs {REFERENCE} ({metric(layer)})"
 
 
-def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
+def add_comparisons(family: ComparisonFamily, study: dict, unit_name: str = "prompts") -> list[str]:
     """Add one comparison per scheme and MoE layer of ``study`` (``consistency_study``'s) to ``family``: the
     scheme's changed tokens per prompt against the reference's own (``study["self"]``: none), over the prompts
     (``over="units"``, token counts as weights), lower is better, the layer's noise floor as ``smallest``. Returns the
@@ -196,7 +207,7 @@ def add_comparisons(family: ComparisonFamily, study: dict) -> list[str]:
                     over="units",
                     weights=c.tokens,
                     smallest=float(study["noise_floor"][layer]),
-                    unit_name="prompts",
+                    unit_name=unit_name,
                     key=comparison_key(name, layer),
                 )
             )
@@ -215,3 +226,117 @@ def verdict_rows(study: dict, decisions: Decisions) -> list[dict]:
         {k: r[k] for k in keys} | {"verdict": decisions[comparison_key(r["scheme"], r["layer"])].verdict}
         for r in study["rows"]
     ]
+
+
+def scheme_routing_study(
+    model,
+    token_ids: torch.Tensor,
+    schemes,
+    calibration=None,
+    *,
+    batch_size: int | None = None,
+    backend: str = "torch",
+    scale_strategy: str = "max",
+    alpha: float = ALPHA,
+) -> dict:
+    """Does a bf16 model still route as bf16 with its experts quantized in each scheme? (The dummy model's table.)
+
+    The same measurement as notebook 06's on any bf16 model of a registered family, on token ids instead of a task's
+    prompts: ``reference_and_noise_floor``'s reference and noise floor (the model on transformers' ``eager`` experts
+    and on mxlib's bf16 ``TritonExperts``), then every MoE layer's experts quantized round-to-nearest in each scheme
+    (``mxlib.moe.factory.quantize_expert_weights``, emulated by the scheme's experts, static input scales from
+    ``calibration``), the routing recorded on the same sequences, ``consistency_study`` and ``add_comparisons`` in one
+    ``mxlib.stats`` family (Holm at ``alpha``), the sequences as the units: a verdict speaks of sequences drawn as
+    these were.
+
+    Args:
+        model: a bf16 transformers MoE model of a registered family, holding its own experts (not changed: every
+            experts module is restored).
+        token_ids: int ``[U, T]``, one sequence per unit (at least 2 units), run ``batch_size`` rows at a time.
+        schemes: MoE scheme names or ``MoEQuantScheme`` objects (``mxlib.moe.schemes.get_moe_scheme``), at least one.
+        calibration: the model's ``Calibration`` (``mxlib.models.calibration.calibrate``), needed by schemes with
+            static input scales (``nvfp4``, ``_a_fp8``).
+        batch_size: rows per forward pass (None: all at once).
+        backend, scale_strategy: the emulation experts' (``make_emulation_experts``).
+        alpha: the family-wise error rate.
+
+    Returns:
+        ``{"rows": consistency_study's rows with "sequences" and the family's "verdict", "noise_floor_rows": the noise
+        floor's variants per layer, "noise_floor": {layer: share}, "decisions": {key: Decision}, "units", "tokens",
+        "seconds": {scheme: wall seconds of quantizing and running it}}``.
+
+    Raises:
+        ValueError: ``token_ids`` not an integer ``[U, T]`` tensor with ``U >= 2``, no scheme, an unknown scheme (with
+            the nearest names), a scheme with static input scales and no ``calibration``.
+    """
+    import time
+
+    from ..moe.factory import quantize_expert_weights
+    from ..moe.schemes import get_moe_scheme
+    from .scheme_study import emulation_experts
+
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 2 or token_ids.dtype.is_floating_point:
+        got = f"{token_ids.dtype} {list(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else type(token_ids)
+        raise ValueError(f"token_ids: expected an integer tensor [sequences, tokens], got {got}")
+    if token_ids.shape[0] < 2 or token_ids.shape[1] == 0:
+        raise ValueError(f"token_ids: expected at least 2 sequences of at least 1 token, got {list(token_ids.shape)}")
+    names = [schemes] if isinstance(schemes, str) else list(schemes)
+    if not names:
+        raise ValueError("schemes: expected at least one MoE scheme, got none")
+    resolved = {getattr(n, "name", n): get_moe_scheme(n) for n in names}
+    static = [n for n, sc in resolved.items() if sc.static_activation_scale]
+    if static and calibration is None:
+        raise ValueError(
+            f"calibration: schemes {static} have static input scales; pass the model's Calibration "
+            "(mxlib.models.calibration.calibrate), got None"
+        )
+    unit = "sequences"
+    base = _reference_and_noise_floor(model, token_ids, batch_size, unit)
+    routed, seconds = {}, {}
+    for name, sc in resolved.items():
+        t0 = time.perf_counter()
+
+        def make(layer, sc=sc):
+            w13, w2 = expert_weights(model, layer)
+            in13, in2 = calibration.input_scales(layer, sc.activation) if sc.static_activation_scale else (None, None)
+            q = quantize_expert_weights(w13, w2, sc)
+            return emulation_experts(sc, q, in13, in2, backend, scale_strategy)
+
+        with ev.swapped_experts(model, make):
+            routed[name] = record_routing(model, token_ids, batch_size)
+        seconds[name] = time.perf_counter() - t0
+    study = consistency_study(base, routed, unit)
+    family = ComparisonFamily("routing consistency of the schemes", alpha)
+    add_comparisons(family, study, unit)
+    decisions = family.decide()
+    rows = [r | {"verdict": decisions[comparison_key(r["scheme"], r["layer"])].verdict} for r in study["rows"]]
+    return dict(
+        rows=rows,
+        noise_floor_rows=base["rows"],
+        noise_floor=base["noise_floor"],
+        decisions=decisions,
+        units=int(token_ids.shape[0]),
+        tokens=int(token_ids.numel()),
+        seconds=seconds,
+    )
+
+
+def routing_table(rows: list[dict]) -> str:
+    """``scheme_routing_study``'s rows as a text table: scheme, layer, Jaccard, share of tokens whose top-k set
+    changed with its 95 % interval, the layer's noise floor and the family's verdict."""
+    from ..text_table import text_table
+
+    cells = [
+        [
+            r["scheme"],
+            str(r["layer"]),
+            f"{r['jaccard']:.4f}",
+            f"{100 * r['share_changed']:.2f} %",
+            f"[{100 * r['share_low']:.2f}, {100 * r['share_high']:.2f}]",
+            f"{100 * r['noise_floor']:.2f} %",
+            r["verdict"],
+        ]
+        for r in rows
+    ]
+    header = ["scheme", "layer", "jaccard", "changed", "95 % interval", "noise floor", "verdict"]
+    return "\n".join(text_table(header, cells, align="<>>>>><", sep="  ", rstrip=True))
