@@ -30,10 +30,12 @@ Stated differences, each tested:
   the scale rounded to bf16 first); mxlib (as vLLM, which applies the fp32 scale) forms ``fp32(e4m3) * fp32
   (weight_scale)`` and rounds once. The tool's fp32 dequantization is bit-equal to mxlib's; in bf16 they differ.
 - ModelOpt's exported FP8 codes are ``(weight / weight_scale).to(float8_e4m3fn)`` with a bf16 weight and a
-  0-d fp32 scale, which torch divides in bf16 (``modelopt/torch/export/quant_utils.py``,
-  ``to_quantized_weight``); ``FP8QTensor.quantize`` of a bf16 activation does the same. ModelOpt's fake
-  quantization (``tensor_quant.fp8_eager``, what its calibrated quantizers run) works in fp32 and is bit-equal to
-  mxlib's FP8 QDQ (vLLM's ``scaled_fp8_quant`` arithmetic).
+  0-d fp32 scale: torch forms the quotient in fp32 and rounds it to bf16, then to e4m3
+  (``modelopt/torch/export/quant_utils.py``, ``to_quantized_weight``). mxlib's ModelOpt FP8 writer does the same
+  (byte-equal); an fp32 quotient rounded once gives other codes for some values. ``FP8QTensor.quantize`` of a bf16
+  activation rounds the same way, and its ``dequantize`` multiplies in bf16; ModelOpt's fake quantization
+  (``tensor_quant.fp8_eager``, what its calibrated quantizers run) works in fp32 and is bit-equal to mxlib's FP8
+  QDQ (vLLM's ``scaled_fp8_quant`` arithmetic).
 - No tool logits: ModelOpt's NVFP4 and MXFP8 fake quantization is CUDA-only (``tensor_quant.py``,
   ``_dynamic_block_quantize_impl``: "amax must be a CUDA tensor for dynamic block quantization"; MX scales go to
   the ``modelopt_cuda_ext_mx`` extension). mxlib's logits are checked against the bf16 logits with an SQNR bound.
@@ -55,10 +57,13 @@ from safetensors.torch import load_file
 
 from mxlib import checkpoints as C
 from mxlib import reference as R
+from mxlib.checkpoints.layouts import LAYOUTS
 from mxlib.checkpoints.saving import _scheme_of
 from mxlib.models.what_ran import RanMismatch, assert_runs_as
 from mxlib.moe.emulation import QuantizedExperts
+from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.linear import EmulatedLinear
+from mxlib.moe.schemes import get_moe_scheme
 
 from _util import assert_bits_equal, assert_same_bits, stored_tensors
 
@@ -281,19 +286,34 @@ def test_fp8_bf16_dequantization_differs_only_by_the_bf16_scale():
     assert differ > 0, "no difference: the bf16 rounding of the scale is not exercised"
 
 
-def test_fp8_weight_codes_are_divided_in_bf16():
-    """ModelOpt's FP8 codes for q_proj are ``e4m3(bf16(w / weight_scale))`` from the bf16 weight the tool
-    quantized (``weight.*`` in the fixture); an fp32 division gives other codes for some values."""
+def test_writer_equals_the_tools_tensors():
+    """From the bf16 weights the tool quantized (``weight.*``: layer 0 expert 0, layer 0 q_proj) mxlib's writer
+    path stores the tool's tensors byte for byte: NVFP4 codes, e4m3 block scales and the gate/up-shared
+    ``weight_scale_2``; FP8 codes and the per-layer ``weight_scale`` (``amax / 448``). ModelOpt rounds the FP8
+    quotient ``w / weight_scale`` to bf16 before e4m3 (``quantize_fp8_weight``'s ``quotient_dtype``): an fp32
+    quotient gives other codes for some values."""
     name = "modelopt_mixed_fp8_nvfp4"
     _, results = _fixture(name)
+    ckpt = _checkpoint(name)
+    layout, scheme = LAYOUTS["modelopt"], get_moe_scheme("nvfp4")
+    base = "model.layers.0.mlp.experts.0"
+    w = {p: results[f"weight.{base}.{p}"] for p in ("gate_proj", "up_proj", "down_proj")}
+    w13, w2 = torch.cat([w["gate_proj"], w["up_proj"]])[None], w["down_proj"][None]
+    weights = layout.quantize_experts(w13, w2, scheme) or quantize_expert_weights(w13, w2, scheme)
+    ins = [ckpt[f"{base}.{p}.input_scale"].reshape(1) for p in ("gate_proj", "down_proj")]  # calibrated, as stored
+    mine = layout.expert_tensors(scheme, weights, *ins, "model.layers.0.mlp.experts")
     module = "model.layers.0.self_attn.q_proj"
-    w, ckpt = results[f"weight.{module}"], _checkpoint(name)
-    scale, stored = ckpt[f"{module}.weight_scale"], ckpt[f"{module}.weight"].view(torch.uint8)
-    assert float(scale) == float(w.float().abs().amax() / 448)  # a per-layer weight scale, amax / 448
-    bf16_div = (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    assert (w / scale).dtype == torch.bfloat16 and torch.equal(bf16_div, stored)
-    fp32_codes, _ = R.quantize_fp8_weight(w)
-    assert int((fp32_codes != stored).sum()) > 0
+    fp8, fp8_scheme = LAYOUTS["modelopt-fp8"], get_moe_scheme("w_fp8_a_fp8")
+    lw = fp8.quantize_linear(results[f"weight.{module}"], fp8_scheme)
+    mine.update(fp8.linear_tensors(fp8_scheme, lw, ckpt[f"{module}.input_scale"], module))
+    assert {f"{base}.gate_proj.weight", f"{module}.weight", f"{module}.weight_scale"} <= set(mine)
+    for key, t in mine.items():
+        tool = ckpt[key]
+        assert t.dtype == tool.dtype and t.shape == tool.shape, f"{key}: {t.dtype} {list(t.shape)} vs {tool.dtype}"
+        assert_bits_equal(t, tool, key)
+    fp32_codes, scale = R.quantize_fp8_weight(results[f"weight.{module}"])
+    assert float(scale) == float(ckpt[f"{module}.weight_scale"])
+    assert int((fp32_codes != ckpt[f"{module}.weight"].view(torch.uint8)).sum()) > 0
 
 
 # ----------------------------------------------------------------------------- activations
@@ -325,12 +345,14 @@ def test_activation_qdq_equals_the_tools(name):
     assert_same_bits(mine, tool, f"{name} attention qdq", zero_sign_free=True)
 
 
-def test_fp8_tensor_qdq_divides_in_bf16():
-    """``FP8QTensor.quantize`` of the bf16 input divides in bf16 (as the weight export does): it differs from the
-    fake quantization, and equals ``bf16(e4m3(bf16(x / s))) ... * bf16(s)`` formed here."""
+def test_fp8_tensor_qdq_rounds_through_bf16():
+    """``FP8QTensor.quantize`` of the bf16 input rounds the fp32 quotient to bf16 before e4m3 (as the weight export
+    does) and ``dequantize`` multiplies in bf16: ``bf16(e4m3(bf16(x / s))) * bf16(s)``, formed here from fp32
+    operations; it differs from the tool's fake quantization (which mxlib equals)."""
     _, results = _fixture("modelopt_mixed_fp8_nvfp4")
     x, s = results["qdq.x"], results["qdq_attn.scale"]
-    here = (x / s).to(torch.float8_e4m3fn).to(torch.bfloat16) * s.to(torch.bfloat16)
+    q = (x.float() / s.float()).to(torch.bfloat16).to(torch.float8_e4m3fn)
+    here = (q.float() * s.to(torch.bfloat16).float()).to(torch.bfloat16)
     assert_same_bits(here, results["qdq_attn.y"], "FP8QTensor qdq")
     assert not torch.equal(results["qdq_attn.y"], results["qdq_attn.y_fake"])
 
@@ -489,3 +511,19 @@ def test_unsupported_module_is_refused_by_name(name, tmp_path):
         match=r"module 'model.layers.0.mlp.experts.0.gate_proj' is in precision group 'NVFP4_AWQ g16'",
     ):
         C.load_quantized_moe(_edited_copy(name, tmp_path / "b", experts), backend="torch")
+
+
+def test_quotient_dtype_argument():
+    """``quantize_fp8_weight``'s ``quotient_dtype``: fp32 is the default rounding, an int dtype is refused by name;
+    the ModelOpt layout rounds through bf16 per tensor only (per channel ModelOpt divides by an ``[out, 1]`` fp32
+    tensor: one rounding)."""
+    w = (torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(R.quantize_fp8_weight(w), R.quantize_fp8_weight(w, quotient_dtype=torch.float32))
+    )
+    with pytest.raises(TypeError, match="quotient_dtype: expected bfloat16, float16, float32 or None, got torch.int8"):
+        R.quantize_fp8_weight(w, quotient_dtype=torch.int8)
+    per_channel = LAYOUTS["modelopt-fp8"].quantize_linear(w, get_moe_scheme("w_fp8_a_fp8_per_token"))
+    codes, scale = R.quantize_fp8_weight(w, per_channel=True)
+    assert torch.equal(per_channel.weight, codes) and torch.equal(per_channel.weight_scale, scale)
