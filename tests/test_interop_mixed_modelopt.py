@@ -65,7 +65,7 @@ from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.linear import EmulatedLinear
 from mxlib.moe.schemes import get_moe_scheme
 
-from _util import assert_bits_equal, assert_same_bits, stored_tensors
+from _util import assert_bits_equal, assert_same_bits, stored_tensors, tiny_calibrated
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
 NAMES = ["modelopt_mixed_fp8_nvfp4", "modelopt_mixed_mxfp8_nvfp4"]
@@ -474,6 +474,40 @@ def test_save_round_trips_byte_for_byte(name, tmp_path):
     again.save_pretrained(tmp_path / "second")
     for p in sorted((tmp_path / "first").iterdir()):
         assert p.read_bytes() == (tmp_path / "second" / p.name).read_bytes(), p.name
+
+
+# ----------------------------------------------------------------------------- writing the tool's form
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """mxlib's tiny Qwen3-MoE (2 layers: the fixtures' module names), calibrated, with its linear input amax."""
+    from mxlib.moe.linear import linear_input_amax
+
+    model, cal, ids = tiny_calibrated(5, layers=LAYERS)
+    names = [f"model.layers.{layer}.self_attn.{p}" for layer in range(LAYERS) for p in ATTN] + ["lm_head"]
+    return model, cal, linear_input_amax(model, ids, names)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_write_mixed_checkpoint_writes_the_tools_config(name, tiny, tmp_path):
+    """``write_mixed_checkpoint(model, "modelopt", ...)`` with the fixture's plan writes the tool's configs: the same
+    ``quantized_layers`` in the same order (the experts by their layer's experts module, MXFP8 with
+    ``group_size`` 32), the same ``config_groups`` and no exclude list; only the producer's version differs."""
+    model, cal, amax = tiny
+    attention = "w_fp8_a_fp8" if name == "modelopt_mixed_fp8_nvfp4" else "w_mxfp8_a_mxfp8"
+    lm_head = "nvfp4" if name == "modelopt_mixed_fp8_nvfp4" else None
+    path = C.write_mixed_checkpoint(model, "modelopt", tmp_path / "w", "nvfp4", attention, lm_head, cal, amax)
+    folder = FIXTURES / name / "checkpoint"
+    for fname, key in (("config.json", "quantization_config"), ("hf_quant_config.json", None)):
+        mine, tool = (json.loads((f / fname).read_text()) for f in (path, folder))
+        mine, tool = (mine[key], tool[key]) if key else (mine, tool)
+        assert mine.pop("producer")["name"] == tool.pop("producer")["name"] == "modelopt"
+        assert mine == tool, fname
+        layers = mine["quantized_layers"] if key else mine["quantization"]["quantized_layers"]
+        assert list(layers) == list(tool["quantized_layers"] if key else tool["quantization"]["quantized_layers"])
+    loaded, info = C.load_quantized_moe(path, backend="torch")
+    assert_runs_as(loaded, info)
 
 
 # ----------------------------------------------------------------------------- refusals
