@@ -1349,19 +1349,28 @@ def _fp8_weight_scale(weight_scale: torch.Tensor, out: int) -> torch.Tensor:
     )
 
 
-def quantize_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_weight(
+    weight: torch.Tensor, per_channel: bool = False, quotient_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """An ``[out, in]`` weight in FP8 e4m3 with an fp32 decode scale per tensor or per output channel.
 
     ``weight_scale = amax / 448`` (of the tensor, or of each row), 1 where that amax is 0; codes
-    ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as ModelOpt's ``to_quantized_weight`` (``weight /
-    weights_scaling_factor``) and compressed-tensors' ``quantize`` (``x / scale``) form them.
+    ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as compressed-tensors' ``quantize`` (``x / scale``)
+    and ModelOpt's per-channel ``to_quantized_weight`` form them. ``quotient_dtype`` (bf16 / fp16) rounds the fp32
+    quotient to that dtype first, then to e4m3: nvidia-modelopt's per-tensor export (``to_quantized_weight``:
+    ``(weight / weights_scaling_factor).to(float8_e4m3fn)`` with a bf16 weight and a 0-d fp32 scale, which torch
+    computes in fp32 and rounds to the weight's dtype), checked against its own export in
+    ``tests/test_interop_mixed_modelopt.py``.
 
     Returns:
         ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out])``.
 
     Raises:
-        ValueError: ``weight`` not 2-D; TypeError: not a float dtype.
+        ValueError: ``weight`` not 2-D; TypeError: not a float dtype, or a ``quotient_dtype`` other than bf16 /
+        fp16 / fp32 / None.
     """
+    if quotient_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"quotient_dtype: expected bfloat16, float16, float32 or None, got {quotient_dtype!r}")
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
     if not weight.is_floating_point():
@@ -1373,7 +1382,10 @@ def quantize_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tupl
         amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
     scale = torch.where(amax > 0, amax / _FP8.max, torch.ones_like(amax))
     div = scale.reshape(-1, 1) if per_channel else scale
-    codes = round_to_element(torch.clamp(w / div, -_FP8.max, _FP8.max), _FP8).to(torch.float8_e4m3fn)
+    q = w / div
+    if quotient_dtype is not None:
+        q = q.to(quotient_dtype).float()
+    codes = round_to_element(torch.clamp(q, -_FP8.max, _FP8.max), _FP8).to(torch.float8_e4m3fn)
     return codes.view(torch.uint8), scale
 
 

@@ -237,10 +237,10 @@ def test_trained_model_groups(tmp_path_factory):
         model, "modelopt", tmp_path_factory.mktemp("ckpt") / "m", "nvfp4", "w_mxfp8_a_mxfp8", calibration=cal
     )
     loaded, _ = C.load_quantized_moe(path, backend="torch")
-    res = G.attribute_groups_trained(loaded, model, held, targets={"MXFP8": "bf16"})
+    res = G.attribute_groups_trained(loaded, model, held, targets={"MXFP8 g32": "bf16"})
     assert res["groups"] == {
         "NVFP4 g16": [f"model.layers.{layer}.mlp.experts" for layer in range(2)],
-        "MXFP8": [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS],
+        "MXFP8 g32": [f"model.layers.{layer}.self_attn.{p}" for layer in range(2) for p in C.ATTENTION_PROJS],
     }
     assert res["bf16_matches_reference"] is True
     assert res["n"] == 120
@@ -250,7 +250,7 @@ def test_trained_model_groups(tmp_path_factory):
     # the pooled values by another path: the checkpoint itself evaluated
     r = ev.evaluate(loaded, held)
     assert res["values"]["all"]["all"]["exact_match"] == sum(int(x.correct.sum()) for x in r.tasks.values())
-    assert res["values"]["MXFP8 as bf16"] == res["values"]["without MXFP8"]
+    assert res["values"]["MXFP8 g32 as bf16"] == res["values"]["without MXFP8 g32"]
     assert len(res["decisions"]) == 2 * (2 + 2 + 1 + 1)
 
 

@@ -5,12 +5,16 @@ routed experts, the attention projections and ``lm_head`` each in its own scheme
 tensor names of the producer's single-scheme layout of that scheme (``layouts/``), under the producer's mixed
 config (the forms ``mxlib.checkpoints.precision`` reads):
 
-* ``"modelopt"``: ``quant_algo: "MIXED_PRECISION"``; ``hf_quant_config.json``'s ``quantization.quantized_layers``
-  names every quantized module with its ``{"quant_algo", "group_size"}`` (``group_size`` for NVFP4 only, as
-  ModelOpt's ``process_layer_quant_config`` writes it), and ``config.json``'s ``quantization_config`` has one
-  ``config_groups`` entry per distinct layer config with the module names as ``targets``, plus
-  ``quantized_layers`` (``convert_hf_quant_config_format``). Layouts: ``modelopt`` (NVFP4, W4A16_NVFP4),
-  ``modelopt-mxfp8``, ``modelopt-fp8`` (``FP8``, ``FP8_PER_CHANNEL_PER_TOKEN``).
+* ``"modelopt"``: ``quant_algo: "MIXED_PRECISION"``, as nvidia-modelopt 0.47.0 exports it (checked against its
+  own export in ``tests/test_interop_mixed_modelopt.py``): ``hf_quant_config.json``'s
+  ``quantization.quantized_layers`` names every quantized module in the model's order with its ``{"quant_algo",
+  "group_size"}`` (``group_size`` for the block formats NVFP4, W4A16_NVFP4 and MXFP8, as ModelOpt's
+  ``process_layer_quant_config`` writes it): each attention projection, ``lm_head``, and each layer's experts
+  module (``model.layers.L.mlp.experts``, the module holding the fused experts' quantizers; the tensors beneath it
+  are per expert). ``config.json``'s ``quantization_config`` has one ``config_groups`` entry per distinct layer
+  config (in order of first appearance) with the module names as ``targets``, plus ``quantized_layers``
+  (``convert_hf_quant_config_format``). No exclude list: a module not named is unquantized. Layouts: ``modelopt``
+  (NVFP4, W4A16_NVFP4), ``modelopt-mxfp8``, ``modelopt-fp8`` (``FP8``, ``FP8_PER_CHANNEL_PER_TOKEN``).
 * ``"quark"``: the experts' scheme is ``global_quant_config``; attention and ``lm_head`` in other schemes are
   ``layer_quant_config`` entries (``*.self_attn.*``, ``lm_head``). Layouts ``quark``, ``quark-fp8`` (FP8 per
   tensor or per channel).
@@ -19,8 +23,8 @@ config (the forms ``mxlib.checkpoints.precision`` reads):
   ``format`` is ``mixed-precision`` where the groups' formats differ. Layouts: ``compressed-tensors`` (NVFP4),
   ``compressed-tensors-mxfp4``, ``compressed-tensors-mxfp8``, ``compressed-tensors-fp8`` (``float-quantized``).
 
-Every other module is bf16 and named in the producer's exclude list (``ignore`` / ``exclude`` /
-``exclude_modules``). The folder is written atomically (``safetensors_io.atomic_folder``): a failed write leaves
+Every other module is bf16 and, for Quark and compressed-tensors, named in the producer's exclude list
+(``exclude`` / ``ignore``). The folder is written atomically (``safetensors_io.atomic_folder``): a failed write leaves
 nothing. ``load_quantized_moe`` reads it back with each module in its own scheme, and ``save_pretrained`` writes it
 again with the same tensors, bit for bit.
 """
@@ -38,7 +42,7 @@ from ..models.families import check_supported_model, family_of
 from ..models.moe_models import expert_weights
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
 from .files.safetensors_io import SHARD_BYTES, ShardWriter, atomic_folder
-from .layout import PROJS, CheckpointLayout
+from .layout import CheckpointLayout
 from .layouts import LAYOUTS
 from .precision import CT_MIXED_FORMAT, MODELOPT_MIXED
 from .writer import _config_dict, _stored_exactly, attention_linears, unquantized_modules, write_layer_experts
@@ -67,6 +71,8 @@ PRODUCER_LAYOUTS: dict[str, dict[str, str]] = {
     },
 }
 # compressed-tensors targets and Quark name patterns of each part
+# ModelOpt quant_algos whose quantized_layers entries carry group_size (the block size)
+_MODELOPT_BLOCK_ALGOS = ("NVFP4", "W4A16_NVFP4", "MXFP8")
 _CT_TARGETS = {"experts": r"re:.*mlp\.experts\.", "attention": r"re:.*self_attn\.", "lm_head": "lm_head"}
 _QUARK_PATTERNS = {"attention": "*.self_attn.*", "lm_head": "lm_head"}
 
@@ -163,18 +169,20 @@ def write_mixed_checkpoint(
             for n, t in layout.linear_tensors(scheme, w, ins[name], name).items():
                 shards.add(family.disk_name(n), t, copy=True)
         scheme, layout = schemes["experts"], layouts["experts"]
-        quantized_experts = []
+        experts_modules = []
         for layer in family.moe_layer_indices(model.config):
             w13, w2 = expert_weights(model, layer)
             in13 = in2 = None
             if scheme.static_activation_scale:
                 in13, in2 = calibration.input_scales(layer, scheme.activation)
             write_layer_experts(shards, family, layout, scheme, layer, w13, w2, None, in13, in2)
-            prefix = family.experts_prefix(layer)
-            quantized_experts += [family.disk_name(f"{prefix}.{x}.{p}") for x in range(w13.shape[0]) for p in PROJS]
+            experts_modules.append(family.experts_prefix(layer))
         shards.close()
         unquantized = unquantized_modules(model, family, list(linears))
-        qc, extra = _configs(producer, schemes, layouts, quantized_experts, linears, family, unquantized)
+        # every quantized module in the model's order (the order nvidia-modelopt lists them in)
+        parts = {**{n: "experts" for n in experts_modules}, **linears}
+        quantized = {family.disk_name(n): parts[n] for n, _ in model.named_modules() if n in parts}
+        qc, extra = _configs(producer, schemes, layouts, quantized, family, unquantized)
         cfg = {**_config_dict(model, len(model.model.layers)), "quantization_config": qc}
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         for fname, content in extra.items():
@@ -182,40 +190,38 @@ def write_mixed_checkpoint(
     return Path(path)
 
 
-def _configs(producer, schemes, layouts, quantized_experts, linears, family, unquantized) -> tuple[dict, dict]:
-    """``(quantization_config, {extra file: content})`` in the producer's mixed form."""
+def _configs(producer, schemes, layouts, quantized, family, unquantized) -> tuple[dict, dict]:
+    """``(quantization_config, {extra file: content})`` in the producer's mixed form (``quantized``: on-disk
+    module name -> part, in the model's order; the experts by their layer's experts module)."""
     single = {part: layouts[part].config_files(schemes[part], True) for part in schemes}
     if producer == "modelopt":
         per_part = {}
         for part, (qc, _) in single.items():
             algo = qc["quant_algo"]
-            per_part[part] = {"quant_algo": algo, **({"group_size": 16} if "NVFP4" in algo else {})}
-        layers = {n: dict(per_part["experts"]) for n in quantized_experts}
-        layers.update({family.disk_name(n): dict(per_part[p]) for n, p in linears.items()})
+            blocks = algo in _MODELOPT_BLOCK_ALGOS
+            per_part[part] = {"quant_algo": algo, **({"group_size": schemes[part].weight.block_size} if blocks else {})}
+        layers = {n: dict(per_part[p]) for n, p in quantized.items()}
         groups, by_cfg = {}, {}
         for name, cfg in layers.items():
             by_cfg.setdefault(json.dumps(cfg, sort_keys=True), (cfg, []))[1].append(name)
         for n, (cfg, names) in enumerate(by_cfg.values()):
             part = next(p for p in per_part if per_part[p] == cfg)
-            group = dict(single[part][0]["config_groups"]["group_0"])
+            group = {k: dict(v) for k, v in single[part][0]["config_groups"]["group_0"].items() if k != "targets"}
+            if cfg["quant_algo"] == "MXFP8":  # nvidia-modelopt's mixed export writes its activations dynamic: false
+                group["input_activations"]["dynamic"] = False
             groups[f"group_{n}"] = {**group, "targets": sorted(names)}
         producer_info = single["experts"][0]["producer"]
         qc = {
             "config_groups": groups,
             "quantized_layers": layers,
-            "ignore": list(unquantized),
+            "ignore": [],
             "quant_algo": MODELOPT_MIXED,
             "producer": producer_info,
             "quant_method": "modelopt",
         }
         legacy = {
             "producer": producer_info,
-            "quantization": {
-                "quant_algo": MODELOPT_MIXED,
-                "kv_cache_quant_algo": None,
-                "exclude_modules": list(unquantized),
-                "quantized_layers": layers,
-            },
+            "quantization": {"quant_algo": MODELOPT_MIXED, "kv_cache_quant_algo": None, "quantized_layers": layers},
         }
         return qc, {"hf_quant_config.json": legacy}
     if producer == "quark":

@@ -7,13 +7,20 @@ the registered layout that reads its tensors, the E8M0 rule of its dynamic MX ac
 that gives a module name its group. Matching follows each producer's own code:
 
 * **ModelOpt** ``quant_algo: "MIXED_PRECISION"`` (``hf_quant_config.json``'s ``quantization``, or
-  ``config.json``'s ``quantization_config``): ``quantized_layers`` maps each quantized module's exact
-  name to ``{"quant_algo": ..., "group_size": ...}``; a module not named there is unquantized
-  (NVIDIA/Model-Optimizer ``modelopt/torch/export/quant_utils.py``, ``process_layer_quant_config``, which
-  writes one entry per module prefix; ``modelopt/torch/export/convert_hf_config.py``,
+  ``config.json``'s ``quantization_config``): ``quantized_layers`` maps each quantized module's name to
+  ``{"quant_algo": ..., "group_size": ...}``; a module is in the entry of its own name, else of the nearest
+  module above it that is named there, else it is unquantized (NVIDIA/Model-Optimizer
+  ``modelopt/torch/export/quant_utils.py``, ``get_quant_config`` and ``process_layer_quant_config``, which
+  write one entry per module holding quantizers; ``modelopt/torch/export/convert_hf_config.py``,
   ``convert_hf_quant_config_format``, which also writes one ``config_groups`` entry per distinct layer
-  config with the layer names as ``targets``). A group is one distinct layer config, named by its
-  ``quant_algo`` (and ``group_size`` where given).
+  config with the layer names as ``targets``). The module holding the quantizers is not always the one
+  whose tensors are stored: for transformers 5's fused experts nvidia-modelopt 0.47.0 names the experts
+  module (``model.layers.L.mlp.experts``: ``{"quant_algo": "NVFP4", "group_size": 16}``) and stores
+  per-expert tensors beneath it (``model.layers.L.mlp.experts.E.gate_proj.weight``); vLLM's
+  ``ModelOptMixedPrecisionConfig`` looks its fused-MoE layer up by that same name. A mixed export writes no
+  ``exclude_modules`` (the routers and the embedding are simply not named). A group is one distinct layer
+  config, named by its ``quant_algo`` (and ``group_size`` where given: ModelOpt writes it for NVFP4 and
+  MXFP8 entries).
 * **Quark** (``quant_method: quark``): a module in ``exclude`` is unquantized; else the first
   ``layer_quant_config`` entry whose key matches its name by ``fnmatch.fnmatch`` (in the dict's order),
   else the ``layer_type_quant_config`` entry of its module class (Quark keys it by the class, which the
@@ -173,7 +180,22 @@ def _modelopt(qc: dict, read) -> PrecisionMap:
             d, err = _describe(read, single, exclude)
             groups[gname] = PrecisionGroup(gname, d, err, dict(cfg))
         of[name] = gname
-    return PrecisionMap("modelopt", groups, exclude, lambda name, classes: of.get(name))
+    # the experts' group first (mixed_description describes the checkpoint by it): nvidia-modelopt lists the modules
+    # in the model's order, so a layer's attention projections come before its experts
+    experts = next((of[n] for n in of if "experts" in n.split(".")), None)
+    if experts is not None:
+        groups = {experts: groups[experts], **{k: g for k, g in groups.items() if k != experts}}
+
+    def rule(name: str, classes: tuple[str, ...]) -> str | None:
+        # the module's own entry, else the nearest enclosing module's (fused experts: the experts module)
+        while True:
+            if name in of:
+                return of[name]
+            if "." not in name:
+                return None
+            name = name.rsplit(".", 1)[0]
+
+    return PrecisionMap("modelopt", groups, exclude, rule)
 
 
 def _quark(qc: dict, read) -> PrecisionMap:

@@ -2,7 +2,7 @@
 
 A mixed-precision checkpoint (``mxlib.checkpoints.precision``) puts its quantized modules in **precision
 groups**: the routed experts in NVFP4 beside MXFP8 attention projections and an NVFP4 ``lm_head``, each group
-named as its producer's config names it (ModelOpt: ``NVFP4 g16``, ``MXFP8``; Quark: the ``layer_quant_config``
+named as its producer's config names it (ModelOpt: ``NVFP4 g16``, ``MXFP8 g32``; Quark: the ``layer_quant_config``
 key or ``global_quant_config``; compressed-tensors: the ``config_groups`` key). ``precision_groups`` lists a
 loaded model's groups and their modules.
 
@@ -518,7 +518,7 @@ def attribute_groups(
             statement about this token set), or a list of two or more such tensors (draws, e.g. token sets of
             different seeds: the comparisons are over the draws, ``mxlib.stats.paired_draws``; each value is the
             mean over the draws of each draw's value).
-        targets: other precisions to try groups in (``make_group_plan``), e.g. ``{"MXFP8": "w_mxfp4"}``.
+        targets: other precisions to try groups in (``make_group_plan``), e.g. ``{"MXFP8 g32": "w_mxfp4"}``.
         order: the waterfall's group order (default: the checkpoint config's).
         calibration, linear_input_amax: the reference's activation statistics, for targets with static
             activation scales (``switched_groups``).

@@ -20,7 +20,8 @@ compressed-tensors           ``format: float-quantized``, ``[1]`` (``strategy: t
 ===========================  ===========================  ============================  ===============
 
 Sources (the producers' own code): NVIDIA/Model-Optimizer ``modelopt/torch/export/quant_utils.py``
-(``to_quantized_weight``: ``(weight / weights_scaling_factor).to(torch.float8_e4m3fn)``; ``get_scaling_factor``:
+(``to_quantized_weight``: ``(weight / weights_scaling_factor).to(torch.float8_e4m3fn)``, the quotient of a bf16
+weight and a 0-d fp32 scale rounded to bf16 before e4m3; ``get_scaling_factor``:
 ``amax.float() / maxbound``, fp32; ``process_layer_quant_config``: ``{"quant_algo": "FP8"}`` and
 ``{"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}`` per layer) and ``modelopt/torch/export/convert_hf_config.py``
 (``_quant_algo_to_group_config``: 8-bit float weights and static 8-bit float activations, ``strategy: channel``
@@ -178,6 +179,15 @@ MODELOPT_ALGOS = {"FP8": W_FP8_A_FP8, "FP8_PER_CHANNEL_PER_TOKEN": W_FP8_A_FP8_P
 class ModelOptFp8Layout(_Fp8LinearLayout):
     name = "modelopt-fp8"
     quant_method = "modelopt"
+
+    def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
+        """As the base class, but per tensor the quotient ``w / weight_scale`` is rounded to the weight's dtype
+        before e4m3, as nvidia-modelopt's export forms it (``reference.quantize_fp8_weight``'s
+        ``quotient_dtype``); per channel it divides in fp32, as ModelOpt does there."""
+        if scheme is W_FP8_A_FP8_PER_TOKEN or weight.dtype not in (torch.bfloat16, torch.float16):
+            return super().quantize_linear(weight, scheme)
+        codes, scale = _ref.quantize_fp8_weight(weight, quotient_dtype=weight.dtype)
+        return LinearWeights(_FP8, codes, scale)
 
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         algo = next(a for a, s in MODELOPT_ALGOS.items() if s is scheme)
