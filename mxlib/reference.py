@@ -1354,7 +1354,9 @@ def quantize_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tupl
 
     ``weight_scale = amax / 448`` (of the tensor, or of each row), 1 where that amax is 0; codes
     ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as ModelOpt's ``to_quantized_weight`` (``weight /
-    weights_scaling_factor``) and compressed-tensors' ``quantize`` (``x / scale``) form them.
+    weights_scaling_factor``) forms them, and compressed-tensors' ``quantize`` (``x / scale``) for fp32 weights
+    (for bf16 ones it rounds the scale and the quotient to bf16:
+    ``mxlib.checkpoints.layouts.fp8_linear.quantize_ct_fp8_weight``).
 
     Returns:
         ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out])``.
