@@ -8,22 +8,25 @@ each ``preset_name_to_scheme(preset, targets)``:
 * ``llmc_mixed_fp8_nvfp4``: NVFP4 for the routed experts and ``lm_head`` (``re:.*mlp\\.experts\\.\\d+\\.(gate|up|
   down)_proj$``, ``lm_head``), FP8 (static per-tensor weights and activations) for ``re:.*self_attn\\.(q|k|v|o)
   _proj$``;
-* ``llmc_mixed_mxfp8_mxfp4``: MXFP4 for the experts, MXFP8 for the attention projections and ``lm_head``.
+* ``llmc_mixed_mxfp8_mxfp4``: MXFP4 for the experts, MXFP8 for the attention projections and ``lm_head``;
+* ``llmc_mixed_fp8dyn_nvfp4``: NVFP4 for the experts, ``FP8_DYNAMIC`` (per-channel weights, dynamic per-token
+  activations) for the attention projections and ``lm_head``.
 
 What the tool wrote (the oracle for the on-disk form): ``format: "mixed-precision"`` with a ``format`` per group;
 the groups renumbered in the order their first module appears in the model (``QuantizationConfig.from_pretrained``),
 so the attention group is ``group_0`` and the experts' ``group_1`` whatever the recipe's order; ``ignore`` the
-routers by name; the FP8 group's ``weight_scale`` and ``input_scale`` **bf16** ``[1]`` (the scale in the weight's
-dtype, ``scale_dtype: null``). ``meta.json``'s ``presets`` records which preset the tool attached to each module.
+routers by name; the FP8 groups' ``weight_scale`` (``[1]``, or ``[out, 1]`` per channel) and ``input_scale``
+(``[1]``) **bf16** (the scale in the weight's dtype, ``scale_dtype: null``). ``meta.json``'s ``presets`` records
+which preset the tool attached to each module.
 
 ``tool_results.safetensors`` holds the tool's own numbers: ``dequant.<module>`` (its compressors' ``decompress``:
 ``NVFP4PackedCompressor``, ``FloatQuantizationCompressor``, ``MXFP4PackedCompressor``,
-``MXFP8QuantizationCompressor``), ``qdq.{x,y}.<module>`` (``forward_quantize`` of the module's input with its
-calibrated scales), ``logits.tool`` (its fake-quantized forward) and ``logits.bf16``, and ``weight.<module>``, the
-bf16 weights it quantized.
+``MXFP8QuantizationCompressor``), ``qdq.{x,y}.<module>`` (``forward_quantize`` of a ``[1, 4, in]`` input with the
+module's calibrated scales), ``logits.tool`` (its fake-quantized forward) and ``logits.bf16``, and
+``weight.<module>``, the bf16 weights it quantized.
 
-Where mxlib's emulation follows vLLM rather than the tool (activation QDQ of the NVFP4 and static FP8 inputs; the
-tool's own rule is the oracle then), the tests say so and measure it.
+Where mxlib's emulation follows vLLM rather than the tool (activation QDQ of the NVFP4 and FP8 inputs; the tool's
+own rule is the oracle then), the tests say so and count the values that differ.
 """
 
 from __future__ import annotations
@@ -49,20 +52,33 @@ from mxlib.moe.linear import EmulatedLinear
 from _util import assert_bits_equal
 
 FIXTURES = Path(__file__).parent / "fixtures" / "interop"
-NAMES = ("llmc_mixed_fp8_nvfp4", "llmc_mixed_mxfp8_mxfp4")
+NAMES = ("llmc_mixed_fp8_nvfp4", "llmc_mixed_mxfp8_mxfp4", "llmc_mixed_fp8dyn_nvfp4")
 # the tool's preset -> (compressed-tensors format the tool writes for it, mxlib's scheme, mxlib's layout)
 PRESET = {
     "NVFP4": ("nvfp4-pack-quantized", "nvfp4", "compressed-tensors"),
     "FP8": ("float-quantized", "w_fp8_a_fp8", "compressed-tensors-fp8"),
+    "FP8_DYNAMIC": ("float-quantized", "w_fp8_a_fp8_per_token", "compressed-tensors-fp8"),
     "MXFP4": ("mxfp4-pack-quantized", "w_mxfp4_a_mxfp4", "compressed-tensors-mxfp4"),
     "MXFP8": ("mxfp8-quantized", "w_mxfp8_a_mxfp8", "compressed-tensors-mxfp8"),
 }
 # the experts' preset of each fixture (the headline scheme of the checkpoint)
-EXPERTS_PRESET = {"llmc_mixed_fp8_nvfp4": "NVFP4", "llmc_mixed_mxfp8_mxfp4": "MXFP4"}
+EXPERTS_PRESET = {
+    "llmc_mixed_fp8_nvfp4": "NVFP4",
+    "llmc_mixed_mxfp8_mxfp4": "MXFP4",
+    "llmc_mixed_fp8dyn_nvfp4": "NVFP4",
+}
 # mxlib's logits against the tool's fake-quantized forward and against bf16: minimums in dB, a few dB under what
 # was measured on the CPU with the torch experts backend (MEASURED_DB: mxlib vs tool, mxlib vs bf16, tool vs bf16)
-MIN_DB = {"llmc_mixed_fp8_nvfp4": (15.0, 12.0), "llmc_mixed_mxfp8_mxfp4": (26.0, 18.0)}
-MEASURED_DB = {"llmc_mixed_fp8_nvfp4": (17.7, 14.6, 14.6), "llmc_mixed_mxfp8_mxfp4": (29.3, 21.1, 20.9)}
+MIN_DB = {
+    "llmc_mixed_fp8_nvfp4": (15.0, 12.0),
+    "llmc_mixed_mxfp8_mxfp4": (26.0, 18.0),
+    "llmc_mixed_fp8dyn_nvfp4": (21.0, 19.0),
+}
+MEASURED_DB = {
+    "llmc_mixed_fp8_nvfp4": (17.7, 14.6, 14.6),
+    "llmc_mixed_mxfp8_mxfp4": (29.3, 21.1, 20.9),
+    "llmc_mixed_fp8dyn_nvfp4": (24.0, 22.0, 21.7),
+}
 ATTN = [f"model.layers.{layer}.self_attn.{p}_proj" for layer in range(2) for p in "qkvo"]
 
 
@@ -252,16 +268,44 @@ def _ct_fp8_qdq(x, input_scale):
     return torch.clamp(x / s, -448.0, 448.0).to(torch.float8_e4m3fn).to(torch.bfloat16) * s
 
 
+def _ct_fp8_token_qdq(x):
+    """compressed-tensors 0.19's dynamic per-token FP8 QDQ of ``[tokens, k]`` rows (``compute_dynamic_scales_and_zp``
+    with strategy ``token``, then ``_quantize_dequantize``): per row ``scale = bf16(amax / 448)`` (bf16's eps for a
+    zero row), then as ``_ct_fp8_qdq``. vLLM's per-token rule keeps the scale in fp32 (``max(amax / 448, 1 / (448 *
+    512))``), so most values of a row differ by the scale's bf16 rounding."""
+    s = x.abs().amax(-1, keepdim=True) / torch.tensor(448.0, dtype=x.dtype)
+    s = torch.where(s == 0, torch.finfo(x.dtype).eps, s)
+    return torch.clamp(x / s, -448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+
+# what vLLM's rules (mxlib's emulation) give differently from the tool's on the fixed [4, 128] input (outliers, a tiny
+# and a zero block): values of 512 per module
+VLLM_VS_TOOL = {
+    "llmc_mixed_fp8_nvfp4": {
+        "lm_head": 16,
+        "model.layers.0.mlp.experts.0.gate_proj": 0,
+        "model.layers.0.self_attn.q_proj": 22,
+    },
+    "llmc_mixed_mxfp8_mxfp4": {},
+    "llmc_mixed_fp8dyn_nvfp4": {
+        "lm_head": 121,
+        "model.layers.0.mlp.experts.0.gate_proj": 0,
+        "model.layers.0.self_attn.q_proj": 121,
+    },
+}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_activation_qdq_against_tool(name):
-    """The tool's activation QDQ of each group's input (``forward_quantize`` with the calibrated scales):
+    """The tool's activation QDQ of each group's input (``forward_quantize`` of ``[1, 4, in]``, as the model's
+    ``[batch, seq, hidden]`` activations, with the calibrated scales):
 
     * MX (dynamic E8M0): the loaded module's own QDQ (attention, ``lm_head``) or mxlib.reference with the E8M0 rule
       the reader gives the group (experts) equals the tool's, bit for bit;
     * NVFP4: ``reference.compressed_tensors_nvfp4_quant_dequant`` equals the tool's bit for bit; the emulation
-      runs vLLM's fp32 rule, which differs on a few values (counted);
-    * static FP8: the tool's bf16-division rule (``_ct_fp8_qdq``) equals the tool's bit for bit, and the loaded
-      module's QDQ (vLLM's rule) differs on a few values (counted).
+      runs vLLM's fp32 rule, which differs on a few values (counted: ``VLLM_VS_TOOL``);
+    * FP8, static or per token: the tool's bf16 rules (``_ct_fp8_qdq``, ``_ct_fp8_token_qdq``) equal the tool's
+      bit for bit, and the loaded module's QDQ (vLLM's rules) differs on the values counted in ``VLLM_VS_TOOL``.
     """
     ckpt, meta, results = _fixture(name)
     pm = C.read_quant_config(ckpt).precision
@@ -271,6 +315,8 @@ def test_activation_qdq_against_tool(name):
     differ = {}
     for module in modules:
         x, y = results[f"qdq.x.{module}"], results[f"qdq.y.{module}"]
+        assert x.shape == y.shape == (1, 4, 128), x.shape
+        x, y = x[0], y[0]
         desc = pm.description(module)
         act = desc.scheme.activation
         mine = None if ".experts." in module else model.get_submodule(module).quantize_input(x)
@@ -283,19 +329,16 @@ def test_activation_qdq_against_tool(name):
             s = results[f"qdq.input_scale.{module}"]
             assert_bits_equal(s.to(torch.bfloat16), _tensors(name)[f"{module}.input_scale"], f"{module} input_scale")
             assert_bits_equal(_ct_fp8_qdq(x, s), y, f"{name} {module} (tool's rule)")
+        elif desc.scheme.name == "w_fp8_a_fp8_per_token":
+            assert f"qdq.input_scale.{module}" not in results  # dynamic: no stored scale
+            assert_bits_equal(_ct_fp8_token_qdq(x), y, f"{name} {module} (tool's rule)")
         else:
             if mine is None:
                 mine = R.quant_dequant_mx(x, act.element.name, 32, desc.activation_scale_mode, dtype=y.dtype)
             assert_bits_equal(mine, y, f"{name} {module}")
             continue
         differ[module] = int((mine.view(torch.int16) != y.view(torch.int16)).sum())
-    if name == "llmc_mixed_fp8_nvfp4":
-        # vLLM's rules against the tool's on the fixed [4, 128] input (outliers, a tiny and a zero block)
-        assert differ == {
-            "lm_head": 16,
-            "model.layers.0.mlp.experts.0.gate_proj": 0,
-            "model.layers.0.self_attn.q_proj": 22,
-        }, differ
+    assert differ == VLLM_VS_TOOL[name], differ
 
 
 # ----------------------------------------------------------------------------- logits

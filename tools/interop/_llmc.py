@@ -32,6 +32,8 @@ MIXED = {
     "mixed_fp8_nvfp4": (("NVFP4", [_EXPERTS, "lm_head"]), ("FP8", [_ATTENTION])),
     # MXFP8 attention and lm_head + MXFP4 experts
     "mixed_mxfp8_mxfp4": (("MXFP4", [_EXPERTS]), ("MXFP8", [_ATTENTION, "lm_head"])),
+    # FP8_DYNAMIC attention and lm_head (per-channel weights, dynamic per-token activations) + NVFP4 experts
+    "mixed_fp8dyn_nvfp4": (("NVFP4", [_EXPERTS]), ("FP8_DYNAMIC", [_ATTENTION, "lm_head"])),
 }
 SCHEMES.update({name: ("mixed", None) for name in MIXED})
 # preset -> (compressor class path, the tensors its decompress reads)
@@ -47,6 +49,7 @@ _COMPRESSOR = {
         ("weight", "weight_scale"),
     ),
 }
+_COMPRESSOR["FP8_DYNAMIC"] = _COMPRESSOR["FP8"]
 
 
 def _compressor(preset):
@@ -263,9 +266,10 @@ def make_mixed(outdir: Path, scheme: str) -> Path:
         args = mod.quantization_scheme.input_activations
         if args is None:
             continue
-        x = C.qdq_input(torch.bfloat16)
-        if x.shape[-1] != mod.in_features:  # the module's own width, the same values' first columns
-            x = x[:, : mod.in_features].contiguous()
+        # the module's own width (the same values' first columns), shaped [1, rows, in] as the model's [batch,
+        # seq, hidden] activations: compressed-tensors' dynamic TOKEN strategy reduces over the dims past the
+        # first two, so a 2-D input would get one scale for the whole tensor
+        x = C.qdq_input(torch.bfloat16)[:, : mod.in_features].contiguous()[None]
         with torch.no_grad():
             y = forward_quantize(mod, x, "input", args)
         results[f"qdq.x.{name}"] = x
@@ -312,7 +316,7 @@ def make_mixed(outdir: Path, scheme: str) -> Path:
             qdq=dict(
                 function="compressed_tensors.quantization.lifecycle.forward.forward_quantize(module, x, 'input', "
                 "args) with the module's calibrated input_global_scale / input_scale, dynamic scales otherwise; "
-                "x is qdq_input's first in_features columns",
+                "x is qdq_input's first in_features columns as [1, 4, in_features]",
                 modules=qdq,
             ),
             removed_from_export=removed,
