@@ -1355,12 +1355,13 @@ def quantize_fp8_weight(
     """An ``[out, in]`` weight in FP8 e4m3 with an fp32 decode scale per tensor or per output channel.
 
     ``weight_scale = amax / 448`` (of the tensor, or of each row), 1 where that amax is 0; codes
-    ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as compressed-tensors' ``quantize`` (``x / scale``)
-    and ModelOpt's per-channel ``to_quantized_weight`` form them. ``quotient_dtype`` (bf16 / fp16) rounds the fp32
-    quotient to that dtype first, then to e4m3: nvidia-modelopt's per-tensor export (``to_quantized_weight``:
-    ``(weight / weights_scaling_factor).to(float8_e4m3fn)`` with a bf16 weight and a 0-d fp32 scale, which torch
-    computes in fp32 and rounds to the weight's dtype), checked against its own export in
-    ``tests/test_interop_mixed_modelopt.py``.
+    ``e4m3(clamp(fp32(w) / weight_scale, -448, 448))`` (RNE), as ModelOpt's per-channel ``to_quantized_weight``
+    and compressed-tensors' ``quantize`` (``x / scale``) for fp32 weights form them. ``quotient_dtype`` (bf16 / fp16)
+    rounds the fp32 quotient to that dtype first, then to e4m3: nvidia-modelopt's per-tensor export
+    (``to_quantized_weight``: ``(weight / weights_scaling_factor).to(float8_e4m3fn)`` with a bf16 weight and a 0-d
+    fp32 scale, which torch computes in fp32 and rounds to the weight's dtype), checked against its own export in
+    ``tests/test_interop_mixed_modelopt.py``. compressed-tensors rounds the scale as well as the quotient to a bf16
+    weight's dtype: ``mxlib.checkpoints.layouts.fp8_linear.quantize_ct_fp8_weight``.
 
     Returns:
         ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out])``.

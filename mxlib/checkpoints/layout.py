@@ -103,7 +103,7 @@ class CheckpointDescription:
 
     ``precision``: for a mixed-precision checkpoint (modules in different schemes), its
     ``mxlib.checkpoints.precision.PrecisionMap``, which gives each module its own description; ``scheme``
-    is then its first supported group's. None for a single-scheme checkpoint.
+    is then the routed experts' group's (``precision.mixed_description``). None for a single-scheme checkpoint.
     """
 
     format: str

@@ -42,6 +42,11 @@ module whose group is not supported is refused naming the module, its group, wha
 supported. A layer's experts are one tensor group in the emulation: all of a layer's expert projections must
 be in one group, or the layer is refused naming two that differ.
 
+A mixed checkpoint's headline scheme (``CheckpointDescription.scheme``, what the inspector's header and the
+activation-scale report use) is that of the routed experts' group, found by asking the map for an expert
+projection's group, not by the order of the groups: llm-compressor numbers its groups in the model's module order,
+so the attention group comes first.
+
 Module names are the on-disk names (``MoEFamily.disk_name``). Per-expert projections
 (``model.layers.L.mlp.experts.E.gate_proj``) have the class name ``Linear``, as the producers see them
 (per-expert ``nn.Linear`` modules); the other modules the classes of the model's own modules.
@@ -55,6 +60,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..models.families import FAMILIES
 from ..moe.schemes import MoEQuantScheme
 from .layout import PROJS, CheckpointDescription, CheckpointError, _compile, matches
 
@@ -337,11 +343,30 @@ def read_precision_map(qc: dict, read: Callable[[dict], CheckpointDescription]) 
     raise CheckpointError(f"quantization_config.quant_method: no mixed-precision form is read for {method!r}")
 
 
+# decoder layers probed for the experts' group (a model's first layers may be dense: DeepSeek's first_k_dense)
+_PROBE_LAYERS = 64
+
+
+def _experts_group(pm: PrecisionMap) -> str | None:
+    """The group of the first expert projection the config quantizes: expert 0's gate projection of layers 0, 1,
+    ... under each registered family's on-disk names (``MoEFamily.disk_name``); None if none is in a group."""
+    for layer in range(_PROBE_LAYERS):
+        for family in FAMILIES.values():
+            name = family.disk_name(f"{family.experts_prefix(layer)}.0.{PROJS[0]}")
+            try:
+                g = pm.group_of(name, EXPERT_CLASSES)
+            except CheckpointError:  # matched ambiguously: the loader names it
+                continue
+            if g is not None:
+                return g
+    return None
+
+
 def mixed_description(layout_name: str, qc: dict, read: Callable[[dict], CheckpointDescription]):
     """The ``CheckpointDescription`` of a mixed ``quantization_config``: ``format`` the producer's layout
-    (``layout_name``), ``scheme`` its first supported group's that is not for linear layers only (else its
-    first supported group's), ``exclude`` the unquantized modules, ``precision``
-    the ``PrecisionMap``.
+    (``layout_name``), ``scheme`` the experts' group's (the group of the first expert projection the config
+    quantizes, whatever the order of the groups), else its first supported group's that is not for linear layers
+    only, else its first supported group's; ``exclude`` the unquantized modules, ``precision`` the ``PrecisionMap``.
 
     Raises:
         CheckpointError: a malformed mixed config, or one none of whose groups is supported (naming each group
@@ -349,8 +374,14 @@ def mixed_description(layout_name: str, qc: dict, read: Callable[[dict], Checkpo
     """
     pm = read_precision_map(qc, read)
     supported = [g for g in pm.groups.values() if g.description is not None]
-    # the experts' scheme where a group can hold experts (FP8 linear-layer groups cannot)
-    first = next((g for g in supported if not g.scheme.linear_only), supported[0] if supported else None)
+    # the experts' group where the config puts an expert projection in a supported one (producers order their
+    # groups their own way: llm-compressor by the model's module order, attention first); else the first that
+    # can hold experts (FP8 linear-layer groups cannot)
+    experts = pm.groups.get(_experts_group(pm))
+    if experts is not None and experts.description is not None and not experts.scheme.linear_only:
+        first = experts
+    else:
+        first = next((g for g in supported if not g.scheme.linear_only), supported[0] if supported else None)
     if first is None:
         why = "; ".join(f"{n!r}: {g.error}" for n, g in pm.groups.items())
         raise CheckpointError(f"quantization_config: no precision group of this mixed checkpoint is supported ({why})")

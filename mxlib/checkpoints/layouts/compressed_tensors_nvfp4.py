@@ -25,8 +25,12 @@ decode scale and back is not exact (3039.9998 instead of 3040), so ``ExpertWeigh
 ``weight_global_scale`` (from the larger amax), as llm-compressor does for fused layers.
 
 The writer quantizes with compressed-tensors' arithmetic: ``gs = bf16(2688 / amax)``, block
-scale ``s = e4m3(gs * amax_block / 6)`` (clamped to 448), codes ``e2m1(x / (s / gs))`` (an
-all-zero block, ``s = 0``, stores zero codes).
+scale ``s = e4m3(gs * (amax_block / 6))`` (clamped to 448) with ``amax_block / 6`` computed in the
+weight's dtype (bf16 for a bf16 weight: compressed-tensors' ``calculate_qparams`` divides the observed
+amax, which keeps the weight's dtype, before the fp32 product with ``gs``), codes ``e2m1(x / (s / gs))``
+in fp32 (an all-zero block, ``s = 0``, stores zero codes). From the same bf16 weights this gives
+llm-compressor 0.14.0.1's bytes exactly (``tests/test_interop_mixed_llmc.py``); dividing in fp32
+instead changes about 3 % of the block scales.
 
 ``mxfp4-pack-quantized`` configs (the same ``quant_method``) are read by ``compressed_tensors_mxfp4``,
 ``mxfp8-quantized`` ones by ``compressed_tensors_mxfp8``.
@@ -77,7 +81,8 @@ def _encode_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4_encode(x: torch.Tensor, global_scale: torch.Tensor | None = None):
-    """Quantize ``[n, k]`` weights the way compressed-tensors does (module docstring).
+    """Quantize ``[n, k]`` weights the way compressed-tensors does (module docstring; the block amax / 6 in
+    ``x``'s dtype, so a bf16 weight gives the tool's bytes and an fp32 one its fp32 arithmetic).
 
     Returns:
         ``(packed uint8 [n, k/2], block scale float8_e4m3fn [n, k/16], encode global scale fp32 [])``.
@@ -86,9 +91,11 @@ def quantize_nvfp4_encode(x: torch.Tensor, global_scale: torch.Tensor | None = N
         raise ValueError(f"x: expected [n, k], got shape {list(x.shape)}")
     bs = NVFP4.block_size
     gs = _encode_global_scale(x.abs().amax()) if global_scale is None else global_scale.float().reshape(())
+    native = x if x.is_floating_point() else x.float()
+    amax = native.reshape(x.shape[0], -1, bs).abs().amax(-1)
+    # amax / 6 in the weight's own dtype (compressed-tensors' calculate_qparams), then fp32
+    s = _ref.round_to_element(torch.clamp(gs * (amax / 6.0).float(), max=448.0), "e4m3")
     xb = x.float().reshape(x.shape[0], -1, bs)
-    amax = xb.abs().amax(-1)
-    s = _ref.round_to_element(torch.clamp(gs * (amax / 6.0), max=448.0), "e4m3")
     step = (s / gs).unsqueeze(-1)
     scaled = torch.where(step == 0, 0.0, xb / torch.where(step == 0, 1.0, step))
     scaled = torch.clamp(scaled, -6.0, 6.0)

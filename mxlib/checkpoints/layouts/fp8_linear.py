@@ -15,8 +15,9 @@ ModelOpt (``modelopt-fp8``)  ``quant_algo: FP8``;         ``[]`` (FP8), ``[out]`
 Quark (``quark-fp8``)        ``dtype: fp8_e4m3``,         ``[]`` (``per_tensor``),       ``[]`` (static)
                              ``qscheme`` per_tensor /     ``[out]`` (``per_channel``)
                              per_channel
-compressed-tensors           ``format: float-quantized``, ``[1]`` (``strategy: tensor``),  ``[1]`` (static)
-(``compressed-tensors-fp8``)  8-bit ``type: float``        ``[out, 1]`` (``channel``)
+compressed-tensors           ``format: float-quantized``, bf16 ``[1]`` (``strategy:        bf16 ``[1]``
+(``compressed-tensors-fp8``)  8-bit ``type: float``        tensor``), ``[out, 1]``        (static)
+                                                          (``channel``)
 ===========================  ===========================  ============================  ===============
 
 Sources (the producers' own code): NVIDIA/Model-Optimizer ``modelopt/torch/export/quant_utils.py``
@@ -43,6 +44,15 @@ which weight-scale granularity a layer has is read from its tensor (one value or
 be one the producer writes. mxlib's writer (``quantize_linear``) writes per-tensor weight scales for
 ``w_fp8_a_fp8`` and per-channel ones for ``w_fp8_a_fp8_per_token``, as the producers' presets pair them (ModelOpt
 ``FP8`` / ``FP8_PER_CHANNEL_PER_TOKEN``; llm-compressor ``FP8`` / ``FP8_DYNAMIC``).
+
+The compressed-tensors writer follows llm-compressor 0.14.0.1 / compressed-tensors 0.19.0 (``scale_dtype: null``:
+the scale in the weight's dtype; ``calculate_qparams``, ``_quantize``), which for a bf16 weight is
+``scale = bf16(amax / 448)``, codes ``e4m3(clamp(bf16(w / scale), -448, 448))`` (the division rounded to bf16
+before the e4m3 rounding; a zero ``amax`` gives the dtype's eps as scale), ``weight_scale`` and the static
+``input_scale`` (``bf16(amax / 448)``) stored bf16: from the same bf16 weights this is the tool's export byte for
+byte (``tests/test_interop_mixed_llmc.py``), where the fp32 arithmetic of ``quantize_fp8_weight`` changes the
+scale and a few percent of the codes. A scale that is not a bf16 value (a checkpoint written otherwise) is
+written as fp32.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from ..layout import CheckpointDescription, CheckpointError, CheckpointLayout, g
 from ..scalars import widen_scale
 
 __all__ = [
+    "quantize_ct_fp8_weight",
     "ModelOptFp8Layout",
     "QuarkFp8Layout",
     "CompressedTensorsFp8Layout",
@@ -300,6 +311,38 @@ class QuarkFp8Layout(_Fp8LinearLayout):
 CT_FORMAT = "float-quantized"
 
 
+def quantize_ct_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``[out, in]`` weight in FP8 e4m3 as compressed-tensors 0.19 quantizes it (module docstring): the scale
+    ``amax / 448`` and the quotient ``w / scale`` each rounded to the weight's dtype, then e4m3 (RNE).
+
+    Returns:
+        ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out], a value of the weight's dtype)``.
+
+    Raises:
+        ValueError: ``weight`` not 2-D; TypeError: not a float dtype.
+    """
+    if weight.ndim != 2:
+        raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight: expected a float dtype, got {weight.dtype}")
+    if weight.numel() == 0:  # an empty weight: as quantize_fp8_weight (scale 1)
+        return _ref.quantize_fp8_weight(weight, per_channel)
+    w = weight.detach()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
+    e4m3 = _FP8.element
+    scale = amax / torch.tensor(e4m3.max, dtype=w.dtype, device=w.device)  # in the weight's dtype
+    scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
+    q = torch.clamp(w / scale, -e4m3.max, e4m3.max)  # one rounding to the weight's dtype, then e4m3
+    codes = _ref.round_to_element(q.float(), e4m3).to(torch.float8_e4m3fn).view(torch.uint8)
+    return codes, scale.float().reshape(-1) if per_channel else scale.float().reshape(())
+
+
+def _bf16_if_exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bf16 where every value is a bf16 value (what compressed-tensors stores), else as fp32."""
+    b = t.to(torch.bfloat16)
+    return b if torch.equal(b.float(), t.float()) else t.float()
+
+
 class CompressedTensorsFp8Layout(_Fp8LinearLayout):
     name = "compressed-tensors-fp8"
     quant_method = "compressed-tensors"
@@ -309,6 +352,25 @@ class CompressedTensorsFp8Layout(_Fp8LinearLayout):
 
     def _input_scale_shape(self) -> tuple[int, ...]:
         return (1,)
+
+    def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
+        """compressed-tensors' arithmetic (``quantize_ct_fp8_weight``): per tensor for ``w_fp8_a_fp8``, per
+        output channel for ``w_fp8_a_fp8_per_token``."""
+        codes, scale = quantize_ct_fp8_weight(weight, per_channel=scheme is W_FP8_A_FP8_PER_TOKEN)
+        return LinearWeights(_FP8, codes, scale)
+
+    def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
+        """``input_scale``: the calibrated decode scale ``amax / 448`` rounded to bf16 (compressed-tensors computes
+        it in the activations' dtype), held in fp32."""
+        return decode_scale.float().to(torch.bfloat16).float()
+
+    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
+        """As the base class, the scales stored bf16 where they are bf16 values (module docstring)."""
+        out = super().linear_tensors(scheme, weights, input_scale, name)
+        for key in (f"{name}.weight_scale", f"{name}.input_scale"):
+            if key in out:
+                out[key] = _bf16_if_exact(out[key])
+        return out
 
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         per_token = scheme is W_FP8_A_FP8_PER_TOKEN
