@@ -20,7 +20,8 @@ SCHEMES = {
     "w_mxfp4_a_mxfp4_nopreprocess": ("mxfp4", False, False),
     "w_mxfp8_a_mxfp8": ("mxfp8", True, False),
     "w_mxfp4_a_mxfp8": ("mxfp4_mxfp8", True, False),
-    # mixed precision: the global scheme for the experts, LAYER_CONFIGS for attention and lm_head
+    # mixed precision: the global scheme for the experts, LAYER_CONFIGS / LAYER_TYPE_CONFIGS for attention and
+    # lm_head. The MXFP8 one quantizes but does not export, as w_mxfp8_a_mxfp8 (tools/interop/README.md)
     "mixed_w_mxfp4_a_mxfp4_fp8_attn": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": ("mxfp4", True, True),
