@@ -25,6 +25,7 @@ SCHEMES = {
     "mixed_w_mxfp4_a_mxfp4_fp8_attn": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": ("mxfp4", True, True),
 }
 # mixed fixtures: LLMTemplate.get_config(layer_config=...), name pattern -> template scheme. The routed experts
 # keep the global scheme; the attention projections and lm_head take their own (Quark's
@@ -33,7 +34,10 @@ LAYER_CONFIGS = {
     "mixed_w_mxfp4_a_mxfp4_fp8_attn": {"*.self_attn.*": "fp8", "lm_head": "fp8"},
     "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": {"*.self_attn.*": "mxfp8", "lm_head": "mxfp8"},
     "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": {"*.mlp.experts.*": "mxfp4"},
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": {"*.self_attn.*": "fp8", "lm_head": "fp8"},
 }
+# and LLMTemplate.get_config(kv_cache_scheme=...): FP8 KV cache, the outputs of k_proj / v_proj quantized
+KV_CACHE_SCHEMES = {"mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": "fp8"}
 # and LLMTemplate.get_config(layer_type_config=...), torch.nn class name -> template scheme (Quark's
 # QConfig.layer_type_quant_config, below the name patterns and above the global config): every Linear that no
 # name pattern claims (attention, lm_head) in FP8
@@ -118,6 +122,7 @@ def make_one(outdir: Path, scheme: str) -> Path:
         exclude_layers=exclude,
         layer_config=layer_config,
         layer_type_config={getattr(torch.nn, k): v for k, v in type_config.items()} if type_config else None,
+        kv_cache_scheme=KV_CACHE_SCHEMES.get(scheme),
     )
     quantizer = ModelQuantizer(qconfig)
     model = quantizer.quantize_model(model, DataLoader(ids_cal, batch_size=ids_cal.shape[0]))
@@ -234,6 +239,7 @@ def make_one(outdir: Path, scheme: str) -> Path:
             exclude_layers=exclude,
             layer_config=layer_config,
             layer_type_config=type_config,
+            kv_cache_scheme=KV_CACHE_SCHEMES.get(scheme),
             versions=C.versions(["amd-quark"]),
             dequant=dict(
                 function="QuantLinear.weight_quantizer(weight) after ModelQuantizer.quantize_model "
