@@ -540,3 +540,55 @@ def test_mxlib_writer_writes_quarks_mixed_form(tmp_path):
     differ = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     fp8 = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
     assert differ == {(m, s): ("F32", "BF16") for m in fp8 for s in ("weight_scale", "input_scale")}
+
+
+# ----------------------------------------------------------------------------- an FP8 KV cache: refused
+
+KV = "quark_mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8"
+
+
+def test_fp8_kv_cache_is_refused():
+    """``kv_cache_scheme="fp8"`` (the first fixture's recipe plus Quark's FP8 KV cache) stores the same tensors plus
+    ``k_proj.output_scale`` / ``v_proj.output_scale`` (bf16 ``[]``) under ``kv_cache_quant_config``, and Quark's own
+    forward quantizes those outputs (its logits move). mxlib does not emulate a quantized KV cache: it refuses the
+    checkpoint, naming the field, rather than load it with the KV-cache quantization dropped."""
+    ckpt, meta, results, cfg = _fixture(KV)
+    qc = cfg["quantization_config"]
+    assert meta["versions"]["amd-quark"] == "0.13" and list(qc["kv_cache_quant_config"]) == ["*k_proj", "*v_proj"]
+    base_ckpt, _, base_results, _ = _fixture(NAMES[0])
+    kv, base = stored_tensors(ckpt), stored_tensors(base_ckpt)
+    extra = sorted(set(kv) - set(base))
+    assert extra == [f"model.layers.{la}.self_attn.{p}.output_scale" for la in range(2) for p in ("k_proj", "v_proj")]
+    assert all(kv[k].dtype == torch.bfloat16 and kv[k].shape == () for k in extra)
+    for k in base:
+        assert_bits_equal(kv[k], base[k], k)
+    moved = (results["logits.tool"] - base_results["logits.tool"]).abs().max()
+    assert float(moved) > 1e-2, "Quark's forward should quantize the k/v outputs"
+    with pytest.raises(
+        C.CheckpointError,
+        match=r"kv_cache_quant_config: the checkpoint quantizes the KV cache \(the outputs of \['\*k_proj', "
+        r"'\*v_proj'\]: \*k_proj dtype='fp8_e4m3' qscheme='per_tensor'",
+    ):
+        C.load_quantized_moe(ckpt, backend="torch")
+    report = C.inspect_checkpoint(ckpt)
+    assert not report.layout_ok and any("kv_cache_quant_config" in p for p in report.problems)
+
+
+def test_output_and_softmax_quantization_are_refused(tmp_path):
+    """``output_tensors`` in a layer config and ``softmax_quant_spec`` (Quark's ``attention_scheme="fp8"``) are refused
+    naming the field, as the KV cache is."""
+    fp8 = _fixture(NAMES[0])[3]["quantization_config"]["layer_quant_config"]["lm_head"]["input_tensors"]
+
+    def outputs(qc):
+        qc["layer_quant_config"]["*.self_attn.*"]["output_tensors"] = dict(fp8)
+
+    with pytest.raises(
+        C.CheckpointError,
+        match=r"layer_quant_config\['\*.self_attn.\*'\].output_tensors: the checkpoint quantizes layer outputs "
+        r"\(dtype='fp8_e4m3' qscheme='per_tensor' is_dynamic=False\)",
+    ):
+        C.load_quantized_moe(_edited(NAMES[0], tmp_path / "a", outputs), backend="torch")
+    with pytest.raises(C.CheckpointError, match=r"softmax_quant_spec: the checkpoint quantizes the attention softmax"):
+        C.load_quantized_moe(
+            _edited(NAMES[0], tmp_path / "b", lambda qc: qc.update(softmax_quant_spec=dict(fp8))), backend="torch"
+        )
