@@ -65,8 +65,9 @@ QUARK_SCHEMES = {
 }
 # the SQNR (dB) of mxlib's default (bf16) logits: minimum, measured when the fixtures were made. Against Quark's
 # fp32 forward of the exported weights the gap is bf16 rounding order (transformers' eager attention and mxlib's
-# experts in bf16, Quark's forward in fp32), far above the 20.2 dB of that forward against bf16.
-SQNR_MIN_DB = {"tool_export_codes": (22.0, 24.4), "bf16": (18.0, 20.5)}
+# experts in bf16, Quark's forward in fp32), far above the 20.2 dB of that forward against bf16; against Quark's
+# forward of its fake-quantized weights (logits.tool) the attention weights' 440-code difference adds to it.
+SQNR_MIN_DB = {"tool_export_codes": (22.0, 24.4), "tool": (20.0, 22.7), "bf16": (18.0, 20.5)}
 
 
 @cache
