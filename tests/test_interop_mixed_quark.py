@@ -593,3 +593,75 @@ def test_output_and_softmax_quantization_are_refused(tmp_path):
         C.load_quantized_moe(
             _edited(NAMES[0], tmp_path / "b", lambda qc: qc.update(softmax_quant_spec=dict(fp8))), backend="torch"
         )
+
+
+# ----------------------------------------------------------------------------- PTPC FP8 attention
+
+PTPC = "quark_mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn"
+
+
+def test_ptpc_fp8_attention_reads_as_per_token_fp8():
+    """``layer_config={"*self_attn*": "ptpc_fp8", "lm_head": "ptpc_fp8"}`` (the template's PTPC FP8, as Quark's MXFP4
+    + FP8-attention model cards apply it): per-output-channel FP8 weights (``weight_scale`` bf16 ``[out]``, the codes
+    again e4m3 of the bf16 quotient) and dynamic inputs ``per_channel`` with ``ch_axis: 1``, no ``input_scale``.
+    mxlib reads the group as ``w_fp8_a_fp8_per_token`` and its weights bit-equal to Quark's importer; its per-token
+    QDQ equals Quark's input quantizer on the rows as one sequence (a batch of one), where ``ch_axis`` 1 is the token
+    axis. Quark's quantizer on a 2-D ``[rows, hidden]`` input takes a scale per hidden column instead (and on a
+    ``[batch, seq, hidden]`` input one per position across the batch): per token only for a batch of one."""
+    ckpt, meta, results, cfg = _fixture(PTPC)
+    qc = cfg["quantization_config"]
+    g = qc["layer_quant_config"]["*self_attn*"]
+    assert (g["weight"]["qscheme"], g["weight"]["ch_axis"]) == ("per_channel", 0)
+    assert (g["input_tensors"]["qscheme"], g["input_tensors"]["ch_axis"], g["input_tensors"]["is_dynamic"]) == (
+        "per_channel",
+        1,
+        True,
+    )
+    pm = C.read_quant_config(ckpt).precision
+    for module in ("model.layers.1.self_attn.o_proj", "lm_head"):
+        assert pm.description(module, ("Linear", "Module")).scheme.name == "w_fp8_a_fp8_per_token", module
+    modules = _modules(ckpt)
+    for module in ("model.layers.0.self_attn.k_proj", "lm_head"):
+        t = modules[module]
+        assert set(t) == {"weight", "weight_scale"}, module
+        assert (t["weight"]["dtype"], t["weight_scale"]["dtype"]) == ("F8_E4M3", "BF16")
+        assert t["weight_scale"]["shape"] == [t["weight"]["shape"][0]], module
+    tensors = stored_tensors(ckpt)
+    model, _ = _loaded(PTPC, fp32=True)
+    mods = dict(model.named_modules())
+    x = results["qdq.x"].float()
+    for module in ("model.layers.0.self_attn.q_proj", "lm_head"):
+        tool = results[f"dequant_import.{module}"]
+        assert_same_bits(_reference_dequant(tensors, module), tool, f"{module} (reference vs import)")
+        assert_same_bits(mods[module].dequantized_weight(), tool, f"{module} (loaded vs import)")
+        w, s = results[f"weight.{module}"], tensors[f"{module}.weight_scale"]
+        export_rule = torch.clamp(w / s[:, None], -448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(tensors[f"{module}.weight"].view(torch.uint8), export_rule.view(torch.uint8)), module
+        assert_same_bits(mods[module].quantize_input(x), results[f"qdq.{module}.y_tokens"], f"{module} per token")
+        scale = x.abs().amax(dim=0, keepdim=True) / 448  # Quark's ch_axis 1 on [rows, hidden]: per column
+        per_column = torch.clamp(x / scale, -448, 448).to(torch.float8_e4m3fn).float() * scale
+        assert_same_bits(per_column, results[f"qdq.{module}.y"], f"{module} Quark's 2-D quantizer, per column")
+
+
+def test_ptpc_fp8_fp32_forward_equals_quarks_per_sequence_forward(tmp_path):
+    """mxlib's fp32 forward (per-token QDQ, as vLLM runs ``per_channel`` dynamic FP8 inputs) equals Quark's fp32 forward
+    of the exported weights run one sequence at a time, up to the order of fp32 sums (bit-equal where the fixture
+    was made); the checkpoint saves back byte for byte; what ran is W8A8 per token for each FP8 module."""
+    ckpt, _, results, cfg = _fixture(PTPC)
+    model, _ = _loaded(PTPC, fp32=True)
+    with torch.no_grad():
+        logits = model(input_ids=results["tokens.eval"]).logits.float()
+    ref = results["logits.tool_export_codes_per_sequence"]
+    rel = float((logits.double() - ref.double()).norm() / ref.double().norm())
+    assert rel < 1e-5, f"relative error {rel:.3g} against Quark's per-sequence forward of its export"
+    model, info = C.load_quantized_moe(ckpt, backend="torch")
+    report = assert_runs_as(model, info, results["tokens.eval"])
+    assert report["lm_head"].scheme == "w_fp8_a_fp8_per_token" and report["lm_head"].precision == "W8A8"
+    assert report["model.layers.1.self_attn.v_proj"].scale_strategy == "dynamic per token"
+    model.save_pretrained(tmp_path / "saved")
+    src, saved = stored_tensors(ckpt), stored_tensors(tmp_path / "saved")
+    assert sorted(src) == sorted(saved)
+    for k in src:
+        assert_bits_equal(saved[k], src[k], k)
+    saved_qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved_qc == cfg["quantization_config"]

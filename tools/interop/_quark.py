@@ -26,6 +26,7 @@ SCHEMES = {
     "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": ("mxfp4", True, True),
     "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn": ("mxfp4", True, True),
 }
 # mixed fixtures: LLMTemplate.get_config(layer_config=...), name pattern -> template scheme. The routed experts
 # keep the global scheme; the attention projections and lm_head take their own (Quark's
@@ -35,6 +36,9 @@ LAYER_CONFIGS = {
     "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": {"*.self_attn.*": "mxfp8", "lm_head": "mxfp8"},
     "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": {"*.mlp.experts.*": "mxfp4"},
     "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": {"*.self_attn.*": "fp8", "lm_head": "fp8"},
+    # the template's PTPC FP8 (per-channel weights, dynamic per-token inputs), as Quark's MXFP4 + FP8-attention
+    # model cards apply it (layer_config={"*self_attn*": "ptpc_fp8"})
+    "mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn": {"*self_attn*": "ptpc_fp8", "lm_head": "ptpc_fp8"},
 }
 # and LLMTemplate.get_config(kv_cache_scheme=...): FP8 KV cache, the outputs of k_proj / v_proj quantized
 KV_CACHE_SCHEMES = {"mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": "fp8"}
@@ -109,6 +113,7 @@ def make_one(outdir: Path, scheme: str) -> Path:
         )
     layer_config = LAYER_CONFIGS.get(scheme)
     type_config = LAYER_TYPE_CONFIGS.get(scheme)
+    per_token = "ptpc_fp8" in (layer_config or {}).values()
     for s in dict.fromkeys([template_scheme, *(layer_config or {}).values(), *(type_config or {}).values()]):
         note = _register_custom(s)
         if note:
@@ -142,13 +147,25 @@ def make_one(outdir: Path, scheme: str) -> Path:
         notes.append(f"logits.tool: not recorded: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         traceback.print_exc()
     if layer_config:
-        results["logits.tool_export_codes"] = _logits_with_export_codes(model, ids_eval, layer_config, type_config)
-        notes.append(
-            "logits.tool_export_codes: the same fp32 fake-quantized forward with each per-tensor FP8 layer's weight "
-            "set to the codes Quark's export writes (real_quantize_fp8_e4m3_per_tensor_with_scale on the bf16 "
-            "weight and scale, which divides in bf16) times its scale: Quark's fake quantization of the fp32 weight "
-            "divides in fp32 and rounds some weights to the neighbouring e4m3 code"
-        )
+        if per_token:
+            # Quark's PTPC input quantizer (per_channel, ch_axis 1) on a [batch, seq, hidden] input takes one scale per
+            # position across the batch; one sequence at a time it is per token, as vLLM runs it
+            results["logits.tool_export_codes_per_sequence"] = torch.cat(
+                [_logits_with_export_codes(model, ids_eval[i : i + 1], layer_config, type_config) for i in range(2)]
+            )
+            notes.append(
+                "logits.tool_export_codes_per_sequence: Quark's fp32 forward of the exported FP8 weights, one "
+                "sequence at a time (its ptpc_fp8 input quantizer, per_channel with ch_axis 1, is per token only for "
+                "a batch of one)"
+            )
+        else:
+            results["logits.tool_export_codes"] = _logits_with_export_codes(model, ids_eval, layer_config, type_config)
+            notes.append(
+                "logits.tool_export_codes: the same fp32 fake-quantized forward with each per-tensor FP8 layer's "
+                "weight set to the codes Quark's export writes (real_quantize_fp8_e4m3_per_tensor_with_scale on the "
+                "bf16 weight and scale, which divides in bf16) times its scale: Quark's fake quantization of the fp32 "
+                "weight divides in fp32 and rounds some weights to the neighbouring e4m3 code"
+            )
 
     # the tool's own activation QDQ: the input quantizer of layer 0 expert 0's gate_proj
     qdq_name, qdq_mod = _find(model, "layers.0.mlp.experts.0.gate_proj")
@@ -176,6 +193,8 @@ def make_one(outdir: Path, scheme: str) -> Path:
                 continue
             with torch.no_grad():
                 results[f"qdq.{name}.y"] = iq(x.float())
+                if per_token:  # the same rows as one sequence of a batch of one: ch_axis 1 is then the token axis
+                    results[f"qdq.{name}.y_tokens"] = iq(x.float()[None])[0]
             sc = getattr(iq, "scale", None)
             if sc is not None and sc.numel() == 1:
                 results[f"qdq.{name}.scale"] = sc.detach().reshape(())
@@ -269,23 +288,32 @@ def _template_scheme_of(name, module, layer_config, type_config):
 
 
 def _logits_with_export_codes(model, ids, layer_config, type_config=None):
-    """Quark's fp32 fake-quantized forward (as ``logits.tool``) with the weight of every per-tensor FP8 layer (by
+    """Quark's fp32 fake-quantized forward (as ``logits.tool``) with the weight of every FP8 layer (by
     ``layer_config`` / ``type_config``) replaced by ``codes * scale``, the codes made by Quark's own export function
     from the bf16 weight and bf16 scale (its freeze path; the values the export holds). A weight on the e4m3 grid
     of its scale passes the fake quantizer unchanged, so the forward runs with the exported weights."""
     import copy
 
-    from quark.torch.kernel.hw_emulation.hw_emulation_interface import real_quantize_fp8_e4m3_per_tensor_with_scale
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import (
+        real_quantize_fp8_e4m3_per_channel_with_scale,
+        real_quantize_fp8_e4m3_per_tensor_with_scale,
+    )
 
     fq = copy.deepcopy(model).float()
     fq_modules = dict(fq.named_modules())
     with torch.no_grad():
         for name, mod in model.named_modules():  # the bf16 model, as the export quantizes it
             wq = getattr(mod, "weight_quantizer", None)
-            if wq is None or _template_scheme_of(name, mod, layer_config, type_config) != "fp8":
+            scheme = _template_scheme_of(name, mod, layer_config, type_config)
+            if wq is None or scheme not in ("fp8", "ptpc_fp8"):
                 continue
-            codes = real_quantize_fp8_e4m3_per_tensor_with_scale(mod.weight.detach(), wq.scale)
-            fq_modules[name].weight.data = codes.float() * wq.scale.float()  # exact in fp32
+            if scheme == "fp8":
+                codes = real_quantize_fp8_e4m3_per_tensor_with_scale(mod.weight.detach(), wq.scale)
+                scale = wq.scale.float()
+            else:  # per output channel (ch_axis 0)
+                codes = real_quantize_fp8_e4m3_per_channel_with_scale(mod.weight.detach(), wq.scale, 0)
+                scale = wq.scale.float().reshape(-1, 1)
+            fq_modules[name].weight.data = codes.float() * scale  # exact in fp32
     return C.logits(fq, ids)
 
 
