@@ -12,7 +12,11 @@ exclude_layers=["*.gate"], ...)``:
   ``layer_config={"*.mlp.experts.*": "mxfp4"}``: ``layer_type_quant_config`` keyed ``"Linear"`` (Quark writes the
   class's name), the experts claimed by the name pattern first.
 
-Both store the routed experts in MXFP4 (W4A4, dynamic ``even`` E8M0 activation scales: ``weight`` U8
+Two more recipes: the first with ``kv_cache_scheme="fp8"`` (``_fp8_attn_kv_fp8``: refused, the emulation has no
+quantized KV cache) and ``layer_config={"*self_attn*": "ptpc_fp8", "lm_head": "ptpc_fp8"}`` (``_ptpc_fp8_attn``:
+per-channel FP8 weights, dynamic per-token FP8 inputs; tested at the end of this file).
+
+The first two store the routed experts in MXFP4 (W4A4, dynamic ``even`` E8M0 activation scales: ``weight`` U8
 ``[out, in/2]``, ``weight_scale`` U8 ``[out, in/32]``), every other Linear but the routers (``q/k/v/o_proj``,
 ``lm_head``) in FP8 e4m3 per tensor (W8A8, static activations: ``weight`` F8_E4M3 ``[out, in]``, ``weight_scale``
 and ``input_scale`` **bf16** ``[]``), and the routers bf16 (``exclude`` lists them by name). The two exports hold
