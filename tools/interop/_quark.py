@@ -1,5 +1,5 @@
-"""amd-quark OCP MX fixtures (LLMTemplate ``qwen3_moe`` schemes), plus one export made without
-Quark's MoE preprocessing step."""
+"""amd-quark OCP MX fixtures (LLMTemplate ``qwen3_moe`` schemes), one export made without Quark's MoE
+preprocessing step, and mixed-precision exports (Quark's per-layer ``layer_quant_config``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,32 @@ SCHEMES = {
     "w_mxfp4_a_mxfp4_nopreprocess": ("mxfp4", False, False),
     "w_mxfp8_a_mxfp8": ("mxfp8", True, False),
     "w_mxfp4_a_mxfp8": ("mxfp4_mxfp8", True, False),
+    # mixed precision: the global scheme for the experts, LAYER_CONFIGS / LAYER_TYPE_CONFIGS for attention and
+    # lm_head. The MXFP8 one quantizes but does not export, as w_mxfp8_a_mxfp8 (tools/interop/README.md)
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": ("mxfp4", True, True),
+    "mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn": ("mxfp4", True, True),
 }
+# mixed fixtures: LLMTemplate.get_config(layer_config=...), name pattern -> template scheme. The routed experts
+# keep the global scheme; the attention projections and lm_head take their own (Quark's
+# QConfig.layer_quant_config, matched by fnmatch before the global config).
+LAYER_CONFIGS = {
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn": {"*.self_attn.*": "fp8", "lm_head": "fp8"},
+    "mixed_w_mxfp4_a_mxfp4_mxfp8_attn": {"*.self_attn.*": "mxfp8", "lm_head": "mxfp8"},
+    "mixed_w_mxfp4_a_mxfp4_fp8_linear_type": {"*.mlp.experts.*": "mxfp4"},
+    "mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": {"*.self_attn.*": "fp8", "lm_head": "fp8"},
+    # the template's PTPC FP8 (per-channel weights, dynamic per-token inputs), as Quark's MXFP4 + FP8-attention
+    # model cards apply it (layer_config={"*self_attn*": "ptpc_fp8"})
+    "mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn": {"*self_attn*": "ptpc_fp8", "lm_head": "ptpc_fp8"},
+}
+# and LLMTemplate.get_config(kv_cache_scheme=...): FP8 KV cache, the outputs of k_proj / v_proj quantized
+KV_CACHE_SCHEMES = {"mixed_w_mxfp4_a_mxfp4_fp8_attn_kv_fp8": "fp8"}
+# and LLMTemplate.get_config(layer_type_config=...), torch.nn class name -> template scheme (Quark's
+# QConfig.layer_type_quant_config, below the name patterns and above the global config): every Linear that no
+# name pattern claims (attention, lm_head) in FP8
+LAYER_TYPE_CONFIGS = {"mixed_w_mxfp4_a_mxfp4_fp8_linear_type": {"Linear": "fp8"}}
 # schemes Quark 0.13's LLMTemplate does not list, registered from Quark's own OCP MX specs:
 # template scheme -> (weight spec, activation spec) class names in quark.torch.quantization.config.config
 CUSTOM_SCHEMES = {
@@ -51,6 +76,11 @@ def _register_custom(template_scheme: str) -> str | None:
 
 
 TEMPLATE_EXCLUDE = ["lm_head", "*.gate"]  # LLMTemplate.get("qwen3_moe")'s own list
+MIXED_EXCLUDE = ["*.gate"]  # the routers only: lm_head is quantized by its layer_quant_config entry
+# the attention projections and lm_head whose tool results a mixed fixture records (dequant.*), and the ones
+# it also keeps the bf16 weight and the importer's dequantization of (weight.*, dequant_import.*: under 2 MB a file)
+MIXED_LINEARS = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + ["lm_head"]
+MIXED_IMPORTED = ["model.layers.0.self_attn.q_proj", "lm_head"]
 
 
 def _find(model, suffix):
@@ -81,11 +111,24 @@ def make_one(outdir: Path, scheme: str) -> Path:
             "made WITHOUT quark.torch.utils.llm.model_preparation.preprocess_for_quantization: "
             "transformers' fused experts stay unquantized"
         )
-    note = _register_custom(template_scheme)
-    if note:
-        notes.append(note)
-    exclude = TEMPLATE_EXCLUDE if attention else [*TEMPLATE_EXCLUDE, "*self_attn*"]
-    qconfig = LLMTemplate.get("qwen3_moe").get_config(scheme=template_scheme, exclude_layers=exclude)
+    layer_config = LAYER_CONFIGS.get(scheme)
+    type_config = LAYER_TYPE_CONFIGS.get(scheme)
+    per_token = "ptpc_fp8" in (layer_config or {}).values()
+    for s in dict.fromkeys([template_scheme, *(layer_config or {}).values(), *(type_config or {}).values()]):
+        note = _register_custom(s)
+        if note:
+            notes.append(note)
+    if layer_config:
+        exclude = MIXED_EXCLUDE
+    else:
+        exclude = TEMPLATE_EXCLUDE if attention else [*TEMPLATE_EXCLUDE, "*self_attn*"]
+    qconfig = LLMTemplate.get("qwen3_moe").get_config(
+        scheme=template_scheme,
+        exclude_layers=exclude,
+        layer_config=layer_config,
+        layer_type_config={getattr(torch.nn, k): v for k, v in type_config.items()} if type_config else None,
+        kv_cache_scheme=KV_CACHE_SCHEMES.get(scheme),
+    )
     quantizer = ModelQuantizer(qconfig)
     model = quantizer.quantize_model(model, DataLoader(ids_cal, batch_size=ids_cal.shape[0]))
 
@@ -103,6 +146,26 @@ def make_one(outdir: Path, scheme: str) -> Path:
     except Exception as err:  # noqa: BLE001  a tool's own forward may fail on the CPU: recorded
         notes.append(f"logits.tool: not recorded: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         traceback.print_exc()
+    if layer_config:
+        if per_token:
+            # Quark's PTPC input quantizer (per_channel, ch_axis 1) on a [batch, seq, hidden] input takes one scale per
+            # position across the batch; one sequence at a time it is per token, as vLLM runs it
+            results["logits.tool_export_codes_per_sequence"] = torch.cat(
+                [_logits_with_export_codes(model, ids_eval[i : i + 1], layer_config, type_config) for i in range(2)]
+            )
+            notes.append(
+                "logits.tool_export_codes_per_sequence: Quark's fp32 forward of the exported FP8 weights, one "
+                "sequence at a time (its ptpc_fp8 input quantizer, per_channel with ch_axis 1, is per token only for "
+                "a batch of one)"
+            )
+        else:
+            results["logits.tool_export_codes"] = _logits_with_export_codes(model, ids_eval, layer_config, type_config)
+            notes.append(
+                "logits.tool_export_codes: the same fp32 fake-quantized forward with each per-tensor FP8 layer's "
+                "weight set to the codes Quark's export writes (real_quantize_fp8_e4m3_per_tensor_with_scale on the "
+                "bf16 weight and scale, which divides in bf16) times its scale: Quark's fake quantization of the fp32 "
+                "weight divides in fp32 and rounds some weights to the neighbouring e4m3 code"
+            )
 
     # the tool's own activation QDQ: the input quantizer of layer 0 expert 0's gate_proj
     qdq_name, qdq_mod = _find(model, "layers.0.mlp.experts.0.gate_proj")
@@ -121,16 +184,35 @@ def make_one(outdir: Path, scheme: str) -> Path:
             results["qdq.scale"] = sc.detach().reshape(())
     else:
         notes.append("qdq: no quantized expert or attention module with an input quantizer")
+    if layer_config:  # each per-layer group's own input quantizer, on the same input
+        for name in (MIXED_LINEARS[0], MIXED_LINEARS[-1]):
+            _, mod = _find(model, name)
+            iq = getattr(mod, "input_quantizer", None)
+            if iq is None:
+                notes.append(f"qdq.{name}: no input quantizer")
+                continue
+            with torch.no_grad():
+                results[f"qdq.{name}.y"] = iq(x.float())
+                if per_token:  # the same rows as one sequence of a batch of one: ch_axis 1 is then the token axis
+                    results[f"qdq.{name}.y_tokens"] = iq(x.float()[None])[0]
+            sc = getattr(iq, "scale", None)
+            if sc is not None and sc.numel() == 1:
+                results[f"qdq.{name}.scale"] = sc.detach().reshape(())
+            qdq_meta[name] = f"{name}.input_quantizer(x) ({type(iq).__name__})"
 
     # the tool's dequantized expert weights: each expert Linear's weight quantizer applied to its weight
     # (Quark's fake-quantize path, the values its real_quantized export encodes)
     dequant_names = [f"model.layers.{L}.mlp.experts.{e}.{p}" for L, e in C.DEQUANT_EXPERTS for p in C.PROJS]
+    if layer_config:
+        dequant_names += MIXED_LINEARS
     with torch.no_grad():
         for name in dequant_names:
             _, mod = _find(model, name)
             if mod is not None and getattr(mod, "weight_quantizer", None) is not None:
                 results[f"dequant.{name}"] = mod.weight_quantizer(mod.weight.detach().float())
-                if template_scheme in CUSTOM_SCHEMES and name.startswith("model.layers.0.mlp.experts.0."):
+                if (template_scheme in CUSTOM_SCHEMES and name.startswith("model.layers.0.mlp.experts.0.")) or (
+                    layer_config and name in MIXED_IMPORTED
+                ):
                     # the bf16 weight the tool quantized, for a writer comparison from the same input
                     results[f"weight.{name}"] = mod.weight.detach().clone()
 
@@ -144,7 +226,9 @@ def make_one(outdir: Path, scheme: str) -> Path:
 
         back = import_model_from_safetensors(None, str(ckpt), device="cpu")
         with torch.no_grad():
-            for name in dequant_names[:3]:  # layer 0 expert 0 (kept small; dequant.* covers the rest)
+            # layer 0 expert 0 (kept small; dequant.* covers the rest); a mixed fixture: its gate_proj and linear layers
+            imported = [dequant_names[0], *MIXED_IMPORTED] if layer_config else dequant_names[:3]
+            for name in imported:
                 _, mod = _find(back, name)
                 if mod is None:
                     continue
@@ -172,6 +256,9 @@ def make_one(outdir: Path, scheme: str) -> Path:
             preprocess=preprocess,
             format="quark",
             exclude_layers=exclude,
+            layer_config=layer_config,
+            layer_type_config=type_config,
+            kv_cache_scheme=KV_CACHE_SCHEMES.get(scheme),
             versions=C.versions(["amd-quark"]),
             dequant=dict(
                 function="QuantLinear.weight_quantizer(weight) after ModelQuantizer.quantize_model "
@@ -186,12 +273,56 @@ def make_one(outdir: Path, scheme: str) -> Path:
     return fixture
 
 
+def _template_scheme_of(name, module, layer_config, type_config):
+    """The template scheme Quark gives a module: the first matching name pattern, else its class's entry
+    (quark.torch.export.main_export.quant_config_parser.get_layer_quant_config's order)."""
+    import fnmatch
+
+    for pattern, scheme in (layer_config or {}).items():
+        if fnmatch.fnmatch(name, pattern):
+            return scheme
+    for cls, scheme in (type_config or {}).items():
+        if isinstance(module, getattr(torch.nn, cls)):
+            return scheme
+    return None
+
+
+def _logits_with_export_codes(model, ids, layer_config, type_config=None):
+    """Quark's fp32 fake-quantized forward (as ``logits.tool``) with the weight of every FP8 layer (by
+    ``layer_config`` / ``type_config``) replaced by ``codes * scale``, the codes made by Quark's own export function
+    from the bf16 weight and bf16 scale (its freeze path; the values the export holds). A weight on the e4m3 grid
+    of its scale passes the fake quantizer unchanged, so the forward runs with the exported weights."""
+    import copy
+
+    from quark.torch.kernel.hw_emulation.hw_emulation_interface import (
+        real_quantize_fp8_e4m3_per_channel_with_scale,
+        real_quantize_fp8_e4m3_per_tensor_with_scale,
+    )
+
+    fq = copy.deepcopy(model).float()
+    fq_modules = dict(fq.named_modules())
+    with torch.no_grad():
+        for name, mod in model.named_modules():  # the bf16 model, as the export quantizes it
+            wq = getattr(mod, "weight_quantizer", None)
+            scheme = _template_scheme_of(name, mod, layer_config, type_config)
+            if wq is None or scheme not in ("fp8", "ptpc_fp8"):
+                continue
+            if scheme == "fp8":
+                codes = real_quantize_fp8_e4m3_per_tensor_with_scale(mod.weight.detach(), wq.scale)
+                scale = wq.scale.float()
+            else:  # per output channel (ch_axis 0)
+                codes = real_quantize_fp8_e4m3_per_channel_with_scale(mod.weight.detach(), wq.scale, 0)
+                scale = wq.scale.float().reshape(-1, 1)
+            fq_modules[name].weight.data = codes.float() * scale  # exact in fp32
+    return C.logits(fq, ids)
+
+
 def _imported_dequant(mod):
     """The dequantized weight of a module that Quark's importer rebuilt from the packed export."""
     # QParamsLinear holds the packed uint8 weight; its weight quantizer (a StaticScaledRealQuantizer)
     # unpacks and dequantizes it, as QParamsLinear._get_qweight does in its forward
     wq = getattr(mod, "weight_quantizer", None)
-    if wq is None or mod.weight.dtype != torch.uint8:
+    if wq is None or mod.weight.dtype not in (torch.uint8, torch.float8_e4m3fn):
         return None
     return wq(mod.weight.data)
 

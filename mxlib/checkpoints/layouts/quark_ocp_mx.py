@@ -24,6 +24,12 @@ dynamic activations for ``w_mxfp8_a_mxfp8`` and ``w_mxfp4_a_mxfp8``.
 
 With attention not excluded, ``self_attn.{q,k,v,o}_proj`` carry the same tensors as an expert's
 projection (emulated by ``mxlib.moe.linear.EmulatedLinear``).
+
+Quantized outputs are refused, naming the field: an FP8 KV cache (``kv_cache_quant_config``, Quark's
+``kv_cache_scheme="fp8"``, which amd-quark 0.13 exports as ``k_proj.output_scale`` / ``v_proj.output_scale`` beside
+``layer_quant_config`` entries ``*k_proj`` / ``*v_proj`` with ``output_tensors``), a quantized attention softmax
+(``softmax_quant_spec``) and ``output_tensors`` in any layer config. The emulation runs layer outputs, the KV cache
+and attention in the activation dtype; loading such a checkpoint would drop their quantization silently.
 """
 
 from __future__ import annotations
@@ -116,6 +122,47 @@ def _read_weight(tensors, names: list[str], shape, fmt: BlockScheme, out=None) -
     return tensors.stack(names, shape, dtype, out=buf).view(torch.uint8)
 
 
+def _spec_summary(spec) -> str:
+    if not isinstance(spec, dict):
+        return repr(spec)[:80]
+    return f"dtype={spec.get('dtype')!r} qscheme={spec.get('qscheme')!r} is_dynamic={spec.get('is_dynamic')!r}"
+
+
+def _refuse_output_quantization(qc: dict) -> None:
+    """Refuse what quantizes outputs rather than weights and inputs: an FP8 KV cache (``kv_cache_quant_config``,
+    whose scales amd-quark 0.13 stores as ``k_proj.output_scale`` / ``v_proj.output_scale``), a quantized attention
+    softmax (``softmax_quant_spec``), or ``output_tensors`` in any layer config. The emulation runs layer outputs, the
+    KV cache and attention in the activation dtype, so loading such a checkpoint would drop them silently.
+
+    Raises:
+        CheckpointError: naming the field, the patterns it covers and what it asks.
+    """
+    kv = qc.get("kv_cache_quant_config") or {}
+    if kv:
+        asked = {p: _spec_summary((c or {}).get("output_tensors")) for p, c in kv.items()}
+        raise CheckpointError(
+            f"quantization_config.kv_cache_quant_config: the checkpoint quantizes the KV cache (the outputs of "
+            f"{sorted(asked)}: {'; '.join(f'{p} {a}' for p, a in asked.items())}; scales stored as "
+            f"<module>.output_scale); the emulation runs the KV cache in the activation dtype, so it refuses this "
+            f"checkpoint rather than drop the KV-cache quantization"
+        )
+    if qc.get("softmax_quant_spec"):
+        raise CheckpointError(
+            f"quantization_config.softmax_quant_spec: the checkpoint quantizes the attention softmax "
+            f"({_spec_summary(qc['softmax_quant_spec'])}); the emulation runs attention in the activation dtype"
+        )
+    groups = [("global_quant_config", qc.get("global_quant_config"))]
+    for where in ("layer_quant_config", "layer_type_quant_config"):
+        groups += [(f"{where}[{k!r}]", v) for k, v in (qc.get(where) or {}).items()]
+    for where, cfg in groups:
+        out = cfg.get("output_tensors") if isinstance(cfg, dict) else None
+        if out:
+            raise CheckpointError(
+                f"quantization_config.{where}.output_tensors: the checkpoint quantizes layer outputs "
+                f"({_spec_summary(out)}); the emulation quantizes weights and inputs only"
+            )
+
+
 class QuarkOcpMxLayout(CheckpointLayout):
     name = "quark"
     quant_method = "quark"
@@ -169,6 +216,7 @@ class QuarkOcpMxLayout(CheckpointLayout):
                 )
 
     def read_config(self, qc: dict) -> CheckpointDescription:
+        _refuse_output_quantization(qc)
         if precision.is_mixed(qc):  # per-layer / per-type configs that differ (mxlib.checkpoints.precision)
             return precision.mixed_description(self.name, qc, self.read_config)
         g = qc.get("global_quant_config") or {}
