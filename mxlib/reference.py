@@ -1361,7 +1361,7 @@ def quantize_fp8_weight(
     (``to_quantized_weight``: ``(weight / weights_scaling_factor).to(float8_e4m3fn)`` with a bf16 weight and a 0-d
     fp32 scale, which torch computes in fp32 and rounds to the weight's dtype), checked against its own export in
     ``tests/test_interop_mixed_modelopt.py``. compressed-tensors rounds the scale as well as the quotient to a bf16
-    weight's dtype: ``mxlib.checkpoints.layouts.fp8_linear.quantize_ct_fp8_weight``.
+    weight's dtype: ``mxlib.checkpoints.layouts.fp8_linear.quantize_fp8_in_weight_dtype``.
 
     Returns:
         ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out])``.

@@ -428,17 +428,17 @@ def test_fp8_experts_are_refused(fixtures, tmp_path):
 
 
 def test_group_switched_to_fp8_is_that_checkpoint(tiny_model, tmp_path):
-    """Group attribution takes the FP8 schemes as targets: MXFP8 attention switched to ``w_fp8_a_fp8`` computes the
-    checkpoint written with FP8 attention, bit for bit."""
+    """Group attribution takes the FP8 schemes as targets: MXFP8 attention switched to ``w_fp8_a_fp8_per_token``
+    computes the checkpoint written with that FP8 attention by ModelOpt's layout, bit for bit (its per-channel
+    writer rounds once, as ``reference.quantize_fp8_weight`` does; the producers' per-tensor writers round in the
+    weight's dtype, which the switch, producer-neutral, does not)."""
     from mxlib.studies import group_attribution as G
 
     model, cal, amax, ids = tiny_model
     write = C.write_mixed_checkpoint
-    mx = write(model, "quark", tmp_path / "mx", "w_mxfp4_a_mxfp4", "w_mxfp8_a_mxfp8", None, cal, linear_input_amax=amax)
-    fp8 = write(model, "quark", tmp_path / "fp8", "w_mxfp4_a_mxfp4", "w_fp8_a_fp8", None, cal, linear_input_amax=amax)
+    mx = write(model, "modelopt", tmp_path / "mx", "nvfp4", "w_mxfp8_a_mxfp8", None, cal, linear_input_amax=amax)
+    fp8 = write(model, "modelopt", tmp_path / "fp8", "nvfp4", "w_fp8_a_fp8_per_token", None, cal)
     mixed, other = _loaded(mx)[0], _loaded(fp8)[0]
-    with (
-        torch.no_grad(),
-        G.switched_groups(mixed, model, {"*.self_attn.*": "w_fp8_a_fp8"}, linear_input_amax=amax) as m,
-    ):
+    (group,) = [g for g, mods in G.precision_groups(mixed).items() if any(".self_attn." in m for m in mods)]
+    with torch.no_grad(), G.switched_groups(mixed, model, {group: "w_fp8_a_fp8_per_token"}) as m:
         assert_bits_equal(m(input_ids=ids).logits, other(input_ids=ids).logits, "attention switched to FP8")

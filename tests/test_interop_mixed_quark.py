@@ -507,9 +507,8 @@ SPEC_KEYS = (
 def test_mxlib_writer_writes_quarks_mixed_form(tmp_path):
     """``write_mixed_checkpoint(model, "quark", ...)`` with MXFP4 experts, FP8 attention and an FP8 ``lm_head`` writes
     the tool's form: the same ``layer_quant_config`` patterns, ``exclude`` names and semantic keys of every tensor
-    config, and per module the same tensors in the same dtypes, but for one stated difference: mxlib stores the FP8
-    ``weight_scale`` / ``input_scale`` in fp32 (its scale ``amax / 448`` unrounded, the weight divided in fp32),
-    Quark in bf16 (the scale rounded to bf16, the weight divided in bf16: previous tests)."""
+    config, and per module the same tensors in the same dtypes (the FP8 ``weight_scale`` / ``input_scale`` bf16, as
+    Quark's export stores them)."""
     from mxlib.moe.linear import linear_input_amax
 
     from _util import tiny_calibrated
@@ -542,9 +541,29 @@ def test_mxlib_writer_writes_quarks_mixed_form(tmp_path):
     want = kinds(ckpt)
     got = kinds(path)
     assert sorted(got) == sorted(want)
-    differ = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
-    fp8 = ("q_proj", "k_proj", "v_proj", "o_proj", "lm_head")
-    assert differ == {(m, s): ("F32", "BF16") for m in fp8 for s in ("weight_scale", "input_scale")}
+    assert {k: (got[k], want[k]) for k in want if got[k] != want[k]} == {}
+
+
+@pytest.mark.parametrize("name", [NAMES[0], "quark_mixed_w_mxfp4_a_mxfp4_ptpc_fp8_attn"])
+def test_mxlib_fp8_writer_is_quarks_export_byte_for_byte(name):
+    """From the bf16 weights Quark quantized (``weight.<module>``), the ``quark-fp8`` layout's writer gives the
+    stored codes and the stored bf16 ``weight_scale`` byte for byte, per tensor (``fp8``) and per channel
+    (``ptpc_fp8``)."""
+    from mxlib.checkpoints.layouts import LAYOUTS
+    from mxlib.moe.schemes import get_moe_scheme
+
+    ckpt, _, results, _ = _fixture(name)
+    tensors = stored_tensors(ckpt)
+    lay = LAYOUTS["quark-fp8"]
+    per_token = "ptpc" in name
+    scheme = get_moe_scheme("w_fp8_a_fp8_per_token" if per_token else "w_fp8_a_fp8")
+    for module in ("model.layers.0.self_attn.q_proj", "lm_head"):
+        q = lay.quantize_linear(results[f"weight.{module}"], scheme)
+        written = lay.linear_tensors(scheme, q, None if per_token else torch.tensor(1.0), module)
+        for suffix in ("weight", "weight_scale"):
+            got, want = written[f"{module}.{suffix}"], tensors[f"{module}.{suffix}"]
+            assert got.dtype == want.dtype and got.shape == want.shape, (module, suffix, got.dtype, want.dtype)
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (module, suffix)
 
 
 # ----------------------------------------------------------------------------- an FP8 KV cache: refused

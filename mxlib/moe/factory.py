@@ -228,12 +228,15 @@ def make_experts(
 def quantize_linear_weight(weight: torch.Tensor, scheme: MoEQuantScheme | BlockScheme | str, ops=None) -> LinearWeights:
     """Quantize one ``[out, in]`` linear weight in a scheme's weight format, as
     ``quantize_expert_weights`` does for the experts (NVFP4: ModelOpt's arithmetic and decode
-    ``weight_scale_2``; OCP MX: E8M0 ``even``; FP8: ``mxlib.reference.quantize_fp8_weight`` per tensor)."""
+    ``weight_scale_2``; OCP MX: E8M0 ``even``; FP8: ``mxlib.reference.quantize_fp8_weight``, one scale per tensor,
+    per output channel for ``w_fp8_a_fp8_per_token``, as every producer's preset pairs them and mxlib's FP8 layouts
+    write them)."""
     fmt = checkpoint_weight_format(scheme, "quantize_linear_weight")
     if weight.ndim != 2:
         raise ValueError(f"weight: expected [out, in], got shape {list(weight.shape)}")
-    if isinstance(fmt, PerTensorScheme):  # FP8 linear layers: one fp32 scale per tensor
-        codes, s = _ref.quantize_fp8_weight(weight)
+    if isinstance(fmt, PerTensorScheme):  # FP8 linear layers: one fp32 scale per tensor, or per output channel
+        name = scheme.name if isinstance(scheme, MoEQuantScheme) else scheme
+        codes, s = _ref.quantize_fp8_weight(weight, per_channel=name == "w_fp8_a_fp8_per_token")
         return LinearWeights(fmt, codes, s)
     ops = ops or ops_for_device(weight.device)
     if fmt.has_global_scale:

@@ -17,6 +17,9 @@ from; same architecture and module names):
   ``make_emulated_linear``, vLLM's numerics), static activation scales the decode scales ``amax / divisor`` in
   fp32 from ``calibration`` (experts) and ``linear_input_amax`` (linear layers), as ModelOpt's layout stores them
   (a compressed-tensors checkpoint stores encode scales rounded to bf16 values, which can differ in the last bit).
+  The switch is producer-neutral: FP8 weights by ``reference.quantize_fp8_weight`` (fp32 arithmetic), where the
+  producers' per-tensor FP8 writers round in the weight's dtype (``mxlib.checkpoints.layouts.fp8_linear``), so a
+  group switched to ``w_fp8_a_fp8`` can differ from a producer's file of it in a few codes.
 
 Groups not named keep the checkpoint's modules. Every other module (embeddings, norms, routers, bf16 experts)
 is the checkpoint's: ``write_mixed_checkpoint`` stores them unchanged, so with every group switched to bf16 the

@@ -45,14 +45,15 @@ be one the producer writes. mxlib's writer (``quantize_linear``) writes per-tens
 ``w_fp8_a_fp8`` and per-channel ones for ``w_fp8_a_fp8_per_token``, as the producers' presets pair them (ModelOpt
 ``FP8`` / ``FP8_PER_CHANNEL_PER_TOKEN``; llm-compressor ``FP8`` / ``FP8_DYNAMIC``).
 
-The compressed-tensors writer follows llm-compressor 0.14.0.1 / compressed-tensors 0.19.0 (``scale_dtype: null``:
-the scale in the weight's dtype; ``calculate_qparams``, ``_quantize``), which for a bf16 weight is
-``scale = bf16(amax / 448)``, codes ``e4m3(clamp(bf16(w / scale), -448, 448))`` (the division rounded to bf16
-before the e4m3 rounding; a zero ``amax`` gives the dtype's eps as scale), ``weight_scale`` and the static
-``input_scale`` (``bf16(amax / 448)``) stored bf16: from the same bf16 weights this is the tool's export byte for
-byte (``tests/test_interop_mixed_llmc.py``), where the fp32 arithmetic of ``quantize_fp8_weight`` changes the
-scale and a few percent of the codes. A scale that is not a bf16 value (a checkpoint written otherwise) is
-written as fp32.
+The compressed-tensors and Quark writers follow llm-compressor 0.14.0.1 / compressed-tensors 0.19.0
+(``scale_dtype: null``: the scale in the weight's dtype; ``calculate_qparams``, ``_quantize``) and amd-quark 0.13's
+export (``real_quantize_fp8_e4m3_per_tensor_with_scale``: the bf16 weight divided by the bf16 scale in bf16), which
+for a bf16 weight is ``scale = bf16(amax / 448)``, codes ``e4m3(clamp(bf16(w / scale), -448, 448))`` (the division
+rounded to bf16 before the e4m3 rounding; a zero ``amax`` gives the dtype's eps as scale), ``weight_scale`` and the
+static ``input_scale`` (``bf16(amax / 448)``) stored bf16: from the same bf16 weights this is each tool's export
+byte for byte (``tests/test_interop_mixed_llmc.py``, ``tests/test_interop_mixed_quark.py``), where the fp32
+arithmetic of ``quantize_fp8_weight`` changes the scale and a few percent of the codes. A scale that is not a bf16
+value (a checkpoint written otherwise) is written as fp32.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from ..layout import CheckpointDescription, CheckpointError, CheckpointLayout, g
 from ..scalars import widen_scale
 
 __all__ = [
-    "quantize_ct_fp8_weight",
+    "quantize_fp8_in_weight_dtype",
     "ModelOptFp8Layout",
     "QuarkFp8Layout",
     "CompressedTensorsFp8Layout",
@@ -256,7 +257,31 @@ def _quark_spec(qscheme: str, dynamic: bool) -> dict:
     }
 
 
-class QuarkFp8Layout(_Fp8LinearLayout):
+class _InWeightDtypeFp8Layout(_Fp8LinearLayout):
+    """The writer of the producers that compute the FP8 scale and quotient in the weight's dtype and store the scales
+    in it (``quantize_fp8_in_weight_dtype``; module docstring): compressed-tensors and Quark."""
+
+    def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
+        """Per tensor for ``w_fp8_a_fp8``, per output channel for ``w_fp8_a_fp8_per_token``, in the weight's
+        dtype (``quantize_fp8_in_weight_dtype``)."""
+        codes, scale = quantize_fp8_in_weight_dtype(weight, per_channel=scheme is W_FP8_A_FP8_PER_TOKEN)
+        return LinearWeights(_FP8, codes, scale)
+
+    def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
+        """``input_scale``: the calibrated decode scale ``amax / 448`` rounded to bf16 (computed in the activations'
+        dtype), held in fp32."""
+        return decode_scale.float().to(torch.bfloat16).float()
+
+    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
+        """As the base class, the scales stored bf16 where they are bf16 values (module docstring)."""
+        out = super().linear_tensors(scheme, weights, input_scale, name)
+        for key in (f"{name}.weight_scale", f"{name}.input_scale"):
+            if key in out:
+                out[key] = _bf16_if_exact(out[key])
+        return out
+
+
+class QuarkFp8Layout(_InWeightDtypeFp8Layout):
     name = "quark-fp8"
     quant_method = "quark"
 
@@ -311,9 +336,10 @@ class QuarkFp8Layout(_Fp8LinearLayout):
 CT_FORMAT = "float-quantized"
 
 
-def quantize_ct_fp8_weight(weight: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """An ``[out, in]`` weight in FP8 e4m3 as compressed-tensors 0.19 quantizes it (module docstring): the scale
-    ``amax / 448`` and the quotient ``w / scale`` each rounded to the weight's dtype, then e4m3 (RNE).
+def quantize_fp8_in_weight_dtype(weight: torch.Tensor, per_channel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ``[out, in]`` weight in FP8 e4m3 as compressed-tensors 0.19 and amd-quark 0.13's export quantize it
+    (module docstring): the scale ``amax / 448`` and the quotient ``w / scale`` each rounded to the weight's dtype,
+    then e4m3 (RNE).
 
     Returns:
         ``(codes uint8 [out, in] (e4m3 bytes), weight_scale fp32 [] or [out], a value of the weight's dtype)``.
@@ -343,7 +369,7 @@ def _bf16_if_exact(t: torch.Tensor) -> torch.Tensor:
     return b if torch.equal(b.float(), t.float()) else t.float()
 
 
-class CompressedTensorsFp8Layout(_Fp8LinearLayout):
+class CompressedTensorsFp8Layout(_InWeightDtypeFp8Layout):
     name = "compressed-tensors-fp8"
     quant_method = "compressed-tensors"
 
@@ -352,25 +378,6 @@ class CompressedTensorsFp8Layout(_Fp8LinearLayout):
 
     def _input_scale_shape(self) -> tuple[int, ...]:
         return (1,)
-
-    def quantize_linear(self, weight: torch.Tensor, scheme: MoEQuantScheme) -> LinearWeights:
-        """compressed-tensors' arithmetic (``quantize_ct_fp8_weight``): per tensor for ``w_fp8_a_fp8``, per
-        output channel for ``w_fp8_a_fp8_per_token``."""
-        codes, scale = quantize_ct_fp8_weight(weight, per_channel=scheme is W_FP8_A_FP8_PER_TOKEN)
-        return LinearWeights(_FP8, codes, scale)
-
-    def stored_input_scale(self, decode_scale: torch.Tensor) -> torch.Tensor:
-        """``input_scale``: the calibrated decode scale ``amax / 448`` rounded to bf16 (compressed-tensors computes
-        it in the activations' dtype), held in fp32."""
-        return decode_scale.float().to(torch.bfloat16).float()
-
-    def linear_tensors(self, scheme, weights: LinearWeights, input_scale, name: str) -> dict:
-        """As the base class, the scales stored bf16 where they are bf16 values (module docstring)."""
-        out = super().linear_tensors(scheme, weights, input_scale, name)
-        for key in (f"{name}.weight_scale", f"{name}.input_scale"):
-            if key in out:
-                out[key] = _bf16_if_exact(out[key])
-        return out
 
     def config_files(self, scheme: MoEQuantScheme, quantize_attention: bool = False) -> tuple[dict, dict[str, dict]]:
         per_token = scheme is W_FP8_A_FP8_PER_TOKEN
