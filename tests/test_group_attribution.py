@@ -110,6 +110,54 @@ def test_a_group_in_another_precision_is_that_checkpoint(mixed, tiny, tmp_path):
         assert_bits_equal(_logits(m), _logits(other), "attention switched to MXFP4 vs its checkpoint")
 
 
+@pytest.fixture(scope="module")
+def dummy():
+    """The workbook's tiny dummy (2 layers, seed 0): its weights reach the bf16 / fp32 differences of the producers'
+    arithmetic (the ``tiny`` fixture's happen not to)."""
+    from mxlib.studies.steps import calibrate_model, dummy_model, random_token_ids
+
+    model = dummy_model(LAYERS, seed=0, model_preset="tiny")
+    ids = random_token_ids(32, 3, model.config.vocab_size, batch=4)
+    return model, calibrate_model(model, 256, seed=0), linear_input_amax(model, ids, [*ATTN, "lm_head"]), ids
+
+
+PRODUCER_PLANS = [
+    ("modelopt", "nvfp4", "w_mxfp8_a_mxfp8", None),
+    ("modelopt", "nvfp4", "w_fp8_a_fp8", "nvfp4"),
+    ("modelopt", "w4a16_nvfp4", "w_fp8_a_fp8_per_token", None),
+    ("quark", "w_mxfp4_a_mxfp4", "w_fp8_a_fp8", "w_mxfp8_a_mxfp8"),
+    ("quark", "w_mxfp4_a_mxfp4", "w_fp8_a_fp8_per_token", None),
+    ("compressed-tensors", "nvfp4", "w_mxfp8_a_mxfp8", "nvfp4"),
+    ("compressed-tensors", "w_mxfp4_a_mxfp4", "w_fp8_a_fp8_per_token", "w_fp8_a_fp8"),
+]
+
+
+@pytest.mark.parametrize("producer,experts,attention,head", PRODUCER_PLANS)
+def test_every_group_in_its_stored_scheme_is_the_checkpoint_for_every_producer(
+    dummy, tmp_path, producer, experts, attention, head
+):
+    """Each producer's writer has its own arithmetic (ModelOpt's FP8 quotient in the weight's dtype, compressed-tensors'
+    NVFP4 block amax in bf16, bf16 FP8 scales): a group switched to the scheme it is stored in is written by that
+    producer's layout, so the switched model computes the loaded checkpoint bit for bit."""
+    model, cal, amax, ids = dummy
+    mixed = _write(dummy[:3], tmp_path / "m", producer, experts, attention, head)
+    stored = {g: mixed.mxlib_info.precision.groups[g].description.scheme.name for g in G.precision_groups(mixed)}
+    for g, scheme in stored.items():
+        with G.switched_groups(mixed, model, {g: scheme}, calibration=cal, linear_input_amax=amax) as m:
+            assert_bits_equal(_logits(m, ids), _logits(mixed, ids), f"{producer}: {g} re-quantized as stored")
+
+
+def test_a_group_in_another_stored_scheme_is_that_producers_checkpoint(dummy, tmp_path):
+    """compressed-tensors' MXFP8 attention switched to per-tensor FP8 is the compressed-tensors checkpoint written
+    with FP8 attention (bf16 scales, the tool's arithmetic), bit for bit."""
+    model, cal, amax, ids = dummy
+    mixed = _write(dummy[:3], tmp_path / "mx", "compressed-tensors", "nvfp4", "w_mxfp8_a_mxfp8", None)
+    other = _write(dummy[:3], tmp_path / "fp8", "compressed-tensors", "nvfp4", "w_fp8_a_fp8", None)
+    (group,) = [g for g, mods in G.precision_groups(mixed).items() if ATTN[0] in mods]
+    with G.switched_groups(mixed, model, {group: "w_fp8_a_fp8"}, calibration=cal, linear_input_amax=amax) as m:
+        assert_bits_equal(_logits(m, ids), _logits(other, ids), "compressed-tensors attention switched to FP8")
+
+
 def test_static_scale_target_is_that_checkpoint(mixed, tiny, tmp_path):
     """Experts switched to NVFP4 (static scales from the calibration) and the rest to bf16 is ModelOpt's NVFP4
     experts-only checkpoint of the same model."""

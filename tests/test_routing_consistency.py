@@ -222,6 +222,19 @@ def test_scheme_study_on_the_dummy_equals_the_practitioners_quantize(tiny):
     assert len(table) == 1 + 2 * 3 and table[0].split()[:3] == ["scheme", "layer", "jaccard"]
 
 
+@pytest.mark.gpu
+def test_scheme_study_on_cuda_with_static_input_scales():
+    """On a CUDA model, the calibration's input scales (recorded on the CPU) reach the experts' device: ``nvfp4``
+    routes, and its first MoE layer routes every token as bf16."""
+    from mxlib.studies.steps import calibrate_model
+
+    model = dummy_model(2, seed=0, model_preset="tiny", device="cuda")
+    ids = random_token_ids(16, 5, model.config.vocab_size, batch=4)
+    r = rcs.scheme_routing_study(model, ids, ["nvfp4", "w_mxfp4_a_fp8"], calibrate_model(model, 64, seed=0))
+    assert {x["scheme"] for x in r["rows"]} == {"nvfp4", "w_mxfp4_a_fp8"}
+    assert all(x["share_changed"] == 0.0 for x in r["rows"] if x["layer"] == 0)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -188,7 +188,8 @@ def make_experts(
     w2_bias: torch.Tensor | None = None,
 ) -> QuantizedExperts:
     """The emulation experts of ``config.scheme`` (``make_emulation_experts``' class choice) from quantized weights,
-    a checked ``FusedMoEQuantConfig`` and, for static activation scales, the per-expert input scales.
+    a checked ``FusedMoEQuantConfig`` and, for static activation scales, the per-expert input scales (held on the
+    weights' device).
 
     ``nvfp4_ue5m3`` / ``nvfp4_b32``: ``Nvfp4VariantEmulationExperts``; ``w4a16_nvfp4``:
     ``Nvfp4WeightOnlyEmulationTritonExperts``; ``nvfp4``: ``Nvfp4QuantizationEmulationTritonExperts``; every OCP MX
@@ -208,6 +209,10 @@ def make_experts(
     static = s.static_activation_scale
     if static and config.scale_strategy != PER_TOKEN and (w13_input_scale is None or w2_input_scale is None):
         raise ValueError(f"{s.name}: activations with a static scale need w13_input_scale and w2_input_scale")
+    # the static input scales live where the weights do (a Calibration records its amax on the CPU)
+    dev = weights.w13_weight.device
+    w13_input_scale = None if w13_input_scale is None else w13_input_scale.to(dev)
+    w2_input_scale = None if w2_input_scale is None else w2_input_scale.to(dev)
     kw = dict(activation_dtype=activation_dtype, backend=backend, w13_bias=w13_bias, w2_bias=w2_bias)
     if s.weight.name in NVFP4_VARIANTS:
         if backend not in ("auto", "torch"):

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
@@ -73,7 +74,7 @@ from ..models.evaluation import evaluate, swapped_experts
 from ..models.families import family_of
 from ..models.moe_models import expert_weights
 from ..moe.base import TransformersExperts, TritonExperts
-from ..moe.factory import make_emulated_linear, quantize_expert_weights, quantize_linear_weight
+from ..moe.factory import make_emulated_linear, make_emulation_experts, quantize_expert_weights, quantize_linear_weight
 from ..moe.linear import EmulatedLinear
 from ..moe.schemes import MoEQuantScheme, get_moe_scheme
 from ..stats import ALPHA, ComparisonFamily
@@ -196,13 +197,33 @@ def _check_reference(model, reference, groups: Mapping[str, list]) -> None:
                 raise ValueError(f"reference: expected {n!r} (group {g!r}) to be {want}, got {got}")
 
 
+def _producer_layout(model, target):
+    """The layout ``model``'s producer stores ``target`` in (``write_mixed_checkpoint``'s), with the description a
+    load reads it with; ``(None, None)`` where the producer does not store that scheme."""
+    from ..checkpoints.mixed import PRODUCER_LAYOUTS, _layout
+
+    producer = _precision_map(model).producer
+    if producer not in PRODUCER_LAYOUTS:
+        return None, None
+    try:
+        layout = _layout(producer, target, "switch")
+    except ValueError:
+        return None, None
+    return layout, layout.read_config(layout.config_files(target, True)[0])
+
+
 def _build(model, reference, name: str, target, calibration, linear_input_amax, scale_strategy, backend, group):
-    """The module that replaces ``name`` for ``target``."""
+    """The module that replaces ``name`` for ``target``: where the checkpoint's producer stores ``target``, the
+    reference's weights written by that producer's layout and read back as a load reads them (the module docstring's
+    switch); else mxlib's reference arithmetic."""
+    from ..checkpoints.saving import _StateDictTensors
+
     ref = reference.get_submodule(name)
     if target == BF16:
         return ref
     own = model.get_submodule(name)
     where = f"switch[{group!r}]"
+    layout, description = _producer_layout(model, target)
     if isinstance(own, EmulatedLinear):
         ins = None
         if target.static_activation_scale:
@@ -212,9 +233,23 @@ def _build(model, reference, name: str, target, calibration, linear_input_amax, 
                     f"of {name!r} (mxlib.moe.linear.linear_input_amax), got none"
                 )
             ins = linear_input_amax[name].float().reshape(()) / target.activation.scale_divisor
-        w = quantize_linear_weight(ref.weight.detach(), target)
         bias = None if ref.bias is None else ref.bias.detach()
-        return make_emulated_linear(target, w, ins, bias=bias, backend=backend)
+        if layout is None or not hasattr(layout, "quantize_linear"):
+            w = quantize_linear_weight(ref.weight.detach(), target)
+            return make_emulated_linear(target, w, ins, bias=bias, backend=backend)
+        w = layout.quantize_linear(ref.weight.detach(), target)
+        stored = None if ins is None else layout.stored_input_scale(ins)
+        tensors = layout.linear_tensors(target, w, stored, name)
+        w, ins = layout.read_linear(_StateDictTensors(tensors), name, own.out_features, own.in_features, description)
+        device = ref.weight.device
+        return make_emulated_linear(
+            target,
+            w.to(device),
+            None if ins is None else ins.to(device),
+            bias=bias,
+            backend=backend,
+            activation_scale_mode=description.activation_scale_mode or "even",
+        )
     family = family_of(reference, "switched_groups")
     if family.expert_biases:
         raise ValueError(f"{family.architecture}'s experts have biases, which a re-quantized group would drop")
@@ -228,8 +263,31 @@ def _build(model, reference, name: str, target, calibration, linear_input_amax, 
                 "reference's Calibration (mxlib.models.calibration.calibrate), got None"
             )
         in13, in2 = calibration.input_scales(layer, target.activation)
-    q = quantize_expert_weights(w13, w2, target)
-    return TransformersExperts(emulation_experts(target, q, in13, in2, backend, scale_strategy))
+    if layout is None:
+        q = quantize_expert_weights(w13, w2, target)
+        return TransformersExperts(emulation_experts(target, q, in13, in2, backend, scale_strategy))
+    q = layout.quantize_experts(w13, w2, target)
+    if q is None:
+        q = quantize_expert_weights(w13, w2, target)
+    if in13 is not None:
+        in13, in2 = layout.stored_input_scale(in13), layout.stored_input_scale(in2)
+    prefix = family.experts_prefix(layer)
+    config = reference.config
+    e, h, i = family.num_experts(config), config.hidden_size, family.intermediate_size(config)
+    tensors = layout.expert_tensors(target, q, in13, in2, prefix)
+    q, in13, in2 = layout.read_experts(_StateDictTensors(tensors), prefix, e, h, i, description)
+    with warnings.catch_warnings():  # the unification warning: the studies measure it
+        warnings.simplefilter("ignore")
+        experts = make_emulation_experts(
+            target,
+            q.to(w13.device),
+            in13,
+            in2,
+            backend=backend,
+            scale_strategy=scale_strategy,
+            activation_scale_mode=description.activation_scale_mode or "even",
+        )
+    return TransformersExperts(experts)
 
 
 @contextlib.contextmanager
