@@ -119,6 +119,19 @@ def test_dummy_model_by_default(tmp_path, capsys):
             ["--preset", "tiny", "--layers", "1", "--targets", "nope=bf16"],
             "--targets: \\['nope'\\] not precision groups",
         ),
+        (
+            ["--producer", "modelopt", "--experts", "w_mxfp4"],
+            "--experts: modelopt mixed checkpoints store .*got w_mxfp4",
+        ),
+        (
+            ["--attention", "none", "--lm-head", "none"],
+            "--attention, --lm-head: both 'none' leaves one precision group",
+        ),
+        (["--preset", "tiny", "--layers", "1", "--order", "lm_head"], "--order: expected every precision group once"),
+        (
+            ["--preset", "tiny", "--layers", "1", "--targets", "global_quant_config=w_fp8_a_fp8"],
+            "--targets: global_quant_config=w_fp8_a_fp8: w_fp8_a_fp8 is a linear-layer scheme",
+        ),
     ],
 )
 def test_bad_arguments_are_one_error_line(argv, message, mixed, tmp_path, capsys):

@@ -529,3 +529,34 @@ def test_write_mixed_checkpoint_refuses(tiny, tmp_path):
     with pytest.raises(ValueError, match="experts: nvfp4 needs activation input scales"):
         C.write_mixed_checkpoint(model, "compressed-tensors", tmp_path / "d", "nvfp4")
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (torch.tensor(0.0), r"expected a positive finite amax .* got 0.0"),  # a module that saw no input
+        (torch.tensor(float("nan")), r"expected a positive finite amax .* got nan"),
+        (torch.tensor(-1.0), r"expected a positive finite amax .* got -1.0"),
+        (torch.ones(3), r"expected a one-element tensor \(the input's amax\), got shape \[3\]"),
+        (1.0, r"expected a one-element tensor \(the input's amax\), got float"),
+    ],
+)
+def test_write_mixed_checkpoint_refuses_an_amax_a_load_would_refuse(tiny, tmp_path, bad, message):
+    """A static input scale from a zero, NaN, negative or malformed amax would be written and then refused by the
+    loader; the writer refuses it first, naming the entry, and leaves nothing behind."""
+    model, cal, amax, _ = tiny
+    given = {**amax, ATTN[0]: bad}
+    with pytest.raises(ValueError, match=rf"linear_input_amax\['{ATTN[0]}'\]: " + message):
+        C.write_mixed_checkpoint(model, "modelopt", tmp_path / "w", "nvfp4", "w_fp8_a_fp8", None, cal, given)
+    assert not (tmp_path / "w").exists()
+
+
+def test_write_mixed_checkpoint_names_the_part(tiny, tmp_path):
+    model, cal, amax, _ = tiny
+    with pytest.raises(ValueError, match=r"experts: expected the routed experts' scheme .* got None"):
+        C.write_mixed_checkpoint(model, "quark", tmp_path / "a", None, "w_mxfp8_a_mxfp8")
+    with pytest.raises(ValueError, match=r"^attention: .*unknown MoE scheme 'w_nope'"):
+        C.write_mixed_checkpoint(model, "quark", tmp_path / "b", "w_mxfp4_a_mxfp4", "w_nope")
+    with pytest.raises(ValueError, match=r"experts: quark mixed checkpoints store \['every OCP MX scheme'"):
+        C.write_mixed_checkpoint(model, "quark", tmp_path / "c", "nvfp4", "w_mxfp8_a_mxfp8", calibration=cal)
+    assert not any(tmp_path.iterdir())

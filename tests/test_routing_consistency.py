@@ -235,6 +235,15 @@ def test_scheme_study_on_cuda_with_static_input_scales():
     assert all(x["share_changed"] == 0.0 for x in r["rows"] if x["layer"] == 0)
 
 
+def test_scheme_study_refuses_another_models_calibration(tiny):
+    from mxlib.studies.steps import calibrate_model
+
+    model, ids = tiny
+    other = calibrate_model(dummy_model(2, seed=0, model_preset="tiny"), 64, seed=0)
+    with pytest.raises(ValueError, match=r"calibration: expected the model's 3 MoE layers of 16 experts each, got 2"):
+        rcs.scheme_routing_study(model, ids, ["nvfp4"], other)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -244,6 +253,7 @@ def test_scheme_study_on_cuda_with_static_input_scales():
         (dict(schemes=[]), r"schemes: expected at least one MoE scheme, got none"),
         (dict(schemes=["nvfp5"]), r"nvfp5"),
         (dict(schemes=["nvfp4"], calibration=None), r"calibration: schemes \['nvfp4'\] have static input scales"),
+        (dict(schemes=["w_fp8_a_fp8"]), r"schemes: w_fp8_a_fp8 is a linear-layer scheme"),
     ],
 )
 def test_scheme_study_refuses(tiny, kwargs, match):

@@ -32,6 +32,7 @@ again with the same tensors, bit for bit.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def _layout(producer: str, scheme: MoEQuantScheme, part: str) -> CheckpointLayou
         raise ValueError(f"producer: expected one of {list(PRODUCER_LAYOUTS)}, got {producer!r}")
     name = PRODUCER_LAYOUTS[producer].get(scheme.name, "quark" if producer == "quark" else None)
     if name is None or not LAYOUTS[name].handles(scheme):
-        stores = sorted(PRODUCER_LAYOUTS[producer]) or "the OCP MX schemes"
+        stores = sorted(PRODUCER_LAYOUTS[producer])
+        if producer == "quark":
+            stores = ["every OCP MX scheme", *stores]
         raise ValueError(f"{part}: {producer} mixed checkpoints store {stores}, got {scheme.name}")
     return LAYOUTS[name]
 
@@ -94,7 +97,17 @@ def _input_scale(layout, scheme, amax: dict | None, name: str, part: str):
         raise ValueError(
             f"{part}: {scheme.name} needs linear_input_amax for {name!r} (mxlib.moe.linear.linear_input_amax)"
         )
-    return layout.stored_input_scale(amax[name].float().reshape(()) / scheme.activation.scale_divisor)
+    a = amax[name]
+    if not isinstance(a, torch.Tensor) or a.numel() != 1:
+        got = f"shape {list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+        raise ValueError(f"linear_input_amax[{name!r}]: expected a one-element tensor (the input's amax), got {got}")
+    value = float(a)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"linear_input_amax[{name!r}]: expected a positive finite amax ({part} is {scheme.name}, a static input "
+            f"scale amax / {scheme.activation.scale_divisor:g} that a load requires positive), got {value}"
+        )
+    return layout.stored_input_scale(a.float().reshape(()) / scheme.activation.scale_divisor)
 
 
 def write_mixed_checkpoint(
@@ -136,10 +149,18 @@ def write_mixed_checkpoint(
     """
     check_supported_model(model, "write_mixed_checkpoint")
     family = family_of(model, "write_mixed_checkpoint")
+    if experts is None:
+        raise ValueError("experts: expected the routed experts' scheme (a mixed checkpoint quantizes them), got None")
     if family.expert_biases:
         raise ValueError(f"model: {family.architecture}'s experts have biases, which mixed checkpoints do not store")
     plan = {"experts": experts, "attention": attention, "lm_head": lm_head}
-    schemes = {part: get_moe_scheme(s) for part, s in plan.items() if s is not None}
+    schemes = {}
+    for part, name in plan.items():
+        if name is not None:
+            try:
+                schemes[part] = get_moe_scheme(name)
+            except ValueError as err:
+                raise ValueError(f"{part}: {err}") from None
     layouts = {part: _layout(producer, s, part) for part, s in schemes.items()}
     if schemes["experts"].linear_only:
         raise ValueError(

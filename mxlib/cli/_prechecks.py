@@ -40,7 +40,11 @@ def _json_path(value) -> None:
     if not value:
         return
     p = Path(value)
-    if p.is_dir():
+    try:
+        is_dir = p.is_dir()
+    except OSError as err:  # a name the file system refuses (too long)
+        raise ValueError(f"--json: {value!r} cannot be written ({err.strerror})") from None
+    if is_dir:
         raise ValueError(f"--json: {value!r} is a folder; expected a file path")
     parent = next((q for q in p.parents if q.exists()), None)
     if parent is not None and not parent.is_dir():

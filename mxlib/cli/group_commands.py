@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import CheckpointError, load_quantized_moe, read_quant_config, write_mixed_checkpoint
+from ..checkpoints.mixed import _layout
 from ..checkpoints.writer import attention_linears
 from ..models.calibration import calibrate
 from ..moe.linear import linear_input_amax
@@ -107,17 +108,36 @@ def check_attribute_groups(args) -> None:
                     raise ValueError(f"{_OPTION[key]}: {err}") from None
                 if key == "experts" and scheme.linear_only:
                     raise ValueError(f"--experts: {value} is a linear-layer scheme; the experts take block-scaled ones")
+                try:
+                    _layout(args.producer, scheme, _OPTION[key])
+                except ValueError as err:
+                    raise ValueError(f"{_OPTION[key]}: {str(err).split(': ', 1)[1]}") from None
+        if args.attention == "none" and args.lm_head == "none":
+            raise ValueError(
+                "--attention, --lm-head: both 'none' leaves one precision group (the experts); group attribution "
+                "needs a mixed checkpoint of at least two"
+            )
     args.target_map = _parse_targets(args.targets)
     args.params_device = W.check_device(args.device, "--device")
     W.prepare_results_path(args.json, "--json")
 
 
 def _checked_groups(model, args) -> None:
-    groups = list(G.precision_groups(model))
+    found = G.precision_groups(model)
+    groups = list(found)
     for option, names in (("--targets", list(args.target_map)), ("--order", args.order or [])):
         bad = [n for n in names if n not in groups]
         if bad:
             raise CheckpointError(f"{option}: {bad} not precision groups of this checkpoint; its groups: {groups}")
+    if args.order and sorted(args.order) != sorted(groups):
+        raise CheckpointError(f"--order: expected every precision group once, in any order: {groups}; got {args.order}")
+    for g, targets in args.target_map.items():
+        holds_experts = any(m.endswith(".experts") for m in found[g])
+        for t in targets:
+            if t != G.BF16 and holds_experts and get_moe_scheme(t).linear_only:
+                raise CheckpointError(
+                    f"--targets: {g}={t}: {t} is a linear-layer scheme and group {g!r} holds routed experts"
+                )
 
 
 def _schemes(info, groups) -> dict[str, str]:
@@ -166,15 +186,20 @@ def attribute_groups_cmd(args) -> dict:
         _checked_groups(model, args)
         draws = [W.random_token_ids(args.tokens, args.seed + 1 + r, vocab).to(dev) for r in range(args.draws)]
         t0 = time.perf_counter()
-        result = G.attribute_groups(
-            model,
-            reference,
-            draws[0] if len(draws) == 1 else draws,
-            targets=args.target_map or None,
-            order=args.order,
-            calibration=cal,
-            linear_input_amax=amax,
-        )
+        try:
+            result = G.attribute_groups(
+                model,
+                reference,
+                draws[0] if len(draws) == 1 else draws,
+                targets=args.target_map or None,
+                order=args.order,
+                calibration=cal,
+                linear_input_amax=amax,
+            )
+        except ValueError as err:  # a reference that does not fit the checkpoint: the command's one-line error
+            if not str(err).startswith(("reference:", "switch[")):
+                raise
+            raise CheckpointError(str(err)) from None
         seconds = time.perf_counter() - t0
     schemes = _schemes(info, result["groups"])
     print(G.group_table(result, schemes))

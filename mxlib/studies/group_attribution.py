@@ -508,6 +508,16 @@ def _family(
     return fam.decide()
 
 
+def _warn_unless_reference(matches: bool) -> None:
+    if not matches:
+        warnings.warn(
+            "reference: with every group switched to bf16 the checkpoint does not compute the reference's outputs bit "
+            "for bit (bf16_matches_reference is False): the reference is probably not the bf16 model this checkpoint "
+            "was quantized from, and every difference below measures that mismatch too",
+            stacklevel=3,
+        )
+
+
 def _decisions_dict(decisions) -> dict:
     return {k: {**asdict(v), "decided": v.decided} for k, v in decisions.items()}
 
@@ -629,6 +639,7 @@ def attribute_groups(
     decisions = _family(plan, units, metrics, noise_floor, "precision groups (logits)", alpha, unit_name, over)
     decompositions = {m: asdict(decompose_groups(plan, {n: v[m] for n, v in values.items()}, m)) for m in metrics}
     base_matches = all(torch.equal(b, r) for b, r in zip(base, ref_logits))
+    _warn_unless_reference(base_matches)
     return dict(
         groups=groups,
         plan=asdict(plan),
@@ -726,6 +737,7 @@ def attribute_groups_trained(
         torch.equal(base.tasks[t].correct, ref.tasks[t].correct) and torch.equal(base.tasks[t].nll, ref.tasks[t].nll)
         for t in ref.tasks
     )
+    _warn_unless_reference(same)
     return dict(
         groups=groups,
         plan=asdict(plan),

@@ -267,7 +267,8 @@ def scheme_routing_study(
 
     Raises:
         ValueError: ``token_ids`` not an integer ``[U, T]`` tensor with ``U >= 2``, no scheme, an unknown scheme (with
-            the nearest names), a scheme with static input scales and no ``calibration``.
+            the nearest names), a linear-layer scheme (``w_fp8_a_fp8``), a scheme with static input scales and no
+            ``calibration``, a ``calibration`` of other MoE layers or experts than the model's.
     """
     import time
 
@@ -283,13 +284,20 @@ def scheme_routing_study(
     names = [schemes] if isinstance(schemes, str) else list(schemes)
     if not names:
         raise ValueError("schemes: expected at least one MoE scheme, got none")
-    resolved = {getattr(n, "name", n): get_moe_scheme(n) for n in names}
+    resolved = {}
+    for n in names:
+        sc = get_moe_scheme(n)
+        if sc.linear_only:
+            raise ValueError(f"schemes: {sc.name} is a linear-layer scheme; the experts take the block-scaled schemes")
+        resolved.setdefault(sc.name, sc)  # an alias and its scheme run once, under the scheme's name
     static = [n for n, sc in resolved.items() if sc.static_activation_scale]
     if static and calibration is None:
         raise ValueError(
             f"calibration: schemes {static} have static input scales; pass the model's Calibration "
             "(mxlib.models.calibration.calibrate), got None"
         )
+    if static:
+        _check_calibration(model, calibration)
     unit = "sequences"
     base = _reference_and_noise_floor(model, token_ids, batch_size, unit)
     routed, seconds = {}, {}
@@ -321,9 +329,25 @@ def scheme_routing_study(
     )
 
 
+def _check_calibration(model, calibration) -> None:
+    """``calibration`` records the model's MoE layers and experts."""
+    from ..models.families import family_of
+
+    family = family_of(model, "scheme_routing_study")
+    layers = list(family.moe_layer_indices(model.config))
+    experts = family.num_experts(model.config)
+    got = [lc.a1_amax.numel() for lc in calibration.layers]
+    if len(got) != len(layers) or any(n != experts for n in got):
+        raise ValueError(
+            f"calibration: expected the model's {len(layers)} MoE layers of {experts} experts each, got "
+            f"{len(got)} layers of {sorted(set(got))} experts"
+        )
+
+
 def routing_table(rows: list[dict]) -> str:
     """``scheme_routing_study``'s rows as a text table: scheme, layer, Jaccard, share of tokens whose top-k set
-    changed with its 95 % interval, the layer's noise floor and the family's verdict."""
+    changed with its 95 % Student-t interval over the units (shown clipped to [0, 100] %, where a share lies), the
+    layer's noise floor and the family's verdict."""
     from ..text_table import text_table
 
     cells = [
@@ -332,7 +356,7 @@ def routing_table(rows: list[dict]) -> str:
             str(r["layer"]),
             f"{r['jaccard']:.4f}",
             f"{100 * r['share_changed']:.2f} %",
-            f"[{100 * r['share_low']:.2f}, {100 * r['share_high']:.2f}]",
+            f"[{100 * max(r['share_low'], 0.0):.2f}, {100 * min(r['share_high'], 1.0):.2f}]",
             f"{100 * r['noise_floor']:.2f} %",
             r["verdict"],
         ]

@@ -128,7 +128,8 @@ def check_backend(backend, param: str = "backend", names: dict | None = None) ->
 
 def prepare_results_path(path, param: str = "results_path", names: dict | None = None) -> Path | None:
     """An output JSON path made ready before a long run: its folder is created, and a path that
-    is a folder or sits in a folder that cannot be written is refused. Empty / None: no output."""
+    is a folder, sits in a folder that cannot be written, or cannot be opened for writing (tried, and an empty
+    file it created removed again) is refused. Empty / None: no output."""
     if not path:
         return None
     p = Path(path)
@@ -140,6 +141,14 @@ def prepare_results_path(path, param: str = "results_path", names: dict | None =
         raise ValueError(f"{_name(names, param)}: cannot create the folder of {str(p)!r} ({err.strerror})") from None
     if not os.access(p.parent, os.W_OK):
         raise ValueError(f"{_name(names, param)}: the folder of {str(p)!r} is not writable")
+    try:  # what only an open finds out (a name too long, a file system that refuses it), before the run, not after
+        existed = p.exists()
+        with open(p, "a"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{_name(names, param)}: {str(p)!r} cannot be written ({err.strerror})") from None
+    if not existed:
+        p.unlink()
     return p
 
 
