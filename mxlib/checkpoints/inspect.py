@@ -186,7 +186,7 @@ class InspectReport:
                     r["group"],
                     r["scheme"] or "bf16",
                     r["layout"] or "-",
-                    f"{r['modules']:>6d} modules",
+                    f"{r['modules']:>6d} modules" if r["group"] != "unquantized" else f"{'(the rest)':>14s}",
                     f"{r['bytes']:>14d} bytes",
                     f"{100 * r['share']:>6.2f}%",
                 )
