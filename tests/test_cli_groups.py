@@ -149,7 +149,7 @@ def test_bad_arguments_are_one_error_line(argv, message, mixed, tmp_path, capsys
 
 
 def test_the_full_size_preset_is_accepted():
-    """``--preset qwen3-30b-a3b`` passes every check (nothing is built here: the study at that shape takes 8
+    """``--preset qwen3-30b-a3b`` passes every check (nothing is built here: the study at that shape takes 6
     minutes and 18 GB on two cores; its run is in docs/attribution.md)."""
     from mxlib.cli._prechecks import precheck
     from mxlib.cli.group_commands import check_attribute_groups
