@@ -181,6 +181,20 @@ def stored_tensors(folder) -> dict:
     return out
 
 
+INTEROP = __import__("pathlib").Path(__file__).parent / "fixtures" / "interop"
+
+
+def interop_fixture(name: str) -> tuple[dict, dict]:
+    """A producer-made fixture of ``tests/fixtures/interop`` (``tools/interop``): ``(meta.json, the tool's results
+    tensors)``."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = INTEROP / name
+    return json.loads((folder / "meta.json").read_text()), load_file(str(folder / "tool_results.safetensors"))
+
+
 def edited_checkpoint(tiny, folder, layout, scheme, edit_config=None, edit_tensor=None):
     """``tiny``'s model written in ``layout`` at ``folder``, then its ``quantization_config`` passed to
     ``edit_config(qc)`` (edited in place) and each stored tensor replaced by ``edit_tensor(name, tensor)``."""

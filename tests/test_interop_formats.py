@@ -43,11 +43,9 @@ from __future__ import annotations
 import json
 import shutil
 from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib import reference as R
@@ -56,9 +54,9 @@ from mxlib.checkpoints.layouts.compressed_tensors_mxfp8 import ct_mxfp8_scale, q
 from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.schemes import MOE_SCHEMES
 
-from _util import assert_same_bits
+from _util import INTEROP, assert_same_bits, interop_fixture, stored_tensors
 
-FIXTURES = Path(__file__).parent / "fixtures" / "interop"
+FIXTURES = INTEROP
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 # fixture -> (layout name, mxlib scheme, weight element, activation scale rule the reader gives)
@@ -99,16 +97,12 @@ LOGITS_SQNR_DB = {
 ALL = [n for n in EXPECTED if (FIXTURES / n / "meta.json").exists()]
 
 
-@cache
-def _fixture(name):
-    folder = FIXTURES / name
-    return json.loads((folder / "meta.json").read_text()), load_file(str(folder / "tool_results.safetensors"))
+_fixture = cache(interop_fixture)
 
 
 @cache
 def _checkpoint(name):
-    with safe_open(str(FIXTURES / name / "checkpoint" / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    return stored_tensors(FIXTURES / name / "checkpoint")
 
 
 @cache

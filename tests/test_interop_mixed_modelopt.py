@@ -52,7 +52,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from mxlib import checkpoints as C
@@ -65,9 +64,9 @@ from mxlib.moe.factory import quantize_expert_weights
 from mxlib.moe.linear import EmulatedLinear
 from mxlib.moe.schemes import get_moe_scheme
 
-from _util import assert_bits_equal, assert_same_bits, stored_tensors, tiny_calibrated
+from _util import INTEROP, assert_bits_equal, assert_same_bits, interop_fixture, stored_tensors, tiny_calibrated
 
-FIXTURES = Path(__file__).parent / "fixtures" / "interop"
+FIXTURES = INTEROP
 NAMES = ["modelopt_mixed_fp8_nvfp4", "modelopt_mixed_mxfp8_nvfp4"]
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 LAYERS, EXPERTS = 2, 8
@@ -82,16 +81,12 @@ MIN_SQNR_DB = {"modelopt_mixed_fp8_nvfp4": 14.0, "modelopt_mixed_mxfp8_nvfp4": 2
 EXPERTS_ONLY = "modelopt_nvfp4_experts"  # the tool's NVFP4_EXPERTS_ONLY_CFG export of the same model
 
 
-@cache
-def _fixture(name):
-    folder = FIXTURES / name
-    return json.loads((folder / "meta.json").read_text()), load_file(str(folder / "tool_results.safetensors"))
+_fixture = cache(interop_fixture)
 
 
 @cache
 def _checkpoint(name):
-    with safe_open(str(FIXTURES / name / "checkpoint" / "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    return stored_tensors(FIXTURES / name / "checkpoint")
 
 
 @cache
