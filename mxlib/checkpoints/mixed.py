@@ -48,7 +48,7 @@ from .layouts import LAYOUTS
 from .precision import CT_MIXED_FORMAT, MODELOPT_MIXED
 from .writer import _config_dict, _stored_exactly, attention_linears, unquantized_modules, write_layer_experts
 
-__all__ = ["write_mixed_checkpoint", "PRODUCER_LAYOUTS"]
+__all__ = ["write_mixed_checkpoint", "producer_layout", "PRODUCER_LAYOUTS"]
 
 # the registered layout each producer stores a scheme in, by the scheme's name
 PRODUCER_LAYOUTS: dict[str, dict[str, str]] = {
@@ -78,7 +78,13 @@ _CT_TARGETS = {"experts": r"re:.*mlp\.experts\.", "attention": r"re:.*self_attn\
 _QUARK_PATTERNS = {"attention": "*.self_attn.*", "lm_head": "lm_head"}
 
 
-def _layout(producer: str, scheme: MoEQuantScheme, part: str) -> CheckpointLayout:
+def producer_layout(producer: str, scheme: MoEQuantScheme, part: str) -> CheckpointLayout:
+    """The registered layout ``producer``'s mixed checkpoints store ``scheme`` in (``PRODUCER_LAYOUTS``; Quark:
+    every OCP MX scheme in ``quark``).
+
+    Raises:
+        ValueError: an unknown producer, or a scheme it does not store (the message begins with ``part``).
+    """
     if producer not in PRODUCER_LAYOUTS:
         raise ValueError(f"producer: expected one of {list(PRODUCER_LAYOUTS)}, got {producer!r}")
     name = PRODUCER_LAYOUTS[producer].get(scheme.name, "quark" if producer == "quark" else None)
@@ -161,7 +167,7 @@ def write_mixed_checkpoint(
                 schemes[part] = get_moe_scheme(name)
             except ValueError as err:
                 raise ValueError(f"{part}: {err}") from None
-    layouts = {part: _layout(producer, s, part) for part, s in schemes.items()}
+    layouts = {part: producer_layout(producer, s, part) for part, s in schemes.items()}
     if schemes["experts"].linear_only:
         raise ValueError(
             f"experts: {schemes['experts'].name} is a linear-layer scheme; the experts take the block-scaled schemes"

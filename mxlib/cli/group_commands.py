@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoints import CheckpointError, load_quantized_moe, read_quant_config, write_mixed_checkpoint
-from ..checkpoints.mixed import _layout
+from ..checkpoints.mixed import producer_layout
 from ..checkpoints.writer import attention_linears
 from ..models.calibration import calibrate
 from ..moe.linear import linear_input_amax
@@ -109,7 +109,7 @@ def check_attribute_groups(args) -> None:
                 if key == "experts" and scheme.linear_only:
                     raise ValueError(f"--experts: {value} is a linear-layer scheme; the experts take block-scaled ones")
                 try:
-                    _layout(args.producer, scheme, _OPTION[key])
+                    producer_layout(args.producer, scheme, _OPTION[key])
                 except ValueError as err:
                     raise ValueError(f"{_OPTION[key]}: {str(err).split(': ', 1)[1]}") from None
         if args.attention == "none" and args.lm_head == "none":

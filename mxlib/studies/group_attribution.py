@@ -200,13 +200,13 @@ def _check_reference(model, reference, groups: Mapping[str, list]) -> None:
 def _producer_layout(model, target):
     """The layout ``model``'s producer stores ``target`` in (``write_mixed_checkpoint``'s), with the description a
     load reads it with; ``(None, None)`` where the producer does not store that scheme."""
-    from ..checkpoints.mixed import PRODUCER_LAYOUTS, _layout
+    from ..checkpoints.mixed import PRODUCER_LAYOUTS, producer_layout
 
     producer = _precision_map(model).producer
     if producer not in PRODUCER_LAYOUTS:
         return None, None
     try:
-        layout = _layout(producer, target, "switch")
+        layout = producer_layout(producer, target, "switch")
     except ValueError:
         return None, None
     return layout, layout.read_config(layout.config_files(target, True)[0])
